@@ -1,0 +1,44 @@
+// The MNIST training loop of bench/mnist_loop.lua written directly in C++ against the engine:
+// the baseline that measures what driving the loop from Lua costs.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "engine/data/data.hpp"
+#include "engine/models/models.hpp"
+#include "engine/optim/optim.hpp"
+
+using namespace partrain;
+
+int main(int argc, char** argv) {
+  int steps = argc > 1 ? std::atoi(argv[1]) : 300;
+  int batch = argc > 2 ? std::atoi(argv[2]) : 64;
+  int threads = argc > 3 ? std::atoi(argv[3]) : 1;
+  at::set_num_threads(threads);
+  torch::manual_seed(1);
+  auto model = models::mlp({{784, 256, 128, 10}});
+  optim::OptimizerOptions o;
+  o.kind = "sgd";
+  o.lr = 0.05;
+  o.momentum = 0.9;
+  optim::Optimizer opt(model->parameters(), o);
+  data::LoaderOptions lo;
+  lo.batch = batch;
+  lo.seed = 1;
+  data::Loader loader(std::make_shared<data::Mnist>(data::MnistOptions{}), lo);
+
+  auto start = std::chrono::steady_clock::now();
+  double loss_sum = 0;
+  for (int step = 0; step < steps; ++step) {
+    auto b = loader.next();
+    auto loss = nn::cross_entropy(model->forward({b[0]}), b[1]);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    loss_sum += loss.item<double>();
+  }
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("cpp steps %d seconds %.4f mean_loss %.6f\n", steps, seconds, loss_sum / steps);
+  return 0;
+}

@@ -1,0 +1,503 @@
+// The LuaJIT host and the boundary's shared machinery: argument reading, options tables, the
+// exception guard and the protected call (see lua.hpp and host.hpp).
+#include "bindings/host.hpp"
+
+#include <unistd.h>
+
+#include <climits>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "bindings/lua.hpp"
+
+namespace partrain::lua {
+
+std::string message_of(const std::exception& e) {
+  if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+// ---- Args ----------------------------------------------------------------------------------
+
+void Args::fail(int i, const std::string& what) const {
+  std::ostringstream msg;
+  msg << "bad argument #" << i << " to '" << name_ << "' (" << what << ")";
+  throw std::invalid_argument(msg.str());
+}
+
+void Args::expected(int i, const char* what) const {
+  const char* got = ud_test<torch::Tensor>(L, i, PT_TENSOR_MT)   ? "tensor"
+                    : ud_test<nn::ModulePtr>(L, i, PT_MODULE_MT) ? "module"
+                                                                 : luaL_typename(L, i);
+  fail(i, std::string(what) + " expected, got " + got);
+}
+
+torch::Tensor& Args::tensor(int i) const {
+  auto* t = ud_test<torch::Tensor>(L, i, PT_TENSOR_MT);
+  if (!t) expected(i, "tensor");
+  return *t;
+}
+
+torch::Tensor Args::tensor_or_number(int i, const torch::Tensor& like) const {
+  if (is_number(i)) return torch::scalar_tensor(lua_tonumber(L, i), like.options().requires_grad(false));
+  return tensor(i);
+}
+
+double Args::number(int i) const {
+  if (!is_number(i)) expected(i, "number");
+  return lua_tonumber(L, i);
+}
+
+int64_t Args::integer(int i) const {
+  if (!is_number(i)) expected(i, "integer");
+  double x = lua_tonumber(L, i);
+  if (x != static_cast<double>(static_cast<int64_t>(x))) {
+    std::ostringstream msg;
+    msg << "integer expected, got " << x;
+    fail(i, msg.str());
+  }
+  return static_cast<int64_t>(x);
+}
+
+bool Args::boolean(int i) const {
+  if (lua_type(L, i) != LUA_TBOOLEAN) expected(i, "boolean");
+  return lua_toboolean(L, i);
+}
+
+std::string Args::string(int i) const {
+  if (!is_string(i)) expected(i, "string");
+  size_t n;
+  const char* s = lua_tolstring(L, i, &n);
+  return std::string(s, n);
+}
+
+at::Scalar Args::scalar(int i) const {
+  if (lua_type(L, i) == LUA_TBOOLEAN) return at::Scalar(static_cast<bool>(lua_toboolean(L, i)));
+  double x = number(i);
+  if (x == static_cast<double>(static_cast<int64_t>(x)) && std::abs(x) < 9.0e15)
+    return at::Scalar(static_cast<int64_t>(x));
+  return at::Scalar(x);
+}
+
+std::vector<int64_t> Args::ints(int i, int* end) const {
+  std::vector<int64_t> out;
+  if (is_table(i)) {
+    int n = static_cast<int>(lua_objlen(L, i));
+    for (int k = 1; k <= n; ++k) {
+      lua_rawgeti(L, i, k);
+      bool ok = lua_type(L, -1) == LUA_TNUMBER;
+      double x = lua_tonumber(L, -1);
+      lua_pop(L, 1);
+      if (!ok || x != static_cast<double>(static_cast<int64_t>(x)))
+        fail(i, "table of integers expected, element " + std::to_string(k) + " is not one");
+      out.push_back(static_cast<int64_t>(x));
+    }
+    if (end) *end = i + 1;
+    return out;
+  }
+  int k = i;
+  while (is_number(k)) out.push_back(integer(k++));
+  if (end) *end = k;
+  return out;
+}
+
+std::vector<int64_t> Args::dims(int i) const {
+  if (is_table(i)) return ints(i);
+  return {integer(i)};
+}
+
+std::vector<torch::Tensor> Args::tensors(int i) const {
+  if (!is_table(i)) expected(i, "table of tensors");
+  std::vector<torch::Tensor> out;
+  int n = static_cast<int>(lua_objlen(L, i));
+  for (int k = 1; k <= n; ++k) {
+    lua_rawgeti(L, i, k);
+    auto* t = ud_test<torch::Tensor>(L, -1, PT_TENSOR_MT);
+    lua_pop(L, 1);
+    if (!t) fail(i, "table of tensors expected, element " + std::to_string(k) + " is not a tensor");
+    out.push_back(*t);
+  }
+  return out;
+}
+
+std::shared_ptr<nn::Module>& Args::module(int i) const {
+  auto* m = ud_test<nn::ModulePtr>(L, i, PT_MODULE_MT);
+  if (!m) expected(i, "module");
+  return *m;
+}
+
+int Args::ret(const torch::Tensor& t) const {
+  if (!t.defined()) {
+    lua_pushnil(L);
+    return 1;
+  }
+  push_tensor(L, t);
+  return 1;
+}
+
+int Args::ret(const std::vector<torch::Tensor>& ts) const {
+  lua_createtable(L, static_cast<int>(ts.size()), 0);
+  for (size_t k = 0; k < ts.size(); ++k) {
+    push_tensor(L, ts[k]);
+    lua_rawseti(L, -2, static_cast<int>(k + 1));
+  }
+  return 1;
+}
+
+int Args::ret(const std::shared_ptr<nn::Module>& m) const {
+  push_module(L, m);
+  return 1;
+}
+
+// ---- Options -------------------------------------------------------------------------------
+
+Options::Options(const Args& args, int idx, std::string what)
+    : Options(args.L, idx, std::move(what), "") {
+  if (!args.none(idx) && !args.is_table(idx)) args.expected(idx, "options table");
+}
+
+Options::Options(lua_State* L, int idx, std::string what, std::string prefix)
+    : L(L),
+      idx_(idx != 0 && lua_type(L, idx) == LUA_TTABLE ? (idx > 0 ? idx : lua_gettop(L) + idx + 1) : 0),
+      what_(std::move(what)), prefix_(std::move(prefix)) {}
+
+bool Options::push(const char* key) {
+  known_.emplace_back(key);
+  if (!idx_) return false;
+  lua_getfield(L, idx_, key);
+  if (lua_isnil(L, -1)) {
+    lua_pop(L, 1);
+    return false;
+  }
+  return true;
+}
+
+void Options::wrong(const char* key, const char* expected) {
+  std::string got = luaL_typename(L, -1);
+  if (lua_type(L, -1) == LUA_TNUMBER) {
+    std::ostringstream s;
+    s << "number " << lua_tonumber(L, -1);
+    got = s.str();
+  } else if (lua_type(L, -1) == LUA_TSTRING) {
+    got = std::string("string '") + lua_tostring(L, -1) + "'";
+  }
+  lua_pop(L, 1);
+  throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be " +
+                              expected + ", got " + got);
+}
+
+bool Options::has(const char* key) {
+  if (!push(key)) return false;
+  lua_pop(L, 1);
+  return true;
+}
+
+double Options::number(const char* key, double fallback) {
+  if (!push(key)) return fallback;
+  if (lua_type(L, -1) != LUA_TNUMBER) wrong(key, "a number");
+  double x = lua_tonumber(L, -1);
+  lua_pop(L, 1);
+  return x;
+}
+
+int64_t Options::integer(const char* key, int64_t fallback) {
+  if (!push(key)) return fallback;
+  double x = lua_tonumber(L, -1);
+  if (lua_type(L, -1) != LUA_TNUMBER || x != static_cast<double>(static_cast<int64_t>(x)))
+    wrong(key, "an integer");
+  lua_pop(L, 1);
+  return static_cast<int64_t>(x);
+}
+
+bool Options::boolean(const char* key, bool fallback) {
+  if (!push(key)) return fallback;
+  if (lua_type(L, -1) != LUA_TBOOLEAN) wrong(key, "a boolean");
+  bool b = lua_toboolean(L, -1);
+  lua_pop(L, 1);
+  return b;
+}
+
+std::string Options::string(const char* key, const std::string& fallback) {
+  if (!push(key)) return fallback;
+  if (lua_type(L, -1) != LUA_TSTRING) wrong(key, "a string");
+  std::string s = lua_tostring(L, -1);
+  lua_pop(L, 1);
+  return s;
+}
+
+std::vector<double> Options::numbers(const char* key, std::vector<double> fallback) {
+  if (!push(key)) return fallback;
+  if (lua_type(L, -1) != LUA_TTABLE) wrong(key, "a table of numbers");
+  std::vector<double> out;
+  int n = static_cast<int>(lua_objlen(L, -1));
+  for (int k = 1; k <= n; ++k) {
+    lua_rawgeti(L, -1, k);
+    bool ok = lua_type(L, -1) == LUA_TNUMBER;
+    double x = lua_tonumber(L, -1);
+    lua_pop(L, 1);
+    if (!ok) wrong(key, "a table of numbers");
+    out.push_back(x);
+  }
+  lua_pop(L, 1);
+  return out;
+}
+
+std::vector<int64_t> Options::ints(const char* key, std::vector<int64_t> fallback) {
+  if (!has(key)) return fallback;
+  known_.pop_back();  // numbers() records the key again
+  std::vector<int64_t> out;
+  for (double x : numbers(key, {})) {
+    if (x != static_cast<double>(static_cast<int64_t>(x))) {
+      push(key);
+      known_.pop_back();
+      wrong(key, "a table of integers");
+    }
+    out.push_back(static_cast<int64_t>(x));
+  }
+  return out;
+}
+
+Options Options::table(const char* key) {
+  if (!push(key)) return Options(L, 0, what_, prefix_ + key + ".");
+  if (lua_type(L, -1) != LUA_TTABLE) wrong(key, "a table");
+  int abs = lua_gettop(L);  // left on the stack for the nested reader; the caller's frame pops it
+  return Options(L, abs, what_, prefix_ + key + ".");
+}
+
+void Options::finish() {
+  if (!idx_) return;
+  lua_pushnil(L);
+  while (lua_next(L, idx_)) {
+    lua_pop(L, 1);
+    std::string key = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : "";
+    bool known = false;
+    for (const auto& k : known_) known = known || k == key;
+    if (!known) {
+      std::string name = key.empty() ? std::string("[") + luaL_typename(L, -1) + " key]" : key;
+      lua_pop(L, 1);
+      std::string list;
+      for (const auto& k : known_) list += (list.empty() ? "" : ", ") + k;
+      throw std::invalid_argument("unknown option '" + prefix_ + name + "' for " + what_ +
+                                  " (expected: " + list + ")");
+    }
+  }
+}
+
+// ---- Functions and the guard ---------------------------------------------------------------
+
+namespace {
+
+thread_local lua_State* active = nullptr;
+
+// Every C function partrain exposes runs through here. The try block holds no Lua call that can
+// raise, and lua_error runs only after the handler: every C++ object is destroyed by then.
+int dispatch(lua_State* L) {
+  auto* fn = static_cast<const Function*>(lua_touserdata(L, lua_upvalueindex(1)));
+  lua_State* outer = active;
+  active = L;
+  try {
+    Args args(L, fn->name);
+    int n = fn->body(args);
+    active = outer;
+    return n;
+  } catch (const Rethrow& e) {
+    lua_pushstring(L, e.what());
+  } catch (const std::exception& e) {
+    luaL_where(L, 1);
+    std::string msg = message_of(e);
+    lua_pushlstring(L, msg.data(), msg.size());
+    lua_concat(L, 2);
+  }
+  active = outer;
+  return lua_error(L);
+}
+
+int traceback_handler(lua_State* L) {
+  if (!lua_isstring(L, 1)) {  // an error object that is not a string: describe it
+    if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
+    lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+  }
+  lua_getglobal(L, "debug");
+  lua_getfield(L, -1, "traceback");
+  lua_pushvalue(L, 1);
+  lua_pushinteger(L, 2);
+  lua_call(L, 2, 1);
+  return 1;
+}
+
+int plain_handler(lua_State* L) {
+  if (!lua_isstring(L, 1)) {
+    if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
+    lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+  }
+  return 1;
+}
+
+}  // namespace
+
+lua_State* active_state(lua_State* fallback) { return active ? active : fallback; }
+
+void push_function(lua_State* L, const Function& fn) {
+  lua_pushlightuserdata(L, const_cast<Function*>(&fn));
+  lua_pushcclosure(L, dispatch, 1);
+}
+
+void set_functions(lua_State* L, int table, const Function* fns) {
+  table = table < 0 ? lua_gettop(L) + table + 1 : table;
+  for (; fns->name; ++fns) {
+    push_function(L, *fns);
+    lua_setfield(L, table, fns->name);
+  }
+}
+
+bool pcall(lua_State* L, int nargs, int nresults, std::string* error, bool traceback) {
+  int base = lua_gettop(L) - nargs;  // the function's index
+  lua_pushcfunction(L, traceback ? traceback_handler : plain_handler);
+  lua_insert(L, base);
+  int status = lua_pcall(L, nargs, nresults, base);
+  lua_remove(L, base);
+  if (status == 0) return true;
+  if (error) *error = lua_isstring(L, -1) ? lua_tostring(L, -1) : "(error without a message)";
+  lua_pop(L, 1);
+  return false;
+}
+
+// ---- Host ----------------------------------------------------------------------------------
+
+namespace {
+
+bool is_dir(const std::string& p) { return !p.empty() && access(p.c_str(), F_OK) == 0; }
+
+std::string exe_dir() {
+  char buf[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  std::string path(buf, n);
+  return path.substr(0, path.find_last_of('/'));
+}
+
+std::string dir_of(const std::string& file) {
+  auto slash = file.find_last_of('/');
+  return slash == std::string::npos ? "." : file.substr(0, slash);
+}
+
+int open_core(lua_State* L) {
+  lua_newtable(L);
+  int core = lua_gettop(L);
+  open_tensor(L, core);
+  open_nn(L, core);
+  open_optim_data(L, core);
+  lua_pushstring(L, PARTRAIN_VERSION);
+  lua_setfield(L, core, "version");
+  return 1;
+}
+
+}  // namespace
+
+Paths find_paths() {
+  std::vector<Paths> candidates;
+  if (const char* home = std::getenv("PARTRAIN_HOME"))
+    candidates.push_back({std::string(home) + "/lua", home});
+  std::string exe = exe_dir();
+  if (!exe.empty()) candidates.push_back({exe + "/../share/partrain/lua", exe + "/../share/partrain"});
+  candidates.push_back({std::string(PARTRAIN_SOURCE_DIR) + "/bindings/lua", PARTRAIN_SOURCE_DIR});
+  for (const auto& c : candidates)
+    if (is_dir(c.lua + "/partrain/init.lua")) return c;
+  return candidates.back();
+}
+
+Host::Host() : L_(luaL_newstate()), alive_(std::make_shared<bool>(true)) {
+  if (!L_) throw std::runtime_error("cannot create a Lua state (out of memory)");
+  luaL_openlibs(L_);
+  // The host's liveness flag, for engine objects that hold Lua references (Lua-defined modules).
+  lua_pushlightuserdata(L_, &alive_);  // a std::shared_ptr<bool>*
+  lua_setfield(L_, LUA_REGISTRYINDEX, "partrain.alive");
+
+  Paths paths = find_paths();
+  lua_getglobal(L_, "package");
+  std::string path = paths.lua + "/?.lua;" + paths.lua + "/?/init.lua;" + paths.policies +
+                     "/?.lua;" + paths.policies + "/?/init.lua;";
+  lua_getfield(L_, -1, "path");
+  path += lua_tostring(L_, -1);
+  lua_pop(L_, 1);
+  lua_pushstring(L_, path.c_str());
+  lua_setfield(L_, -2, "path");
+  // The C half of the library, loaded by partrain/init.lua as require "partrain.core".
+  lua_getfield(L_, -1, "preload");
+  lua_pushcfunction(L_, open_core);
+  lua_setfield(L_, -2, "partrain.core");
+  lua_pop(L_, 2);
+}
+
+Host::~Host() {
+  *alive_ = false;
+  // Finalizers run inside lua_close while the state is still usable; mark it dying after.
+  lua_close(L_);
+}
+
+void Host::set_arg_table(const std::string& script, const std::vector<std::string>& args) {
+  lua_createtable(L_, static_cast<int>(args.size()), 2);
+  lua_pushstring(L_, "partrain");
+  lua_rawseti(L_, -2, -1);
+  lua_pushstring(L_, script.c_str());
+  lua_rawseti(L_, -2, 0);
+  for (size_t i = 0; i < args.size(); ++i) {
+    lua_pushstring(L_, args[i].c_str());
+    lua_rawseti(L_, -2, static_cast<int>(i + 1));
+  }
+  lua_setglobal(L_, "arg");
+}
+
+bool Host::run_file(const std::string& path, const std::vector<std::string>& args,
+                    std::string* error) {
+  std::ifstream probe(path);
+  if (!probe) {
+    *error = "cannot open script '" + path + "': " + std::strerror(errno);
+    return false;
+  }
+  set_arg_table(path, args);
+  // The script's own folder comes first on package.path, so it can require its neighbours.
+  std::string dir = dir_of(path);
+  lua_getglobal(L_, "package");
+  lua_getfield(L_, -1, "path");
+  std::string p = dir + "/?.lua;" + dir + "/?/init.lua;" + lua_tostring(L_, -1);
+  lua_pop(L_, 1);
+  lua_pushstring(L_, p.c_str());
+  lua_setfield(L_, -2, "path");
+  lua_pop(L_, 1);
+
+  if (luaL_loadfile(L_, path.c_str()) != 0) {
+    *error = lua_tostring(L_, -1);
+    lua_pop(L_, 1);
+    return false;
+  }
+  for (const auto& a : args) lua_pushstring(L_, a.c_str());
+  return pcall(L_, static_cast<int>(args.size()), 0, error, /*traceback=*/true);
+}
+
+bool Host::run_string(const std::string& code, const std::string& chunkname, std::string* error) {
+  if (luaL_loadbuffer(L_, code.data(), code.size(), chunkname.c_str()) != 0) {
+    *error = lua_tostring(L_, -1);
+    lua_pop(L_, 1);
+    return false;
+  }
+  return pcall(L_, 0, 0, error, /*traceback=*/true);
+}
+
+bool Host::eval(const std::string& code, std::string* result, std::string* error) {
+  if (luaL_loadbuffer(L_, code.data(), code.size(), "=eval") != 0) {
+    *error = lua_tostring(L_, -1);
+    lua_pop(L_, 1);
+    return false;
+  }
+  if (!pcall(L_, 0, 1, error, true)) return false;
+  lua_getglobal(L_, "tostring");
+  lua_insert(L_, -2);
+  lua_call(L_, 1, 1);
+  *result = lua_tostring(L_, -1);
+  lua_pop(L_, 1);
+  return true;
+}
+
+}  // namespace partrain::lua

@@ -1,0 +1,44 @@
+// The LuaJIT host: one Lua state with the partrain library loaded, running scripts and chunks
+// with tracebacks on error. The CLI and the C++ tests use it; it hides lua.hpp from them.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+struct lua_State;
+
+namespace partrain::lua {
+
+/// Where partrain's Lua library and policies live: $PARTRAIN_HOME, the install prefix next to
+/// the executable, or the source tree the executable was built from.
+struct Paths {
+  std::string lua;       ///< folder holding partrain/init.lua
+  std::string policies;  ///< folder whose parent makes `require "policies.x"` work
+};
+Paths find_paths();
+
+class Host {
+ public:
+  Host();
+  ~Host();
+  Host(const Host&) = delete;
+  Host& operator=(const Host&) = delete;
+
+  /// Runs a script file with `args` as its `arg` table and `...`. Returns true on success;
+  /// otherwise `error` holds the message and traceback.
+  bool run_file(const std::string& path, const std::vector<std::string>& args, std::string* error);
+  /// Runs a chunk of Lua code named `chunkname` in messages.
+  bool run_string(const std::string& code, const std::string& chunkname, std::string* error);
+  /// Runs a chunk and returns its first result converted with tostring (for tests).
+  bool eval(const std::string& code, std::string* result, std::string* error);
+
+  lua_State* state() { return L_; }
+
+ private:
+  void set_arg_table(const std::string& script, const std::vector<std::string>& args);
+  lua_State* L_;
+  std::shared_ptr<bool> alive_;
+};
+
+}  // namespace partrain::lua

@@ -1,0 +1,187 @@
+// The Lua boundary's shared pieces: the one userdata pattern, the argument reader that turns bad
+// arguments into C++ exceptions, and the guard that turns every C++ exception into a Lua error
+// without skipping a destructor. Only bindings/ includes this header (and lua.hpp).
+#pragma once
+
+#include <lua.hpp>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "engine/nn/module.hpp"
+
+namespace partrain::lua {
+
+// ---- Metatable names, one a userdata type --------------------------------------------------
+#define PT_TENSOR_MT "partrain.Tensor"
+#define PT_MODULE_MT "partrain.Module"
+#define PT_OPTIMIZER_MT "partrain.Optimizer"
+#define PT_LOADER_MT "partrain.Loader"
+
+/// A Lua error that already carries its location (and maybe a traceback): re-raised unchanged.
+struct Rethrow : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// The message of any exception the engine or LibTorch throws, without C++ backtraces.
+std::string message_of(const std::exception& e);
+
+// ---- The userdata pattern ------------------------------------------------------------------
+// A userdata holds a T by value (placement new); __gc runs ~T. `test` returns nullptr when the
+// value at idx is not a T; `check` throws a Lua-style "bad argument" message.
+
+template <class T>
+T* ud_test(lua_State* L, int idx, const char* mt) {
+  void* p = lua_touserdata(L, idx);
+  if (!p || !lua_getmetatable(L, idx)) return nullptr;
+  lua_getfield(L, LUA_REGISTRYINDEX, mt);
+  bool same = lua_rawequal(L, -1, -2);
+  lua_pop(L, 2);
+  return same ? static_cast<T*>(p) : nullptr;
+}
+
+template <class T>
+void ud_push(lua_State* L, T value, const char* mt) {
+  void* p = lua_newuserdata(L, sizeof(T));
+  new (p) T(std::move(value));
+  lua_getfield(L, LUA_REGISTRYINDEX, mt);
+  lua_setmetatable(L, -2);
+}
+
+template <class T>
+int ud_gc(lua_State* L) {
+  static_cast<T*>(lua_touserdata(L, 1))->~T();
+  return 0;
+}
+
+// ---- Arguments -----------------------------------------------------------------------------
+
+/// Reads a C function's arguments; every mistake throws with Lua's own wording:
+/// "bad argument #2 to 'matmul' (tensor expected, got nil)".
+class Args {
+ public:
+  Args(lua_State* L, const char* name) : L(L), name_(name) {}
+  lua_State* const L;
+  const char* name() const { return name_; }
+
+  int top() const { return lua_gettop(L); }
+  bool none(int i) const { return lua_isnoneornil(L, i); }
+  bool is_number(int i) const { return lua_type(L, i) == LUA_TNUMBER; }
+  bool is_table(int i) const { return lua_type(L, i) == LUA_TTABLE; }
+  bool is_string(int i) const { return lua_type(L, i) == LUA_TSTRING; }
+  bool is_tensor(int i) const { return ud_test<torch::Tensor>(L, i, PT_TENSOR_MT) != nullptr; }
+
+  [[noreturn]] void fail(int i, const std::string& what) const;
+  [[noreturn]] void expected(int i, const char* what) const;
+
+  torch::Tensor& tensor(int i) const;
+  /// A tensor, or a number turned into a 0-dim tensor like `like`.
+  torch::Tensor tensor_or_number(int i, const torch::Tensor& like) const;
+  double number(int i) const;
+  double number(int i, double fallback) const { return none(i) ? fallback : number(i); }
+  int64_t integer(int i) const;
+  int64_t integer(int i, int64_t fallback) const { return none(i) ? fallback : integer(i); }
+  bool boolean(int i) const;
+  bool boolean(int i, bool fallback) const { return none(i) ? fallback : boolean(i); }
+  std::string string(int i) const;
+  std::string string(int i, const std::string& fallback) const {
+    return none(i) ? fallback : string(i);
+  }
+  at::Scalar scalar(int i) const;
+  /// Integers from a table at i ({2, 3}) or from the numbers i, i+1, ... ; `end` is set to the
+  /// first index after them.
+  std::vector<int64_t> ints(int i, int* end = nullptr) const;
+  /// One dimension or a table of them.
+  std::vector<int64_t> dims(int i) const;
+  std::vector<torch::Tensor> tensors(int i) const;
+  std::shared_ptr<nn::Module>& module(int i) const;
+
+  int ret() const { return 0; }
+  int ret(const torch::Tensor& t) const;
+  int ret(const std::vector<torch::Tensor>& ts) const;  // as a Lua array
+  int ret(double x) const { lua_pushnumber(L, x); return 1; }
+  int ret(bool b) const { lua_pushboolean(L, b); return 1; }
+  int ret(const std::string& s) const { lua_pushlstring(L, s.data(), s.size()); return 1; }
+  int ret(const std::shared_ptr<nn::Module>& m) const;
+
+ private:
+  const char* name_;
+};
+
+/// Reads an options table field by field; finish() rejects keys nobody read, listing the ones
+/// that exist: "unknown option 'biass' for Linear (expected: bias)".
+class Options {
+ public:
+  /// The table at `idx` (absent or nil reads as empty) configures `what`.
+  Options(const Args& args, int idx, std::string what);
+  bool has(const char* key);
+  double number(const char* key, double fallback);
+  int64_t integer(const char* key, int64_t fallback);
+  bool boolean(const char* key, bool fallback);
+  std::string string(const char* key, const std::string& fallback);
+  std::vector<int64_t> ints(const char* key, std::vector<int64_t> fallback);
+  std::vector<double> numbers(const char* key, std::vector<double> fallback);
+  /// A nested options table, read by the same rules; its keys are named "outer.inner".
+  Options table(const char* key);
+  void finish();
+
+ private:
+  Options(lua_State* L, int idx, std::string what, std::string prefix);
+  bool push(const char* key);  // pushes the value and records the key; false (nothing pushed) if nil
+  [[noreturn]] void wrong(const char* key, const char* expected);
+  lua_State* L;
+  int idx_;
+  std::string what_, prefix_;
+  std::vector<std::string> known_;
+};
+
+// ---- Functions -----------------------------------------------------------------------------
+
+using Body = int (*)(Args&);
+struct Function {
+  const char* name;
+  Body body;
+};
+
+/// Pushes `fn` as a Lua C function: arguments read through Args, exceptions raised as Lua errors
+/// prefixed with the calling Lua file:line.
+void push_function(lua_State* L, const Function& fn);
+/// Sets every function of `fns` (terminated by {nullptr, nullptr}) into the table at `table`.
+void set_functions(lua_State* L, int table, const Function* fns);
+
+/// Creates (or fetches) the metatable `mt` and sets its `__gc` to ~T.
+template <class T>
+void new_metatable(lua_State* L, const char* mt) {
+  luaL_newmetatable(L, mt);
+  lua_pushcfunction(L, ud_gc<T>);
+  lua_setfield(L, -2, "__gc");
+}
+
+/// The Lua thread running the innermost partrain C function (a coroutine, maybe), or `fallback`
+/// outside of one: engine callbacks into Lua run on it.
+lua_State* active_state(lua_State* fallback);
+
+/// Calls the function below nargs arguments in protected mode. On error returns false and sets
+/// `error` to the message (with a traceback when `traceback`); the stack holds the results on
+/// success, nothing on failure.
+bool pcall(lua_State* L, int nargs, int nresults, std::string* error, bool traceback = false);
+
+// ---- Per-area registration (each in its own file) ------------------------------------------
+void open_tensor(lua_State* L, int core);
+void open_nn(lua_State* L, int core);
+void open_optim_data(lua_State* L, int core);
+
+/// Pushes a tensor (a new userdata each time).
+void push_tensor(lua_State* L, torch::Tensor t);
+/// Pushes a module, reusing the userdata already made for it so identity holds in Lua.
+void push_module(lua_State* L, const std::shared_ptr<nn::Module>& m);
+/// Parses a dtype name ("float32", "float", "int64", "long", "bool", ...); throws on others.
+c10::ScalarType parse_dtype(const std::string& name);
+bool is_dtype_name(const std::string& name);
+std::string dtype_name(c10::ScalarType t);
+
+}  // namespace partrain::lua

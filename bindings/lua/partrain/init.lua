@@ -1,0 +1,144 @@
+-- The partrain library as scripts see it: `local pt = require "partrain"`.
+-- The C half (partrain.core) brings tensors, modules, optimizers and loaders; this file gathers
+-- them into one table and adds what is clearer in Lua: module classes, iterators, pt.args, pt.log.
+local core = require "partrain.core"
+
+local pt = { version = core.version }
+
+-- Tensors: pt.zeros, pt.tensor, pt.cat, pt.no_grad, ... (dims and indices count from 0).
+for name, fn in pairs(core) do
+  if type(fn) == "function" then pt[name] = fn end
+end
+pt.Tensor = core.Tensor   -- the tensor method table: add a method here and every tensor has it
+do  -- methods first, then the fields that are not methods (shape, dtype, device, grad, ...)
+  local methods, field = core.Tensor, core.Tensor_mt.__field
+  core.Tensor_mt.__index = function(t, key)
+    local m = methods[key]
+    if m ~= nil then return m end
+    return field(t, key)
+  end
+end
+for _, dtype in ipairs { "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16",
+                         "int8", "uint8", "bool" } do
+  pt[dtype] = dtype
+end
+
+-- Modules -----------------------------------------------------------------------------------
+local nn = {}
+pt.nn = nn
+for name, fn in pairs(core.nn) do
+  if name:sub(1, 1) ~= "_" then nn[name] = fn end
+end
+pt.models = { mlp = core.nn.mlp }
+nn.mlp = nil
+
+function nn.ReLU() return core.nn.activation "ReLU" end
+function nn.Tanh() return core.nn.activation "Tanh" end
+function nn.Sigmoid() return core.nn.activation "Sigmoid" end
+function nn.Softmax(dim) return core.nn.activation("Softmax", dim or -1) end
+function nn.LogSoftmax(dim) return core.nn.activation("LogSoftmax", dim or -1) end
+function nn.GELU(options)
+  local approximate = options and options.approximate or "none"
+  if approximate ~= "none" and approximate ~= "tanh" then
+    error(("GELU: approximate must be 'none' or 'tanh', got '%s'"):format(tostring(approximate)), 2)
+  end
+  return core.nn.activation(approximate == "tanh" and "GELUTanh" or "GELU")
+end
+
+--- A tensor that a Lua-defined module should train: assigning it to `self.name` registers it.
+function nn.Parameter(t)
+  if not pt.is_tensor(t) then error("nn.Parameter expects a tensor, got " .. type(t), 2) end
+  return t:detach():requires_grad_(true)
+end
+
+--- Declares a module class written in Lua, Torch7 style:
+---   local Block = pt.nn.Module "Block"            -- or pt.nn.Module("Block", Parent)
+---   function Block:__init(dim) self.fc = pt.nn.Linear(dim, dim) end
+---   function Block:forward(x) return self.fc(x):relu() end
+---   local b = Block(16)
+--- Children and parameters assigned to self become engine nodes (policies, state_dict and
+--- checkpoints see them); other values are plain Lua fields.
+function nn.Module(name, parent)
+  if type(name) ~= "string" then error("nn.Module expects a type name (string), got " .. type(name), 2) end
+  if parent ~= nil and type(parent) ~= "table" then
+    error("nn.Module: the parent of " .. name .. " must be a class, got " .. type(parent), 2)
+  end
+  local class = { __name = name, __parent = parent }
+  return setmetatable(class, {
+    __index = parent,
+    __tostring = function() return "module class " .. name end,
+    __call = function(cls, ...)
+      local self = core.nn._lua_module(name, cls)
+      if cls.__init then cls.__init(self, ...) end
+      return self
+    end,
+  })
+end
+
+local Module = core.Module    -- methods every module has, built-in or Lua-defined
+core.Module_mt.__call = function(self, ...) return self:forward(...) end
+
+local function pairs_iter(names, values)
+  local i = 0
+  return function()
+    i = i + 1
+    if names[i] then return names[i], values[i] end
+  end
+end
+
+--- for name, p in model:named_parameters() do ... end   (dotted names, registration order)
+function Module:named_parameters() return pairs_iter(self:_named_parameters()) end
+function Module:named_buffers() return pairs_iter(self:_named_buffers()) end
+--- for path, m in model:named_modules() do ... end      (the model itself first, as "")
+function Module:named_modules() return pairs_iter(self:_named_modules()) end
+function Module:named_children() return pairs_iter(self:_named_children()) end
+function Module:children()
+  local _, modules = self:_named_children()
+  return modules
+end
+--- Calls fn(module, path) on every module of the tree.
+function Module:apply(fn)
+  for path, m in self:named_modules() do fn(m, path) end
+  return self
+end
+
+-- Optimizers and data -----------------------------------------------------------------------
+pt.optim = core.optim
+pt.data = core.data
+
+local Loader = debug.getregistry()["partrain.Loader"].__index
+--- for x, y in loader:batches() do ... end   (the rest of the current epoch)
+function Loader:batches()
+  return function()
+    if self:has_next() then return self:next() end
+  end
+end
+
+-- Scripts -----------------------------------------------------------------------------------
+pt.args = require "partrain.args"
+
+--- Prints one line of metrics: pt.log { step = 3, loss = 0.5 } -> "step 3 | loss 0.5000".
+function pt.log(fields)
+  if type(fields) ~= "table" then error("pt.log expects a table of fields, got " .. type(fields), 2) end
+  local keys = {}
+  for k in pairs(fields) do if k ~= "step" and k ~= "epoch" then keys[#keys + 1] = k end end
+  table.sort(keys)
+  if fields.step ~= nil then table.insert(keys, 1, "step") end
+  if fields.epoch ~= nil then table.insert(keys, 1, "epoch") end
+  local parts = {}
+  for _, k in ipairs(keys) do
+    local v = fields[k]
+    if type(v) == "number" and v ~= math.floor(v) then
+      v = string.format(math.abs(v) < 1e-3 and "%.3e" or "%.4f", v)
+    elseif pt.is_tensor(v) and v:numel() == 1 then
+      v = string.format("%.4f", v:item())
+    end
+    parts[#parts + 1] = k .. " " .. tostring(v)
+  end
+  io.write(table.concat(parts, " | "), "\n")
+  io.flush()
+end
+
+pt.time = core.now
+
+return pt

@@ -1,0 +1,335 @@
+// Modules in Lua: one userdata type over the engine's module tree, the built-in layers, and
+// Lua-defined modules (Torch7 style) whose forward is a Lua function but whose parameters and
+// children are real engine nodes, so policies, checkpoints and the REPL see them like any other.
+#include <sstream>
+
+#include "bindings/lua.hpp"
+#include "engine/models/models.hpp"
+#include "engine/nn/layers.hpp"
+#include "engine/optim/optim.hpp"
+
+namespace partrain::lua {
+
+using nn::ModulePtr;
+using torch::Tensor;
+
+namespace {
+
+// A module defined in Lua. Its class table (methods, forward) and its fields table (plain Lua
+// values the user stored on it) live in the registry; parameters and children live in C++.
+class LuaModule : public nn::Module {
+ public:
+  LuaModule(lua_State* L, std::string type, int class_idx) : nn::Module(std::move(type)), L_(L) {
+    lua_getfield(L, LUA_REGISTRYINDEX, "partrain.alive");
+    alive_ = *static_cast<std::shared_ptr<bool>*>(lua_touserdata(L, -1));
+    lua_pop(L, 1);
+    lua_pushvalue(L, class_idx);
+    class_ref_ = luaL_ref(L, LUA_REGISTRYINDEX);
+    lua_newtable(L);
+    fields_ref_ = luaL_ref(L, LUA_REGISTRYINDEX);
+  }
+  ~LuaModule() override {
+    if (*alive_) {
+      luaL_unref(L_, LUA_REGISTRYINDEX, class_ref_);
+      luaL_unref(L_, LUA_REGISTRYINDEX, fields_ref_);
+    }
+  }
+  void push_class(lua_State* L) const { lua_rawgeti(L, LUA_REGISTRYINDEX, class_ref_); }
+  void push_fields(lua_State* L) const { lua_rawgeti(L, LUA_REGISTRYINDEX, fields_ref_); }
+
+  // Called when C++ runs this module (inside a Sequential, say): the Lua forward with tensors.
+  Tensor forward(const std::vector<Tensor>& inputs) override {
+    TORCH_CHECK(*alive_, type(), ": the Lua state that defined this module is gone");
+    lua_State* L = active_state(L_);
+    int top = lua_gettop(L);
+    push_class(L);
+    lua_getfield(L, -1, "forward");
+    lua_remove(L, -2);
+    if (lua_type(L, -1) != LUA_TFUNCTION) {
+      lua_settop(L, top);
+      TORCH_CHECK(false, type(), " has no forward method");
+    }
+    push_module(L, std::static_pointer_cast<nn::Module>(shared_from_this()));
+    for (const auto& t : inputs) push_tensor(L, t);
+    std::string error;
+    if (!pcall(L, static_cast<int>(inputs.size()) + 1, 1, &error)) throw Rethrow(error);
+    auto* out = ud_test<Tensor>(L, -1, PT_TENSOR_MT);
+    std::string got = luaL_typename(L, -1);
+    Tensor result = out ? *out : Tensor();
+    lua_settop(L, top);
+    TORCH_CHECK(out, type(), ":forward returned a ", got, " where its caller needs a tensor");
+    return result;
+  }
+
+ private:
+  lua_State* L_;
+  std::shared_ptr<bool> alive_;
+  int class_ref_ = LUA_NOREF, fields_ref_ = LUA_NOREF;
+};
+
+LuaModule* as_lua(const ModulePtr& m) { return dynamic_cast<LuaModule*>(m.get()); }
+
+// Parameters from a module or a table of tensors.
+std::vector<Tensor> params_of(const Args& a, int i) {
+  if (auto* m = ud_test<ModulePtr>(a.L, i, PT_MODULE_MT)) return (*m)->parameters();
+  if (a.is_table(i)) return a.tensors(i);
+  a.expected(i, "module or table of tensors");
+}
+
+int push_names_and(const Args& a, const std::vector<std::string>& names) {
+  lua_createtable(a.L, static_cast<int>(names.size()), 0);
+  for (size_t i = 0; i < names.size(); ++i) {
+    lua_pushstring(a.L, names[i].c_str());
+    lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+  }
+  lua_insert(a.L, -2);
+  return 2;
+}
+
+// Reads a Lua table {name = tensor} into a map.
+nn::TensorMap tensor_map(const Args& a, int i) {
+  if (!a.is_table(i)) a.expected(i, "table of tensors by name");
+  nn::TensorMap out;
+  lua_pushnil(a.L);
+  while (lua_next(a.L, i)) {
+    auto* t = ud_test<Tensor>(a.L, -1, PT_TENSOR_MT);
+    if (lua_type(a.L, -2) != LUA_TSTRING || !t) {
+      lua_pop(a.L, 2);
+      a.fail(i, "table of tensors by name expected");
+    }
+    out[lua_tostring(a.L, -2)] = *t;
+    lua_pop(a.L, 1);
+  }
+  return out;
+}
+
+const Function kMethods[] = {
+    {"forward", [](Args& a) {
+       auto& m = a.module(1);
+       std::vector<Tensor> inputs;
+       for (int i = 2; i <= a.top(); ++i) inputs.push_back(a.tensor(i));
+       return a.ret(m->forward(inputs)); }},
+    {"type", [](Args& a) { return a.ret(a.module(1)->type()); }},
+    {"parameters", [](Args& a) { return a.ret(a.module(1)->parameters()); }},
+    {"buffers", [](Args& a) { return a.ret(a.module(1)->buffers()); }},
+    {"_named_parameters", [](Args& a) {
+       std::vector<std::string> names;
+       std::vector<Tensor> values;
+       for (const auto& p : a.module(1)->named_parameters()) { names.push_back(p.key()); values.push_back(p.value()); }
+       a.ret(values);
+       return push_names_and(a, names); }},
+    {"_named_buffers", [](Args& a) {
+       std::vector<std::string> names;
+       std::vector<Tensor> values;
+       for (const auto& p : a.module(1)->named_buffers()) { names.push_back(p.key()); values.push_back(p.value()); }
+       a.ret(values);
+       return push_names_and(a, names); }},
+    {"_named_modules", [](Args& a) {
+       std::vector<std::string> names;
+       auto all = a.module(1)->modules();
+       lua_createtable(a.L, static_cast<int>(all.size()), 0);
+       for (size_t i = 0; i < all.size(); ++i) {
+         names.push_back(all[i].first);
+         push_module(a.L, all[i].second);
+         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+       }
+       return push_names_and(a, names); }},
+    {"_named_children", [](Args& a) {
+       std::vector<std::string> names;
+       auto all = a.module(1)->children_named();
+       lua_createtable(a.L, static_cast<int>(all.size()), 0);
+       for (size_t i = 0; i < all.size(); ++i) {
+         names.push_back(all[i].first);
+         push_module(a.L, all[i].second);
+         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+       }
+       return push_names_and(a, names); }},
+    {"get", [](Args& a) {
+       auto found = a.module(1)->find(a.string(2));
+       if (!found) { lua_pushnil(a.L); return 1; }
+       return a.ret(found); }},
+    {"set", [](Args& a) {  // set(path, module): replaces the module at a dotted path
+       auto& root = a.module(1);
+       std::string path = a.string(2);
+       auto dot = path.find_last_of('.');
+       std::string parent_path = dot == std::string::npos ? "" : path.substr(0, dot);
+       auto parent = root->find(parent_path);
+       if (!parent || path.empty()) a.fail(2, "no module at '" + path + "' in " + root->type());
+       parent->set_child(dot == std::string::npos ? path : path.substr(dot + 1), a.module(3));
+       return a.ret(); }},
+    {"state_dict", [](Args& a) {
+       auto state = a.module(1)->state_dict();
+       lua_createtable(a.L, 0, static_cast<int>(state.size()));
+       for (const auto& [name, t] : state) { push_tensor(a.L, t); lua_setfield(a.L, -2, name.c_str()); }
+       return 1; }},
+    {"load_state_dict", [](Args& a) { a.module(1)->load_state_dict(tensor_map(a, 2), a.boolean(3, true)); return a.ret(); }},
+    {"train", [](Args& a) { a.module(1)->train(a.boolean(2, true)); lua_settop(a.L, 1); return 1; }},
+    {"eval", [](Args& a) { a.module(1)->eval(); lua_settop(a.L, 1); return 1; }},
+    {"is_training", [](Args& a) { return a.ret(a.module(1)->is_training()); }},
+    {"to", [](Args& a) {
+       auto& m = a.module(1);
+       std::string s = a.string(2);
+       if (is_dtype_name(s)) m->to(parse_dtype(s)); else m->to(torch::Device(s));
+       lua_settop(a.L, 1);
+       return 1; }},
+    {"zero_grad", [](Args& a) { for (auto& p : a.module(1)->parameters()) p.mutable_grad() = Tensor(); return a.ret(); }},
+    {"num_parameters", [](Args& a) {
+       int64_t n = 0;
+       for (const auto& p : a.module(1)->parameters()) n += p.numel();
+       return a.ret(double(n)); }},
+    {"register_buffer", [](Args& a) { a.module(1)->set_buffer(a.string(2), a.tensor(3)); return a.ret(); }},
+    {"register_parameter", [](Args& a) { a.module(1)->set_parameter(a.string(2), a.tensor(3)); return a.ret(); }},
+    {"add", [](Args& a) {  // add(module) on a Sequential appends; add(name, module) names it
+       auto& m = a.module(1);
+       if (auto* seq = dynamic_cast<nn::Sequential*>(m.get()); seq && a.none(3)) seq->append(a.module(2));
+       else m->set_child(a.string(2), a.module(3));
+       lua_settop(a.L, 1);
+       return 1; }},
+    {nullptr, nullptr}};
+
+const Function kMeta[] = {
+    {"__tostring", [](Args& a) { return a.ret(a.module(1)->repr()); }},
+    {"__index", [](Args& a) {
+       auto& m = a.module(1);
+       lua_State* L = a.L;
+       LuaModule* lm = as_lua(m);
+       if (lm) {
+         lm->push_fields(L);
+         lua_pushvalue(L, 2);
+         lua_rawget(L, -2);
+         if (!lua_isnil(L, -1)) return 1;
+         lua_pop(L, 2);
+         lm->push_class(L);
+         lua_pushvalue(L, 2);
+         lua_gettable(L, -2);  // follows the class's parents
+         if (!lua_isnil(L, -1)) return 1;
+         lua_pop(L, 2);
+       }
+       lua_getfield(L, LUA_REGISTRYINDEX, "partrain.Module.methods");
+       lua_pushvalue(L, 2);
+       lua_rawget(L, -2);
+       if (!lua_isnil(L, -1)) return 1;
+       lua_pop(L, 2);
+       if (lua_type(L, 2) != LUA_TSTRING) { lua_pushnil(L); return 1; }
+       std::string key = lua_tostring(L, 2);
+       if (Tensor t = m->own_tensor(key); t.defined()) return a.ret(t);
+       if (auto child = m->child(key)) return a.ret(child);
+       if (lm) { lua_pushnil(L); return 1; }
+       throw std::invalid_argument(m->type() + " has no field, method, parameter or child '" + key + "'"); }},
+    {"__newindex", [](Args& a) {
+       auto& m = a.module(1);
+       std::string key = a.string(2);
+       LuaModule* lm = as_lua(m);
+       if (auto* child = ud_test<ModulePtr>(a.L, 3, PT_MODULE_MT)) {
+         m->set_child(key, *child);
+         return a.ret();
+       }
+       bool has_param = m->named_parameters(false).find(key) != nullptr;
+       bool has_buffer = m->named_buffers(false).find(key) != nullptr;
+       if (auto* t = ud_test<Tensor>(a.L, 3, PT_TENSOR_MT)) {
+         if (has_buffer) { m->set_buffer(key, *t); return a.ret(); }
+         if (has_param || (t->requires_grad() && t->is_leaf())) { m->set_parameter(key, *t); return a.ret(); }
+       }
+       if (has_param || has_buffer || m->child(key))
+         throw std::invalid_argument("cannot replace " + m->type() + "." + key + " with a " +
+                                     luaL_typename(a.L, 3) + " (parameters take tensors, children modules)");
+       if (!lm)
+         throw std::invalid_argument("cannot set field '" + key + "' on built-in module " + m->type());
+       lm->push_fields(a.L);
+       lua_pushvalue(a.L, 2);
+       lua_pushvalue(a.L, 3);
+       lua_rawset(a.L, -3);
+       return a.ret(); }},
+    {nullptr, nullptr}};
+
+// Constructors: pt.nn.Linear(784, 256, {bias = false}), ...
+const Function kConstructors[] = {
+    {"Linear", [](Args& a) {
+       nn::LinearOptions o(a.integer(1), a.integer(2));
+       Options t(a, 3, "Linear");
+       o.bias = t.boolean("bias", true);
+       t.finish();
+       return a.ret(ModulePtr(std::make_shared<nn::Linear>(o))); }},
+    {"Embedding", [](Args& a) {
+       Options(a, 3, "Embedding").finish();
+       return a.ret(ModulePtr(std::make_shared<nn::Embedding>(nn::EmbeddingOptions(a.integer(1), a.integer(2))))); }},
+    {"LayerNorm", [](Args& a) {
+       nn::LayerNormOptions o(a.integer(1));
+       Options t(a, 2, "LayerNorm");
+       o.eps = t.number("eps", o.eps);
+       o.affine = t.boolean("affine", o.affine);
+       t.finish();
+       return a.ret(ModulePtr(std::make_shared<nn::LayerNorm>(o))); }},
+    {"Dropout", [](Args& a) { return a.ret(ModulePtr(std::make_shared<nn::Dropout>(a.number(1, 0.5)))); }},
+    {"Sequential", [](Args& a) {
+       std::vector<ModulePtr> layers;
+       for (int i = 1; i <= a.top(); ++i) layers.push_back(a.module(i));
+       return a.ret(ModulePtr(std::make_shared<nn::Sequential>(layers))); }},
+    {"activation", [](Args& a) { return a.ret(nn::make_activation(a.string(1), a.integer(2, -1))); }},
+    {"_lua_module", [](Args& a) {  // _lua_module(type, class): a new Lua-defined module
+       std::string type = a.string(1);
+       if (!a.is_table(2)) a.expected(2, "class table");
+       return a.ret(ModulePtr(std::make_shared<LuaModule>(a.L, type, 2))); }},
+    {"is_module", [](Args& a) { return a.ret(ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT) != nullptr); }},
+    {"cross_entropy", [](Args& a) {
+       Options t(a, 3, "cross_entropy");
+       int64_t ignore = t.integer("ignore_index", -100);
+       t.finish();
+       return a.ret(nn::cross_entropy(a.tensor(1), a.tensor(2), ignore)); }},
+    {"mse", [](Args& a) { return a.ret(nn::mse(a.tensor(1), a.tensor(2))); }},
+    {"clip_grad_norm", [](Args& a) { return a.ret(optim::clip_grad_norm(params_of(a, 1), a.number(2))); }},
+    {"mlp", [](Args& a) {
+       Options t(a, 1, "mlp");
+       models::MlpOptions o;
+       o.sizes = t.ints("sizes", {});
+       o.activation = t.string("activation", o.activation);
+       o.dropout = t.number("dropout", o.dropout);
+       o.bias = t.boolean("bias", o.bias);
+       t.finish();
+       return a.ret(models::mlp(o)); }},
+    {nullptr, nullptr}};
+
+}  // namespace
+
+void push_module(lua_State* L, const ModulePtr& m) {
+  // One userdata a module: look it up in the weak cache first.
+  lua_getfield(L, LUA_REGISTRYINDEX, "partrain.modules");
+  lua_pushlightuserdata(L, m.get());
+  lua_rawget(L, -2);
+  if (!lua_isnil(L, -1)) {
+    lua_remove(L, -2);
+    return;
+  }
+  lua_pop(L, 1);
+  ud_push(L, m, PT_MODULE_MT);
+  lua_pushlightuserdata(L, m.get());
+  lua_pushvalue(L, -2);
+  lua_rawset(L, -4);
+  lua_remove(L, -2);
+}
+
+void open_nn(lua_State* L, int core) {
+  // The weak cache behind push_module.
+  lua_newtable(L);
+  lua_newtable(L);
+  lua_pushstring(L, "v");
+  lua_setfield(L, -2, "__mode");
+  lua_setmetatable(L, -2);
+  lua_setfield(L, LUA_REGISTRYINDEX, "partrain.modules");
+
+  lua_newtable(L);
+  set_functions(L, -1, kMethods);
+  lua_pushvalue(L, -1);
+  lua_setfield(L, LUA_REGISTRYINDEX, "partrain.Module.methods");
+  lua_setfield(L, core, "Module");  // the method table, so Lua can add methods
+
+  new_metatable<ModulePtr>(L, PT_MODULE_MT);
+  set_functions(L, -1, kMeta);
+  lua_setfield(L, core, "Module_mt");
+
+  lua_newtable(L);
+  set_functions(L, -1, kConstructors);
+  lua_setfield(L, core, "nn");
+}
+
+}  // namespace partrain::lua

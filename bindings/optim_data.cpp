@@ -1,0 +1,190 @@
+// Optimizers, learning-rate schedules and data loaders in Lua: thin userdata over the engine's
+// objects; the per-step work (schedule, clipping, the update, batching) stays in C++.
+#include <cstring>
+
+#include "bindings/lua.hpp"
+#include "engine/data/data.hpp"
+#include "engine/optim/optim.hpp"
+
+namespace partrain::lua {
+
+using OptimizerPtr = std::shared_ptr<optim::Optimizer>;
+using LoaderPtr = std::shared_ptr<data::Loader>;
+
+namespace {
+
+optim::ScheduleOptions read_schedule(Options& t) {
+  optim::ScheduleOptions s;
+  s.kind = t.string("kind", s.kind);
+  s.warmup = t.integer("warmup", s.warmup);
+  s.total = t.integer("total", s.total);
+  s.min_lr = t.number("min_lr", s.min_lr);
+  t.finish();
+  return s;
+}
+
+// pt.optim.<kind>(module or params, { lr = ..., ... })
+int make_optimizer(Args& a, const std::string& kind) {
+  std::vector<torch::Tensor> params;
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) params = (*m)->parameters();
+  else if (a.is_table(1)) params = a.tensors(1);
+  else a.expected(1, "module or table of parameters");
+  optim::OptimizerOptions o;
+  o.kind = kind;
+  if (kind == "adamw") o.weight_decay = 0.01;  // PyTorch's AdamW default
+  Options t(a, 2, kind);
+  o.lr = t.number("lr", kind == "sgd" ? 0.01 : 1e-3);
+  o.weight_decay = t.number("weight_decay", o.weight_decay);
+  o.clip_grad_norm = t.number("clip_grad_norm", 0.0);
+  if (kind == "sgd") {
+    o.momentum = t.number("momentum", o.momentum);
+    o.dampening = t.number("dampening", o.dampening);
+    o.nesterov = t.boolean("nesterov", o.nesterov);
+  } else {
+    auto betas = t.numbers("betas", {o.beta1, o.beta2});
+    if (betas.size() != 2) throw std::invalid_argument("option 'betas' for " + kind + " must hold two numbers");
+    o.beta1 = betas[0];
+    o.beta2 = betas[1];
+    o.eps = t.number("eps", o.eps);
+  }
+  if (t.has("schedule")) {
+    Options s = t.table("schedule");
+    o.schedule = read_schedule(s);
+  }
+  t.finish();
+  ud_push(a.L, std::make_shared<optim::Optimizer>(params, o), PT_OPTIMIZER_MT);
+  return 1;
+}
+
+OptimizerPtr& optimizer(const Args& a, int i) {
+  auto* o = ud_test<OptimizerPtr>(a.L, i, PT_OPTIMIZER_MT);
+  if (!o) a.expected(i, "optimizer");
+  return *o;
+}
+
+const Function kOptimizerMethods[] = {
+    {"step", [](Args& a) { double norm = optimizer(a, 1)->step(); if (norm < 0) { lua_pushnil(a.L); return 1; } return a.ret(norm); }},
+    {"zero_grad", [](Args& a) { optimizer(a, 1)->zero_grad(); return a.ret(); }},
+    {"lr", [](Args& a) { return a.ret(optimizer(a, 1)->lr()); }},
+    {"set_lr", [](Args& a) { optimizer(a, 1)->set_lr(a.number(2)); return a.ret(); }},
+    {"steps", [](Args& a) { return a.ret(double(optimizer(a, 1)->steps_taken())); }},
+    {"kind", [](Args& a) { return a.ret(optimizer(a, 1)->options().kind); }},
+    {"__tostring", [](Args& a) {
+       auto& o = optimizer(a, 1);
+       return a.ret(o->options().kind + "(lr=" + std::to_string(o->lr()) + ", " +
+                    std::to_string(o->params().size()) + " parameters, step " +
+                    std::to_string(o->steps_taken()) + ")"); }},
+    {nullptr, nullptr}};
+
+const Function kOptim[] = {
+    {"sgd", [](Args& a) { return make_optimizer(a, "sgd"); }},
+    {"adam", [](Args& a) { return make_optimizer(a, "adam"); }},
+    {"adamw", [](Args& a) { return make_optimizer(a, "adamw"); }},
+    {"scheduled_lr", [](Args& a) {  // scheduled_lr(schedule, lr, step)
+       Options t(a, 1, "schedule");
+       auto s = read_schedule(t);
+       optim::validate(s);
+       return a.ret(optim::scheduled_lr(s, a.number(2), a.integer(3))); }},
+    {nullptr, nullptr}};
+
+// ---- Loaders -------------------------------------------------------------------------------
+
+data::LoaderOptions read_loader(Options& t) {
+  data::LoaderOptions o;
+  o.batch = t.integer("batch", o.batch);
+  o.shuffle = t.boolean("shuffle", o.shuffle);
+  o.seed = static_cast<uint64_t>(t.integer("seed", static_cast<int64_t>(o.seed)));
+  o.drop_last = t.boolean("drop_last", o.drop_last);
+  o.shard_rank = t.integer("shard_rank", o.shard_rank);
+  o.shard_count = t.integer("shard_count", o.shard_count);
+  return o;
+}
+
+LoaderPtr& loader(const Args& a, int i) {
+  auto* l = ud_test<LoaderPtr>(a.L, i, PT_LOADER_MT);
+  if (!l) a.expected(i, "loader");
+  return *l;
+}
+
+int push_batch(const Args& a, const std::vector<torch::Tensor>& batch) {
+  for (const auto& t : batch) push_tensor(a.L, t);
+  return static_cast<int>(batch.size());
+}
+
+const Function kLoaderMethods[] = {
+    {"next", [](Args& a) { return push_batch(a, loader(a, 1)->next()); }},
+    {"has_next", [](Args& a) { return a.ret(loader(a, 1)->has_next()); }},
+    {"start_epoch", [](Args& a) { auto& l = loader(a, 1); l->start_epoch(a.integer(2, l->epoch() + 1)); return a.ret(); }},
+    {"epoch", [](Args& a) { return a.ret(double(loader(a, 1)->epoch())); }},
+    {"position", [](Args& a) { return a.ret(double(loader(a, 1)->position())); }},
+    {"batches_per_epoch", [](Args& a) { return a.ret(double(loader(a, 1)->batches_per_epoch())); }},
+    {"samples_seen", [](Args& a) { return a.ret(double(loader(a, 1)->samples_seen())); }},
+    {"size", [](Args& a) { return a.ret(double(loader(a, 1)->dataset().size())); }},
+    {"batch_size", [](Args& a) { return a.ret(double(loader(a, 1)->options().batch)); }},
+    {"__tostring", [](Args& a) {
+       auto& l = loader(a, 1);
+       return a.ret("loader(" + l->dataset().describe() + ", batch " + std::to_string(l->options().batch) +
+                    ", epoch " + std::to_string(l->epoch()) + ", batch " + std::to_string(l->position()) +
+                    "/" + std::to_string(l->batches_per_epoch()) + ")"); }},
+    {nullptr, nullptr}};
+
+const Function kData[] = {
+    {"mnist", [](Args& a) {
+       Options t(a, 1, "mnist");
+       data::MnistOptions m;
+       m.root = t.string("root", m.root);
+       m.split = t.string("split", m.split);
+       auto o = read_loader(t);
+       t.finish();
+       ud_push(a.L, std::make_shared<data::Loader>(std::make_shared<data::Mnist>(m), o), PT_LOADER_MT);
+       return 1; }},
+    {"text", [](Args& a) {
+       Options t(a, 1, "text");
+       data::TextOptions x;
+       x.path = t.string("path", "");
+       if (x.path.empty()) throw std::invalid_argument("text needs option 'path' (the corpus file)");
+       x.seq = t.integer("seq", x.seq);
+       auto o = read_loader(t);
+       t.finish();
+       ud_push(a.L, std::make_shared<data::Loader>(std::make_shared<data::Text>(x), o), PT_LOADER_MT);
+       return 1; }},
+    {"read_idx", [](Args& a) { return a.ret(data::read_idx(a.string(1))); }},
+    {"encode", [](Args& a) {  // bytes of a string -> int64 tensor
+       std::string s = a.string(1);
+       auto t = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
+       std::memcpy(t.data_ptr<uint8_t>(), s.data(), s.size());
+       return a.ret(t.to(torch::kInt64)); }},
+    {"decode", [](Args& a) {  // int tensor of byte values -> string
+       auto t = a.tensor(1).reshape({-1}).to(torch::kInt64).contiguous();
+       std::string s(static_cast<size_t>(t.numel()), '\0');
+       const int64_t* p = t.data_ptr<int64_t>();
+       for (int64_t i = 0; i < t.numel(); ++i) s[i] = static_cast<char>(p[i] & 0xff);
+       return a.ret(s); }},
+    {nullptr, nullptr}};
+
+void register_type(lua_State* L, const char* mt, const Function* methods, lua_CFunction gc) {
+  luaL_newmetatable(L, mt);
+  lua_pushcfunction(L, gc);
+  lua_setfield(L, -2, "__gc");
+  lua_newtable(L);
+  set_functions(L, -1, methods);
+  lua_getfield(L, -1, "__tostring");
+  lua_setfield(L, -3, "__tostring");
+  lua_setfield(L, -2, "__index");
+  lua_pop(L, 1);
+}
+
+}  // namespace
+
+void open_optim_data(lua_State* L, int core) {
+  register_type(L, PT_OPTIMIZER_MT, kOptimizerMethods, ud_gc<OptimizerPtr>);
+  register_type(L, PT_LOADER_MT, kLoaderMethods, ud_gc<LoaderPtr>);
+  lua_newtable(L);
+  set_functions(L, -1, kOptim);
+  lua_setfield(L, core, "optim");
+  lua_newtable(L);
+  set_functions(L, -1, kData);
+  lua_setfield(L, core, "data");
+}
+
+}  // namespace partrain::lua

@@ -1,0 +1,223 @@
+// Datasets and the loader (see data.hpp).
+#include "engine/data/data.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+namespace partrain::data {
+
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Reads the whole of a gzip or plain file (zlib reads both) into memory.
+std::vector<uint8_t> read_all(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  TORCH_CHECK(f, "cannot open '", path, "': ", errno_text());
+  std::vector<uint8_t> out;
+  uint8_t chunk[1 << 16];
+  int n;
+  while ((n = gzread(f, chunk, sizeof(chunk))) > 0) out.insert(out.end(), chunk, chunk + n);
+  int err = 0;
+  std::string message = n < 0 ? gzerror(f, &err) : "";
+  gzclose(f);
+  TORCH_CHECK(n == 0, "cannot read '", path, "': ", message);
+  return out;
+}
+
+uint32_t big_endian(const uint8_t* p) {
+  return (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | uint32_t(p[3]);
+}
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+Tensor read_idx(const std::string& path) {
+  auto bytes = read_all(path);
+  TORCH_CHECK(bytes.size() >= 4 && bytes[0] == 0 && bytes[1] == 0,
+              "'", path, "' is not an IDX file (bad magic number)");
+  torch::ScalarType type;
+  size_t width;
+  switch (bytes[2]) {
+    case 0x08: type = torch::kUInt8; width = 1; break;
+    case 0x09: type = torch::kInt8; width = 1; break;
+    case 0x0B: type = torch::kInt16; width = 2; break;
+    case 0x0C: type = torch::kInt32; width = 4; break;
+    case 0x0D: type = torch::kFloat32; width = 4; break;
+    case 0x0E: type = torch::kFloat64; width = 8; break;
+    default: TORCH_CHECK(false, "'", path, "' has unknown IDX element type 0x", std::hex,
+                         int(bytes[2]));
+  }
+  size_t ndim = bytes[3];
+  TORCH_CHECK(ndim >= 1 && bytes.size() >= 4 + 4 * ndim, "'", path, "' is truncated (header)");
+  std::vector<int64_t> shape;
+  size_t count = 1;
+  for (size_t d = 0; d < ndim; ++d) {
+    shape.push_back(big_endian(&bytes[4 + 4 * d]));
+    count *= shape.back();
+  }
+  size_t offset = 4 + 4 * ndim;
+  TORCH_CHECK(bytes.size() - offset == count * width, "'", path, "' is truncated or too long: ",
+              "header says ", count * width, " bytes of data, file has ", bytes.size() - offset);
+  auto out = torch::empty(shape, torch::TensorOptions().dtype(type));
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  // IDX stores multi-byte values big-endian.
+  for (size_t i = 0; i < count; ++i)
+    for (size_t b = 0; b < width; ++b) dst[i * width + b] = bytes[offset + i * width + width - 1 - b];
+  return out;
+}
+
+// ---- Mnist ----------------------------------------------------------------------------------
+
+Mnist::Mnist(const MnistOptions& o) : options(o) {
+  TORCH_CHECK(o.split == "train" || o.split == "test", "mnist split must be 'train' or 'test', got '",
+              o.split, "'");
+  std::string prefix = o.root + "/" + (o.split == "train" ? "train" : "t10k");
+  auto raw_images = read_idx(prefix + "-images-idx3-ubyte.gz");
+  auto raw_labels = read_idx(prefix + "-labels-idx1-ubyte.gz");
+  TORCH_CHECK(raw_images.dim() == 3 && raw_labels.dim() == 1 &&
+                  raw_images.size(0) == raw_labels.size(0),
+              "MNIST files in '", o.root, "' disagree: images ", raw_images.sizes(), ", labels ",
+              raw_labels.sizes());
+  images = raw_images.reshape({raw_images.size(0), -1}).to(torch::kFloat32).div_(255.0);  // (N, 784)
+  labels = raw_labels.to(torch::kInt64);                                                 // (N)
+}
+
+std::vector<Tensor> Mnist::batch(const std::vector<int64_t>& indices) const {
+  auto idx = torch::tensor(indices, torch::kInt64);
+  return {images.index_select(0, idx), labels.index_select(0, idx)};
+}
+
+std::string Mnist::describe() const {
+  std::ostringstream s;
+  s << "mnist(" << options.split << ", " << size() << " samples of " << images.size(1) << ")";
+  return s.str();
+}
+
+// ---- Text -----------------------------------------------------------------------------------
+
+Text::Text(const TextOptions& o) : options(o) {
+  TORCH_CHECK(o.seq > 0, "text dataset: seq must be positive, got ", o.seq);
+  int fd = ::open(o.path.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "cannot open text corpus '", o.path, "': ", errno_text());
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    auto err = errno_text();
+    ::close(fd);
+    TORCH_CHECK(false, "cannot stat '", o.path, "': ", err);
+  }
+  length_ = static_cast<size_t>(st.st_size);
+  if (length_ > 0) {
+    void* p = ::mmap(nullptr, length_, PROT_READ, MAP_PRIVATE, fd, 0);
+    auto err = errno_text();
+    ::close(fd);
+    TORCH_CHECK(p != MAP_FAILED, "cannot map '", o.path, "': ", err);
+    data_ = static_cast<const uint8_t*>(p);
+  } else {
+    ::close(fd);
+  }
+  TORCH_CHECK(length_ >= static_cast<size_t>(o.seq) + 1, "text corpus '", o.path, "' has ", length_,
+              " bytes, fewer than seq+1 = ", o.seq + 1);
+}
+
+Text::~Text() {
+  if (data_) ::munmap(const_cast<uint8_t*>(data_), length_);
+}
+
+int64_t Text::size() const { return (static_cast<int64_t>(length_) - 1) / options.seq; }
+
+std::vector<Tensor> Text::batch(const std::vector<int64_t>& indices) const {
+  const int64_t seq = options.seq, n = static_cast<int64_t>(indices.size());
+  auto window = torch::empty({n, seq + 1}, torch::kUInt8);
+  auto* dst = window.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(indices[i] >= 0 && indices[i] < size(), "text sample ", indices[i], " out of range");
+    std::memcpy(dst + i * (seq + 1), data_ + indices[i] * seq, seq + 1);
+  }
+  auto tokens = window.to(torch::kInt64);
+  return {tokens.narrow(1, 0, seq).contiguous(), tokens.narrow(1, 1, seq).contiguous()};
+}
+
+std::string Text::slice(int64_t offset, int64_t count) const {
+  TORCH_CHECK(offset >= 0 && count >= 0 && offset + count <= bytes(), "slice [", offset, ", ",
+              offset + count, ") is outside the corpus of ", bytes(), " bytes");
+  return std::string(reinterpret_cast<const char*>(data_) + offset, count);
+}
+
+std::string Text::describe() const {
+  std::ostringstream s;
+  s << "text(" << options.path << ", " << length_ << " bytes, " << size() << " samples of "
+    << options.seq << ")";
+  return s.str();
+}
+
+// ---- Loader ---------------------------------------------------------------------------------
+
+Loader::Loader(std::shared_ptr<Dataset> dataset, LoaderOptions o)
+    : dataset_(std::move(dataset)), options_(o) {
+  TORCH_CHECK(dataset_, "loader needs a dataset");
+  TORCH_CHECK(o.batch > 0, "batch must be positive, got ", o.batch);
+  TORCH_CHECK(o.shard_count >= 1 && o.shard_rank >= 0 && o.shard_rank < o.shard_count,
+              "shard_rank=", o.shard_rank, " must be in [0, shard_count=", o.shard_count, ")");
+  TORCH_CHECK(o.batch % o.shard_count == 0, "batch=", o.batch,
+              " does not divide into shard_count=", o.shard_count, " equal slices");
+  TORCH_CHECK(!o.drop_last || dataset_->size() >= o.batch, "batch=", o.batch, " is larger than ",
+              dataset_->describe());
+  start_epoch(0);
+}
+
+int64_t Loader::batches_per_epoch() const {
+  int64_t n = dataset_->size(), b = options_.batch;
+  return options_.drop_last ? n / b : (n + b - 1) / b;
+}
+
+std::vector<int64_t> Loader::order(int64_t epoch) const {
+  std::vector<int64_t> order(dataset_->size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  if (!options_.shuffle) return order;
+  // Fisher-Yates on mt19937_64, whose output sequence the C++ standard fixes, so the order is
+  // the same on every platform and library version.
+  std::mt19937_64 rng(splitmix64(options_.seed ^ splitmix64(static_cast<uint64_t>(epoch))));
+  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);
+  return order;
+}
+
+void Loader::start_epoch(int64_t epoch) {
+  TORCH_CHECK(epoch >= 0, "epoch must be >= 0, got ", epoch);
+  epoch_ = epoch;
+  position_ = 0;
+  order_ = order(epoch);
+}
+
+std::vector<Tensor> Loader::next() {
+  if (!has_next()) start_epoch(epoch_ + 1);
+  int64_t begin = position_ * options_.batch;
+  int64_t end = std::min<int64_t>(begin + options_.batch, static_cast<int64_t>(order_.size()));
+  ++position_;
+  // This rank's slice of the global batch [begin, end).
+  int64_t total = end - begin, n = options_.shard_count, r = options_.shard_rank;
+  int64_t lo = begin + total * r / n, hi = begin + total * (r + 1) / n;
+  std::vector<int64_t> indices(order_.begin() + lo, order_.begin() + hi);
+  return dataset_->batch(indices);
+}
+
+int64_t Loader::samples_seen() const {
+  int64_t per_epoch = options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
+  return epoch_ * per_epoch + std::min<int64_t>(position_ * options_.batch, dataset_->size());
+}
+
+}  // namespace partrain::data

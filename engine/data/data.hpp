@@ -1,0 +1,113 @@
+// Datasets and the batch loader: an IDX reader (gzip or plain) for MNIST-style data, a
+// memory-mapped byte-level text corpus, and a loader with a seeded, reproducible shuffle that
+// can hand each data-parallel rank its slice of the global batch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace partrain::data {
+
+using torch::Tensor;
+
+/// Reads an IDX file (gzip-compressed or not) into a tensor of the stored type and shape.
+/// Missing, truncated or malformed files are errors that name the file.
+Tensor read_idx(const std::string& path);
+
+/// A finite, indexable set of samples; batch() stacks the samples at `indices`.
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  /// Returns the batch as tensors whose first dimension is indices.size() (inputs, targets).
+  virtual std::vector<Tensor> batch(const std::vector<int64_t>& indices) const = 0;
+  virtual std::string describe() const = 0;
+};
+
+struct MnistOptions {
+  std::string root = "/usr/share/datasets/fashion-mnist";  ///< folder of the four IDX files
+  std::string split = "train";                             ///< "train" or "test"
+};
+
+/// MNIST-format images as float (N, 784) scaled to [0, 1] and labels as int64 (N).
+class Mnist : public Dataset {
+ public:
+  explicit Mnist(const MnistOptions& options);
+  int64_t size() const override { return labels.size(0); }
+  std::vector<Tensor> batch(const std::vector<int64_t>& indices) const override;
+  std::string describe() const override;
+  Tensor images, labels;
+  MnistOptions options;
+};
+
+struct TextOptions {
+  std::string path;   ///< the corpus file, read as bytes
+  int64_t seq = 128;  ///< tokens (bytes) per sample
+};
+
+/// A byte-level corpus, memory-mapped. Sample i is the window starting at byte i*seq: inputs
+/// are its seq bytes, targets the same shifted by one; both int64 (B, seq).
+class Text : public Dataset {
+ public:
+  explicit Text(const TextOptions& options);
+  ~Text() override;
+  Text(const Text&) = delete;
+  Text& operator=(const Text&) = delete;
+  int64_t size() const override;
+  std::vector<Tensor> batch(const std::vector<int64_t>& indices) const override;
+  std::string describe() const override;
+  int64_t bytes() const { return static_cast<int64_t>(length_); }
+  /// Bytes [offset, offset+count) of the corpus.
+  std::string slice(int64_t offset, int64_t count) const;
+  TextOptions options;
+
+ private:
+  const uint8_t* data_ = nullptr;
+  size_t length_ = 0;
+};
+
+struct LoaderOptions {
+  int64_t batch = 32;         ///< global batch size (all data-parallel ranks together)
+  bool shuffle = true;        ///< reshuffle every epoch from (seed, epoch)
+  uint64_t seed = 0;          ///< the shuffle's seed
+  bool drop_last = true;      ///< skip a last batch smaller than `batch`
+  int64_t shard_rank = 0;     ///< this rank's slice of each global batch...
+  int64_t shard_count = 1;    ///< ...out of this many equal slices
+};
+
+/// Walks a dataset in batches, epoch after epoch. Given the same options it yields the same
+/// batches; a rank with shard (r, n) gets slice r of the n equal slices of each global batch.
+class Loader {
+ public:
+  Loader(std::shared_ptr<Dataset> dataset, LoaderOptions options);
+
+  /// The next batch (this rank's slice); moves to the next epoch when one ends.
+  std::vector<Tensor> next();
+  /// Whether the current epoch has batches left.
+  bool has_next() const { return position_ < batches_per_epoch(); }
+  /// Starts the next epoch (or epoch `epoch`) from its first batch.
+  void start_epoch(int64_t epoch);
+
+  int64_t batches_per_epoch() const;
+  int64_t epoch() const { return epoch_; }
+  int64_t position() const { return position_; }
+  /// Global samples consumed since epoch 0 began.
+  int64_t samples_seen() const;
+  /// The order in which `epoch` visits the dataset.
+  std::vector<int64_t> order(int64_t epoch) const;
+  const LoaderOptions& options() const { return options_; }
+  Dataset& dataset() { return *dataset_; }
+
+ private:
+  std::shared_ptr<Dataset> dataset_;
+  LoaderOptions options_;
+  int64_t epoch_ = 0;
+  int64_t position_ = 0;  // batches consumed in this epoch
+  std::vector<int64_t> order_;
+};
+
+}  // namespace partrain::data

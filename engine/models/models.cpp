@@ -1,0 +1,30 @@
+// Built-in model families (see models.hpp).
+#include "engine/models/models.hpp"
+
+namespace partrain::models {
+
+namespace {
+// A Sequential that reports its type as "MLP", so policies can target it.
+class Mlp : public nn::Sequential {
+ public:
+  Mlp() { rename("MLP"); }
+};
+}  // namespace
+
+nn::ModulePtr mlp(const MlpOptions& o) {
+  TORCH_CHECK(o.sizes.size() >= 2, "mlp needs at least two sizes (input and output), got ",
+              o.sizes.size());
+  auto model = std::make_shared<Mlp>();
+  for (size_t i = 0; i + 1 < o.sizes.size(); ++i) {
+    nn::LinearOptions linear(o.sizes[i], o.sizes[i + 1]);
+    linear.bias = o.bias;
+    model->append(std::make_shared<nn::Linear>(linear));
+    if (i + 2 < o.sizes.size()) {
+      model->append(nn::make_activation(o.activation));
+      if (o.dropout > 0) model->append(std::make_shared<nn::Dropout>(o.dropout));
+    }
+  }
+  return model;
+}
+
+}  // namespace partrain::models

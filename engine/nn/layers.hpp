@@ -1,0 +1,99 @@
+// The serial building blocks: Linear, Embedding, LayerNorm, Dropout, Sequential, activations and
+// losses. Parallel layers are built from these by slicing their initialized weights.
+#pragma once
+
+#include <functional>
+
+#include "engine/nn/module.hpp"
+
+namespace partrain::nn {
+
+struct LinearOptions {
+  LinearOptions(int64_t in, int64_t out) : in(in), out(out) {}
+  int64_t in;         ///< input features
+  int64_t out;        ///< output features
+  bool bias = true;   ///< add a learned bias
+};
+
+/// y = x W^T + b, with W of shape [out, in] (PyTorch's layout) and LibTorch's default init.
+class Linear : public Unary {
+ public:
+  explicit Linear(const LinearOptions& options);
+  Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out)
+  std::string extra_repr() const override;
+  LinearOptions options;
+  Tensor weight, bias;
+};
+
+struct EmbeddingOptions {
+  EmbeddingOptions(int64_t count, int64_t dim) : count(count), dim(dim) {}
+  int64_t count;  ///< rows of the table (vocabulary size)
+  int64_t dim;    ///< width of each row
+};
+
+/// A lookup table: ids (...) -> rows (..., dim); weight [count, dim] ~ N(0, 1).
+class Embedding : public Unary {
+ public:
+  explicit Embedding(const EmbeddingOptions& options);
+  Tensor forward(const Tensor& ids) override;
+  std::string extra_repr() const override;
+  EmbeddingOptions options;
+  Tensor weight;
+};
+
+struct LayerNormOptions {
+  explicit LayerNormOptions(int64_t dim) : dim(dim) {}
+  int64_t dim;                 ///< size of the normalized last dimension
+  double eps = 1e-5;           ///< added to the variance
+  bool affine = true;          ///< learn weight and bias
+};
+
+/// Normalizes the last dimension: (..., dim) -> (..., dim).
+class LayerNorm : public Unary {
+ public:
+  explicit LayerNorm(const LayerNormOptions& options);
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override;
+  LayerNormOptions options;
+  Tensor weight, bias;
+};
+
+/// Zeroes elements with probability p in training mode and rescales the rest; identity in eval.
+class Dropout : public Unary {
+ public:
+  explicit Dropout(double p);
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override { return "p=" + std::to_string(p); }
+  double p;
+};
+
+/// Children "0", "1", ... applied in order.
+class Sequential : public Module {
+ public:
+  explicit Sequential(std::vector<ModulePtr> layers = {});
+  void append(ModulePtr layer);
+  size_t size() const { return children_named().size(); }
+  Tensor forward(const std::vector<Tensor>& inputs) override;
+};
+
+/// A parameter-free elementwise module (ReLU, GELU, Tanh, Sigmoid, Softmax, LogSoftmax).
+class Activation : public Unary {
+ public:
+  Activation(std::string type, std::function<Tensor(const Tensor&)> fn);
+  Tensor forward(const Tensor& x) override { return fn_(x); }
+
+ private:
+  std::function<Tensor(const Tensor&)> fn_;
+};
+
+/// Makes an activation module by name: "ReLU", "GELU", "GELUTanh", "Tanh", "Sigmoid",
+/// "Softmax", "LogSoftmax" (the last two over dimension `dim`). Unknown names are an error.
+ModulePtr make_activation(const std::string& name, int64_t dim = -1);
+
+/// Mean cross-entropy of logits (N, C) or (..., C) against class ids (N) or (...).
+/// Targets equal to `ignore_index` do not count.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
+/// Mean squared error.
+Tensor mse(const Tensor& prediction, const Tensor& target);
+
+}  // namespace partrain::nn

@@ -1,0 +1,257 @@
+// The model tree and the serial layers (see module.hpp and layers.hpp).
+#include <sstream>
+
+#include "engine/compat.hpp"
+#include "engine/nn/layers.hpp"
+
+namespace partrain::nn {
+
+namespace F = torch::nn::functional;
+
+// ---- Module ---------------------------------------------------------------------------------
+
+Module::Module(std::string type) : torch::nn::Module(type), type_(std::move(type)) {}
+
+Tensor Module::forward(const std::vector<Tensor>&) {
+  TORCH_CHECK(false, "module of type ", type_, " has no forward");
+}
+
+void Module::expect_inputs(const std::vector<Tensor>& inputs, size_t n) const {
+  TORCH_CHECK(inputs.size() == n, type_, " takes ", n, " input", n == 1 ? "" : "s", ", got ",
+              inputs.size());
+  for (size_t i = 0; i < n; ++i)
+    TORCH_CHECK(inputs[i].defined(), type_, ": input ", i + 1, " is an undefined tensor");
+}
+
+std::string Module::repr() const {
+  std::ostringstream out;
+  out << type_ << "(" << extra_repr();
+  auto children = children_named();
+  if (!children.empty()) {
+    out << "\n";
+    for (const auto& [name, child] : children) {
+      std::string text = child->repr(), indented;
+      for (char c : text) indented += c == '\n' ? std::string("\n  ") : std::string(1, c);
+      out << "  (" << name << "): " << indented << "\n";
+    }
+  }
+  out << ")";
+  return out.str();
+}
+
+std::shared_ptr<Module> Module::child(const std::string& name) const {
+  for (const auto& item : named_children())
+    if (item.key() == name) return std::dynamic_pointer_cast<Module>(item.value());
+  return nullptr;
+}
+
+std::shared_ptr<Module> Module::find(const std::string& path) const {
+  auto self = std::const_pointer_cast<Module>(
+      std::dynamic_pointer_cast<const Module>(shared_from_this()));
+  if (path.empty()) return self;
+  std::shared_ptr<Module> node = self;
+  std::stringstream parts(path);
+  std::string part;
+  while (node && std::getline(parts, part, '.')) node = node->child(part);
+  return node;
+}
+
+void Module::set_child(const std::string& name, std::shared_ptr<Module> module) {
+  TORCH_CHECK(module, "cannot set child '", name, "' of ", type_, " to nothing");
+  if (child(name))
+    replace_module(name, module);
+  else
+    register_module(name, module);
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::modules() {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  for (const auto& item : named_modules("", /*include_self=*/true))
+    out.emplace_back(item.key(), std::dynamic_pointer_cast<Module>(item.value()));
+  return out;
+}
+
+std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::children_named() const {
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> out;
+  for (const auto& item : named_children())
+    out.emplace_back(item.key(), std::dynamic_pointer_cast<Module>(item.value()));
+  return out;
+}
+
+Tensor Module::own_tensor(const std::string& name) const {
+  if (const auto* p = named_parameters(/*recurse=*/false).find(name)) return *p;
+  if (const auto* b = named_buffers(/*recurse=*/false).find(name)) return *b;
+  return {};
+}
+
+void Module::set_parameter(const std::string& name, const Tensor& value) {
+  TORCH_CHECK(value.defined(), "parameter '", name, "' of ", type_, " must be a tensor");
+  TORCH_CHECK(!named_buffers(false).find(name), type_, " already has a buffer called '", name, "'");
+  if (auto* existing = parameters_.find(name)) {
+    *existing = value.requires_grad() ? value : value.set_requires_grad(true);
+  } else {
+    register_parameter(name, value, /*requires_grad=*/true);
+  }
+}
+
+void Module::set_buffer(const std::string& name, const Tensor& value) {
+  TORCH_CHECK(!parameters_.find(name), type_, " already has a parameter called '", name, "'");
+  register_buffer(name, value);  // LibTorch replaces an existing buffer of the same name
+}
+
+TensorMap Module::state_dict() const {
+  TensorMap out;
+  for (const auto& p : named_parameters()) out[p.key()] = p.value();
+  for (const auto& b : named_buffers()) out[b.key()] = b.value();
+  return out;
+}
+
+void Module::load_state_dict(const TensorMap& state, bool strict) {
+  TensorMap own = state_dict();
+  std::vector<std::string> problems;
+  torch::NoGradGuard no_grad;
+  for (auto& [name, target] : own) {
+    auto it = state.find(name);
+    if (it == state.end()) {
+      if (strict) problems.push_back("missing '" + name + "'");
+      continue;
+    }
+    if (!it->second.sizes().equals(target.sizes())) {
+      std::ostringstream msg;
+      msg << "'" << name << "' has shape " << it->second.sizes() << " but the model expects "
+          << target.sizes();
+      problems.push_back(msg.str());
+      continue;
+    }
+    target.copy_(it->second);
+  }
+  if (strict)
+    for (const auto& [name, _] : state)
+      if (!own.count(name)) problems.push_back("unexpected '" + name + "'");
+  if (!problems.empty()) {
+    std::ostringstream msg;
+    msg << "load_state_dict into " << type_ << ": ";
+    for (size_t i = 0; i < problems.size(); ++i) msg << (i ? "; " : "") << problems[i];
+    TORCH_CHECK(false, msg.str());
+  }
+}
+
+// ---- Layers ---------------------------------------------------------------------------------
+
+Linear::Linear(const LinearOptions& o) : Unary("Linear"), options(o) {
+  TORCH_CHECK(o.in > 0 && o.out > 0, "Linear needs positive sizes, got in=", o.in, " out=", o.out);
+  weight = register_parameter("weight", torch::empty({o.out, o.in}));
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));  // LibTorch's default
+  if (o.bias) {
+    double bound = 1.0 / std::sqrt(static_cast<double>(o.in));
+    bias = register_parameter("bias", torch::empty({o.out}));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.in, "Linear(", options.in, ", ", options.out,
+              ") expects input (..., ", options.in, "), got ", x.sizes());
+  return F::linear(x, weight, bias);
+}
+
+std::string Linear::extra_repr() const {
+  std::ostringstream s;
+  s << "in=" << options.in << ", out=" << options.out << (options.bias ? "" : ", bias=false");
+  return s.str();
+}
+
+Embedding::Embedding(const EmbeddingOptions& o) : Unary("Embedding"), options(o) {
+  TORCH_CHECK(o.count > 0 && o.dim > 0, "Embedding needs positive sizes, got count=", o.count,
+              " dim=", o.dim);
+  weight = register_parameter("weight", torch::randn({o.count, o.dim}));
+}
+
+Tensor Embedding::forward(const Tensor& ids) {
+  TORCH_CHECK(!ids.is_floating_point(), "Embedding expects integer ids, got ", ids.dtype());
+  return F::embedding(ids, weight);
+}
+
+std::string Embedding::extra_repr() const {
+  return "count=" + std::to_string(options.count) + ", dim=" + std::to_string(options.dim);
+}
+
+LayerNorm::LayerNorm(const LayerNormOptions& o) : Unary("LayerNorm"), options(o) {
+  TORCH_CHECK(o.dim > 0, "LayerNorm needs a positive dim, got ", o.dim);
+  if (o.affine) {
+    weight = register_parameter("weight", torch::ones({o.dim}));
+    bias = register_parameter("bias", torch::zeros({o.dim}));
+  }
+}
+
+Tensor LayerNorm::forward(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.dim, "LayerNorm(", options.dim,
+              ") expects input (..., ", options.dim, "), got ", x.sizes());
+  return at::layer_norm(x, {options.dim}, weight, bias, options.eps);
+}
+
+std::string LayerNorm::extra_repr() const {
+  std::ostringstream s;
+  s << "dim=" << options.dim << ", eps=" << options.eps << (options.affine ? "" : ", affine=false");
+  return s.str();
+}
+
+Dropout::Dropout(double p) : Unary("Dropout"), p(p) {
+  TORCH_CHECK(p >= 0 && p < 1, "Dropout probability must be in [0, 1), got ", p);
+}
+
+Tensor Dropout::forward(const Tensor& x) { return at::dropout(x, p, is_training()); }
+
+Sequential::Sequential(std::vector<ModulePtr> layers) : Module("Sequential") {
+  for (auto& layer : layers) append(std::move(layer));
+}
+
+void Sequential::append(ModulePtr layer) { set_child(std::to_string(size()), std::move(layer)); }
+
+Tensor Sequential::forward(const std::vector<Tensor>& inputs) {
+  auto layers = children_named();
+  TORCH_CHECK(!layers.empty(), "Sequential has no layers to run");
+  Tensor x = layers.front().second->forward(inputs);
+  for (size_t i = 1; i < layers.size(); ++i) x = layers[i].second->forward(std::vector<Tensor>{x});
+  return x;
+}
+
+Activation::Activation(std::string type, std::function<Tensor(const Tensor&)> fn)
+    : Unary(std::move(type)), fn_(std::move(fn)) {}
+
+ModulePtr make_activation(const std::string& name, int64_t dim) {
+  using Fn = std::function<Tensor(const Tensor&)>;
+  Fn fn;
+  if (name == "ReLU") fn = [](const Tensor& x) { return at::relu(x); };
+  else if (name == "GELU") fn = [](const Tensor& x) { return at::gelu(x); };
+  else if (name == "GELUTanh") fn = [](const Tensor& x) { return compat::gelu_tanh(x); };
+  else if (name == "Tanh") fn = [](const Tensor& x) { return at::tanh(x); };
+  else if (name == "Sigmoid") fn = [](const Tensor& x) { return at::sigmoid(x); };
+  else if (name == "Softmax") fn = [dim](const Tensor& x) { return at::softmax(x, dim); };
+  else if (name == "LogSoftmax") fn = [dim](const Tensor& x) { return at::log_softmax(x, dim); };
+  else
+    TORCH_CHECK(false, "unknown activation '", name,
+                "' (expected ReLU, GELU, GELUTanh, Tanh, Sigmoid, Softmax or LogSoftmax)");
+  return std::make_shared<Activation>(name, fn);
+}
+
+// ---- Losses ---------------------------------------------------------------------------------
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  TORCH_CHECK(logits.dim() >= 1 && logits.dim() == targets.dim() + 1,
+              "cross_entropy expects logits (..., C) and targets (...), got ", logits.sizes(),
+              " and ", targets.sizes());
+  TORCH_CHECK(!targets.is_floating_point(), "cross_entropy expects integer class ids, got ",
+              targets.dtype());
+  auto flat = logits.reshape({-1, logits.size(-1)});  // (N, C)
+  return F::cross_entropy(flat, targets.reshape({-1}),
+                          F::CrossEntropyFuncOptions().ignore_index(ignore_index));
+}
+
+Tensor mse(const Tensor& prediction, const Tensor& target) {
+  TORCH_CHECK(prediction.sizes().equals(target.sizes()), "mse expects equal shapes, got ",
+              prediction.sizes(), " and ", target.sizes());
+  return F::mse_loss(prediction, target);
+}
+
+}  // namespace partrain::nn

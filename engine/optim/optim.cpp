@@ -1,0 +1,99 @@
+// Optimizers, schedules and clipping (see optim.hpp).
+#include "engine/optim/optim.hpp"
+
+#include <cmath>
+
+namespace partrain::optim {
+
+void validate(const ScheduleOptions& s) {
+  TORCH_CHECK(s.kind == "constant" || s.kind == "cosine" || s.kind == "linear",
+              "schedule kind must be constant, cosine or linear, got '", s.kind, "'");
+  TORCH_CHECK(s.warmup >= 0, "schedule warmup must be >= 0, got ", s.warmup);
+  TORCH_CHECK(s.min_lr >= 0, "schedule min_lr must be >= 0, got ", s.min_lr);
+  if (s.kind != "constant")
+    TORCH_CHECK(s.total > s.warmup, "a ", s.kind, " schedule needs total > warmup, got total=",
+                s.total, " warmup=", s.warmup);
+}
+
+double scheduled_lr(const ScheduleOptions& s, double lr, int64_t step) {
+  if (step < s.warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup);
+  if (s.kind == "constant") return lr;
+  if (step >= s.total) return s.min_lr;
+  double progress = static_cast<double>(step - s.warmup) / static_cast<double>(s.total - s.warmup);
+  double factor = s.kind == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+  return s.min_lr + (lr - s.min_lr) * factor;
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+  TORCH_CHECK(max_norm > 0, "clip_grad_norm needs max_norm > 0, got ", max_norm);
+  return torch::nn::utils::clip_grad_norm_(params, max_norm);
+}
+
+Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o)
+    : params_(std::move(params)), options_(std::move(o)) {
+  const auto& k = options_.kind;
+  TORCH_CHECK(!params_.empty(), k, " optimizer got no parameters");
+  for (const auto& p : params_)
+    TORCH_CHECK(p.requires_grad() && p.is_leaf(), k, " optimizer: every parameter must be a leaf "
+                "tensor that requires grad");
+  TORCH_CHECK(options_.lr >= 0, k, ": lr must be >= 0, got ", options_.lr);
+  TORCH_CHECK(options_.weight_decay >= 0, k, ": weight_decay must be >= 0, got ",
+              options_.weight_decay);
+  TORCH_CHECK(options_.clip_grad_norm >= 0, k, ": clip_grad_norm must be >= 0, got ",
+              options_.clip_grad_norm);
+  validate(options_.schedule);
+  if (k == "sgd") {
+    TORCH_CHECK(options_.momentum >= 0, "sgd: momentum must be >= 0, got ", options_.momentum);
+    TORCH_CHECK(!options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
+                "sgd: nesterov needs momentum > 0 and dampening = 0");
+    impl_ = std::make_unique<torch::optim::SGD>(
+        params_, torch::optim::SGDOptions(options_.lr)
+                     .momentum(options_.momentum)
+                     .dampening(options_.dampening)
+                     .weight_decay(options_.weight_decay)
+                     .nesterov(options_.nesterov));
+  } else if (k == "adam" || k == "adamw") {
+    TORCH_CHECK(options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 &&
+                    options_.beta2 < 1,
+                k, ": betas must be in [0, 1), got ", options_.beta1, ", ", options_.beta2);
+    auto betas = std::make_tuple(options_.beta1, options_.beta2);
+    if (k == "adam")
+      impl_ = std::make_unique<torch::optim::Adam>(
+          params_, torch::optim::AdamOptions(options_.lr).betas(betas).eps(options_.eps)
+                       .weight_decay(options_.weight_decay));
+    else
+      impl_ = std::make_unique<torch::optim::AdamW>(
+          params_, torch::optim::AdamWOptions(options_.lr).betas(betas).eps(options_.eps)
+                       .weight_decay(options_.weight_decay));
+  } else {
+    TORCH_CHECK(false, "unknown optimizer '", k, "' (expected sgd, adam or adamw)");
+  }
+}
+
+void Optimizer::zero_grad() {
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+}
+
+double Optimizer::lr() const { return scheduled_lr(options_.schedule, options_.lr, steps_); }
+
+void Optimizer::apply_lr(double lr) {
+  for (auto& group : impl_->param_groups()) {
+    if (options_.kind == "sgd")
+      static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+    else if (options_.kind == "adam")
+      static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+    else
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+}
+
+double Optimizer::step() {
+  apply_lr(lr());
+  double norm = -1;
+  if (options_.clip_grad_norm > 0) norm = clip_grad_norm(params_, options_.clip_grad_norm);
+  impl_->step();
+  ++steps_;
+  return norm;
+}
+
+}  // namespace partrain::optim

@@ -1,0 +1,72 @@
+// Optimizers (SGD, Adam, AdamW on LibTorch's implementations), learning-rate schedules and
+// gradient clipping by global norm, combined into one object whose step() does all three.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace partrain::optim {
+
+struct ScheduleOptions {
+  std::string kind = "constant";  ///< "constant", "cosine" or "linear" (decay after warmup)
+  int64_t warmup = 0;             ///< steps of linear warmup from 0 to the base lr
+  int64_t total = 0;              ///< step at which decay ends (cosine, linear); required for them
+  double min_lr = 0.0;            ///< lr reached at `total` and kept after it
+};
+
+/// The learning rate at `step` (counted from 0) for a base rate `lr`.
+double scheduled_lr(const ScheduleOptions& schedule, double lr, int64_t step);
+/// Throws with the offending field when a schedule cannot be used.
+void validate(const ScheduleOptions& schedule);
+
+struct OptimizerOptions {
+  std::string kind = "sgd";      ///< "sgd", "adam" or "adamw"
+  double lr = 1e-3;              ///< base learning rate
+  double weight_decay = 0.0;     ///< L2 (sgd, adam) or decoupled (adamw) decay
+  double momentum = 0.0;         ///< sgd only
+  double dampening = 0.0;        ///< sgd only
+  bool nesterov = false;         ///< sgd only; needs momentum > 0 and dampening = 0
+  double beta1 = 0.9;            ///< adam, adamw
+  double beta2 = 0.999;          ///< adam, adamw
+  double eps = 1e-8;             ///< adam, adamw
+  double clip_grad_norm = 0.0;   ///< clip gradients to this global L2 norm before a step; 0: off
+  ScheduleOptions schedule;      ///< how lr changes with the step count
+};
+
+/// Scales the gradients of `params` so their global L2 norm is at most `max_norm`; returns the
+/// norm before clipping.
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+
+class Optimizer {
+ public:
+  Optimizer(std::vector<torch::Tensor> params, OptimizerOptions options);
+
+  /// Clears every parameter's gradient.
+  void zero_grad();
+  /// Sets the scheduled lr, clips, and updates the parameters. Returns the gradient norm before
+  /// clipping when clipping is on, otherwise -1.
+  double step();
+
+  /// The lr the next step will use.
+  double lr() const;
+  /// Replaces the base lr (the schedule scales from it).
+  void set_lr(double lr) { options_.lr = lr; }
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
+  const OptimizerOptions& options() const { return options_; }
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  torch::optim::Optimizer& impl() { return *impl_; }
+
+ private:
+  void apply_lr(double lr);
+
+  std::vector<torch::Tensor> params_;
+  OptimizerOptions options_;
+  std::unique_ptr<torch::optim::Optimizer> impl_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace partrain::optim

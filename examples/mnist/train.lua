@@ -1,0 +1,53 @@
+-- Trains a multilayer perceptron on Fashion-MNIST and reports test accuracy after each epoch.
+--   partrain examples/mnist/train.lua [--epochs 3] [--steps N] [--lr 0.05] [--batch 64] ...
+local pt = require "partrain"
+
+local cfg = pt.args {
+  epochs = 3,              -- passes over the 60,000 training images
+  steps = 0,               -- stop after this many steps in all (0: no limit)
+  batch = 64,
+  lr = pt.args.number(0.05),
+  momentum = pt.args.number(0.9),
+  hidden = 256,
+  seed = 1,
+  log_every = 1,           -- print the loss every this many steps
+  threads = 0,             -- intra-op threads (0: LibTorch's default)
+}
+if cfg.threads > 0 then pt.set_threads(cfg.threads) end
+pt.manual_seed(cfg.seed)
+
+local model = pt.models.mlp { sizes = { 784, cfg.hidden, math.floor(cfg.hidden / 2), 10 } }
+local train = pt.data.mnist { split = "train", batch = cfg.batch, seed = cfg.seed }
+local test = pt.data.mnist { split = "test", batch = 1000, shuffle = false, drop_last = false }
+local opt = pt.optim.sgd(model, { lr = cfg.lr, momentum = cfg.momentum, nesterov = true,
+  schedule = { kind = "cosine", total = cfg.epochs * train:batches_per_epoch() } })
+print(("model: %d parameters; data: %s"):format(model:num_parameters(), tostring(train)))
+
+local function accuracy()
+  model:eval()
+  local correct = 0
+  pt.no_grad(function()
+    test:start_epoch(0)
+    for x, y in test:batches() do
+      correct = correct + model(x):argmax(1):eq(y):sum():item()
+    end
+  end)
+  model:train()
+  return correct / test:size()
+end
+
+local step = 0
+for epoch = 1, cfg.epochs do
+  train:start_epoch(epoch - 1)
+  for x, y in train:batches() do
+    local loss = pt.nn.cross_entropy(model(x), y)
+    opt:zero_grad()
+    loss:backward()
+    opt:step()
+    step = step + 1
+    if step % cfg.log_every == 0 then pt.log { epoch = epoch, step = step, loss = loss:item() } end
+    if cfg.steps > 0 and step >= cfg.steps then break end
+  end
+  pt.log { epoch = epoch, step = step, test_accuracy = accuracy() }
+  if cfg.steps > 0 and step >= cfg.steps then break end
+end
