@@ -214,7 +214,7 @@ const Function kMeta[] = {
        std::string key = lua_tostring(L, 2);
        if (Tensor t = m->own_tensor(key); t.defined()) return a.ret(t);
        if (auto child = m->child(key)) return a.ret(child);
-       if (lm) { lua_pushnil(L); return 1; }
+       if (lm || m->has_slot(key)) { lua_pushnil(L); return 1; }
        throw std::invalid_argument(m->type() + " has no field, method, parameter or child '" + key + "'"); }},
     {"__newindex", [](Args& a) {
        auto& m = a.module(1);

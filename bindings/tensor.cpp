@@ -59,7 +59,7 @@ std::pair<std::vector<int64_t>, torch::TensorOptions> shape_and_options(const Ar
 
 // Nested tables of numbers or booleans -> shape and values.
 void flatten_table(lua_State* L, int idx, size_t depth, std::vector<int64_t>& shape,
-                   std::vector<double>& values, bool& all_ints, bool& all_bools) {
+                   std::vector<double>& values, bool& all_bools) {
   int n = static_cast<int>(lua_objlen(L, idx));
   if (depth == shape.size()) shape.push_back(n);
   else if (shape[depth] != n)
@@ -71,12 +71,11 @@ void flatten_table(lua_State* L, int idx, size_t depth, std::vector<int64_t>& sh
     if (t == LUA_TTABLE) {
       if (depth + 1 < shape.size() && values.size() > 0 && shape.size() == depth + 1)
         throw std::invalid_argument("tensor(): ragged nested table");
-      flatten_table(L, lua_gettop(L), depth + 1, shape, values, all_ints, all_bools);
+      flatten_table(L, lua_gettop(L), depth + 1, shape, values, all_bools);
     } else if (t == LUA_TNUMBER || t == LUA_TBOOLEAN) {
       if (shape.size() != depth + 1) throw std::invalid_argument("tensor(): ragged nested table");
       double x = t == LUA_TBOOLEAN ? (lua_toboolean(L, -1) ? 1 : 0) : lua_tonumber(L, -1);
       all_bools = all_bools && t == LUA_TBOOLEAN;
-      all_ints = all_ints && t == LUA_TNUMBER && x == static_cast<double>(static_cast<int64_t>(x));
       values.push_back(x);
     } else {
       std::string got = luaL_typename(L, -1);
@@ -314,15 +313,16 @@ const Function kFunctions[] = {
     {"tensor", [](Args& a) {
        if (a.is_number(1) || lua_type(a.L, 1) == LUA_TBOOLEAN) {
          auto opts = creation_options(a, 2, "tensor", a.is_number(1) ? torch::kFloat32 : torch::kBool);
-         return a.ret(torch::scalar_tensor(a.scalar(1), opts));
+         return a.ret(torch::scalar_tensor(a.scalar(1), opts.requires_grad(false)).set_requires_grad(opts.requires_grad()));
        }
        if (!a.is_table(1)) a.expected(1, "table of numbers");
        std::vector<int64_t> shape;
        std::vector<double> values;
-       bool ints = true, bools = true;
-       flatten_table(a.L, 1, 0, shape, values, ints, bools);
-       if (values.empty()) bools = ints = false;
-       auto dtype = bools ? torch::kBool : ints ? torch::kInt64 : torch::kFloat32;
+       bool bools = true;
+       flatten_table(a.L, 1, 0, shape, values, bools);
+       // Lua cannot tell 1.0 from 1, so numbers make float32 (as torch.Tensor did in Torch7);
+       // ask for {dtype = "int64"} (or call :long()) for integer tensors such as class ids.
+       auto dtype = bools && !values.empty() ? torch::kBool : torch::kFloat32;
        auto opts = creation_options(a, 2, "tensor", dtype);
        auto t = torch::tensor(values, torch::kFloat64).reshape(shape).to(opts.dtype()).to(opts.device());
        return a.ret(t.set_requires_grad(opts.requires_grad())); }},

@@ -21,8 +21,9 @@ class Linear : public Unary {
   explicit Linear(const LinearOptions& options);
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out)
   std::string extra_repr() const override;
+  const Tensor& weight() const { return param("weight"); }  // [out, in]
+  const Tensor& bias() const { return param("bias"); }      // [out] or undefined
   LinearOptions options;
-  Tensor weight, bias;
 };
 
 struct EmbeddingOptions {
@@ -37,8 +38,8 @@ class Embedding : public Unary {
   explicit Embedding(const EmbeddingOptions& options);
   Tensor forward(const Tensor& ids) override;
   std::string extra_repr() const override;
+  const Tensor& weight() const { return param("weight"); }  // [count, dim]
   EmbeddingOptions options;
-  Tensor weight;
 };
 
 struct LayerNormOptions {
@@ -54,8 +55,9 @@ class LayerNorm : public Unary {
   explicit LayerNorm(const LayerNormOptions& options);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
+  const Tensor& weight() const { return param("weight"); }  // [dim] or undefined
+  const Tensor& bias() const { return param("bias"); }      // [dim] or undefined
   LayerNormOptions options;
-  Tensor weight, bias;
 };
 
 /// Zeroes elements with probability p in training mode and rescales the rest; identity in eval.

@@ -43,6 +43,12 @@ class Module : public torch::nn::Module {
 
   /// This module's own parameter or buffer called `name` (not recursive), or an undefined tensor.
   Tensor own_tensor(const std::string& name) const;
+  /// This module's parameter `name` (undefined for an empty slot). Layers read their weights
+  /// through this on every forward, so replacing a parameter (a policy slicing it) takes effect.
+  const Tensor& param(const std::string& name) const { return parameters_[name]; }
+  /// Whether `name` is a parameter slot of this module, even an empty one (Linear's bias when
+  /// bias=false): reading it gives nothing rather than an error.
+  bool has_slot(const std::string& name) const { return parameters_.contains(name); }
   /// Adds a parameter (trainable) or replaces the one already called `name`.
   void set_parameter(const std::string& name, const Tensor& value);
   /// Adds a buffer (saved and moved, not trained) or replaces the one already called `name`.

@@ -140,19 +140,21 @@ void Module::load_state_dict(const TensorMap& state, bool strict) {
 
 Linear::Linear(const LinearOptions& o) : Unary("Linear"), options(o) {
   TORCH_CHECK(o.in > 0 && o.out > 0, "Linear needs positive sizes, got in=", o.in, " out=", o.out);
-  weight = register_parameter("weight", torch::empty({o.out, o.in}));
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));  // LibTorch's default
+  auto& w = register_parameter("weight", torch::empty({o.out, o.in}));
+  torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));  // LibTorch's default
   if (o.bias) {
     double bound = 1.0 / std::sqrt(static_cast<double>(o.in));
-    bias = register_parameter("bias", torch::empty({o.out}));
-    torch::nn::init::uniform_(bias, -bound, bound);
+    auto& b = register_parameter("bias", torch::empty({o.out}));
+    torch::nn::init::uniform_(b, -bound, bound);
+  } else {
+    register_parameter("bias", Tensor(), /*requires_grad=*/false);  // an empty slot
   }
 }
 
 Tensor Linear::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.in, "Linear(", options.in, ", ", options.out,
               ") expects input (..., ", options.in, "), got ", x.sizes());
-  return F::linear(x, weight, bias);
+  return F::linear(x, weight(), bias());
 }
 
 std::string Linear::extra_repr() const {
@@ -164,12 +166,12 @@ std::string Linear::extra_repr() const {
 Embedding::Embedding(const EmbeddingOptions& o) : Unary("Embedding"), options(o) {
   TORCH_CHECK(o.count > 0 && o.dim > 0, "Embedding needs positive sizes, got count=", o.count,
               " dim=", o.dim);
-  weight = register_parameter("weight", torch::randn({o.count, o.dim}));
+  register_parameter("weight", torch::randn({o.count, o.dim}));
 }
 
 Tensor Embedding::forward(const Tensor& ids) {
   TORCH_CHECK(!ids.is_floating_point(), "Embedding expects integer ids, got ", ids.dtype());
-  return F::embedding(ids, weight);
+  return F::embedding(ids, weight());
 }
 
 std::string Embedding::extra_repr() const {
@@ -179,15 +181,18 @@ std::string Embedding::extra_repr() const {
 LayerNorm::LayerNorm(const LayerNormOptions& o) : Unary("LayerNorm"), options(o) {
   TORCH_CHECK(o.dim > 0, "LayerNorm needs a positive dim, got ", o.dim);
   if (o.affine) {
-    weight = register_parameter("weight", torch::ones({o.dim}));
-    bias = register_parameter("bias", torch::zeros({o.dim}));
+    register_parameter("weight", torch::ones({o.dim}));
+    register_parameter("bias", torch::zeros({o.dim}));
+  } else {
+    register_parameter("weight", Tensor(), false);
+    register_parameter("bias", Tensor(), false);
   }
 }
 
 Tensor LayerNorm::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.dim, "LayerNorm(", options.dim,
               ") expects input (..., ", options.dim, "), got ", x.sizes());
-  return at::layer_norm(x, {options.dim}, weight, bias, options.eps);
+  return at::layer_norm(x, {options.dim}, weight(), bias(), options.eps);
 }
 
 std::string LayerNorm::extra_repr() const {

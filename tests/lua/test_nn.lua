@@ -1,0 +1,174 @@
+-- Modules from Lua: built-in layers, the module tree and its dotted names, state dicts, modes,
+-- and Lua-defined modules whose parameters and children are real engine nodes.
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, eq, near, raises, ok = H.test, H.eq, H.near, H.raises, H.ok
+
+test("Linear computes x W^T + b with PyTorch's layout", function()
+  local l = pt.nn.Linear(3, 2)
+  eq(table.concat(l.weight.shape, ","), "2,3")
+  local x = pt.randn(4, 3)
+  near(l(x), x:matmul(l.weight:t()) + l.bias, 1e-6)
+  eq(pt.nn.Linear(3, 2, { bias = false }).bias, nil, "no bias when bias = false")
+  raises(function() pt.nn.Linear(3, 2, { biass = false }) end, "unknown option 'biass' for Linear (expected: bias)")
+  raises(function() pt.nn.Linear(3, 2, { bias = 1 }) end, "option 'bias' for Linear must be a boolean, got number 1")
+  raises(function() l(pt.randn(4, 5)) end, "Linear(3, 2) expects input (..., 3), got [4, 5]")
+end)
+
+test("Embedding, LayerNorm and Dropout behave as in PyTorch", function()
+  local e = pt.nn.Embedding(10, 4)
+  local ids = pt.tensor({ { 1, 2 }, { 3, 9 } }, { dtype = "int64" })
+  near(e(ids):select(0, 1):select(0, 1), e.weight:select(0, 9))
+  raises(function() e(pt.randn(2)) end, "integer ids")
+  local ln = pt.nn.LayerNorm(4)
+  local y = ln(pt.randn(3, 4) * 5 + 2)
+  near(y:mean(-1), pt.zeros(3), 1e-5)
+  near(y:var(-1, false):sqrt(), pt.ones(3) * math.sqrt(4 / 3), 1e-3)
+  local d = pt.nn.Dropout(0.5)
+  local x = pt.ones(1000)
+  local dropped = d(x):eq(0):sum():item()
+  ok(dropped > 400 and dropped < 600, "about half dropped in training: " .. dropped)
+  d:eval()
+  ok(d(x):equal(x), "identity in eval")
+end)
+
+test("Sequential and activations chain; the tree has dotted names", function()
+  local m = pt.nn.Sequential(pt.nn.Linear(4, 8), pt.nn.ReLU(), pt.nn.Sequential(pt.nn.Linear(8, 2), pt.nn.Tanh()))
+  local names = {}
+  for name in m:named_parameters() do names[#names + 1] = name end
+  eq(table.concat(names, " "), "0.weight 0.bias 2.0.weight 2.0.bias")
+  local paths = {}
+  for path, mod in m:named_modules() do paths[#paths + 1] = path .. "=" .. mod:type() end
+  eq(table.concat(paths, " "), "=Sequential 0=Linear 1=ReLU 2=Sequential 2.0=Linear 2.1=Tanh")
+  eq(m:get("2.0"):type(), "Linear")
+  eq(m:get("2.9"), nil)
+  eq(m:num_parameters(), 4 * 8 + 8 + 8 * 2 + 2)
+  local y = m(pt.randn(5, 4))
+  eq(table.concat(y.shape, ","), "5,2")
+  ok(tostring(m):find("%(2%): Sequential%("), tostring(m))
+end)
+
+test("the same module is the same Lua value", function()
+  local m = pt.nn.Sequential(pt.nn.Linear(2, 2))
+  ok(m:get("0") == m:get("0"), "identity holds")
+end)
+
+test("state_dict and load_state_dict round-trip and name every problem", function()
+  pt.manual_seed(1)
+  local a = pt.models.mlp { sizes = { 4, 8, 2 } }
+  pt.manual_seed(2)
+  local b = pt.models.mlp { sizes = { 4, 8, 2 } }
+  ok(not a["0"].weight:equal(b["0"].weight), "different seeds, different weights")
+  b:load_state_dict(a:state_dict())
+  ok(a["0"].weight:equal(b["0"].weight), "weights copied")
+  local sd = a:state_dict()
+  sd["2.bias"] = nil
+  sd["extra"] = pt.zeros(1)
+  raises(function() b:load_state_dict(sd) end, "missing '2.bias'; unexpected 'extra'")
+  b:load_state_dict(sd, false)  -- not strict: missing and unexpected keys are allowed
+  local bad = a:state_dict()
+  bad["0.weight"] = pt.zeros(3, 3)
+  raises(function() b:load_state_dict(bad) end, "'0.weight' has shape [3, 3] but the model expects [8, 4]")
+end)
+
+test("train/eval, to(dtype) and zero_grad apply to the whole tree", function()
+  local m = pt.nn.Sequential(pt.nn.Linear(2, 2), pt.nn.Dropout(0.1))
+  m:eval()
+  ok(not m:get("1"):is_training(), "eval reaches children")
+  m:train()
+  ok(m:get("1"):is_training())
+  m:to("float64")
+  eq(m:get("0").weight.dtype, "float64")
+  m(pt.randn(3, 2, { dtype = "float64" })):sum():backward()
+  ok(m:get("0").weight.grad ~= nil)
+  m:zero_grad()
+  eq(m:get("0").weight.grad, nil)
+end)
+
+-- A Lua-defined module: y = scale * relu(fc(x)) + shift, with a child, two parameters and a field.
+local Block = pt.nn.Module "Block"
+function Block:__init(dim)
+  self.fc = pt.nn.Linear(dim, dim)
+  self.scale = pt.nn.Parameter(pt.ones(dim) * 2)
+  self.shift = pt.nn.Parameter(pt.zeros(dim))
+  self.note = "plain field"
+end
+function Block:forward(x) return self.fc(x):relu() * self.scale + self.shift end
+
+test("a Lua-defined module's parameters and children are engine nodes", function()
+  local b = Block(3)
+  eq(b:type(), "Block")
+  eq(b.note, "plain field")
+  local names = {}
+  for name in b:named_parameters() do names[#names + 1] = name end
+  table.sort(names)
+  eq(table.concat(names, " "), "fc.bias fc.weight scale shift")
+  eq(b:get("fc"):type(), "Linear")
+  local sd = b:state_dict()
+  ok(sd.scale and sd["fc.weight"], "state_dict holds Lua-registered parameters")
+end)
+
+test("a Lua-defined module's gradients match autograd of the same math written directly", function()
+  pt.manual_seed(3)
+  local b = Block(3)
+  local x = pt.randn(5, 3)
+  local loss = b(x):pow(2):sum()
+  loss:backward()
+  -- The same math on plain tensors.
+  local W = b.fc.weight:detach():requires_grad_()
+  local bias = b.fc.bias:detach():requires_grad_()
+  local scale = b.scale:detach():requires_grad_()
+  local shift = b.shift:detach():requires_grad_()
+  local direct = ((x:matmul(W:t()) + bias):relu() * scale + shift):pow(2):sum()
+  direct:backward()
+  near(loss, direct, 1e-6, "loss")
+  near(b.fc.weight.grad, W.grad, 1e-6, "fc.weight grad")
+  near(b.fc.bias.grad, bias.grad, 1e-6, "fc.bias grad")
+  near(b.scale.grad, scale.grad, 1e-6, "scale grad")
+  near(b.shift.grad, shift.grad, 1e-6, "shift grad")
+end)
+
+test("Lua-defined modules nest inside C++ containers and inherit", function()
+  local seq = pt.nn.Sequential(Block(4), pt.nn.Linear(4, 1))
+  eq(table.concat(seq(pt.randn(2, 4)).shape, ","), "2,1", "C++ Sequential runs the Lua forward")
+  local Scaled = pt.nn.Module("Scaled", Block)
+  function Scaled:__init(dim) Block.__init(self, dim); self.extra = pt.nn.Linear(dim, dim) end
+  function Scaled:forward(x) return self.extra(Block.forward(self, x)) end
+  local s = Scaled(4)
+  eq(s:type(), "Scaled")
+  eq(table.concat(s(pt.randn(2, 4)).shape, ","), "2,4")
+  ok(s:get("extra") and s:get("fc"), "children of parent and child class")
+end)
+
+test("errors in Lua forwards and misuse of modules are reported with their place", function()
+  local Bad = pt.nn.Module "Bad"
+  function Bad:forward(x) error("bad forward") end
+  local err = raises(function() local y = pt.nn.Sequential(Bad())(pt.ones(1)); return y end, "bad forward")
+  ok(err:find("test_nn.lua:%d+: bad forward"), err)
+  local NoForward = pt.nn.Module "NoForward"
+  raises(function() local y = pt.nn.Sequential(NoForward())(pt.ones(1)); return y end, "NoForward has no forward method")
+  local Returns = pt.nn.Module "Returns"
+  function Returns:forward() return 42 end
+  raises(function() local y = pt.nn.Sequential(Returns())(pt.ones(1)); return y end, "returned a number where its caller needs a tensor")
+  local lin = pt.nn.Linear(2, 2)
+  raises(function() lin.foo = 1 end, "cannot set field 'foo' on built-in module Linear")
+  raises(function() return lin.nothing end, "Linear has no field, method, parameter or child 'nothing'")
+  raises(function() lin.weight = "x" end, "cannot replace Linear.weight with a string")
+  raises(function() pt.nn.Module(3) end, "expects a type name")
+  raises(function() pt.nn.GELU { approximate = "fast" } end, "approximate must be 'none' or 'tanh'")
+end)
+
+test("losses: cross_entropy and mse", function()
+  local logits = pt.tensor { { 2.0, 0.5, -1.0 }, { 0.1, 0.2, 3.0 } }
+  local y = pt.tensor({ 0, 2 }):long()
+  local manual = -(logits:log_softmax(1):gather(1, y:view(2, 1))):mean()
+  near(pt.nn.cross_entropy(logits, y), manual, 1e-6)
+  near(pt.nn.cross_entropy(logits, pt.tensor({ 0, -100 }):long()), -(logits:log_softmax(1):select(0, 0):select(0, 0)), 1e-6,
+    "ignore_index")
+  near(pt.nn.mse(pt.tensor { 1.0, 2.0 }, pt.tensor { 0.0, 0.0 }), pt.tensor(2.5))
+  raises(function() pt.nn.cross_entropy(logits, pt.tensor { 0.5, 1.5 }) end, "integer class ids")
+  raises(function() pt.nn.mse(pt.ones(2), pt.ones(3)) end, "equal shapes")
+end)
+
+H.run()
