@@ -39,14 +39,28 @@ int main(int argc, char** argv) {
                  "intra-op threads for LibTorch (default: all cores)")
       ->check(CLI::PositiveNumber);
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
-  app.prefix_command();  // everything after the script belongs to the script
+
+  // partrain's own flags come before the script; everything from the script on is the script's,
+  // even words that look like partrain flags (`train.lua --help` asks the script for help).
+  int split = 1;
+  while (split < argc) {
+    std::string word = argv[split];
+    if (word.empty() || word[0] != '-' || word == "-") break;
+    ++split;
+    auto* option = word.rfind("--", 0) == 0 ? app.get_option_no_throw(word.substr(0, word.find('=')))
+                                            : app.get_option_no_throw(word.substr(0, 2));
+    bool inline_value = word.find('=') != std::string::npos || (word[1] != '-' && word.size() > 2);
+    if (option && option->get_items_expected_min() > 0 && !inline_value && split < argc) ++split;  // its value
+  }
+  if (split < argc) {
+    script = argv[split];
+    for (int i = split + 1; i < argc; ++i) script_args.emplace_back(argv[i]);
+  }
   try {
-    app.parse(argc, argv);
+    app.parse(split, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  // With prefix_command, what follows the script lands in the remaining arguments, in order.
-  for (const auto& extra : app.remaining()) script_args.push_back(extra);
 
   if (chunks.empty() && script.empty()) {
     std::cerr << app.help() << std::endl;

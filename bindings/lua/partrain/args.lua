@@ -32,9 +32,8 @@ local function convert(name, kind, text)
     return b
   end
   local x = tonumber(text)
-  if x == nil then error(("--%s expects a number, got '%s'"):format(name, text), 0) end
-  if kind == "integer" and x ~= math.floor(x) then
-    error(("--%s expects an integer, got '%s'"):format(name, text), 0)
+  if x == nil or (kind == "integer" and x ~= math.floor(x)) then
+    error(("--%s expects %s, got '%s'"):format(name, kind == "integer" and "an integer" or "a number", text), 0)
   end
   return x
 end

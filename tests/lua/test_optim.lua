@@ -1,0 +1,109 @@
+-- Optimizers from Lua: each update matches its formula, schedules give the documented rates,
+-- clipping bounds the global norm, and bad options are refused by name.
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, eq, near, raises, ok = H.test, H.eq, H.near, H.raises, H.ok
+
+-- One parameter w with loss sum(w * g): its gradient is exactly g.
+local function setup(values)
+  local w = pt.tensor(values, { requires_grad = true })
+  return w, function(g)
+    w.grad = nil
+    local loss = (w * pt.tensor(g)):sum()
+    loss:backward()
+  end
+end
+
+test("sgd: plain, weight decay, momentum and nesterov follow PyTorch's formulas", function()
+  local w, grad = setup { 1.0, -2.0 }
+  local opt = pt.optim.sgd({ w }, { lr = 0.1 })
+  grad { 0.5, 1.0 }; opt:step()
+  near(w, { 1.0 - 0.05, -2.0 - 0.1 }, 1e-6, "plain step")
+
+  w, grad = setup { 1.0 }
+  opt = pt.optim.sgd({ w }, { lr = 0.1, weight_decay = 0.5 })
+  grad { 0.0 }; opt:step()
+  near(w, { 1.0 - 0.1 * 0.5 }, 1e-6, "weight decay adds wd * w to the gradient")
+
+  w, grad = setup { 0.0 }
+  opt = pt.optim.sgd({ w }, { lr = 1.0, momentum = 0.9 })
+  grad { 1.0 }; opt:step()   -- buf = 1
+  grad { 1.0 }; opt:step()   -- buf = 0.9 + 1 = 1.9
+  near(w, { -2.9 }, 1e-6, "momentum")
+
+  w, grad = setup { 0.0 }
+  opt = pt.optim.sgd({ w }, { lr = 1.0, momentum = 0.9, nesterov = true })
+  grad { 1.0 }; opt:step()   -- buf = 1, step = g + 0.9 buf = 1.9
+  near(w, { -1.9 }, 1e-6, "nesterov")
+  raises(function() pt.optim.sgd({ w }, { lr = 0.1, nesterov = true }) end, "nesterov needs momentum > 0")
+end)
+
+test("adam and adamw take the bias-corrected first step of size lr", function()
+  for _, kind in ipairs { "adam", "adamw" } do
+    local w, grad = setup { 1.0, 1.0 }
+    local opt = pt.optim[kind]({ w }, { lr = 0.01, weight_decay = 0 })
+    grad { 3.0, -0.5 }; opt:step()
+    near(w, { 1.0 - 0.01, 1.0 + 0.01 }, 1e-5, kind .. " first step is lr * sign(g)")
+  end
+  local w, grad = setup { 2.0 }
+  local opt = pt.optim.adamw({ w }, { lr = 0.1, weight_decay = 0.5 })
+  grad { 0.0 }; opt:step()
+  near(w, { 2.0 * (1 - 0.1 * 0.5) }, 1e-6, "adamw decays weights directly")
+  raises(function() pt.optim.adam({ w }, { betas = { 0.9 } }) end, "must hold two numbers")
+end)
+
+test("schedules: warmup then cosine or linear decay to min_lr", function()
+  local s = { kind = "cosine", warmup = 10, total = 110, min_lr = 0.1 }
+  near(pt.optim.scheduled_lr(s, 1.0, 0), 0.1, 1e-9, "warmup starts at lr/warmup")
+  near(pt.optim.scheduled_lr(s, 1.0, 9), 1.0, 1e-9, "warmup reaches lr")
+  near(pt.optim.scheduled_lr(s, 1.0, 60), 0.55, 1e-9, "cosine midpoint")
+  near(pt.optim.scheduled_lr(s, 1.0, 110), 0.1, 1e-9, "ends at min_lr")
+  near(pt.optim.scheduled_lr(s, 1.0, 500), 0.1, 1e-9, "stays at min_lr")
+  local l = { kind = "linear", total = 100 }
+  near(pt.optim.scheduled_lr(l, 2.0, 25), 1.5, 1e-9, "linear")
+  near(pt.optim.scheduled_lr({}, 2.0, 25), 2.0, 1e-9, "constant")
+  raises(function() pt.optim.scheduled_lr({ kind = "cosine", total = 5, warmup = 5 }, 1, 0) end, "needs total > warmup")
+  raises(function() pt.optim.scheduled_lr({ kind = "exp" }, 1, 0) end, "constant, cosine or linear")
+  raises(function() pt.optim.scheduled_lr({ kind = "cosine", totl = 5 }, 1, 0) end, "unknown option 'totl'")
+end)
+
+test("the optimizer applies its schedule step by step", function()
+  local w, grad = setup { 0.0 }
+  local opt = pt.optim.sgd({ w }, { lr = 1.0, schedule = { kind = "linear", warmup = 2, total = 4 } })
+  local rates = {}
+  for _ = 1, 5 do rates[#rates + 1] = opt:lr(); grad { 1.0 }; opt:step() end
+  eq(table.concat(rates, ","), "0.5,1,1,0.5,0")
+  near(w, { -3.0 }, 1e-6, "the parameter moved by the sum of the rates")
+  eq(opt:steps(), 5)
+end)
+
+test("clipping bounds the global gradient norm", function()
+  local a = pt.tensor({ 0.0, 0.0 }, { requires_grad = true })
+  local b = pt.tensor({ 0.0 }, { requires_grad = true })
+  local la = (a * pt.tensor { 3.0, 0.0 }):sum()
+  local lb = (b * pt.tensor { 4.0 }):sum()
+  la:backward(); lb:backward()
+  local norm = pt.nn.clip_grad_norm({ a, b }, 1.0)
+  near(norm, 5.0, 1e-6, "returns the norm before clipping")
+  near(a.grad, { 0.6, 0 }, 1e-5); near(b.grad, { 0.8 }, 1e-5)
+  local w, grad = setup { 0.0 }
+  local opt = pt.optim.sgd({ w }, { lr = 1.0, clip_grad_norm = 0.5 })
+  grad { 10.0 }
+  near(opt:step(), 10.0, 1e-6, "step returns the norm when clipping")
+  near(w, { -0.5 }, 1e-6, "clipped before the update")
+end)
+
+test("bad optimizer input is refused by name", function()
+  local w = pt.tensor({ 1.0 }, { requires_grad = true })
+  raises(function() pt.optim.sgd({ w }, { lr = "fast" }) end, "option 'lr' for sgd must be a number, got string 'fast'")
+  raises(function() pt.optim.sgd({ w }, { momentun = 0.9 }) end, "unknown option 'momentun' for sgd")
+  raises(function() pt.optim.adam({ w }, { momentum = 0.9 }) end, "unknown option 'momentum' for adam")
+  raises(function() pt.optim.sgd({ w }, { lr = -1 }) end, "lr must be >= 0")
+  raises(function() pt.optim.sgd({}, { lr = 1 }) end, "got no parameters")
+  raises(function() pt.optim.sgd(42) end, "module or table of parameters expected, got number")
+  raises(function() pt.optim.sgd({ pt.ones(1) }) end, "requires grad")
+  raises(function() pt.optim.sgd({ w }, { schedule = { kind = "cosine" } }) end, "needs total > warmup")
+end)
+
+H.run()
