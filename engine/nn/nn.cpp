@@ -46,12 +46,13 @@ std::shared_ptr<Module> Module::child(const std::string& name) const {
 }
 
 std::shared_ptr<Module> Module::find(const std::string& path) const {
-  auto self = std::const_pointer_cast<Module>(
-      std::dynamic_pointer_cast<const Module>(shared_from_this()));
-  if (path.empty()) return self;
-  std::shared_ptr<Module> node = self;
+  if (path.empty())  // this module itself, when it is owned by a shared_ptr
+    return std::const_pointer_cast<Module>(
+        std::dynamic_pointer_cast<const Module>(weak_from_this().lock()));
   std::stringstream parts(path);
   std::string part;
+  std::getline(parts, part, '.');
+  std::shared_ptr<Module> node = child(part);
   while (node && std::getline(parts, part, '.')) node = node->child(part);
   return node;
 }

@@ -1,1 +1,217 @@
-// placeholder
+// GoogleTest for the engine alone (no Lua): the module tree, layers, optimizers, data.
+#include <gtest/gtest.h>
+#include <zlib.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "engine/data/data.hpp"
+#include "engine/models/models.hpp"
+#include "engine/nn/layers.hpp"
+#include "engine/optim/optim.hpp"
+
+using namespace partrain;
+using torch::Tensor;
+
+namespace {
+
+// The message of the exception `fn` throws, or "" when it throws none.
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string temp_path(const char* suffix) {
+  return std::string(testing::TempDir()) + "partrain_" +
+         testing::UnitTest::GetInstance()->current_test_info()->name() + suffix;
+}
+
+}  // namespace
+
+TEST(ModuleTree, DottedNamesFindAndReplace) {
+  auto inner = std::make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{std::make_shared<nn::Linear>(nn::LinearOptions(4, 4))});
+  nn::Sequential root({std::make_shared<nn::Linear>(nn::LinearOptions(2, 4)), inner});
+  std::vector<std::string> names;
+  for (const auto& p : root.named_parameters()) names.push_back(p.key());
+  EXPECT_EQ(names, (std::vector<std::string>{"0.weight", "0.bias", "1.0.weight", "1.0.bias"}));
+  ASSERT_TRUE(root.find("1.0"));
+  EXPECT_EQ(root.find("1.0")->type(), "Linear");
+  EXPECT_EQ(root.find("1.7"), nullptr) << "a path that matches nothing";
+  root.find("1")->set_child("0", std::make_shared<nn::LayerNorm>(nn::LayerNormOptions(4)));
+  EXPECT_EQ(root.find("1.0")->type(), "LayerNorm") << "set_child replaces an existing child";
+  EXPECT_EQ(root.forward({torch::randn({3, 2})}).sizes(), (std::vector<int64_t>{3, 4}));
+}
+
+TEST(ModuleTree, LoadStateDictNamesEveryProblem) {
+  nn::Linear a(nn::LinearOptions(3, 2)), b(nn::LinearOptions(3, 2));
+  nn::TensorMap state = a.state_dict();
+  b.load_state_dict(state);
+  EXPECT_TRUE(b.weight().equal(a.weight())) << "weights copied";
+  state.erase("bias");
+  state["weight"] = torch::zeros({2, 2});
+  state["extra"] = torch::zeros({1});
+  std::string msg = error_of([&] { b.load_state_dict(state); });
+  EXPECT_NE(msg.find("'weight' has shape [2, 2] but the model expects [2, 3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing 'bias'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unexpected 'extra'"), std::string::npos) << msg;
+}
+
+TEST(Layers, LinearReadsAReplacedWeight) {
+  nn::Linear l(nn::LinearOptions(3, 2));
+  auto x = torch::randn({4, 3});
+  EXPECT_TRUE(l.forward(x).allclose(x.matmul(l.weight().t()) + l.bias()));
+  l.set_parameter("weight", torch::ones({2, 3}));
+  EXPECT_TRUE(l.forward(x).allclose(x.sum(1, true).expand({4, 2}) + l.bias()))
+      << "forward must use the parameter now in the slot";
+  EXPECT_NE(error_of([&] { l.forward(torch::randn({4, 5})); }).find("expects input (..., 3)"), std::string::npos);
+}
+
+TEST(Layers, LinearWithoutBiasHasAnEmptySlot) {
+  nn::LinearOptions o(3, 2);
+  o.bias = false;
+  nn::Linear l(o);
+  EXPECT_TRUE(l.has_slot("bias"));
+  EXPECT_FALSE(l.bias().defined());
+  EXPECT_EQ(l.parameters().size(), 1u);
+}
+
+TEST(Layers, ReprShowsTheTree) {
+  auto model = models::mlp({{4, 8, 2}});
+  EXPECT_EQ(model->type(), "MLP");
+  EXPECT_EQ(model->repr(), "MLP(\n  (0): Linear(in=4, out=8)\n  (1): ReLU()\n  (2): Linear(in=8, out=2)\n)");
+  EXPECT_NE(error_of([] { nn::make_activation("Swish"); }).find("unknown activation 'Swish'"), std::string::npos);
+}
+
+TEST(Optim, SchedulesGiveDocumentedRates) {
+  optim::ScheduleOptions s;
+  s.kind = "cosine";
+  s.warmup = 4;
+  s.total = 104;
+  s.min_lr = 0.0;
+  EXPECT_DOUBLE_EQ(optim::scheduled_lr(s, 1.0, 0), 0.25);
+  EXPECT_DOUBLE_EQ(optim::scheduled_lr(s, 1.0, 3), 1.0);
+  EXPECT_NEAR(optim::scheduled_lr(s, 1.0, 54), 0.5, 1e-12);
+  EXPECT_DOUBLE_EQ(optim::scheduled_lr(s, 1.0, 104), 0.0);
+  s.total = 3;
+  EXPECT_NE(error_of([&] { optim::validate(s); }).find("needs total > warmup"), std::string::npos);
+}
+
+TEST(Optim, SgdStepMatchesFormulaAndClips) {
+  auto w = torch::tensor({1.0, 2.0}).set_requires_grad(true);
+  optim::OptimizerOptions o;
+  o.kind = "sgd";
+  o.lr = 0.5;
+  o.clip_grad_norm = 1.0;
+  optim::Optimizer opt({w}, o);
+  (w * torch::tensor({3.0, 4.0})).sum().backward();  // grad (3, 4), norm 5
+  EXPECT_NEAR(opt.step(), 5.0, 1e-6);
+  EXPECT_TRUE(w.allclose(torch::tensor({1.0 - 0.5 * 0.6, 2.0 - 0.5 * 0.8})));
+  o.kind = "lion";
+  EXPECT_NE(error_of([&] { optim::Optimizer({w}, o); }).find("unknown optimizer 'lion'"), std::string::npos);
+}
+
+TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
+  const unsigned char idx[] = {0, 0, 0x08, 2, 0, 0, 0, 2, 0, 0, 0, 3, 1, 2, 3, 4, 5, 6};
+  std::string plain = temp_path(".idx"), gz = temp_path(".idx.gz");
+  std::ofstream(plain, std::ios::binary).write(reinterpret_cast<const char*>(idx), sizeof(idx));
+  gzFile f = gzopen(gz.c_str(), "wb");
+  gzwrite(f, idx, sizeof(idx));
+  gzclose(f);
+  for (const auto& path : {plain, gz}) {
+    auto t = data::read_idx(path);
+    EXPECT_EQ(t.sizes(), (std::vector<int64_t>{2, 3})) << path;
+    EXPECT_EQ(t.scalar_type(), torch::kUInt8);
+    EXPECT_EQ(t.sum().item<int64_t>(), 21);
+  }
+  std::ofstream(plain, std::ios::binary).write(reinterpret_cast<const char*>(idx), sizeof(idx) - 2);
+  EXPECT_NE(error_of([&] { data::read_idx(plain); }).find("is truncated"), std::string::npos);
+  EXPECT_NE(error_of([] { data::read_idx("/no/such/file.idx"); }).find("cannot open '/no/such/file.idx'"),
+            std::string::npos);
+  std::remove(plain.c_str());
+  std::remove(gz.c_str());
+}
+
+// A dataset whose sample i is the number i, to see exactly which samples a loader hands out.
+class Counting : public data::Dataset {
+ public:
+  explicit Counting(int64_t n) : n_(n) {}
+  int64_t size() const override { return n_; }
+  std::vector<Tensor> batch(const std::vector<int64_t>& indices) const override {
+    return {torch::tensor(indices, torch::kInt64)};
+  }
+  std::string describe() const override { return "counting"; }
+
+ private:
+  int64_t n_;
+};
+
+TEST(Data, LoaderIsDeterministicAndShardsPartitionTheGlobalBatch) {
+  auto ds = std::make_shared<Counting>(100);
+  data::LoaderOptions o;
+  o.batch = 8;
+  o.seed = 5;
+  data::Loader a(ds, o), b(ds, o);
+  for (int i = 0; i < 30; ++i) ASSERT_TRUE(a.next()[0].equal(b.next()[0])) << "batch " << i;
+  EXPECT_EQ(a.epoch(), 2) << "12 batches an epoch: 30 batches reach epoch 2";
+  EXPECT_FALSE(a.order(0) == a.order(1)) << "each epoch reshuffles";
+
+  data::Loader serial(ds, o);
+  std::vector<data::Loader> ranks;
+  for (int r = 0; r < 4; ++r) {
+    auto ro = o;
+    ro.shard_rank = r;
+    ro.shard_count = 4;
+    ranks.emplace_back(ds, ro);
+  }
+  for (int step = 0; step < 15; ++step) {
+    std::vector<Tensor> parts;
+    for (auto& l : ranks) parts.push_back(l.next()[0]);
+    ASSERT_TRUE(torch::cat(parts).equal(serial.next()[0])) << "step " << step;
+  }
+  o.shard_count = 3;
+  EXPECT_NE(error_of([&] { data::Loader(ds, o); }).find("batch=8 does not divide into shard_count=3"),
+            std::string::npos);
+}
+
+TEST(Data, TextWindowsShiftTargetsByOne) {
+  std::string path = temp_path(".txt");
+  std::ofstream(path) << "0123456789";
+  data::Text text({path, 4});
+  EXPECT_EQ(text.size(), 2);  // (10 - 1) / 4
+  auto b = text.batch({1});
+  EXPECT_TRUE(b[0].equal(torch::tensor({{'4', '5', '6', '7'}}, torch::kInt64)));
+  EXPECT_TRUE(b[1].equal(torch::tensor({{'5', '6', '7', '8'}}, torch::kInt64)));
+  EXPECT_NE(error_of([&] { data::Text({path, 20}); }).find("fewer than seq+1"), std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST(Models, MlpLearnsFashionMnist) {
+  torch::manual_seed(0);
+  auto model = models::mlp({{784, 64, 10}});
+  optim::OptimizerOptions o;
+  o.lr = 0.1;
+  o.momentum = 0.9;
+  optim::Optimizer opt(model->parameters(), o);
+  data::LoaderOptions lo;
+  lo.batch = 64;
+  data::Loader loader(std::make_shared<data::Mnist>(data::MnistOptions{}), lo);
+  double first = 0, last = 0;
+  for (int step = 0; step < 200; ++step) {
+    auto b = loader.next();
+    auto loss = nn::cross_entropy(model->forward({b[0]}), b[1]);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    if (step < 20) first += loss.item<double>() / 20;
+    if (step >= 180) last += loss.item<double>() / 20;
+  }
+  EXPECT_LT(last, 0.6 * first) << "mean loss of the last 20 steps vs the first 20";
+}
