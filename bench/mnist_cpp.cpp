@@ -2,6 +2,7 @@
 // the baseline that measures what driving the loop from Lua costs.
 #include <chrono>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -15,9 +16,10 @@ int main(int argc, char** argv) {
   int steps = argc > 1 ? std::atoi(argv[1]) : 300;
   int batch = argc > 2 ? std::atoi(argv[2]) : 64;
   int threads = argc > 3 ? std::atoi(argv[3]) : 1;
+  int64_t hidden = argc > 4 ? std::atoi(argv[4]) : 256;  // widths hidden, hidden/2
   at::set_num_threads(threads);
   torch::manual_seed(1);
-  auto model = models::mlp({{784, 256, 128, 10}});
+  auto model = models::mlp({{784, hidden, std::max<int64_t>(1, hidden / 2), 10}});
   optim::OptimizerOptions o;
   o.kind = "sgd";
   o.lr = 0.05;

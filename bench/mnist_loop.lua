@@ -1,10 +1,10 @@
 -- The MNIST training loop of bench/mnist_cpp.cpp written in Lua: the same model, data, optimizer
 -- and steps, so the two timings differ only by what Lua adds.
 local pt = require "partrain"
-local cfg = pt.args { steps = 300, batch = 64, threads = 1 }
+local cfg = pt.args { steps = 300, batch = 64, threads = 1, hidden = 256 }
 pt.set_threads(cfg.threads)
 pt.manual_seed(1)
-local model = pt.models.mlp { sizes = { 784, 256, 128, 10 } }
+local model = pt.models.mlp { sizes = { 784, cfg.hidden, math.max(1, math.floor(cfg.hidden / 2)), 10 } }
 local opt = pt.optim.sgd(model, { lr = 0.05, momentum = 0.9 })
 local data = pt.data.mnist { batch = cfg.batch, seed = 1 }
 

@@ -407,7 +407,22 @@ std::string dtype_name(c10::ScalarType t) {
   return c10::toString(t);
 }
 
-void push_tensor(lua_State* L, Tensor t) { ud_push(L, std::move(t), PT_TENSOR_MT); }
+// Lua sees a tensor as an 8-byte userdata, so its collector never feels the megabytes behind
+// it: activations and gradients would pile up until a collection happens to run. Count the
+// bytes handed to Lua and collect once they pass a budget, as Torch7 did.
+namespace {
+constexpr size_t kGcBudgetBytes = size_t(64) << 20;
+thread_local size_t bytes_since_gc = 0;
+}  // namespace
+
+void push_tensor(lua_State* L, Tensor t) {
+  if (t.defined() && t.has_storage()) bytes_since_gc += t.storage().nbytes();
+  ud_push(L, std::move(t), PT_TENSOR_MT);
+  if (bytes_since_gc > kGcBudgetBytes) {
+    bytes_since_gc = 0;
+    lua_gc(L, LUA_GCCOLLECT, 0);
+  }
+}
 
 void open_tensor(lua_State* L, int core) {
   new_metatable<Tensor>(L, PT_TENSOR_MT);
