@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 
 #include "engine/data/data.hpp"
@@ -30,6 +31,12 @@ int main(int argc, char** argv) {
   lo.seed = 1;
   data::Loader loader(std::make_shared<data::Mnist>(data::MnistOptions{}), lo);
 
+  auto cpu = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+  };
+  double cpu_start = cpu();
   auto start = std::chrono::steady_clock::now();
   double loss_sum = 0;
   for (int step = 0; step < steps; ++step) {
@@ -41,6 +48,7 @@ int main(int argc, char** argv) {
     loss_sum += loss.item<double>();
   }
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("cpp steps %d seconds %.4f mean_loss %.6f\n", steps, seconds, loss_sum / steps);
+  std::printf("cpp steps %d seconds %.4f cpu %.4f mean_loss %.6f\n", steps, seconds, cpu() - cpu_start,
+              loss_sum / steps);
   return 0;
 }

@@ -8,7 +8,7 @@ local model = pt.models.mlp { sizes = { 784, cfg.hidden, math.max(1, math.floor(
 local opt = pt.optim.sgd(model, { lr = 0.05, momentum = 0.9 })
 local data = pt.data.mnist { batch = cfg.batch, seed = 1 }
 
-local start = pt.time()
+local start, cpu_start = pt.time(), pt.cpu_time()
 local loss_sum = 0
 for _ = 1, cfg.steps do
   local x, y = data:next()
@@ -18,4 +18,5 @@ for _ = 1, cfg.steps do
   opt:step()
   loss_sum = loss_sum + loss:item()
 end
-print(("lua steps %d seconds %.4f mean_loss %.6f"):format(cfg.steps, pt.time() - start, loss_sum / cfg.steps))
+print(("lua steps %d seconds %.4f cpu %.4f mean_loss %.6f"):format(cfg.steps, pt.time() - start,
+  pt.cpu_time() - cpu_start, loss_sum / cfg.steps))

@@ -4,6 +4,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/data/data.hpp"
+#include "engine/models/models.hpp"
 #include "engine/optim/optim.hpp"
 
 namespace partrain::lua {
@@ -65,6 +66,10 @@ OptimizerPtr& optimizer(const Args& a, int i) {
 const Function kOptimizerMethods[] = {
     {"step", [](Args& a) { double norm = optimizer(a, 1)->step(); if (norm < 0) { lua_pushnil(a.L); return 1; } return a.ret(norm); }},
     {"zero_grad", [](Args& a) { optimizer(a, 1)->zero_grad(); return a.ret(); }},
+    // opt:classification_step(model, inputs, targets): forward, cross-entropy, backward and the
+    // update in one C++ call; returns the loss.
+    {"classification_step", [](Args& a) {
+       return a.ret(models::classification_step(*a.module(2), *optimizer(a, 1), a.tensor(3), a.tensor(4))); }},
     {"lr", [](Args& a) { return a.ret(optimizer(a, 1)->lr()); }},
     {"set_lr", [](Args& a) { optimizer(a, 1)->set_lr(a.number(2)); return a.ret(); }},
     {"steps", [](Args& a) { return a.ret(double(optimizer(a, 1)->steps_taken())); }},

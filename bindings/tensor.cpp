@@ -2,6 +2,7 @@
 // is one line. Dimensions and indices count from 0 as in PyTorch (negative counts from the end);
 // Lua tables that come back (shape, totable) are ordinary 1-based Lua arrays.
 #include <chrono>
+#include <ctime>
 #include <sstream>
 
 #include "bindings/lua.hpp"
@@ -369,6 +370,10 @@ const Function kFunctions[] = {
     {"now", [](Args& a) {  // seconds on a monotonic clock, for timing
        auto t = std::chrono::steady_clock::now().time_since_epoch();
        return a.ret(std::chrono::duration<double>(t).count()); }},
+    {"cpu_time", [](Args& a) {  // CPU seconds this process has used (all threads)
+       timespec ts{};
+       clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+       return a.ret(double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec)); }},
     {"grad_enabled", [](Args& a) { return a.ret(torch::GradMode::is_enabled()); }},
     {"no_grad", [](Args& a) {  // no_grad(fn, ...): runs fn with autograd off, returns its results
        if (lua_type(a.L, 1) != LUA_TFUNCTION) a.expected(1, "function");
@@ -411,7 +416,7 @@ std::string dtype_name(c10::ScalarType t) {
 // it: activations and gradients would pile up until a collection happens to run. Count the
 // bytes handed to Lua and collect once they pass a budget, as Torch7 did.
 namespace {
-constexpr size_t kGcBudgetBytes = size_t(64) << 20;
+constexpr size_t kGcBudgetBytes = size_t(16) << 20;
 thread_local size_t bytes_since_gc = 0;
 }  // namespace
 

@@ -27,4 +27,13 @@ nn::ModulePtr mlp(const MlpOptions& o) {
   return model;
 }
 
+double classification_step(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
+                           const torch::Tensor& targets) {
+  auto loss = nn::cross_entropy(model.forward({inputs}), targets);
+  optimizer.zero_grad();
+  loss.backward();
+  optimizer.step();
+  return loss.item<double>();
+}
+
 }  // namespace partrain::models

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "engine/nn/layers.hpp"
+#include "engine/optim/optim.hpp"
 
 namespace partrain::models {
 
@@ -18,5 +19,10 @@ struct MlpOptions {
 
 /// Linear, activation, [dropout], ..., Linear as a Sequential of type "MLP".
 nn::ModulePtr mlp(const MlpOptions& options);
+
+/// One supervised classification step, all in C++: forward, cross-entropy against `targets`,
+/// zero_grad, backward, optimizer step. Returns the loss.
+double classification_step(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
+                           const torch::Tensor& targets);
 
 }  // namespace partrain::models

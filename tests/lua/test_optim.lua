@@ -94,6 +94,24 @@ test("clipping bounds the global gradient norm", function()
   near(w, { -0.5 }, 1e-6, "clipped before the update")
 end)
 
+test("classification_step does in C++ exactly what the Lua step does", function()
+  local function make()
+    pt.manual_seed(5)
+    local m = pt.models.mlp { sizes = { 6, 8, 3 } }
+    return m, pt.optim.adam(m, { lr = 0.01 })
+  end
+  local m1, o1 = make()
+  local m2, o2 = make()
+  pt.manual_seed(9)
+  local x, y = pt.randn(10, 6), pt.randint(0, 3, { 10 })
+  for _ = 1, 3 do
+    local loss = pt.nn.cross_entropy(m1(x), y)
+    o1:zero_grad(); loss:backward(); o1:step()
+    eq(o2:classification_step(m2, x, y), loss:item(), "the same loss")
+  end
+  ok(m1:get("0").weight:equal(m2:get("0").weight), "the same weights after three steps")
+end)
+
 test("bad optimizer input is refused by name", function()
   local w = pt.tensor({ 1.0 }, { requires_grad = true })
   raises(function() pt.optim.sgd({ w }, { lr = "fast" }) end, "option 'lr' for sgd must be a number, got string 'fast'")

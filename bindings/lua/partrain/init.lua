@@ -139,6 +139,7 @@ function pt.log(fields)
   io.flush()
 end
 
-pt.time = core.now
+pt.time = core.now            -- wall-clock seconds (monotonic)
+pt.cpu_time = core.cpu_time   -- CPU seconds used by this process
 
 return pt
