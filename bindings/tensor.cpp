@@ -412,21 +412,14 @@ std::string dtype_name(c10::ScalarType t) {
   return c10::toString(t);
 }
 
-// Lua sees a tensor as an 8-byte userdata, so its collector never feels the megabytes behind
-// it: activations and gradients would pile up until a collection happens to run. Count the
-// bytes handed to Lua and collect once they pass a budget, as Torch7 did.
-namespace {
-constexpr size_t kGcBudgetBytes = size_t(16) << 20;
-thread_local size_t bytes_since_gc = 0;
-}  // namespace
-
+// Lua sees a tensor as a small userdata, so its collector never feels the megabytes behind it:
+// activations and batches would pile up until a collection happened to run, and every step would
+// write into fresh, cold memory. Each tensor handed to Lua advances the incremental collector as
+// if Lua itself had allocated the tensor's bytes (Lua's own way to account for outside memory).
 void push_tensor(lua_State* L, Tensor t) {
-  if (t.defined() && t.has_storage()) bytes_since_gc += t.storage().nbytes();
+  size_t kb = t.defined() && t.has_storage() ? t.storage().nbytes() >> 10 : 0;
   ud_push(L, std::move(t), PT_TENSOR_MT);
-  if (bytes_since_gc > kGcBudgetBytes) {
-    bytes_since_gc = 0;
-    lua_gc(L, LUA_GCCOLLECT, 0);
-  }
+  if (kb > 0) lua_gc(L, LUA_GCSTEP, static_cast<int>(std::min<size_t>(kb, 1 << 20)));
 }
 
 void open_tensor(lua_State* L, int core) {
