@@ -1,8 +1,8 @@
 // The partrain command: runs Lua training scripts on the engine (`partrain train.lua`), single
-// chunks (`-e`), and prints its version and flags. Launcher, REPL, plan and ckpt build on it.
-#include <unistd.h>
-
+// chunks (`-e`), and, with --nproc-per-node, launches one process per rank like torchrun. Under
+// torchrun or SLURM (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it runs as that one rank.
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -10,8 +10,10 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include "app/launcher.hpp"
 #include "bindings/host.hpp"
 #include "engine/compat.hpp"
+#include "engine/dist/world.hpp"
 
 namespace {
 
@@ -24,20 +26,32 @@ int fail(const std::string& message) {
 
 int main(int argc, char** argv) {
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"
-               "  partrain script.lua [args...]    run a training script\n"
-               "  partrain -e 'lua code'           run a chunk of Lua\n",
+               "  partrain script.lua [args...]                  run a training script\n"
+               "  partrain --nproc-per-node 4 script.lua [args]  run it as 4 local ranks\n"
+               "  partrain -e 'lua code'                         run a chunk of Lua\n",
                "partrain"};
   app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (LibTorch " +
                                         partrain::compat::torch_version() + ", LuaJIT)");
   std::vector<std::string> chunks;
   int threads = 0;
+  int timeout = 0;
   std::string script;
   std::vector<std::string> script_args;
-  app.add_option("-e,--execute", chunks, "run this Lua code (before the script, if any)")
-      ->allow_extra_args(false);
-  app.add_option("--threads", threads,
-                 "intra-op threads for LibTorch (default: all cores)")
+  partrain::app::LaunchOptions launch;
+  int nproc = 0;
+  app.add_option("-e,--execute", chunks, "run this Lua code (before the script, if any)")->allow_extra_args(false);
+  app.add_option("--threads", threads, "intra-op threads for LibTorch (default: all cores; with "
+                 "--nproc-per-node, cores / local ranks)")->check(CLI::PositiveNumber);
+  app.add_option("--nproc-per-node", nproc, "ranks to start on this machine (launcher mode)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--nnodes", launch.nnodes, "machines taking part (default 1)");
+  app.add_option("--node-rank", launch.node_rank, "this machine's index, 0..nnodes-1 (default 0)");
+  app.add_option("--master-addr", launch.master_addr, "host where rank 0 serves the rendezvous "
+                 "(default 127.0.0.1)");
+  app.add_option("--master-port", launch.master_port, "its port (default: a free one; required with --nnodes > 1)");
+  app.add_flag("--tee", launch.tee, "show every rank's stdout, each line prefixed with its rank");
+  app.add_option("--timeout", timeout, "seconds a collective or the rendezvous may wait before "
+                 "failing (default 300)")->check(CLI::PositiveNumber);
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's,
@@ -66,17 +80,55 @@ int main(int argc, char** argv) {
     std::cerr << app.help() << std::endl;
     return fail("nothing to run: give a script or -e CODE");
   }
+  bool launcher_flags = app.count("--nnodes") || app.count("--node-rank") || app.count("--master-addr") ||
+                        app.count("--master-port") || app.count("--tee");
+  if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port and --tee "
+                                                "need --nproc-per-node");
+
+  // Launcher mode: start the ranks, each running this same command without the launcher flags.
+  if (nproc > 0) {
+    launch.nproc_per_node = nproc;
+    launch.threads = threads;
+    if (timeout > 0) launch.timeout = timeout;
+    std::vector<std::string> child;
+    for (const auto& c : chunks) {
+      child.push_back("-e");
+      child.push_back(c);
+    }
+    if (!script.empty()) child.push_back(script);
+    child.insert(child.end(), script_args.begin(), script_args.end());
+    try {
+      return partrain::app::launch(launch, child);
+    } catch (const std::exception& e) {
+      return fail(e.what());
+    }
+  }
+
   if (threads > 0) at::set_num_threads(threads);
+  if (timeout > 0) setenv("PARTRAIN_TIMEOUT", std::to_string(timeout).c_str(), 1);
+  std::string where;  // "rank N: " in messages once there are several ranks
+  try {
+    // One rank of several (started by the launcher, torchrun or SLURM): join the others first,
+    // so a rendezvous problem shows before the script runs.
+    auto world_options = partrain::dist::world_options_from_env();
+    if (world_options.world_size > 1) {
+      where = "rank " + std::to_string(world_options.rank) + ": ";
+      partrain::dist::World::instance().init(world_options);
+    }
+  } catch (const std::exception& e) {
+    return fail(where + partrain::compat::message_of(e));
+  }
 
   try {
     partrain::lua::Host host;
     std::string error;
     for (size_t i = 0; i < chunks.size(); ++i)
-      if (!host.run_string(chunks[i], "=(command line)", &error)) return fail(error);
-    if (!script.empty() && !host.run_file(script, script_args, &error)) return fail(error);
+      if (!host.run_string(chunks[i], "=(command line)", &error)) return fail(where + error);
+    if (!script.empty() && !host.run_file(script, script_args, &error)) return fail(where + error);
     std::fflush(stdout);
+    partrain::dist::World::instance().shutdown();  // wait for the others before leaving
   } catch (const std::exception& e) {
-    return fail(e.what());
+    return fail(where + partrain::compat::message_of(e));
   }
   return 0;
 }

@@ -10,13 +10,11 @@
 #include <sstream>
 
 #include "bindings/lua.hpp"
+#include "engine/compat.hpp"
 
 namespace partrain::lua {
 
-std::string message_of(const std::exception& e) {
-  if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
-  return e.what();
-}
+std::string message_of(const std::exception& e) { return compat::message_of(e); }
 
 // ---- Args ----------------------------------------------------------------------------------
 
@@ -40,8 +38,12 @@ torch::Tensor& Args::tensor(int i) const {
 }
 
 torch::Tensor Args::tensor_or_number(int i, const torch::Tensor& like) const {
-  if (is_number(i)) return torch::scalar_tensor(lua_tonumber(L, i), like.options().requires_grad(false));
-  return tensor(i);
+  if (!is_number(i)) return tensor(i);
+  // A "wrapped number", as PyTorch makes of a Python scalar: int64 * 0.5 promotes to float, and
+  // float16 * 3 stays float16.
+  auto t = c10::scalar_to_tensor(scalar(i), like.device());
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
 }
 
 double Args::number(int i) const {
@@ -163,9 +165,10 @@ Options::Options(lua_State* L, int idx, std::string what, std::string prefix)
       what_(std::move(what)), prefix_(std::move(prefix)) {}
 
 bool Options::push(const char* key) {
-  known_.emplace_back(key);
+  if (std::find(known_.begin(), known_.end(), key) == known_.end()) known_.emplace_back(key);
   if (!idx_) return false;
-  lua_getfield(L, idx_, key);
+  lua_pushstring(L, key);
+  lua_rawget(L, idx_);  // options are plain data: no metamethods
   if (lua_isnil(L, -1)) {
     lua_pop(L, 1);
     return false;
@@ -235,8 +238,13 @@ std::vector<double> Options::numbers(const char* key, std::vector<double> fallba
     lua_rawgeti(L, -1, k);
     bool ok = lua_type(L, -1) == LUA_TNUMBER;
     double x = lua_tonumber(L, -1);
+    if (!ok) {
+      std::string got = luaL_typename(L, -1);
+      lua_pop(L, 2);
+      throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be a table of numbers, "
+                                  "element " + std::to_string(k) + " is a " + got);
+    }
     lua_pop(L, 1);
-    if (!ok) wrong(key, "a table of numbers");
     out.push_back(x);
   }
   lua_pop(L, 1);
@@ -245,15 +253,13 @@ std::vector<double> Options::numbers(const char* key, std::vector<double> fallba
 
 std::vector<int64_t> Options::ints(const char* key, std::vector<int64_t> fallback) {
   if (!has(key)) return fallback;
-  known_.pop_back();  // numbers() records the key again
   std::vector<int64_t> out;
-  for (double x : numbers(key, {})) {
-    if (x != static_cast<double>(static_cast<int64_t>(x))) {
-      push(key);
-      known_.pop_back();
-      wrong(key, "a table of integers");
-    }
-    out.push_back(static_cast<int64_t>(x));
+  auto xs = numbers(key, {});
+  for (size_t k = 0; k < xs.size(); ++k) {
+    if (xs[k] != static_cast<double>(static_cast<int64_t>(xs[k])))
+      throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be a table of integers, "
+                                  "element " + std::to_string(k + 1) + " is " + std::to_string(xs[k]));
+    out.push_back(static_cast<int64_t>(xs[k]));
   }
   return out;
 }
@@ -279,7 +285,7 @@ void Options::finish() {
       std::string list;
       for (const auto& k : known_) list += (list.empty() ? "" : ", ") + k;
       throw std::invalid_argument("unknown option '" + prefix_ + name + "' for " + what_ +
-                                  " (expected: " + list + ")");
+                                  (list.empty() ? " (it takes no options)" : " (expected: " + list + ")"));
     }
   }
 }
@@ -294,13 +300,15 @@ thread_local lua_State* active = nullptr;
 // raise, and lua_error runs only after the handler: every C++ object is destroyed by then.
 int dispatch(lua_State* L) {
   auto* fn = static_cast<const Function*>(lua_touserdata(L, lua_upvalueindex(1)));
-  lua_State* outer = active;
-  active = L;
+  struct Active {  // restores the outer thread however this frame is left
+    lua_State* outer = active;
+    explicit Active(lua_State* L) { active = L; }
+    ~Active() { active = outer; }
+  };
   try {
+    Active scope(L);
     Args args(L, fn->name);
-    int n = fn->body(args);
-    active = outer;
-    return n;
+    return fn->body(args);
   } catch (const Rethrow& e) {
     lua_pushstring(L, e.what());
   } catch (const std::exception& e) {
@@ -309,7 +317,6 @@ int dispatch(lua_State* L) {
     lua_pushlstring(L, msg.data(), msg.size());
     lua_concat(L, 2);
   }
-  active = outer;
   return lua_error(L);
 }
 
@@ -318,8 +325,7 @@ int traceback_handler(lua_State* L) {
     if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
     lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
   }
-  lua_getglobal(L, "debug");
-  lua_getfield(L, -1, "traceback");
+  lua_getfield(L, LUA_REGISTRYINDEX, "partrain.traceback");
   lua_pushvalue(L, 1);
   lua_pushinteger(L, 2);
   lua_call(L, 2, 1);
@@ -337,6 +343,13 @@ int plain_handler(lua_State* L) {
 }  // namespace
 
 lua_State* active_state(lua_State* fallback) { return active ? active : fallback; }
+
+lua_State* main_thread(lua_State* L) {
+  lua_getfield(L, LUA_REGISTRYINDEX, "partrain.main");
+  auto* main = static_cast<lua_State*>(lua_touserdata(L, -1));
+  lua_pop(L, 1);
+  return main ? main : L;
+}
 
 void push_function(lua_State* L, const Function& fn) {
   lua_pushlightuserdata(L, const_cast<Function*>(&fn));
@@ -388,6 +401,7 @@ int open_core(lua_State* L) {
   open_tensor(L, core);
   open_nn(L, core);
   open_optim_data(L, core);
+  open_dist(L, core);
   lua_pushstring(L, PARTRAIN_VERSION);
   lua_setfield(L, core, "version");
   return 1;
@@ -413,6 +427,13 @@ Host::Host() : L_(luaL_newstate()), alive_(std::make_shared<bool>(true)) {
   // The host's liveness flag, for engine objects that hold Lua references (Lua-defined modules).
   lua_pushlightuserdata(L_, &alive_);  // a std::shared_ptr<bool>*
   lua_setfield(L_, LUA_REGISTRYINDEX, "partrain.alive");
+  lua_pushlightuserdata(L_, L_);
+  lua_setfield(L_, LUA_REGISTRYINDEX, "partrain.main");
+  // The traceback function, fetched once: a script that replaces `debug` keeps its tracebacks.
+  lua_getglobal(L_, "debug");
+  lua_getfield(L_, -1, "traceback");
+  lua_setfield(L_, LUA_REGISTRYINDEX, "partrain.traceback");
+  lua_pop(L_, 1);
 
   Paths paths = find_paths();
   lua_getglobal(L_, "package");
@@ -494,8 +515,8 @@ bool Host::eval(const std::string& code, std::string* result, std::string* error
   if (!pcall(L_, 0, 1, error, true)) return false;
   lua_getglobal(L_, "tostring");
   lua_insert(L_, -2);
-  lua_call(L_, 1, 1);
-  *result = lua_tostring(L_, -1);
+  if (!pcall(L_, 1, 1, error)) return false;
+  *result = lua_isstring(L_, -1) ? lua_tostring(L_, -1) : "(tostring returned no string)";
   lua_pop(L_, 1);
   return true;
 }

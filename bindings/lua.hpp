@@ -14,6 +14,10 @@
 
 #include "engine/nn/module.hpp"
 
+namespace partrain::parallel {
+class DataParallel;
+}
+
 namespace partrain::lua {
 
 // ---- Metatable names, one a userdata type --------------------------------------------------
@@ -52,9 +56,16 @@ void ud_push(lua_State* L, T value, const char* mt) {
   lua_setmetatable(L, -2);
 }
 
+// The finalizer: a closure over its metatable, so a script calling __gc by hand on the wrong
+// value does nothing, and the metatable is cleared so a finalized value (still reachable through
+// a weak-keyed table) reads as a plain userdata instead of freed memory.
 template <class T>
 int ud_gc(lua_State* L) {
+  if (!lua_getmetatable(L, 1) || !lua_rawequal(L, -1, lua_upvalueindex(1))) return 0;
+  lua_pop(L, 1);
   static_cast<T*>(lua_touserdata(L, 1))->~T();
+  lua_pushnil(L);
+  lua_setmetatable(L, 1);
   return 0;
 }
 
@@ -127,11 +138,14 @@ class Options {
   std::vector<double> numbers(const char* key, std::vector<double> fallback);
   /// A nested options table, read by the same rules; its keys are named "outer.inner".
   Options table(const char* key);
+  /// Pushes the raw value of `key` (recording the key) and returns true; false, pushing nothing,
+  /// when it is nil.
+  bool push(const char* key);
   void finish();
+  lua_State* state() const { return L; }
 
  private:
   Options(lua_State* L, int idx, std::string what, std::string prefix);
-  bool push(const char* key);  // pushes the value and records the key; false (nothing pushed) if nil
   [[noreturn]] void wrong(const char* key, const char* expected);
   lua_State* L;
   int idx_;
@@ -153,13 +167,25 @@ void push_function(lua_State* L, const Function& fn);
 /// Sets every function of `fns` (terminated by {nullptr, nullptr}) into the table at `table`.
 void set_functions(lua_State* L, int table, const Function* fns);
 
-/// Creates (or fetches) the metatable `mt` and sets its `__gc` to ~T.
+/// Creates the metatable `mt` for userdata holding a T, leaves it on the stack, and sets its
+/// `__gc` to ~T. With `methods`, `__index` is a table of them and their `__tostring` (if any)
+/// becomes the metatable's.
 template <class T>
-void new_metatable(lua_State* L, const char* mt) {
+void new_metatable(lua_State* L, const char* mt, const Function* methods = nullptr) {
   luaL_newmetatable(L, mt);
-  lua_pushcfunction(L, ud_gc<T>);
+  lua_pushvalue(L, -1);
+  lua_pushcclosure(L, ud_gc<T>, 1);
   lua_setfield(L, -2, "__gc");
+  if (!methods) return;
+  lua_newtable(L);
+  set_functions(L, -1, methods);
+  lua_getfield(L, -1, "__tostring");
+  lua_setfield(L, -3, "__tostring");
+  lua_setfield(L, -2, "__index");
 }
+
+/// The state's main thread (a coroutine may be gone by the time an engine object needs Lua).
+lua_State* main_thread(lua_State* L);
 
 /// The Lua thread running the innermost partrain C function (a coroutine, maybe), or `fallback`
 /// outside of one: engine callbacks into Lua run on it.
@@ -174,6 +200,12 @@ bool pcall(lua_State* L, int nargs, int nresults, std::string* error, bool trace
 void open_tensor(lua_State* L, int core);
 void open_nn(lua_State* L, int core);
 void open_optim_data(lua_State* L, int core);
+void open_dist(lua_State* L, int core);
+
+/// The data-parallel state attached to `model` by pt.parallelize, or nullptr.
+std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);
+/// When the value at idx is a mesh: this rank's data index and the data size.
+bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count);
 
 /// Pushes a tensor (a new userdata each time).
 void push_tensor(lua_State* L, torch::Tensor t);

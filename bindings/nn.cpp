@@ -19,7 +19,7 @@ namespace {
 // values the user stored on it) live in the registry; parameters and children live in C++.
 class LuaModule : public nn::Module {
  public:
-  LuaModule(lua_State* L, std::string type, int class_idx) : nn::Module(std::move(type)), L_(L) {
+  LuaModule(lua_State* L, std::string type, int class_idx) : nn::Module(std::move(type)), L_(main_thread(L)) {
     lua_getfield(L, LUA_REGISTRYINDEX, "partrain.alive");
     alive_ = *static_cast<std::shared_ptr<bool>*>(lua_touserdata(L, -1));
     lua_pop(L, 1);
@@ -29,7 +29,7 @@ class LuaModule : public nn::Module {
     fields_ref_ = luaL_ref(L, LUA_REGISTRYINDEX);
   }
   ~LuaModule() override {
-    if (*alive_) {
+    if (*alive_) {  // the main thread lives as long as the state
       luaL_unref(L_, LUA_REGISTRYINDEX, class_ref_);
       luaL_unref(L_, LUA_REGISTRYINDEX, fields_ref_);
     }
@@ -71,7 +71,7 @@ LuaModule* as_lua(const ModulePtr& m) { return dynamic_cast<LuaModule*>(m.get())
 
 // Parameters from a module or a table of tensors.
 std::vector<Tensor> params_of(const Args& a, int i) {
-  if (auto* m = ud_test<ModulePtr>(a.L, i, PT_MODULE_MT)) return (*m)->parameters();
+  if (auto* m = ud_test<ModulePtr>(a.L, i, PT_MODULE_MT)) return nn::unique_parameters(**m);
   if (a.is_table(i)) return a.tensors(i);
   a.expected(i, "module or table of tensors");
 }
@@ -175,7 +175,7 @@ const Function kMethods[] = {
     {"zero_grad", [](Args& a) { for (auto& p : a.module(1)->parameters()) p.mutable_grad() = Tensor(); return a.ret(); }},
     {"num_parameters", [](Args& a) {
        int64_t n = 0;
-       for (const auto& p : a.module(1)->parameters()) n += p.numel();
+       for (const auto& p : nn::unique_parameters(*a.module(1))) n += p.numel();
        return a.ret(double(n)); }},
     {"register_buffer", [](Args& a) { a.module(1)->set_buffer(a.string(2), a.tensor(3)); return a.ret(); }},
     {"register_parameter", [](Args& a) { a.module(1)->set_parameter(a.string(2), a.tensor(3)); return a.ret(); }},
@@ -220,15 +220,24 @@ const Function kMeta[] = {
        auto& m = a.module(1);
        std::string key = a.string(2);
        LuaModule* lm = as_lua(m);
+       auto forget_field = [&] {  // an engine node now answers to this name, not an old Lua field
+         if (!lm) return;
+         lm->push_fields(a.L);
+         lua_pushvalue(a.L, 2);
+         lua_pushnil(a.L);
+         lua_rawset(a.L, -3);
+         lua_pop(a.L, 1);
+       };
        if (auto* child = ud_test<ModulePtr>(a.L, 3, PT_MODULE_MT)) {
          m->set_child(key, *child);
+         forget_field();
          return a.ret();
        }
-       bool has_param = m->named_parameters(false).find(key) != nullptr;
+       bool has_param = m->has_slot(key);
        bool has_buffer = m->named_buffers(false).find(key) != nullptr;
        if (auto* t = ud_test<Tensor>(a.L, 3, PT_TENSOR_MT)) {
-         if (has_buffer) { m->set_buffer(key, *t); return a.ret(); }
-         if (has_param || (t->requires_grad() && t->is_leaf())) { m->set_parameter(key, *t); return a.ret(); }
+         if (has_buffer) { m->set_buffer(key, *t); forget_field(); return a.ret(); }
+         if (has_param || (t->requires_grad() && t->is_leaf())) { m->set_parameter(key, *t); forget_field(); return a.ret(); }
        }
        if (has_param || has_buffer || m->child(key))
          throw std::invalid_argument("cannot replace " + m->type() + "." + key + " with a " +

@@ -6,6 +6,7 @@
 #include "engine/data/data.hpp"
 #include "engine/models/models.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/data_parallel.hpp"
 
 namespace partrain::lua {
 
@@ -27,7 +28,7 @@ optim::ScheduleOptions read_schedule(Options& t) {
 // pt.optim.<kind>(module or params, { lr = ..., ... })
 int make_optimizer(Args& a, const std::string& kind) {
   std::vector<torch::Tensor> params;
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) params = (*m)->parameters();
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) params = nn::unique_parameters(**m);
   else if (a.is_table(1)) params = a.tensors(1);
   else a.expected(1, "module or table of parameters");
   optim::OptimizerOptions o;
@@ -53,7 +54,20 @@ int make_optimizer(Args& a, const std::string& kind) {
     o.schedule = read_schedule(s);
   }
   t.finish();
-  ud_push(a.L, std::make_shared<optim::Optimizer>(params, o), PT_OPTIMIZER_MT);
+  auto opt = std::make_shared<optim::Optimizer>(params, o);
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+    // Cube's build_optimizer: on a data-parallel model, step only on synced gradients.
+    std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(m->get());
+    if (!dp.expired())
+      opt->add_step_check([dp] {
+        auto d = dp.lock();
+        TORCH_CHECK(!d || d->synced(), "optimizer step on unsynced gradients: ", d ? d->passes_since_sync() : 0,
+                    " backward pass(es) since the last sync, and grad_accumulation=",
+                    d ? d->options().grad_accumulation : 0, " syncs on every ",
+                    d ? d->options().grad_accumulation : 0, "th: step after the last micro-batch");
+      });
+  }
+  ud_push(a.L, opt, PT_OPTIMIZER_MT);
   return 1;
 }
 
@@ -102,6 +116,12 @@ data::LoaderOptions read_loader(Options& t) {
   o.drop_last = t.boolean("drop_last", o.drop_last);
   o.shard_rank = t.integer("shard_rank", o.shard_rank);
   o.shard_count = t.integer("shard_count", o.shard_count);
+  // mesh = m: this rank reads its data-parallel slice; the ranks of one unit read the same one.
+  if (t.push("mesh")) {
+    bool is_mesh = mesh_data_shard(t.state(), -1, &o.shard_rank, &o.shard_count);
+    lua_pop(t.state(), 1);
+    if (!is_mesh) throw std::invalid_argument("option 'mesh' must be a mesh made by pt.mesh");
+  }
   return o;
 }
 
@@ -167,23 +187,13 @@ const Function kData[] = {
        return a.ret(s); }},
     {nullptr, nullptr}};
 
-void register_type(lua_State* L, const char* mt, const Function* methods, lua_CFunction gc) {
-  luaL_newmetatable(L, mt);
-  lua_pushcfunction(L, gc);
-  lua_setfield(L, -2, "__gc");
-  lua_newtable(L);
-  set_functions(L, -1, methods);
-  lua_getfield(L, -1, "__tostring");
-  lua_setfield(L, -3, "__tostring");
-  lua_setfield(L, -2, "__index");
-  lua_pop(L, 1);
-}
-
 }  // namespace
 
 void open_optim_data(lua_State* L, int core) {
-  register_type(L, PT_OPTIMIZER_MT, kOptimizerMethods, ud_gc<OptimizerPtr>);
-  register_type(L, PT_LOADER_MT, kLoaderMethods, ud_gc<LoaderPtr>);
+  new_metatable<OptimizerPtr>(L, PT_OPTIMIZER_MT, kOptimizerMethods);
+  lua_pop(L, 1);
+  new_metatable<LoaderPtr>(L, PT_LOADER_MT, kLoaderMethods);
+  lua_pop(L, 1);
   lua_newtable(L);
   set_functions(L, -1, kOptim);
   lua_setfield(L, core, "optim");

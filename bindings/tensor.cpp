@@ -62,16 +62,18 @@ std::pair<std::vector<int64_t>, torch::TensorOptions> shape_and_options(const Ar
 void flatten_table(lua_State* L, int idx, size_t depth, std::vector<int64_t>& shape,
                    std::vector<double>& values, bool& all_bools) {
   int n = static_cast<int>(lua_objlen(L, idx));
-  if (depth == shape.size()) shape.push_back(n);
-  else if (shape[depth] != n)
+  if (depth > 32) throw std::invalid_argument("tensor(): tables nested more than 32 deep");
+  if (depth == shape.size()) {
+    // Once a number has been seen the shape is complete: a deeper table is ragged.
+    if (!values.empty()) throw std::invalid_argument("tensor(): ragged nested table");
+    shape.push_back(n);
+  } else if (shape[depth] != n)
     throw std::invalid_argument("tensor(): ragged nested table (a row of " + std::to_string(n) +
                                 " where " + std::to_string(shape[depth]) + " came before)");
   for (int k = 1; k <= n; ++k) {
     lua_rawgeti(L, idx, k);
     int t = lua_type(L, -1);
     if (t == LUA_TTABLE) {
-      if (depth + 1 < shape.size() && values.size() > 0 && shape.size() == depth + 1)
-        throw std::invalid_argument("tensor(): ragged nested table");
       flatten_table(L, lua_gettop(L), depth + 1, shape, values, all_bools);
     } else if (t == LUA_TNUMBER || t == LUA_TBOOLEAN) {
       if (shape.size() != depth + 1) throw std::invalid_argument("tensor(): ragged nested table");
@@ -414,16 +416,27 @@ std::string dtype_name(c10::ScalarType t) {
 
 // Lua sees a tensor as a small userdata, so its collector never feels the megabytes behind it:
 // activations and batches would pile up until a collection happened to run, and every step would
-// write into fresh, cold memory. Each tensor handed to Lua advances the incremental collector as
-// if Lua itself had allocated the tensor's bytes (Lua's own way to account for outside memory).
+// write into fresh, cold memory. Count the bytes of the tensors handed to Lua and collect when
+// they pass twice Lua's own heap (at least 4 MiB): the collector's cost stays a fixed fraction of
+// the work, however small or large the Lua heap.
+namespace {
+thread_local size_t bytes_since_gc = 0;
+}  // namespace
+
 void push_tensor(lua_State* L, Tensor t) {
-  size_t kb = t.defined() && t.has_storage() ? t.storage().nbytes() >> 10 : 0;
+  if (t.defined()) bytes_since_gc += static_cast<size_t>(t.numel()) * t.element_size();
   ud_push(L, std::move(t), PT_TENSOR_MT);
-  if (kb > 0) lua_gc(L, LUA_GCSTEP, static_cast<int>(std::min<size_t>(kb, 1 << 20)));
+  if (bytes_since_gc > (size_t(4) << 20)) {
+    size_t heap = static_cast<size_t>(lua_gc(L, LUA_GCCOUNT, 0)) << 10;
+    if (bytes_since_gc > 2 * heap) {
+      bytes_since_gc = 0;
+      lua_gc(L, LUA_GCCOLLECT, 0);
+    }
+  }
 }
 
 void open_tensor(lua_State* L, int core) {
-  new_metatable<Tensor>(L, PT_TENSOR_MT);
+  new_metatable<Tensor>(L, PT_TENSOR_MT);  // its __index is set below
   int mt = lua_gettop(L);
   set_functions(L, mt, kMeta);
   lua_newtable(L);

@@ -23,4 +23,77 @@ inline torch::Tensor gelu_tanh(const torch::Tensor& x) { return at::gelu(x, "tan
 /// Whether this LibTorch can reach a CUDA device at run time.
 inline bool cuda_available() { return torch::cuda::is_available(); }
 
+/// An exception's message without LibTorch's C++ backtrace.
+inline std::string message_of(const std::exception& e) {
+  if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+/// Calls `fn` each time autograd has accumulated a new gradient into the leaf `param`'s .grad
+/// (the hook DistributedDataParallel uses). Returns the accumulator node, which the caller must
+/// keep alive for the hook to stay installed.
+std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const torch::Tensor& param, std::function<void()> fn);
+
+/// Runs `fn` once the backward pass now executing has finished (call from inside backward).
+void at_end_of_backward(std::function<void()> fn);
+
 }  // namespace partrain::compat
+
+// ---- c10d (only for the files that define PARTRAIN_COMPAT_C10D) -----------------------------
+// 1.13 has ProcessGroupGloo derive from ProcessGroup; 2.x makes it a Backend behind a
+// ProcessGroup. partrain talks to the backend object directly, whose collectives have the same
+// signatures in both.
+#ifdef PARTRAIN_COMPAT_C10D
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef PARTRAIN_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+
+namespace partrain::compat {
+
+#if PARTRAIN_TORCH_AT_LEAST(2, 0)
+using C10dGroup = c10d::Backend;
+#else
+using C10dGroup = c10d::ProcessGroup;
+#endif
+
+/// A c10d backend of `size` ranks rendezvousing through `store`. The Gloo device binds the
+/// interface GLOO_SOCKET_IFNAME names; else loopback when MASTER_ADDR is a loopback address (a
+/// run on one machine); else the address this host's name resolves to.
+inline c10::intrusive_ptr<C10dGroup> make_c10d_group(const std::string& backend,
+                                                     const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                     int size, std::chrono::milliseconds timeout) {
+  if (backend == "nccl") {
+#ifdef PARTRAIN_WITH_NCCL
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+    TORCH_CHECK(false, "this partrain was built without NCCL (a CPU LibTorch): use the gloo backend");
+#endif
+  }
+  TORCH_CHECK(backend == "gloo", "unknown backend '", backend, "' (expected gloo or nccl)");
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  const char* master = std::getenv("MASTER_ADDR");
+  std::string addr = master ? master : "127.0.0.1";
+  bool loopback = addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
+  if (ifname && *ifname)
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  else if (loopback)
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  else
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  options->threads = 1;  // one worker a group: ranks already share few cores
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+}  // namespace partrain::compat
+#endif  // PARTRAIN_COMPAT_C10D

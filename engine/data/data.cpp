@@ -68,7 +68,9 @@ Tensor read_idx(const std::string& path) {
   size_t count = 1;
   for (size_t d = 0; d < ndim; ++d) {
     shape.push_back(big_endian(&bytes[4 + 4 * d]));
-    count *= shape.back();
+    TORCH_CHECK(!__builtin_mul_overflow(count, static_cast<size_t>(shape.back()), &count) &&
+                    count <= bytes.size(),
+                "'", path, "' is truncated or corrupt: its header promises more data than the file holds");
   }
   size_t offset = 4 + 4 * ndim;
   TORCH_CHECK(bytes.size() - offset == count * width, "'", path, "' is truncated or too long: ",
@@ -121,17 +123,17 @@ Text::Text(const TextOptions& o) : options(o) {
     TORCH_CHECK(false, "cannot stat '", o.path, "': ", err);
   }
   length_ = static_cast<size_t>(st.st_size);
-  if (length_ > 0) {
+  if (length_ < static_cast<size_t>(o.seq) + 1) {
+    ::close(fd);
+    TORCH_CHECK(false, "text corpus '", o.path, "' has ", length_, " bytes, fewer than seq+1 = ", o.seq + 1);
+  }
+  {
     void* p = ::mmap(nullptr, length_, PROT_READ, MAP_PRIVATE, fd, 0);
     auto err = errno_text();
     ::close(fd);
     TORCH_CHECK(p != MAP_FAILED, "cannot map '", o.path, "': ", err);
     data_ = static_cast<const uint8_t*>(p);
-  } else {
-    ::close(fd);
   }
-  TORCH_CHECK(length_ >= static_cast<size_t>(o.seq) + 1, "text corpus '", o.path, "' has ", length_,
-              " bytes, fewer than seq+1 = ", o.seq + 1);
 }
 
 Text::~Text() {
@@ -175,6 +177,9 @@ Loader::Loader(std::shared_ptr<Dataset> dataset, LoaderOptions o)
               "shard_rank=", o.shard_rank, " must be in [0, shard_count=", o.shard_count, ")");
   TORCH_CHECK(o.batch % o.shard_count == 0, "batch=", o.batch,
               " does not divide into shard_count=", o.shard_count, " equal slices");
+  TORCH_CHECK(o.drop_last || o.shard_count == 1 || dataset_->size() % o.batch == 0,
+              "drop_last=false with shard_count=", o.shard_count, ": the last batch of ", dataset_->size() % o.batch,
+              " samples would split into unequal slices; use drop_last=true or an unsharded loader");
   TORCH_CHECK(!o.drop_last || dataset_->size() >= o.batch, "batch=", o.batch, " is larger than ",
               dataset_->describe());
   start_epoch(0);

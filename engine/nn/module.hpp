@@ -72,6 +72,9 @@ class Module : public torch::nn::Module {
 
 using ModulePtr = std::shared_ptr<Module>;
 
+/// The module's parameters, each once even when shared (a tied weight, a reused submodule).
+std::vector<Tensor> unique_parameters(const torch::nn::Module& module);
+
 /// A module whose forward takes one tensor: the usual case for layers.
 class Unary : public Module {
  public:

@@ -1,5 +1,6 @@
 // The model tree and the serial layers (see module.hpp and layers.hpp).
 #include <sstream>
+#include <unordered_set>
 
 #include "engine/compat.hpp"
 #include "engine/nn/layers.hpp"
@@ -57,8 +58,19 @@ std::shared_ptr<Module> Module::find(const std::string& path) const {
   return node;
 }
 
+std::vector<Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  return out;
+}
+
 void Module::set_child(const std::string& name, std::shared_ptr<Module> module) {
   TORCH_CHECK(module, "cannot set child '", name, "' of ", type_, " to nothing");
+  for (const auto& item : module->named_modules("", /*include_self=*/true))
+    TORCH_CHECK(item.value().get() != this, "cannot put ", module->type(), " under ", type_, " as '", name,
+                "': the tree would contain itself");
   if (child(name))
     replace_module(name, module);
   else
@@ -88,16 +100,19 @@ Tensor Module::own_tensor(const std::string& name) const {
 void Module::set_parameter(const std::string& name, const Tensor& value) {
   TORCH_CHECK(value.defined(), "parameter '", name, "' of ", type_, " must be a tensor");
   TORCH_CHECK(!named_buffers(false).find(name), type_, " already has a buffer called '", name, "'");
-  if (auto* existing = parameters_.find(name)) {
-    *existing = value.requires_grad() ? value : value.set_requires_grad(true);
-  } else {
-    register_parameter(name, value, /*requires_grad=*/true);
-  }
+  TORCH_CHECK(value.is_leaf(), "parameter '", name, "' of ", type_, " must be a leaf tensor (one computed from "
+              "others would not be trained); detach it first");
+  // The caller's tensor is left as it was: the parameter shares its storage.
+  Tensor p = value.requires_grad() ? value : value.detach().requires_grad_(true);
+  if (auto* existing = parameters_.find(name)) *existing = p;
+  else register_parameter(name, p, /*requires_grad=*/true);
 }
 
 void Module::set_buffer(const std::string& name, const Tensor& value) {
   TORCH_CHECK(!parameters_.find(name), type_, " already has a parameter called '", name, "'");
-  register_buffer(name, value);  // LibTorch replaces an existing buffer of the same name
+  auto buffers = named_buffers(false);
+  if (auto* existing = buffers.find(name)) existing->set_data(value);  // the same tensor object, new data
+  else register_buffer(name, value);
 }
 
 TensorMap Module::state_dict() const {
@@ -212,7 +227,11 @@ Sequential::Sequential(std::vector<ModulePtr> layers) : Module("Sequential") {
   for (auto& layer : layers) append(std::move(layer));
 }
 
-void Sequential::append(ModulePtr layer) { set_child(std::to_string(size()), std::move(layer)); }
+void Sequential::append(ModulePtr layer) {
+  size_t index = size();
+  while (child(std::to_string(index))) ++index;  // a name taken by add(name, m) is not reused
+  set_child(std::to_string(index), std::move(layer));
+}
 
 Tensor Sequential::forward(const std::vector<Tensor>& inputs) {
   auto layers = children_named();

@@ -2,6 +2,7 @@
 #include "engine/optim/optim.hpp"
 
 #include <cmath>
+#include <unordered_set>
 
 namespace partrain::optim {
 
@@ -29,8 +30,11 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm)
   return torch::nn::utils::clip_grad_norm_(params, max_norm);
 }
 
-Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o)
-    : params_(std::move(params)), options_(std::move(o)) {
+Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : options_(std::move(o)) {
+  // Each parameter once: a tied weight listed twice would be updated twice.
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (auto& p : params)
+    if (p.defined() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p);
   const auto& k = options_.kind;
   TORCH_CHECK(!params_.empty(), k, " optimizer got no parameters");
   for (const auto& p : params_)
@@ -88,6 +92,7 @@ void Optimizer::apply_lr(double lr) {
 }
 
 double Optimizer::step() {
+  for (const auto& check : checks_) check();
   apply_lr(lr());
   double norm = -1;
   if (options_.clip_grad_norm > 0) norm = clip_grad_norm(params_, options_.clip_grad_norm);

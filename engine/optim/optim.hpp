@@ -2,6 +2,7 @@
 // gradient clipping by global norm, combined into one object whose step() does all three.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ class Optimizer {
   const OptimizerOptions& options() const { return options_; }
   const std::vector<torch::Tensor>& params() const { return params_; }
   torch::optim::Optimizer& impl() { return *impl_; }
+  /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
+  /// it to refuse steps on gradients not yet synced).
+  void add_step_check(std::function<void()> check) { checks_.push_back(std::move(check)); }
 
  private:
   void apply_lr(double lr);
@@ -67,6 +71,7 @@ class Optimizer {
   OptimizerOptions options_;
   std::unique_ptr<torch::optim::Optimizer> impl_;
   int64_t steps_ = 0;
+  std::vector<std::function<void()>> checks_;
 };
 
 }  // namespace partrain::optim

@@ -159,6 +159,73 @@ test("errors in Lua forwards and misuse of modules are reported with their place
   raises(function() pt.nn.GELU { approximate = "fast" } end, "approximate must be 'none' or 'tanh'")
 end)
 
+test("shared parameters count and train once", function()
+  local l = pt.nn.Linear(2, 2, { bias = false })
+  local m = pt.nn.Sequential(l, pt.nn.ReLU(), l)
+  eq(m:num_parameters(), 4, "a reused layer counts once")
+  local before = l.weight:clone()
+  local opt = pt.optim.sgd(m, { lr = 0.1 })
+  local loss = m(pt.ones(1, 2)):sum()
+  loss:backward()
+  local grad = l.weight.grad:clone()
+  opt:step()
+  near(l.weight, before - grad * 0.1, 1e-6, "updated once, not twice")
+end)
+
+test("the tree refuses cycles; Sequential names never collide", function()
+  local s = pt.nn.Sequential(pt.nn.Linear(2, 2))
+  raises(function() s:add(s) end, "the tree would contain itself")
+  local outer = pt.nn.Sequential(s)
+  raises(function() s:add(outer) end, "the tree would contain itself")
+  local a, b, c = pt.nn.ReLU(), pt.nn.Tanh(), pt.nn.Sigmoid()
+  local seq = pt.nn.Sequential(a)
+  seq:add("2", b)
+  seq:add(c)
+  eq(seq:get("2"):type(), "Tanh", "add(m) does not replace a child named by add(name, m)")
+  eq(seq:get("3"):type(), "Sigmoid", "the next free index")
+end)
+
+test("parameters and buffers: replaced in place, leaves only, Lua fields give way", function()
+  local M = pt.nn.Module "WithBuffer"
+  function M:__init() self:register_buffer("mask", pt.ones(2)) end
+  local m = M()
+  m:register_buffer("mask", pt.zeros(2))
+  eq(m.mask:sum():item(), 0, "register_buffer twice replaces")
+  m.mask = pt.full({ 2 }, 3)
+  eq(m.mask:sum():item(), 6, "assigning to a buffer replaces it")
+  m.proj = false
+  m.proj = pt.nn.Linear(2, 2)
+  eq(m.proj:type(), "Linear", "a child replaces an old plain field of the same name")
+  local lin = pt.nn.Linear(2, 2)
+  raises(function() lin.weight = lin.weight * 2 end, "must be a leaf tensor")
+  local plain = pt.ones(2, 2)
+  lin.weight = plain
+  ok(not plain.requires_grad, "the caller's tensor is left as it was")
+  ok(lin.weight.requires_grad, "the parameter trains")
+  local nobias = pt.nn.Linear(2, 2, { bias = false })
+  nobias.bias = pt.zeros(2)
+  ok(nobias.bias ~= nil, "an empty slot takes a parameter")
+end)
+
+test("a module made inside a coroutine outlives it", function()
+  local Tiny = pt.nn.Module "Tiny"
+  function Tiny:__init() self.fc = pt.nn.Linear(1, 1); self.tag = "t" end
+  function Tiny:forward(x) return self.fc(x) end
+  local m = coroutine.wrap(function() return Tiny() end)()
+  collectgarbage()
+  local seq = pt.nn.Sequential(m)
+  eq(seq(pt.ones(1, 1)).shape[1], 1)
+  eq(m.tag, "t")
+  m, seq = nil, nil
+  collectgarbage()
+end)
+
+test("option errors list each key once and say when there are none", function()
+  raises(function() pt.zeros(2, { dtype = "float32", nope = 1 }) end, "(expected: dtype, device, requires_grad)")
+  raises(function() pt.nn.Embedding(2, 2, { x = 1 }) end, "for Embedding (it takes no options)")
+  raises(function() pt.models.mlp { sizes = { 2, "x" } } end, "element 2 is a string")
+end)
+
 test("losses: cross_entropy and mse", function()
   local logits = pt.tensor { { 2.0, 0.5, -1.0 }, { 0.1, 0.2, 3.0 } }
   local y = pt.tensor({ 0, 2 }):long()

@@ -155,6 +155,30 @@ test("bad arguments name the argument, the function and the script line", functi
   raises(function() local x = pt.ones(2)[1]; return x end, "not indexed with []")
 end)
 
+test("numbers join arithmetic with PyTorch's type promotion", function()
+  near(pt.arange(4) * 0.5, { 0, 0.5, 1, 1.5 }, 1e-9, "int64 * 0.5 is float")
+  eq((pt.arange(4) * 0.5).dtype, "float32")
+  eq((pt.arange(4) * 2).dtype, "int64", "int64 * 2 stays int64")
+  eq(pt.arange(5):lt(2.5):sum():item(), 3, "compares against 2.5, not 2")
+  eq((pt.ones(2, { dtype = "float16" }) * 3).dtype, "float16", "a number does not widen float16")
+  eq((1 - pt.arange(3)):totable()[3], -1)
+end)
+
+test("malformed tables and misuse of finalizers are errors, not crashes", function()
+  raises(function() pt.tensor { 1, { 2 } } end, "ragged")
+  raises(function() pt.tensor { { 1 }, { { 2 } } } end, "ragged")
+  local loop = {}
+  loop[1] = loop
+  raises(function() pt.tensor(loop) end, "nested more than 32 deep")
+  local t = pt.ones(2)
+  local gc = getmetatable(t).__gc
+  gc(5)                                   -- not a tensor: ignored
+  gc(pt.nn.Linear(2, 2))                  -- another type: ignored
+  gc(t)                                   -- finalized by hand...
+  raises(function() return pt.Tensor.sum(t) end, "tensor expected, got userdata")   -- ...then unusable
+  raises(function() return t:sum() end, "attempt to index")
+end)
+
 test("tostring shows shape, dtype and values", function()
   local s = tostring(pt.tensor { 1.5, 2.5 })
   ok(s:find("tensor%(%[2%], float32%)"), s)

@@ -1,0 +1,31 @@
+// The local launcher behind `partrain --nproc-per-node N script.lua`: starts N ranks of this
+// machine with torchrun's environment, forwards their output, and when one fails stops the rest
+// and says which rank failed and how.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace partrain::app {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;         ///< ranks on this machine
+  int nnodes = 1;                 ///< machines
+  int node_rank = 0;              ///< this machine's index
+  std::string master_addr;        ///< where rank 0 serves the rendezvous; default 127.0.0.1
+  int master_port = 0;            ///< its port; 0: a free one (one machine only)
+  bool tee = false;               ///< every rank's stdout, each line prefixed with its rank
+  int threads = 0;                ///< intra-op threads a rank; 0: cores / local ranks
+  int timeout = 300;              ///< seconds a collective or the rendezvous may wait
+  double grace = 5.0;             ///< seconds between TERM and KILL when stopping ranks
+};
+
+/// Checks the options; a bad value is an error naming the flag.
+void validate(const LaunchOptions& options);
+
+/// Runs `child_args` (partrain's arguments for one rank: flags, script, script arguments) as
+/// every local rank and waits for all of them. Returns the exit status for the launcher: 0 when
+/// every rank succeeded.
+int launch(const LaunchOptions& options, const std::vector<std::string>& child_args);
+
+}  // namespace partrain::app

@@ -1,0 +1,222 @@
+// Process groups, the mesh and data parallelism in Lua: pt.dist (this rank, the world, the
+// collectives), pt.mesh { tensor = t, pipeline = p, data = d, zero = z }, and pt.parallelize.
+#include <map>
+#include <sstream>
+
+#include "bindings/lua.hpp"
+#include "engine/dist/mesh.hpp"
+#include "engine/parallel/data_parallel.hpp"
+
+namespace partrain::lua {
+
+using dist::GroupPtr;
+using MeshPtr = std::shared_ptr<dist::Mesh>;
+using WorkPtr = std::shared_ptr<dist::Work>;
+using DataParallelPtr = std::shared_ptr<parallel::DataParallel>;
+
+#define PT_GROUP_MT "partrain.Group"
+#define PT_WORK_MT "partrain.Work"
+#define PT_MESH_MT "partrain.Mesh"
+#define PT_DP_MT "partrain.DataParallel"
+
+namespace {
+
+// Which data-parallel state belongs to which model (the model object is returned unchanged).
+std::map<const nn::Module*, std::weak_ptr<parallel::DataParallel>>& data_parallel_registry() {
+  static std::map<const nn::Module*, std::weak_ptr<parallel::DataParallel>> registry;
+  return registry;
+}
+
+template <class T>
+T& check(const Args& a, int i, const char* mt, const char* what) {
+  auto* p = ud_test<T>(a.L, i, mt);
+  if (!p) a.expected(i, what);
+  return *p;
+}
+GroupPtr& group(const Args& a, int i) { return check<GroupPtr>(a, i, PT_GROUP_MT, "process group"); }
+MeshPtr& mesh(const Args& a, int i) { return check<MeshPtr>(a, i, PT_MESH_MT, "mesh"); }
+DataParallelPtr& data_parallel(const Args& a, int i) {
+  return check<DataParallelPtr>(a, i, PT_DP_MT, "data-parallel handle");
+}
+
+int push_group(const Args& a, const GroupPtr& g) {
+  if (!g) { lua_pushnil(a.L); return 1; }
+  ud_push(a.L, g, PT_GROUP_MT);
+  return 1;
+}
+
+int push_ints(const Args& a, const std::vector<int>& xs) {
+  lua_createtable(a.L, static_cast<int>(xs.size()), 0);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    lua_pushnumber(a.L, xs[i]);
+    lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+  }
+  return 1;
+}
+
+dist::World& world() {
+  auto& w = dist::World::instance();
+  if (!w.initialized()) w.init(dist::world_options_from_env());
+  return w;
+}
+
+// Runs a Lua function stored in the registry as a bucket hook: fn(bucket_index, flat_grads).
+parallel::DataParallel::Hook lua_hook(lua_State* L, int fn_idx) {
+  lua_pushvalue(L, fn_idx);
+  int ref = luaL_ref(L, LUA_REGISTRYINDEX);
+  lua_getfield(L, LUA_REGISTRYINDEX, "partrain.alive");
+  auto alive = *static_cast<std::shared_ptr<bool>*>(lua_touserdata(L, -1));
+  lua_pop(L, 1);
+  return [L, ref, alive](int bucket, torch::Tensor& flat) {
+    TORCH_CHECK(*alive, "a reducer hook outlived its Lua state");
+    lua_State* S = active_state(L);
+    lua_rawgeti(S, LUA_REGISTRYINDEX, ref);
+    lua_pushnumber(S, bucket);
+    push_tensor(S, flat);
+    std::string error;
+    if (!pcall(S, 2, 1, &error)) throw Rethrow(error);
+    // A hook may return a replacement for the bucket's tensor (same shape).
+    if (auto* t = ud_test<torch::Tensor>(S, -1, PT_TENSOR_MT)) {
+      TORCH_CHECK(t->sizes().equals(flat.sizes()), "a reducer hook returned shape ", t->sizes(),
+                  " for a bucket of shape ", flat.sizes());
+      if (!t->is_same(flat)) flat.copy_(*t);
+    }
+    lua_pop(S, 1);
+  };
+}
+
+const Function kGroupMethods[] = {
+    {"rank", [](Args& a) { return a.ret(double(group(a, 1)->rank())); }},
+    {"size", [](Args& a) { return a.ret(double(group(a, 1)->size())); }},
+    {"ranks", [](Args& a) { return push_ints(a, group(a, 1)->ranks()); }},
+    {"name", [](Args& a) { return a.ret(group(a, 1)->name()); }},
+    {"all_reduce", [](Args& a) {  // all_reduce(t [, op = "sum"] [, { async = false }])
+       auto& g = group(a, 1);
+       auto& t = a.tensor(2);
+       auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");
+       Options o(a, a.is_string(3) ? 4 : 3, "all_reduce");
+       bool async = o.boolean("async", false);
+       o.finish();
+       auto w = g->all_reduce(t, op, async);
+       if (async) { ud_push(a.L, std::make_shared<dist::Work>(w), PT_WORK_MT); return 1; }
+       lua_pushvalue(a.L, 2);
+       return 1; }},
+    {"broadcast", [](Args& a) { group(a, 1)->broadcast(a.tensor(2), static_cast<int>(a.integer(3, 0))); lua_pushvalue(a.L, 2); return 1; }},
+    {"all_gather", [](Args& a) { return a.ret(group(a, 1)->all_gather(a.tensor(2))); }},
+    {"reduce_scatter", [](Args& a) {  // reduce_scatter(output, { inputs... } [, op])
+       group(a, 1)->reduce_scatter(a.tensor(2), a.tensors(3), dist::parse_reduce_op(a.string(4, "sum")));
+       lua_pushvalue(a.L, 2);
+       return 1; }},
+    {"send", [](Args& a) { group(a, 1)->send(a.tensor(2), static_cast<int>(a.integer(3))); return a.ret(); }},
+    {"recv", [](Args& a) { group(a, 1)->recv(a.tensor(2), static_cast<int>(a.integer(3))); lua_pushvalue(a.L, 2); return 1; }},
+    {"barrier", [](Args& a) { group(a, 1)->barrier(); return a.ret(); }},
+    {"__tostring", [](Args& a) { return a.ret(group(a, 1)->describe()); }},
+    {nullptr, nullptr}};
+
+const Function kWorkMethods[] = {
+    {"wait", [](Args& a) { check<WorkPtr>(a, 1, PT_WORK_MT, "work")->wait(); return a.ret(); }},
+    {"done", [](Args& a) { return a.ret(check<WorkPtr>(a, 1, PT_WORK_MT, "work")->done()); }},
+    {nullptr, nullptr}};
+
+const Function kMeshMethods[] = {
+    {"rank", [](Args& a) { return a.ret(double(mesh(a, 1)->rank())); }},
+    {"size", [](Args& a) { return a.ret(double(mesh(a, 1)->size(a.string(2)))); }},
+    {"group", [](Args& a) { return push_group(a, mesh(a, 1)->group(a.string(2))); }},
+    {"coord", [](Args& a) {
+       const auto& c = mesh(a, 1)->coord();
+       lua_createtable(a.L, 0, 3);
+       lua_pushnumber(a.L, c.tensor); lua_setfield(a.L, -2, "tensor");
+       lua_pushnumber(a.L, c.data); lua_setfield(a.L, -2, "data");
+       lua_pushnumber(a.L, c.pipeline); lua_setfield(a.L, -2, "pipeline");
+       return 1; }},
+    {"ranks", [](Args& a) {  // ranks(kind [, rank]): members of that rank's group of kind
+       auto& m = mesh(a, 1);
+       return push_ints(a, m->layout().group_of(a.string(2), static_cast<int>(a.integer(3, m->rank())))); }},
+    {"__tostring", [](Args& a) { return a.ret(mesh(a, 1)->describe()); }},
+    {nullptr, nullptr}};
+
+const Function kDataParallelMethods[] = {
+    {"set_pre_hook", [](Args& a) { data_parallel(a, 1)->set_pre_hook(lua_hook(a.L, 2)); return a.ret(); }},
+    {"set_post_hook", [](Args& a) { data_parallel(a, 1)->set_post_hook(lua_hook(a.L, 2)); return a.ret(); }},
+    {"synced", [](Args& a) { return a.ret(data_parallel(a, 1)->synced()); }},
+    {"buckets", [](Args& a) { return a.ret(double(data_parallel(a, 1)->buckets().size())); }},
+    {"stats", [](Args& a) {
+       const auto& s = data_parallel(a, 1)->stats();
+       lua_createtable(a.L, 0, 5);
+       lua_pushnumber(a.L, double(s.syncs)); lua_setfield(a.L, -2, "syncs");
+       lua_pushnumber(a.L, double(s.bytes)); lua_setfield(a.L, -2, "bytes");
+       lua_pushnumber(a.L, s.sync_seconds); lua_setfield(a.L, -2, "sync_seconds");
+       lua_pushnumber(a.L, s.exposed_seconds); lua_setfield(a.L, -2, "exposed_seconds");
+       lua_pushnumber(a.L, double(s.buckets_done_early)); lua_setfield(a.L, -2, "buckets_done_early");
+       return 1; }},
+    {"reset_stats", [](Args& a) { data_parallel(a, 1)->reset_stats(); return a.ret(); }},
+    {nullptr, nullptr}};
+
+const Function kDist[] = {
+    {"rank", [](Args& a) { return a.ret(double(world().rank())); }},
+    {"world_size", [](Args& a) { return a.ret(double(world().size())); }},
+    {"local_rank", [](Args& a) { return a.ret(double(world().options().local_rank)); }},
+    {"local_world_size", [](Args& a) { return a.ret(double(world().options().local_world_size)); }},
+    {"world", [](Args& a) { return push_group(a, world().world()); }},
+    {"barrier", [](Args& a) { world().world()->barrier(); return a.ret(); }},
+    {"mesh", [](Args& a) {
+       Options o(a, 1, "mesh");
+       dist::MeshOptions m;
+       m.tensor = static_cast<int>(o.integer("tensor", m.tensor));
+       m.pipeline = static_cast<int>(o.integer("pipeline", m.pipeline));
+       m.data = static_cast<int>(o.integer("data", m.data));
+       m.zero = static_cast<int>(o.integer("zero", m.zero));
+       o.finish();
+       ud_push(a.L, std::make_shared<dist::Mesh>(m, world()), PT_MESH_MT);
+       return 1; }},
+    {"data_parallel", [](Args& a) {  // data_parallel(model, mesh, opts): attaches DP, returns its handle
+       auto& model = a.module(1);
+       auto& m = mesh(a, 2);
+       Options o(a, 3, "parallelize");
+       parallel::DataParallelOptions d;
+       d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
+       d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
+       d.grad_accumulation = static_cast<int>(o.integer("grad_accumulation", d.grad_accumulation));
+       d.broadcast_buffers = o.boolean("broadcast_buffers", d.broadcast_buffers);
+       o.finish();
+       auto& registry = data_parallel_registry();
+       auto existing = registry.find(model.get());
+       if (existing != registry.end() && !existing->second.expired())
+         throw std::invalid_argument("this " + model->type() + " is already data-parallel");
+       auto dp = parallel::DataParallel::attach(*model, m->group("data"), d);
+       registry[model.get()] = dp;
+       ud_push(a.L, dp, PT_DP_MT);
+       return 1; }},
+    {nullptr, nullptr}};
+
+}  // namespace
+
+std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model) {
+  auto& registry = data_parallel_registry();
+  auto it = registry.find(model);
+  return it == registry.end() ? nullptr : it->second.lock();
+}
+
+bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count) {
+  auto* m = ud_test<MeshPtr>(L, idx, PT_MESH_MT);
+  if (!m) return false;
+  *rank = (*m)->coord().data;
+  *count = (*m)->layout().data;
+  return true;
+}
+
+void open_dist(lua_State* L, int core) {
+  new_metatable<GroupPtr>(L, PT_GROUP_MT, kGroupMethods);
+  lua_pop(L, 1);
+  new_metatable<WorkPtr>(L, PT_WORK_MT, kWorkMethods);
+  lua_pop(L, 1);
+  new_metatable<MeshPtr>(L, PT_MESH_MT, kMeshMethods);
+  lua_pop(L, 1);
+  new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods);
+  lua_pop(L, 1);
+  lua_newtable(L);
+  set_functions(L, -1, kDist);
+  lua_setfield(L, core, "dist");
+}
+
+}  // namespace partrain::lua

@@ -1,0 +1,423 @@
+// Process groups over c10d, the world and its rendezvous, and the device mesh
+// (see process_group.hpp, world.hpp, mesh.hpp).
+#include <cstdlib>
+#include <sstream>
+
+#define PARTRAIN_COMPAT_C10D  // this file talks to c10d: pull its headers into compat.hpp
+#include "engine/compat.hpp"
+#include "engine/dist/mesh.hpp"
+
+namespace partrain::dist {
+
+// ---- Reduce ops ----------------------------------------------------------------------------
+
+ReduceOp parse_reduce_op(const std::string& name) {
+  if (name == "sum") return ReduceOp::Sum;
+  if (name == "mean" || name == "avg") return ReduceOp::Mean;
+  if (name == "min") return ReduceOp::Min;
+  if (name == "max") return ReduceOp::Max;
+  if (name == "product" || name == "prod") return ReduceOp::Product;
+  TORCH_CHECK(false, "unknown reduce op '", name, "' (expected sum, mean, avg, min, max or product)");
+}
+
+std::string to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Mean: return "mean";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Product: return "product";
+  }
+  return "?";
+}
+
+namespace {
+
+c10d::ReduceOp c10d_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Mean: return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::Min: return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::Max: return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::Product: return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
+  }
+  return c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+std::string join(const std::vector<int>& xs) {
+  std::string s;
+  for (size_t i = 0; i < xs.size(); ++i) s += (i ? "," : "") + std::to_string(xs[i]);
+  return s;
+}
+
+}  // namespace
+
+// ---- Work ----------------------------------------------------------------------------------
+
+Work::Work(std::shared_ptr<const ProcessGroup> group, std::string op, c10::intrusive_ptr<c10d::Work> work,
+           std::function<void()> after)
+    : group_(std::move(group)), op_(std::move(op)), work_(std::move(work)), after_(std::move(after)) {}
+
+bool Work::done() const { return !work_ || work_->isCompleted(); }
+
+void Work::wait() {
+  if (work_) {
+    try {
+      work_->wait(group_->timeout());
+    } catch (const std::exception& e) {
+      work_.reset();
+      group_->fail(op_, compat::message_of(e));
+    }
+    work_.reset();
+  }
+  if (after_) {
+    auto after = std::move(after_);
+    after_ = nullptr;
+    after();
+  }
+}
+
+// ---- ProcessGroup --------------------------------------------------------------------------
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<compat::C10dGroup> group;
+};
+
+ProcessGroup::ProcessGroup(GroupOptions options, int rank) : options_(std::move(options)), rank_(rank) {}
+ProcessGroup::~ProcessGroup() = default;
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(const GroupOptions& options, int global_rank,
+                                                   c10::intrusive_ptr<c10d::Store> store,
+                                                   const std::string& store_prefix) {
+  auto it = std::find(options.ranks.begin(), options.ranks.end(), global_rank);
+  TORCH_CHECK(it != options.ranks.end(), "rank ", global_rank, " is not in group '", options.name,
+              "' (ranks ", join(options.ranks), ")");
+  int rank = static_cast<int>(it - options.ranks.begin());
+  std::shared_ptr<ProcessGroup> group(new ProcessGroup(options, rank));
+  if (options.ranks.size() > 1) {
+    TORCH_CHECK(store, "group '", options.name, "' needs a rendezvous store");
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+        "group/" + (store_prefix.empty() ? options.name : store_prefix), store);
+    group->impl_ = std::make_unique<Impl>();
+    try {
+      group->impl_->group = compat::make_c10d_group(options.backend, prefixed, rank,
+                                                    static_cast<int>(options.ranks.size()), options.timeout);
+    } catch (const std::exception& e) {
+      group->fail("rendezvous", compat::message_of(e));
+    }
+  }
+  return group;
+}
+
+std::string ProcessGroup::describe() const {
+  return "group '" + options_.name + "' (ranks " + join(options_.ranks) + ")";
+}
+
+void ProcessGroup::fail(const std::string& op, const std::string& why) const {
+  TORCH_CHECK(false, op, " on ", describe(), " failed on rank ", options_.ranks[rank_], ": ", why);
+}
+
+void ProcessGroup::check(const Tensor& t, const std::string& op) const {
+  TORCH_CHECK(t.defined(), op, " on ", describe(), ": the tensor is undefined");
+  TORCH_CHECK(t.is_contiguous(), op, " on ", describe(), ": the tensor must be contiguous");
+}
+
+Work ProcessGroup::start(const std::string& op, c10::intrusive_ptr<c10d::Work> work,
+                         std::function<void()> after) const {
+  return Work(shared_from_this(), op, std::move(work), std::move(after));
+}
+
+Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
+  check(t, "all_reduce");
+  std::function<void()> after;
+  if (op == ReduceOp::Mean && size() > 1) after = [t, n = size()]() mutable { t.div_(n); };
+  if (!impl_) return Work();
+  std::vector<Tensor> ts{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d_op(op);
+  o.timeout = options_.timeout;
+  Work w;
+  try {
+    w = start("all_reduce(" + to_string(op) + ")", impl_->group->allreduce(ts, o), after);
+  } catch (const std::exception& e) {
+    fail("all_reduce", compat::message_of(e));
+  }
+  if (!async) w.wait();
+  return w;
+}
+
+Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
+  check(t, "broadcast");
+  TORCH_CHECK(root >= 0 && root < size(), "broadcast on ", describe(), ": root ", root, " is not a group rank (0..",
+              size() - 1, ")");
+  if (!impl_) return Work();
+  std::vector<Tensor> ts{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  o.timeout = options_.timeout;
+  Work w;
+  try {
+    w = start("broadcast", impl_->group->broadcast(ts, o));
+  } catch (const std::exception& e) {
+    fail("broadcast", compat::message_of(e));
+  }
+  if (!async) w.wait();
+  return w;
+}
+
+std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
+  check(t, "all_gather");
+  if (!impl_) return {t.clone()};
+  std::vector<std::vector<Tensor>> outputs(1);
+  for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
+  std::vector<Tensor> inputs{t};
+  try {
+    start("all_gather", impl_->group->allgather(outputs, inputs)).wait();
+  } catch (const std::exception& e) {
+    fail("all_gather", compat::message_of(e));
+  }
+  return outputs[0];
+}
+
+void ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) const {
+  TORCH_CHECK(static_cast<int>(inputs.size()) == size(), "reduce_scatter on ", describe(), ": needs ", size(),
+              " inputs (one a rank), got ", inputs.size());
+  for (const auto& in : inputs)
+    TORCH_CHECK(in.sizes().equals(output.sizes()), "reduce_scatter on ", describe(),
+                ": every input must have the output's shape ", output.sizes(), ", got ", in.sizes());
+  // Gloo has no reduce-scatter: reduce everything and keep this rank's part. It moves size()
+  // times the bytes a ring reduce-scatter would; NCCL builds can use the native one.
+  Tensor all = torch::stack(inputs);
+  all_reduce(all, op);
+  output.copy_(all[rank_]);
+}
+
+void ProcessGroup::send(const Tensor& t, int dst) const {
+  check(t, "send");
+  TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
+  std::vector<Tensor> ts{t};
+  try {
+    start("send", impl_->group->send(ts, dst, 0)).wait();
+  } catch (const std::exception& e) {
+    fail("send", compat::message_of(e));
+  }
+}
+
+void ProcessGroup::recv(Tensor& t, int src) const {
+  check(t, "recv");
+  TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
+  std::vector<Tensor> ts{t};
+  try {
+    start("recv", impl_->group->recv(ts, src, 0)).wait();
+  } catch (const std::exception& e) {
+    fail("recv", compat::message_of(e));
+  }
+}
+
+void ProcessGroup::barrier() const {
+  if (!impl_) return;
+  c10d::BarrierOptions o;
+  o.timeout = options_.timeout;
+  try {
+    start("barrier", impl_->group->barrier(o)).wait();
+  } catch (const std::exception& e) {
+    fail("barrier", compat::message_of(e));
+  }
+}
+
+// ---- World ---------------------------------------------------------------------------------
+
+namespace {
+
+// The variable's value, or nullptr.
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+int env_int(const char* name, int fallback, int lo, int hi) {
+  const char* v = env(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  TORCH_CHECK(end && *end == '\0' && x >= lo && x <= hi, "environment variable ", name, "='", v,
+              "' is not an integer in [", lo, ", ", hi, "]");
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+WorldOptions world_options_from_env() {
+  WorldOptions o;
+  bool has_rank = env("RANK") != nullptr, has_world = env("WORLD_SIZE") != nullptr;
+  TORCH_CHECK(has_rank == has_world, "RANK and WORLD_SIZE must be set together (only ",
+              has_rank ? "RANK" : "WORLD_SIZE", " is set)");
+  if (env("PARTRAIN_TIMEOUT")) o.timeout = std::chrono::seconds(env_int("PARTRAIN_TIMEOUT", 300, 1, 7 * 24 * 3600));
+  if (!has_rank) return o;
+  o.world_size = env_int("WORLD_SIZE", 1, 1, 1 << 20);
+  o.rank = env_int("RANK", 0, 0, o.world_size - 1);
+  o.local_rank = env_int("LOCAL_RANK", o.rank, 0, o.world_size - 1);
+  o.local_world_size = env_int("LOCAL_WORLD_SIZE", o.world_size, 1, o.world_size);
+  if (o.world_size > 1) {
+    TORCH_CHECK(env("MASTER_ADDR"), "RANK=", o.rank, " and WORLD_SIZE=", o.world_size,
+                " are set but MASTER_ADDR is not: set MASTER_ADDR and MASTER_PORT to where rank 0 "
+                "serves the rendezvous (as torchrun does)");
+    TORCH_CHECK(env("MASTER_PORT"), "RANK=", o.rank, " and WORLD_SIZE=", o.world_size,
+                " are set but MASTER_PORT is not");
+    o.master_addr = env("MASTER_ADDR");
+    o.master_port = env_int("MASTER_PORT", 29500, 1, 65535);
+  }
+  if (const char* b = env("PARTRAIN_BACKEND")) o.backend = b;
+  return o;
+}
+
+World& World::instance() {
+  static World world;
+  return world;
+}
+
+void World::init(const WorldOptions& options) {
+  TORCH_CHECK(!initialized_, "the world is already initialized");
+  options_ = options;
+  if (options.world_size > 1) {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(options.master_port);
+    so.isServer = options.rank == 0;
+    so.numWorkers = options.world_size;
+    so.waitWorkers = true;
+    so.timeout = options.timeout;
+    try {
+      store_ = c10::make_intrusive<c10d::TCPStore>(options.master_addr, so);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rank ", options.rank, ": rendezvous at ", options.master_addr, ":", options.master_port,
+                  (options.rank == 0 ? " (serving it)" : ""), " failed: ", compat::message_of(e));
+    }
+  }
+  std::vector<int> all(options.world_size);
+  for (int i = 0; i < options.world_size; ++i) all[i] = i;
+  GroupOptions g{"world", all, options.timeout, options.backend};
+  world_ = ProcessGroup::create(g, options.rank, store_);
+  initialized_ = true;
+}
+
+GroupPtr World::world() const {
+  TORCH_CHECK(initialized_, "the world is not initialized");
+  return world_;
+}
+
+GroupPtr World::new_group(const std::string& name, const std::vector<int>& ranks) {
+  TORCH_CHECK(initialized_, "the world is not initialized");
+  for (int r : ranks)
+    TORCH_CHECK(r >= 0 && r < options_.world_size, "group '", name, "': rank ", r, " is outside the world of ",
+                options_.world_size);
+  // A unique store prefix even when names repeat (a second mesh, say).
+  std::string unique = std::to_string(groups_made_++) + ":" + name;
+  if (std::find(ranks.begin(), ranks.end(), options_.rank) == ranks.end()) return nullptr;
+  return ProcessGroup::create(GroupOptions{name, ranks, options_.timeout, options_.backend}, options_.rank, store_,
+                              unique);
+}
+
+void World::shutdown() {
+  if (!initialized_) return;
+  if (world_ && world_->size() > 1) world_->barrier();
+  world_.reset();
+  store_.reset();
+  initialized_ = false;
+}
+
+// ---- Layout and Mesh -----------------------------------------------------------------------
+
+Layout::Layout(const MeshOptions& o, int world) : tensor(o.tensor), data(o.data), pipeline(o.pipeline) {
+  TORCH_CHECK(o.tensor >= 1 && o.pipeline >= 1 && o.data >= 0, "mesh sizes must be positive: tensor=", o.tensor,
+              " pipeline=", o.pipeline, " data=", o.data);
+  int unit = o.tensor * o.pipeline;
+  if (data == 0) {
+    TORCH_CHECK(world % unit == 0, "mesh: tensor=", o.tensor, " x pipeline=", o.pipeline, " = ", unit,
+                " does not divide the world of ", world, " ranks");
+    data = world / unit;
+  }
+  TORCH_CHECK(unit * data == world, "mesh: tensor=", o.tensor, " x data=", data, " x pipeline=", o.pipeline, " = ",
+              unit * data, " ranks, but the world has ", world);
+  if (o.zero <= 0) zero = data;
+  else zero = o.zero;
+  TORCH_CHECK(zero <= data && data % zero == 0, "mesh: zero=", o.zero, " does not divide the data size ", data,
+              " (zero <= 0: the whole data group; 1: off; n: groups of n data ranks)");
+}
+
+Coord Layout::coord(int rank) const {
+  TORCH_CHECK(rank >= 0 && rank < world(), "rank ", rank, " is outside the mesh of ", world());
+  return Coord{rank % tensor, (rank / tensor) % data, rank / (tensor * data)};
+}
+
+const std::vector<std::string>& Layout::kinds() {
+  static const std::vector<std::string> k{"world", "tensor", "data", "pipeline", "unit", "zero"};
+  return k;
+}
+
+std::vector<int> Layout::group_of(const std::string& kind, int rank) const {
+  Coord c = coord(rank);
+  std::vector<int> out;
+  if (kind == "world") {
+    for (int r = 0; r < world(); ++r) out.push_back(r);
+  } else if (kind == "tensor") {
+    for (int t = 0; t < tensor; ++t) out.push_back(rank_of({t, c.data, c.pipeline}));
+  } else if (kind == "data") {
+    for (int d = 0; d < data; ++d) out.push_back(rank_of({c.tensor, d, c.pipeline}));
+  } else if (kind == "pipeline") {
+    for (int p = 0; p < pipeline; ++p) out.push_back(rank_of({c.tensor, c.data, p}));
+  } else if (kind == "unit") {
+    for (int p = 0; p < pipeline; ++p)
+      for (int t = 0; t < tensor; ++t) out.push_back(rank_of({t, c.data, p}));
+  } else if (kind == "zero") {
+    int first = c.data / zero * zero;
+    for (int d = first; d < first + zero; ++d) out.push_back(rank_of({c.tensor, d, c.pipeline}));
+  } else {
+    TORCH_CHECK(false, "unknown group kind '", kind, "' (expected world, tensor, data, pipeline, unit or zero)");
+  }
+  return out;
+}
+
+std::vector<std::vector<int>> Layout::groups(const std::string& kind) const {
+  std::vector<std::vector<int>> out;
+  for (int r = 0; r < world(); ++r) {
+    auto g = group_of(kind, r);
+    if (g.front() == r || kind == "world") {
+      if (kind == "world" && r > 0) break;
+      if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
+    }
+  }
+  return out;
+}
+
+Mesh::Mesh(const MeshOptions& options, World& world)
+    : layout_(options, world.size()), rank_(world.rank()), coord_(layout_.coord(world.rank())) {
+  // Every rank makes every group of every kind in the same order; it keeps the ones it is in.
+  for (const auto& kind : Layout::kinds()) {
+    if (kind == "world") {
+      groups_[kind] = world.world();
+      continue;
+    }
+    for (const auto& ranks : layout_.groups(kind)) {
+      std::string name = kind + "[" + join(ranks) + "]";
+      if (auto g = world.new_group(name, ranks)) groups_[kind] = g;
+    }
+  }
+}
+
+const GroupPtr& Mesh::group(const std::string& kind) const {
+  auto it = groups_.find(kind);
+  TORCH_CHECK(it != groups_.end(), "unknown group kind '", kind,
+              "' (expected world, tensor, data, pipeline, unit or zero)");
+  return it->second;
+}
+
+std::string Mesh::describe() const {
+  std::ostringstream s;
+  s << "mesh tensor=" << layout_.tensor << " data=" << layout_.data << " pipeline=" << layout_.pipeline
+    << " zero=" << layout_.zero << " (world " << layout_.world() << "); rank " << rank_ << " at tensor="
+    << coord_.tensor << " data=" << coord_.data << " pipeline=" << coord_.pipeline;
+  for (const auto& kind : Layout::kinds()) s << "\n  " << kind << ": ranks " << join(group(kind)->ranks());
+  return s.str();
+}
+
+}  // namespace partrain::dist

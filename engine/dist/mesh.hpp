@@ -1,0 +1,68 @@
+// The device mesh: the world laid out as pipeline x data x tensor, tensor fastest (Megatron's
+// order), with one process group per axis and the derived groups: unit (one tensor x pipeline
+// replica of the model: Cube's plan_ngpus) and zero (the data group or consecutive subsets of it:
+// InternLM's zero1, Cube's zero_ngroups). Layout is pure arithmetic, usable without processes.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/dist/world.hpp"
+
+namespace partrain::dist {
+
+struct MeshOptions {
+  int tensor = 1;     ///< tensor-parallel size
+  int pipeline = 1;   ///< pipeline-parallel size
+  int data = 0;       ///< data-parallel size; 0: world / (tensor * pipeline)
+  int zero = 0;       ///< ranks that split optimizer state: <= 0 the whole data group, 1 off, n groups of n
+};
+
+struct Coord {
+  int tensor = 0, data = 0, pipeline = 0;
+};
+
+/// Which global rank sits where, and which ranks form each group.
+class Layout {
+ public:
+  /// Validates the sizes against `world`; a size that does not fit is an error naming the sizes.
+  Layout(const MeshOptions& options, int world);
+
+  int world() const { return tensor * data * pipeline; }
+  Coord coord(int rank) const;
+  int rank_of(const Coord& c) const { return c.tensor + tensor * (c.data + data * c.pipeline); }
+  /// The members of `rank`'s group of `kind` ("world", "tensor", "data", "pipeline", "unit",
+  /// "zero"), in group-rank order.
+  std::vector<int> group_of(const std::string& kind, int rank) const;
+  /// Every group of `kind`, in a fixed order all ranks agree on.
+  std::vector<std::vector<int>> groups(const std::string& kind) const;
+  static const std::vector<std::string>& kinds();
+
+  int tensor, data, pipeline;
+  int zero;  ///< size of each zero group (1: ZeRO off)
+};
+
+class Mesh {
+ public:
+  /// Lays out the world and makes every group (collectively: all ranks call this together).
+  Mesh(const MeshOptions& options, World& world);
+
+  const Layout& layout() const { return layout_; }
+  int rank() const { return rank_; }
+  const Coord& coord() const { return coord_; }
+  int size(const std::string& kind) const { return group(kind)->size(); }
+  /// This rank's group of `kind`; an unknown kind is an error listing the kinds.
+  const GroupPtr& group(const std::string& kind) const;
+  /// The layout as text: sizes, this rank's coordinates, and its groups' ranks.
+  std::string describe() const;
+
+ private:
+  Layout layout_;
+  int rank_;
+  Coord coord_;
+  std::map<std::string, GroupPtr> groups_;
+};
+
+}  // namespace partrain::dist

@@ -1,0 +1,95 @@
+// Process groups: the ranks that talk to each other, and the collectives they run. A thin layer
+// over c10d (Gloo on CPU, NCCL on CUDA) that names the group and the operation in every error,
+// bounds every wait by a timeout, and runs groups of one rank without any communication.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/torch.h>
+
+namespace partrain::dist {
+
+using torch::Tensor;
+
+/// How a reduction combines values across ranks. Mean (also called avg) is a sum divided by the
+/// group's size, computed here because Gloo has no average.
+enum class ReduceOp { Sum, Mean, Min, Max, Product };
+ReduceOp parse_reduce_op(const std::string& name);  // "sum", "mean", "avg", "min", "max", "product"
+std::string to_string(ReduceOp op);
+
+class ProcessGroup;
+
+/// A collective in flight. wait() blocks until it completes or the group's timeout passes, and
+/// then throws with the group and operation in the message.
+class Work {
+ public:
+  Work() = default;
+  Work(std::shared_ptr<const ProcessGroup> group, std::string op, c10::intrusive_ptr<c10d::Work> work,
+       std::function<void()> after = {});
+  void wait();
+  bool done() const;
+
+ private:
+  std::shared_ptr<const ProcessGroup> group_;
+  std::string op_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> after_;  // runs once the collective has completed (e.g. the mean's divide)
+};
+
+struct GroupOptions {
+  std::string name;                               ///< shown in errors: "data", "tensor[pp=0,dp=1]"
+  std::vector<int> ranks;                         ///< global ranks, in group-rank order
+  std::chrono::milliseconds timeout{300000};      ///< every collective's bound
+  std::string backend = "gloo";                   ///< "gloo" or "nccl"
+};
+
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
+ public:
+  /// Builds the group for `global_rank`, which must be one of options.ranks. Groups of more
+  /// than one rank rendezvous through `store` under `store_prefix` (default: the name).
+  static std::shared_ptr<ProcessGroup> create(const GroupOptions& options, int global_rank,
+                                              c10::intrusive_ptr<c10d::Store> store,
+                                              const std::string& store_prefix = "");
+  ~ProcessGroup();
+
+  const std::string& name() const { return options_.name; }
+  const std::vector<int>& ranks() const { return options_.ranks; }
+  int rank() const { return rank_; }  ///< this process's index in the group
+  int size() const { return static_cast<int>(options_.ranks.size()); }
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  std::string describe() const;  ///< "group 'data' (ranks 0,2)"
+
+  /// In place; every rank ends with the reduction of everyone's tensor.
+  Work all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, bool async = false) const;
+  /// In place; every rank ends with the tensor of group rank `root`.
+  Work broadcast(Tensor& t, int root = 0, bool async = false) const;
+  /// Everyone's tensor, in group-rank order.
+  std::vector<Tensor> all_gather(const Tensor& t) const;
+  /// Slice r of the reduction of everyone's `inputs` (a list of size() equal tensors) lands on
+  /// rank r in `output`.
+  void reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op = ReduceOp::Sum) const;
+  void send(const Tensor& t, int dst) const;
+  void recv(Tensor& t, int src) const;
+  void barrier() const;
+
+ private:
+  explicit ProcessGroup(GroupOptions options, int rank);
+  Work start(const std::string& op, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) const;
+  [[noreturn]] void fail(const std::string& op, const std::string& why) const;
+  void check(const Tensor& t, const std::string& op) const;
+
+  GroupOptions options_;
+  int rank_;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;  // null for a group of one
+  friend class Work;
+};
+
+using GroupPtr = std::shared_ptr<ProcessGroup>;
+
+}  // namespace partrain::dist

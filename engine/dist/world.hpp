@@ -1,0 +1,61 @@
+// The world: this process's place among all ranks (read from torchrun's variables), the
+// rendezvous store, and the groups made from it. A process started without those variables is a
+// world of one, and every collective is then a no-op, so scripts run unchanged without a launcher.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "engine/dist/process_group.hpp"
+
+namespace partrain::dist {
+
+struct WorldOptions {
+  int rank = 0;                                  ///< RANK
+  int world_size = 1;                            ///< WORLD_SIZE
+  int local_rank = 0;                            ///< LOCAL_RANK
+  int local_world_size = 1;                      ///< LOCAL_WORLD_SIZE
+  std::string master_addr = "127.0.0.1";         ///< MASTER_ADDR: where rank 0 serves the store
+  int master_port = 29500;                       ///< MASTER_PORT
+  std::chrono::milliseconds timeout{300000};     ///< PARTRAIN_TIMEOUT (seconds): store and collectives
+  std::string backend = "gloo";                  ///< "gloo" (CPU) or "nccl" (CUDA)
+};
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+/// PARTRAIN_TIMEOUT as torchrun and SLURM wrappers set them. Without RANK and WORLD_SIZE: a world
+/// of one. A variable that is malformed, out of range or missing while RANK is set is an error
+/// naming it.
+WorldOptions world_options_from_env();
+
+class World {
+ public:
+  /// The process's world (one a process).
+  static World& instance();
+
+  /// Joins the world: rank 0 serves the store at master_addr:master_port, everyone connects, and
+  /// the world group forms. Does nothing for a world of one. Call once.
+  void init(const WorldOptions& options);
+  bool initialized() const { return initialized_; }
+  const WorldOptions& options() const { return options_; }
+  int rank() const { return options_.rank; }
+  int size() const { return options_.world_size; }
+  GroupPtr world() const;
+
+  /// Makes a group of `ranks` named `name`. Every rank must make the same groups in the same
+  /// order; ranks outside `ranks` get nullptr.
+  GroupPtr new_group(const std::string& name, const std::vector<int>& ranks);
+
+  /// Waits for every rank (bounded by the timeout), then drops the groups and the store.
+  void shutdown();
+
+ private:
+  World() = default;
+  bool initialized_ = false;
+  WorldOptions options_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  GroupPtr world_;
+  int groups_made_ = 0;
+};
+
+}  // namespace partrain::dist

@@ -1,0 +1,197 @@
+// Data parallelism with bucketed, overlapped gradient all-reduce (see data_parallel.hpp).
+#include "engine/parallel/data_parallel.hpp"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include "engine/compat.hpp"
+
+namespace partrain::compat {
+
+namespace {
+struct LambdaPostHook : torch::autograd::FunctionPostHook {
+  explicit LambdaPostHook(std::function<void()> fn) : fn(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn();
+    return outputs;
+  }
+  std::function<void()> fn;
+};
+}  // namespace
+
+std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const torch::Tensor& param, std::function<void()> fn) {
+  auto accumulator = torch::autograd::impl::grad_accumulator(param);
+  TORCH_CHECK(accumulator, "a gradient hook needs a leaf tensor that requires grad");
+  accumulator->add_post_hook(std::make_unique<LambdaPostHook>(std::move(fn)));
+  return accumulator;
+}
+
+void at_end_of_backward(std::function<void()> fn) {
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
+}
+
+}  // namespace partrain::compat
+
+namespace partrain::parallel {
+
+using Clock = std::chrono::steady_clock;
+
+DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
+    : group_(std::move(group)), options_(options) {
+  TORCH_CHECK(group_, "data parallelism needs a data group");
+  TORCH_CHECK(options.bucket_cap_mb > 0, "bucket_cap_mb must be positive, got ", options.bucket_cap_mb);
+  TORCH_CHECK(options.grad_accumulation >= 1, "grad_accumulation must be >= 1, got ", options.grad_accumulation);
+  TORCH_CHECK(options.reduce != dist::ReduceOp::Product, "reduce 'product' makes no sense for gradients");
+}
+
+std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::GroupPtr group,
+                                                   const DataParallelOptions& options) {
+  std::shared_ptr<DataParallel> dp(new DataParallel(std::move(group), options));
+  auto& g = *dp->group_;
+  {
+    // Every rank starts from data rank 0's weights (smp's broadcast_buffers).
+    torch::NoGradGuard no_grad;
+    for (auto& p : model.parameters()) {
+      auto data = p.data();
+      g.broadcast(data, 0);
+    }
+    if (options.broadcast_buffers)
+      for (auto& b : model.buffers()) g.broadcast(b, 0);
+  }
+  for (auto& p : model.parameters())
+    if (p.requires_grad()) dp->params_.push_back(p);
+  TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
+
+  // Buckets in reverse parameter order (roughly the order backward produces gradients), split
+  // at the byte cap and wherever dtype or device changes.
+  const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
+  dp->bucket_of_.resize(dp->params_.size());
+  dp->slot_of_.resize(dp->params_.size());
+  int64_t bytes = 0;
+  for (size_t k = dp->params_.size(); k-- > 0;) {
+    const auto& p = dp->params_[k];
+    bool fresh = dp->buckets_.empty() || bytes >= cap;
+    if (!fresh) {
+      const auto& first = dp->params_[dp->buckets_.back().params.front()];
+      fresh = first.scalar_type() != p.scalar_type() || first.device() != p.device();
+    }
+    if (fresh) {
+      dp->buckets_.emplace_back();
+      bytes = 0;
+    }
+    auto& b = dp->buckets_.back();
+    dp->bucket_of_[k] = dp->buckets_.size() - 1;
+    dp->slot_of_[k] = b.params.size();
+    b.offsets.push_back(b.params.empty() ? 0 : b.offsets.back() + dp->params_[b.params.back()].numel());
+    b.params.push_back(k);
+    bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  }
+  for (auto& b : dp->buckets_) {
+    const auto& last = dp->params_[b.params.back()];
+    b.flat = torch::zeros({b.offsets.back() + last.numel()}, last.options().requires_grad(false));
+    dp->stats_.bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
+  }
+  // The hooks hold the object weakly: a model dropped by its user does not stay synced.
+  std::weak_ptr<DataParallel> weak = dp;
+  for (size_t k = 0; k < dp->params_.size(); ++k)
+    dp->accumulators_.push_back(compat::on_grad_accumulated(dp->params_[k], [weak, k] {
+      if (auto self = weak.lock()) self->on_grad_ready(k);
+    }));
+  return dp;
+}
+
+void DataParallel::on_grad_ready(size_t index) {
+  if (!in_backward_) {  // the first gradient of a backward pass
+    in_backward_ = true;
+    ++passes_;
+    syncing_ = passes_ % options_.grad_accumulation == 0;
+    if (syncing_) {
+      for (auto& b : buckets_) {
+        b.pending = static_cast<int>(b.params.size());
+        b.ready = false;
+      }
+      next_launch_ = 0;
+      launched_any_ = false;
+    }
+    std::weak_ptr<DataParallel> weak = shared_from_this();
+    compat::at_end_of_backward([weak] {
+      if (auto self = weak.lock()) self->finish();
+    });
+  }
+  if (!syncing_) return;
+  auto& b = buckets_[bucket_of_[index]];
+  const auto& p = params_[index];
+  auto slice = b.flat.narrow(0, b.offsets[slot_of_[index]], p.numel());
+  if (p.grad().defined()) slice.copy_(p.grad().reshape({-1}));
+  else slice.zero_();
+  if (--b.pending == 0) {
+    b.ready = true;
+    launch_ready();
+  }
+}
+
+// Launches ready buckets strictly in bucket order, so every rank issues the same collectives in
+// the same order even if gradients arrive in a different one.
+void DataParallel::launch_ready() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
+    auto& b = buckets_[next_launch_];
+    int index = static_cast<int>(next_launch_++);
+    if (!launched_any_) {
+      first_launch_ = Clock::now();
+      launched_any_ = true;
+    }
+    // Mean: pre-divide by everyone who contributed (ranks x accumulated passes), then sum.
+    if (options_.reduce == dist::ReduceOp::Mean)
+      b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
+    if (pre_hook_) pre_hook_(index, b.flat);
+    auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
+    b.work = group_->all_reduce(b.flat, op, /*async=*/true);
+  }
+}
+
+void DataParallel::finish() {
+  in_backward_ = false;
+  if (!syncing_) return;
+  syncing_ = false;
+  // Parameters that got no gradient this pass count as zeros (every rank must send every bucket).
+  for (size_t k = 0; k < params_.size(); ++k) {
+    auto& b = buckets_[bucket_of_[k]];
+    if (b.ready) continue;
+    if (!params_[k].grad().defined())
+      b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).zero_();
+  }
+  for (auto& b : buckets_)
+    if (!b.ready) {
+      // Gradients that did arrive were copied by their hooks; fill the rest and launch.
+      for (size_t s = 0; s < b.params.size(); ++s) {
+        const auto& p = params_[b.params[s]];
+        if (p.grad().defined()) b.flat.narrow(0, b.offsets[s], p.numel()).copy_(p.grad().reshape({-1}));
+      }
+      b.ready = true;
+    }
+  launch_ready();
+  auto backward_end = Clock::now();
+  for (auto& b : buckets_)
+    if (b.work.done()) ++stats_.buckets_done_early;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    buckets_[i].work.wait();
+    if (post_hook_) post_hook_(static_cast<int>(i), buckets_[i].flat);
+  }
+  auto done = Clock::now();
+  stats_.syncs += 1;
+  stats_.sync_seconds += std::chrono::duration<double>(done - first_launch_).count();
+  stats_.exposed_seconds += std::chrono::duration<double>(done - backward_end).count();
+  // The synced gradients back into .grad.
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    auto& b = buckets_[bucket_of_[k]];
+    auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
+    auto& grad = params_[k].mutable_grad();
+    if (grad.defined()) grad.copy_(slice);
+    else grad = slice.clone();
+  }
+  passes_ = 0;
+}
+
+}  // namespace partrain::parallel

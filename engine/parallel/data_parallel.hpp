@@ -1,0 +1,90 @@
+// Data parallelism: every rank of the data group holds the whole (or its tensor-parallel part of
+// the) model and a slice of the batch; gradients are averaged (or summed, ...) across the group.
+// Gradients are packed into buckets in reverse parameter order; each bucket's all-reduce starts
+// the moment its last gradient is accumulated, so communication overlaps the rest of backward.
+//
+// Why not c10d's Reducer: its constructor and hooks differ between LibTorch 1.13 and 2.x, its
+// comm hooks are C++-only (partrain's bucket hooks are Lua functions), and ZeRO needs a
+// reduce-scatter path per bucket that it does not have.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/dist/process_group.hpp"
+#include "engine/nn/module.hpp"
+
+namespace partrain::parallel {
+
+struct DataParallelOptions {
+  double bucket_cap_mb = 25.0;                  ///< bytes of gradient a bucket holds (MiB)
+  dist::ReduceOp reduce = dist::ReduceOp::Mean; ///< how ranks' gradients combine (Cube's reducer_op)
+  int grad_accumulation = 1;                    ///< backward passes a sync: sync on every k-th only
+  bool broadcast_buffers = true;                ///< copy buffers from data rank 0 at start, with parameters
+};
+
+/// A bucket: some parameters' gradients laid end to end in one flat tensor.
+struct Bucket {
+  std::vector<size_t> params;    ///< indices into DataParallel::params(), in the order laid out
+  std::vector<int64_t> offsets;  ///< where each starts in `flat`
+  torch::Tensor flat;            ///< (numel,) the bucket's gradients
+  int pending = 0;               ///< gradients still to arrive this pass
+  bool ready = false;
+  dist::Work work;
+};
+
+struct DataParallelStats {
+  int64_t syncs = 0;               ///< backward passes that synced
+  int64_t bytes = 0;               ///< gradient bytes all-reduced a sync
+  double sync_seconds = 0;         ///< first bucket launched -> all done, summed over syncs
+  double exposed_seconds = 0;      ///< end of backward -> all done: what backward did not hide
+  int64_t buckets_done_early = 0;  ///< buckets already complete when backward ended
+};
+
+class DataParallel : public std::enable_shared_from_this<DataParallel> {
+ public:
+  /// Broadcasts `model`'s parameters (and buffers) from data rank 0 and installs the gradient
+  /// hooks. The model keeps working exactly like the serial one.
+  static std::shared_ptr<DataParallel> attach(nn::Module& model, dist::GroupPtr group,
+                                              const DataParallelOptions& options);
+
+  /// Called with (bucket index, flat gradients) before a bucket's all-reduce and after the sync
+  /// has finished (Cube's register_reducer_pre_hook / post_hook). Either may change the tensor.
+  using Hook = std::function<void(int, torch::Tensor&)>;
+  void set_pre_hook(Hook hook) { pre_hook_ = std::move(hook); }
+  void set_post_hook(Hook hook) { post_hook_ = std::move(hook); }
+
+  /// Whether every finished backward pass has been synced (an optimizer may step).
+  bool synced() const { return passes_ == 0; }
+  int passes_since_sync() const { return passes_; }
+  const DataParallelOptions& options() const { return options_; }
+  const dist::GroupPtr& group() const { return group_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  const DataParallelStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = DataParallelStats(); }
+
+ private:
+  DataParallel(dist::GroupPtr group, const DataParallelOptions& options);
+  void on_grad_ready(size_t index);
+  void launch_ready();
+  void finish();
+
+  dist::GroupPtr group_;
+  DataParallelOptions options_;
+  std::vector<torch::Tensor> params_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks installed
+  std::vector<size_t> bucket_of_, slot_of_;  // parameter -> bucket, position in it
+  std::vector<Bucket> buckets_;
+  size_t next_launch_ = 0;
+  bool in_backward_ = false, syncing_ = false;
+  int passes_ = 0;
+  std::chrono::steady_clock::time_point first_launch_;
+  bool launched_any_ = false;
+  Hook pre_hook_, post_hook_;
+  DataParallelStats stats_;
+};
+
+}  // namespace partrain::parallel
