@@ -66,7 +66,11 @@ void Work::wait() {
       work_->wait(group_->timeout());
     } catch (const std::exception& e) {
       work_.reset();
-      group_->fail(op_, compat::message_of(e));
+      std::string why = compat::message_of(e);
+      if (why.find("timed out") != std::string::npos || why.find("Timed out") != std::string::npos)
+        why += " (waited " + std::to_string(group_->timeout().count() / 1000) +
+               " s; a peer may be stalled or dead; raise the limit with --timeout)";
+      group_->fail(op_, why);
     }
     work_.reset();
   }
@@ -171,11 +175,13 @@ std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
   std::vector<std::vector<Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
   std::vector<Tensor> inputs{t};
+  Work w;
   try {
-    start("all_gather", impl_->group->allgather(outputs, inputs)).wait();
+    w = start("all_gather", impl_->group->allgather(outputs, inputs));
   } catch (const std::exception& e) {
     fail("all_gather", compat::message_of(e));
   }
+  w.wait();
   return outputs[0];
 }
 
@@ -196,33 +202,39 @@ void ProcessGroup::send(const Tensor& t, int dst) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
   std::vector<Tensor> ts{t};
+  Work w;
   try {
-    start("send", impl_->group->send(ts, dst, 0)).wait();
+    w = start("send", impl_->group->send(ts, dst, 0));
   } catch (const std::exception& e) {
     fail("send", compat::message_of(e));
   }
+  w.wait();
 }
 
 void ProcessGroup::recv(Tensor& t, int src) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
   std::vector<Tensor> ts{t};
+  Work w;
   try {
-    start("recv", impl_->group->recv(ts, src, 0)).wait();
+    w = start("recv", impl_->group->recv(ts, src, 0));
   } catch (const std::exception& e) {
     fail("recv", compat::message_of(e));
   }
+  w.wait();
 }
 
 void ProcessGroup::barrier() const {
   if (!impl_) return;
   c10d::BarrierOptions o;
   o.timeout = options_.timeout;
+  Work w;
   try {
-    start("barrier", impl_->group->barrier(o)).wait();
+    w = start("barrier", impl_->group->barrier(o));
   } catch (const std::exception& e) {
     fail("barrier", compat::message_of(e));
   }
+  w.wait();
 }
 
 // ---- World ---------------------------------------------------------------------------------

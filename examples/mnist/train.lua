@@ -1,11 +1,14 @@
 -- Trains a multilayer perceptron on Fashion-MNIST and reports test accuracy after each epoch.
+-- Data-parallel over however many ranks it runs on; the global batch, and so the numbers, stay
+-- those of the serial run.
 --   partrain examples/mnist/train.lua [--epochs 3] [--steps N] [--lr 0.05] [--batch 64] ...
+--   partrain --nproc-per-node 4 examples/mnist/train.lua
 local pt = require "partrain"
 
 local cfg = pt.args {
   epochs = 3,              -- passes over the 60,000 training images
   steps = 0,               -- stop after this many steps in all (0: no limit)
-  batch = 64,
+  batch = 64,              -- the global batch, split over the data-parallel ranks
   lr = pt.args.number(0.05),
   momentum = pt.args.number(0.9),
   hidden = 256,
@@ -16,12 +19,21 @@ local cfg = pt.args {
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 pt.manual_seed(cfg.seed)
 
-local model = pt.models.mlp { sizes = { 784, cfg.hidden, math.floor(cfg.hidden / 2), 10 } }
-local train = pt.data.mnist { split = "train", batch = cfg.batch, seed = cfg.seed }
+local mesh = pt.mesh {}    -- every rank a data-parallel replica
+local model = pt.parallelize(pt.models.mlp { sizes = { 784, cfg.hidden, math.floor(cfg.hidden / 2), 10 } }, nil, mesh)
+local train = pt.data.mnist { split = "train", batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local test = pt.data.mnist { split = "test", batch = 1000, shuffle = false, drop_last = false }
 local opt = pt.optim.sgd(model, { lr = cfg.lr, momentum = cfg.momentum, nesterov = true,
   schedule = { kind = "cosine", total = cfg.epochs * train:batches_per_epoch() } })
-print(("model: %d parameters; data: %s"):format(model:num_parameters(), tostring(train)))
+print(("model: %d parameters; data: %s; %d data-parallel rank(s)"):format(
+  model:num_parameters(), tostring(train), mesh:size("data")))
+
+-- The loss over the whole global batch: the mean of the ranks' losses (equal slices).
+local function global_loss(loss)
+  local t = loss:detach():clone()
+  mesh:group("data"):all_reduce(t, "mean")
+  return t:item()
+end
 
 local function accuracy()
   model:eval()
@@ -45,7 +57,7 @@ for epoch = 1, cfg.epochs do
     loss:backward()
     opt:step()
     step = step + 1
-    if step % cfg.log_every == 0 then pt.log { epoch = epoch, step = step, loss = loss:item() } end
+    if step % cfg.log_every == 0 then pt.log { epoch = epoch, step = step, loss = global_loss(loss) } end
     if cfg.steps > 0 and step >= cfg.steps then break end
   end
   pt.log { epoch = epoch, step = step, test_accuracy = accuracy() }

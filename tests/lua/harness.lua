@@ -56,7 +56,9 @@ function H.run()
       print("[ OK ] " .. case.name)
     else
       failed = failed + 1
+      -- stderr too: under the launcher only rank 0's stdout is shown, every rank's stderr is.
       print("[FAIL] " .. case.name .. "\n" .. tostring(err))
+      io.stderr:write("[FAIL] ", case.name, "\n", tostring(err), "\n")
     end
   end
   print(("%d passed, %d failed"):format(passed, failed))

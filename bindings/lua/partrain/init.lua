@@ -114,10 +114,42 @@ function Loader:batches()
   end
 end
 
+-- Distribution ------------------------------------------------------------------------------
+--- pt.dist: this rank's place (rank, world_size, local_rank, local_world_size), the world group
+--- (pt.dist.world()), barrier. Outside a launcher the world has one rank and collectives are no-ops.
+pt.dist = {}
+for name, fn in pairs(core.dist) do
+  if name ~= "data_parallel" then pt.dist[name] = fn end
+end
+--- pt.mesh { tensor = t, pipeline = p, data = d, zero = z }: the world laid out as
+--- pipeline x data x tensor (tensor fastest), with its groups made once.
+pt.mesh = core.dist.mesh
+
+local data_parallel = {}   -- model -> its data-parallel handle (the model is returned as it was)
+
+--- Makes `model` parallel over `mesh` and returns it, used exactly like the serial model.
+--- With no policy: data parallelism over the mesh's data group (parameters broadcast from data
+--- rank 0, gradients synced in buckets during backward). opts: bucket_cap_mb, reduce ("mean",
+--- "sum", "min", "max"), grad_accumulation, broadcast_buffers.
+function pt.parallelize(model, policy, mesh, opts)
+  if not core.nn.is_module(model) then error("parallelize: argument #1 must be a module, got " .. type(model), 2) end
+  if policy ~= nil then
+    error("parallelize: sharding policies (tensor parallelism) are not available yet; pass nil", 2)
+  end
+  local ok, dp = pcall(core.dist.data_parallel, model, mesh, opts)
+  if not ok then error(dp, 2) end
+  data_parallel[model] = dp
+  return model
+end
+
+--- The data-parallel handle of a model made parallel by pt.parallelize (or nil): hooks,
+--- synced(), stats().
+function pt.data_parallel(model) return data_parallel[model] end
+
 -- Scripts -----------------------------------------------------------------------------------
 pt.args = require "partrain.args"
 
---- Prints one line of metrics: pt.log { step = 3, loss = 0.5 } -> "step 3 | loss 0.5000".
+--- Prints one line of metrics: pt.log { step = 3, loss = 0.25 } -> "step 3 | loss 0.25".
 function pt.log(fields)
   if type(fields) ~= "table" then error("pt.log expects a table of fields, got " .. type(fields), 2) end
   local keys = {}
@@ -128,10 +160,10 @@ function pt.log(fields)
   local parts = {}
   for _, k in ipairs(keys) do
     local v = fields[k]
+    if pt.is_tensor(v) and v:numel() == 1 then v = v:item() end
     if type(v) == "number" and v ~= math.floor(v) then
-      v = string.format(math.abs(v) < 1e-3 and "%.3e" or "%.4f", v)
-    elseif pt.is_tensor(v) and v:numel() == 1 then
-      v = string.format("%.4f", v:item())
+      -- Seven significant digits: enough to compare runs (a sharded run against a serial one).
+      v = string.format(math.abs(v) < 1e-3 and "%.6e" or "%.7g", v)
     end
     parts[#parts + 1] = k .. " " .. tostring(v)
   end

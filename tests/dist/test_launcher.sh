@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The launcher under failure and misuse: a rank killed mid-training ends the run within 30 s
+# naming that rank and leaving no process behind; a stalled collective times out naming its group
+# and operation; bad sizes, ports and environments are clear errors; torchrun-style environments
+# run a single rank. Usage: test_launcher.sh PATH/TO/partrain
+set -u
+bin="$(realpath "$1")"
+worker="$(realpath tests/dist/worker.lua)"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0 failed=0
+report() { if [ "$1" = 0 ]; then passed=$((passed + 1)); echo "[ OK ] $2"; else failed=$((failed + 1)); echo "[FAIL] $2"; echo "$3" | head -20; fi; }
+has() { grep -qF -- "$2" <<<"$1"; }
+
+# --- kill -9 one rank of four mid-training ---------------------------------------------------
+mkdir "$tmp/kill"
+start=$(date +%s)
+"$bin" --nproc-per-node 4 --threads 1 "$worker" --dir "$tmp/kill" --mode loop >"$tmp/kill.out" 2>&1 &
+launcher=$!
+for _ in $(seq 100); do [ "$(ls "$tmp/kill" | wc -l)" -eq 4 ] && break; sleep 0.2; done
+sleep 1
+victim=$(cat "$tmp/kill/pid.2")
+kill -9 "$victim"
+killed_at=$(date +%s)
+wait "$launcher"
+status=$?
+took=$(( $(date +%s) - killed_at ))
+out=$(cat "$tmp/kill.out")
+report $(( status == 0 )) "the launcher exits non-zero when a rank is killed (status $status)" "$out"
+report $(( took > 30 )) "it exits within 30 s of the kill (took ${took} s)" "$out"
+has "$out" "rank 2 (local rank 2, pid $victim) was killed by signal 9 (SIGKILL)"; report $? "its message names the killed rank and the signal" "$out"
+left=0
+for f in "$tmp"/kill/pid.*; do kill -0 "$(cat "$f")" 2>/dev/null && left=$((left + 1)); done
+report $(( left != 0 )) "no rank is left running ($left left)" "$out"
+
+# --- a stalled collective times out ----------------------------------------------------------
+start=$(date +%s)
+out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 3 "$worker" --mode stall 2>&1)
+status=$?
+took=$(( $(date +%s) - start ))
+report $(( status == 0 )) "a collective waiting on a stalled rank fails (status $status)" "$out"
+has "$out" "barrier on group 'world' (ranks 0,1) failed on rank 0"; report $? "the timeout names the group and the operation" "$out"
+report $(( took > 30 )) "the stalled run ends within 30 s with --timeout 3 (took ${took} s)" "$out"
+
+# --- sizes, ports and environments -----------------------------------------------------------
+out=$("$bin" --nproc-per-node 2 --threads 1 -e 'require("partrain").mesh { tensor = 3 }' 2>&1)
+has "$out" "tensor=3 x pipeline=1 = 3 does not divide the world of 2 ranks"; report $? "a mesh that does not divide the world names the sizes" "$out"
+out=$("$bin" --nproc-per-node 4 --threads 1 -e 'require("partrain").mesh { tensor = 2, data = 3 }' 2>&1)
+has "$out" "tensor=2 x data=3 x pipeline=1 = 6 ranks, but the world has 4"; report $? "explicit sizes that do not multiply to the world are named" "$out"
+out=$("$bin" --nproc-per-node 2 --master-port 70000 -e '' 2>&1); status=$?
+has "$out" "--master-port 70000 is not a port (1-65535)"; report $(( status == 0 ? 1 : $? )) "a bad port is refused" "$out"
+/usr/bin/python3 -c 'import socket,time,sys; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(60)' >"$tmp/port" &
+holder=$!
+for _ in $(seq 50); do [ -s "$tmp/port" ] && break; sleep 0.1; done
+port=$(cat "$tmp/port")
+out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 --timeout 10 --master-port "$port" -e '' 2>&1); status=$?
+kill "$holder" 2>/dev/null
+has "$out" "rendezvous at 127.0.0.1:$port (serving it) failed"; report $(( status == 0 ? 1 : $? )) "a port already in use is named" "$out"
+out=$(RANK=1 WORLD_SIZE=2 "$bin" -e '' 2>&1)
+has "$out" "MASTER_ADDR is not"; report $? "RANK and WORLD_SIZE without MASTER_ADDR is an error naming it" "$out"
+out=$(RANK=1 "$bin" -e '' 2>&1)
+has "$out" "RANK and WORLD_SIZE must be set together"; report $? "RANK without WORLD_SIZE is an error" "$out"
+out=$(RANK=x WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 "$bin" -e '' 2>&1)
+has "$out" "environment variable RANK='x' is not an integer in [0, 1]"; report $? "a malformed RANK is named" "$out"
+out=$("$bin" --nproc-per-node 2 --nnodes 2 -e '' 2>&1)
+has "$out" "--nnodes 2 needs --master-addr"; report $? "several nodes need --master-addr" "$out"
+out=$("$bin" --tee -e '' 2>&1)
+has "$out" "need --nproc-per-node"; report $? "launcher flags without --nproc-per-node are refused" "$out"
+
+# --- torchrun-style: the environment makes each process one rank ----------------------------
+port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    "$bin" --threads 1 "$worker" --mode sum >"$tmp/env.$r" 2>&1 &
+done
+wait
+has "$(cat "$tmp/env.0")" "rank 0 of 2: sum 3"; report $? "RANK/WORLD_SIZE/MASTER_* from the environment: rank 0 joins" "$(cat "$tmp/env.0")"
+has "$(cat "$tmp/env.1")" "rank 1 of 2: sum 3"; report $? "and rank 1 joins" "$(cat "$tmp/env.1")"
+
+# --- output ----------------------------------------------------------------------------------
+out=$("$bin" --nproc-per-node 2 --threads 1 "$worker" --mode sum 2>&1)
+has "$out" "rank 0 of 2: sum 3" && ! has "$out" "rank 1 of 2"; report $? "by default only rank 0's stdout is shown" "$out"
+out=$("$bin" --nproc-per-node 2 --threads 1 --tee "$worker" --mode sum 2>&1)
+has "$out" "[rank 1] rank 1 of 2: sum 3"; report $? "--tee shows every rank's stdout with its rank" "$out"
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
