@@ -52,6 +52,9 @@ int main(int argc, char** argv) {
   app.add_flag("--tee", launch.tee, "show every rank's stdout, each line prefixed with its rank");
   app.add_option("--timeout", timeout, "seconds a collective or the rendezvous may wait before "
                  "failing (default 300)")->check(CLI::PositiveNumber);
+  bool check_collectives = false;
+  app.add_flag("--check-collectives", check_collectives, "before every collective, check that all ranks of its "
+               "group call the same one (debugging; costs a small all-gather each)");
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's,
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
     std::cerr << app.help() << std::endl;
     return fail("nothing to run: give a script or -e CODE");
   }
+  if (check_collectives) setenv("PARTRAIN_CHECK_COLLECTIVES", "1", 1);  // ranks inherit it
   bool launcher_flags = app.count("--nnodes") || app.count("--node-rank") || app.count("--master-addr") ||
                         app.count("--master-port") || app.count("--tee");
   if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port and --tee "

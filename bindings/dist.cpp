@@ -85,31 +85,59 @@ parallel::DataParallel::Hook lua_hook(lua_State* L, int fn_idx) {
   };
 }
 
+// Reads { async = bool } at idx.
+bool async_option(const Args& a, int idx, const char* what) {
+  Options o(a, idx, what);
+  bool async = o.boolean("async", false);
+  o.finish();
+  return async;
+}
+
+// Returns a Work handle for async calls, else the argument at `result` (0: nothing).
+int finish(const Args& a, const dist::Work& w, bool async, int result) {
+  if (async) {
+    ud_push(a.L, std::make_shared<dist::Work>(w), PT_WORK_MT);
+    return 1;
+  }
+  if (result == 0) return 0;
+  lua_pushvalue(a.L, result);
+  return 1;
+}
+
 const Function kGroupMethods[] = {
     {"rank", [](Args& a) { return a.ret(double(group(a, 1)->rank())); }},
     {"size", [](Args& a) { return a.ret(double(group(a, 1)->size())); }},
     {"ranks", [](Args& a) { return push_ints(a, group(a, 1)->ranks()); }},
     {"name", [](Args& a) { return a.ret(group(a, 1)->name()); }},
     {"all_reduce", [](Args& a) {  // all_reduce(t [, op = "sum"] [, { async = false }])
-       auto& g = group(a, 1);
-       auto& t = a.tensor(2);
        auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");
-       Options o(a, a.is_string(3) ? 4 : 3, "all_reduce");
-       bool async = o.boolean("async", false);
-       o.finish();
-       auto w = g->all_reduce(t, op, async);
-       if (async) { ud_push(a.L, std::make_shared<dist::Work>(w), PT_WORK_MT); return 1; }
-       lua_pushvalue(a.L, 2);
-       return 1; }},
-    {"broadcast", [](Args& a) { group(a, 1)->broadcast(a.tensor(2), static_cast<int>(a.integer(3, 0))); lua_pushvalue(a.L, 2); return 1; }},
-    {"all_gather", [](Args& a) { return a.ret(group(a, 1)->all_gather(a.tensor(2))); }},
-    {"reduce_scatter", [](Args& a) {  // reduce_scatter(output, { inputs... } [, op])
-       group(a, 1)->reduce_scatter(a.tensor(2), a.tensors(3), dist::parse_reduce_op(a.string(4, "sum")));
-       lua_pushvalue(a.L, 2);
-       return 1; }},
-    {"send", [](Args& a) { group(a, 1)->send(a.tensor(2), static_cast<int>(a.integer(3))); return a.ret(); }},
-    {"recv", [](Args& a) { group(a, 1)->recv(a.tensor(2), static_cast<int>(a.integer(3))); lua_pushvalue(a.L, 2); return 1; }},
-    {"barrier", [](Args& a) { group(a, 1)->barrier(); return a.ret(); }},
+       bool async = async_option(a, a.is_string(3) ? 4 : 3, "all_reduce");
+       return finish(a, group(a, 1)->all_reduce(a.tensor(2), op, async), async, 2); }},
+    {"broadcast", [](Args& a) {  // broadcast(t [, root = 0] [, { async = false }])
+       int root = a.is_number(3) ? static_cast<int>(a.integer(3)) : 0;
+       bool async = async_option(a, a.is_number(3) ? 4 : 3, "broadcast");
+       return finish(a, group(a, 1)->broadcast(a.tensor(2), root, async), async, 2); }},
+    {"all_gather", [](Args& a) {  // all_gather(t [, { async = false }]): parts [, work]
+       bool async = async_option(a, 3, "all_gather");
+       std::vector<torch::Tensor> parts;
+       auto w = group(a, 1)->all_gather(a.tensor(2), parts, async);
+       a.ret(parts);
+       if (!async) return 1;
+       ud_push(a.L, std::make_shared<dist::Work>(w), PT_WORK_MT);
+       return 2; }},
+    {"reduce_scatter", [](Args& a) {  // reduce_scatter(output, { inputs... } [, op] [, { async }])
+       auto op = dist::parse_reduce_op(a.is_string(4) ? a.string(4) : "sum");
+       bool async = async_option(a, a.is_string(4) ? 5 : 4, "reduce_scatter");
+       return finish(a, group(a, 1)->reduce_scatter(a.tensor(2), a.tensors(3), op, async), async, 2); }},
+    {"send", [](Args& a) {
+       bool async = async_option(a, 4, "send");
+       return finish(a, group(a, 1)->send(a.tensor(2), static_cast<int>(a.integer(3)), async), async, 0); }},
+    {"recv", [](Args& a) {
+       bool async = async_option(a, 4, "recv");
+       return finish(a, group(a, 1)->recv(a.tensor(2), static_cast<int>(a.integer(3)), async), async, 2); }},
+    {"barrier", [](Args& a) {
+       bool async = async_option(a, 2, "barrier");
+       return finish(a, group(a, 1)->barrier(async), async, 0); }},
     {"__tostring", [](Args& a) { return a.ret(group(a, 1)->describe()); }},
     {nullptr, nullptr}};
 
@@ -148,6 +176,8 @@ const Function kDataParallelMethods[] = {
        lua_pushnumber(a.L, s.sync_seconds); lua_setfield(a.L, -2, "sync_seconds");
        lua_pushnumber(a.L, s.exposed_seconds); lua_setfield(a.L, -2, "exposed_seconds");
        lua_pushnumber(a.L, double(s.buckets_done_early)); lua_setfield(a.L, -2, "buckets_done_early");
+       lua_pushnumber(a.L, s.last_sync_seconds); lua_setfield(a.L, -2, "last_sync_seconds");
+       lua_pushnumber(a.L, s.last_exposed_seconds); lua_setfield(a.L, -2, "last_exposed_seconds");
        return 1; }},
     {"reset_stats", [](Args& a) { data_parallel(a, 1)->reset_stats(); return a.ret(); }},
     {nullptr, nullptr}};

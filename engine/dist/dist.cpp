@@ -52,6 +52,21 @@ std::string join(const std::vector<int>& xs) {
 
 }  // namespace
 
+// ---- Checking that ranks agree on the collective -------------------------------------------
+
+namespace {
+bool& check_flag() {
+  static bool on = [] {
+    const char* v = std::getenv("PARTRAIN_CHECK_COLLECTIVES");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+}  // namespace
+
+void set_check_collectives(bool on) { check_flag() = on; }
+bool check_collectives() { return check_flag(); }
+
 // ---- Work ----------------------------------------------------------------------------------
 
 Work::Work(std::shared_ptr<const ProcessGroup> group, std::string op, c10::intrusive_ptr<c10d::Work> work,
@@ -131,8 +146,41 @@ Work ProcessGroup::start(const std::string& op, c10::intrusive_ptr<c10d::Work> w
   return Work(shared_from_this(), op, std::move(work), std::move(after));
 }
 
+void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t) const {
+  if (!impl_ || !check_collectives()) return;
+  int64_t seq = sequence_++;
+  auto mine = torch::tensor({int64_t(op_code), t.defined() ? t.numel() : 0,
+                             t.defined() ? int64_t(t.scalar_type()) : -1, seq}, torch::kInt64);
+  std::vector<std::vector<Tensor>> outputs(1);
+  for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(mine));
+  std::vector<Tensor> inputs{mine};
+  try {
+    auto w = impl_->group->allgather(outputs, inputs);
+    w->wait(options_.timeout);
+  } catch (const std::exception& e) {
+    fail(op + " (checking that every rank calls it)", compat::message_of(e));
+  }
+  bool same = true;
+  for (const auto& other : outputs[0]) same = same && other.equal(mine);
+  if (same) return;
+  static const char* names[] = {"?", "all_reduce(sum)", "all_reduce(mean)", "all_reduce(min)", "all_reduce(max)",
+                                "all_reduce(product)", "broadcast", "all_gather", "barrier"};
+  std::ostringstream msg;
+  msg << "the ranks called different collectives (call " << seq << " on this group):";
+  for (int r = 0; r < size(); ++r) {
+    auto v = outputs[0][r];
+    int64_t code = v[0].item<int64_t>();
+    msg << "\n  rank " << options_.ranks[r] << ": " << (code >= 1 && code <= 8 ? names[code] : "?") << " of "
+        << v[1].item<int64_t>() << " "
+        << (v[2].item<int64_t>() >= 0 ? c10::toString(static_cast<c10::ScalarType>(v[2].item<int64_t>())) : "-")
+        << " elements";
+  }
+  fail(op, msg.str());
+}
+
 Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
   check(t, "all_reduce");
+  verify(1 + static_cast<int>(op), "all_reduce", t);
   std::function<void()> after;
   if (op == ReduceOp::Mean && size() > 1) after = [t, n = size()]() mutable { t.div_(n); };
   if (!impl_) return Work();
@@ -154,6 +202,7 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   check(t, "broadcast");
   TORCH_CHECK(root >= 0 && root < size(), "broadcast on ", describe(), ": root ", root, " is not a group rank (0..",
               size() - 1, ")");
+  verify(6, "broadcast", t);
   if (!impl_) return Work();
   std::vector<Tensor> ts{t};
   c10d::BroadcastOptions o;
@@ -169,11 +218,17 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   return w;
 }
 
-std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
+Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool async) const {
   check(t, "all_gather");
-  if (!impl_) return {t.clone()};
+  verify(7, "all_gather", t);
+  out.clear();
+  if (!impl_) {
+    out.push_back(t.clone());
+    return Work();
+  }
   std::vector<std::vector<Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
+  out = outputs[0];  // the same tensors: filled when the work completes
   std::vector<Tensor> inputs{t};
   Work w;
   try {
@@ -181,11 +236,17 @@ std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
   } catch (const std::exception& e) {
     fail("all_gather", compat::message_of(e));
   }
-  w.wait();
-  return outputs[0];
+  if (!async) w.wait();
+  return w;
 }
 
-void ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op) const {
+std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
+  std::vector<Tensor> out;
+  all_gather(t, out, false);
+  return out;
+}
+
+Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op, bool async) const {
   TORCH_CHECK(static_cast<int>(inputs.size()) == size(), "reduce_scatter on ", describe(), ": needs ", size(),
               " inputs (one a rank), got ", inputs.size());
   for (const auto& in : inputs)
@@ -194,11 +255,16 @@ void ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
   // Gloo has no reduce-scatter: reduce everything and keep this rank's part. It moves size()
   // times the bytes a ring reduce-scatter would; NCCL builds can use the native one.
   Tensor all = torch::stack(inputs);
-  all_reduce(all, op);
-  output.copy_(all[rank_]);
+  Work w = all_reduce(all, op, /*async=*/true);
+  Work done(shared_from_this(), "reduce_scatter", c10::intrusive_ptr<c10d::Work>(), [w, all, output, r = rank_]() mutable {
+    w.wait();
+    output.copy_(all[r]);
+  });
+  if (!async) done.wait();
+  return done;
 }
 
-void ProcessGroup::send(const Tensor& t, int dst) const {
+Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
   std::vector<Tensor> ts{t};
@@ -208,10 +274,11 @@ void ProcessGroup::send(const Tensor& t, int dst) const {
   } catch (const std::exception& e) {
     fail("send", compat::message_of(e));
   }
-  w.wait();
+  if (!async) w.wait();
+  return w;
 }
 
-void ProcessGroup::recv(Tensor& t, int src) const {
+Work ProcessGroup::recv(Tensor& t, int src, bool async) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
   std::vector<Tensor> ts{t};
@@ -221,11 +288,13 @@ void ProcessGroup::recv(Tensor& t, int src) const {
   } catch (const std::exception& e) {
     fail("recv", compat::message_of(e));
   }
-  w.wait();
+  if (!async) w.wait();
+  return w;
 }
 
-void ProcessGroup::barrier() const {
-  if (!impl_) return;
+Work ProcessGroup::barrier(bool async) const {
+  verify(8, "barrier", Tensor());
+  if (!impl_) return Work();
   c10d::BarrierOptions o;
   o.timeout = options_.timeout;
   Work w;
@@ -234,7 +303,8 @@ void ProcessGroup::barrier() const {
   } catch (const std::exception& e) {
     fail("barrier", compat::message_of(e));
   }
-  w.wait();
+  if (!async) w.wait();
+  return w;
 }
 
 // ---- World ---------------------------------------------------------------------------------

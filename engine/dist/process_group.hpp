@@ -41,6 +41,12 @@ class Work {
   std::function<void()> after_;  // runs once the collective has completed (e.g. the mean's divide)
 };
 
+/// Whether every collective first checks that all ranks of its group are calling the same one
+/// (operation, element count, dtype): a debugging aid that costs one small all-gather each. On by
+/// default when PARTRAIN_CHECK_COLLECTIVES=1 (partrain --check-collectives).
+void set_check_collectives(bool on);
+bool check_collectives();
+
 struct GroupOptions {
   std::string name;                               ///< shown in errors: "data", "tensor[pp=0,dp=1]"
   std::vector<int> ranks;                         ///< global ranks, in group-rank order
@@ -68,20 +74,25 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   Work all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, bool async = false) const;
   /// In place; every rank ends with the tensor of group rank `root`.
   Work broadcast(Tensor& t, int root = 0, bool async = false) const;
-  /// Everyone's tensor, in group-rank order.
+  /// Everyone's tensor, in group-rank order, into `out` (resized to size() tensors like t).
+  Work all_gather(const Tensor& t, std::vector<Tensor>& out, bool async = false) const;
   std::vector<Tensor> all_gather(const Tensor& t) const;
   /// Slice r of the reduction of everyone's `inputs` (a list of size() equal tensors) lands on
   /// rank r in `output`.
-  void reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op = ReduceOp::Sum) const;
-  void send(const Tensor& t, int dst) const;
-  void recv(Tensor& t, int src) const;
-  void barrier() const;
+  Work reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op = ReduceOp::Sum,
+                      bool async = false) const;
+  Work send(const Tensor& t, int dst, bool async = false) const;
+  Work recv(Tensor& t, int src, bool async = false) const;
+  Work barrier(bool async = false) const;
 
  private:
   explicit ProcessGroup(GroupOptions options, int rank);
   Work start(const std::string& op, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) const;
   [[noreturn]] void fail(const std::string& op, const std::string& why) const;
   void check(const Tensor& t, const std::string& op) const;
+  // With check_collectives(): all-gathers (op, numel, dtype, sequence) and fails on a mismatch.
+  void verify(int op_code, const std::string& op, const Tensor& t) const;
+  mutable int64_t sequence_ = 0;
 
   GroupOptions options_;
   int rank_;

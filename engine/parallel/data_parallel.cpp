@@ -180,8 +180,10 @@ void DataParallel::finish() {
   }
   auto done = Clock::now();
   stats_.syncs += 1;
-  stats_.sync_seconds += std::chrono::duration<double>(done - first_launch_).count();
-  stats_.exposed_seconds += std::chrono::duration<double>(done - backward_end).count();
+  stats_.last_sync_seconds = std::chrono::duration<double>(done - first_launch_).count();
+  stats_.last_exposed_seconds = std::chrono::duration<double>(done - backward_end).count();
+  stats_.sync_seconds += stats_.last_sync_seconds;
+  stats_.exposed_seconds += stats_.last_exposed_seconds;
   // The synced gradients back into .grad.
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < params_.size(); ++k) {

@@ -41,6 +41,8 @@ struct DataParallelStats {
   double sync_seconds = 0;         ///< first bucket launched -> all done, summed over syncs
   double exposed_seconds = 0;      ///< end of backward -> all done: what backward did not hide
   int64_t buckets_done_early = 0;  ///< buckets already complete when backward ended
+  double last_sync_seconds = 0;    ///< the latest sync alone
+  double last_exposed_seconds = 0;
 };
 
 class DataParallel : public std::enable_shared_from_this<DataParallel> {
@@ -64,7 +66,11 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const std::vector<torch::Tensor>& params() const { return params_; }
   const DataParallelStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = DataParallelStats(); }
+  void reset_stats() {
+    auto bytes = stats_.bytes;  // a property of the buckets, not a count
+    stats_ = DataParallelStats();
+    stats_.bytes = bytes;
+  }
 
  private:
   DataParallel(dist::GroupPtr group, const DataParallelOptions& options);

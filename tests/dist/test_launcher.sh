@@ -42,6 +42,11 @@ report $(( status == 0 )) "a collective waiting on a stalled rank fails (status 
 has "$out" "barrier on group 'world' (ranks 0,1) failed on rank 0"; report $? "the timeout names the group and the operation" "$out"
 report $(( took > 30 )) "the stalled run ends within 30 s with --timeout 3 (took ${took} s)" "$out"
 
+# --- ranks calling different collectives -----------------------------------------------------
+out=$("$bin" --nproc-per-node 2 --threads 1 --check-collectives "$worker" --mode mismatch 2>&1); status=$?
+has "$out" "the ranks called different collectives (call 0 on this group):"; report $(( status == 0 ? 1 : $? )) "--check-collectives stops ranks that call different collectives" "$out"
+has "$out" "rank 1: all_reduce(max) of 3 Float elements"; report $? "and says what each rank called" "$out"
+
 # --- sizes, ports and environments -----------------------------------------------------------
 out=$("$bin" --nproc-per-node 2 --threads 1 -e 'require("partrain").mesh { tensor = 3 }' 2>&1)
 has "$out" "tensor=3 x pipeline=1 = 3 does not divide the world of 2 ranks"; report $? "a mesh that does not divide the world names the sizes" "$out"

@@ -20,3 +20,8 @@ elseif cfg.mode == "sum" then
   pt.dist.world():all_reduce(t)
   print(("rank %d of %d: sum %d"):format(rank, pt.dist.world_size(), t:item()))
 end
+if cfg.mode == "mismatch" then  -- ranks disagree on the reduction: caught by --check-collectives
+  local t = pt.ones(3)
+  pt.dist.world():all_reduce(t, rank == 0 and "sum" or "max")
+  print("no mismatch noticed")
+end
