@@ -123,8 +123,9 @@ void DataParallel::on_grad_ready(size_t index) {
   auto& b = buckets_[bucket_of_[index]];
   const auto& p = params_[index];
   auto slice = b.flat.narrow(0, b.offsets[slot_of_[index]], p.numel());
-  if (p.grad().defined()) slice.copy_(p.grad().reshape({-1}));
-  else slice.zero_();
+  const auto& grad = p.grad();
+  if (!grad.defined()) slice.zero_();
+  else if (grad.data_ptr() != slice.data_ptr()) slice.copy_(grad.reshape({-1}));  // not already in place
   if (--b.pending == 0) {
     b.ready = true;
     launch_ready();
@@ -166,7 +167,8 @@ void DataParallel::finish() {
       // Gradients that did arrive were copied by their hooks; fill the rest and launch.
       for (size_t s = 0; s < b.params.size(); ++s) {
         const auto& p = params_[b.params[s]];
-        if (p.grad().defined()) b.flat.narrow(0, b.offsets[s], p.numel()).copy_(p.grad().reshape({-1}));
+        auto slice = b.flat.narrow(0, b.offsets[s], p.numel());
+        if (p.grad().defined() && p.grad().data_ptr() != slice.data_ptr()) slice.copy_(p.grad().reshape({-1}));
       }
       b.ready = true;
     }
@@ -184,14 +186,13 @@ void DataParallel::finish() {
   stats_.last_exposed_seconds = std::chrono::duration<double>(done - backward_end).count();
   stats_.sync_seconds += stats_.last_sync_seconds;
   stats_.exposed_seconds += stats_.last_exposed_seconds;
-  // The synced gradients back into .grad.
-  torch::NoGradGuard no_grad;
+  // Each .grad becomes a view of its bucket: no copy back, and no new gradient memory a step
+  // (DDP's gradient_as_bucket_view). The next sync overwrites the bucket, so a .grad kept across
+  // steps changes with it.
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];
-    auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
-    auto& grad = params_[k].mutable_grad();
-    if (grad.defined()) grad.copy_(slice);
-    else grad = slice.clone();
+    params_[k].mutable_grad() =
+        b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
   }
   passes_ = 0;
 }
