@@ -236,17 +236,11 @@ bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count) {
 }
 
 void open_dist(lua_State* L, int core) {
-  new_metatable<GroupPtr>(L, PT_GROUP_MT, kGroupMethods);
-  lua_pop(L, 1);
-  new_metatable<WorkPtr>(L, PT_WORK_MT, kWorkMethods);
-  lua_pop(L, 1);
-  new_metatable<MeshPtr>(L, PT_MESH_MT, kMeshMethods);
-  lua_pop(L, 1);
-  new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods);
-  lua_pop(L, 1);
-  lua_newtable(L);
-  set_functions(L, -1, kDist);
-  lua_setfield(L, core, "dist");
+  new_metatable<GroupPtr>(L, PT_GROUP_MT, kGroupMethods, /*keep=*/false);
+  new_metatable<WorkPtr>(L, PT_WORK_MT, kWorkMethods, /*keep=*/false);
+  new_metatable<MeshPtr>(L, PT_MESH_MT, kMeshMethods, /*keep=*/false);
+  new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods, /*keep=*/false);
+  set_library(L, core, "dist", kDist);
 }
 
 }  // namespace partrain::lua

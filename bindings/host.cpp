@@ -364,6 +364,13 @@ void set_functions(lua_State* L, int table, const Function* fns) {
   }
 }
 
+void set_library(lua_State* L, int table, const char* name, const Function* fns) {
+  table = table < 0 ? lua_gettop(L) + table + 1 : table;
+  lua_newtable(L);
+  set_functions(L, -1, fns);
+  lua_setfield(L, table, name);
+}
+
 bool pcall(lua_State* L, int nargs, int nresults, std::string* error, bool traceback) {
   int base = lua_gettop(L) - nargs;  // the function's index
   lua_pushcfunction(L, traceback ? traceback_handler : plain_handler);

@@ -167,11 +167,14 @@ void push_function(lua_State* L, const Function& fn);
 /// Sets every function of `fns` (terminated by {nullptr, nullptr}) into the table at `table`.
 void set_functions(lua_State* L, int table, const Function* fns);
 
+/// Sets a new table of `fns` as field `name` of the table at `table`.
+void set_library(lua_State* L, int table, const char* name, const Function* fns);
+
 /// Creates the metatable `mt` for userdata holding a T, leaves it on the stack, and sets its
 /// `__gc` to ~T. With `methods`, `__index` is a table of them and their `__tostring` (if any)
-/// becomes the metatable's.
+/// becomes the metatable's. With keep = false the metatable is popped.
 template <class T>
-void new_metatable(lua_State* L, const char* mt, const Function* methods = nullptr) {
+void new_metatable(lua_State* L, const char* mt, const Function* methods = nullptr, bool keep = true) {
   luaL_newmetatable(L, mt);
   lua_pushvalue(L, -1);
   lua_pushcclosure(L, ud_gc<T>, 1);
@@ -182,6 +185,7 @@ void new_metatable(lua_State* L, const char* mt, const Function* methods = nullp
   lua_getfield(L, -1, "__tostring");
   lua_setfield(L, -3, "__tostring");
   lua_setfield(L, -2, "__index");
+  if (!keep) lua_pop(L, 1);
 }
 
 /// The state's main thread (a coroutine may be gone by the time an engine object needs Lua).

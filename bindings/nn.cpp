@@ -76,13 +76,26 @@ std::vector<Tensor> params_of(const Args& a, int i) {
   a.expected(i, "module or table of tensors");
 }
 
-int push_names_and(const Args& a, const std::vector<std::string>& names) {
-  lua_createtable(a.L, static_cast<int>(names.size()), 0);
-  for (size_t i = 0; i < names.size(); ++i) {
-    lua_pushstring(a.L, names[i].c_str());
-    lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+void push_value(lua_State* L, const Tensor& t) { push_tensor(L, t); }
+void push_value(lua_State* L, const ModulePtr& m) { push_module(L, m); }
+const std::string& key_of(const torch::OrderedDict<std::string, Tensor>::Item& item) { return item.key(); }
+const Tensor& value_of(const torch::OrderedDict<std::string, Tensor>::Item& item) { return item.value(); }
+const std::string& key_of(const std::pair<std::string, ModulePtr>& item) { return item.first; }
+const ModulePtr& value_of(const std::pair<std::string, ModulePtr>& item) { return item.second; }
+
+// Pushes two arrays, names and values, from (name, tensor or module) items in order.
+template <class Items>
+int push_named(const Args& a, const Items& items) {
+  lua_createtable(a.L, static_cast<int>(items.size()), 0);
+  lua_createtable(a.L, static_cast<int>(items.size()), 0);
+  int i = 0;
+  for (const auto& item : items) {
+    ++i;
+    lua_pushstring(a.L, key_of(item).c_str());
+    lua_rawseti(a.L, -3, i);
+    push_value(a.L, value_of(item));
+    lua_rawseti(a.L, -2, i);
   }
-  lua_insert(a.L, -2);
   return 2;
 }
 
@@ -112,38 +125,10 @@ const Function kMethods[] = {
     {"type", [](Args& a) { return a.ret(a.module(1)->type()); }},
     {"parameters", [](Args& a) { return a.ret(a.module(1)->parameters()); }},
     {"buffers", [](Args& a) { return a.ret(a.module(1)->buffers()); }},
-    {"_named_parameters", [](Args& a) {
-       std::vector<std::string> names;
-       std::vector<Tensor> values;
-       for (const auto& p : a.module(1)->named_parameters()) { names.push_back(p.key()); values.push_back(p.value()); }
-       a.ret(values);
-       return push_names_and(a, names); }},
-    {"_named_buffers", [](Args& a) {
-       std::vector<std::string> names;
-       std::vector<Tensor> values;
-       for (const auto& p : a.module(1)->named_buffers()) { names.push_back(p.key()); values.push_back(p.value()); }
-       a.ret(values);
-       return push_names_and(a, names); }},
-    {"_named_modules", [](Args& a) {
-       std::vector<std::string> names;
-       auto all = a.module(1)->modules();
-       lua_createtable(a.L, static_cast<int>(all.size()), 0);
-       for (size_t i = 0; i < all.size(); ++i) {
-         names.push_back(all[i].first);
-         push_module(a.L, all[i].second);
-         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
-       }
-       return push_names_and(a, names); }},
-    {"_named_children", [](Args& a) {
-       std::vector<std::string> names;
-       auto all = a.module(1)->children_named();
-       lua_createtable(a.L, static_cast<int>(all.size()), 0);
-       for (size_t i = 0; i < all.size(); ++i) {
-         names.push_back(all[i].first);
-         push_module(a.L, all[i].second);
-         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
-       }
-       return push_names_and(a, names); }},
+    {"_named_parameters", [](Args& a) { return push_named(a, a.module(1)->named_parameters()); }},
+    {"_named_buffers", [](Args& a) { return push_named(a, a.module(1)->named_buffers()); }},
+    {"_named_modules", [](Args& a) { return push_named(a, a.module(1)->modules()); }},
+    {"_named_children", [](Args& a) { return push_named(a, a.module(1)->children_named()); }},
     {"get", [](Args& a) {
        auto found = a.module(1)->find(a.string(2));
        if (!found) { lua_pushnil(a.L); return 1; }
@@ -336,9 +321,7 @@ void open_nn(lua_State* L, int core) {
   set_functions(L, -1, kMeta);
   lua_setfield(L, core, "Module_mt");
 
-  lua_newtable(L);
-  set_functions(L, -1, kConstructors);
-  lua_setfield(L, core, "nn");
+  set_library(L, core, "nn", kConstructors);
 }
 
 }  // namespace partrain::lua

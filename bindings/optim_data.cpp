@@ -190,16 +190,10 @@ const Function kData[] = {
 }  // namespace
 
 void open_optim_data(lua_State* L, int core) {
-  new_metatable<OptimizerPtr>(L, PT_OPTIMIZER_MT, kOptimizerMethods);
-  lua_pop(L, 1);
-  new_metatable<LoaderPtr>(L, PT_LOADER_MT, kLoaderMethods);
-  lua_pop(L, 1);
-  lua_newtable(L);
-  set_functions(L, -1, kOptim);
-  lua_setfield(L, core, "optim");
-  lua_newtable(L);
-  set_functions(L, -1, kData);
-  lua_setfield(L, core, "data");
+  new_metatable<OptimizerPtr>(L, PT_OPTIMIZER_MT, kOptimizerMethods, /*keep=*/false);
+  new_metatable<LoaderPtr>(L, PT_LOADER_MT, kLoaderMethods, /*keep=*/false);
+  set_library(L, core, "optim", kOptim);
+  set_library(L, core, "data", kData);
 }
 
 }  // namespace partrain::lua
