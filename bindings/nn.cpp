@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "bindings/lua.hpp"
+#include "engine/models/gpt2.hpp"
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
@@ -281,6 +282,18 @@ const Function kConstructors[] = {
        o.bias = t.boolean("bias", o.bias);
        t.finish();
        return a.ret(models::mlp(o)); }},
+    {"gpt2", [](Args& a) {
+       Options t(a, 1, "gpt2");
+       models::Gpt2Options o;
+       o.vocab = t.integer("vocab", o.vocab);
+       o.seq = t.integer("seq", o.seq);
+       o.dim = t.integer("dim", o.dim);
+       o.heads = t.integer("heads", o.heads);
+       o.layers = t.integer("layers", o.layers);
+       o.dropout = t.number("dropout", o.dropout);
+       o.eps = t.number("eps", o.eps);
+       t.finish();
+       return a.ret(models::gpt2(o)); }},
     {nullptr, nullptr}};
 
 }  // namespace

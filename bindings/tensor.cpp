@@ -224,8 +224,9 @@ const Function kMethods[] = {
     {"sum", [](Args& a) { return a.ret(a.none(2) ? T(1).sum() : T(1).sum(a.dims(2), a.boolean(3, false))); }},
     {"mean", [](Args& a) { return a.ret(a.none(2) ? T(1).mean() : T(1).mean(a.dims(2), a.boolean(3, false))); }},
     {"prod", [](Args& a) { return a.ret(a.none(2) ? T(1).prod() : T(1).prod(a.integer(2), a.boolean(3, false))); }},
-    {"var", [](Args& a) { return a.ret(a.none(2) ? T(1).var() : T(1).var(a.dims(2), true, a.boolean(3, false))); }},
-    {"std", [](Args& a) { return a.ret(a.none(2) ? T(1).std() : T(1).std(a.dims(2), true, a.boolean(3, false))); }},
+    // var and std: (), or (dim or {dims} [, unbiased = true] [, keepdim = false]) as in PyTorch 1.x
+    {"var", [](Args& a) { return a.ret(a.none(2) ? T(1).var() : T(1).var(a.dims(2), a.boolean(3, true), a.boolean(4, false))); }},
+    {"std", [](Args& a) { return a.ret(a.none(2) ? T(1).std() : T(1).std(a.dims(2), a.boolean(3, true), a.boolean(4, false))); }},
     {"norm", [](Args& a) { return a.ret(T(1).norm(a.number(2, 2.0))); }},
     {"max", [](Args& a) { if (a.none(2)) return a.ret(T(1).max()); auto [v, i] = T(1).max(a.integer(2), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},
     {"min", [](Args& a) { if (a.none(2)) return a.ret(T(1).min()); auto [v, i] = T(1).min(a.integer(2), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},

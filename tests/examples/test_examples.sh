@@ -20,5 +20,13 @@ status=$?
 report $(( status != 0 )) "examples/simple runs"
 report "$(echo "$out" | grep -c '^step [0-9]* | loss' | awk '{ print ($1 == 5) ? 0 : 1 }')" "examples/simple prints a loss per step"
 
+out=$("$bin" --threads 1 examples/gpt/train.lua --steps 10 --log-every 5 --sample 20 2>&1)
+status=$?
+report $(( status != 0 )) "examples/gpt runs"
+report "$(echo "$out" | grep -c '^sample: And God said' | awk '{ print ($1 == 1) ? 0 : 1 }')" "examples/gpt prints a sample after its prompt"
+first=$(echo "$out" | awk -F'loss ' '/^step 1 \|/ { split($2, a, " "); print a[1] }')
+last=$(echo "$out" | awk -F'loss ' '/^step 10 \|/ { split($2, a, " "); print a[1] }')
+report "$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (b < a - 1) ? 0 : 1 }')" "examples/gpt's loss falls in 10 steps ($first -> $last)"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

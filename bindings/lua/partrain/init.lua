@@ -29,8 +29,8 @@ pt.nn = nn
 for name, fn in pairs(core.nn) do
   if name:sub(1, 1) ~= "_" then nn[name] = fn end
 end
-pt.models = { mlp = core.nn.mlp }
-nn.mlp = nil
+pt.models = { mlp = core.nn.mlp, gpt2 = core.nn.gpt2 }
+nn.mlp, nn.gpt2 = nil, nil
 
 function nn.ReLU() return core.nn.activation "ReLU" end
 function nn.Tanh() return core.nn.activation "Tanh" end

@@ -1,0 +1,120 @@
+// GPT-2 (see gpt2.hpp).
+#include "engine/models/gpt2.hpp"
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "engine/compat.hpp"
+
+namespace partrain::models {
+
+namespace {
+nn::ModulePtr linear(int64_t in, int64_t out, bool bias = true) {
+  nn::LinearOptions o(in, out);
+  o.bias = bias;
+  return std::make_shared<nn::Linear>(o);
+}
+nn::ModulePtr layer_norm(const Gpt2Options& o) {
+  nn::LayerNormOptions ln(o.dim);
+  ln.eps = o.eps;
+  return std::make_shared<nn::LayerNorm>(ln);
+}
+}  // namespace
+
+Gpt2Attention::Gpt2Attention(const Gpt2Options& o) : nn::Unary("GPT2Attention"), heads(o.heads), dropout(o.dropout) {
+  set_child("c_attn", linear(o.dim, 3 * o.dim));
+  set_child("c_proj", linear(o.dim, o.dim));
+}
+
+Tensor Gpt2Attention::forward(const Tensor& x) {
+  auto& c_attn = *child("c_attn");
+  auto qkv = c_attn.forward({x});                       // (B, T, 3 * heads * hd)
+  const int64_t B = x.size(0), T = x.size(1), width = qkv.size(-1) / 3;
+  TORCH_CHECK(width % heads == 0, "GPT2Attention: width ", width, " does not split into ", heads, " heads");
+  const int64_t hd = width / heads;
+  auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)
+  auto q = split[0], k = split[1], v = split[2];
+  auto scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, heads, T, T)
+  auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+  auto probs = at::dropout(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1), dropout,
+                           is_training());
+  auto y = probs.matmul(v).transpose(1, 2).reshape({B, T, width});  // (B, T, heads * hd)
+  return child("c_proj")->forward({y});
+}
+
+Gpt2Mlp::Gpt2Mlp(const Gpt2Options& o) : nn::Unary("GPT2MLP"), dropout(o.dropout) {
+  set_child("c_fc", linear(o.dim, 4 * o.dim));
+  set_child("c_proj", linear(4 * o.dim, o.dim));
+}
+
+Tensor Gpt2Mlp::forward(const Tensor& x) {
+  auto h = compat::gelu_tanh(child("c_fc")->forward({x}));  // (B, T, 4 dim)
+  return at::dropout(child("c_proj")->forward({h}), dropout, is_training());
+}
+
+Gpt2Block::Gpt2Block(const Gpt2Options& o) : nn::Unary("GPT2Block") {
+  set_child("ln_1", layer_norm(o));
+  set_child("attn", std::make_shared<Gpt2Attention>(o));
+  set_child("ln_2", layer_norm(o));
+  set_child("mlp", std::make_shared<Gpt2Mlp>(o));
+}
+
+Tensor Gpt2Block::forward(const Tensor& x) {
+  auto h = x + child("attn")->forward({child("ln_1")->forward({x})});
+  return h + child("mlp")->forward({child("ln_2")->forward({h})});
+}
+
+Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
+  TORCH_CHECK(o.vocab > 0 && o.seq > 0 && o.dim > 0 && o.heads > 0 && o.layers > 0,
+              "gpt2 needs positive sizes: vocab=", o.vocab, " seq=", o.seq, " dim=", o.dim, " heads=", o.heads,
+              " layers=", o.layers);
+  TORCH_CHECK(o.dim % o.heads == 0, "gpt2: heads=", o.heads, " does not divide dim=", o.dim);
+  TORCH_CHECK(o.dropout >= 0 && o.dropout < 1, "gpt2: dropout must be in [0, 1), got ", o.dropout);
+  set_child("wte", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.vocab, o.dim)));
+  set_child("wpe", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.seq, o.dim)));
+  auto h = std::make_shared<nn::Sequential>();
+  for (int64_t i = 0; i < o.layers; ++i) h->append(std::make_shared<Gpt2Block>(o));
+  set_child("h", h);
+  set_child("ln_f", layer_norm(o));
+  set_child("lm_head", linear(o.dim, o.vocab, /*bias=*/false));
+}
+
+Tensor Gpt2::forward(const Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
+              " ", ids.dtype());
+  const int64_t T = ids.size(1);
+  TORCH_CHECK(T <= options.seq, "GPT2: sequence of ", T, " tokens is longer than seq=", options.seq);
+  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
+  auto x = child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
+  x = at::dropout(x, options.dropout, is_training());
+  x = child("h")->forward({x});
+  return child("lm_head")->forward({child("ln_f")->forward({x})});  // (B, T, vocab)
+}
+
+std::string Gpt2::extra_repr() const {
+  std::ostringstream s;
+  s << "vocab=" << options.vocab << ", seq=" << options.seq << ", dim=" << options.dim << ", heads=" << options.heads
+    << ", layers=" << options.layers;
+  return s.str();
+}
+
+nn::ModulePtr gpt2(const Gpt2Options& o) {
+  auto model = std::make_shared<Gpt2>(o);
+  torch::NoGradGuard no_grad;
+  const double std = 0.02, residual = 0.02 / std::sqrt(2.0 * static_cast<double>(o.layers));
+  for (auto& [path, m] : model->modules()) {
+    if (m->type() == "Linear") {
+      bool projection = path.size() >= 6 && path.compare(path.size() - 6, 6, "c_proj") == 0;
+      m->param("weight").normal_(0, projection ? residual : std);
+      if (m->param("bias").defined()) m->param("bias").zero_();
+    } else if (m->type() == "Embedding") {
+      m->param("weight").normal_(0, path == "wpe" ? 0.01 : std);
+    }
+  }
+  // lm_head shares wte's weight (both [vocab, dim]).
+  model->child("lm_head")->set_parameter("weight", model->child("wte")->param("weight"));
+  return model;
+}
+
+}  // namespace partrain::models

@@ -1,0 +1,64 @@
+// GPT-2 as a module tree with Hugging Face's names and parameter layouts (wte, wpe, h.N.ln_1,
+// h.N.attn.c_attn (fused q, k, v), h.N.attn.c_proj, h.N.ln_2, h.N.mlp.c_fc, h.N.mlp.c_proj, ln_f,
+// lm_head tied to wte), GELU with the tanh approximation and GPT-2's initialization, so that HF
+// GPT-2 weights map onto it. One difference: HF's Conv1D stores weights [in, out]; these Linear
+// layers store [out, in], and import/export transposes.
+#pragma once
+
+#include "engine/nn/layers.hpp"
+
+namespace partrain::models {
+
+using torch::Tensor;
+
+struct Gpt2Options {
+  int64_t vocab = 50257;   ///< tokens
+  int64_t seq = 1024;      ///< positions (context length)
+  int64_t dim = 768;       ///< model width
+  int64_t heads = 12;      ///< attention heads; must divide dim
+  int64_t layers = 12;     ///< blocks
+  double dropout = 0.0;    ///< on embeddings, attention probabilities and residual branches
+  double eps = 1e-5;       ///< LayerNorm epsilon
+};
+
+/// Causal self-attention: c_attn makes q, k, v (fused, [3*dim, dim]); c_proj mixes the heads.
+/// `heads` is the number of heads this module computes (a policy divides it under tensor
+/// parallelism); the head width is c_attn's output / (3 * heads).
+class Gpt2Attention : public nn::Unary {
+ public:
+  Gpt2Attention(const Gpt2Options& o);
+  Tensor forward(const Tensor& x) override;  // (B, T, dim) -> (B, T, dim)
+  std::string extra_repr() const override { return "heads=" + std::to_string(heads); }
+  int64_t heads;
+  double dropout;
+};
+
+/// c_fc (dim -> 4 dim), GELU (tanh), c_proj (4 dim -> dim).
+class Gpt2Mlp : public nn::Unary {
+ public:
+  Gpt2Mlp(const Gpt2Options& o);
+  Tensor forward(const Tensor& x) override;
+  double dropout;
+};
+
+/// x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+class Gpt2Block : public nn::Unary {
+ public:
+  Gpt2Block(const Gpt2Options& o);
+  Tensor forward(const Tensor& x) override;
+};
+
+/// Token ids (B, T) -> logits (B, T, vocab).
+class Gpt2 : public nn::Unary {
+ public:
+  explicit Gpt2(const Gpt2Options& o);
+  Tensor forward(const Tensor& ids) override;
+  std::string extra_repr() const override;
+  Gpt2Options options;
+};
+
+/// Builds GPT-2 and initializes it as GPT-2 does: N(0, 0.02) weights, N(0, 0.02/sqrt(2 layers))
+/// for the residual projections (attn.c_proj, mlp.c_proj), zero biases, LayerNorm at (1, 0).
+nn::ModulePtr gpt2(const Gpt2Options& options);
+
+}  // namespace partrain::models

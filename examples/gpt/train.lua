@@ -1,0 +1,66 @@
+-- Trains a byte-level GPT-2 on the King James Bible and prints a sample of what it learned.
+-- Data-parallel over however many ranks it runs on (tensor parallelism joins with policies).
+--   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
+--   partrain --nproc-per-node 2 examples/gpt/train.lua
+local pt = require "partrain"
+
+local cfg = pt.args {
+  steps = 200,
+  batch = 16,               -- the global batch, in sequences
+  seq = 64,                 -- tokens (bytes) a sequence
+  dim = 128,
+  heads = 4,
+  layers = 4,
+  dropout = pt.args.number(0),
+  lr = pt.args.number(3e-3),
+  warmup = 20,
+  seed = 1,
+  log_every = 10,
+  sample = 200,             -- bytes to generate at the end (0: none)
+  prompt = "And God said",
+  corpus = "",              -- default: data/kjv.txt of this checkout (made by scripts/setup)
+  threads = 0,
+}
+if cfg.threads > 0 then pt.set_threads(cfg.threads) end
+if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
+pt.manual_seed(cfg.seed)
+
+local mesh = pt.mesh {}
+local model = pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
+                               layers = cfg.layers, dropout = cfg.dropout }
+model = pt.parallelize(model, nil, mesh)
+local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
+local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
+  schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 } })
+print(("gpt2: %d parameters, %d layers of width %d; %s; %d data-parallel rank(s)"):format(
+  model:num_parameters(), cfg.layers, cfg.dim, tostring(data), mesh:size("data")))
+
+local start = pt.time()
+for step = 1, cfg.steps do
+  local x, y = data:next()
+  local loss = pt.nn.cross_entropy(model(x), y)
+  opt:zero_grad()
+  loss:backward()
+  opt:step()
+  if step % cfg.log_every == 0 or step == 1 then
+    local global = loss:detach():clone()
+    mesh:group("data"):all_reduce(global, "mean")
+    pt.log { step = step, loss = global:item(), lr = opt:lr(), seconds = pt.time() - start }
+  end
+end
+
+-- Sampling: feed the prompt, then draw each next byte from the softmax of the last position.
+if cfg.sample > 0 and pt.dist.rank() == 0 then
+  model:eval()
+  pt.manual_seed(cfg.seed)
+  local tokens = pt.data.encode(cfg.prompt):view(1, -1)
+  pt.no_grad(function()
+    for _ = 1, cfg.sample do
+      local context = tokens:narrow(1, math.max(0, tokens:size(1) - cfg.seq), math.min(tokens:size(1), cfg.seq))
+      local logits = model(context):select(1, -1)          -- (1, 256) at the last position
+      local next_byte = (logits / 0.8):softmax(-1):multinomial(1)
+      tokens = pt.cat({ tokens, next_byte }, 1)
+    end
+  end)
+  print("sample: " .. pt.data.decode(tokens))
+end
