@@ -6,6 +6,7 @@
 #include "bindings/lua.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::lua {
 
@@ -182,6 +183,42 @@ const Function kDataParallelMethods[] = {
     {"reset_stats", [](Args& a) { data_parallel(a, 1)->reset_stats(); return a.ret(); }},
     {nullptr, nullptr}};
 
+template <class T>
+T& layer(const Args& a, int i, const char* what) {
+  auto* m = dynamic_cast<T*>(a.module(i).get());
+  if (!m) a.fail(i, std::string(what) + " expected, got " + a.module(i)->type());
+  return *m;
+}
+
+// The tensor-parallel building blocks; the policy sharder composes them.
+const Function kTensorParallel[] = {
+    {"column", [](Args& a) {  // column(linear, group [, { fused = 1, gather_output = false }])
+       Options o(a, 3, "column");
+       int64_t fused = o.integer("fused", 1);
+       bool gather = o.boolean("gather_output", false);
+       o.finish();
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::ColumnParallelLinear>(
+           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), fused, gather))); }},
+    {"row", [](Args& a) {  // row(linear, group [, { input_is_parallel = true }])
+       Options o(a, 3, "row");
+       bool parallel_input = o.boolean("input_is_parallel", true);
+       o.finish();
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::RowParallelLinear>(
+           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), parallel_input))); }},
+    {"vocab_embedding", [](Args& a) {
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::VocabParallelEmbedding>(
+           layer<nn::Embedding>(a, 1, "Embedding"), group(a, 2)))); }},
+    {"cross_entropy", [](Args& a) {  // cross_entropy(local_logits, targets, group, vocab)
+       return a.ret(parallel::vocab_parallel_cross_entropy(a.tensor(1), a.tensor(2), group(a, 3), a.integer(4))); }},
+    {"copy_to", [](Args& a) { return a.ret(parallel::copy_to_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"reduce_from", [](Args& a) { return a.ret(parallel::reduce_from_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"gather_from", [](Args& a) { return a.ret(parallel::gather_from_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"scatter_to", [](Args& a) { return a.ret(parallel::scatter_to_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
+       return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
+                                    static_cast<int>(a.integer(4)), "shard")); }},
+    {nullptr, nullptr}};
+
 const Function kDist[] = {
     {"rank", [](Args& a) { return a.ret(double(world().rank())); }},
     {"world_size", [](Args& a) { return a.ret(double(world().size())); }},
@@ -241,6 +278,7 @@ void open_dist(lua_State* L, int core) {
   new_metatable<MeshPtr>(L, PT_MESH_MT, kMeshMethods, /*keep=*/false);
   new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods, /*keep=*/false);
   set_library(L, core, "dist", kDist);
+  set_library(L, core, "tp", kTensorParallel);
 }
 
 }  // namespace partrain::lua

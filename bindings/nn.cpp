@@ -163,6 +163,11 @@ const Function kMethods[] = {
        int64_t n = 0;
        for (const auto& p : nn::unique_parameters(*a.module(1))) n += p.numel();
        return a.ret(double(n)); }},
+    {"attribute", [](Args& a) {
+       auto v = a.module(1)->attribute(a.string(2));
+       if (!v) { lua_pushnil(a.L); return 1; }
+       return a.ret(double(*v)); }},
+    {"set_attribute", [](Args& a) { a.module(1)->set_attribute(a.string(2), a.integer(3)); return a.ret(); }},
     {"register_buffer", [](Args& a) { a.module(1)->set_buffer(a.string(2), a.tensor(3)); return a.ret(); }},
     {"register_parameter", [](Args& a) { a.module(1)->set_parameter(a.string(2), a.tensor(3)); return a.ret(); }},
     {"add", [](Args& a) {  // add(module) on a Sequential appends; add(name, module) names it

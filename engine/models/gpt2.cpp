@@ -27,6 +27,17 @@ Gpt2Attention::Gpt2Attention(const Gpt2Options& o) : nn::Unary("GPT2Attention"),
   set_child("c_proj", linear(o.dim, o.dim));
 }
 
+c10::optional<int64_t> Gpt2Attention::attribute(const std::string& name) const {
+  if (name == "heads" || name == "n_head") return heads;
+  return c10::nullopt;
+}
+
+void Gpt2Attention::set_attribute(const std::string& name, int64_t value) {
+  TORCH_CHECK(name == "heads" || name == "n_head", "GPT2Attention has no attribute '", name, "' (it has heads)");
+  TORCH_CHECK(value > 0, "GPT2Attention: heads must be positive, got ", value);
+  heads = value;
+}
+
 Tensor Gpt2Attention::forward(const Tensor& x) {
   auto& c_attn = *child("c_attn");
   auto qkv = c_attn.forward({x});                       // (B, T, 3 * heads * hd)

@@ -29,6 +29,9 @@ class Gpt2Attention : public nn::Unary {
   Gpt2Attention(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;  // (B, T, dim) -> (B, T, dim)
   std::string extra_repr() const override { return "heads=" + std::to_string(heads); }
+  /// "heads" (Hugging Face calls it n_head): the heads this module computes.
+  c10::optional<int64_t> attribute(const std::string& name) const override;
+  void set_attribute(const std::string& name, int64_t value) override;
   int64_t heads;
   double dropout;
 };

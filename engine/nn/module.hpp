@@ -24,6 +24,10 @@ class Module : public torch::nn::Module {
 
   /// Runs the module. The base class has no forward of its own and says so.
   virtual Tensor forward(const std::vector<Tensor>& inputs);
+  /// A named integer setting that a policy may change (an attention module's heads), or nullopt.
+  virtual c10::optional<int64_t> attribute(const std::string& name) const;
+  /// Changes it; a name the module does not have is an error naming the module.
+  virtual void set_attribute(const std::string& name, int64_t value);
   /// The settings shown after the type when the tree is printed ("in=784, out=256").
   virtual std::string extra_repr() const { return ""; }
   /// The tree as text, one module a line, in the style of PyTorch's repr.

@@ -17,6 +17,12 @@ Tensor Module::forward(const std::vector<Tensor>&) {
   TORCH_CHECK(false, "module of type ", type_, " has no forward");
 }
 
+c10::optional<int64_t> Module::attribute(const std::string&) const { return c10::nullopt; }
+
+void Module::set_attribute(const std::string& name, int64_t) {
+  TORCH_CHECK(false, type_, " has no attribute '", name, "'");
+}
+
 void Module::expect_inputs(const std::vector<Tensor>& inputs, size_t n) const {
   TORCH_CHECK(inputs.size() == n, type_, " takes ", n, " input", n == 1 ? "" : "s", ", got ",
               inputs.size());

@@ -121,6 +121,9 @@ pt.dist = {}
 for name, fn in pairs(core.dist) do
   if name ~= "data_parallel" then pt.dist[name] = fn end
 end
+--- pt.tp: the tensor-parallel building blocks (column/row-parallel linear, vocab-parallel
+--- embedding and cross-entropy, the region functions); sharding policies compose them.
+pt.tp = core.tp
 --- pt.mesh { tensor = t, pipeline = p, data = d, zero = z }: the world laid out as
 --- pipeline x data x tensor (tensor fastest), with its groups made once.
 pt.mesh = core.dist.mesh

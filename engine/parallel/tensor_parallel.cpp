@@ -1,0 +1,235 @@
+// Tensor-parallel layers and their communication (see tensor_parallel.hpp).
+#include "engine/parallel/tensor_parallel.hpp"
+
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace partrain::parallel {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// Autograd contexts hold IValues; groups are found again through this table by address.
+int64_t key_of(const dist::GroupPtr& g) {
+  static std::mutex mutex;
+  static std::unordered_map<int64_t, dist::GroupPtr> groups;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto key = reinterpret_cast<int64_t>(g.get());
+  groups.emplace(key, g);
+  return key;
+}
+const dist::ProcessGroup& group_of(int64_t key) { return *reinterpret_cast<const dist::ProcessGroup*>(key); }
+
+Tensor all_reduce_copy(const Tensor& x, const dist::ProcessGroup& g) {
+  auto y = x.contiguous().clone();
+  g.all_reduce(y);
+  return y;
+}
+
+Tensor gather_last(const Tensor& x, const dist::ProcessGroup& g) {
+  if (g.size() == 1) return x;
+  return torch::cat(g.all_gather(x.contiguous()), -1);
+}
+
+Tensor slice_last(const Tensor& x, const dist::ProcessGroup& g) {
+  if (g.size() == 1) return x;
+  TORCH_CHECK(x.size(-1) % g.size() == 0, "tensor parallelism: the last dimension ", x.size(-1),
+              " does not split into ", g.size(), " equal parts");
+  return x.chunk(g.size(), -1)[g.rank()].contiguous();
+}
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduce_copy(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+  }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static Tensor forward(AutogradContext*, Tensor x, int64_t group) { return all_reduce_copy(x, group_of(group)); }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], Tensor()}; }
+};
+
+struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return gather_last(x, group_of(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {slice_last(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+  }
+};
+
+struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return slice_last(x, group_of(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gather_last(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+  }
+};
+
+// Per-sample cross-entropy over a vocabulary split across the group (Megatron's), (N, V/t) -> (N).
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static Tensor forward(AutogradContext* ctx, Tensor logits, Tensor targets, int64_t group, int64_t vocab) {
+    const auto& g = group_of(group);
+    const int64_t part = logits.size(-1), first = g.rank() * part;
+    auto x = logits.detach().to(torch::kFloat32);
+    // Padding columns (global index >= vocab) take no part: -inf before the max and the exp.
+    auto columns = torch::arange(first, first + part, torch::TensorOptions().dtype(torch::kInt64).device(x.device()));
+    x = x.masked_fill(columns.ge(vocab), -std::numeric_limits<float>::infinity());
+    auto max = std::get<0>(x.max(-1));
+    g.all_reduce(max, dist::ReduceOp::Max);
+    auto shifted = x - max.unsqueeze(-1);
+    auto outside = targets.lt(first).logical_or(targets.ge(first + part));
+    auto local = (targets - first).masked_fill(outside, 0);
+    auto predicted = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0);
+    g.all_reduce(predicted);
+    auto exp = shifted.exp();
+    auto sum = exp.sum(-1);
+    g.all_reduce(sum);
+    ctx->save_for_backward({exp.div_(sum.unsqueeze(-1)), local, outside});
+    return (sum.log() - predicted).to(logits.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto grad = saved[0].clone();  // softmax
+    auto hit = saved[2].logical_not().to(grad.scalar_type());
+    grad.scatter_add_(-1, saved[1].unsqueeze(-1), -hit.unsqueeze(-1));
+    grad.mul_(grads[0].unsqueeze(-1));
+    return {grad, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor copy_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : CopyToRegion::apply(x, key_of(g));
+}
+Tensor reduce_from_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : ReduceFromRegion::apply(x, key_of(g));
+}
+Tensor gather_from_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : GatherFromRegion::apply(x, key_of(g));
+}
+Tensor scatter_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : ScatterToRegion::apply(x, key_of(g));
+}
+
+Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
+  TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
+              " equal parts");
+  return full.chunk(parts, dim)[rank].contiguous();
+}
+
+// ---- ColumnParallelLinear ------------------------------------------------------------------
+
+ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, int64_t fused_parts,
+                                           bool gather)
+    : nn::Unary("ColumnParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
+      fused(fused_parts), gather_output(gather) {
+  TORCH_CHECK(fused >= 1 && out % fused == 0, "column-parallel linear: fused=", fused, " does not divide out=", out);
+  const int t = group->size(), r = group->rank();
+  TORCH_CHECK((out / fused) % t == 0, "column-parallel linear: out=", out, (fused > 1 ? " (per fused part: " : ""),
+              (fused > 1 ? std::to_string(out / fused) + ")" : ""), " does not split into tensor=", t, " equal parts");
+  torch::NoGradGuard no_grad;
+  // (out, in) -> (fused, out/fused, in): each rank takes its slice of every fused part.
+  auto w = shard(serial.weight().detach().view({fused, out / fused, in}), 1, r, t, "column-parallel weight");
+  register_parameter("weight", w.reshape({out / t, in}).clone());
+  if (serial.bias().defined())
+    register_parameter("bias", shard(serial.bias().detach().view({fused, out / fused}), 1, r, t, "bias")
+                                   .reshape({out / t}).clone());
+  else
+    register_parameter("bias", Tensor(), false);
+}
+
+Tensor ColumnParallelLinear::forward(const Tensor& x) {
+  TORCH_CHECK(x.size(-1) == in, "ColumnParallelLinear(", in, ", ", out, ") expects input (..., ", in, "), got ",
+              x.sizes());
+  auto y = torch::nn::functional::linear(copy_to_tensor_region(x, group), param("weight"), param("bias"));
+  if (!gather_output) return y;
+  TORCH_CHECK(fused == 1, "column-parallel linear: gather_output with fused parts would interleave them");
+  return gather_from_tensor_region(y, group);
+}
+
+std::string ColumnParallelLinear::extra_repr() const {
+  std::ostringstream s;
+  s << "in=" << in << ", out=" << out << " (" << out / group->size() << " here of tensor=" << group->size() << ")";
+  if (fused > 1) s << ", fused=" << fused;
+  if (gather_output) s << ", gather_output";
+  return s.str();
+}
+
+// ---- RowParallelLinear ---------------------------------------------------------------------
+
+RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g, bool parallel_input)
+    : nn::Unary("RowParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
+      input_is_parallel(parallel_input) {
+  torch::NoGradGuard no_grad;
+  register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"));
+  if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());
+  else register_parameter("bias", Tensor(), false);
+}
+
+Tensor RowParallelLinear::forward(const Tensor& x) {
+  auto local = input_is_parallel ? x : scatter_to_tensor_region(x, group);
+  const int64_t part = in / group->size();
+  TORCH_CHECK(local.size(-1) == part, "RowParallelLinear(", in, ", ", out, ") expects its part of the input (..., ",
+              part, "), got ", local.sizes());
+  auto y = reduce_from_tensor_region(torch::nn::functional::linear(local, param("weight")), group);
+  return param("bias").defined() ? y + param("bias") : y;
+}
+
+std::string RowParallelLinear::extra_repr() const {
+  std::ostringstream s;
+  s << "in=" << in << " (" << in / group->size() << " here of tensor=" << group->size() << "), out=" << out;
+  if (!input_is_parallel) s << ", splits its input";
+  return s.str();
+}
+
+// ---- VocabParallelEmbedding ----------------------------------------------------------------
+
+VocabParallelEmbedding::VocabParallelEmbedding(const nn::Embedding& serial, dist::GroupPtr g)
+    : nn::Unary("VocabParallelEmbedding"), group(std::move(g)), count(serial.options.count), dim(serial.options.dim) {
+  const int t = group->size();
+  padded = (count + t - 1) / t * t;  // padding is sound here: those rows are never looked up
+  first = group->rank() * (padded / t);
+  torch::NoGradGuard no_grad;
+  auto full = torch::zeros({padded, dim}, serial.weight().options().requires_grad(false));
+  full.narrow(0, 0, count).copy_(serial.weight().detach());
+  register_parameter("weight", full.narrow(0, first, padded / t).clone());
+}
+
+Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
+  TORCH_CHECK(!ids.is_floating_point(), "VocabParallelEmbedding expects integer ids, got ", ids.dtype());
+  const int64_t rows = padded / group->size();
+  auto outside = ids.lt(first).logical_or(ids.ge(first + rows));
+  auto local = (ids - first).masked_fill(outside, 0);
+  auto y = torch::nn::functional::embedding(local, param("weight")).masked_fill(outside.unsqueeze(-1), 0);
+  return reduce_from_tensor_region(y, group);
+}
+
+std::string VocabParallelEmbedding::extra_repr() const {
+  std::ostringstream s;
+  s << "count=" << count << " (padded to " << padded << "; rows " << first << ".." << first + padded / group->size() - 1
+    << " here), dim=" << dim;
+  return s.str();
+}
+
+Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
+                                    int64_t vocab) {
+  TORCH_CHECK(local_logits.dim() == targets.dim() + 1, "vocab-parallel cross_entropy expects logits (..., V/t) and "
+              "targets (...), got ", local_logits.sizes(), " and ", targets.sizes());
+  auto flat = local_logits.reshape({-1, local_logits.size(-1)});
+  auto losses = VocabParallelCrossEntropy::apply(flat, targets.reshape({-1}), key_of(group), vocab);
+  return losses.mean();
+}
+
+}  // namespace partrain::parallel

@@ -1,0 +1,130 @@
+-- Tensor parallelism is serial computation: under the launcher (2 or 4 ranks, tensor = world),
+-- each case builds a sharded model from a serial copy's weights and compares forward outputs,
+-- gradients (against the matching slices of the serial gradients) and losses over training steps
+-- with the serial model run beside it, within 1e-5 (relative, fp32).
+--   partrain --nproc-per-node 2 tests/dist/test_tp.lua
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, near, eq, ok, raises = H.test, H.near, H.eq, H.ok, H.raises
+
+local mesh = pt.mesh { tensor = pt.dist.world_size() }
+local group = mesh:group("tensor")
+local t, r = group:size(), group:rank()
+local TOL = 1e-5
+
+-- Rank r's slice of `full` along `dim` (of t equal parts).
+local function part(full, dim) return pt.tp.shard(full, dim, r, t) end
+-- For a fused weight (k parts along dim 0): rank r's slice of every part, stacked.
+local function fused_part(full, k)
+  local pieces = {}
+  for i, piece in ipairs(full:chunk(k, 0)) do pieces[i] = part(piece, 0) end
+  return pt.cat(pieces, 0)
+end
+
+test("column- then row-parallel MLP equals the serial one: outputs, gradients, 10 steps", function()
+  pt.manual_seed(1)
+  local serial = pt.nn.Sequential(pt.nn.Linear(8, 16), pt.nn.ReLU(), pt.nn.Linear(16, 4))
+  local sharded = pt.nn.Sequential(pt.tp.column(serial:get("0"), group), pt.nn.ReLU(),
+                                   pt.tp.row(serial:get("2"), group))
+  eq(table.concat(sharded:get("0").weight.shape, ","), (16 / t) .. ",8", "column layer holds out/t rows")
+  eq(table.concat(sharded:get("2").weight.shape, ","), "4," .. (16 / t), "row layer holds in/t columns")
+  local so, po = pt.optim.sgd(serial, { lr = 0.1, momentum = 0.9 }), pt.optim.sgd(sharded, { lr = 0.1, momentum = 0.9 })
+  for step = 1, 10 do
+    local x = pt.randn(5, 8)
+    group:broadcast(x, 0)                 -- tensor peers see the same input
+    local ys, yp = serial(x), sharded(x)
+    near(yp, ys, TOL, "forward at step " .. step)
+    local ls, lp = (ys ^ 2):mean(), (yp ^ 2):mean()
+    ls:backward(); lp:backward()
+    if step == 1 then
+      near(sharded:get("0").weight.grad, part(serial:get("0").weight.grad, 0), TOL, "column weight grad")
+      near(sharded:get("0").bias.grad, part(serial:get("0").bias.grad, 0), TOL, "column bias grad")
+      near(sharded:get("2").weight.grad, part(serial:get("2").weight.grad, 1), TOL, "row weight grad")
+      near(sharded:get("2").bias.grad, serial:get("2").bias.grad, TOL, "row bias grad (whole)")
+    end
+    so:step(); so:zero_grad(); po:step(); po:zero_grad()
+  end
+  near(sharded:get("2").weight, part(serial:get("2").weight, 1), TOL, "row weights after 10 steps")
+end)
+
+test("a fused q, k, v column split keeps each head's q, k and v on one rank", function()
+  pt.manual_seed(2)
+  local serial = pt.nn.Linear(6, 3 * 8)
+  local sharded = pt.tp.column(serial, group, { fused = 3 })
+  near(sharded.weight, fused_part(serial.weight, 3), 0, "weight slices of q, k and v")
+  local x = pt.randn(2, 6)
+  local parts = {}
+  for i, piece in ipairs(serial(x):chunk(3, -1)) do parts[i] = part(piece, 1) end
+  near(sharded(x), pt.cat(parts, -1), TOL, "output: this rank's heads of q, k and v")
+  raises(function() pt.tp.column(pt.nn.Linear(6, 3 * 5), group, { fused = 3 }) end, "does not split into tensor=")
+end)
+
+test("vocab-parallel embedding and cross-entropy equal the serial ones, padding included", function()
+  pt.manual_seed(3)
+  local vocab = 10                         -- pads to 12 at tensor=4
+  local serial = pt.nn.Embedding(vocab, 6)
+  local sharded = pt.tp.vocab_embedding(serial, group)
+  local ids = pt.randint(0, vocab, { 3, 5 })
+  group:broadcast(ids, 0)
+  local es, ep = serial(ids), sharded(ids)
+  near(ep, es, TOL, "embedding")
+  ep:sum():backward(); es:sum():backward()
+  local padded = math.ceil(vocab / t) * t
+  local full_grad = pt.cat({ serial.weight.grad, pt.zeros(padded - vocab, 6) }, 0)
+  near(sharded.weight.grad, part(full_grad, 0), TOL, "embedding gradient rows (padding rows zero)")
+
+  local logits = pt.randn(4, vocab, { requires_grad = true })
+  group:broadcast(logits:detach(), 0)
+  local targets = pt.randint(0, vocab, { 4 })
+  group:broadcast(targets, 0)
+  local padded_logits = pt.cat({ logits:detach(), pt.zeros(4, padded - vocab) }, 1)
+  local mine = part(padded_logits, 1):requires_grad_()
+  local lp = pt.tp.cross_entropy(mine, targets, group, vocab)
+  local ls = pt.nn.cross_entropy(logits, targets)
+  near(lp, ls, TOL, "loss without gathering the logits")
+  lp:backward(); ls:backward()
+  local full = pt.cat({ logits.grad, pt.zeros(4, padded - vocab) }, 1)
+  near(mine.grad, part(full, 1), TOL, "logit gradients")
+end)
+
+test("GPT-2 with heads, MLP and vocabulary split equals serial GPT-2 over 5 AdamW steps", function()
+  local cfg = { vocab = 256, seq = 16, dim = 32, heads = 4, layers = 2 }   -- byte tokens
+  pt.manual_seed(5)
+  local serial = pt.models.gpt2(cfg)
+  pt.manual_seed(5)
+  local model = pt.models.gpt2(cfg)
+  for i = 0, cfg.layers - 1 do
+    local h = "h." .. i
+    model:set(h .. ".attn.c_attn", pt.tp.column(model:get(h .. ".attn.c_attn"), group, { fused = 3 }))
+    model:set(h .. ".attn.c_proj", pt.tp.row(model:get(h .. ".attn.c_proj"), group))
+    model:get(h .. ".attn"):set_attribute("heads", cfg.heads / t)
+    model:set(h .. ".mlp.c_fc", pt.tp.column(model:get(h .. ".mlp.c_fc"), group))
+    model:set(h .. ".mlp.c_proj", pt.tp.row(model:get(h .. ".mlp.c_proj"), group))
+  end
+  model:set("wte", pt.tp.vocab_embedding(model:get("wte"), group))
+  model:set("lm_head", pt.tp.column(model:get("lm_head"), group))
+  model.lm_head.weight = model.wte.weight   -- the tie, now between the two vocabulary shards
+  local so = pt.optim.adamw(serial, { lr = 1e-3 })
+  local po = pt.optim.adamw(model, { lr = 1e-3 })
+  local data = pt.data.text { path = "data/kjv.txt", seq = cfg.seq, batch = 4, seed = 1 }
+  for step = 1, 5 do
+    local x, y = data:next()
+    local ls = pt.nn.cross_entropy(serial(x), y)
+    local lp = pt.tp.cross_entropy(model(x), y, group, cfg.vocab)
+    near(lp, ls, TOL, "loss at step " .. step)
+    ls:backward(); lp:backward()
+    if step == 1 then
+      near(model.h["0"].attn.c_attn.weight.grad, fused_part(serial.h["0"].attn.c_attn.weight.grad, 3), TOL, "c_attn grad")
+      near(model.h["1"].ln_2.weight.grad, serial.h["1"].ln_2.weight.grad, TOL, "replicated LayerNorm grad")
+      near(model.wte.weight.grad, part(serial.wte.weight.grad, 0), TOL, "tied embedding grad")
+    end
+    so:step(); so:zero_grad(); po:step(); po:zero_grad()
+  end
+  near(model.h["1"].mlp.c_proj.weight, part(serial.h["1"].mlp.c_proj.weight, 1), TOL, "weights after 5 steps")
+  local names = {}
+  for path, m in model:named_modules() do if m:type():find("Parallel") then names[#names + 1] = path end end
+  eq(#names, 4 * cfg.layers + 2, "every split layer is a parallel module in the tree")
+end)
+
+H.run()
