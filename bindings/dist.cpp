@@ -196,15 +196,17 @@ const Function kTensorParallel[] = {
        Options o(a, 3, "column");
        int64_t fused = o.integer("fused", 1);
        bool gather = o.boolean("gather_output", false);
+       bool sequence = o.boolean("sequence_parallel", false);
        o.finish();
        return a.ret(nn::ModulePtr(std::make_shared<parallel::ColumnParallelLinear>(
-           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), fused, gather))); }},
+           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), fused, gather, sequence))); }},
     {"row", [](Args& a) {  // row(linear, group [, { input_is_parallel = true }])
        Options o(a, 3, "row");
        bool parallel_input = o.boolean("input_is_parallel", true);
+       bool sequence = o.boolean("sequence_parallel", false);
        o.finish();
        return a.ret(nn::ModulePtr(std::make_shared<parallel::RowParallelLinear>(
-           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), parallel_input))); }},
+           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), parallel_input, sequence))); }},
     {"vocab_embedding", [](Args& a) {
        return a.ret(nn::ModulePtr(std::make_shared<parallel::VocabParallelEmbedding>(
            layer<nn::Embedding>(a, 1, "Embedding"), group(a, 2)))); }},
@@ -214,6 +216,9 @@ const Function kTensorParallel[] = {
     {"reduce_from", [](Args& a) { return a.ret(parallel::reduce_from_tensor_region(a.tensor(1), group(a, 2))); }},
     {"gather_from", [](Args& a) { return a.ret(parallel::gather_from_tensor_region(a.tensor(1), group(a, 2))); }},
     {"scatter_to", [](Args& a) { return a.ret(parallel::scatter_to_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"gather_sequence", [](Args& a) { return a.ret(parallel::gather_sequence(a.tensor(1), group(a, 2))); }},
+    {"reduce_scatter_sequence", [](Args& a) { return a.ret(parallel::reduce_scatter_sequence(a.tensor(1), group(a, 2))); }},
+    {"split_sequence", [](Args& a) { return a.ret(parallel::split_sequence(a.tensor(1), group(a, 2))); }},
     {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
        return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
                                     static_cast<int>(a.integer(4)), "shard")); }},

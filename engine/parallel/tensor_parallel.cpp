@@ -41,6 +41,60 @@ Tensor slice_last(const Tensor& x, const dist::ProcessGroup& g) {
   return x.chunk(g.size(), -1)[g.rank()].contiguous();
 }
 
+Tensor gather_seq(const Tensor& x, const dist::ProcessGroup& g) {
+  if (g.size() == 1) return x;
+  return torch::cat(g.all_gather(x.contiguous()), 1);
+}
+
+Tensor reduce_scatter_seq(const Tensor& x, const dist::ProcessGroup& g) {
+  if (g.size() == 1) return x;
+  TORCH_CHECK(x.size(1) % g.size() == 0, "sequence parallelism: the sequence of ", x.size(1),
+              " does not split into tensor=", g.size(), " equal parts");
+  auto parts = x.chunk(g.size(), 1);
+  std::vector<Tensor> inputs;
+  for (auto& p : parts) inputs.push_back(p.contiguous());
+  auto out = torch::empty_like(inputs[0]);
+  g.reduce_scatter(out, inputs);
+  return out;
+}
+
+Tensor split_seq(const Tensor& x, const dist::ProcessGroup& g) {
+  if (g.size() == 1) return x;
+  TORCH_CHECK(x.size(1) % g.size() == 0, "sequence parallelism: the sequence of ", x.size(1),
+              " does not split into tensor=", g.size(), " equal parts");
+  return x.chunk(g.size(), 1)[g.rank()].contiguous();
+}
+
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return gather_seq(x, group_of(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {reduce_scatter_seq(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+  }
+};
+
+struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return reduce_scatter_seq(x, group_of(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gather_seq(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+  }
+};
+
+struct SplitSequence : torch::autograd::Function<SplitSequence> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return split_seq(x, group_of(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gather_seq(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+  }
+};
+
 struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
   static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
@@ -123,6 +177,16 @@ Tensor scatter_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
   return g->size() == 1 ? x : ScatterToRegion::apply(x, key_of(g));
 }
 
+Tensor gather_sequence(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : GatherSequence::apply(x, key_of(g));
+}
+Tensor reduce_scatter_sequence(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : ReduceScatterSequence::apply(x, key_of(g));
+}
+Tensor split_sequence(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : SplitSequence::apply(x, key_of(g));
+}
+
 Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
   TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
               " equal parts");
@@ -132,9 +196,9 @@ Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::st
 // ---- ColumnParallelLinear ------------------------------------------------------------------
 
 ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, int64_t fused_parts,
-                                           bool gather)
+                                           bool gather, bool sequence)
     : nn::Unary("ColumnParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
-      fused(fused_parts), gather_output(gather) {
+      fused(fused_parts), gather_output(gather), sequence_parallel(sequence) {
   TORCH_CHECK(fused >= 1 && out % fused == 0, "column-parallel linear: fused=", fused, " does not divide out=", out);
   const int t = group->size(), r = group->rank();
   TORCH_CHECK((out / fused) % t == 0, "column-parallel linear: out=", out, (fused > 1 ? " (per fused part: " : ""),
@@ -153,7 +217,8 @@ ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::Group
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
   TORCH_CHECK(x.size(-1) == in, "ColumnParallelLinear(", in, ", ", out, ") expects input (..., ", in, "), got ",
               x.sizes());
-  auto y = torch::nn::functional::linear(copy_to_tensor_region(x, group), param("weight"), param("bias"));
+  auto input = sequence_parallel ? gather_sequence(x, group) : copy_to_tensor_region(x, group);
+  auto y = torch::nn::functional::linear(input, param("weight"), param("bias"));
   if (!gather_output) return y;
   TORCH_CHECK(fused == 1, "column-parallel linear: gather_output with fused parts would interleave them");
   return gather_from_tensor_region(y, group);
@@ -164,14 +229,15 @@ std::string ColumnParallelLinear::extra_repr() const {
   s << "in=" << in << ", out=" << out << " (" << out / group->size() << " here of tensor=" << group->size() << ")";
   if (fused > 1) s << ", fused=" << fused;
   if (gather_output) s << ", gather_output";
+  if (sequence_parallel) s << ", sequence_parallel";
   return s.str();
 }
 
 // ---- RowParallelLinear ---------------------------------------------------------------------
 
-RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g, bool parallel_input)
+RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g, bool parallel_input, bool sequence)
     : nn::Unary("RowParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
-      input_is_parallel(parallel_input) {
+      input_is_parallel(parallel_input), sequence_parallel(sequence) {
   torch::NoGradGuard no_grad;
   register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"));
   if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());
@@ -183,7 +249,8 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
   const int64_t part = in / group->size();
   TORCH_CHECK(local.size(-1) == part, "RowParallelLinear(", in, ", ", out, ") expects its part of the input (..., ",
               part, "), got ", local.sizes());
-  auto y = reduce_from_tensor_region(torch::nn::functional::linear(local, param("weight")), group);
+  auto partial = torch::nn::functional::linear(local, param("weight"));
+  auto y = sequence_parallel ? reduce_scatter_sequence(partial, group) : reduce_from_tensor_region(partial, group);
   return param("bias").defined() ? y + param("bias") : y;
 }
 
@@ -191,6 +258,7 @@ std::string RowParallelLinear::extra_repr() const {
   std::ostringstream s;
   s << "in=" << in << " (" << in / group->size() << " here of tensor=" << group->size() << "), out=" << out;
   if (!input_is_parallel) s << ", splits its input";
+  if (sequence_parallel) s << ", sequence_parallel";
   return s.str();
 }
 

@@ -21,6 +21,16 @@ Tensor gather_from_tensor_region(const Tensor& x, const dist::GroupPtr& group);
 /// Forward: this rank's slice along the last dimension. Backward: all-gather.
 Tensor scatter_to_tensor_region(const Tensor& x, const dist::GroupPtr& group);
 
+// Sequence parallelism (Megatron's, InternLM's and ShardFormer's sequence_parallel): between the
+// tensor-parallel regions activations stay split along the sequence (dimension 1 of (B, T, ...)),
+// so LayerNorm and dropout run on T/t positions a rank.
+/// Forward: all-gather along the sequence. Backward: reduce-scatter along it.
+Tensor gather_sequence(const Tensor& x, const dist::GroupPtr& group);
+/// Forward: reduce-scatter along the sequence. Backward: all-gather along it.
+Tensor reduce_scatter_sequence(const Tensor& x, const dist::GroupPtr& group);
+/// Forward: this rank's part of the sequence. Backward: all-gather along it.
+Tensor split_sequence(const Tensor& x, const dist::GroupPtr& group);
+
 // ---- Layers --------------------------------------------------------------------------------
 
 /// Output features split across the group: rank r holds rows [r*out/t, (r+1)*out/t) of W and b.
@@ -30,12 +40,14 @@ class ColumnParallelLinear : public nn::Unary {
  public:
   /// Slices `serial` (which it leaves untouched). `gather_output`: all-gather the output so the
   /// caller sees the full width.
-  ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr group, int64_t fused = 1, bool gather_output = false);
+  /// `sequence_parallel`: the input arrives split along the sequence and is all-gathered first.
+  ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr group, int64_t fused = 1, bool gather_output = false,
+                       bool sequence_parallel = false);
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out/t), or (..., out) gathered
   std::string extra_repr() const override;
   dist::GroupPtr group;
   int64_t in, out, fused;  ///< the serial (logical) sizes
-  bool gather_output;
+  bool gather_output, sequence_parallel;
 };
 
 /// Input features split across the group: rank r holds columns [r*in/t, (r+1)*in/t) of W; the
@@ -44,12 +56,14 @@ class RowParallelLinear : public nn::Unary {
  public:
   /// `input_is_parallel`: the input arrives already split (from a ColumnParallelLinear);
   /// otherwise this layer takes its slice of a full input.
-  RowParallelLinear(const nn::Linear& serial, dist::GroupPtr group, bool input_is_parallel = true);
+  /// `sequence_parallel`: reduce-scatter the output along the sequence instead of all-reducing it.
+  RowParallelLinear(const nn::Linear& serial, dist::GroupPtr group, bool input_is_parallel = true,
+                    bool sequence_parallel = false);
   Tensor forward(const Tensor& x) override;  // (..., in/t) or (..., in) -> (..., out)
   std::string extra_repr() const override;
   dist::GroupPtr group;
   int64_t in, out;
-  bool input_is_parallel;
+  bool input_is_parallel, sequence_parallel;
 };
 
 /// The vocabulary split across the group: rank r holds rows [r*V'/t, (r+1)*V'/t) where V' is the

@@ -127,4 +127,33 @@ test("GPT-2 with heads, MLP and vocabulary split equals serial GPT-2 over 5 Adam
   eq(#names, 4 * cfg.layers + 2, "every split layer is a parallel module in the tree")
 end)
 
+test("sequence parallelism: LayerNorm on a split sequence, then column and row layers, equals serial", function()
+  pt.manual_seed(6)
+  local D, T = 8, 4 * t
+  local ln, fc, proj = pt.nn.LayerNorm(D), pt.nn.Linear(D, 4 * D), pt.nn.Linear(4 * D, D)
+  local col = pt.tp.column(fc, group, { sequence_parallel = true })
+  local row = pt.tp.row(proj, group, { sequence_parallel = true })
+  local ln_sp = pt.nn.LayerNorm(D)
+  ln_sp:load_state_dict(ln:state_dict())
+  local x = pt.randn(2, T, D, { requires_grad = true })
+  group:broadcast(x:detach(), 0)
+  -- Serial: x + proj(gelu(fc(ln(x)))). Sequence-parallel: the same on this rank's T/t positions.
+  local serial = x + proj(fc(ln(x)):gelu("tanh"))
+  local mine = pt.tp.split_sequence(x:detach(), group):requires_grad_()
+  local out = mine + row(col(ln_sp(mine)):gelu("tanh"))
+  eq(out.shape[2], T / t, "activations stay split along the sequence")
+  near(out, part(serial:detach(), 1), TOL, "output: this rank's positions")
+  local full = pt.tp.gather_sequence(out, group)
+  near(full, serial, TOL, "gathered output")
+  serial:pow(2):sum():backward()
+  out:pow(2):sum():backward()
+  near(mine.grad, part(x.grad, 1), TOL, "input gradient")
+  near(col.weight.grad, part(fc.weight.grad, 0), TOL, "column weight gradient")
+  -- LayerNorm's parameters saw only this rank's positions: their gradients sum over the group.
+  local g = ln_sp.weight.grad:clone()
+  group:all_reduce(g)
+  near(g, ln.weight.grad, TOL, "LayerNorm weight gradient, summed over the sequence parts")
+  raises(function() pt.tp.split_sequence(pt.randn(1, T + 1, D), group) end, "does not split into tensor=")
+end)
+
 H.run()
