@@ -197,9 +197,10 @@ const Function kTensorParallel[] = {
        int64_t fused = o.integer("fused", 1);
        bool gather = o.boolean("gather_output", false);
        bool sequence = o.boolean("sequence_parallel", false);
+       bool pad = o.boolean("pad", false);
        o.finish();
        return a.ret(nn::ModulePtr(std::make_shared<parallel::ColumnParallelLinear>(
-           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), fused, gather, sequence))); }},
+           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), fused, gather, sequence, pad))); }},
     {"row", [](Args& a) {  // row(linear, group [, { input_is_parallel = true }])
        Options o(a, 3, "row");
        bool parallel_input = o.boolean("input_is_parallel", true);

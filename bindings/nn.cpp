@@ -8,6 +8,7 @@
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::lua {
 
@@ -277,7 +278,16 @@ const Function kConstructors[] = {
        t.finish();
        return a.ret(nn::cross_entropy(a.tensor(1), a.tensor(2), ignore)); }},
     {"mse", [](Args& a) { return a.ret(nn::mse(a.tensor(1), a.tensor(2))); }},
-    {"clip_grad_norm", [](Args& a) { return a.ret(optim::clip_grad_norm(params_of(a, 1), a.number(2))); }},
+    {"clip_grad_norm", [](Args& a) {  // split parameters' norms add up over their tensor group
+       auto params = params_of(a, 1);
+       double max_norm = a.number(2);
+       if (max_norm <= 0) a.fail(2, "max_norm must be > 0");
+       double norm = parallel::global_grad_norm(params);
+       double scale = max_norm / (norm + 1e-6);
+       if (scale < 1)
+         for (auto& p : params)
+           if (p.grad().defined()) p.mutable_grad().mul_(scale);
+       return a.ret(norm); }},
     {"mlp", [](Args& a) {
        Options t(a, 1, "mlp");
        models::MlpOptions o;

@@ -7,6 +7,7 @@
 #include "engine/models/models.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::lua {
 
@@ -55,6 +56,11 @@ int make_optimizer(Args& a, const std::string& kind) {
   }
   t.finish();
   auto opt = std::make_shared<optim::Optimizer>(params, o);
+  for (const auto& p : opt->params())
+    if (parallel::sharded_over(p)) {  // split parameters: the norm for clipping spans the group
+      opt->set_grad_norm(parallel::global_grad_norm);
+      break;
+    }
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
     // Cube's build_optimizer: on a data-parallel model, step only on synced gradients.
     std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(m->get());

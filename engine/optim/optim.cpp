@@ -95,7 +95,17 @@ double Optimizer::step() {
   for (const auto& check : checks_) check();
   apply_lr(lr());
   double norm = -1;
-  if (options_.clip_grad_norm > 0) norm = clip_grad_norm(params_, options_.clip_grad_norm);
+  if (options_.clip_grad_norm > 0) {
+    if (norm_) {
+      norm = norm_(params_);
+      double scale = options_.clip_grad_norm / (norm + 1e-6);
+      if (scale < 1)
+        for (auto& p : params_)
+          if (p.grad().defined()) p.mutable_grad().mul_(scale);
+    } else {
+      norm = clip_grad_norm(params_, options_.clip_grad_norm);
+    }
+  }
   impl_->step();
   ++steps_;
   return norm;

@@ -63,6 +63,9 @@ class Optimizer {
   /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
   /// it to refuse steps on gradients not yet synced).
   void add_step_check(std::function<void()> check) { checks_.push_back(std::move(check)); }
+  /// Replaces how clipping measures the gradients' global norm (tensor parallelism sums split
+  /// parameters over their group).
+  void set_grad_norm(std::function<double(const std::vector<torch::Tensor>&)> norm) { norm_ = std::move(norm); }
 
  private:
   void apply_lr(double lr);
@@ -72,6 +75,7 @@ class Optimizer {
   std::unique_ptr<torch::optim::Optimizer> impl_;
   int64_t steps_ = 0;
   std::vector<std::function<void()>> checks_;
+  std::function<double(const std::vector<torch::Tensor>&)> norm_;
 };
 
 }  // namespace partrain::optim

@@ -1,6 +1,8 @@
 // Tensor-parallel layers and their communication (see tensor_parallel.hpp).
 #include "engine/parallel/tensor_parallel.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -162,7 +164,50 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
+// Which parameters are split, and over which group (by TensorImpl: the parameter object).
+std::mutex sharded_mutex;
+std::unordered_map<const c10::TensorImpl*, dist::GroupPtr>& sharded() {
+  static std::unordered_map<const c10::TensorImpl*, dist::GroupPtr> map;
+  return map;
+}
+
+void mark_sharded(nn::Module& m, const std::string& name, const dist::GroupPtr& g) {
+  const auto& p = m.param(name);
+  if (!p.defined() || g->size() == 1) return;
+  std::lock_guard<std::mutex> lock(sharded_mutex);
+  sharded()[p.unsafeGetTensorImpl()] = g;
+}
+
 }  // namespace
+
+dist::GroupPtr sharded_over(const Tensor& param) {
+  std::lock_guard<std::mutex> lock(sharded_mutex);
+  auto it = sharded().find(param.unsafeGetTensorImpl());
+  return it == sharded().end() ? nullptr : it->second;
+}
+
+double global_grad_norm(const std::vector<Tensor>& params) {
+  double whole = 0;
+  std::vector<std::pair<dist::GroupPtr, double>> split;  // per group, in first-seen order
+  for (const auto& p : params) {
+    if (!p.grad().defined()) continue;
+    double sq = p.grad().detach().to(torch::kFloat64).pow(2).sum().item<double>();
+    auto g = sharded_over(p);
+    if (!g) {
+      whole += sq;
+      continue;
+    }
+    auto it = std::find_if(split.begin(), split.end(), [&](const auto& e) { return e.first == g; });
+    if (it == split.end()) split.emplace_back(g, sq);
+    else it->second += sq;
+  }
+  for (auto& [g, sq] : split) {
+    auto t = torch::tensor({sq}, torch::kFloat64);
+    g->all_reduce(t);
+    whole += t.item<double>();
+  }
+  return std::sqrt(whole);
+}
 
 Tensor copy_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
   return g->size() == 1 ? x : CopyToRegion::apply(x, key_of(g));
@@ -196,22 +241,31 @@ Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::st
 // ---- ColumnParallelLinear ------------------------------------------------------------------
 
 ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, int64_t fused_parts,
-                                           bool gather, bool sequence)
+                                           bool gather, bool sequence, bool pad)
     : nn::Unary("ColumnParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
       fused(fused_parts), gather_output(gather), sequence_parallel(sequence) {
   TORCH_CHECK(fused >= 1 && out % fused == 0, "column-parallel linear: fused=", fused, " does not divide out=", out);
   const int t = group->size(), r = group->rank();
+  Tensor weight = serial.weight().detach(), bias = serial.bias().defined() ? serial.bias().detach() : Tensor();
+  if (pad && out % t != 0) {
+    TORCH_CHECK(fused == 1 && !gather_output, "column-parallel linear: padding works only unfused and ungathered");
+    int64_t padded = (out + t - 1) / t * t;
+    weight = torch::cat({weight, torch::zeros({padded - out, in}, weight.options())});
+    if (bias.defined()) bias = torch::cat({bias, torch::zeros({padded - out}, bias.options())});
+    out = padded;
+  }
   TORCH_CHECK((out / fused) % t == 0, "column-parallel linear: out=", out, (fused > 1 ? " (per fused part: " : ""),
               (fused > 1 ? std::to_string(out / fused) + ")" : ""), " does not split into tensor=", t, " equal parts");
   torch::NoGradGuard no_grad;
   // (out, in) -> (fused, out/fused, in): each rank takes its slice of every fused part.
-  auto w = shard(serial.weight().detach().view({fused, out / fused, in}), 1, r, t, "column-parallel weight");
+  auto w = shard(weight.view({fused, out / fused, in}), 1, r, t, "column-parallel weight");
   register_parameter("weight", w.reshape({out / t, in}).clone());
-  if (serial.bias().defined())
-    register_parameter("bias", shard(serial.bias().detach().view({fused, out / fused}), 1, r, t, "bias")
-                                   .reshape({out / t}).clone());
+  if (bias.defined())
+    register_parameter("bias", shard(bias.view({fused, out / fused}), 1, r, t, "bias").reshape({out / t}).clone());
   else
     register_parameter("bias", Tensor(), false);
+  mark_sharded(*this, "weight", group);
+  mark_sharded(*this, "bias", group);
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
@@ -240,8 +294,9 @@ RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g,
       input_is_parallel(parallel_input), sequence_parallel(sequence) {
   torch::NoGradGuard no_grad;
   register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"));
-  if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());
+  if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());  // whole
   else register_parameter("bias", Tensor(), false);
+  mark_sharded(*this, "weight", group);
 }
 
 Tensor RowParallelLinear::forward(const Tensor& x) {
@@ -273,6 +328,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(const nn::Embedding& serial, dist
   auto full = torch::zeros({padded, dim}, serial.weight().options().requires_grad(false));
   full.narrow(0, 0, count).copy_(serial.weight().detach());
   register_parameter("weight", full.narrow(0, first, padded / t).clone());
+  mark_sharded(*this, "weight", group);
 }
 
 Tensor VocabParallelEmbedding::forward(const Tensor& ids) {

@@ -41,12 +41,14 @@ class ColumnParallelLinear : public nn::Unary {
   /// Slices `serial` (which it leaves untouched). `gather_output`: all-gather the output so the
   /// caller sees the full width.
   /// `sequence_parallel`: the input arrives split along the sequence and is all-gathered first.
+  /// `pad`: the output (a vocabulary) may be padded with zero rows up to a multiple of the group
+  /// size, as VocabParallelEmbedding pads, so the two can share a weight.
   ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr group, int64_t fused = 1, bool gather_output = false,
-                       bool sequence_parallel = false);
+                       bool sequence_parallel = false, bool pad = false);
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out/t), or (..., out) gathered
   std::string extra_repr() const override;
   dist::GroupPtr group;
-  int64_t in, out, fused;  ///< the serial (logical) sizes
+  int64_t in, out, fused;  ///< the serial (logical) sizes (out padded when `pad`)
   bool gather_output, sequence_parallel;
 };
 
@@ -82,6 +84,13 @@ class VocabParallelEmbedding : public nn::Unary {
 /// Columns at or beyond `vocab` (padding) never count.
 Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
                                     int64_t vocab);
+
+/// The tensor group a parameter is split over (it was made by a parallel layer), or nullptr for a
+/// whole (replicated) parameter (smp's is_distributed_parameter).
+dist::GroupPtr sharded_over(const Tensor& param);
+/// The global L2 norm of the parameters' gradients: whole parameters count once, split ones add
+/// up over their tensor group (their squared norms are all-reduced). Every rank gets the same.
+double global_grad_norm(const std::vector<Tensor>& params);
 
 /// The rows [first, first + n) of a tensor's dimension `dim` for rank r of t equal parts;
 /// an error naming `what` when t does not divide the size.

@@ -1,7 +1,7 @@
 -- Trains a byte-level GPT-2 on the King James Bible and prints a sample of what it learned.
--- Data-parallel over however many ranks it runs on (tensor parallelism joins with policies).
+-- Split over --tensor ranks by policies/gpt2.lua, data-parallel over the rest.
 --   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
---   partrain --nproc-per-node 2 examples/gpt/train.lua
+--   partrain --nproc-per-node 4 examples/gpt/train.lua --tensor 2      (tensor 2 x data 2)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -20,25 +20,27 @@ local cfg = pt.args {
   prompt = "And God said",
   corpus = "",              -- default: data/kjv.txt of this checkout (made by scripts/setup)
   threads = 0,
+  tensor = 1,               -- tensor-parallel size (data = ranks / tensor)
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
 pt.manual_seed(cfg.seed)
 
-local mesh = pt.mesh {}
+local mesh = pt.mesh { tensor = cfg.tensor }
 local model = pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                                layers = cfg.layers, dropout = cfg.dropout }
-model = pt.parallelize(model, nil, mesh)
+model = pt.parallelize(model, nil, mesh)   -- policies/gpt2.lua when tensor > 1
+local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when they are split
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 } })
-print(("gpt2: %d parameters, %d layers of width %d; %s; %d data-parallel rank(s)"):format(
-  model:num_parameters(), cfg.layers, cfg.dim, tostring(data), mesh:size("data")))
+print(("gpt2: %d layers of width %d, %d parameters a rank; %s; tensor %d x data %d"):format(
+  cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("tensor"), mesh:size("data")))
 
 local start = pt.time()
 for step = 1, cfg.steps do
   local x, y = data:next()
-  local loss = pt.nn.cross_entropy(model(x), y)
+  local loss = loss_of(model(x), y)
   opt:zero_grad()
   loss:backward()
   opt:step()
@@ -50,17 +52,20 @@ for step = 1, cfg.steps do
 end
 
 -- Sampling: feed the prompt, then draw each next byte from the softmax of the last position.
-if cfg.sample > 0 and pt.dist.rank() == 0 then
+-- Every rank takes part (a split model needs its whole tensor group); the same seed makes them
+-- draw the same bytes, and rank 0 prints them.
+if cfg.sample > 0 then
   model:eval()
   pt.manual_seed(cfg.seed)
   local tokens = pt.data.encode(cfg.prompt):view(1, -1)
   pt.no_grad(function()
     for _ = 1, cfg.sample do
       local context = tokens:narrow(1, math.max(0, tokens:size(1) - cfg.seq), math.min(tokens:size(1), cfg.seq))
-      local logits = model(context):select(1, -1)          -- (1, 256) at the last position
+      local logits = model(context):select(1, -1)          -- (1, 256 / tensor) at the last position
+      logits = pt.tp.gather_from(logits, mesh:group("tensor"))  -- the whole vocabulary
       local next_byte = (logits / 0.8):softmax(-1):multinomial(1)
       tokens = pt.cat({ tokens, next_byte }, 1)
     end
   end)
-  print("sample: " .. pt.data.decode(tokens))
+  if pt.dist.rank() == 0 then print("sample: " .. pt.data.decode(tokens)) end
 end

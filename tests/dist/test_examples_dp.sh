@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The examples, data-parallel, equal their serial runs: the same global batch at 1, 2 and 4
-# ranks gives the same loss at every one of 20 steps (within 1e-5 relative) through the real
-# launcher. Usage: test_examples_dp.sh PATH/TO/partrain
+# The examples, parallel, equal their serial runs: the same global batch at 1, 2 and 4 ranks
+# (data-parallel; GPT-2 also tensor=2 and tensor=2 x data=2 through policies/gpt2.lua, with
+# gradient clipping) gives the same loss at every one of 20 steps (within 1e-5 relative)
+# through the real launcher. Usage: test_examples_dp.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 passed=0 failed=0
@@ -31,5 +32,12 @@ for example in mnist simple; do
     compare "examples/$example at $n ranks equals 1 rank" "$tmp/$example.$n" "$tmp/$example.1"
   done
 done
+gpt=(examples/gpt/train.lua --steps 20 --log-every 1 --sample 0 --dim 64 --layers 2)
+losses 1 "${gpt[@]}" >"$tmp/gpt.1"
+losses 2 "${gpt[@]}" --tensor 2 >"$tmp/gpt.t2"
+compare "examples/gpt at tensor=2 equals 1 rank" "$tmp/gpt.t2" "$tmp/gpt.1"
+losses 4 "${gpt[@]}" --tensor 2 >"$tmp/gpt.t2d2"
+compare "examples/gpt at tensor=2 x data=2 equals 1 rank" "$tmp/gpt.t2d2" "$tmp/gpt.1"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

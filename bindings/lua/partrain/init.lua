@@ -130,19 +130,45 @@ pt.mesh = core.dist.mesh
 
 local data_parallel = {}   -- model -> its data-parallel handle (the model is returned as it was)
 
---- Makes `model` parallel over `mesh` and returns it, used exactly like the serial model.
---- With no policy: data parallelism over the mesh's data group (parameters broadcast from data
---- rank 0, gradients synced in buckets during backward). opts: bucket_cap_mb, reduce ("mean",
---- "sum", "min", "max"), grad_accumulation, broadcast_buffers.
+--- Makes `model` parallel over `mesh` and returns it, used like the serial model.
+--- `policy` (a table from partrain.policy, a module name such as "policies.gpt2", or nil for the
+--- registered policy of the model's type) splits it over the mesh's tensor group when the tensor
+--- size is above 1; then data parallelism runs over the data group (parameters broadcast from
+--- data rank 0, gradients synced in buckets during backward). opts: bucket_cap_mb, reduce
+--- ("mean", "sum", "min", "max"), grad_accumulation, broadcast_buffers.
 function pt.parallelize(model, policy, mesh, opts)
   if not core.nn.is_module(model) then error("parallelize: argument #1 must be a module, got " .. type(model), 2) end
-  if policy ~= nil then
-    error("parallelize: sharding policies (tensor parallelism) are not available yet; pass nil", 2)
+  if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
+    error("parallelize: bad argument #3 (mesh expected, got " .. type(mesh) .. ")", 2)
   end
-  local ok, dp = pcall(core.dist.data_parallel, model, mesh, opts)
-  if not ok then error(dp, 2) end
-  data_parallel[model] = dp
+  local ok, err = pcall(function()
+    if mesh:size("tensor") > 1 then
+      local P = require "partrain.policy"
+      if policy == nil then
+        policy = P.registry[model:type()]
+        if not policy then
+          error(("no policy is registered for %s: pass one (see policies/ for examples)"):format(model:type()), 0)
+        end
+      end
+      if type(policy) == "string" then policy = require(policy) end
+      if type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
+      P.apply(model, policy, mesh, {})
+    end
+    data_parallel[model] = core.dist.data_parallel(model, mesh, opts)
+  end)
+  if not ok then error(err, 2) end
   return model
+end
+
+--- The loss to use with `model`'s logits: cross-entropy, computed from vocabulary-split logits
+--- without gathering them when a policy split the output head.
+function pt.loss_fn(model)
+  local P = package.loaded["partrain.policy"]
+  local split = P and P.vocab_parallel[model]
+  if split then
+    return function(logits, targets) return core.tp.cross_entropy(logits, targets, split.group, split.vocab) end
+  end
+  return core.nn.cross_entropy
 end
 
 --- The data-parallel handle of a model made parallel by pt.parallelize (or nil): hooks,
