@@ -41,11 +41,7 @@ int main(int argc, char** argv) {
   double loss_sum = 0;
   for (int step = 0; step < steps; ++step) {
     auto b = loader.next();
-    auto loss = nn::cross_entropy(model->forward({b[0]}), b[1]);
-    opt.zero_grad();
-    loss.backward();
-    opt.step();
-    loss_sum += loss.item<double>();
+    loss_sum += models::classification_step(*model, opt, b[0], b[1]);
   }
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("cpp steps %d seconds %.4f cpu %.4f mean_loss %.6f\n", steps, seconds, cpu() - cpu_start,

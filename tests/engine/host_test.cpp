@@ -52,11 +52,7 @@ TEST(Host, MlpTrainedFromLuaAndFromCppGivesTheSameLosses) {
   std::vector<double> cpp;
   for (int step = 0; step < steps; ++step) {
     auto b = loader.next();
-    auto loss = nn::cross_entropy(model->forward({b[0]}), b[1]);
-    opt.zero_grad();
-    loss.backward();
-    opt.step();
-    cpp.push_back(loss.item<double>());
+    cpp.push_back(models::classification_step(*model, opt, b[0], b[1]));  // forward, loss, backward, step
   }
   // Lua.
   lua::Host host;
