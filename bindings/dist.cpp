@@ -220,6 +220,7 @@ const Function kTensorParallel[] = {
     {"gather_sequence", [](Args& a) { return a.ret(parallel::gather_sequence(a.tensor(1), group(a, 2))); }},
     {"reduce_scatter_sequence", [](Args& a) { return a.ret(parallel::reduce_scatter_sequence(a.tensor(1), group(a, 2))); }},
     {"split_sequence", [](Args& a) { return a.ret(parallel::split_sequence(a.tensor(1), group(a, 2))); }},
+    {"is_sharded", [](Args& a) { return a.ret(parallel::sharded_over(a.tensor(1)) != nullptr); }},
     {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
        return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
                                     static_cast<int>(a.integer(4)), "shard")); }},

@@ -164,10 +164,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
-// Which parameters are split, and over which group (by TensorImpl: the parameter object).
+// Which parameters are split, and over which group. Keyed by the parameter's TensorImpl, with a
+// weak reference beside it: once a parameter is freed its address can be reused by another
+// tensor, and a stale entry must not make that one look split (ranks would then disagree on
+// which collectives to run).
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 std::mutex sharded_mutex;
-std::unordered_map<const c10::TensorImpl*, dist::GroupPtr>& sharded() {
-  static std::unordered_map<const c10::TensorImpl*, dist::GroupPtr> map;
+std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, dist::GroupPtr>>& sharded() {
+  static std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, dist::GroupPtr>> map;
   return map;
 }
 
@@ -175,7 +179,7 @@ void mark_sharded(nn::Module& m, const std::string& name, const dist::GroupPtr& 
   const auto& p = m.param(name);
   if (!p.defined() || g->size() == 1) return;
   std::lock_guard<std::mutex> lock(sharded_mutex);
-  sharded()[p.unsafeGetTensorImpl()] = g;
+  sharded().insert_or_assign(p.unsafeGetTensorImpl(), std::make_pair(WeakImpl(p.getIntrusivePtr()), g));
 }
 
 }  // namespace
@@ -183,7 +187,12 @@ void mark_sharded(nn::Module& m, const std::string& name, const dist::GroupPtr& 
 dist::GroupPtr sharded_over(const Tensor& param) {
   std::lock_guard<std::mutex> lock(sharded_mutex);
   auto it = sharded().find(param.unsafeGetTensorImpl());
-  return it == sharded().end() ? nullptr : it->second;
+  if (it == sharded().end()) return nullptr;
+  if (it->second.first.expired()) {  // a freed parameter's address, now another tensor's
+    sharded().erase(it);
+    return nullptr;
+  }
+  return it->second.second;
 }
 
 double global_grad_norm(const std::vector<Tensor>& params) {

@@ -156,4 +156,19 @@ test("sequence parallelism: LayerNorm on a split sequence, then column and row l
   raises(function() pt.tp.split_sequence(pt.randn(1, T + 1, D), group) end, "does not split into tensor=")
 end)
 
+test("split parameters are known as split; a freed one's memory never makes another tensor look split", function()
+  local col = pt.tp.column(pt.nn.Linear(4, 8), group)
+  ok(pt.tp.is_sharded(col.weight), "a column layer's weight is split")
+  ok(not pt.tp.is_sharded(pt.tp.row(pt.nn.Linear(8, 4), group).bias), "a row layer's bias is whole")
+  for _ = 1, 20 do
+    local layer = pt.tp.column(pt.nn.Linear(4, 8), group)
+    layer = nil
+    collectgarbage()
+    for _ = 1, 20 do
+      local fresh = pt.zeros(8 / t, 4)        -- the freed weight's size: its address is likely reused
+      if pt.tp.is_sharded(fresh) then error("a fresh tensor looks split") end
+    end
+  end
+end)
+
 H.run()
