@@ -146,6 +146,18 @@ Work ProcessGroup::start(const std::string& op, c10::intrusive_ptr<c10d::Work> w
   return Work(shared_from_this(), op, std::move(work), std::move(after));
 }
 
+Work ProcessGroup::run(const std::string& op, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
+                       bool async, std::function<void()> after) const {
+  Work w;
+  try {
+    w = start(op, launch(), std::move(after));
+  } catch (const std::exception& e) {
+    fail(op, compat::message_of(e));
+  }
+  if (!async) w.wait();
+  return w;
+}
+
 void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t) const {
   if (!impl_ || !check_collectives()) return;
   int64_t seq = sequence_++;
@@ -188,14 +200,7 @@ Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
   c10d::AllreduceOptions o;
   o.reduceOp = c10d_op(op);
   o.timeout = options_.timeout;
-  Work w;
-  try {
-    w = start("all_reduce(" + to_string(op) + ")", impl_->group->allreduce(ts, o), after);
-  } catch (const std::exception& e) {
-    fail("all_reduce", compat::message_of(e));
-  }
-  if (!async) w.wait();
-  return w;
+  return run("all_reduce(" + to_string(op) + ")", [&] { return impl_->group->allreduce(ts, o); }, async, after);
 }
 
 Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
@@ -208,14 +213,7 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = options_.timeout;
-  Work w;
-  try {
-    w = start("broadcast", impl_->group->broadcast(ts, o));
-  } catch (const std::exception& e) {
-    fail("broadcast", compat::message_of(e));
-  }
-  if (!async) w.wait();
-  return w;
+  return run("broadcast", [&] { return impl_->group->broadcast(ts, o); }, async);
 }
 
 Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool async) const {
@@ -230,14 +228,7 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
   for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
   out = outputs[0];  // the same tensors: filled when the work completes
   std::vector<Tensor> inputs{t};
-  Work w;
-  try {
-    w = start("all_gather", impl_->group->allgather(outputs, inputs));
-  } catch (const std::exception& e) {
-    fail("all_gather", compat::message_of(e));
-  }
-  if (!async) w.wait();
-  return w;
+  return run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); }, async);
 }
 
 std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
@@ -268,28 +259,14 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
   std::vector<Tensor> ts{t};
-  Work w;
-  try {
-    w = start("send", impl_->group->send(ts, dst, 0));
-  } catch (const std::exception& e) {
-    fail("send", compat::message_of(e));
-  }
-  if (!async) w.wait();
-  return w;
+  return run("send", [&] { return impl_->group->send(ts, dst, 0); }, async);
 }
 
 Work ProcessGroup::recv(Tensor& t, int src, bool async) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
   std::vector<Tensor> ts{t};
-  Work w;
-  try {
-    w = start("recv", impl_->group->recv(ts, src, 0));
-  } catch (const std::exception& e) {
-    fail("recv", compat::message_of(e));
-  }
-  if (!async) w.wait();
-  return w;
+  return run("recv", [&] { return impl_->group->recv(ts, src, 0); }, async);
 }
 
 Work ProcessGroup::barrier(bool async) const {
@@ -297,14 +274,7 @@ Work ProcessGroup::barrier(bool async) const {
   if (!impl_) return Work();
   c10d::BarrierOptions o;
   o.timeout = options_.timeout;
-  Work w;
-  try {
-    w = start("barrier", impl_->group->barrier(o));
-  } catch (const std::exception& e) {
-    fail("barrier", compat::message_of(e));
-  }
-  if (!async) w.wait();
-  return w;
+  return run("barrier", [&] { return impl_->group->barrier(o); }, async);
 }
 
 // ---- World ---------------------------------------------------------------------------------
@@ -460,13 +430,11 @@ std::vector<int> Layout::group_of(const std::string& kind, int rank) const {
 }
 
 std::vector<std::vector<int>> Layout::groups(const std::string& kind) const {
+  // Every rank's group, each once, in the order of its lowest rank.
   std::vector<std::vector<int>> out;
   for (int r = 0; r < world(); ++r) {
     auto g = group_of(kind, r);
-    if (g.front() == r || kind == "world") {
-      if (kind == "world" && r > 0) break;
-      if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
-    }
+    if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
   }
   return out;
 }

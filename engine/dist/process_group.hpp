@@ -88,6 +88,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  private:
   explicit ProcessGroup(GroupOptions options, int rank);
   Work start(const std::string& op, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) const;
+  // Launches a c10d collective, naming `op` if launching fails, and waits unless `async`.
+  Work run(const std::string& op, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch, bool async,
+           std::function<void()> after = {}) const;
   [[noreturn]] void fail(const std::string& op, const std::string& why) const;
   void check(const Tensor& t, const std::string& op) const;
   // With check_collectives(): all-gathers (op, numel, dtype, sequence) and fails on a mismatch.

@@ -67,70 +67,35 @@ Tensor split_seq(const Tensor& x, const dist::ProcessGroup& g) {
   return x.chunk(g.size(), 1)[g.rank()].contiguous();
 }
 
-struct GatherSequence : torch::autograd::Function<GatherSequence> {
+Tensor same(const Tensor& x, const dist::ProcessGroup&) { return x.view_as(x); }
+
+// A communication step as an autograd function: `Forward` on the way in, `Backward` (its
+// transpose) on the gradient. The group travels in the context as its registry key.
+using Step = Tensor (*)(const Tensor&, const dist::ProcessGroup&);
+template <Step Forward, Step Backward>
+struct Comm : torch::autograd::Function<Comm<Forward, Backward>> {
   static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
     ctx->saved_data["group"] = group;
-    return gather_seq(x, group_of(group));
+    return Forward(x, group_of(group));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {reduce_scatter_seq(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
+    return {Backward(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
   }
 };
 
-struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return reduce_scatter_seq(x, group_of(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {gather_seq(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
-  }
-};
+using CopyToRegion = Comm<same, all_reduce_copy>;
+using ReduceFromRegion = Comm<all_reduce_copy, same>;
+using GatherFromRegion = Comm<gather_last, slice_last>;
+using ScatterToRegion = Comm<slice_last, gather_last>;
+using GatherSequence = Comm<gather_seq, reduce_scatter_seq>;
+using ReduceScatterSequence = Comm<reduce_scatter_seq, gather_seq>;
+using SplitSequence = Comm<split_seq, gather_seq>;
 
-struct SplitSequence : torch::autograd::Function<SplitSequence> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return split_seq(x, group_of(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {gather_seq(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
-  }
-};
-
-struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return x.view_as(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {all_reduce_copy(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
-  }
-};
-
-struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
-  static Tensor forward(AutogradContext*, Tensor x, int64_t group) { return all_reduce_copy(x, group_of(group)); }
-  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], Tensor()}; }
-};
-
-struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return gather_last(x, group_of(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {slice_last(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
-  }
-};
-
-struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return slice_last(x, group_of(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {gather_last(grads[0], group_of(ctx->saved_data["group"].toInt())), Tensor()};
-  }
-};
+// Applies F over `g`; a group of one needs no communication (and no autograd node).
+template <class F>
+Tensor communicate(const Tensor& x, const dist::GroupPtr& g) {
+  return g->size() == 1 ? x : F::apply(x, key_of(g));
+}
 
 // Per-sample cross-entropy over a vocabulary split across the group (Megatron's), (N, V/t) -> (N).
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
@@ -196,50 +161,40 @@ dist::GroupPtr sharded_over(const Tensor& param) {
 }
 
 double global_grad_norm(const std::vector<Tensor>& params) {
-  double whole = 0;
-  std::vector<std::pair<dist::GroupPtr, double>> split;  // per group, in first-seen order
+  // Squared norms summed as tensors (no host sync per parameter): whole parameters together,
+  // split ones per group, in first-seen order (the same on every rank).
+  Tensor whole;
+  std::vector<std::pair<dist::GroupPtr, Tensor>> split;
+  auto add = [](Tensor& acc, const Tensor& sq) { acc = acc.defined() ? acc + sq : sq; };
   for (const auto& p : params) {
     if (!p.grad().defined()) continue;
-    double sq = p.grad().detach().to(torch::kFloat64).pow(2).sum().item<double>();
+    auto sq = p.grad().detach().to(torch::kFloat64).pow(2).sum();
     auto g = sharded_over(p);
     if (!g) {
-      whole += sq;
+      add(whole, sq);
       continue;
     }
     auto it = std::find_if(split.begin(), split.end(), [&](const auto& e) { return e.first == g; });
     if (it == split.end()) split.emplace_back(g, sq);
-    else it->second += sq;
+    else add(it->second, sq);
   }
   for (auto& [g, sq] : split) {
-    auto t = torch::tensor({sq}, torch::kFloat64);
+    auto t = sq.reshape({1}).cpu().contiguous();
     g->all_reduce(t);
-    whole += t.item<double>();
+    add(whole, t.squeeze(0).to(sq.device()));
   }
-  return std::sqrt(whole);
+  return whole.defined() ? std::sqrt(whole.item<double>()) : 0.0;
 }
 
-Tensor copy_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : CopyToRegion::apply(x, key_of(g));
-}
-Tensor reduce_from_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : ReduceFromRegion::apply(x, key_of(g));
-}
-Tensor gather_from_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : GatherFromRegion::apply(x, key_of(g));
-}
-Tensor scatter_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : ScatterToRegion::apply(x, key_of(g));
-}
-
-Tensor gather_sequence(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : GatherSequence::apply(x, key_of(g));
-}
+Tensor copy_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) { return communicate<CopyToRegion>(x, g); }
+Tensor reduce_from_tensor_region(const Tensor& x, const dist::GroupPtr& g) { return communicate<ReduceFromRegion>(x, g); }
+Tensor gather_from_tensor_region(const Tensor& x, const dist::GroupPtr& g) { return communicate<GatherFromRegion>(x, g); }
+Tensor scatter_to_tensor_region(const Tensor& x, const dist::GroupPtr& g) { return communicate<ScatterToRegion>(x, g); }
+Tensor gather_sequence(const Tensor& x, const dist::GroupPtr& g) { return communicate<GatherSequence>(x, g); }
 Tensor reduce_scatter_sequence(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : ReduceScatterSequence::apply(x, key_of(g));
+  return communicate<ReduceScatterSequence>(x, g);
 }
-Tensor split_sequence(const Tensor& x, const dist::GroupPtr& g) {
-  return g->size() == 1 ? x : SplitSequence::apply(x, key_of(g));
-}
+Tensor split_sequence(const Tensor& x, const dist::GroupPtr& g) { return communicate<SplitSequence>(x, g); }
 
 Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
   TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
