@@ -46,14 +46,6 @@ int push_group(const Args& a, const GroupPtr& g) {
   return 1;
 }
 
-int push_ints(const Args& a, const std::vector<int>& xs) {
-  lua_createtable(a.L, static_cast<int>(xs.size()), 0);
-  for (size_t i = 0; i < xs.size(); ++i) {
-    lua_pushnumber(a.L, xs[i]);
-    lua_rawseti(a.L, -2, static_cast<int>(i + 1));
-  }
-  return 1;
-}
 
 dist::World& world() {
   auto& w = dist::World::instance();
@@ -63,15 +55,11 @@ dist::World& world() {
 
 // Runs a Lua function stored in the registry as a bucket hook: fn(bucket_index, flat_grads).
 parallel::DataParallel::Hook lua_hook(lua_State* L, int fn_idx) {
-  lua_pushvalue(L, fn_idx);
-  int ref = luaL_ref(L, LUA_REGISTRYINDEX);
-  lua_getfield(L, LUA_REGISTRYINDEX, "partrain.alive");
-  auto alive = *static_cast<std::shared_ptr<bool>*>(lua_touserdata(L, -1));
-  lua_pop(L, 1);
-  return [L, ref, alive](int bucket, torch::Tensor& flat) {
-    TORCH_CHECK(*alive, "a reducer hook outlived its Lua state");
-    lua_State* S = active_state(L);
-    lua_rawgeti(S, LUA_REGISTRYINDEX, ref);
+  auto fn = std::make_shared<LuaRef>(L, fn_idx);
+  return [fn](int bucket, torch::Tensor& flat) {
+    TORCH_CHECK(fn->alive(), "a reducer hook outlived its Lua state");
+    lua_State* S = active_state(fn->main());
+    fn->push(S);
     lua_pushnumber(S, bucket);
     push_tensor(S, flat);
     std::string error;
@@ -108,7 +96,7 @@ int finish(const Args& a, const dist::Work& w, bool async, int result) {
 const Function kGroupMethods[] = {
     {"rank", [](Args& a) { return a.ret(double(group(a, 1)->rank())); }},
     {"size", [](Args& a) { return a.ret(double(group(a, 1)->size())); }},
-    {"ranks", [](Args& a) { return push_ints(a, group(a, 1)->ranks()); }},
+    {"ranks", [](Args& a) { return push_ints(a.L, group(a, 1)->ranks()); }},
     {"name", [](Args& a) { return a.ret(group(a, 1)->name()); }},
     {"all_reduce", [](Args& a) {  // all_reduce(t [, op = "sum"] [, { async = false }])
        auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");
@@ -139,6 +127,17 @@ const Function kGroupMethods[] = {
     {"barrier", [](Args& a) {
        bool async = async_option(a, 2, "barrier");
        return finish(a, group(a, 1)->barrier(async), async, 0); }},
+    {"traffic", [](Args& a) {  // { [op] = { calls =, bytes = } } since creation or reset_traffic
+       auto traffic = group(a, 1)->traffic();
+       lua_createtable(a.L, 0, static_cast<int>(traffic.size()));
+       for (const auto& [op, t] : traffic) {
+         lua_createtable(a.L, 0, 2);
+         lua_pushnumber(a.L, double(t.calls)); lua_setfield(a.L, -2, "calls");
+         lua_pushnumber(a.L, double(t.bytes)); lua_setfield(a.L, -2, "bytes");
+         lua_setfield(a.L, -2, op.c_str());
+       }
+       return 1; }},
+    {"reset_traffic", [](Args& a) { group(a, 1)->reset_traffic(); return a.ret(); }},
     {"__tostring", [](Args& a) { return a.ret(group(a, 1)->describe()); }},
     {nullptr, nullptr}};
 
@@ -160,7 +159,7 @@ const Function kMeshMethods[] = {
        return 1; }},
     {"ranks", [](Args& a) {  // ranks(kind [, rank]): members of that rank's group of kind
        auto& m = mesh(a, 1);
-       return push_ints(a, m->layout().group_of(a.string(2), static_cast<int>(a.integer(3, m->rank())))); }},
+       return push_ints(a.L, m->layout().group_of(a.string(2), static_cast<int>(a.integer(3, m->rank())))); }},
     {"__tostring", [](Args& a) { return a.ret(mesh(a, 1)->describe()); }},
     {nullptr, nullptr}};
 
@@ -197,10 +196,14 @@ const Function kTensorParallel[] = {
        int64_t fused = o.integer("fused", 1);
        bool gather = o.boolean("gather_output", false);
        bool sequence = o.boolean("sequence_parallel", false);
+       bool overlap = o.boolean("sequence_overlap", false);
        bool pad = o.boolean("pad", false);
        o.finish();
-       return a.ret(nn::ModulePtr(std::make_shared<parallel::ColumnParallelLinear>(
-           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), fused, gather, sequence, pad))); }},
+       if (overlap && !sequence) a.fail(3, "sequence_overlap needs sequence_parallel");
+       auto column = std::make_shared<parallel::ColumnParallelLinear>(layer<nn::Linear>(a, 1, "Linear"), group(a, 2),
+                                                                      fused, gather, sequence, pad);
+       column->sequence_overlap = overlap;
+       return a.ret(nn::ModulePtr(column)); }},
     {"row", [](Args& a) {  // row(linear, group [, { input_is_parallel = true }])
        Options o(a, 3, "row");
        bool parallel_input = o.boolean("input_is_parallel", true);
@@ -211,6 +214,13 @@ const Function kTensorParallel[] = {
     {"vocab_embedding", [](Args& a) {
        return a.ret(nn::ModulePtr(std::make_shared<parallel::VocabParallelEmbedding>(
            layer<nn::Embedding>(a, 1, "Embedding"), group(a, 2)))); }},
+    {"layer_norm", [](Args& a) {  // layer_norm(ln, group [, { sequence_parallel = false, fused = true }])
+       Options o(a, 3, "layer_norm");
+       bool sequence = o.boolean("sequence_parallel", false);
+       bool fused = o.boolean("fused", true);
+       o.finish();
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::ParallelLayerNorm>(
+           layer<nn::LayerNorm>(a, 1, "LayerNorm"), group(a, 2), sequence, fused))); }},
     {"cross_entropy", [](Args& a) {  // cross_entropy(local_logits, targets, group, vocab)
        return a.ret(parallel::vocab_parallel_cross_entropy(a.tensor(1), a.tensor(2), group(a, 3), a.integer(4))); }},
     {"copy_to", [](Args& a) { return a.ret(parallel::copy_to_tensor_region(a.tensor(1), group(a, 2))); }},
@@ -221,6 +231,35 @@ const Function kTensorParallel[] = {
     {"reduce_scatter_sequence", [](Args& a) { return a.ret(parallel::reduce_scatter_sequence(a.tensor(1), group(a, 2))); }},
     {"split_sequence", [](Args& a) { return a.ret(parallel::split_sequence(a.tensor(1), group(a, 2))); }},
     {"is_sharded", [](Args& a) { return a.ret(parallel::sharded_over(a.tensor(1)) != nullptr); }},
+    {"_gather_full", [](Args& a) {  // _gather_full(p, t): t (laid out like p) at its logical shape
+       auto s = parallel::sharding_of(a.tensor(1));
+       if (!s) a.fail(1, "split parameter expected");
+       auto& t = a.tensor(2);
+       if (!t.sizes().equals(a.tensor(1).sizes())) a.fail(2, "a tensor shaped like the parameter expected");
+       return a.ret(parallel::gather_full(t, *s)); }},
+    {"sharding", [](Args& a) {  // sharding(p): nil for a whole parameter, else how it is split
+       auto s = parallel::sharding_of(a.tensor(1));
+       if (!s) { lua_pushnil(a.L); return 1; }
+       lua_createtable(a.L, 0, 8);
+       lua_pushnumber(a.L, double(s->dim)); lua_setfield(a.L, -2, "dim");
+       push_ints(a.L, s->shape); lua_setfield(a.L, -2, "shape");
+       push_ints(a.L, s->local_shape()); lua_setfield(a.L, -2, "local_shape");
+       lua_pushnumber(a.L, double(s->fused)); lua_setfield(a.L, -2, "fused");
+       lua_pushnumber(a.L, double(s->padded)); lua_setfield(a.L, -2, "padded");
+       push_group(a, s->group); lua_setfield(a.L, -2, "group");
+       // slices[r + 1] = { {start, length}, ... } of the logical dim, for group rank r
+       lua_createtable(a.L, s->group->size(), 0);
+       for (int r = 0; r < s->group->size(); ++r) {
+         auto slices = s->slices(r);
+         lua_createtable(a.L, static_cast<int>(slices.size()), 0);
+         for (size_t i = 0; i < slices.size(); ++i) {
+           push_ints(a.L, std::vector<int64_t>{slices[i].first, slices[i].second});
+           lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+         }
+         lua_rawseti(a.L, -2, r + 1);
+       }
+       lua_setfield(a.L, -2, "slices");
+       return 1; }},
     {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
        return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
                                     static_cast<int>(a.integer(4)), "shard")); }},

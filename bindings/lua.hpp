@@ -195,6 +195,32 @@ lua_State* main_thread(lua_State* L);
 /// outside of one: engine callbacks into Lua run on it.
 lua_State* active_state(lua_State* fallback);
 
+/// A Lua value held in the registry for as long as an engine object needs it; released when
+/// dropped unless the state has closed first. Calls go through active_state(main()).
+class LuaRef {
+ public:
+  LuaRef(lua_State* L, int index) : L_(main_thread(L)) {
+    lua_getfield(L, LUA_REGISTRYINDEX, "partrain.alive");
+    alive_ = *static_cast<std::shared_ptr<bool>*>(lua_touserdata(L, -1));
+    lua_pop(L, 1);
+    lua_pushvalue(L, index);
+    ref_ = luaL_ref(L, LUA_REGISTRYINDEX);
+  }
+  LuaRef(const LuaRef&) = delete;
+  LuaRef& operator=(const LuaRef&) = delete;
+  ~LuaRef() {
+    if (*alive_) luaL_unref(L_, LUA_REGISTRYINDEX, ref_);  // the main thread lives as long as the state
+  }
+  bool alive() const { return *alive_; }
+  lua_State* main() const { return L_; }
+  void push(lua_State* L) const { lua_rawgeti(L, LUA_REGISTRYINDEX, ref_); }
+
+ private:
+  lua_State* L_;
+  std::shared_ptr<bool> alive_;
+  int ref_ = LUA_NOREF;
+};
+
 /// Calls the function below nargs arguments in protected mode. On error returns false and sets
 /// `error` to the message (with a traceback when `traceback`); the stack holds the results on
 /// success, nothing on failure.
@@ -210,6 +236,18 @@ void open_dist(lua_State* L, int core);
 std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);
 /// When the value at idx is a mesh: this rank's data index and the data size.
 bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count);
+
+/// Pushes a Lua array of numbers (a shape, a list of ranks).
+template <class Ints>
+int push_ints(lua_State* L, const Ints& xs) {
+  lua_createtable(L, static_cast<int>(xs.size()), 0);
+  int i = 0;
+  for (auto x : xs) {
+    lua_pushnumber(L, static_cast<double>(x));
+    lua_rawseti(L, -2, ++i);
+  }
+  return 1;
+}
 
 /// Pushes a tensor (a new userdata each time).
 void push_tensor(lua_State* L, torch::Tensor t);

@@ -17,57 +17,68 @@ using torch::Tensor;
 
 namespace {
 
+// Calls the Lua function on top of L's stack (popping it) with a module and tensors, where C++
+// needs a tensor back; `what` names the function in errors.
+Tensor call_lua_forward(lua_State* L, int top, const ModulePtr& self, const std::vector<Tensor>& inputs,
+                        const std::string& what) {
+  if (lua_type(L, -1) != LUA_TFUNCTION) {
+    lua_settop(L, top);
+    TORCH_CHECK(false, what, " is not a function");
+  }
+  push_module(L, self);
+  for (const auto& t : inputs) push_tensor(L, t);
+  std::string error;
+  if (!pcall(L, static_cast<int>(inputs.size()) + 1, 1, &error)) throw Rethrow(error);
+  auto* out = ud_test<Tensor>(L, -1, PT_TENSOR_MT);
+  std::string got = luaL_typename(L, -1);
+  Tensor result = out ? *out : Tensor();
+  lua_settop(L, top);
+  TORCH_CHECK(out, what, " returned a ", got, " where its caller needs a tensor");
+  return result;
+}
+
 // A module defined in Lua. Its class table (methods, forward) and its fields table (plain Lua
 // values the user stored on it) live in the registry; parameters and children live in C++.
 class LuaModule : public nn::Module {
  public:
-  LuaModule(lua_State* L, std::string type, int class_idx) : nn::Module(std::move(type)), L_(main_thread(L)) {
-    lua_getfield(L, LUA_REGISTRYINDEX, "partrain.alive");
-    alive_ = *static_cast<std::shared_ptr<bool>*>(lua_touserdata(L, -1));
-    lua_pop(L, 1);
-    lua_pushvalue(L, class_idx);
-    class_ref_ = luaL_ref(L, LUA_REGISTRYINDEX);
+  LuaModule(lua_State* L, std::string type, int class_idx) : nn::Module(std::move(type)), class_(L, class_idx) {
     lua_newtable(L);
-    fields_ref_ = luaL_ref(L, LUA_REGISTRYINDEX);
+    fields_ = std::make_unique<LuaRef>(L, -1);
+    lua_pop(L, 1);
   }
-  ~LuaModule() override {
-    if (*alive_) {  // the main thread lives as long as the state
-      luaL_unref(L_, LUA_REGISTRYINDEX, class_ref_);
-      luaL_unref(L_, LUA_REGISTRYINDEX, fields_ref_);
-    }
-  }
-  void push_class(lua_State* L) const { lua_rawgeti(L, LUA_REGISTRYINDEX, class_ref_); }
-  void push_fields(lua_State* L) const { lua_rawgeti(L, LUA_REGISTRYINDEX, fields_ref_); }
+  void push_class(lua_State* L) const { class_.push(L); }
+  void push_fields(lua_State* L) const { fields_->push(L); }
 
   // Called when C++ runs this module (inside a Sequential, say): the Lua forward with tensors.
   Tensor forward(const std::vector<Tensor>& inputs) override {
-    TORCH_CHECK(*alive_, type(), ": the Lua state that defined this module is gone");
-    lua_State* L = active_state(L_);
+    if (Tensor out; run_replacement(inputs, out)) return out;
+    TORCH_CHECK(class_.alive(), type(), ": the Lua state that defined this module is gone");
+    lua_State* L = active_state(class_.main());
     int top = lua_gettop(L);
     push_class(L);
     lua_getfield(L, -1, "forward");
     lua_remove(L, -2);
-    if (lua_type(L, -1) != LUA_TFUNCTION) {
-      lua_settop(L, top);
-      TORCH_CHECK(false, type(), " has no forward method");
-    }
-    push_module(L, std::static_pointer_cast<nn::Module>(shared_from_this()));
-    for (const auto& t : inputs) push_tensor(L, t);
-    std::string error;
-    if (!pcall(L, static_cast<int>(inputs.size()) + 1, 1, &error)) throw Rethrow(error);
-    auto* out = ud_test<Tensor>(L, -1, PT_TENSOR_MT);
-    std::string got = luaL_typename(L, -1);
-    Tensor result = out ? *out : Tensor();
-    lua_settop(L, top);
-    TORCH_CHECK(out, type(), ":forward returned a ", got, " where its caller needs a tensor");
-    return result;
+    return call_lua_forward(L, top, std::static_pointer_cast<nn::Module>(shared_from_this()), inputs,
+                            type() + ":forward");
   }
 
  private:
-  lua_State* L_;
-  std::shared_ptr<bool> alive_;
-  int class_ref_ = LUA_NOREF, fields_ref_ = LUA_NOREF;
+  LuaRef class_;
+  std::unique_ptr<LuaRef> fields_;
 };
+
+// A Lua function as a module's forward (a policy's method replacement).
+nn::Module::ForwardFn lua_forward(lua_State* L, int index) {
+  auto fn = std::make_shared<LuaRef>(L, index);
+  return [fn](nn::Module& self, const std::vector<Tensor>& inputs) {
+    TORCH_CHECK(fn->alive(), self.type(), ": the Lua state that replaced this forward is gone");
+    lua_State* L = active_state(fn->main());
+    int top = lua_gettop(L);
+    fn->push(L);
+    return call_lua_forward(L, top, std::static_pointer_cast<nn::Module>(self.shared_from_this()), inputs,
+                            "the replaced forward of " + self.type());
+  };
+}
 
 LuaModule* as_lua(const ModulePtr& m) { return dynamic_cast<LuaModule*>(m.get()); }
 
@@ -101,6 +112,15 @@ int push_named(const Args& a, const Items& items) {
   return 2;
 }
 
+// Pushes {name = tensor}.
+void push_tensor_map(lua_State* L, const nn::TensorMap& state) {
+  lua_createtable(L, 0, static_cast<int>(state.size()));
+  for (const auto& [name, t] : state) {
+    push_tensor(L, t);
+    lua_setfield(L, -2, name.c_str());
+  }
+}
+
 // Reads a Lua table {name = tensor} into a map.
 nn::TensorMap tensor_map(const Args& a, int i) {
   if (!a.is_table(i)) a.expected(i, "table of tensors by name");
@@ -124,7 +144,20 @@ const Function kMethods[] = {
        std::vector<Tensor> inputs;
        for (int i = 2; i <= a.top(); ++i) inputs.push_back(a.tensor(i));
        return a.ret(m->forward(inputs)); }},
+    {"own_forward", [](Args& a) {  // the module's own forward, even when a policy replaced it
+       auto& m = a.module(1);
+       std::vector<Tensor> inputs;
+       for (int i = 2; i <= a.top(); ++i) inputs.push_back(a.tensor(i));
+       return a.ret(m->own_forward(inputs)); }},
+    {"replace_forward", [](Args& a) {  // replace_forward(fn(self, ...) -> tensor) or (nil): restore
+       auto& m = a.module(1);
+       if (a.none(2)) m->replace_forward({});
+       else if (lua_type(a.L, 2) == LUA_TFUNCTION) m->replace_forward(lua_forward(a.L, 2));
+       else a.expected(2, "function or nil");
+       return a.ret(); }},
+    {"forward_replaced", [](Args& a) { return a.ret(a.module(1)->forward_replaced()); }},
     {"type", [](Args& a) { return a.ret(a.module(1)->type()); }},
+    {"is_lua", [](Args& a) { return a.ret(as_lua(a.module(1)) != nullptr); }},  // defined in Lua?
     {"parameters", [](Args& a) { return a.ret(a.module(1)->parameters()); }},
     {"buffers", [](Args& a) { return a.ret(a.module(1)->buffers()); }},
     {"_named_parameters", [](Args& a) { return push_named(a, a.module(1)->named_parameters()); }},
@@ -144,12 +177,16 @@ const Function kMethods[] = {
        if (!parent || path.empty()) a.fail(2, "no module at '" + path + "' in " + root->type());
        parent->set_child(dot == std::string::npos ? path : path.substr(dot + 1), a.module(3));
        return a.ret(); }},
-    {"state_dict", [](Args& a) {
-       auto state = a.module(1)->state_dict();
-       lua_createtable(a.L, 0, static_cast<int>(state.size()));
-       for (const auto& [name, t] : state) { push_tensor(a.L, t); lua_setfield(a.L, -2, name.c_str()); }
+    {"state_dict", [](Args& a) {  // this rank's tensors (its parts of split ones): smp's local_state_dict
+       push_tensor_map(a.L, a.module(1)->state_dict());
        return 1; }},
     {"load_state_dict", [](Args& a) { a.module(1)->load_state_dict(tensor_map(a, 2), a.boolean(3, true)); return a.ret(); }},
+    {"full_state_dict", [](Args& a) {  // split tensors gathered to their logical shapes (a collective)
+       push_tensor_map(a.L, parallel::full_state_dict(*a.module(1)));
+       return 1; }},
+    {"load_full_state_dict", [](Args& a) {  // logical tensors in; each rank keeps its parts
+       parallel::load_full_state_dict(*a.module(1), tensor_map(a, 2), a.boolean(3, true));
+       return a.ret(); }},
     {"train", [](Args& a) { a.module(1)->train(a.boolean(2, true)); lua_settop(a.L, 1); return 1; }},
     {"eval", [](Args& a) { a.module(1)->eval(); lua_settop(a.L, 1); return 1; }},
     {"is_training", [](Args& a) { return a.ret(a.module(1)->is_training()); }},
@@ -167,8 +204,8 @@ const Function kMethods[] = {
     {"attribute", [](Args& a) {
        auto v = a.module(1)->attribute(a.string(2));
        if (!v) { lua_pushnil(a.L); return 1; }
-       return a.ret(double(*v)); }},
-    {"set_attribute", [](Args& a) { a.module(1)->set_attribute(a.string(2), a.integer(3)); return a.ret(); }},
+       return a.ret(*v); }},
+    {"set_attribute", [](Args& a) { a.module(1)->set_attribute(a.string(2), a.number(3)); return a.ret(); }},
     {"register_buffer", [](Args& a) { a.module(1)->set_buffer(a.string(2), a.tensor(3)); return a.ret(); }},
     {"register_parameter", [](Args& a) { a.module(1)->set_parameter(a.string(2), a.tensor(3)); return a.ret(); }},
     {"add", [](Args& a) {  // add(module) on a Sequential appends; add(name, module) names it
@@ -185,7 +222,10 @@ const Function kMeta[] = {
        auto& m = a.module(1);
        lua_State* L = a.L;
        LuaModule* lm = as_lua(m);
-       if (lm) {
+       // A replaced forward wins over the class's: the C++ forward below dispatches to it.
+       bool replaced = lm && m->forward_replaced() && lua_type(L, 2) == LUA_TSTRING &&
+                       std::string(lua_tostring(L, 2)) == "forward";
+       if (lm && !replaced) {
          lm->push_fields(L);
          lua_pushvalue(L, 2);
          lua_rawget(L, -2);
@@ -307,6 +347,7 @@ const Function kConstructors[] = {
        o.layers = t.integer("layers", o.layers);
        o.dropout = t.number("dropout", o.dropout);
        o.eps = t.number("eps", o.eps);
+       o.flash_attention = t.boolean("flash_attention", o.flash_attention);
        t.finish();
        return a.ret(models::gpt2(o)); }},
     {nullptr, nullptr}};

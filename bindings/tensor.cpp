@@ -113,14 +113,6 @@ int push_totable(const Args& a, const Tensor& t) {
   return 1;
 }
 
-int push_ints(const Args& a, c10::IntArrayRef xs) {
-  lua_createtable(a.L, static_cast<int>(xs.size()), 0);
-  for (size_t i = 0; i < xs.size(); ++i) {
-    lua_pushnumber(a.L, static_cast<double>(xs[i]));
-    lua_rawseti(a.L, -2, static_cast<int>(i + 1));
-  }
-  return 1;
-}
 
 int push_item(const Args& a, const Tensor& t) {
   if (t.numel() != 1)
@@ -156,9 +148,14 @@ Tensor to(const Args& a) {
 
 const Function kMethods[] = {
     // shape and type
-    {"size", [](Args& a) { return a.none(2) ? push_ints(a, T(1).sizes()) : a.ret(double(T(1).size(a.integer(2)))); }},
+    {"size", [](Args& a) { return a.none(2) ? push_ints(a.L, T(1).sizes()) : a.ret(double(T(1).size(a.integer(2)))); }},
     {"dim", [](Args& a) { return a.ret(double(T(1).dim())); }},
+    {"dropout", [](Args& a) {  // dropout(p [, training = true])
+       double p = a.number(2);
+       if (p < 0 || p >= 1) a.fail(2, "dropout probability in [0, 1) expected");
+       return a.ret(at::dropout(T(1), p, a.boolean(3, true))); }},
     {"numel", [](Args& a) { return a.ret(double(T(1).numel())); }},
+    {"element_size", [](Args& a) { return a.ret(double(T(1).element_size())); }},  // bytes per element
     {"type", [](Args& a) { return a.ret(dtype_name(T(1).scalar_type())); }},
     {"is_contiguous", [](Args& a) { return a.ret(T(1).is_contiguous()); }},
     {"to", [](Args& a) { return a.ret(to(a)); }},
@@ -296,7 +293,7 @@ const Function kMeta[] = {
        const Tensor& t = T(1);
        if (a.is_number(2)) throw std::invalid_argument("tensors are not indexed with []: use t:select(dim, i) or t:narrow(dim, start, length)");
        std::string key = a.string(2);
-       if (key == "shape") return push_ints(a, t.sizes());
+       if (key == "shape") return push_ints(a.L, t.sizes());
        if (key == "dtype") return a.ret(dtype_name(t.scalar_type()));
        if (key == "device") return a.ret(t.device().str());
        if (key == "grad") return a.ret(t.grad());

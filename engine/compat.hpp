@@ -20,6 +20,22 @@ inline std::string torch_version() {
 /// but keeping the call here lets a future rename stay in one place.
 inline torch::Tensor gelu_tanh(const torch::Tensor& x) { return at::gelu(x, "tanh"); }
 
+/// Whether this LibTorch has a fused attention kernel (scaled_dot_product_attention: flash and
+/// memory-efficient attention on CUDA). 1.13 has none.
+constexpr bool kHasFusedAttention = PARTRAIN_TORCH_AT_LEAST(2, 0);
+
+/// Causal softmax(q k^T / sqrt(d)) v in one fused call, q, k, v (B, heads, T, d). Only where
+/// kHasFusedAttention; callers compute the same math in steps otherwise.
+inline torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                            double dropout) {
+#if PARTRAIN_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, {}, dropout, /*is_causal=*/true);
+#else
+  (void)q, (void)k, (void)v, (void)dropout;
+  TORCH_CHECK(false, "fused attention needs LibTorch 2.0 or later; this is ", torch_version());
+#endif
+}
+
 /// Whether this LibTorch can reach a CUDA device at run time.
 inline bool cuda_available() { return torch::cuda::is_available(); }
 

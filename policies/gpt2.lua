@@ -2,28 +2,58 @@
 -- and MLP are divided across the tensor group (q, k and v of a head stay together), the
 -- vocabulary is split in the embedding and the tied output head, and the loss is computed from
 -- split logits without gathering them.
+--
+-- With sequence_parallel, activations between those regions stay split along the sequence: the
+-- LayerNorms run on T/t positions a rank (their gradients summed over the group), the column
+-- layers all-gather the sequence and the row layers reduce-scatter it, and GPT-2's forward is
+-- replaced so the embeddings' sum is split along the sequence before the first block.
+local pt = require "partrain"
 local P = require "partrain.policy"
+
+-- GPT-2's forward with the sequence split after the embeddings (dropout then acts on each
+-- rank's part of the sequence).
+local function sequence_parallel_forward(group)
+  return function(self, ids)
+    local T, seq = ids.shape[2], self:attribute("seq")
+    if T > seq then error(("GPT2: sequence of %d tokens is longer than seq=%d"):format(T, seq), 2) end
+    local x = self.wte(ids) + self.wpe(pt.arange(T, { device = ids.device }))
+    x = pt.tp.split_sequence(x, group):dropout(self:attribute("dropout"), self:is_training())
+    return self.lm_head(self.ln_f(self.h(x)))
+  end
+end
 
 return P.policy {
   name = "gpt2",
   targets = { "GPT2" },
-  modules = {
-    GPT2Block = {
-      attributes = { ["attn.n_head"] = P.divide_by_tensor },   -- heads this rank computes
-      replace = {
-        { "attn.c_attn", P.column { fused = 3 } },
-        { "attn.c_proj", P.row {} },
-        { "mlp.c_fc",    P.column {} },
-        { "mlp.c_proj",  P.row {} },
+  modules = function(cfg)
+    local modules = {
+      GPT2Block = {
+        attributes = {
+          ["attn.n_head"] = P.divide_by_tensor,   -- heads this rank computes
+          ["attn.flash_attention"] = cfg.flash_attention,
+        },
+        replace = {
+          { "ln_1",        P.norm {} },
+          { "attn.c_attn", P.column { fused = 3 } },
+          { "attn.c_proj", P.row {} },
+          { "ln_2",        P.norm {} },
+          { "mlp.c_fc",    P.column {} },
+          { "mlp.c_proj",  P.row {} },
+        },
       },
-    },
-    GPT2 = {
-      replace = {
-        { "wte",     P.vocab_embedding {} },
-        { "lm_head", P.vocab_head {} },
+      GPT2 = {
+        replace = {
+          { "wte",     P.vocab_embedding {} },
+          { "ln_f",    P.norm {} },
+          { "lm_head", P.vocab_head {} },
+        },
       },
-    },
-  },
+    }
+    if cfg.sequence_parallel then
+      modules.GPT2.methods = { forward = sequence_parallel_forward(cfg.group) }
+    end
+    return modules
+  end,
   pipeline = { blocks = "h", first = { "wte", "wpe" }, last = { "ln_f", "lm_head" } },
   postprocess = function(model, cfg) P.tie(model, "lm_head.weight", "wte.weight") end,
 }

@@ -190,17 +190,39 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t) c
   fail(op, msg.str());
 }
 
+void ProcessGroup::record(const char* op, int64_t bytes) const {
+  std::lock_guard<std::mutex> lock(traffic_mutex_);
+  auto& t = traffic_[op];
+  ++t.calls;
+  t.bytes += bytes;
+}
+
+std::map<std::string, ProcessGroup::Traffic> ProcessGroup::traffic() const {
+  std::lock_guard<std::mutex> lock(traffic_mutex_);
+  return traffic_;
+}
+
+void ProcessGroup::reset_traffic() const {
+  std::lock_guard<std::mutex> lock(traffic_mutex_);
+  traffic_.clear();
+}
+
 Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
-  check(t, "all_reduce");
-  verify(1 + static_cast<int>(op), "all_reduce", t);
+  return reduce(t, op, async, "all_reduce");
+}
+
+Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) const {
+  check(t, name);
+  verify(1 + static_cast<int>(op), name, t);
   std::function<void()> after;
   if (op == ReduceOp::Mean && size() > 1) after = [t, n = size()]() mutable { t.div_(n); };
   if (!impl_) return Work();
+  record(name, static_cast<int64_t>(t.nbytes()));
   std::vector<Tensor> ts{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d_op(op);
   o.timeout = options_.timeout;
-  return run("all_reduce(" + to_string(op) + ")", [&] { return impl_->group->allreduce(ts, o); }, async, after);
+  return run(std::string(name) + "(" + to_string(op) + ")", [&] { return impl_->group->allreduce(ts, o); }, async, after);
 }
 
 Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
@@ -209,6 +231,7 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
               size() - 1, ")");
   verify(6, "broadcast", t);
   if (!impl_) return Work();
+  record("broadcast", static_cast<int64_t>(t.nbytes()));
   std::vector<Tensor> ts{t};
   c10d::BroadcastOptions o;
   o.rootRank = root;
@@ -224,6 +247,7 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
     out.push_back(t.clone());
     return Work();
   }
+  record("all_gather", static_cast<int64_t>(t.nbytes()) * size());
   std::vector<std::vector<Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
   out = outputs[0];  // the same tensors: filled when the work completes
@@ -246,7 +270,7 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
   // Gloo has no reduce-scatter: reduce everything and keep this rank's part. It moves size()
   // times the bytes a ring reduce-scatter would; NCCL builds can use the native one.
   Tensor all = torch::stack(inputs);
-  Work w = all_reduce(all, op, /*async=*/true);
+  Work w = reduce(all, op, /*async=*/true, "reduce_scatter");
   Work done(shared_from_this(), "reduce_scatter", c10::intrusive_ptr<c10d::Work>(), [w, all, output, r = rank_]() mutable {
     w.wait();
     output.copy_(all[r]);
@@ -258,6 +282,7 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
 Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
+  if (impl_) record("send", static_cast<int64_t>(t.nbytes()));
   std::vector<Tensor> ts{t};
   return run("send", [&] { return impl_->group->send(ts, dst, 0); }, async);
 }
@@ -265,6 +290,7 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
 Work ProcessGroup::recv(Tensor& t, int src, bool async) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
+  if (impl_) record("recv", static_cast<int64_t>(t.nbytes()));
   std::vector<Tensor> ts{t};
   return run("recv", [&] { return impl_->group->recv(ts, src, 0); }, async);
 }

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <chrono>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,7 +87,21 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   Work recv(Tensor& t, int src, bool async = false) const;
   Work barrier(bool async = false) const;
 
+  /// What this group's collectives moved since creation (or reset_traffic): calls and bytes by
+  /// operation. Bytes count the whole message: an all-reduce's tensor, an all-gather's gathered
+  /// output, a reduce-scatter's input. Groups of one rank move nothing.
+  struct Traffic {
+    int64_t calls = 0, bytes = 0;
+  };
+  std::map<std::string, Traffic> traffic() const;
+  void reset_traffic() const;
+
  private:
+  // An all-reduce recorded under `op` (reduce_scatter on Gloo is one).
+  Work reduce(Tensor& t, ReduceOp op, bool async, const char* name) const;
+  void record(const char* op, int64_t bytes) const;
+  mutable std::mutex traffic_mutex_;
+  mutable std::map<std::string, Traffic> traffic_;
   explicit ProcessGroup(GroupOptions options, int rank);
   Work start(const std::string& op, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) const;
   // Launches a c10d collective, naming `op` if launching fails, and waits unless `async`.

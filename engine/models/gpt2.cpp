@@ -22,20 +22,28 @@ nn::ModulePtr layer_norm(const Gpt2Options& o) {
 }
 }  // namespace
 
-Gpt2Attention::Gpt2Attention(const Gpt2Options& o) : nn::Unary("GPT2Attention"), heads(o.heads), dropout(o.dropout) {
+Gpt2Attention::Gpt2Attention(const Gpt2Options& o) : nn::Unary("GPT2Attention"), heads(o.heads), dropout(o.dropout), flash_attention(o.flash_attention) {
   set_child("c_attn", linear(o.dim, 3 * o.dim));
   set_child("c_proj", linear(o.dim, o.dim));
 }
 
-c10::optional<int64_t> Gpt2Attention::attribute(const std::string& name) const {
-  if (name == "heads" || name == "n_head") return heads;
+c10::optional<double> Gpt2Attention::attribute(const std::string& name) const {
+  if (name == "heads" || name == "n_head") return static_cast<double>(heads);
+  if (name == "flash_attention") return flash_attention ? 1 : 0;
   return c10::nullopt;
 }
 
-void Gpt2Attention::set_attribute(const std::string& name, int64_t value) {
-  TORCH_CHECK(name == "heads" || name == "n_head", "GPT2Attention has no attribute '", name, "' (it has heads)");
-  TORCH_CHECK(value > 0, "GPT2Attention: heads must be positive, got ", value);
-  heads = value;
+void Gpt2Attention::set_attribute(const std::string& name, double value) {
+  if (name == "flash_attention") {
+    TORCH_CHECK(value == 0 || value == 1, "GPT2Attention: flash_attention must be 0 or 1, got ", value);
+    flash_attention = value == 1;
+    return;
+  }
+  TORCH_CHECK(name == "heads" || name == "n_head", "GPT2Attention has no attribute '", name,
+              "' (it has heads, flash_attention)");
+  TORCH_CHECK(value > 0 && value == static_cast<double>(static_cast<int64_t>(value)),
+              "GPT2Attention: heads must be a positive integer, got ", value);
+  heads = static_cast<int64_t>(value);
 }
 
 Tensor Gpt2Attention::forward(const Tensor& x) {
@@ -46,6 +54,11 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   const int64_t hd = width / heads;
   auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)
   auto q = split[0], k = split[1], v = split[2];
+  const double p = is_training() ? dropout : 0.0;
+  if (flash_attention && compat::kHasFusedAttention) {
+    auto y = compat::fused_causal_attention(q, k, v, p).transpose(1, 2).reshape({B, T, width});
+    return child("c_proj")->forward({y});
+  }
   auto scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, heads, T, T)
   auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
   auto probs = at::dropout(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1), dropout,
@@ -103,10 +116,16 @@ Tensor Gpt2::forward(const Tensor& ids) {
   return child("lm_head")->forward({child("ln_f")->forward({x})});  // (B, T, vocab)
 }
 
+c10::optional<double> Gpt2::attribute(const std::string& name) const {
+  if (name == "dropout") return options.dropout;
+  if (name == "seq") return static_cast<double>(options.seq);
+  return c10::nullopt;
+}
+
 std::string Gpt2::extra_repr() const {
   std::ostringstream s;
   s << "vocab=" << options.vocab << ", seq=" << options.seq << ", dim=" << options.dim << ", heads=" << options.heads
-    << ", layers=" << options.layers;
+    << ", layers=" << options.layers << (options.flash_attention ? ", flash_attention" : "");
   return s.str();
 }
 

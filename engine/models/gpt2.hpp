@@ -19,6 +19,7 @@ struct Gpt2Options {
   int64_t layers = 12;     ///< blocks
   double dropout = 0.0;    ///< on embeddings, attention probabilities and residual branches
   double eps = 1e-5;       ///< LayerNorm epsilon
+  bool flash_attention = false;  ///< fused attention kernel where LibTorch has one (2.x)
 };
 
 /// Causal self-attention: c_attn makes q, k, v (fused, [3*dim, dim]); c_proj mixes the heads.
@@ -29,11 +30,13 @@ class Gpt2Attention : public nn::Unary {
   Gpt2Attention(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;  // (B, T, dim) -> (B, T, dim)
   std::string extra_repr() const override { return "heads=" + std::to_string(heads); }
-  /// "heads" (Hugging Face calls it n_head): the heads this module computes.
-  c10::optional<int64_t> attribute(const std::string& name) const override;
-  void set_attribute(const std::string& name, int64_t value) override;
+  /// "heads" (Hugging Face calls it n_head): the heads this module computes;
+  /// "flash_attention" (0 or 1): use the fused attention kernel where LibTorch has one.
+  c10::optional<double> attribute(const std::string& name) const override;
+  void set_attribute(const std::string& name, double value) override;
   int64_t heads;
   double dropout;
+  bool flash_attention;
 };
 
 /// c_fc (dim -> 4 dim), GELU (tanh), c_proj (4 dim -> dim).
@@ -57,6 +60,9 @@ class Gpt2 : public nn::Unary {
   explicit Gpt2(const Gpt2Options& o);
   Tensor forward(const Tensor& ids) override;
   std::string extra_repr() const override;
+  /// Read-only: "dropout" (on the embeddings' sum) and "seq" (the context length), for a
+  /// replaced forward to behave as this one does.
+  c10::optional<double> attribute(const std::string& name) const override;
   Gpt2Options options;
 };
 

@@ -3,6 +3,7 @@
 // Modules, so the sharder, the checkpointer and the REPL see one kind of tree.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -24,15 +25,26 @@ class Module : public torch::nn::Module {
 
   /// Runs the module. The base class has no forward of its own and says so.
   virtual Tensor forward(const std::vector<Tensor>& inputs);
-  /// A named integer setting that a policy may change (an attention module's heads), or nullopt.
-  virtual c10::optional<int64_t> attribute(const std::string& name) const;
-  /// Changes it; a name the module does not have is an error naming the module.
-  virtual void set_attribute(const std::string& name, int64_t value);
+  /// A named numeric setting that a policy may read or change (an attention module's heads, a
+  /// dropout probability), or nullopt.
+  virtual c10::optional<double> attribute(const std::string& name) const;
+  /// Changes it; a name the module does not have, or a value it cannot take, is an error naming
+  /// the module.
+  virtual void set_attribute(const std::string& name, double value);
   /// The settings shown after the type when the tree is printed ("in=784, out=256").
   virtual std::string extra_repr() const { return ""; }
   /// The tree as text, one module a line, in the style of PyTorch's repr.
   std::string repr() const;
   Tensor operator()(const Tensor& x) { return forward(std::vector<Tensor>{x}); }
+
+  /// A forward that takes this module's place (a policy's method replacement, ShardFormer's
+  /// method_replacement): called with the module and its inputs whenever the tree runs it.
+  using ForwardFn = std::function<Tensor(Module& self, const std::vector<Tensor>& inputs)>;
+  /// Installs `fn` in place of the module's own forward; an empty `fn` restores it.
+  void replace_forward(ForwardFn fn) { replaced_ = std::move(fn); }
+  bool forward_replaced() const { return static_cast<bool>(replaced_); }
+  /// The module's own forward, even when replaced (a replacement may call it).
+  Tensor own_forward(const std::vector<Tensor>& inputs);
 
   /// The direct child called `name`, or nullptr.
   std::shared_ptr<Module> child(const std::string& name) const;
@@ -65,6 +77,9 @@ class Module : public torch::nn::Module {
   void load_state_dict(const TensorMap& state, bool strict = true);
 
  protected:
+  /// For overrides of forward(inputs): when the forward was replaced (and not bypassed by
+  /// own_forward), runs the replacement into `out` and returns true.
+  bool run_replacement(const std::vector<Tensor>& inputs, Tensor& out);
   /// Throws unless exactly `n` inputs were given; names the module in the message.
   void expect_inputs(const std::vector<Tensor>& inputs, size_t n) const;
   /// Changes the type name (for subclasses that specialize a generic module).
@@ -72,6 +87,8 @@ class Module : public torch::nn::Module {
 
  private:
   std::string type_;
+  ForwardFn replaced_;
+  bool bypass_ = false;  // inside own_forward
 };
 
 using ModulePtr = std::shared_ptr<Module>;
@@ -85,6 +102,7 @@ class Unary : public Module {
   using Module::Module;
   virtual Tensor forward(const Tensor& x) = 0;
   Tensor forward(const std::vector<Tensor>& inputs) override {
+    if (Tensor out; run_replacement(inputs, out)) return out;
     expect_inputs(inputs, 1);
     return forward(inputs[0]);
   }

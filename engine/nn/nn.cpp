@@ -13,13 +13,31 @@ namespace F = torch::nn::functional;
 
 Module::Module(std::string type) : torch::nn::Module(type), type_(std::move(type)) {}
 
-Tensor Module::forward(const std::vector<Tensor>&) {
+Tensor Module::forward(const std::vector<Tensor>& inputs) {
+  if (Tensor out; run_replacement(inputs, out)) return out;
   TORCH_CHECK(false, "module of type ", type_, " has no forward");
 }
 
-c10::optional<int64_t> Module::attribute(const std::string&) const { return c10::nullopt; }
+bool Module::run_replacement(const std::vector<Tensor>& inputs, Tensor& out) {
+  if (!replaced_ || bypass_) return false;
+  auto fn = replaced_;  // the replacement may replace itself
+  out = fn(*this, inputs);
+  return true;
+}
 
-void Module::set_attribute(const std::string& name, int64_t) {
+Tensor Module::own_forward(const std::vector<Tensor>& inputs) {
+  struct Bypass {
+    bool& flag;
+    bool before;
+    ~Bypass() { flag = before; }
+  } bypass{bypass_, bypass_};
+  bypass_ = true;
+  return forward(inputs);
+}
+
+c10::optional<double> Module::attribute(const std::string&) const { return c10::nullopt; }
+
+void Module::set_attribute(const std::string& name, double) {
   TORCH_CHECK(false, type_, " has no attribute '", name, "'");
 }
 
@@ -240,6 +258,7 @@ void Sequential::append(ModulePtr layer) {
 }
 
 Tensor Sequential::forward(const std::vector<Tensor>& inputs) {
+  if (Tensor out; run_replacement(inputs, out)) return out;
   auto layers = children_named();
   TORCH_CHECK(!layers.empty(), "Sequential has no layers to run");
   Tensor x = layers.front().second->forward(inputs);

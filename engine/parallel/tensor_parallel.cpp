@@ -97,6 +97,46 @@ Tensor communicate(const Tensor& x, const dist::GroupPtr& g) {
   return g->size() == 1 ? x : F::apply(x, key_of(g));
 }
 
+// y = x W^T + b where x arrives split along the sequence (dimension 1): the all-gather of x runs
+// while this rank multiplies its own part, and in backward the reduce-scatter of x's gradient
+// runs while the weight's gradient is computed (ShardFormer's sequence_overlap).
+struct OverlappedSequenceLinear : torch::autograd::Function<OverlappedSequenceLinear> {
+  static Tensor forward(AutogradContext* ctx, Tensor x, Tensor weight, Tensor bias, int64_t group) {
+    const auto& g = group_of(group);
+    std::vector<Tensor> parts;
+    auto gathering = g.all_gather(x.contiguous(), parts, /*async=*/true);
+    auto mine = torch::nn::functional::linear(x, weight, bias);
+    gathering.wait();
+    std::vector<Tensor> outputs;
+    for (int r = 0; r < g.size(); ++r)
+      outputs.push_back(r == g.rank() ? mine : torch::nn::functional::linear(parts[r], weight, bias));
+    auto full_x = torch::cat(parts, 1);
+    ctx->save_for_backward({full_x, weight});
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["bias"] = bias.defined();
+    return torch::cat(outputs, 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& g = group_of(ctx->saved_data["group"].toInt());
+    auto saved = ctx->get_saved_variables();
+    const auto& full_x = saved[0];
+    const auto& weight = saved[1];
+    auto grad = grads[0].contiguous();
+    // x's gradient: the full-sequence product, reduce-scattered back to sequence parts.
+    auto grad_full_x = grad.matmul(weight);
+    const int t = g.size();
+    std::vector<Tensor> inputs;
+    for (auto& c : grad_full_x.chunk(t, 1)) inputs.push_back(c.contiguous());
+    auto grad_x = torch::empty_like(inputs[0]);
+    auto scattering = g.reduce_scatter(grad_x, inputs, dist::ReduceOp::Sum, /*async=*/true);
+    auto flat_grad = grad.reshape({-1, grad.size(-1)});
+    auto grad_w = flat_grad.t().matmul(full_x.reshape({-1, full_x.size(-1)}));
+    Tensor grad_b = ctx->saved_data["bias"].toBool() ? flat_grad.sum(0) : Tensor();
+    scattering.wait();
+    return {grad_x, grad_w, grad_b, Tensor()};
+  }
+};
+
 // Per-sample cross-entropy over a vocabulary split across the group (Megatron's), (N, V/t) -> (N).
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static Tensor forward(AutogradContext* ctx, Tensor logits, Tensor targets, int64_t group, int64_t vocab) {
@@ -129,35 +169,118 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
-// Which parameters are split, and over which group. Keyed by the parameter's TensorImpl, with a
-// weak reference beside it: once a parameter is freed its address can be reused by another
-// tensor, and a stale entry must not make that one look split (ranks would then disagree on
-// which collectives to run).
+// Which parameters are split, and how. Keyed by the parameter's TensorImpl, with a weak
+// reference beside it: once a parameter is freed its address can be reused by another tensor,
+// and a stale entry must not make that one look split (ranks would then disagree on which
+// collectives to run).
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 std::mutex sharded_mutex;
-std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, dist::GroupPtr>>& sharded() {
-  static std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, dist::GroupPtr>> map;
+std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, Sharding>>& sharded() {
+  static std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, Sharding>> map;
   return map;
 }
 
-void mark_sharded(nn::Module& m, const std::string& name, const dist::GroupPtr& g) {
+// Records how m's parameter `name` splits: along `dim` of a logical tensor of `shape`.
+void mark_sharded(nn::Module& m, const std::string& name, const dist::GroupPtr& g, int64_t dim,
+                  std::vector<int64_t> shape, int64_t fused = 1, int64_t padded = 0) {
   const auto& p = m.param(name);
   if (!p.defined() || g->size() == 1) return;
+  Sharding s{g, dim, std::move(shape), fused, padded};
+  if (s.padded == 0) s.padded = s.shape[dim];
   std::lock_guard<std::mutex> lock(sharded_mutex);
-  sharded().insert_or_assign(p.unsafeGetTensorImpl(), std::make_pair(WeakImpl(p.getIntrusivePtr()), g));
+  sharded().insert_or_assign(p.unsafeGetTensorImpl(), std::make_pair(WeakImpl(p.getIntrusivePtr()), std::move(s)));
 }
 
 }  // namespace
 
-dist::GroupPtr sharded_over(const Tensor& param) {
+std::vector<std::pair<int64_t, int64_t>> Sharding::slices(int r) const {
+  const int64_t t = group->size(), logical = shape[dim];
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (fused > 1) {  // each fused part contributes its r-th slice
+    const int64_t part = logical / fused, each = part / t;
+    for (int64_t j = 0; j < fused; ++j) out.emplace_back(j * part + r * each, each);
+    return out;
+  }
+  const int64_t each = padded / t, start = r * each, end = std::min(start + each, logical);
+  if (end > start) out.emplace_back(start, end - start);
+  return out;
+}
+
+std::vector<int64_t> Sharding::local_shape() const {
+  auto local = shape;
+  local[dim] = padded / group->size();
+  return local;
+}
+
+c10::optional<Sharding> sharding_of(const Tensor& param) {
   std::lock_guard<std::mutex> lock(sharded_mutex);
   auto it = sharded().find(param.unsafeGetTensorImpl());
-  if (it == sharded().end()) return nullptr;
+  if (it == sharded().end()) return c10::nullopt;
   if (it->second.first.expired()) {  // a freed parameter's address, now another tensor's
     sharded().erase(it);
-    return nullptr;
+    return c10::nullopt;
   }
   return it->second.second;
+}
+
+dist::GroupPtr sharded_over(const Tensor& param) {
+  auto s = sharding_of(param);
+  return s ? s->group : nullptr;
+}
+
+Tensor gather_full(const Tensor& local, const Sharding& s) {
+  auto parts = s.group->all_gather(local.detach().contiguous());
+  auto full = torch::empty(s.shape, local.options().requires_grad(false));
+  for (int r = 0; r < s.group->size(); ++r) {
+    int64_t offset = 0;
+    for (auto [start, length] : s.slices(r)) {
+      full.narrow(s.dim, start, length).copy_(parts[r].narrow(s.dim, offset, length));
+      offset += length;
+    }
+  }
+  return full;
+}
+
+Tensor local_part(const Tensor& full, const Sharding& s, int r) {
+  TORCH_CHECK(full.sizes().equals(s.shape), "a split tensor's logical shape is ", c10::IntArrayRef(s.shape),
+              ", got ", full.sizes());
+  auto local = torch::zeros(s.local_shape(), full.options().requires_grad(false));
+  int64_t offset = 0;
+  for (auto [start, length] : s.slices(r)) {
+    local.narrow(s.dim, offset, length).copy_(full.narrow(s.dim, start, length));
+    offset += length;
+  }
+  return local;
+}
+
+nn::TensorMap full_state_dict(const nn::Module& module) {
+  nn::TensorMap out;
+  std::unordered_map<const c10::TensorImpl*, Tensor> gathered;  // a tied weight is gathered once
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, t] : module.state_dict()) {  // name order: the same on every rank
+    auto s = sharding_of(t);
+    if (!s) {
+      out[name] = t.detach();
+      continue;
+    }
+    auto& full = gathered[t.unsafeGetTensorImpl()];
+    if (!full.defined()) full = gather_full(t, *s);
+    out[name] = full;
+  }
+  return out;
+}
+
+void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool strict) {
+  nn::TensorMap local = state;
+  for (const auto& [name, t] : module.state_dict()) {
+    auto s = sharding_of(t);
+    auto it = local.find(name);
+    if (!s || it == local.end()) continue;
+    TORCH_CHECK(it->second.sizes().equals(s->shape), "load_full_state_dict into ", module.type(), ": '", name,
+                "' has shape ", it->second.sizes(), " but the model's logical shape is ", c10::IntArrayRef(s->shape));
+    it->second = local_part(it->second.to(t.device()), *s, s->group->rank());
+  }
+  module.load_state_dict(local, strict);
 }
 
 double global_grad_norm(const std::vector<Tensor>& params) {
@@ -207,7 +330,7 @@ Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::st
 ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, int64_t fused_parts,
                                            bool gather, bool sequence, bool pad)
     : nn::Unary("ColumnParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
-      fused(fused_parts), gather_output(gather), sequence_parallel(sequence) {
+      fused(fused_parts), logical_out(serial.options.out), gather_output(gather), sequence_parallel(sequence) {
   TORCH_CHECK(fused >= 1 && out % fused == 0, "column-parallel linear: fused=", fused, " does not divide out=", out);
   const int t = group->size(), r = group->rank();
   Tensor weight = serial.weight().detach(), bias = serial.bias().defined() ? serial.bias().detach() : Tensor();
@@ -228,15 +351,21 @@ ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::Group
     register_parameter("bias", shard(bias.view({fused, out / fused}), 1, r, t, "bias").reshape({out / t}).clone());
   else
     register_parameter("bias", Tensor(), false);
-  mark_sharded(*this, "weight", group);
-  mark_sharded(*this, "bias", group);
+  mark_sharded(*this, "weight", group, 0, {logical_out, in}, fused, out);
+  mark_sharded(*this, "bias", group, 0, {logical_out}, fused, out);
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
   TORCH_CHECK(x.size(-1) == in, "ColumnParallelLinear(", in, ", ", out, ") expects input (..., ", in, "), got ",
               x.sizes());
-  auto input = sequence_parallel ? gather_sequence(x, group) : copy_to_tensor_region(x, group);
-  auto y = torch::nn::functional::linear(input, param("weight"), param("bias"));
+  Tensor y;
+  if (sequence_parallel && sequence_overlap && group->size() > 1) {
+    TORCH_CHECK(x.dim() == 3, "ColumnParallelLinear with sequence_overlap expects (B, T/t, ", in, "), got ", x.sizes());
+    y = OverlappedSequenceLinear::apply(x, param("weight"), param("bias"), key_of(group));
+  } else {
+    auto input = sequence_parallel ? gather_sequence(x, group) : copy_to_tensor_region(x, group);
+    y = torch::nn::functional::linear(input, param("weight"), param("bias"));
+  }
   if (!gather_output) return y;
   TORCH_CHECK(fused == 1, "column-parallel linear: gather_output with fused parts would interleave them");
   return gather_from_tensor_region(y, group);
@@ -248,6 +377,7 @@ std::string ColumnParallelLinear::extra_repr() const {
   if (fused > 1) s << ", fused=" << fused;
   if (gather_output) s << ", gather_output";
   if (sequence_parallel) s << ", sequence_parallel";
+  if (sequence_overlap) s << ", sequence_overlap";
   return s.str();
 }
 
@@ -260,7 +390,7 @@ RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g,
   register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"));
   if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());  // whole
   else register_parameter("bias", Tensor(), false);
-  mark_sharded(*this, "weight", group);
+  mark_sharded(*this, "weight", group, 1, {out, in});
 }
 
 Tensor RowParallelLinear::forward(const Tensor& x) {
@@ -270,7 +400,10 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
               part, "), got ", local.sizes());
   auto partial = torch::nn::functional::linear(local, param("weight"));
   auto y = sequence_parallel ? reduce_scatter_sequence(partial, group) : reduce_from_tensor_region(partial, group);
-  return param("bias").defined() ? y + param("bias") : y;
+  if (!param("bias").defined()) return y;
+  // Under sequence parallelism each rank adds the bias to its part of the sequence only: the
+  // bias's gradient is a partial sum, completed over the group.
+  return y + (sequence_parallel ? copy_to_tensor_region(param("bias"), group) : param("bias"));
 }
 
 std::string RowParallelLinear::extra_repr() const {
@@ -278,6 +411,38 @@ std::string RowParallelLinear::extra_repr() const {
   s << "in=" << in << " (" << in / group->size() << " here of tensor=" << group->size() << "), out=" << out;
   if (!input_is_parallel) s << ", splits its input";
   if (sequence_parallel) s << ", sequence_parallel";
+  return s.str();
+}
+
+// ---- ParallelLayerNorm ---------------------------------------------------------------------
+
+ParallelLayerNorm::ParallelLayerNorm(const nn::LayerNorm& serial, dist::GroupPtr g, bool sequence, bool fused_kernel)
+    : nn::Unary("ParallelLayerNorm"), group(std::move(g)), dim(serial.options.dim), eps(serial.options.eps),
+      sequence_parallel(sequence), fused(fused_kernel) {
+  register_parameter("weight", serial.weight(), serial.weight().defined());
+  register_parameter("bias", serial.bias(), serial.bias().defined());
+}
+
+Tensor ParallelLayerNorm::forward(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == dim, "ParallelLayerNorm(", dim, ") expects input (..., ", dim, "), got ",
+              x.sizes());
+  Tensor w = param("weight"), b = param("bias");
+  if (sequence_parallel) {  // partial gradients, summed over the group in backward
+    if (w.defined()) w = copy_to_tensor_region(w, group);
+    if (b.defined()) b = copy_to_tensor_region(b, group);
+  }
+  if (fused) return at::layer_norm(x, {dim}, w, b, eps);
+  auto mean = x.mean(-1, true);
+  auto centered = x - mean;
+  auto y = centered * (centered.pow(2).mean(-1, true) + eps).rsqrt();
+  if (w.defined()) y = y * w;
+  return b.defined() ? y + b : y;
+}
+
+std::string ParallelLayerNorm::extra_repr() const {
+  std::ostringstream s;
+  s << "dim=" << dim << ", eps=" << eps << (sequence_parallel ? ", sequence_parallel" : "")
+    << (fused ? ", fused" : ", composed");
   return s.str();
 }
 
@@ -292,7 +457,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(const nn::Embedding& serial, dist
   auto full = torch::zeros({padded, dim}, serial.weight().options().requires_grad(false));
   full.narrow(0, 0, count).copy_(serial.weight().detach());
   register_parameter("weight", full.narrow(0, first, padded / t).clone());
-  mark_sharded(*this, "weight", group);
+  mark_sharded(*this, "weight", group, 0, {count, dim}, 1, padded);
 }
 
 Tensor VocabParallelEmbedding::forward(const Tensor& ids) {

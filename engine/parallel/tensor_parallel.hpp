@@ -48,8 +48,13 @@ class ColumnParallelLinear : public nn::Unary {
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out/t), or (..., out) gathered
   std::string extra_repr() const override;
   dist::GroupPtr group;
-  int64_t in, out, fused;  ///< the serial (logical) sizes (out padded when `pad`)
+  int64_t in, out, fused;  ///< the serial sizes (out padded when `pad`)
+  int64_t logical_out;     ///< out without the padding
   bool gather_output, sequence_parallel;
+  /// With sequence_parallel: overlap the all-gather of the input with the matmul of the local part
+  /// (and, in backward, the reduce-scatter of the input's gradient with the weight's gradient):
+  /// ShardFormer's sequence_overlap.
+  bool sequence_overlap = false;
 };
 
 /// Input features split across the group: rank r holds columns [r*in/t, (r+1)*in/t) of W; the
@@ -79,15 +84,56 @@ class VocabParallelEmbedding : public nn::Unary {
   int64_t count, padded, dim, first;  ///< logical rows, padded rows, width, this rank's first row
 };
 
+/// LayerNorm for tensor-parallel models (ShardFormer's FusedLayerNorm replacement). Under sequence
+/// parallelism each rank normalizes only its part of the sequence, so the weight's and bias's
+/// gradients are partial sums: they are all-reduced over the group in backward. `fused`: one
+/// native layer-norm kernel; otherwise the composed mean/variance form (for reference runs).
+class ParallelLayerNorm : public nn::Unary {
+ public:
+  /// Shares `serial`'s weight and bias (replicated on every rank).
+  ParallelLayerNorm(const nn::LayerNorm& serial, dist::GroupPtr group, bool sequence_parallel, bool fused = true);
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override;
+  dist::GroupPtr group;
+  int64_t dim;
+  double eps;
+  bool sequence_parallel, fused;
+};
+
 /// Cross-entropy of logits whose last dimension (the vocabulary) is split across the group,
 /// without ever gathering the full logits: (..., V/t) local logits, (...) targets -> mean loss.
 /// Columns at or beyond `vocab` (padding) never count.
 Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
                                     int64_t vocab);
 
-/// The tensor group a parameter is split over (it was made by a parallel layer), or nullptr for a
-/// whole (replicated) parameter (smp's is_distributed_parameter).
+/// How a split parameter's logical (global) tensor is divided across its tensor group.
+struct Sharding {
+  dist::GroupPtr group;
+  int64_t dim = 0;             ///< the split dimension
+  std::vector<int64_t> shape;  ///< the logical shape: what a serial model has, without padding
+  int64_t fused = 1;           ///< `dim` is this many equal parts (q, k, v), each split across the group
+  int64_t padded = 0;          ///< `dim`'s size padded to a multiple of the group (== shape[dim] if none)
+  /// The ranges of the logical `dim`, (start, length), that group rank `r` holds, in the order
+  /// of its local rows; local rows past their total are padding.
+  std::vector<std::pair<int64_t, int64_t>> slices(int r) const;
+  /// The local shape on every rank (padding included).
+  std::vector<int64_t> local_shape() const;
+};
+
+/// How `param` is split (it was made by a parallel layer), or nullopt for a whole (replicated)
+/// parameter (smp's is_distributed_parameter).
+c10::optional<Sharding> sharding_of(const Tensor& param);
+/// The tensor group a parameter is split over, or nullptr for a whole parameter.
 dist::GroupPtr sharded_over(const Tensor& param);
+/// The logical tensor assembled from every rank's part: a collective over the group.
+Tensor gather_full(const Tensor& local, const Sharding& s);
+/// Group rank `r`'s part of the logical tensor `full` (padding rows zero).
+Tensor local_part(const Tensor& full, const Sharding& s, int r);
+/// The module's state with every split tensor gathered to its logical shape (smp's full
+/// state_dict); a collective over each tensor group, run in name order on every rank.
+nn::TensorMap full_state_dict(const nn::Module& module);
+/// Loads logical tensors (a full state_dict) into a split module: each rank takes its parts.
+void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool strict = true);
 /// The global L2 norm of the parameters' gradients: whole parameters count once, split ones add
 /// up over their tensor group (their squared norms are all-reduced). Every rank gets the same.
 double global_grad_norm(const std::vector<Tensor>& params);

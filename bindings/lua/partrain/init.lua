@@ -132,32 +132,65 @@ local data_parallel = {}   -- model -> its data-parallel handle (the model is re
 
 --- Makes `model` parallel over `mesh` and returns it, used like the serial model.
 --- `policy` (a table from partrain.policy, a module name such as "policies.gpt2", or nil for the
---- registered policy of the model's type) splits it over the mesh's tensor group when the tensor
---- size is above 1; then data parallelism runs over the data group (parameters broadcast from
---- data rank 0, gradients synced in buckets during backward). opts: bucket_cap_mb, reduce
---- ("mean", "sum", "min", "max"), grad_accumulation, broadcast_buffers.
+--- registered policy of the model's type) splits it over the mesh's tensor group; at tensor 1 a
+--- policy is only checked. Then data parallelism runs over the data group (parameters broadcast
+--- from data rank 0, gradients synced in buckets during backward).
+--- opts: the sharding options (sequence_parallel, sequence_overlap, fused_norm, flash_attention,
+--- tensor_parallel: see partrain.policy) and the data-parallel ones (bucket_cap_mb, reduce
+--- ("mean", "sum", "min", "max"), grad_accumulation, broadcast_buffers).
 function pt.parallelize(model, policy, mesh, opts)
   if not core.nn.is_module(model) then error("parallelize: argument #1 must be a module, got " .. type(model), 2) end
   if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
     error("parallelize: bad argument #3 (mesh expected, got " .. type(mesh) .. ")", 2)
   end
+  if opts ~= nil and type(opts) ~= "table" then error("parallelize: bad argument #4 (options table expected, got " .. type(opts) .. ")", 2) end
   local ok, err = pcall(function()
-    if mesh:size("tensor") > 1 then
-      local P = require "partrain.policy"
-      if policy == nil then
-        policy = P.registry[model:type()]
-        if not policy then
-          error(("no policy is registered for %s: pass one (see policies/ for examples)"):format(model:type()), 0)
-        end
-      end
-      if type(policy) == "string" then policy = require(policy) end
-      if type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
-      P.apply(model, policy, mesh, {})
+    local P = require "partrain.policy"
+    local shard, dp = {}, {}
+    for k, v in pairs(opts or {}) do
+      if P.config_keys[k] ~= nil then shard[k] = v else dp[k] = v end
     end
-    data_parallel[model] = core.dist.data_parallel(model, mesh, opts)
+    local tensor = mesh:size("tensor")
+    if policy == nil then
+      policy = P.registry[model:type()]
+      if not policy and tensor > 1 then
+        error(("no policy is registered for %s: pass one (see policies/ for examples)"):format(model:type()), 0)
+      end
+    end
+    if type(policy) == "string" then policy = require(policy) end
+    if policy ~= nil and type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
+    local cfg = P.config(shard, 3)
+    if policy then P.apply(model, policy, mesh, cfg) end
+    data_parallel[model] = core.dist.data_parallel(model, mesh, dp)
   end)
   if not ok then error(err, 2) end
   return model
+end
+
+--- Every parameter of `model` and how it is laid out over the ranks, in registration order
+--- (a tied parameter under each of its names): { name, shape (logical), local_shape, dim (the split dimension, or
+--- nil when whole), fused, slices = { [group rank + 1] = { {start, length}, ... } }, ranks (the
+--- tensor group's global ranks, or nil), bytes (this rank's) }.
+function pt.tp.shards(model)
+  local rows = {}
+  for name, p in model:named_parameters() do
+    local s = pt.tp.sharding(p)
+    rows[#rows + 1] = {
+      name = name, shape = s and s.shape or p.shape, local_shape = p.shape, dim = s and s.dim,
+      fused = s and s.fused or 1, slices = s and s.slices, ranks = s and s.group:ranks(),
+      bytes = p:numel() * p:element_size(),
+    }
+  end
+  return rows
+end
+
+--- The logical (global) tensor of a split parameter `p`, or of `t` laid out like it (its
+--- gradient, say), gathered over its tensor group: a collective. Whole tensors come back as they are.
+function pt.tp.gather(p, t)
+  t = t or p
+  local s = pt.tp.sharding(p)
+  if not s then return t end
+  return core.tp._gather_full(p, t)
 end
 
 --- The loss to use with `model`'s logits: cross-entropy, computed from vocabulary-split logits

@@ -1,8 +1,11 @@
 -- Sharding policies: how a model splits for tensor parallelism, written as Lua data
 -- (ColossalAI ShardFormer's Policy). A policy names module types or dotted-path globs and says
 -- which of their sub-modules become which parallel layer, which integer attributes divide by the
--- tensor size, and what to do before and after (preprocess, postprocess: ties). The sharder
--- checks everything before it changes anything, and every error names the policy's file:line.
+-- tensor size, which methods Lua functions replace, and what to do before and after
+-- (preprocess, postprocess: ties). `modules` may be a function of the configuration (ShardConfig:
+-- sequence_parallel, sequence_overlap, fused_norm, flash_attention) returning that table. The
+-- sharder checks everything before it changes anything, and every error names the policy's
+-- file:line.
 --
 --   local P = require "partrain.policy"
 --   return P.policy {
@@ -49,9 +52,12 @@ end
 
 --- Output features split (Megatron's column-parallel linear). fused = k keeps k output parts
 --- (q, k, v) together per head; gather_output gathers the full width after.
-P.column = style("column", "Linear", { fused = "number", gather_output = "boolean" })
+P.column = style("column", "Linear", { fused = "number", gather_output = "boolean", sequence_parallel = "boolean" })
 --- Input features split; the partial outputs are summed (row-parallel linear).
-P.row = style("row", "Linear", { input_is_parallel = "boolean" })
+P.row = style("row", "Linear", { input_is_parallel = "boolean", sequence_parallel = "boolean" })
+--- A LayerNorm in the sequence-parallel region: under sequence_parallel its weight's and bias's
+--- gradients are summed over the tensor group; fused_norm picks the fused kernel.
+P.norm = style("norm", "LayerNorm", { sequence_parallel = "boolean" })
 --- An embedding split along the vocabulary (padded to a multiple of the tensor size).
 P.vocab_embedding = style("vocab_embedding", "Embedding", {})
 --- An output head split along the vocabulary; its logits stay split: use pt.loss_fn(model).
@@ -77,22 +83,14 @@ function P.tie(model, a, b)
   ma[na] = pb
 end
 
---- Declares a policy; checks its shape and remembers where it was written.
-function P.policy(spec)
-  local at = where(2)
-  if type(spec) ~= "table" then fail(at, "P.policy expects a table, got %s", type(spec)) end
-  local keys = { name = "string", targets = "table", modules = "table", preprocess = "function",
-                 postprocess = "function", pipeline = "table" }
-  for k, v in pairs(spec) do
-    if not keys[k] then fail(at, "policy has no field '%s' (fields: modules, name, pipeline, postprocess, preprocess, targets)", tostring(k)) end
-    if type(v) ~= keys[k] then fail(at, "policy field '%s' must be a %s, got %s", k, keys[k], type(v)) end
-  end
-  if not spec.modules then fail(at, "policy %s has no modules", spec.name or "?") end
-  for key, entry in pairs(spec.modules) do
+-- Checks the shape of a policy's modules table (written at `at`).
+local function check_modules(modules, at)
+  if type(modules) ~= "table" then fail(at, "modules must be a table, got %s", type(modules)) end
+  for key, entry in pairs(modules) do
     if type(entry) ~= "table" then fail(at, "modules.%s must be a table, got %s", tostring(key), type(entry)) end
     for k in pairs(entry) do
-      if k ~= "attributes" and k ~= "replace" then
-        fail(at, "modules.%s has no field '%s' (fields: attributes, replace)", tostring(key), tostring(k))
+      if k ~= "attributes" and k ~= "replace" and k ~= "methods" then
+        fail(at, "modules.%s has no field '%s' (fields: attributes, methods, replace)", tostring(key), tostring(k))
       end
     end
     for i, r in ipairs(entry.replace or {}) do
@@ -106,11 +104,36 @@ function P.policy(spec)
       end
     end
     for path, value in pairs(entry.attributes or {}) do
-      if type(path) ~= "string" or (getmetatable(value) ~= STYLE and type(value) ~= "number") then
-        fail(at, "modules.%s.attributes: '%s' must map to P.divide_by_tensor or a number", key, tostring(path))
+      local t = type(value)
+      if type(path) ~= "string" or (getmetatable(value) ~= STYLE and t ~= "number" and t ~= "boolean") then
+        fail(at, "modules.%s.attributes: '%s' must map to P.divide_by_tensor, a number or a boolean", key, tostring(path))
+      end
+    end
+    for name, fn in pairs(entry.methods or {}) do
+      if type(name) ~= "string" or type(fn) ~= "function" then
+        fail(at, "modules.%s.methods: '%s' must map to a function(self, ...)", key, tostring(name))
       end
     end
   end
+end
+
+--- Declares a policy; checks its shape and remembers where it was written.
+function P.policy(spec)
+  local at = where(2)
+  if type(spec) ~= "table" then fail(at, "P.policy expects a table, got %s", type(spec)) end
+  local keys = { name = "string", targets = "table", modules = { table = true, ["function"] = true }, preprocess = "function",
+                 postprocess = "function", pipeline = "table" }
+  for k, v in pairs(spec) do
+    if not keys[k] then fail(at, "policy has no field '%s' (fields: modules, name, pipeline, postprocess, preprocess, targets)", tostring(k)) end
+    local want = keys[k]
+    if type(want) == "table" and not want[type(v)] then
+      fail(at, "policy field '%s' must be a table or a function(cfg) returning one, got %s", k, type(v))
+    elseif type(want) == "string" and type(v) ~= want then
+      fail(at, "policy field '%s' must be a %s, got %s", k, want, type(v))
+    end
+  end
+  if not spec.modules then fail(at, "policy %s has no modules", spec.name or "?") end
+  if type(spec.modules) == "table" then check_modules(spec.modules, at) end
   spec.where = at
   return spec
 end
@@ -128,26 +151,62 @@ end
 
 local function join(a, b) return a == "" and b or (a .. "." .. b) end
 
---- Applies `policy` to `model` over the tensor group of `mesh`; cfg = { sequence_parallel, ... }.
---- Returns the model, changed in place.
-function P.apply(model, policy, mesh, cfg)
-  cfg = cfg or {}
+-- The configuration a policy sees (ShardFormer's ShardConfig), with its defaults.
+local CONFIG = {
+  tensor_parallel = true,     -- split over the mesh's tensor group (false: only check the policy)
+  sequence_parallel = false,  -- keep activations split along the sequence between TP regions
+  sequence_overlap = false,   -- overlap the sequence all-gather with the matmul (needs the above)
+  fused_norm = true,          -- LayerNorm as one fused kernel (false: composed, for reference)
+  flash_attention = false,    -- fused attention where LibTorch has it (2.x)
+}
+P.config_keys = CONFIG
+
+--- Fills in and checks a configuration table; an unknown key or a wrong type is an error
+--- (at `level`). Returns a new table.
+function P.config(opts, level)
+  level = (level or 1) + 1
+  local cfg = {}
+  for k, v in pairs(opts or {}) do
+    if CONFIG[k] == nil then
+      local names = {}
+      for n in pairs(CONFIG) do names[#names + 1] = n end
+      table.sort(names)
+      error(("unknown sharding option '%s' (options: %s)"):format(tostring(k), table.concat(names, ", ")), level)
+    end
+    if type(v) ~= "boolean" then error(("sharding option '%s' must be a boolean, got %s"):format(k, type(v)), level) end
+    cfg[k] = v
+  end
+  for k, default in pairs(CONFIG) do
+    if cfg[k] == nil then cfg[k] = default end
+  end
+  if cfg.sequence_overlap and not cfg.sequence_parallel then
+    error("sharding option sequence_overlap needs sequence_parallel = true", level)
+  end
+  return cfg
+end
+
+-- Everything a policy would do to `model`, checked, as a list of actions; nothing changes yet.
+local function plan(model, policy, cfg)
   local at = policy.where or "policy"
-  local group = mesh:group("tensor")
-  local t = group:size()
-  cfg.tensor = t
+  local t = cfg.tensor
   if policy.targets then
     local ok = false
     for _, name in ipairs(policy.targets) do ok = ok or name == model:type() end
     if not ok then fail(at, "policy %s serves %s, not %s", policy.name or "?", table.concat(policy.targets, ", "), model:type()) end
   end
-  if policy.preprocess then
-    local ok, err = pcall(policy.preprocess, model, cfg)
-    if not ok then fail(at, "preprocess of policy %s failed: %s", policy.name or "?", tostring(err)) end
+  local modules = policy.modules
+  if type(modules) == "function" then
+    local ok, result = pcall(modules, cfg)
+    if not ok then fail(at, "modules(cfg) of policy %s failed: %s", policy.name or "?", tostring(result)) end
+    modules = result
   end
-  -- Check everything first: nothing changes unless the whole policy applies.
+  check_modules(modules, at)
   local actions = {}
-  for key, entry in pairs(policy.modules) do
+  local keys = {}  -- in a fixed order: every rank must build its layers in the same order
+  for key in pairs(modules) do keys[#keys + 1] = key end
+  table.sort(keys)
+  for _, key in ipairs(keys) do
+    local entry = modules[key]
     local found = matches(model, key)
     if #found == 0 then fail(at, "modules.%s matches no module of %s", key, model:type()) end
     for _, item in ipairs(found) do
@@ -188,22 +247,62 @@ function P.apply(model, policy, mesh, cfg)
             fail(at, "tensor=%d does not divide %s.%s=%d", t, join(base, owner_path), name, current)
           end
           new = current / t
+        elseif type(value) == "boolean" then
+          new = value and 1 or 0
         end
         actions[#actions + 1] = { attribute = name, owner = owner, value = new }
       end
+      for name, fn in pairs(entry.methods or {}) do
+        if name ~= "forward" and not parent:is_lua() then
+          fail(at, "methods: %s is a built-in module; only its forward can be replaced, not '%s'", parent:type(), name)
+        end
+        actions[#actions + 1] = { method = name, owner = parent, fn = fn }
+      end
     end
   end
-  -- Apply.
+  return actions
+end
+
+--- Applies `policy` to `model` over the tensor group of `mesh`; cfg: the sharding options
+--- (P.config). Returns the model, changed in place. With tensor_parallel = false, or a tensor
+--- group of one, the policy is only checked against the model.
+function P.apply(model, policy, mesh, cfg)
+  cfg = P.config(cfg, 2)
+  local at = policy.where or "policy"
+  local group = mesh:group("tensor")
+  cfg.tensor, cfg.group = group:size(), group
+  if policy.preprocess then
+    local ok, err = pcall(policy.preprocess, model, cfg)
+    if not ok then fail(at, "preprocess of policy %s failed: %s", policy.name or "?", tostring(err)) end
+  end
+  -- Check everything first: nothing changes unless the whole policy applies.
+  local actions = plan(model, policy, cfg)
+  if not cfg.tensor_parallel or cfg.tensor == 1 then return model end
+  local sp = cfg.sequence_parallel
+  local function option(s, name, default)
+    if s.opts[name] ~= nil then return s.opts[name] end
+    return default
+  end
   for _, a in ipairs(actions) do
     if a.attribute then
       a.owner:set_attribute(a.attribute, a.value)
+    elseif a.method then
+      if a.method == "forward" then a.owner:replace_forward(a.fn)
+      else a.owner[a.method] = a.fn end
     else
       local s, built = a.style
-      if s.kind == "column" then built = pt.tp.column(a.target, group, { fused = s.opts.fused, gather_output = s.opts.gather_output })
-      elseif s.kind == "row" then built = pt.tp.row(a.target, group, { input_is_parallel = s.opts.input_is_parallel })
+      if s.kind == "column" then
+        local seq = option(s, "sequence_parallel", sp)
+        built = pt.tp.column(a.target, group, { fused = s.opts.fused, gather_output = s.opts.gather_output,
+                                                sequence_parallel = seq, sequence_overlap = seq and cfg.sequence_overlap })
+      elseif s.kind == "row" then
+        built = pt.tp.row(a.target, group, { input_is_parallel = s.opts.input_is_parallel,
+                                             sequence_parallel = option(s, "sequence_parallel", sp) })
+      elseif s.kind == "norm" then
+        built = pt.tp.layer_norm(a.target, group, { sequence_parallel = option(s, "sequence_parallel", sp), fused = cfg.fused_norm })
       elseif s.kind == "vocab_embedding" then built = pt.tp.vocab_embedding(a.target, group)
       elseif s.kind == "vocab_head" then
-        built = pt.tp.column(a.target, group, { pad = true })
+        built = pt.tp.column(a.target, group, { pad = true, sequence_parallel = sp, sequence_overlap = sp and cfg.sequence_overlap })
         P.vocab_parallel[model] = { group = group, vocab = a.target.weight.shape[1] }
       end
       model:set(a.path, built)
