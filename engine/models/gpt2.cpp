@@ -48,8 +48,9 @@ void Gpt2Attention::set_attribute(const std::string& name, double value) {
 
 Tensor Gpt2Attention::forward(const Tensor& x) {
   auto& c_attn = *child("c_attn");
-  auto qkv = c_attn.forward({x});                       // (B, T, 3 * heads * hd)
-  const int64_t B = x.size(0), T = x.size(1), width = qkv.size(-1) / 3;
+  // (B, T, 3 * heads * hd); under sequence parallelism x holds T/t positions and c_attn gathers T.
+  auto qkv = c_attn.forward({x});
+  const int64_t B = qkv.size(0), T = qkv.size(1), width = qkv.size(-1) / 3;
   TORCH_CHECK(width % heads == 0, "GPT2Attention: width ", width, " does not split into ", heads, " heads");
   const int64_t hd = width / heads;
   auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)

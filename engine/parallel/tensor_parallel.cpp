@@ -101,8 +101,10 @@ Tensor communicate(const Tensor& x, const dist::GroupPtr& g) {
 // while this rank multiplies its own part, and in backward the reduce-scatter of x's gradient
 // runs while the weight's gradient is computed (ShardFormer's sequence_overlap).
 struct OverlappedSequenceLinear : torch::autograd::Function<OverlappedSequenceLinear> {
+  // `bias` is an empty tensor when the layer has none (autograd functions take defined tensors).
   static Tensor forward(AutogradContext* ctx, Tensor x, Tensor weight, Tensor bias, int64_t group) {
     const auto& g = group_of(group);
+    if (bias.numel() == 0) bias = Tensor();
     std::vector<Tensor> parts;
     auto gathering = g.all_gather(x.contiguous(), parts, /*async=*/true);
     auto mine = torch::nn::functional::linear(x, weight, bias);
@@ -361,7 +363,8 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
   Tensor y;
   if (sequence_parallel && sequence_overlap && group->size() > 1) {
     TORCH_CHECK(x.dim() == 3, "ColumnParallelLinear with sequence_overlap expects (B, T/t, ", in, "), got ", x.sizes());
-    y = OverlappedSequenceLinear::apply(x, param("weight"), param("bias"), key_of(group));
+    auto bias = param("bias").defined() ? param("bias") : torch::empty({0}, x.options());
+    y = OverlappedSequenceLinear::apply(x, param("weight"), bias, key_of(group));
   } else {
     auto input = sequence_parallel ? gather_sequence(x, group) : copy_to_tensor_region(x, group);
     y = torch::nn::functional::linear(input, param("weight"), param("bias"));

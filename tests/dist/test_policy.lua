@@ -15,13 +15,27 @@ local mesh = pt.mesh { tensor = args.tensor }
 local dp = mesh:size("data")
 local TOL = 1e-5
 
+-- Every gradient of the parallel model, gathered to its logical shape, equals the serial one.
+local function same_gradients(model, serial, what)
+  local serial_params = {}
+  for name, p in serial:named_parameters() do serial_params[name] = p end
+  for name, p in model:named_parameters() do
+    local want = serial_params[name]
+    ok(want ~= nil, what .. ": " .. name .. " exists in the serial model")
+    local g = pt.tp.gather(p, p.grad)
+    -- Data parallelism syncs the mean of the data ranks' gradients: the global batch's.
+    near(g, want.grad, TOL, what .. ": gradient of " .. name)
+  end
+end
+
 -- Trains `make()` serially on whole global batches and parallelized (policy, then data
--- parallelism) on this rank's slices, from the same weights, comparing the loss each step.
-local function equal_to_serial(make, policy, loader, loss_of, steps)
+-- parallelism) on this rank's slices, from the same weights: the loss each step, every
+-- gradient after the first step, and every parameter at the end must agree.
+local function equal_to_serial(make, policy, loader, loss_of, steps, opts)
   pt.manual_seed(21)
   local serial = make()
   pt.manual_seed(21)
-  local model = pt.parallelize(make(), policy, mesh)
+  local model = pt.parallelize(make(), policy, mesh, opts)
   -- Clipping needs the global norm: split parameters' norms must add up over the tensor group.
   local so = pt.optim.adamw(serial, { lr = 1e-3, clip_grad_norm = 0.5 })
   local po = pt.optim.adamw(model, { lr = 1e-3, clip_grad_norm = 0.5 })
@@ -36,21 +50,100 @@ local function equal_to_serial(make, policy, loader, loss_of, steps)
     mesh:group("data"):all_reduce(global, "mean")
     near(global, ls, TOL, "loss at step " .. step)
     ls:backward(); lp:backward()
+    if step == 1 then same_gradients(model, serial, "step 1") end
     local ns, np = so:step(), po:step()
     near(np, ns, TOL, "gradient norm at step " .. step)
     so:zero_grad(); po:zero_grad()
   end
-  return model
+  local full, want = model:full_state_dict(), serial:state_dict()
+  local names = {}
+  for name in pairs(want) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do near(full[name], want[name], TOL, "parameter " .. name .. " after " .. steps .. " steps") end
+  return model, serial
 end
 
-test("GPT-2 with policies/gpt2 equals serial GPT-2 (heads, MLP and vocabulary split)", function()
-  local cfg = { vocab = 256, seq = 16, dim = 32, heads = 4, layers = 2 }
-  local model = equal_to_serial(function() return pt.models.gpt2(cfg) end, nil,
-    function(shard) return pt.data.text { path = "data/kjv.txt", seq = 16, batch = 4, seed = 2, mesh = shard and mesh or nil } end,
-    function(m) return pt.loss_fn(m) end, 5)
+local gpt_cfg = { vocab = 256, seq = 16, dim = 32, heads = 4, layers = 2 }
+local function gpt_text(shard)
+  return pt.data.text { path = "data/kjv.txt", seq = 16, batch = 4, seed = 2, mesh = shard and mesh or nil }
+end
+
+-- The logits of the parallel GPT-2 (split along the vocabulary) gathered, against serial ones.
+local function same_logits(model, serial)
+  local ids = pt.randint(0, gpt_cfg.vocab, { 2, 16 })
+  mesh:group("world"):broadcast(ids, 0)
+  local logits = pt.tp.gather_from(model(ids), mesh:group("tensor"))
+  near(logits, serial(ids), TOL, "forward logits")
+end
+
+test("GPT-2 with policies/gpt2 equals serial GPT-2 over 20 AdamW steps (heads, MLP and vocabulary split)", function()
+  local model, serial = equal_to_serial(function() return pt.models.gpt2(gpt_cfg) end, nil, gpt_text,
+    function(m) return pt.loss_fn(m) end, 20)
+  same_logits(model, serial)
   eq(model:get("h.0.attn"):attribute("heads"), 4 / args.tensor, "heads divided by tensor")
   eq(model:get("lm_head"):type(), "ColumnParallelLinear")
   ok(model.lm_head.weight:equal(model.wte.weight), "the output head stays tied to the embedding")
+end)
+
+test("GPT-2 with sequence parallelism equals serial GPT-2 over 20 AdamW steps", function()
+  local model, serial = equal_to_serial(function() return pt.models.gpt2(gpt_cfg) end, nil, gpt_text,
+    function(m) return pt.loss_fn(m) end, 20, { sequence_parallel = true })
+  same_logits(model, serial)
+  ok(model:forward_replaced(), "the policy replaced GPT-2's forward to split the sequence")
+  ok(tostring(model:get("h.0.ln_1")):find("sequence_parallel"), "LayerNorms are sequence-parallel")
+  ok(tostring(model:get("h.1.mlp.c_fc")):find("sequence_parallel"), "columns gather the sequence")
+end)
+
+test("GPT-2 with sequence_overlap, the composed LayerNorm and flash_attention equals serial", function()
+  local model = equal_to_serial(function() return pt.models.gpt2(gpt_cfg) end, nil, gpt_text,
+    function(m) return pt.loss_fn(m) end, 5,
+    { sequence_parallel = true, sequence_overlap = true, fused_norm = false, flash_attention = true })
+  ok(tostring(model:get("h.0.attn.c_attn")):find("sequence_overlap"), "columns overlap the gather")
+  ok(tostring(model:get("ln_f")):find("composed"), "fused_norm = false composes the LayerNorm")
+  eq(model:get("h.0.attn"):attribute("flash_attention"), 1, "flash_attention set on every attention")
+end)
+
+test("split parameters report their logical shape, split dimension and slices; padding stays invisible", function()
+  local t, r = args.tensor, mesh:coord().tensor
+  local small = { vocab = 255, seq = 8, dim = 16, heads = 4, layers = 1 }
+  pt.manual_seed(3)
+  local serial = pt.models.gpt2(small)
+  pt.manual_seed(3)
+  local model = pt.parallelize(pt.models.gpt2(small), nil, mesh)
+  local rows = {}
+  for _, row in ipairs(pt.tp.shards(model)) do rows[row.name] = row end
+  local qkv = rows["h.0.attn.c_attn.weight"]
+  eq(table.concat(qkv.shape, "x"), "48x16"); eq(table.concat(qkv.local_shape, "x"), (48 / t) .. "x16")
+  eq(qkv.dim, 0); eq(qkv.fused, 3)
+  -- Each rank holds its slice of q, of k and of v.
+  local part = 16 / t
+  for j = 0, 2 do
+    eq(qkv.slices[r + 1][j + 1][1], j * 16 + r * part, "q/k/v slice start")
+    eq(qkv.slices[r + 1][j + 1][2], part, "q/k/v slice length")
+  end
+  eq(table.concat(qkv.ranks, ","), table.concat(mesh:group("tensor"):ranks(), ","), "held by the tensor group")
+  eq(rows["h.0.attn.c_proj.weight"].dim, 1, "a row-parallel weight splits its input dimension")
+  eq(rows["h.0.attn.c_proj.bias"].dim, nil, "its bias is whole")
+  -- The vocabulary (255) is padded to a multiple of t, but the logical shape is 255.
+  local wte = rows["wte.weight"]
+  eq(table.concat(wte.shape, "x"), "255x16", "logical shape without padding")
+  eq(wte.local_shape[1], math.ceil(255 / t), "local rows include the padding")
+  local last = wte.slices[t][1]
+  eq(last[1] + last[2], 255, "the last rank's slice ends at the logical vocabulary")
+  ok(not pt.tp.is_sharded(model.wpe.weight), "wpe is whole")
+  -- The full state_dict gathers logical tensors equal to the serial model's...
+  local full, want = model:full_state_dict(), serial:state_dict()
+  local names = {}
+  for name in pairs(want) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do near(full[name], want[name], 0, "full " .. name) end
+  -- ...and loads back, each rank keeping its parts.
+  local other = pt.parallelize(pt.models.gpt2(small), nil, mesh)
+  other:load_full_state_dict(full)
+  local mine, theirs = model:state_dict(), other:state_dict()
+  for _, name in ipairs(names) do near(theirs[name], mine[name], 0, "reloaded " .. name) end
+  raises(function() other:load_full_state_dict({ ["wte.weight"] = pt.zeros(256, 16) }, false) end,
+    "'wte.weight' has shape [256, 16] but the model's logical shape is [255, 16]")
 end)
 
 test("the MLP and the tutorial's SimpleModel with their shipped policies equal serial", function()
@@ -96,6 +189,42 @@ local function refused(policy_fn, message, model)
   eq(tostring(model), before, "nothing changed")
 end
 
+test("method replacement: a policy's Lua function becomes a module's forward, built-in or Lua-defined", function()
+  local calls = 0
+  local policy = P.policy {
+    modules = {
+      TestBlock = {
+        replace = { { "up", P.column {} }, { "down", P.row {} } },
+        -- The block without its residual connection, and counting its calls.
+        methods = { forward = function(self, x) calls = calls + 1; return self.down(self.up(x):tanh()) end },
+      },
+      ["head"] = { methods = { forward = function(self, x) return self:own_forward(x) * 2 end } },
+    },
+  }
+  pt.manual_seed(5)
+  local serial = Net()
+  pt.manual_seed(5)
+  local model = pt.parallelize(Net(), policy, mesh)
+  local x = pt.randn(4, 6)
+  mesh:group("world"):broadcast(x, 0)
+  local a, b = serial.a, serial.b
+  local want = serial.head(b.down(b.up(a.down(a.up(x):tanh())):tanh())) * 2
+  near(model(x), want, TOL, "the replaced forwards run, in Lua and through C++")
+  eq(calls, 2, "each block's replacement ran once")
+  ok(model.head:forward_replaced() and model.a:forward_replaced(), "both report a replaced forward")
+  model.head:replace_forward(nil)
+  ok(not model.head:forward_replaced(), "replace_forward(nil) restores the module's own")
+end)
+
+test("at tensor 1 a policy is checked, not applied", function()
+  local single = pt.mesh { data = pt.dist.world_size() }
+  local bad = P.policy { modules = { MLP = { replace = { { "7", P.column {} } } } } }
+  local err = raises(function() pt.parallelize(pt.models.mlp { sizes = { 8, 6, 4 } }, bad, single) end, "no module '7' in MLP")
+  ok(err:find("test_policy.lua:%d+:"), "names the policy's file:line: " .. err)
+  local model = pt.parallelize(pt.models.mlp { sizes = { 8, 6, 4 } }, "policies.mlp", single)
+  eq(model:get("0"):type(), "Linear", "layers stay serial at tensor 1")
+end)
+
 if args.tensor == 2 then  -- the messages below name tensor=2
 test("bad policies are refused with file:line before anything changes", function()
   refused(function() return P.policy { modules = { Nothing = { replace = { { "0", P.column {} } } } } } end,
@@ -127,6 +256,22 @@ test("bad policies are refused with file:line before anything changes", function
     "GPT2Attention has no attribute 'width'", gpt)
   refused(function() return P.policy { modules = { ["h.*.attn"] = { replace = { { "c_q", P.column {} } } } } } end,
     "no module 'h.0.attn.c_q'", gpt)
+  refused(function() return P.policy { modules = { MLP = { methods = { backward = function() end } } } } end,
+    "methods: MLP is a built-in module; only its forward can be replaced, not 'backward'")
+  refused(function() return P.policy { modules = { MLP = { methods = { forward = 3 } } } } end,
+    "modules.MLP.methods: 'forward' must map to a function(self, ...)")
+  refused(function() return P.policy { modules = function(cfg) error("no such setting") end } end,
+    "modules(cfg) of policy ? failed:")
+  refused(function() return P.policy { modules = function(cfg) return { MLP = { replace = { { "0", P.norm {} } } } } end } end,
+    "P.norm does not fit 0: it is a Linear, and P.norm needs a LayerNorm")
+  refused(function() return P.policy { modules = { GPT2Block = { attributes = { ["attn.heads"] = "half" } } } } end,
+    "attributes: 'attn.heads' must map to P.divide_by_tensor, a number or a boolean", gpt)
+  raises(function() P.apply(pt.models.mlp { sizes = { 8, 6, 4 } }, P.policy { modules = { MLP = {} } }, mesh, { sequence_paralel = true }) end,
+    "unknown sharding option 'sequence_paralel' (options: flash_attention, fused_norm, sequence_overlap, sequence_parallel, tensor_parallel)")
+  raises(function() pt.parallelize(pt.models.gpt2 { vocab = 8, seq = 4, dim = 8, heads = 2, layers = 1 }, nil, mesh, { sequence_parallel = 1 }) end,
+    "sharding option 'sequence_parallel' must be a boolean, got number")
+  raises(function() pt.parallelize(pt.models.gpt2 { vocab = 8, seq = 4, dim = 8, heads = 2, layers = 1 }, nil, mesh, { sequence_overlap = true }) end,
+    "sequence_overlap needs sequence_parallel = true")
   local fine = pt.models.mlp { sizes = { 8, 6, 4 } }
   P.apply(fine, P.policy { modules = { MLP = { replace = { { "0", P.column {} }, { "9", P.row {}, ignore_if_missing = true } } } } }, mesh, {})
   eq(fine:get("0"):type(), "ColumnParallelLinear", "ignore_if_missing skips a path that is not there")

@@ -138,13 +138,14 @@ function P.policy(spec)
   return spec
 end
 
--- Modules of `model` a policy key names: a type name, or a dotted-path glob ("h.*.attn").
+-- Modules of `model` a policy key names: a type name, a path ("lm_head", "h.0.attn"), or a
+-- dotted-path glob ("h.*.attn").
 local function matches(model, key)
   local found = {}
   local glob = key:find("[%.%*]") ~= nil
-  local pattern = glob and ("^" .. key:gsub("%.", "%%."):gsub("%*", "[^.]+") .. "$") or nil
+  local pattern = "^" .. key:gsub("%.", "%%."):gsub("%*", "[^.]+") .. "$"
   for path, m in model:named_modules() do
-    if (glob and path:match(pattern)) or (not glob and m:type() == key) then found[#found + 1] = { path, m } end
+    if path:match(pattern) or (not glob and m:type() == key) then found[#found + 1] = { path, m } end
   end
   return found
 end
