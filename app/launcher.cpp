@@ -27,6 +27,7 @@ using Clock = std::chrono::steady_clock;
 
 volatile sig_atomic_t interrupted = 0;
 void on_signal(int sig) { interrupted = sig; }
+void ignore_signal(int) {}  // unlike SIG_IGN, not inherited by the ranks through exec
 
 struct Rank {
   int rank = 0, local_rank = 0;
@@ -129,8 +130,9 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
 
   struct sigaction sa {};
   sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  if (o.interactive) sa.sa_handler = ignore_signal;  // Ctrl-C interrupts the ranks' evaluation
+  sigaction(SIGINT, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   const pid_t launcher = getpid();
@@ -144,11 +146,20 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
-      setpgid(0, 0);                     // its own group: stopping it stops its children too
+      // Its own group, so that stopping it stops its children too; in the REPL the terminal's
+      // group, so that Ctrl-C reaches it.
+      if (!o.interactive) setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
       if (getppid() != launcher) _exit(1);
-      dup2(out[1], STDOUT_FILENO);
-      dup2(err[1], STDERR_FILENO);
+      if (!(o.interactive && r.rank == 0)) {  // in the REPL rank 0 keeps the terminal
+        dup2(out[1], STDOUT_FILENO);
+        dup2(err[1], STDERR_FILENO);
+      }
+      if (o.interactive && r.rank != 0) {
+        int null = open("/dev/null", O_RDONLY);
+        dup2(null, STDIN_FILENO);
+        close(null);
+      }
       close(out[0]); close(out[1]); close(err[0]); close(err[1]);
       setenv("RANK", std::to_string(r.rank).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
@@ -176,7 +187,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
   Clock::time_point kill_at;
   auto stop_all = [&](int sig) {
     for (auto& r : ranks)
-      if (r.running) kill(-r.pid, sig);
+      if (r.running) kill(o.interactive ? r.pid : -r.pid, sig);
   };
   auto prefix = [&](const Rank& r) { return world > 1 ? "[rank " + std::to_string(r.rank) + "] " : std::string(); };
 

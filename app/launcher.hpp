@@ -18,6 +18,9 @@ struct LaunchOptions {
   int threads = 0;                ///< intra-op threads a rank; 0: cores / local ranks
   int timeout = 300;              ///< seconds a collective or the rendezvous may wait
   double grace = 5.0;             ///< seconds between TERM and KILL when stopping ranks
+  /// The REPL: rank 0 keeps the terminal (stdin, stdout, stderr, and the foreground process
+  /// group, so Ctrl-C reaches every rank and the launcher ignores it).
+  bool interactive = false;
 };
 
 /// Checks the options; a bad value is an error naming the flag.

@@ -1,6 +1,8 @@
 // The partrain command: runs Lua training scripts on the engine (`partrain train.lua`), single
 // chunks (`-e`), and, with --nproc-per-node, launches one process per rank like torchrun. Under
 // torchrun or SLURM (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it runs as that one rank.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -28,7 +30,9 @@ int main(int argc, char** argv) {
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"
                "  partrain script.lua [args...]                  run a training script\n"
                "  partrain --nproc-per-node 4 script.lua [args]  run it as 4 local ranks\n"
-               "  partrain -e 'lua code'                         run a chunk of Lua\n",
+               "  partrain -e 'lua code'                         run a chunk of Lua\n"
+               "  partrain -i script.lua                         run it, then open the REPL\n"
+               "  partrain [--nproc-per-node 4] repl             open the REPL (on every rank)\n",
                "partrain"};
   app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (LibTorch " +
                                         partrain::compat::torch_version() + ", LuaJIT)");
@@ -40,6 +44,9 @@ int main(int argc, char** argv) {
   partrain::app::LaunchOptions launch;
   int nproc = 0;
   app.add_option("-e,--execute", chunks, "run this Lua code (before the script, if any)")->allow_extra_args(false);
+  bool interactive = false;
+  app.add_flag("-i,--interactive", interactive, "after the script (or -e), open the REPL in its globals: rank 0 reads, "
+               "every rank runs each chunk, outputs come back grouped by rank");
   app.add_option("--threads", threads, "intra-op threads for LibTorch (default: all cores; with "
                  "--nproc-per-node, cores / local ranks)")->check(CLI::PositiveNumber);
   app.add_option("--nproc-per-node", nproc, "ranks to start on this machine (launcher mode)")
@@ -79,7 +86,12 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
 
-  if (chunks.empty() && script.empty()) {
+  // `partrain repl`: the REPL alone (a file called repl, if there is one, is still a script).
+  if (script == "repl" && script_args.empty() && access("repl", F_OK) != 0) {
+    script.clear();
+    interactive = true;
+  }
+  if (chunks.empty() && script.empty() && !interactive) {
     std::cerr << app.help() << std::endl;
     return fail("nothing to run: give a script or -e CODE");
   }
@@ -93,8 +105,10 @@ int main(int argc, char** argv) {
   if (nproc > 0) {
     launch.nproc_per_node = nproc;
     launch.threads = threads;
+    launch.interactive = interactive;
     if (timeout > 0) launch.timeout = timeout;
     std::vector<std::string> child;
+    if (interactive) child.push_back("-i");
     for (const auto& c : chunks) {
       child.push_back("-e");
       child.push_back(c);
@@ -129,6 +143,11 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < chunks.size(); ++i)
       if (!host.run_string(chunks[i], "=(command line)", &error)) return fail(where + error);
     if (!script.empty() && !host.run_file(script, script_args, &error)) return fail(where + error);
+    if (interactive && !host.run_string("require('partrain.repl').loop(_G, 'partrain ' .. require('partrain').version .. "
+                                        "' REPL on ' .. require('partrain').dist.world_size() .. ' rank(s): every "
+                                        "chunk runs on every rank; shards(), mesh(), mem(), on(rank, fn), exit()')",
+                                        "=(repl)", &error))
+      return fail(where + error);
     std::fflush(stdout);
     partrain::dist::World::instance().shutdown();  // wait for the others before leaving
   } catch (const std::exception& e) {

@@ -409,6 +409,7 @@ int open_core(lua_State* L) {
   open_nn(L, core);
   open_optim_data(L, core);
   open_dist(L, core);
+  open_repl(L, core);
   lua_pushstring(L, PARTRAIN_VERSION);
   lua_setfield(L, core, "version");
   return 1;

@@ -231,6 +231,7 @@ void open_tensor(lua_State* L, int core);
 void open_nn(lua_State* L, int core);
 void open_optim_data(lua_State* L, int core);
 void open_dist(lua_State* L, int core);
+void open_repl(lua_State* L, int core);
 
 /// The data-parallel state attached to `model` by pt.parallelize, or nullptr.
 std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);

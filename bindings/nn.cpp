@@ -158,7 +158,7 @@ const Function kMethods[] = {
     {"forward_replaced", [](Args& a) { return a.ret(a.module(1)->forward_replaced()); }},
     {"type", [](Args& a) { return a.ret(a.module(1)->type()); }},
     {"is_lua", [](Args& a) { return a.ret(as_lua(a.module(1)) != nullptr); }},  // defined in Lua?
-    {"parameters", [](Args& a) { return a.ret(a.module(1)->parameters()); }},
+    {"parameters", [](Args& a) { return a.ret(nn::unique_parameters(*a.module(1))); }},  // a tied one once
     {"buffers", [](Args& a) { return a.ret(a.module(1)->buffers()); }},
     {"_named_parameters", [](Args& a) { return push_named(a, a.module(1)->named_parameters()); }},
     {"_named_buffers", [](Args& a) { return push_named(a, a.module(1)->named_buffers()); }},

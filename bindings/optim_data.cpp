@@ -2,6 +2,9 @@
 // objects; the per-step work (schedule, clipping, the update, batching) stays in C++.
 #include <cstring>
 
+#include <algorithm>
+#include <unordered_map>
+
 #include "bindings/lua.hpp"
 #include "engine/data/data.hpp"
 #include "engine/models/models.hpp"
@@ -27,6 +30,12 @@ optim::ScheduleOptions read_schedule(Options& t) {
 }
 
 // pt.optim.<kind>(module or params, { lr = ..., ... })
+// The optimizers made for each model (by address), for the REPL's mem().
+std::unordered_map<const nn::Module*, std::vector<std::weak_ptr<optim::Optimizer>>>& optimizers_of() {
+  static std::unordered_map<const nn::Module*, std::vector<std::weak_ptr<optim::Optimizer>>> registry;
+  return registry;
+}
+
 int make_optimizer(Args& a, const std::string& kind) {
   std::vector<torch::Tensor> params;
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) params = nn::unique_parameters(**m);
@@ -62,6 +71,9 @@ int make_optimizer(Args& a, const std::string& kind) {
       break;
     }
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+    auto& mine = optimizers_of()[m->get()];
+    mine.erase(std::remove_if(mine.begin(), mine.end(), [](const auto& w) { return w.expired(); }), mine.end());
+    mine.push_back(opt);
     // Cube's build_optimizer: on a data-parallel model, step only on synced gradients.
     std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(m->get());
     if (!dp.expired())
@@ -94,6 +106,7 @@ const Function kOptimizerMethods[] = {
     {"set_lr", [](Args& a) { optimizer(a, 1)->set_lr(a.number(2)); return a.ret(); }},
     {"steps", [](Args& a) { return a.ret(double(optimizer(a, 1)->steps_taken())); }},
     {"kind", [](Args& a) { return a.ret(optimizer(a, 1)->options().kind); }},
+    {"state_bytes", [](Args& a) { return a.ret(double(optimizer(a, 1)->state_bytes())); }},
     {"__tostring", [](Args& a) {
        auto& o = optimizer(a, 1);
        return a.ret(o->options().kind + "(lr=" + std::to_string(o->lr()) + ", " +
@@ -102,6 +115,15 @@ const Function kOptimizerMethods[] = {
     {nullptr, nullptr}};
 
 const Function kOptim[] = {
+    {"of", [](Args& a) {  // of(model): the optimizers made for it that are still alive
+       auto& all = optimizers_of();
+       auto it = all.find(a.module(1).get());
+       lua_newtable(a.L);
+       int n = 0;
+       if (it != all.end())
+         for (const auto& w : it->second)
+           if (auto o = w.lock()) { ud_push(a.L, o, PT_OPTIMIZER_MT); lua_rawseti(a.L, -2, ++n); }
+       return 1; }},
     {"sgd", [](Args& a) { return make_optimizer(a, "sgd"); }},
     {"adam", [](Args& a) { return make_optimizer(a, "adam"); }},
     {"adamw", [](Args& a) { return make_optimizer(a, "adamw"); }},

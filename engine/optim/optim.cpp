@@ -78,6 +78,23 @@ void Optimizer::zero_grad() {
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
 }
 
+int64_t Optimizer::state_bytes() const {
+  int64_t bytes = 0;
+  auto add = [&](const torch::Tensor& t) {
+    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+  };
+  for (const auto& [key, state] : impl_->state()) {
+    if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      add(s->exp_avg()); add(s->exp_avg_sq()); add(s->max_exp_avg_sq());
+    } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
+      add(s->exp_avg()); add(s->exp_avg_sq()); add(s->max_exp_avg_sq());
+    } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
+      add(s->momentum_buffer());
+    }
+  }
+  return bytes;
+}
+
 double Optimizer::lr() const { return scheduled_lr(options_.schedule, options_.lr, steps_); }
 
 void Optimizer::apply_lr(double lr) {

@@ -59,6 +59,8 @@ class Optimizer {
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   const OptimizerOptions& options() const { return options_; }
   const std::vector<torch::Tensor>& params() const { return params_; }
+  /// Bytes of the optimizer's state (momentum buffers, Adam's moments), as allocated so far.
+  int64_t state_bytes() const;
   torch::optim::Optimizer& impl() { return *impl_; }
   /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
   /// it to refuse steps on gradients not yet synced).

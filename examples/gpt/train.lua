@@ -2,6 +2,7 @@
 -- Split over --tensor ranks by policies/gpt2.lua, data-parallel over the rest.
 --   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --tensor 2      (tensor 2 x data 2)
+--   partrain --nproc-per-node 2 examples/gpt/train.lua --tensor 2 --sequence-parallel
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -21,6 +22,7 @@ local cfg = pt.args {
   corpus = "",              -- default: data/kjv.txt of this checkout (made by scripts/setup)
   threads = 0,
   tensor = 1,               -- tensor-parallel size (data = ranks / tensor)
+  sequence_parallel = false, -- keep activations split along the sequence between TP regions
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
@@ -29,7 +31,8 @@ pt.manual_seed(cfg.seed)
 local mesh = pt.mesh { tensor = cfg.tensor }
 local model = pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                                layers = cfg.layers, dropout = cfg.dropout }
-model = pt.parallelize(model, nil, mesh)   -- policies/gpt2.lua when tensor > 1
+model = pt.parallelize(model, nil, mesh,   -- policies/gpt2.lua when tensor > 1
+  { sequence_parallel = cfg.sequence_parallel })
 local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when they are split
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,

@@ -129,6 +129,8 @@ pt.tp = core.tp
 pt.mesh = core.dist.mesh
 
 local data_parallel = {}   -- model -> its data-parallel handle (the model is returned as it was)
+local meshes = setmetatable({}, { __mode = "k" })   -- model -> the mesh it was made parallel over
+local last_parallelized = setmetatable({}, { __mode = "v" })
 
 --- Makes `model` parallel over `mesh` and returns it, used like the serial model.
 --- `policy` (a table from partrain.policy, a module name such as "policies.gpt2", or nil for the
@@ -164,7 +166,37 @@ function pt.parallelize(model, policy, mesh, opts)
     data_parallel[model] = core.dist.data_parallel(model, mesh, dp)
   end)
   if not ok then error(err, 2) end
+  meshes[model], last_parallelized[1] = mesh, model
   return model
+end
+
+--- The mesh `model` was made parallel over (or nil).
+function pt.mesh_of(model) return model and meshes[model] end
+--- The model pt.parallelize made last (while it lives), for the REPL's helpers.
+function pt.parallelized() return last_parallelized[1] end
+
+--- Opens the REPL on every rank at this point of the script (rank 0 reads; every rank runs what
+--- it reads; see docs/repl.md). The caller's locals are visible (read-only) beside the globals;
+--- exit() or Ctrl-D continues the script.
+function pt.breakpoint()
+  local info = debug.getinfo(2, "Sl")
+  local locals, i = {}, 1
+  while true do
+    local name, value = debug.getlocal(2, i)
+    if not name then break end
+    if name:sub(1, 1) ~= "(" then locals[name] = value end
+    i = i + 1
+  end
+  local env = setmetatable({}, {
+    __index = function(_, k)
+      local v = locals[k]
+      if v ~= nil then return v end
+      return _G[k]
+    end,
+    __newindex = _G,
+  })
+  local at = info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
+  require("partrain.repl").loop(env, "breakpoint at " .. at .. " (exit() or Ctrl-D continues)")
 end
 
 --- Every parameter of `model` and how it is laid out over the ranks, in registration order

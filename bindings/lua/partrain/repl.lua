@@ -1,0 +1,321 @@
+-- The SPMD REPL: rank 0 reads a chunk (readline when stdin is a terminal), every rank runs it,
+-- and rank 0 prints the outputs grouped by identical text ("[ranks 0,2] ..."). Started by
+-- `partrain -i script.lua`, `partrain repl`, or pt.breakpoint() inside a script.
+local pt = require "partrain"
+local core = require "partrain.core"
+
+local R = {}
+
+local rank, world = pt.dist.rank(), pt.dist.world_size()
+local history_file = (os.getenv("HOME") or ".") .. "/.partrain_history"
+
+-- Strings travel between ranks as uint8 tensors over the world group.
+local function broadcast_string(s)
+  local group = pt.dist.world()
+  local n = pt.tensor({ s and #s or -1 }, { dtype = "int64" })
+  group:broadcast(n, 0)
+  local len = n:item()
+  if len < 0 then return nil end
+  local bytes = rank == 0 and core.string_to_tensor(s) or pt.zeros({ len }, { dtype = "uint8" })
+  if len > 0 then group:broadcast(bytes, 0) end
+  return core.tensor_to_string(bytes)
+end
+
+local function gather_strings(s)
+  if world == 1 then return { s } end
+  local group = pt.dist.world()
+  local lengths = group:all_gather(pt.tensor({ #s }, { dtype = "int64" }))
+  local longest = 0
+  for _, l in ipairs(lengths) do longest = math.max(longest, l:item()) end
+  local padded = pt.zeros({ math.max(longest, 1) }, { dtype = "uint8" })
+  if #s > 0 then padded:narrow(0, 0, #s):copy_(core.string_to_tensor(s)) end
+  local parts = group:all_gather(padded)
+  local out = {}
+  for i, p in ipairs(parts) do out[i] = core.tensor_to_string(p:narrow(0, 0, lengths[i]:item())) end
+  return out
+end
+
+-- "0-3", "0,2", "1": a compact list of ranks.
+local function rank_list(ranks)
+  local parts, i = {}, 1
+  while i <= #ranks do
+    local j = i
+    while j < #ranks and ranks[j + 1] == ranks[j] + 1 do j = j + 1 end
+    if j - i >= 2 then parts[#parts + 1] = ranks[i] .. "-" .. ranks[j]
+    else for k = i, j do parts[#parts + 1] = tostring(ranks[k]) end end
+    i = j + 1
+  end
+  return table.concat(parts, ",")
+end
+R.rank_list = rank_list
+
+--- Rank 0's view of every rank's output: identical texts grouped under the ranks that printed them.
+function R.group_outputs(outputs)
+  if #outputs == 1 then return outputs[1] end
+  local order, by_text = {}, {}
+  for r, text in ipairs(outputs) do
+    if not by_text[text] then
+      by_text[text] = {}
+      order[#order + 1] = text
+    end
+    table.insert(by_text[text], r - 1)
+  end
+  local lines = {}
+  for _, text in ipairs(order) do
+    if text ~= "" then
+      local ranks = by_text[text]
+      local tag = ("[rank%s %s]"):format(#ranks > 1 and "s" or "", rank_list(ranks))
+      local body = text:gsub("\n$", "")
+      if body:find("\n") then lines[#lines + 1] = tag .. "\n" .. body .. "\n"
+      else lines[#lines + 1] = tag .. " " .. body .. "\n" end
+    end
+  end
+  return table.concat(lines)
+end
+
+-- Runs `fn` with print and io.write writing into a buffer; returns the text and fn's results.
+local function captured(fn)
+  local buffer = {}
+  local saved_print, saved_write = print, io.write
+  print = function(...)
+    local n = select("#", ...)
+    local parts = {}
+    for i = 1, n do parts[i] = tostring((select(i, ...))) end
+    buffer[#buffer + 1] = table.concat(parts, "\t") .. "\n"
+  end
+  io.write = function(...)
+    for i = 1, select("#", ...) do buffer[#buffer + 1] = tostring((select(i, ...))) end
+    return io.stdout
+  end
+  local ok, err = pcall(fn)
+  print, io.write = saved_print, saved_write
+  if not ok then buffer[#buffer + 1] = tostring(err) .. "\n" end
+  return table.concat(buffer)
+end
+
+-- A value as the REPL shows it.
+local function show(v)
+  if type(v) == "string" then return string.format("%q", v) end
+  if type(v) == "table" and getmetatable(v) == nil then
+    local parts, n = {}, 0
+    for k, x in pairs(v) do
+      n = n + 1
+      if n > 20 then parts[#parts + 1] = "..."; break end
+      parts[#parts + 1] = (type(k) == "string" and k or "[" .. tostring(k) .. "]") .. " = " .. tostring(x)
+    end
+    return "{ " .. table.concat(parts, ", ") .. " }"
+  end
+  return tostring(v)
+end
+
+-- Compiles a chunk as lua.c does: "=expr" and plain expressions print their values.
+-- Returns fn, or nil and the message; `incomplete` when more lines could complete it.
+local function compile(code, env)
+  if code:sub(1, 1) == "=" then code = "return " .. code:sub(2) end
+  local fn, err = loadstring("return " .. code, "=stdin")
+  if not fn then fn, err = loadstring(code, "=stdin") end
+  if not fn then return nil, err, err:find("<eof>") ~= nil end
+  setfenv(fn, env)
+  return fn
+end
+
+-- Reads one chunk on rank 0: lines until they compile (or fail for a reason other than an
+-- unfinished statement). Returns the code, or nil at end of input.
+local function read_chunk(env)
+  local interactive = core.repl_isatty()
+  local code
+  while true do
+    local prompt = code and ">> " or "> "
+    local line
+    if interactive then line = core.repl_readline(prompt)
+    else line = io.read("*l") end
+    if line == nil then return nil end
+    if line == "\0interrupt" then code = nil  -- Ctrl-C at the prompt: start over
+    else
+      code = code and (code .. "\n" .. line) or line
+      local _, _, incomplete = compile(code, env)
+      if not incomplete then
+        if interactive and code:find("%S") then core.repl_add_history(code) end
+        return code
+      end
+    end
+  end
+end
+
+-- Names completion offers: the fields of the table or module before the last dot or colon,
+-- or the globals.
+local function completions(env)
+  return function(word)
+    local base, sep, partial = word:match("^(.*)([%.:])([%w_]*)$")
+    local candidates, source = {}, env
+    if base then
+      source = env
+      for name in base:gmatch("[^%.:]+") do
+        if type(source) ~= "table" and type(source) ~= "userdata" then source = nil break end
+        local ok, v = pcall(function() return source[name] end)
+        source = ok and v or nil
+        if source == nil then break end
+      end
+    else
+      partial = word
+    end
+    local seen = {}
+    local function add(t)
+      if type(t) ~= "table" then return end
+      for k in pairs(t) do
+        if type(k) == "string" and k:sub(1, #partial) == partial and not seen[k] then
+          seen[k] = true
+          candidates[#candidates + 1] = (base and (base .. sep) or "") .. k
+        end
+      end
+    end
+    if source ~= nil then
+      if type(source) == "userdata" and pt.nn and core.nn.is_module(source) then
+        for name in source:named_children() do add({ [name] = true }) end
+        for name in source:named_parameters() do if not name:find("%.") then add({ [name] = true }) end end
+        add(core.Module)
+      elseif pt.is_tensor(source) then
+        add(core.Tensor)
+      else
+        add(source)
+        local mt = getmetatable(source)
+        if mt and type(mt.__index) == "table" then add(mt.__index) end
+      end
+      if not base then add(_G) end
+    end
+    table.sort(candidates)
+    return candidates
+  end
+end
+
+--- The REPL loop, on every rank. `env`: the environment chunks run in (the script's globals,
+--- or a breakpoint's view of its locals). Returns when input ends or a chunk calls exit().
+function R.loop(env, banner)
+  env = env or _G
+  local done = false
+  local helpers = R.helpers(function() done = true end)
+  local scope = setmetatable({}, {
+    __index = function(_, k)
+      local v = helpers[k]
+      if v ~= nil then return v end
+      return env[k]
+    end,
+    __newindex = env,
+  })
+  if rank == 0 then
+    if core.repl_isatty() then
+      core.repl_start(history_file, completions(scope))
+      if banner then io.write(banner, "\n") end
+    end
+  end
+  while not done do
+    local code = broadcast_string(rank == 0 and read_chunk(scope) or nil)
+    if code == nil then break end
+    local output = captured(function()
+      local fn, err = compile(code, scope)
+      if not fn then print(err) return end
+      local results = { core.repl_try(fn) }
+      if results[1] == false then
+        -- The traceback down to the chunk; the REPL's own frames below it say nothing.
+        print((results[2]:gsub("\n%s*%[C%]: in function 'repl_try'.*$", "")))
+        return
+      end
+      local shown = {}
+      for i = 2, #results do shown[#shown + 1] = show(results[i]) end
+      if #shown > 0 then print(table.concat(shown, "\t")) end
+    end)
+    local outputs = gather_strings(output)
+    if rank == 0 then
+      io.stdout:write(R.group_outputs(outputs))
+      io.stdout:flush()
+    end
+  end
+  if rank == 0 and core.repl_isatty() then core.repl_stop(history_file) end
+end
+
+-- Helpers ------------------------------------------------------------------------------------
+
+local function shape_text(shape) return "[" .. table.concat(shape, ", ") .. "]" end
+local function mb(bytes) return ("%.2f MB"):format(bytes / 1e6) end
+
+--- The helpers every chunk sees (beside the script's globals).
+function R.helpers(stop)
+  local H = { pt = pt }
+  function H.exit() stop() end
+
+  --- Runs fn on one rank only; the others return nothing.
+  function H.on(r, fn, ...)
+    if type(r) ~= "number" or type(fn) ~= "function" then error("on(rank, fn): a rank number and a function expected", 2) end
+    if r < 0 or r >= world then error(("on: rank %d is not in 0..%d"):format(r, world - 1), 2) end
+    if rank == r then return fn(...) end
+  end
+
+  --- The model shards() and mem() look at: the argument, else the last one made parallel.
+  local function model_of(m)
+    if m ~= nil then return m end
+    local last = pt.parallelized()
+    if not last then error("no model: pass one, or make one with pt.parallelize", 3) end
+    return last
+  end
+
+  --- A table of the model's parameters matching `pattern` (a Lua pattern over names): logical
+  --- shape, local shape, split dimension, which ranks hold which slice, bytes a rank.
+  function H.shards(pattern, model)
+    if type(pattern) == "userdata" then pattern, model = nil, pattern end
+    model = model_of(model)
+    local mesh = pt.mesh_of(model)
+    local lines = { ("%-32s %-14s %-14s %-5s %-10s %s"):format("parameter", "shape", "local", "split", "bytes/rank", "held by") }
+    local total = 0
+    for _, row in ipairs(pt.tp.shards(model)) do
+      if not pattern or row.name:find(pattern) then
+        total = total + row.bytes
+        local held
+        if row.dim then
+          local parts = {}
+          for r, slices in ipairs(row.slices) do
+            local global = row.ranks[r]
+            local replicas = mesh and mesh:ranks("data", global) or { global }
+            local ranges = {}
+            for _, s in ipairs(slices) do ranges[#ranges + 1] = s[1] .. ":" .. (s[1] + s[2]) end
+            parts[#parts + 1] = ("ranks %s %s"):format(rank_list(replicas), table.concat(ranges, "+"))
+          end
+          held = table.concat(parts, "; ")
+        else
+          held = "all (whole)"
+        end
+        lines[#lines + 1] = ("%-32s %-14s %-14s %-5s %-10s %s"):format(row.name, shape_text(row.shape),
+          shape_text(row.local_shape), row.dim and tostring(row.dim) or "-", mb(row.bytes), held)
+      end
+    end
+    lines[#lines + 1] = ("total on this rank: %s"):format(mb(total))
+    print(table.concat(lines, "\n"))
+  end
+
+  --- The layout: this rank's coordinates and the members of its groups.
+  function H.mesh(m)
+    m = m or pt.mesh_of(pt.parallelized()) or pt.mesh {}
+    local c = m:coord()
+    print(("%s | rank %d: tensor %d, data %d, pipeline %d | tensor group %s, data group %s"):format(
+      tostring(m):match("^[^\n;]*"), rank, c.tensor, c.data, c.pipeline, rank_list(m:ranks("tensor")), rank_list(m:ranks("data"))))
+  end
+
+  --- This rank's memory: parameters, gradients and optimizer state in bytes, and the
+  --- process's resident memory now and at its peak.
+  function H.mem(model)
+    model = model_of(model)
+    local params, grads = 0, 0
+    for _, p in ipairs(model:parameters()) do
+      params = params + p:numel() * p:element_size()
+      local g = p.grad
+      if g then grads = grads + g:numel() * g:element_size() end
+    end
+    local optim = 0
+    for _, o in ipairs(pt.optim.of(model)) do optim = optim + o:state_bytes() end
+    local m = core.memory()
+    print(("params %s | grads %s | optimizer %s | resident %s (peak %s)"):format(mb(params), mb(grads), mb(optim),
+      mb(m.resident), mb(m.peak)))
+  end
+  return H
+end
+
+return R

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""The SPMD REPL driven through a real pseudo-terminal, as a user at a keyboard drives it.
+
+Usage: test_repl.py PATH/TO/partrain RANKS
+
+Starts `partrain --nproc-per-node RANKS repl` (and `-i script.lua`, and a script that calls
+pt.breakpoint()) on a pty, types chunks, and checks what rank 0 prints: outputs grouped by rank,
+=expr, multi-line chunks, per-rank errors with tracebacks, the helpers, Ctrl-C interrupting an
+endless loop on every rank without ending the session, tab completion, and exit().
+"""
+import os
+import pty
+import re
+import select
+import signal
+import sys
+import tempfile
+import time
+
+PARTRAIN, RANKS = sys.argv[1], int(sys.argv[2])
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+failures = []
+
+
+class Session:
+    def __init__(self, *args, home):
+        env = dict(os.environ, HOME=home, TERM="dumb", OMP_NUM_THREADS="1")
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:
+            os.chdir(ROOT)
+            os.execve(PARTRAIN, [PARTRAIN, "--nproc-per-node", str(RANKS), *args], env)
+        self.buffer = ""
+
+    def read_until(self, pattern, timeout=60):
+        """Reads until `pattern` (a regex) appears; returns the text before and including it."""
+        deadline = time.time() + timeout
+        regex = re.compile(pattern, re.S)
+        while True:
+            m = regex.search(self.buffer)
+            if m:
+                text, self.buffer = self.buffer[: m.end()], self.buffer[m.end():]
+                return text
+            left = deadline - time.time()
+            if left <= 0:
+                raise TimeoutError(f"waited {timeout}s for {pattern!r}; got:\n{self.buffer}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:
+                    data = ""
+                if not data:
+                    raise EOFError(f"the session ended while waiting for {pattern!r}; got:\n{self.buffer}")
+                self.buffer += data.replace("\r\n", "\n")
+
+    def send(self, text):
+        os.write(self.fd, text.encode())
+
+    def chunk(self, line):
+        """Types a line and returns what came back before the next prompt."""
+        self.send(line + "\n")
+        out = self.read_until(r"\n> $|^> $")
+        # Drop the echoed input and the prompt.
+        out = out[: out.rfind("> ")]
+        return out.split("\n", line.count("\n") + 1)[-1] if out.startswith(line.split("\n")[0]) else out
+
+    def wait(self, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                try:
+                    while os.read(self.fd, 65536):
+                        pass
+                except OSError:
+                    pass
+                return os.waitstatus_to_exitcode(status)
+            try:
+                if select.select([self.fd], [], [], 0.2)[0]:
+                    os.read(self.fd, 65536)
+            except OSError:
+                pass
+        os.kill(self.pid, signal.SIGKILL)
+        raise TimeoutError("the session did not end")
+
+
+def check(name, condition, detail=""):
+    print(("ok   " if condition else "FAIL ") + name, flush=True)
+    if not condition:
+        failures.append(name)
+        print("     " + detail.replace("\n", "\n     "), flush=True)
+
+
+every = f"[ranks 0-{RANKS - 1}]" if RANKS > 2 else "[ranks 0,1]"
+last = RANKS - 1
+
+with tempfile.TemporaryDirectory() as home:
+    # ---- partrain repl ------------------------------------------------------------------------
+    s = Session("repl", home=home)
+    banner = s.read_until(r"\n> $")
+    check("the REPL opens on every rank", f"on {RANKS} rank(s)" in banner, banner)
+
+    out = s.chunk("print(pt.dist.rank())")
+    want = "".join(f"[rank {r}] {r}\n" for r in range(RANKS))
+    check("a chunk runs on every rank; outputs come back per rank", out == want, repr(out))
+
+    out = s.chunk("=1 + 1")
+    check("=expr prints the value, grouped when every rank agrees", out == f"{every} 2\n", repr(out))
+
+    out = s.chunk("=pt.dist.rank() % 2")
+    want = "[ranks 0,2] 0\n[ranks 1,3] 1\n" if RANKS == 4 else "[rank 0] 0\n[rank 1] 1\n"
+    check("identical outputs are grouped by the ranks that printed them", out == want, repr(out))
+
+    s.send("for i = 1, 2 do\n")
+    more = s.read_until(r">> $")
+    s.send("  print('line', i) end\n")
+    out = s.read_until(r"\n> $")
+    check("a multi-line chunk continues with >> and runs whole",
+          "line\t1\nline\t2" in out and every in out, more + out)
+
+    out = s.chunk("x = 40 + pt.dist.rank()")
+    out = s.chunk("=x")
+    check("globals persist between chunks", f"[rank {last}] {40 + last}" in out, repr(out))
+
+    out = s.chunk("if pt.dist.rank() == 1 then error('boom on one') end")
+    check("an error shows on the rank that raised it, with a traceback",
+          re.search(r"\[rank 1\]\n.*boom on one.*stack traceback", out, re.S) is not None
+          and "[rank 0]" not in out, repr(out))
+
+    out = s.chunk("model = pt.parallelize(pt.models.gpt2 { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 1 }, nil, "
+                  f"pt.mesh {{ tensor = {2 if RANKS == 2 else 2} }})")
+    out = s.chunk("shards('attn.c_attn')")
+    check("shards() lists logical and local shapes and who holds which slice",
+          "h.0.attn.c_attn.weight" in out and "[48, 16]" in out and "[24, 16]" in out and every in out
+          and "ranks 0" in out, out)
+    out = s.chunk("mesh()")
+    check("mesh() shows each rank's coordinates", "rank 0: tensor 0" in out and f"rank {last}: tensor 1" in out, out)
+    out = s.chunk("opt = pt.optim.adamw(model); pt.loss_fn(model)(model(pt.randint(0, 64, {2, 8})), "
+                  "pt.randint(0, 64, {2, 8})):backward(); opt:step()")
+    out = s.chunk("mem()")
+    check("mem() reports parameters, gradients, optimizer state and resident memory",
+          re.search(r"params [0-9.]+ MB \| grads [0-9.]+ MB \| optimizer [0-9.]+ MB \| resident", out) is not None
+          and "optimizer 0.00 MB" not in out, out)
+    out = s.chunk(f"=on({last}, function() return 'only here' end)")
+    check("on(rank, fn) runs on one rank only",
+          f"[rank {last}] \"only here\"" in out and out.count("only here") == 1, repr(out))
+
+    s.send("while true do end\n")
+    time.sleep(1.5)
+    s.send("\x03")  # Ctrl-C
+    out = s.read_until(r"\n> $", timeout=30)
+    check("Ctrl-C interrupts an endless loop on every rank and keeps the session",
+          "interrupted" in out and every in out, repr(out))
+    out = s.chunk("=x")
+    check("the session goes on after Ctrl-C", f"[rank {last}] {40 + last}" in out, repr(out))
+
+    s.send("=pt.dist.worl\t")  # completes to the common prefix of world and world_size
+    time.sleep(1)
+    s.send("_size()\n")
+    out = s.read_until(r"\n> $")
+    check("tab completes fields", f"{every} {RANKS}" in out, repr(out))
+
+    s.send("exit()\n")
+    code = s.wait()
+    check("exit() ends every rank cleanly", code == 0, f"exit code {code}")
+    history = os.path.join(home, ".partrain_history")
+    check("the history is saved", os.path.exists(history) and "=1 + 1" in open(history).read())
+
+    # ---- partrain -i script.lua, and Ctrl-D -------------------------------------------------
+    script = os.path.join(home, "script.lua")
+    with open(script, "w") as f:
+        f.write("pt = require \"partrain\"\nanswer = 6 * 7 + pt.dist.rank()\n")
+    s = Session("-i", script, home=home)
+    s.read_until(r"\n> $")
+    out = s.chunk("=answer")
+    check("-i runs the script, then the REPL in its globals", f"[rank 0] 42" in out and f"[rank {last}] {42 + last}" in out,
+          repr(out))
+    s.send("\x04")  # Ctrl-D
+    check("Ctrl-D ends every rank cleanly", s.wait() == 0)
+
+    # ---- pt.breakpoint() ----------------------------------------------------------------------
+    with open(script, "w") as f:
+        f.write("local pt = require \"partrain\"\nlocal step = 0\nfor i = 1, 3 do\n  step = i\n  if i == 2 then pt.breakpoint() end\nend\n"
+                "print('finished at step ' .. step)\n")
+    s = Session("-i", script, home=home)  # -i: rank 0 has the terminal (and a REPL at the end)
+    banner = s.read_until(r"\n> $")
+    check("pt.breakpoint() opens the REPL on every rank where it is called", "breakpoint at" in banner, banner)
+    out = s.chunk("=step")
+    check("a breakpoint sees the caller's locals", f"{every} 2" in out, repr(out))
+    s.send("exit()\n")
+    rest = s.read_until(r"finished at step 3")
+    check("exit() at a breakpoint continues the script", "finished at step 3" in rest, rest)
+    s.read_until(r"\n> $")
+    s.send("exit()\n")
+    check("and the run ends cleanly", s.wait() == 0)
+
+print(f"{len(failures)} failed" if failures else "all passed")
+sys.exit(1 if failures else 0)
