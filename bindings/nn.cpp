@@ -58,6 +58,10 @@ class LuaModule : public nn::Module {
     push_class(L);
     lua_getfield(L, -1, "forward");
     lua_remove(L, -2);
+    if (lua_type(L, -1) != LUA_TFUNCTION) {
+      lua_settop(L, top);
+      TORCH_CHECK(false, type(), " has no forward method");
+    }
     return call_lua_forward(L, top, std::static_pointer_cast<nn::Module>(shared_from_this()), inputs,
                             type() + ":forward");
   }

@@ -153,9 +153,9 @@ function pt.parallelize(model, policy, mesh, opts)
       if P.config_keys[k] ~= nil then shard[k] = v else dp[k] = v end
     end
     local tensor = mesh:size("tensor")
-    if policy == nil then
+    if policy == nil and tensor > 1 then  -- at tensor 1 only a policy passed in is checked
       policy = P.registry[model:type()]
-      if not policy and tensor > 1 then
+      if not policy then
         error(("no policy is registered for %s: pass one (see policies/ for examples)"):format(model:type()), 0)
       end
     end
