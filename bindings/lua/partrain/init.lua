@@ -187,16 +187,9 @@ function pt.breakpoint()
     if name:sub(1, 1) ~= "(" then locals[name] = value end
     i = i + 1
   end
-  local env = setmetatable({}, {
-    __index = function(_, k)
-      local v = locals[k]
-      if v ~= nil then return v end
-      return _G[k]
-    end,
-    __newindex = _G,
-  })
   local at = info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
-  require("partrain.repl").loop(env, "breakpoint at " .. at .. " (exit() or Ctrl-D continues)")
+  local repl = require "partrain.repl"
+  repl.loop(repl.layered(locals, _G), "breakpoint at " .. at .. " (exit() or Ctrl-D continues)")
 end
 
 --- Every parameter of `model` and how it is laid out over the ranks, in registration order

@@ -188,20 +188,25 @@ local function completions(env)
   end
 end
 
+--- An environment that reads `front` first, then `back`, and writes to `back`.
+function R.layered(front, back)
+  return setmetatable({}, {
+    __index = function(_, k)
+      local v = front[k]
+      if v ~= nil then return v end
+      return back[k]
+    end,
+    __newindex = back,
+  })
+end
+
 --- The REPL loop, on every rank. `env`: the environment chunks run in (the script's globals,
 --- or a breakpoint's view of its locals). Returns when input ends or a chunk calls exit().
 function R.loop(env, banner)
   env = env or _G
   local done = false
   local helpers = R.helpers(function() done = true end)
-  local scope = setmetatable({}, {
-    __index = function(_, k)
-      local v = helpers[k]
-      if v ~= nil then return v end
-      return env[k]
-    end,
-    __newindex = env,
-  })
+  local scope = R.layered(helpers, env)
   if rank == 0 then
     if core.repl_isatty() then
       core.repl_start(history_file, completions(scope))
