@@ -258,6 +258,8 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     if (!r.last_err.empty()) {
       std::cerr << ". The last lines of its stderr:\n";
       for (const auto& l : r.last_err) std::cerr << "  " << l << '\n';
+    } else if (o.interactive && r.rank == 0) {
+      std::cerr << " (its stderr went to the terminal, above)\n";
     } else {
       std::cerr << " (it wrote nothing to stderr)\n";
     }

@@ -30,9 +30,14 @@ optim::ScheduleOptions read_schedule(Options& t) {
 }
 
 // pt.optim.<kind>(module or params, { lr = ..., ... })
-// The optimizers made for each model (by address), for the REPL's mem().
-std::unordered_map<const nn::Module*, std::vector<std::weak_ptr<optim::Optimizer>>>& optimizers_of() {
-  static std::unordered_map<const nn::Module*, std::vector<std::weak_ptr<optim::Optimizer>>> registry;
+// The optimizers made for each model, for the REPL's mem(). Keyed by address, with the model
+// held weakly beside them: a freed model's address reused by another must not inherit them.
+struct ModelOptimizers {
+  std::weak_ptr<nn::Module> model;
+  std::vector<std::weak_ptr<optim::Optimizer>> optimizers;
+};
+std::unordered_map<const nn::Module*, ModelOptimizers>& optimizers_of() {
+  static std::unordered_map<const nn::Module*, ModelOptimizers> registry;
   return registry;
 }
 
@@ -71,7 +76,9 @@ int make_optimizer(Args& a, const std::string& kind) {
       break;
     }
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
-    auto& mine = optimizers_of()[m->get()];
+    auto& entry = optimizers_of()[m->get()];
+    if (entry.model.lock() != *m) entry = ModelOptimizers{*m, {}};
+    auto& mine = entry.optimizers;
     mine.erase(std::remove_if(mine.begin(), mine.end(), [](const auto& w) { return w.expired(); }), mine.end());
     mine.push_back(opt);
     // Cube's build_optimizer: on a data-parallel model, step only on synced gradients.
@@ -120,8 +127,8 @@ const Function kOptim[] = {
        auto it = all.find(a.module(1).get());
        lua_newtable(a.L);
        int n = 0;
-       if (it != all.end())
-         for (const auto& w : it->second)
+       if (it != all.end() && it->second.model.lock() == a.module(1))
+         for (const auto& w : it->second.optimizers)
            if (auto o = w.lock()) { ud_push(a.L, o, PT_OPTIMIZER_MT); lua_rawseti(a.L, -2, ++n); }
        return 1; }},
     {"sgd", [](Args& a) { return make_optimizer(a, "sgd"); }},
