@@ -11,6 +11,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
 
@@ -34,6 +35,13 @@ void Args::expected(int i, const char* what) const {
 torch::Tensor& Args::tensor(int i) const {
   auto* t = ud_test<torch::Tensor>(L, i, PT_TENSOR_MT);
   if (!t) expected(i, "tensor");
+  // Planning: a tensor made on the CPU (a batch, say) becomes a meta tensor of its shape the
+  // first time it reaches the engine, so it meets the meta model's parameters.
+  if (plan::planning() && t->defined() && !t->is_meta()) {
+    bool grad = t->requires_grad();
+    *t = torch::empty(t->sizes(), t->options().device(torch::kMeta).requires_grad(false));
+    if (grad) t->requires_grad_(true);
+  }
   return *t;
 }
 

@@ -9,6 +9,7 @@
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
 
@@ -144,6 +145,7 @@ nn::TensorMap tensor_map(const Args& a, int i) {
 
 const Function kMethods[] = {
     {"forward", [](Args& a) {
+       plan::step_begins();  // a script's first forward begins its first training step
        auto& m = a.module(1);
        std::vector<Tensor> inputs;
        for (int i = 2; i <= a.top(); ++i) inputs.push_back(a.tensor(i));

@@ -11,6 +11,7 @@
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
 
@@ -96,6 +97,25 @@ int make_optimizer(Args& a, const std::string& kind) {
   return 1;
 }
 
+// The first optimizer step calls partrain.plan's at_first_step(opt) before it updates anything:
+// the planner records the rank there and stops the script; a run given a plan checks it there.
+bool first_step_pending() {
+  static bool pending = plan::planning() || std::getenv("PARTRAIN_PLAN") != nullptr;
+  return pending && !plan::first_step().hooked;
+}
+
+void at_first_step(lua_State* L, int opt) {
+  if (!first_step_pending()) return;
+  plan::first_step_hooked();
+  lua_getglobal(L, "require");
+  lua_pushstring(L, "partrain.plan");
+  lua_call(L, 1, 1);
+  lua_getfield(L, -1, "at_first_step");
+  lua_pushvalue(L, opt);
+  lua_call(L, 1, 0);
+  lua_pop(L, 1);
+}
+
 OptimizerPtr& optimizer(const Args& a, int i) {
   auto* o = ud_test<OptimizerPtr>(a.L, i, PT_OPTIMIZER_MT);
   if (!o) a.expected(i, "optimizer");
@@ -103,12 +123,24 @@ OptimizerPtr& optimizer(const Args& a, int i) {
 }
 
 const Function kOptimizerMethods[] = {
-    {"step", [](Args& a) { double norm = optimizer(a, 1)->step(); if (norm < 0) { lua_pushnil(a.L); return 1; } return a.ret(norm); }},
+    {"step", [](Args& a) {
+       at_first_step(a.L, 1);
+       double norm = optimizer(a, 1)->step();
+       if (norm < 0) { lua_pushnil(a.L); return 1; }
+       return a.ret(norm); }},
     {"zero_grad", [](Args& a) { optimizer(a, 1)->zero_grad(); return a.ret(); }},
     // opt:classification_step(model, inputs, targets): forward, cross-entropy, backward and the
     // update in one C++ call; returns the loss.
     {"classification_step", [](Args& a) {
-       return a.ret(models::classification_step(*a.module(2), *optimizer(a, 1), a.tensor(3), a.tensor(4))); }},
+       auto& opt = *optimizer(a, 1);
+       auto& model = *a.module(2);
+       if (first_step_pending()) {  // the first: forward and backward here, then the hook, then the update
+         auto loss = models::classification_loss(model, opt, a.tensor(3), a.tensor(4));
+         at_first_step(a.L, 1);
+         opt.step();
+         return a.ret(loss.item<double>());
+       }
+       return a.ret(models::classification_step(model, opt, a.tensor(3), a.tensor(4))); }},
     {"lr", [](Args& a) { return a.ret(optimizer(a, 1)->lr()); }},
     {"set_lr", [](Args& a) { optimizer(a, 1)->set_lr(a.number(2)); return a.ret(); }},
     {"steps", [](Args& a) { return a.ret(double(optimizer(a, 1)->steps_taken())); }},
@@ -122,6 +154,14 @@ const Function kOptimizerMethods[] = {
     {nullptr, nullptr}};
 
 const Function kOptim[] = {
+    {"model_of", [](Args& a) {  // model_of(opt): the model it was made for, or nil
+       auto* o = optimizer(a, 1).get();
+       for (const auto& [key, entry] : optimizers_of())
+         for (const auto& w : entry.optimizers)
+           if (w.lock().get() == o)
+             if (auto m = entry.model.lock()) { push_module(a.L, m); return 1; }
+       lua_pushnil(a.L);
+       return 1; }},
     {"of", [](Args& a) {  // of(model): the optimizers made for it that are still alive
        auto& all = optimizers_of();
        auto it = all.find(a.module(1).get());

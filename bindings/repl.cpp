@@ -14,6 +14,7 @@
 #include <readline/readline.h>
 
 #include "bindings/lua.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
 
@@ -162,7 +163,9 @@ const Function kRepl[] = {
        auto t = a.tensor(1).to(torch::kCPU, torch::kUInt8).contiguous();
        lua_pushlstring(a.L, reinterpret_cast<const char*>(t.data_ptr<uint8_t>()), static_cast<size_t>(t.numel()));
        return 1; }},
-    {"memory", [](Args& a) {  // { resident, peak }: this process's resident memory in bytes
+    // { resident, resident_peak, allocated, allocated_peak }: this process's resident memory and
+    // the bytes LibTorch's tensors hold on the CPU, in bytes.
+    {"memory", [](Args& a) {
        std::ifstream status("/proc/self/status");
        std::string line;
        double resident = 0, peak = 0;
@@ -174,10 +177,14 @@ const Function kRepl[] = {
          if (key == "VmRSS:") resident = kb * 1024;
          if (key == "VmHWM:") peak = kb * 1024;
        }
-       lua_createtable(a.L, 0, 2);
+       auto cpu = plan::memory(c10::kCPU);
+       lua_createtable(a.L, 0, 4);
        lua_pushnumber(a.L, resident); lua_setfield(a.L, -2, "resident");
-       lua_pushnumber(a.L, peak); lua_setfield(a.L, -2, "peak");
+       lua_pushnumber(a.L, peak); lua_setfield(a.L, -2, "resident_peak");
+       lua_pushnumber(a.L, double(cpu.allocated)); lua_setfield(a.L, -2, "allocated");
+       lua_pushnumber(a.L, double(cpu.peak)); lua_setfield(a.L, -2, "allocated_peak");
        return 1; }},
+    {"reset_peak", [](Args& a) { plan::reset_peak(c10::kCPU); return a.ret(); }},
     {nullptr, nullptr}};
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
 
@@ -45,6 +46,7 @@ torch::TensorOptions creation_options(const Args& a, int idx, const char* what,
   auto opts = torch::TensorOptions().dtype(dtype);
   if (o.has("dtype")) opts = opts.dtype(parse_dtype(o.string("dtype", "")));
   if (o.has("device")) opts = opts.device(parse_device(o.string("device", "")));
+  if (plan::planning()) opts = opts.device(torch::kMeta);  // shapes only: no memory while planning
   opts = opts.requires_grad(o.boolean("requires_grad", false));
   o.finish();
   return opts;
@@ -259,7 +261,10 @@ const Function kMethods[] = {
     {"uniform_", [](Args& a) { return a.ret(T(1).uniform_(a.number(2, 0), a.number(3, 1))); }},
     {"normal_", [](Args& a) { return a.ret(T(1).normal_(a.number(2, 0), a.number(3, 1))); }},
     // autograd
-    {"backward", [](Args& a) { if (a.none(2)) T(1).backward(); else T(1).backward(T(2)); return a.ret(); }},
+    {"backward", [](Args& a) {
+       plan::forward_ends();  // the first step's activations: what its forward left allocated
+       if (a.none(2)) T(1).backward(); else T(1).backward(T(2));
+       return a.ret(); }},
     {"requires_grad_", [](Args& a) { return a.ret(T(1).requires_grad_(a.boolean(2, true))); }},
     {"retain_grad", [](Args& a) { T(1).retain_grad(); return a.ret(); }},
     {nullptr, nullptr}};

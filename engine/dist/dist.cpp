@@ -113,7 +113,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const GroupOptions& options, 
               "' (ranks ", join(options.ranks), ")");
   int rank = static_cast<int>(it - options.ranks.begin());
   std::shared_ptr<ProcessGroup> group(new ProcessGroup(options, rank));
-  if (options.ranks.size() > 1) {
+  if (options.ranks.size() > 1 && !options.planned) {
     TORCH_CHECK(store, "group '", options.name, "' needs a rendezvous store");
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
         "group/" + (store_prefix.empty() ? options.name : store_prefix), store);
@@ -216,6 +216,7 @@ Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) 
   verify(1 + static_cast<int>(op), name, t);
   std::function<void()> after;
   if (op == ReduceOp::Mean && size() > 1) after = [t, n = size()]() mutable { t.div_(n); };
+  if (recorded_only()) record(name, static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record(name, static_cast<int64_t>(t.nbytes()));
   std::vector<Tensor> ts{t};
@@ -230,6 +231,7 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   TORCH_CHECK(root >= 0 && root < size(), "broadcast on ", describe(), ": root ", root, " is not a group rank (0..",
               size() - 1, ")");
   verify(6, "broadcast", t);
+  if (recorded_only()) record("broadcast", static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record("broadcast", static_cast<int64_t>(t.nbytes()));
   std::vector<Tensor> ts{t};
@@ -243,6 +245,11 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
   check(t, "all_gather");
   verify(7, "all_gather", t);
   out.clear();
+  if (recorded_only()) {
+    record("all_gather", static_cast<int64_t>(t.nbytes()) * size());
+    for (int i = 0; i < size(); ++i) out.push_back(torch::empty_like(t));
+    return Work();
+  }
   if (!impl_) {
     out.push_back(t.clone());
     return Work();
@@ -282,7 +289,8 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
 Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
-  if (impl_) record("send", static_cast<int64_t>(t.nbytes()));
+  if (impl_ || recorded_only()) record("send", static_cast<int64_t>(t.nbytes()));
+  if (recorded_only()) return Work();
   std::vector<Tensor> ts{t};
   return run("send", [&] { return impl_->group->send(ts, dst, 0); }, async);
 }
@@ -290,7 +298,8 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
 Work ProcessGroup::recv(Tensor& t, int src, bool async) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
-  if (impl_) record("recv", static_cast<int64_t>(t.nbytes()));
+  if (impl_ || recorded_only()) record("recv", static_cast<int64_t>(t.nbytes()));
+  if (recorded_only()) return Work();
   std::vector<Tensor> ts{t};
   return run("recv", [&] { return impl_->group->recv(ts, src, 0); }, async);
 }
@@ -357,7 +366,8 @@ World& World::instance() {
 void World::init(const WorldOptions& options) {
   TORCH_CHECK(!initialized_, "the world is already initialized");
   options_ = options;
-  if (options.world_size > 1) {
+  groups_.clear();
+  if (options.world_size > 1 && !options.planned) {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(options.master_port);
     so.isServer = options.rank == 0;
@@ -373,8 +383,9 @@ void World::init(const WorldOptions& options) {
   }
   std::vector<int> all(options.world_size);
   for (int i = 0; i < options.world_size; ++i) all[i] = i;
-  GroupOptions g{"world", all, options.timeout, options.backend};
+  GroupOptions g{"world", all, options.timeout, options.backend, options.planned};
   world_ = ProcessGroup::create(g, options.rank, store_);
+  groups_.push_back(world_);
   initialized_ = true;
 }
 
@@ -391,8 +402,17 @@ GroupPtr World::new_group(const std::string& name, const std::vector<int>& ranks
   // A unique store prefix even when names repeat (a second mesh, say).
   std::string unique = std::to_string(groups_made_++) + ":" + name;
   if (std::find(ranks.begin(), ranks.end(), options_.rank) == ranks.end()) return nullptr;
-  return ProcessGroup::create(GroupOptions{name, ranks, options_.timeout, options_.backend}, options_.rank, store_,
-                              unique);
+  auto group = ProcessGroup::create(GroupOptions{name, ranks, options_.timeout, options_.backend, options_.planned},
+                                    options_.rank, store_, unique);
+  groups_.push_back(group);
+  return group;
+}
+
+std::vector<GroupPtr> World::groups() const {
+  std::vector<GroupPtr> alive;
+  for (const auto& w : groups_)
+    if (auto g = w.lock()) alive.push_back(g);
+  return alive;
 }
 
 void World::shutdown() {
@@ -400,6 +420,7 @@ void World::shutdown() {
   if (world_ && world_->size() > 1) world_->barrier();
   world_.reset();
   store_.reset();
+  groups_.clear();
   initialized_ = false;
 }
 

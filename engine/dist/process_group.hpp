@@ -54,6 +54,9 @@ struct GroupOptions {
   std::vector<int> ranks;                         ///< global ranks, in group-rank order
   std::chrono::milliseconds timeout{300000};      ///< every collective's bound
   std::string backend = "gloo";                   ///< "gloo" or "nccl"
+  /// A planned group (the planner's virtual ranks): its collectives are recorded in traffic()
+  /// and run nothing; outputs keep their shapes (all_gather returns size() tensors).
+  bool planned = false;
 };
 
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
@@ -71,6 +74,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   int size() const { return static_cast<int>(options_.ranks.size()); }
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   std::string describe() const;  ///< "group 'data' (ranks 0,2)"
+  bool planned() const { return options_.planned; }
 
   /// In place; every rank ends with the reduction of everyone's tensor.
   Work all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, bool async = false) const;
@@ -100,6 +104,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // An all-reduce recorded under `op` (reduce_scatter on Gloo is one).
   Work reduce(Tensor& t, ReduceOp op, bool async, const char* name) const;
   void record(const char* op, int64_t bytes) const;
+  bool recorded_only() const { return !impl_ && options_.planned && size() > 1; }  // a planned group's collective
   mutable std::mutex traffic_mutex_;
   mutable std::map<std::string, Traffic> traffic_;
   explicit ProcessGroup(GroupOptions options, int rank);

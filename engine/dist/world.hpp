@@ -20,6 +20,9 @@ struct WorldOptions {
   int master_port = 29500;                       ///< MASTER_PORT
   std::chrono::milliseconds timeout{300000};     ///< PARTRAIN_TIMEOUT (seconds): store and collectives
   std::string backend = "gloo";                  ///< "gloo" (CPU) or "nccl" (CUDA)
+  /// A virtual rank of the planner: no rendezvous, and every group is planned (records its
+  /// collectives, runs none).
+  bool planned = false;
 };
 
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
@@ -46,6 +49,9 @@ class World {
   /// order; ranks outside `ranks` get nullptr.
   GroupPtr new_group(const std::string& name, const std::vector<int>& ranks);
 
+  /// The groups made so far that are still alive, the world group first.
+  std::vector<GroupPtr> groups() const;
+
   /// Waits for every rank (bounded by the timeout), then drops the groups and the store.
   void shutdown();
 
@@ -56,6 +62,7 @@ class World {
   c10::intrusive_ptr<c10d::Store> store_;
   GroupPtr world_;
   int groups_made_ = 0;
+  std::vector<std::weak_ptr<ProcessGroup>> groups_;
 };
 
 }  // namespace partrain::dist

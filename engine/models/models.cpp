@@ -1,6 +1,8 @@
 // Built-in model families (see models.hpp).
 #include "engine/models/models.hpp"
 
+#include "engine/plan/plan.hpp"
+
 namespace partrain::models {
 
 namespace {
@@ -27,11 +29,19 @@ nn::ModulePtr mlp(const MlpOptions& o) {
   return model;
 }
 
-double classification_step(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
-                           const torch::Tensor& targets) {
+torch::Tensor classification_loss(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
+                                  const torch::Tensor& targets) {
+  plan::step_begins();
   auto loss = nn::cross_entropy(model.forward({inputs}), targets);
+  plan::forward_ends();
   optimizer.zero_grad();
   loss.backward();
+  return loss;
+}
+
+double classification_step(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
+                           const torch::Tensor& targets) {
+  auto loss = classification_loss(model, optimizer, inputs, targets);
   optimizer.step();
   return loss.item<double>();
 }

@@ -24,5 +24,8 @@ nn::ModulePtr mlp(const MlpOptions& options);
 /// zero_grad, backward, optimizer step. Returns the loss.
 double classification_step(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
                            const torch::Tensor& targets);
+/// The same step without the update: forward, loss, zero_grad, backward. Returns the loss.
+torch::Tensor classification_loss(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
+                                  const torch::Tensor& targets);
 
 }  // namespace partrain::models

@@ -8,6 +8,11 @@
 
 namespace partrain::nn {
 
+/// The options new layers make their parameters with: LibTorch's defaults (float32 on the CPU)
+/// unless changed. The planner sets the meta device, so models are built without memory.
+const torch::TensorOptions& parameter_options();
+void set_parameter_options(const torch::TensorOptions& options);
+
 struct LinearOptions {
   LinearOptions(int64_t in, int64_t out) : in(in), out(out) {}
   int64_t in;         ///< input features

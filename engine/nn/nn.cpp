@@ -178,13 +178,24 @@ void Module::load_state_dict(const TensorMap& state, bool strict) {
 
 // ---- Layers ---------------------------------------------------------------------------------
 
+namespace {
+torch::TensorOptions& parameter_options_storage() {
+  static torch::TensorOptions options;
+  return options;
+}
+}  // namespace
+
+const torch::TensorOptions& parameter_options() { return parameter_options_storage(); }
+void set_parameter_options(const torch::TensorOptions& options) { parameter_options_storage() = options; }
+
+
 Linear::Linear(const LinearOptions& o) : Unary("Linear"), options(o) {
   TORCH_CHECK(o.in > 0 && o.out > 0, "Linear needs positive sizes, got in=", o.in, " out=", o.out);
-  auto& w = register_parameter("weight", torch::empty({o.out, o.in}));
+  auto& w = register_parameter("weight", torch::empty({o.out, o.in}, parameter_options()));
   torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));  // LibTorch's default
   if (o.bias) {
     double bound = 1.0 / std::sqrt(static_cast<double>(o.in));
-    auto& b = register_parameter("bias", torch::empty({o.out}));
+    auto& b = register_parameter("bias", torch::empty({o.out}, parameter_options()));
     torch::nn::init::uniform_(b, -bound, bound);
   } else {
     register_parameter("bias", Tensor(), /*requires_grad=*/false);  // an empty slot
@@ -206,7 +217,7 @@ std::string Linear::extra_repr() const {
 Embedding::Embedding(const EmbeddingOptions& o) : Unary("Embedding"), options(o) {
   TORCH_CHECK(o.count > 0 && o.dim > 0, "Embedding needs positive sizes, got count=", o.count,
               " dim=", o.dim);
-  register_parameter("weight", torch::randn({o.count, o.dim}));
+  register_parameter("weight", torch::randn({o.count, o.dim}, parameter_options()));
 }
 
 Tensor Embedding::forward(const Tensor& ids) {
@@ -221,8 +232,8 @@ std::string Embedding::extra_repr() const {
 LayerNorm::LayerNorm(const LayerNormOptions& o) : Unary("LayerNorm"), options(o) {
   TORCH_CHECK(o.dim > 0, "LayerNorm needs a positive dim, got ", o.dim);
   if (o.affine) {
-    register_parameter("weight", torch::ones({o.dim}));
-    register_parameter("bias", torch::zeros({o.dim}));
+    register_parameter("weight", torch::ones({o.dim}, parameter_options()));
+    register_parameter("bias", torch::zeros({o.dim}, parameter_options()));
   } else {
     register_parameter("weight", Tensor(), false);
     register_parameter("bias", Tensor(), false);

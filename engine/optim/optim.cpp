@@ -78,6 +78,14 @@ void Optimizer::zero_grad() {
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
 }
 
+int64_t Optimizer::planned_state_bytes() const {
+  int slots = options_.kind == "sgd" ? (options_.momentum != 0.0 ? 1 : 0) : 2;  // adam, adamw: two moments
+  int64_t bytes = 0;
+  for (const auto& p : params_)
+    if (p.requires_grad()) bytes += slots * static_cast<int64_t>(p.nbytes());
+  return bytes;
+}
+
 int64_t Optimizer::state_bytes() const {
   int64_t bytes = 0;
   auto add = [&](const torch::Tensor& t) {

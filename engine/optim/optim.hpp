@@ -61,6 +61,9 @@ class Optimizer {
   const std::vector<torch::Tensor>& params() const { return params_; }
   /// Bytes of the optimizer's state (momentum buffers, Adam's moments), as allocated so far.
   int64_t state_bytes() const;
+  /// Bytes of the state once every parameter has stepped (Adam's two moments, SGD's momentum),
+  /// computed from the parameters without allocating it: what the planner reports.
+  int64_t planned_state_bytes() const;
   torch::optim::Optimizer& impl() { return *impl_; }
   /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
   /// it to refuse steps on gradients not yet synced).

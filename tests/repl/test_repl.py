@@ -138,9 +138,10 @@ with tempfile.TemporaryDirectory() as home:
     out = s.chunk("opt = pt.optim.adamw(model); pt.loss_fn(model)(model(pt.randint(0, 64, {2, 8})), "
                   "pt.randint(0, 64, {2, 8})):backward(); opt:step()")
     out = s.chunk("mem()")
-    check("mem() reports parameters, gradients, optimizer state and resident memory",
-          re.search(r"params [0-9.]+ MB \| grads [0-9.]+ MB \| optimizer [0-9.]+ MB \| resident", out) is not None
-          and "optimizer 0.00 MB" not in out, out)
+    check("mem() reports parameters, gradients, optimizer state, the allocator's bytes and resident memory",
+          re.search(r"params [0-9.]+ MB \| grads [0-9.]+ MB \| optimizer [0-9.]+ MB \| tensors [0-9.]+ MB "
+                    r"\(peak [0-9.]+ MB\) \| resident", out) is not None
+          and "optimizer 0.00 MB" not in out and "tensors 0.00 MB" not in out, out)
     out = s.chunk(f"=on({last}, function() return 'only here' end)")
     check("on(rank, fn) runs on one rank only",
           f"[rank {last}] \"only here\"" in out and out.count("only here") == 1, repr(out))

@@ -126,7 +126,15 @@ end
 pt.tp = core.tp
 --- pt.mesh { tensor = t, pipeline = p, data = d, zero = z }: the world laid out as
 --- pipeline x data x tensor (tensor fastest), with its groups made once.
-pt.mesh = core.dist.mesh
+local last_mesh = setmetatable({}, { __mode = "v" })
+function pt.mesh(...)
+  local mesh = core.dist.mesh(...)
+  last_mesh[1] = mesh
+  return mesh
+end
+pt.dist.mesh = pt.mesh
+--- The mesh made last (while it lives).
+function pt.last_mesh() return last_mesh[1] end
 
 local data_parallel = {}   -- model -> its data-parallel handle (the model is returned as it was)
 local meshes = setmetatable({}, { __mode = "k" })   -- model -> the mesh it was made parallel over
@@ -174,6 +182,29 @@ end
 function pt.mesh_of(model) return model and meshes[model] end
 --- The model pt.parallelize made last (while it lives), for the REPL's helpers.
 function pt.parallelized() return last_parallelized[1] end
+
+-- Memory and plans ---------------------------------------------------------------------------
+--- pt.memory(): { allocated, allocated_peak } bytes LibTorch's tensors hold on the CPU now and at
+--- the peak (since pt.reset_peak_memory()), and { resident, resident_peak } of the process.
+pt.memory = core.memory
+pt.reset_peak_memory = core.reset_peak
+--- This rank's model-state bytes: { params, grads, optimizer } of `model` (a tied parameter once)
+--- and its optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields.
+function pt.memory_report(model)
+  local r = pt.memory()
+  r.params, r.grads, r.optimizer = 0, 0, 0
+  for _, p in ipairs(model:parameters()) do
+    r.params = r.params + p:numel() * p:element_size()
+    local g = p.grad
+    if g then r.grads = r.grads + g:numel() * g:element_size() end
+  end
+  for _, o in ipairs(pt.optim.of(model)) do r.optimizer = r.optimizer + o:state_bytes() end
+  return r
+end
+--- pt.plan.planning(): whether this script runs under `partrain plan`. pt.plan.first_step():
+--- { begun, forward_done, activations } of the first training step (activations: the bytes its
+--- forward left allocated, measured at its backward).
+pt.plan = { planning = core.plan.planning, first_step = core.plan.first_step }
 
 --- Opens the REPL on every rank at this point of the script (rank 0 reads; every rank runs what
 --- it reads; see docs/repl.md). The caller's locals are visible (read-only) beside the globals;

@@ -304,21 +304,12 @@ function R.helpers(stop)
       tostring(m):match("^[^\n;]*"), rank, c.tensor, c.data, c.pipeline, rank_list(m:ranks("tensor")), rank_list(m:ranks("data"))))
   end
 
-  --- This rank's memory: parameters, gradients and optimizer state in bytes, and the
-  --- process's resident memory now and at its peak.
+  --- This rank's memory: parameters, gradients and optimizer state in bytes, the bytes tensors
+  --- hold on the CPU now and at their peak, and the process's resident memory.
   function H.mem(model)
-    model = model_of(model)
-    local params, grads = 0, 0
-    for _, p in ipairs(model:parameters()) do
-      params = params + p:numel() * p:element_size()
-      local g = p.grad
-      if g then grads = grads + g:numel() * g:element_size() end
-    end
-    local optim = 0
-    for _, o in ipairs(pt.optim.of(model)) do optim = optim + o:state_bytes() end
-    local m = core.memory()
-    print(("params %s | grads %s | optimizer %s | resident %s (peak %s)"):format(mb(params), mb(grads), mb(optim),
-      mb(m.resident), mb(m.peak)))
+    local r = pt.memory_report(model_of(model))
+    print(("params %s | grads %s | optimizer %s | tensors %s (peak %s) | resident %s (peak %s)"):format(mb(r.params),
+      mb(r.grads), mb(r.optimizer), mb(r.allocated), mb(r.allocated_peak), mb(r.resident), mb(r.resident_peak)))
   end
   return H
 end

@@ -1,0 +1,770 @@
+// Planning without processes: counting allocators, the meta kernels LibTorch lacks, the first
+// step's marks, and the plan itself (built, saved, compared and shown). See plan.hpp.
+#include "engine/plan/plan.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <ATen/ExpandUtils.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <cereal/archives/binary.hpp>
+#include <cereal/types/string.hpp>
+#include <cereal/types/utility.hpp>
+#include <cereal/types/vector.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/library.h>
+
+#include "engine/compat.hpp"
+#include "engine/dist/mesh.hpp"
+#include "engine/nn/layers.hpp"
+#include "engine/optim/optim.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+
+namespace partrain::plan {
+
+// ---- Memory accounting ---------------------------------------------------------------------
+
+namespace {
+
+struct Counter {
+  std::atomic<int64_t> allocated{0}, peak{0};
+  void add(int64_t n) {
+    int64_t now = allocated.fetch_add(n) + n;
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+  }
+  void sub(int64_t n) { allocated.fetch_sub(n); }
+};
+
+Counter& cpu_counter() {
+  static Counter c;
+  return c;
+}
+Counter& meta_counter() {
+  static Counter c;
+  return c;
+}
+
+// CPU memory with its size in a header before the data (kept 64-byte aligned, as LibTorch's).
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static constexpr size_t kHeader = 64;
+  c10::DataPtr allocate(size_t n) const override {
+    auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
+    *reinterpret_cast<size_t*>(base) = n;
+    cpu_counter().add(static_cast<int64_t>(n));
+    void* data = base + kHeader;
+    return {data, data, &release, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  static void release(void* data) {
+    if (!data) return;
+    char* base = static_cast<char*>(data) - kHeader;
+    cpu_counter().sub(static_cast<int64_t>(*reinterpret_cast<size_t*>(base)));
+    c10::free_cpu(base);
+  }
+};
+
+// Meta "memory": no data, only the size, counted while the storage lives.
+class CountingMetaAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) const override {
+    meta_counter().add(static_cast<int64_t>(n));
+    return {nullptr, new size_t(n), &release, c10::Device(c10::kMeta)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  static void release(void* ctx) {
+    auto* n = static_cast<size_t*>(ctx);
+    meta_counter().sub(static_cast<int64_t>(*n));
+    delete n;
+  }
+};
+
+Counter& counter(c10::DeviceType device) {
+  TORCH_CHECK(device == c10::kCPU || device == c10::kMeta, "memory is counted on the CPU and the meta device, not ",
+              device);
+  return device == c10::kCPU ? cpu_counter() : meta_counter();
+}
+
+}  // namespace
+
+void install_allocators() {
+  static CountingCpuAllocator cpu;
+  static CountingMetaAllocator meta;
+  static bool done = [] {
+    c10::SetAllocator(c10::kCPU, &cpu, /*priority=*/100);
+    c10::SetAllocator(c10::kMeta, &meta, /*priority=*/100);
+    return true;
+  }();
+  (void)done;
+}
+
+Memory memory(c10::DeviceType device) {
+  auto& c = counter(device);
+  return {c.allocated.load(), c.peak.load()};
+}
+
+void reset_peak(c10::DeviceType device) {
+  auto& c = counter(device);
+  c.peak.store(c.allocated.load());
+}
+
+// ---- Meta kernels --------------------------------------------------------------------------
+// Shapes only: what the CPU kernel would return, without computing it. Registered only for the
+// operators the running LibTorch has no meta kernel for.
+
+namespace meta {
+
+using at::Tensor;
+
+Tensor index_select(const Tensor& self, int64_t dim, const Tensor& index) {
+  auto sizes = self.sizes().vec();
+  if (!sizes.empty()) sizes[c10::maybe_wrap_dim(dim, self.dim())] = index.numel();
+  return at::empty(sizes, self.options());
+}
+
+Tensor embedding_dense_backward(const Tensor& grad, const Tensor&, int64_t num_weights, int64_t, bool) {
+  return at::empty({num_weights, grad.size(-1)}, grad.options());
+}
+
+std::tuple<Tensor, Tensor, Tensor> native_layer_norm(const Tensor& input, at::IntArrayRef normalized,
+                                                     const c10::optional<Tensor>&, const c10::optional<Tensor>&,
+                                                     double) {
+  auto stat = input.sizes().vec();
+  for (size_t i = stat.size() - normalized.size(); i < stat.size(); ++i) stat[i] = 1;
+  bool reduced = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
+  auto stat_options = input.options().dtype(reduced ? at::kFloat : input.scalar_type());
+  return std::make_tuple(at::empty(input.sizes(), input.options()), at::empty(stat, stat_options),
+                         at::empty(stat, stat_options));
+}
+
+std::tuple<Tensor, Tensor, Tensor> native_layer_norm_backward(const Tensor&, const Tensor& input, at::IntArrayRef,
+                                                              const Tensor&, const Tensor&,
+                                                              const c10::optional<Tensor>& weight,
+                                                              const c10::optional<Tensor>& bias,
+                                                              std::array<bool, 3> mask) {
+  Tensor dx, dw, db;
+  if (mask[0]) dx = at::empty(input.sizes(), input.options());
+  if (mask[1] && weight && weight->defined()) dw = at::empty(weight->sizes(), weight->options());
+  if (mask[2] && bias && bias->defined()) db = at::empty(bias->sizes(), bias->options());
+  return std::make_tuple(dx, dw, db);
+}
+
+Tensor where(const Tensor& condition, const Tensor& self, const Tensor& other) {
+  auto shape = at::infer_size(at::infer_size(condition.sizes(), self.sizes()), other.sizes());
+  return at::empty(shape, self.options().dtype(at::result_type(self, other)));
+}
+
+// An elementwise operator's out= form: `out` takes the broadcast shape of the tensor arguments.
+void elementwise_out(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  size_t n = op.schema().arguments().size();
+  auto args = torch::jit::last(*stack, n);
+  at::Tensor out = args[n - 1].toTensor();
+  std::vector<int64_t> shape;
+  for (size_t i = 0; i + 1 < n; ++i)
+    if (args[i].isTensor()) shape = at::infer_size(shape, args[i].toTensor().sizes());
+  out.resize_(shape);
+  torch::jit::drop(*stack, n);
+  stack->push_back(out);
+}
+
+// An operator whose one result has the shape and type of its first tensor argument (a
+// functional elementwise operator), or is that argument (its in-place form).
+void like_first(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  size_t n = op.schema().arguments().size();
+  auto args = torch::jit::last(*stack, n);
+  at::Tensor first;
+  for (const auto& a : args)
+    if (a.isTensor()) {
+      first = a.toTensor();
+      break;
+    }
+  bool in_place = !op.schema().name().empty() && op.schema().name().back() == '_';
+  at::Tensor result = in_place ? first : at::empty_like(first);
+  torch::jit::drop(*stack, n);
+  stack->push_back(result);
+}
+
+void install() {
+  static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::Meta, __FILE__, __LINE__);
+  static bool done = [] {
+    auto missing = [](const char* name, const char* overload) {
+      auto op = c10::Dispatcher::singleton().findSchema({name, overload});
+      return op && !op->hasKernelForDispatchKey(c10::DispatchKey::Meta);
+    };
+    if (missing("aten::index_select", "")) library.impl("index_select", TORCH_FN(index_select));
+    if (missing("aten::embedding_dense_backward", ""))
+      library.impl("embedding_dense_backward", TORCH_FN(embedding_dense_backward));
+    if (missing("aten::native_layer_norm", "")) library.impl("native_layer_norm", TORCH_FN(native_layer_norm));
+    if (missing("aten::native_layer_norm_backward", ""))
+      library.impl("native_layer_norm_backward", TORCH_FN(native_layer_norm_backward));
+    if (missing("aten::where", "self")) library.impl("where.self", TORCH_FN(where));
+    for (const char* name : {"relu", "relu_", "threshold_backward"})
+      if (missing((std::string("aten::") + name).c_str(), ""))
+        library.impl(name, torch::CppFunction::makeFromBoxedFunction<&like_first>());
+    for (const char* name : {"logical_or", "logical_and", "logical_xor", "logical_not"})
+      if (missing((std::string("aten::") + name).c_str(), "out")) {
+        std::string overload = std::string(name) + ".out";
+        library.impl(overload.c_str(), torch::CppFunction::makeFromBoxedFunction<&elementwise_out>());
+      }
+    return true;
+  }();
+  (void)done;
+}
+
+}  // namespace meta
+
+// ---- Planning mode and the first step ------------------------------------------------------
+
+namespace {
+bool planning_ = false;
+FirstStep first_step_;
+std::map<std::string, dist::ProcessGroup::Traffic> traffic_base_;  // "group op" -> before the first step
+
+c10::DeviceType counted_device() { return planning_ ? c10::kMeta : c10::kCPU; }
+}  // namespace
+
+bool planning() { return planning_; }
+
+void set_planning(bool on) {
+  planning_ = on;
+  install_allocators();
+  if (on) meta::install();
+  nn::set_parameter_options(on ? torch::TensorOptions().device(torch::kMeta) : torch::TensorOptions());
+}
+
+void step_begins() {
+  if (first_step_.begun) return;
+  first_step_.begun = true;
+  first_step_.base = memory(counted_device()).allocated;
+  traffic_base_.clear();
+  for (const auto& g : dist::World::instance().groups())
+    for (const auto& [op, t] : g->traffic()) {
+      auto& base = traffic_base_[g->name() + " " + op];
+      base.calls += t.calls;
+      base.bytes += t.bytes;
+    }
+}
+
+void forward_ends() {
+  if (!first_step_.begun || first_step_.forward_done) return;
+  first_step_.forward_done = true;
+  first_step_.activations = memory(counted_device()).allocated - first_step_.base;
+}
+
+void first_step_hooked() { first_step_.hooked = true; }
+
+const FirstStep& first_step() { return first_step_; }
+void reset_first_step() {
+  first_step_ = FirstStep{};
+  traffic_base_.clear();
+}
+
+// ---- Building a rank's plan ----------------------------------------------------------------
+
+bool Shard::operator==(const Shard& o) const {
+  return name == o.name && dtype == o.dtype && shape == o.shape && local_shape == o.local_shape && dim == o.dim &&
+         slices == o.slices && group == o.group && bytes == o.bytes;
+}
+
+bool Collective::operator==(const Collective& o) const {
+  return group == o.group && op == o.op && calls == o.calls && bytes == o.bytes;
+}
+
+RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
+                  const dist::Mesh* mesh) {
+  RankPlan r;
+  r.rank = rank;
+  if (mesh) {
+    r.tensor = mesh->coord().tensor;
+    r.data = mesh->coord().data;
+    r.pipeline = mesh->coord().pipeline;
+  } else {
+    r.data = rank;
+  }
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;  // a tied one once
+    Shard s;
+    s.name = item.key();
+    s.dtype = c10::toString(p.scalar_type());
+    s.local_shape = p.sizes().vec();
+    s.shape = s.local_shape;
+    s.bytes = static_cast<int64_t>(p.nbytes());
+    if (auto sharding = parallel::sharding_of(p)) {
+      s.shape = sharding->shape;
+      s.dim = static_cast<int>(sharding->dim);
+      s.slices = sharding->slices(sharding->group->rank());
+      s.group = sharding->group->ranks();
+    }
+    r.param_bytes += s.bytes;
+    if (p.requires_grad()) r.grad_bytes += s.bytes;
+    r.shards.push_back(std::move(s));
+  }
+  for (const auto* o : optimizers) r.optimizer_bytes += o->planned_state_bytes();
+  r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
+  // What the groups moved since the first step began.
+  std::map<std::string, dist::ProcessGroup::Traffic> seen_base = traffic_base_;
+  for (const auto& g : dist::World::instance().groups())
+    for (const auto& [op, t] : g->traffic()) {
+      auto& base = seen_base[g->name() + " " + op];
+      int64_t calls = t.calls - base.calls, bytes = t.bytes - base.bytes;
+      base = {};  // a second group of the same name counts from zero
+      if (first_step_.begun && calls > 0) r.collectives.push_back({g->name(), op, calls, bytes});
+    }
+  std::sort(r.collectives.begin(), r.collectives.end(),
+            [](const Collective& a, const Collective& b) { return std::tie(a.group, a.op) < std::tie(b.group, b.op); });
+  return r;
+}
+
+Plan layout_of(const dist::Mesh* mesh) {
+  Plan p;
+  auto& world = dist::World::instance();
+  p.world = world.initialized() ? world.size() : 1;
+  p.nproc_per_node = world.initialized() ? world.options().local_world_size : 1;
+  if (mesh) {
+    p.tensor = mesh->layout().tensor;
+    p.data = mesh->layout().data;
+    p.pipeline = mesh->layout().pipeline;
+    p.zero = mesh->layout().zero;
+  } else {
+    p.data = p.zero = p.world;
+  }
+  return p;
+}
+
+namespace {
+Plan recorded_;
+}
+
+void record(RankPlan rank, const Plan& layout) {
+  if (recorded_.ranks.empty()) {
+    auto ranks = std::move(recorded_.ranks);
+    recorded_ = layout;
+    recorded_.ranks = std::move(ranks);
+  }
+  recorded_.ranks.push_back(std::move(rank));
+}
+
+Plan& recorded() { return recorded_; }
+
+// ---- Saving and loading --------------------------------------------------------------------
+
+template <class Archive>
+void serialize(Archive& ar, Shard& s) {
+  ar(s.name, s.dtype, s.shape, s.local_shape, s.dim, s.slices, s.group, s.bytes);
+}
+template <class Archive>
+void serialize(Archive& ar, Collective& c) {
+  ar(c.group, c.op, c.calls, c.bytes);
+}
+template <class Archive>
+void serialize(Archive& ar, RankPlan& r) {
+  ar(r.rank, r.tensor, r.data, r.pipeline, r.shards, r.param_bytes, r.grad_bytes, r.optimizer_bytes,
+     r.activation_bytes, r.collectives);
+}
+template <class Archive>
+void serialize(Archive& ar, Plan& p) {
+  ar(p.script, p.world, p.nproc_per_node, p.tensor, p.data, p.pipeline, p.zero, p.cpu_peak_bytes, p.seconds, p.ranks);
+}
+
+namespace {
+const char kMagic[] = "partrain-plan";
+constexpr uint32_t kVersion = 1;
+}  // namespace
+
+void save(const Plan& plan, const std::string& path) {
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out, "cannot write the plan to '", tmp, "': ", std::strerror(errno));
+    cereal::BinaryOutputArchive ar(out);
+    ar(std::string(kMagic), kVersion, const_cast<Plan&>(plan));
+    out.flush();
+    TORCH_CHECK(out, "writing the plan to '", tmp, "' failed");
+  }
+  int fd = ::open(tmp.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot move the plan into place at '", path,
+              "': ", std::strerror(errno));
+}
+
+Plan load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "cannot read the plan '", path, "': ", std::strerror(errno));
+  Plan plan;
+  std::string magic;
+  uint32_t version = 0;
+  try {
+    cereal::BinaryInputArchive ar(in);
+    ar(magic);
+    TORCH_CHECK(magic == kMagic, "'", path, "' is not a partrain plan (made by partrain plan --save)");
+    ar(version);
+    TORCH_CHECK(version == kVersion, "the plan '", path, "' has format version ", version, "; this partrain reads ",
+                kVersion);
+    ar(plan);
+  } catch (const cereal::Exception& e) {
+    TORCH_CHECK(false, "the plan '", path, "' is damaged or truncated (", e.what(), ")");
+  } catch (const std::length_error& e) {
+    TORCH_CHECK(false, "'", path, "' is not a partrain plan");
+  } catch (const std::bad_alloc& e) {
+    TORCH_CHECK(false, "'", path, "' is not a partrain plan");
+  }
+  return plan;
+}
+
+std::string to_bytes(const RankPlan& rank) {
+  std::ostringstream out(std::ios::binary);
+  {
+    cereal::BinaryOutputArchive ar(out);
+    ar(const_cast<RankPlan&>(rank));
+  }
+  return out.str();
+}
+
+RankPlan from_bytes(const std::string& bytes) {
+  std::istringstream in(bytes, std::ios::binary);
+  RankPlan r;
+  cereal::BinaryInputArchive ar(in);
+  ar(r);
+  return r;
+}
+
+// ---- Comparing -----------------------------------------------------------------------------
+
+namespace {
+
+template <class T>
+std::string list(const std::vector<T>& v, const char* sep = "x") {
+  std::ostringstream s;
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? sep : "") << v[i];
+  return v.empty() ? "scalar" : s.str();
+}
+
+std::string slices_text(const Shard& s) {
+  if (s.dim < 0) return "whole";
+  std::ostringstream t;
+  for (size_t i = 0; i < s.slices.size(); ++i)
+    t << (i ? "+" : "") << s.slices[i].first << ":" << s.slices[i].first + s.slices[i].second;
+  return t.str();
+}
+
+std::string shard_text(const Shard& s) {
+  std::ostringstream t;
+  t << s.dtype << " " << list(s.shape) << " local " << list(s.local_shape);
+  if (s.dim >= 0) t << " split on " << s.dim << " [" << slices_text(s) << "] over ranks " << list(s.group, ",");
+  return t.str();
+}
+
+}  // namespace
+
+std::string differences(const RankPlan& planned, const RankPlan& actual) {
+  std::ostringstream d;
+  int shown = 0, hidden = 0;  // at most 8 tensors named, then a count
+  if (planned.tensor != actual.tensor || planned.data != actual.data || planned.pipeline != actual.pipeline)
+    d << "  coordinates: planned tensor " << planned.tensor << ", data " << planned.data << ", pipeline "
+      << planned.pipeline << "; this run " << actual.tensor << ", " << actual.data << ", " << actual.pipeline << "\n";
+  std::map<std::string, const Shard*> mine;
+  for (const auto& s : actual.shards) mine[s.name] = &s;
+  for (const auto& s : planned.shards) {
+    auto it = mine.find(s.name);
+    bool differs = it == mine.end() || !(s == *it->second);
+    if (differs && shown == 8) ++hidden;
+    else if (it == mine.end()) d << "  " << s.name << ": planned (" << shard_text(s) << "), missing in this run\n";
+    else if (differs)
+      d << "  " << s.name << ": planned " << shard_text(s) << "; this run " << shard_text(*it->second) << "\n";
+    if (differs && shown < 8) ++shown;
+    if (it != mine.end()) mine.erase(it);
+  }
+  for (const auto& [name, s] : mine) {
+    if (shown == 8) {
+      ++hidden;
+      continue;
+    }
+    d << "  " << name << ": not in the plan (" << shard_text(*s) << ")\n";
+    ++shown;
+  }
+  if (hidden) d << "  ... and " << hidden << " more tensor(s)\n";
+  auto bytes = [&](const char* what, int64_t p, int64_t a) {
+    if (p != a) d << "  " << what << " bytes: planned " << p << ", this run " << a << "\n";
+  };
+  bytes("parameter", planned.param_bytes, actual.param_bytes);
+  bytes("gradient", planned.grad_bytes, actual.grad_bytes);
+  bytes("optimizer", planned.optimizer_bytes, actual.optimizer_bytes);
+  if (planned.collectives != actual.collectives) {
+    auto text = [](const std::vector<Collective>& cs) {
+      std::ostringstream t;
+      for (const auto& c : cs) t << " " << c.group << " " << c.op << " x" << c.calls << " (" << c.bytes << " B)";
+      return cs.empty() ? std::string(" none") : t.str();
+    };
+    d << "  collectives in the first step: planned" << text(planned.collectives) << "; this run"
+      << text(actual.collectives) << "\n";
+  }
+  return d.str();
+}
+
+// ---- Checking a run against a saved plan --------------------------------------------------
+
+namespace {
+
+// Everyone's string, in rank order (an all-gather of lengths, then of padded bytes).
+std::vector<std::string> gather_strings(const dist::GroupPtr& group, const std::string& mine) {
+  if (!group || group->size() == 1) return {mine};
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
+  auto lengths = group->all_gather(length);
+  int64_t longest = 0;
+  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  auto padded = torch::zeros({longest}, torch::kUInt8);
+  std::memcpy(padded.data_ptr<uint8_t>(), mine.data(), mine.size());
+  auto all = group->all_gather(padded);
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()), lengths[r].item<int64_t>());
+  return out;
+}
+
+}  // namespace
+
+std::string check(const RankPlan& actual, const Plan& layout, const std::string& path, const std::string& mode) {
+  TORCH_CHECK(mode == "match" || mode == "override" || mode == "moo", "plan mode '", mode,
+              "' is not one of match, override, moo");
+  auto& world = dist::World::instance();
+  dist::GroupPtr group = world.initialized() ? world.world() : nullptr;
+  std::string diff, problem;
+  bool exists = ::access(path.c_str(), F_OK) == 0;
+  if (mode != "override") {
+    if (!exists) {
+      problem = "there is no plan at '" + path + "' (make one with partrain plan --save)";
+    } else {
+      try {
+        Plan planned = load(path);
+        std::ostringstream d;
+        if (planned.world != layout.world || planned.tensor != layout.tensor || planned.data != layout.data ||
+            planned.pipeline != layout.pipeline || planned.zero != layout.zero)
+          d << "  layout: planned world " << planned.world << " (tensor " << planned.tensor << " x data "
+            << planned.data << " x pipeline " << planned.pipeline << ", zero " << planned.zero << "); this run world "
+            << layout.world << " (tensor " << layout.tensor << " x data " << layout.data << " x pipeline "
+            << layout.pipeline << ", zero " << layout.zero << ")\n";
+        auto it = std::find_if(planned.ranks.begin(), planned.ranks.end(),
+                               [&](const RankPlan& r) { return r.rank == actual.rank; });
+        if (it == planned.ranks.end()) d << "  rank " << actual.rank << " is not in the plan\n";
+        else d << differences(*it, actual);
+        diff = d.str();
+      } catch (const std::exception& e) {
+        problem = compat::message_of(e);
+      }
+    }
+  }
+  bool mismatch = !diff.empty() || !problem.empty();
+  // Every rank learns whether any rank differs, so all of them act alike.
+  auto flag = torch::tensor({mismatch ? 1 : 0}, torch::kInt32);
+  if (group && group->size() > 1) group->all_reduce(flag, dist::ReduceOp::Max);
+  bool any = flag.item<int>() != 0;
+  if (mode == "match" && any) {
+    if (!problem.empty()) TORCH_CHECK(false, "rank ", actual.rank, ": ", problem);
+    if (!diff.empty())
+      TORCH_CHECK(false, "rank ", actual.rank, " does not match the plan '", path, "' (plan mode match):\n", diff,
+                  "run partrain plan --save again, or use --plan-mode override or moo");
+    TORCH_CHECK(false, "rank ", actual.rank, ": another rank does not match the plan '", path, "' (see its message)");
+  }
+  if (mode == "moo" && !any) return "matches the plan '" + path + "'";
+  if (mode == "match") return "matches the plan '" + path + "'";
+  // override, or moo with a difference: write this run's plan.
+  auto all = gather_strings(group, to_bytes(actual));
+  if (!group || group->rank() == 0) {
+    Plan p = layout;
+    for (const auto& bytes : all) p.ranks.push_back(from_bytes(bytes));
+    save(p, path);
+  }
+  if (group && group->size() > 1) group->barrier();
+  return std::string(exists ? "wrote this run's plan over '" : "wrote this run's plan to '") + path + "'";
+}
+
+// ---- Showing -------------------------------------------------------------------------------
+
+namespace {
+
+std::string human(int64_t bytes) {
+  if (bytes < 0) return "-";
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double x = static_cast<double>(bytes);
+  int u = 0;
+  while (x >= 1024 && u < 4) {
+    x /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", x, units[u]);
+  return buf;
+}
+
+// "0-3", "0,2", "0-1,4-5", and runs with a stride as "1,9..57" (1, 9, 17, ..., 57).
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream s;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i + 1;
+    int step = j < ranks.size() ? ranks[j] - ranks[i] : 1;
+    while (j + 1 < ranks.size() && ranks[j + 1] - ranks[j] == step) ++j;
+    s << (i ? "," : "");
+    if (j < ranks.size() && j - i >= 2) {  // three or more evenly spaced
+      if (step == 1) s << ranks[i] << "-" << ranks[j];
+      else s << ranks[i] << "," << ranks[i + 1] << ".." << ranks[j];
+      i = j + 1;
+    } else {
+      s << ranks[i];
+      i = i + 1;
+    }
+  }
+  return s.str();
+}
+
+// Rows of text keyed by content, in first-seen order, with the ranks that share each.
+struct Grouped {
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<int>> ranks;
+  void add(const std::string& text, int rank) {
+    auto& r = ranks[text];
+    if (r.empty()) order.push_back(text);
+    r.push_back(rank);
+  }
+};
+
+std::string kind_of(const std::string& group) { return group.substr(0, group.find('[')); }
+
+}  // namespace
+
+std::string to_text(const Plan& plan) {
+  std::ostringstream out;
+  out << "plan of " << plan.script << " on " << plan.world << " virtual rank(s) (" << plan.world / plan.nproc_per_node
+      << " node(s) x " << plan.nproc_per_node << "): tensor " << plan.tensor << " x data " << plan.data
+      << " x pipeline " << plan.pipeline << ", zero groups of " << plan.zero << "\n";
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.2f", plan.seconds);
+  out << "planned in " << secs << " s; tensor memory allocated on the CPU while planning: peak "
+      << human(plan.cpu_peak_bytes) << "\n";
+
+  // The shard map: each logical tensor and who holds which part of it.
+  std::vector<std::string> names;
+  std::map<std::string, const Shard*> first;
+  std::map<std::string, Grouped> holders;
+  for (const auto& r : plan.ranks)
+    for (const auto& s : r.shards) {
+      if (!first.count(s.name)) {
+        names.push_back(s.name);
+        first[s.name] = &s;
+      }
+      holders[s.name].add(slices_text(s), r.rank);
+    }
+  size_t width = 9;
+  for (const auto& n : names) width = std::max(width, n.size());
+  out << "\nshards: logical tensors and the slices ranks hold\n";
+  char line[512];
+  std::snprintf(line, sizeof line, "  %-*s  %-16s %-7s %-11s %s\n", static_cast<int>(width), "parameter", "shape",
+                "split", "bytes/rank", "held by");
+  out << line;
+  for (const auto& n : names) {
+    const Shard& s = *first[n];
+    std::string held;
+    const auto& g = holders[n];
+    if (g.order.size() == 1 && g.order[0] == "whole" && g.ranks.at("whole").size() == plan.ranks.size()) {
+      held = "every rank (whole)";
+    } else {
+      for (const auto& text : g.order)
+        held += (held.empty() ? "" : "; ") + std::string("ranks ") + rank_list(g.ranks.at(text)) + " [" + text + "]";
+    }
+    std::snprintf(line, sizeof line, "  %-*s  %-16s %-7s %-11s ", static_cast<int>(width), n.c_str(),
+                  list(s.shape).c_str(), s.dim < 0 ? "-" : std::to_string(s.dim).c_str(), human(s.bytes).c_str());
+    out << line << held << "\n";
+  }
+
+  // Memory per rank, ranks with the same figures together.
+  out << "\nmemory per rank (model state = parameters + gradients + optimizer state)\n";
+  std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters", "gradients",
+                "optimizer", "model state", "activations (first step)");
+  out << line;
+  Grouped memory;
+  for (const auto& r : plan.ranks) {
+    std::snprintf(line, sizeof line, "%-12s %-12s %-12s %-12s %s", human(r.param_bytes).c_str(),
+                  human(r.grad_bytes).c_str(), human(r.optimizer_bytes).c_str(), human(r.model_state_bytes()).c_str(),
+                  r.activation_bytes < 0 ? "- (no forward before the first step)" : human(r.activation_bytes).c_str());
+    memory.add(line, r.rank);
+  }
+  for (const auto& text : memory.order) {
+    std::snprintf(line, sizeof line, "  %-14s ", rank_list(memory.ranks[text]).c_str());
+    out << line << text << "\n";
+  }
+
+  // Collectives in a step, by group kind.
+  out << "\ncollectives per training step (bytes: whole messages)\n";
+  Grouped comms;
+  for (const auto& r : plan.ranks) {
+    std::map<std::string, Collective> by_kind;
+    for (const auto& c : r.collectives) {
+      auto& k = by_kind[kind_of(c.group) + " " + c.op];
+      k.calls += c.calls;
+      k.bytes += c.bytes;
+    }
+    std::string text;
+    for (const auto& [what, c] : by_kind)
+      text += (text.empty() ? "" : "; ") + what + " x" + std::to_string(c.calls) + " " + human(c.bytes);
+    comms.add(text.empty() ? "none" : text, r.rank);
+  }
+  for (const auto& text : comms.order) {
+    std::snprintf(line, sizeof line, "  %-14s ", rank_list(comms.ranks[text]).c_str());
+    out << line << text << "\n";
+  }
+  return out.str();
+}
+
+std::string to_json(const Plan& plan) {
+  using nlohmann::json;
+  json ranks = json::array();
+  for (const auto& r : plan.ranks) {
+    json shards = json::array();
+    for (const auto& s : r.shards) {
+      json slices = json::array();
+      for (const auto& [start, length] : s.slices) slices.push_back({start, length});
+      shards.push_back({{"name", s.name}, {"dtype", s.dtype}, {"shape", s.shape}, {"local_shape", s.local_shape},
+                        {"dim", s.dim < 0 ? json(nullptr) : json(s.dim)}, {"slices", slices}, {"group", s.group},
+                        {"bytes", s.bytes}});
+    }
+    json comms = json::array();
+    for (const auto& c : r.collectives)
+      comms.push_back({{"group", c.group}, {"op", c.op}, {"calls", c.calls}, {"bytes", c.bytes}});
+    ranks.push_back({{"rank", r.rank},
+                     {"coord", {{"tensor", r.tensor}, {"data", r.data}, {"pipeline", r.pipeline}}},
+                     {"param_bytes", r.param_bytes},
+                     {"grad_bytes", r.grad_bytes},
+                     {"optimizer_bytes", r.optimizer_bytes},
+                     {"model_state_bytes", r.model_state_bytes()},
+                     {"activation_bytes", r.activation_bytes < 0 ? json(nullptr) : json(r.activation_bytes)},
+                     {"collectives", comms},
+                     {"shards", shards}});
+  }
+  json j = {{"script", plan.script},
+            {"world", plan.world},
+            {"nproc_per_node", plan.nproc_per_node},
+            {"mesh", {{"tensor", plan.tensor}, {"data", plan.data}, {"pipeline", plan.pipeline}, {"zero", plan.zero}}},
+            {"seconds", plan.seconds},
+            {"cpu_peak_bytes", plan.cpu_peak_bytes},
+            {"ranks", ranks}};
+  return j.dump(1);
+}
+
+}  // namespace partrain::plan

@@ -1,0 +1,144 @@
+// Planning without processes (Cube's dry run) and the memory accounting it is checked against.
+//
+// `partrain plan --world N script.lua` runs the script once per virtual rank in one process: the
+// world is planned (every group records its collectives and runs none), parameters are made on
+// the meta device (shapes, no memory), and the first optimizer step stops the script. What the
+// rank then holds is a RankPlan; all ranks' make a Plan. A real run builds the same RankPlan at
+// its first optimizer step, so a saved plan can be checked against it (Cube's ReuseType).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace partrain::nn {
+class Module;
+}
+namespace partrain::optim {
+class Optimizer;
+}
+namespace partrain::dist {
+class Mesh;
+}
+
+namespace partrain::plan {
+
+// ---- Memory accounting ---------------------------------------------------------------------
+
+/// Bytes held by tensors on one device, now and at the peak since reset_peak().
+struct Memory {
+  int64_t allocated = 0, peak = 0;
+};
+/// Counts every allocation on the CPU and on the meta device from now on (idempotent). LibTorch's
+/// CPU allocator keeps no statistics; the meta device's "allocations" are the bytes a real device
+/// would need, which is how the planner weighs activations.
+void install_allocators();
+Memory memory(c10::DeviceType device = c10::kCPU);
+void reset_peak(c10::DeviceType device = c10::kCPU);
+
+// ---- Planning mode -------------------------------------------------------------------------
+
+/// Whether this process is planning: new parameters and tensors are made on the meta device and
+/// the first optimizer step ends the script.
+bool planning();
+/// Turns planning on or off; on, it also supplies the meta kernels LibTorch lacks (1.13 has no
+/// meta index_select, layer_norm or where).
+void set_planning(bool on);
+
+// ---- The first training step ---------------------------------------------------------------
+
+/// The first training step's phases, noted the same way in a real run and in a plan: the first
+/// forward a script calls begins it (collective counters reset, memory noted), the first backward
+/// ends its forward (activations: what the forward left allocated).
+struct FirstStep {
+  bool begun = false, forward_done = false;
+  int64_t base = 0;          ///< bytes allocated when the forward began
+  int64_t activations = -1;  ///< bytes the forward left allocated (-1: not measured)
+  bool hooked = false;       ///< the first optimizer step's hook has run
+};
+void step_begins();
+void forward_ends();
+void first_step_hooked();
+const FirstStep& first_step();
+void reset_first_step();
+
+// ---- The plan ------------------------------------------------------------------------------
+
+/// One parameter as a rank holds it.
+struct Shard {
+  std::string name, dtype;
+  std::vector<int64_t> shape;        ///< logical (what the serial model has)
+  std::vector<int64_t> local_shape;  ///< this rank's tensor
+  int dim = -1;                      ///< split dimension; -1: whole on every rank
+  std::vector<std::pair<int64_t, int64_t>> slices;  ///< (start, length) of `dim` this rank holds
+  std::vector<int> group;            ///< the global ranks it is split over (empty when whole)
+  int64_t bytes = 0;                 ///< of the local tensor
+  bool operator==(const Shard& o) const;
+};
+
+/// Calls and bytes of one kind of collective on one group during the first step.
+struct Collective {
+  std::string group, op;
+  int64_t calls = 0, bytes = 0;
+  bool operator==(const Collective& o) const;
+};
+
+struct RankPlan {
+  int rank = 0;
+  int tensor = 0, data = 0, pipeline = 0;  ///< coordinates in the mesh
+  std::vector<Shard> shards;
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  int64_t activation_bytes = -1;  ///< -1: no forward and backward ran before the first step
+  std::vector<Collective> collectives;
+  int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes; }
+};
+
+struct Plan {
+  std::string script;
+  int world = 1, nproc_per_node = 1;
+  int tensor = 1, data = 1, pipeline = 1, zero = 1;
+  int64_t cpu_peak_bytes = 0;  ///< tensor memory the planner allocated on the CPU (when planning)
+  double seconds = 0;          ///< how long planning took
+  std::vector<RankPlan> ranks;
+};
+
+/// What `model` and its optimizers hold on this rank: shards, parameter, gradient and optimizer
+/// bytes (the optimizer's state as it will be after the first step), and the first step's
+/// activations and collectives as noted so far.
+RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
+                  const dist::Mesh* mesh);
+
+/// A plan with the layout's fields (world, mesh sizes) filled from `mesh`, and no ranks.
+Plan layout_of(const dist::Mesh* mesh);
+
+/// The planner's collection: each virtual rank's plan is added here when the rank stops.
+void record(RankPlan rank, const Plan& layout);
+Plan& recorded();
+
+/// Checks this run against a saved plan at the first optimizer step (Cube's ReuseType): "match"
+/// fails on any difference or a missing file; "override" writes this run's plan over the file;
+/// "moo" matches when the file exists and agrees, and overrides otherwise. Collective over the
+/// world: every rank calls it, and all fail together. Returns what it did, for a log line.
+std::string check(const RankPlan& actual, const Plan& layout, const std::string& path, const std::string& mode);
+
+/// Writes the plan (cereal, binary, behind a magic and a version) to `path` atomically.
+void save(const Plan& plan, const std::string& path);
+/// Reads a plan; a missing, truncated or foreign file is an error naming it.
+Plan load(const std::string& path);
+/// A rank plan as bytes and back (to gather them over a group).
+std::string to_bytes(const RankPlan& rank);
+RankPlan from_bytes(const std::string& bytes);
+
+/// How `actual` differs from `planned`, one line a difference, "" when they match. Shards,
+/// model-state bytes and collectives are compared; activations are an estimate and are not.
+std::string differences(const RankPlan& planned, const RankPlan& actual);
+
+/// For people: the shard map, memory per rank and collectives per step.
+std::string to_text(const Plan& plan);
+/// For machines.
+std::string to_json(const Plan& plan);
+
+}  // namespace partrain::plan

@@ -1,0 +1,44 @@
+-- A GPT-2 training step on random tokens, for checking plans against real runs.
+--   partrain plan --world 4 tests/plan/gpt2_step.lua --tensor 2          (the plan)
+--   partrain --nproc-per-node 4 tests/plan/gpt2_step.lua --tensor 2 --report DIR   (a real run)
+-- A real run writes DIR/rank<N>.json: what pt.memory_report() says after the first step, and
+-- the bytes the first forward left allocated (measured here, around the forward).
+local pt = require "partrain"
+
+local cfg = pt.args {
+  vocab = 256, seq = 64, dim = 128, heads = 4, layers = 2,
+  batch = 8,                 -- the global batch, in sequences
+  tensor = 1,
+  sequence_parallel = false,
+  steps = 1,
+  report = "",               -- a folder for the real run's measurements
+  threads = 1,
+}
+pt.set_threads(cfg.threads)
+pt.manual_seed(1)
+local mesh = pt.mesh { tensor = cfg.tensor }
+local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }
+model = pt.parallelize(model, nil, mesh, { sequence_parallel = cfg.sequence_parallel })
+local loss_of = pt.loss_fn(model)
+local opt = pt.optim.adamw(model, { lr = 1e-3, clip_grad_norm = 1.0 })
+local local_batch = math.floor(cfg.batch / mesh:size("data"))
+
+local activations
+for _ = 1, cfg.steps do
+  local tokens = pt.randint(0, cfg.vocab, { local_batch, cfg.seq + 1 })
+  local x, y = tokens:narrow(1, 0, cfg.seq):contiguous(), tokens:narrow(1, 1, cfg.seq):contiguous()
+  local before = pt.memory().allocated
+  local loss = loss_of(model(x), y)
+  activations = activations or pt.memory().allocated - before
+  opt:zero_grad()
+  loss:backward()
+  opt:step()
+end
+
+if cfg.report ~= "" then
+  local r = pt.memory_report(model)
+  local f = assert(io.open(("%s/rank%d.json"):format(cfg.report, pt.dist.rank()), "w"))
+  f:write(('{"params": %d, "grads": %d, "optimizer": %d, "activations": %d, "engine_activations": %d}\n'):format(
+    r.params, r.grads, r.optimizer, activations, pt.plan.first_step().activations or -1))
+  f:close()
+end
