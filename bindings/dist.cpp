@@ -354,6 +354,11 @@ std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model
   return it == registry.end() ? nullptr : it->second.lock();
 }
 
+const dist::Mesh* mesh_at(lua_State* L, int idx) {
+  auto* m = ud_test<MeshPtr>(L, idx, PT_MESH_MT);
+  return m ? m->get() : nullptr;
+}
+
 bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count) {
   auto* m = ud_test<MeshPtr>(L, idx, PT_MESH_MT);
   if (!m) return false;

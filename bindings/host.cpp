@@ -418,6 +418,7 @@ int open_core(lua_State* L) {
   open_optim_data(L, core);
   open_dist(L, core);
   open_repl(L, core);
+  open_ckpt(L, core);
   lua_pushstring(L, PARTRAIN_VERSION);
   lua_setfield(L, core, "version");
   return 1;

@@ -14,6 +14,9 @@
 
 #include "engine/nn/module.hpp"
 
+namespace partrain::dist {
+class Mesh;
+}
 namespace partrain::parallel {
 class DataParallel;
 }
@@ -232,11 +235,14 @@ void open_nn(lua_State* L, int core);
 void open_optim_data(lua_State* L, int core);
 void open_dist(lua_State* L, int core);
 void open_repl(lua_State* L, int core);
+void open_ckpt(lua_State* L, int core);
 
 /// The data-parallel state attached to `model` by pt.parallelize, or nullptr.
 std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);
 /// When the value at idx is a mesh: this rank's data index and the data size.
 bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count);
+/// The mesh at idx, or nullptr when the value there is not one.
+const dist::Mesh* mesh_at(lua_State* L, int idx);
 
 /// Pushes a Lua array of numbers (a shape, a list of ranks).
 template <class Ints>

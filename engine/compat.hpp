@@ -2,6 +2,10 @@
 // 2.x that ships with CUDA wheels), kept in this one header so the rest of the code is version-free.
 #pragma once
 
+#include <sstream>
+#include <string>
+#include <type_traits>
+
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -34,6 +38,21 @@ inline torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch:
   (void)q, (void)k, (void)v, (void)dropout;
   TORCH_CHECK(false, "fused attention needs LibTorch 2.0 or later; this is ", torch_version());
 #endif
+}
+
+/// The key of a parameter in torch::optim::Optimizer::state(): the TensorImpl's address printed
+/// in LibTorch 1.x, the address itself in 2.x. (A template so the branch not taken is never
+/// compiled.)
+template <class T = torch::Tensor>
+inline auto optimizer_state_key(const T& param) {
+  using Key = typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream s;
+    s << param.unsafeGetTensorImpl();
+    return s.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
 }
 
 /// Whether this LibTorch can reach a CUDA device at run time.

@@ -225,4 +225,12 @@ int64_t Loader::samples_seen() const {
   return epoch_ * per_epoch + std::min<int64_t>(position_ * options_.batch, dataset_->size());
 }
 
+void Loader::seek(int64_t samples) {
+  TORCH_CHECK(samples >= 0, "data position must be >= 0, got ", samples);
+  int64_t per_epoch = options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
+  TORCH_CHECK(per_epoch > 0, "cannot seek in an empty dataset");
+  start_epoch(samples / per_epoch);
+  position_ = (samples % per_epoch) / options_.batch;
+}
+
 }  // namespace partrain::data

@@ -97,6 +97,9 @@ class Loader {
   int64_t position() const { return position_; }
   /// Global samples consumed since epoch 0 began.
   int64_t samples_seen() const;
+  /// Goes to where samples_seen() == `samples` (a checkpoint's data position): the same batches
+  /// follow as after that many samples, whatever the data-parallel size.
+  void seek(int64_t samples);
   /// The order in which `epoch` visits the dataset.
   std::vector<int64_t> order(int64_t epoch) const;
   const LoaderOptions& options() const { return options_; }

@@ -1,6 +1,8 @@
 // Process groups over c10d, the world and its rendezvous, and the device mesh
 // (see process_group.hpp, world.hpp, mesh.hpp).
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #define PARTRAIN_COMPAT_C10D  // this file talks to c10d: pull its headers into compat.hpp
@@ -310,6 +312,21 @@ Work ProcessGroup::barrier(bool async) const {
   c10d::BarrierOptions o;
   o.timeout = options_.timeout;
   return run("barrier", [&] { return impl_->group->barrier(o); }, async);
+}
+
+std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine) {
+  if (!group || group->size() == 1) return {mine};
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
+  auto lengths = group->all_gather(length);
+  int64_t longest = 1;
+  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  auto padded = torch::zeros({longest}, torch::kUInt8);
+  if (!mine.empty()) std::memcpy(padded.data_ptr<uint8_t>(), mine.data(), mine.size());
+  auto all = group->all_gather(padded);
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()), lengths[r].item<int64_t>());
+  return out;
 }
 
 // ---- World ---------------------------------------------------------------------------------

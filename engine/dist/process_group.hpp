@@ -127,4 +127,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 
 using GroupPtr = std::shared_ptr<ProcessGroup>;
 
+/// Everyone's bytes, in group-rank order (an all-gather of the lengths, then of the padded
+/// bytes). A null group or a group of one returns {mine}.
+std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine);
+
 }  // namespace partrain::dist

@@ -1,6 +1,8 @@
 // Optimizers, schedules and clipping (see optim.hpp).
 #include "engine/optim/optim.hpp"
 
+#include "engine/compat.hpp"
+
 #include <cmath>
 #include <unordered_set>
 
@@ -76,6 +78,55 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
 
 void Optimizer::zero_grad() {
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+}
+
+std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor& param) const {
+  std::map<std::string, torch::Tensor> out;
+  auto it = impl_->state().find(compat::optimizer_state_key(param));
+  if (it == impl_->state().end()) return out;
+  auto keep = [&](const char* slot, const torch::Tensor& t) {
+    if (t.defined()) out[slot] = t;
+  };
+  if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) {
+    keep("exp_avg", s->exp_avg());
+    keep("exp_avg_sq", s->exp_avg_sq());
+  } else if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) {
+    keep("exp_avg", s->exp_avg());
+    keep("exp_avg_sq", s->exp_avg_sq());
+  } else if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
+    keep("momentum_buffer", s->momentum_buffer());
+  }
+  return out;
+}
+
+void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
+  auto slot = [&](const char* name) {
+    auto it = slots.find(name);
+    TORCH_CHECK(it != slots.end(), options_.kind, " state needs '", name, "'");
+    return it->second;
+  };
+  auto key = compat::optimizer_state_key(param);
+  if (slots.empty()) {
+    impl_->state().erase(key);
+    return;
+  }
+  if (options_.kind == "adamw") {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(steps_);
+    s->exp_avg(slot("exp_avg"));
+    s->exp_avg_sq(slot("exp_avg_sq"));
+    impl_->state()[key] = std::move(s);
+  } else if (options_.kind == "adam") {
+    auto s = std::make_unique<torch::optim::AdamParamState>();
+    s->step(steps_);
+    s->exp_avg(slot("exp_avg"));
+    s->exp_avg_sq(slot("exp_avg_sq"));
+    impl_->state()[key] = std::move(s);
+  } else {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(slot("momentum_buffer"));
+    impl_->state()[key] = std::move(s);
+  }
 }
 
 int64_t Optimizer::planned_state_bytes() const {

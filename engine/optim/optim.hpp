@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,11 @@ class Optimizer {
   /// computed from the parameters without allocating it: what the planner reports.
   int64_t planned_state_bytes() const;
   torch::optim::Optimizer& impl() { return *impl_; }
+  /// A parameter's state by slot ("exp_avg", "exp_avg_sq", "momentum_buffer"); empty before its
+  /// first step.
+  std::map<std::string, torch::Tensor> param_state(const torch::Tensor& param) const;
+  /// Replaces a parameter's state (slots as param_state gives them), as of steps_taken().
+  void set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots);
   /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
   /// it to refuse steps on gradients not yet synced).
   void add_step_check(std::function<void()> check) { checks_.push_back(std::move(check)); }

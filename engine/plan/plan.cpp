@@ -521,26 +521,6 @@ std::string differences(const RankPlan& planned, const RankPlan& actual) {
 
 // ---- Checking a run against a saved plan --------------------------------------------------
 
-namespace {
-
-// Everyone's string, in rank order (an all-gather of lengths, then of padded bytes).
-std::vector<std::string> gather_strings(const dist::GroupPtr& group, const std::string& mine) {
-  if (!group || group->size() == 1) return {mine};
-  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
-  auto lengths = group->all_gather(length);
-  int64_t longest = 0;
-  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
-  auto padded = torch::zeros({longest}, torch::kUInt8);
-  std::memcpy(padded.data_ptr<uint8_t>(), mine.data(), mine.size());
-  auto all = group->all_gather(padded);
-  std::vector<std::string> out;
-  for (size_t r = 0; r < all.size(); ++r)
-    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()), lengths[r].item<int64_t>());
-  return out;
-}
-
-}  // namespace
-
 std::string check(const RankPlan& actual, const Plan& layout, const std::string& path, const std::string& mode) {
   TORCH_CHECK(mode == "match" || mode == "override" || mode == "moo", "plan mode '", mode,
               "' is not one of match, override, moo");
@@ -586,7 +566,7 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
   if (mode == "moo" && !any) return "matches the plan '" + path + "'";
   if (mode == "match") return "matches the plan '" + path + "'";
   // override, or moo with a difference: write this run's plan.
-  auto all = gather_strings(group, to_bytes(actual));
+  auto all = dist::all_gather_strings(group, to_bytes(actual));
   if (!group || group->rank() == 0) {
     Plan p = layout;
     for (const auto& bytes : all) p.ranks.push_back(from_bytes(bytes));

@@ -139,6 +139,7 @@ function pt.last_mesh() return last_mesh[1] end
 local data_parallel = {}   -- model -> its data-parallel handle (the model is returned as it was)
 local meshes = setmetatable({}, { __mode = "k" })   -- model -> the mesh it was made parallel over
 local last_parallelized = setmetatable({}, { __mode = "v" })
+local policy_names = setmetatable({}, { __mode = "k" })   -- model -> the name of its policy
 
 --- Makes `model` parallel over `mesh` and returns it, used like the serial model.
 --- `policy` (a table from partrain.policy, a module name such as "policies.gpt2", or nil for the
@@ -175,6 +176,7 @@ function pt.parallelize(model, policy, mesh, opts)
   end)
   if not ok then error(err, 2) end
   meshes[model], last_parallelized[1] = mesh, model
+  policy_names[model] = type(policy) == "table" and policy.name or nil
   return model
 end
 
@@ -182,6 +184,71 @@ end
 function pt.mesh_of(model) return model and meshes[model] end
 --- The model pt.parallelize made last (while it lives), for the REPL's helpers.
 function pt.parallelized() return last_parallelized[1] end
+
+-- Checkpoints -------------------------------------------------------------------------------
+--- pt.ckpt: sharded checkpoints keyed by logical tensor (docs/checkpoints.md).
+pt.ckpt = {}
+local ckpt_keys = { model = true, optim = true, data = true, step = true, user = true, full = true,
+                    num_kept = true, tag = true, mesh = true }
+
+-- The targets table with the model's mesh and policy filled in, after checking its keys.
+local function ckpt_state(fn, what, level)
+  if type(what) ~= "table" then
+    error(("pt.ckpt.%s: a table { model = ..., optim = ..., data = ... } expected, got %s"):format(fn, type(what)), level + 1)
+  end
+  local t = {}
+  for k, v in pairs(what) do
+    if not ckpt_keys[k] then
+      error(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, step, user, full, num_kept, tag)"):format(
+        fn, tostring(k)), level + 1)
+    end
+    t[k] = v
+  end
+  if not core.nn.is_module(t.model) then error(("pt.ckpt.%s: 'model' must be a module"):format(fn), level + 1) end
+  t.mesh = t.mesh or meshes[t.model]
+  return t
+end
+
+local function ckpt_call(level, fn, ...)
+  local ok, result = pcall(fn, ...)
+  if not ok then error(result, level + 1) end
+  return result
+end
+
+--- pt.ckpt.save(dir, { model, optim, data, step, user, full, num_kept, tag }) -> tag. Every rank
+--- calls it; each writes its own shards (full = true: rank 0 writes every tensor whole).
+function pt.ckpt.save(dir, what)
+  if type(dir) ~= "string" then error("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
+  local t = ckpt_state("save", what, 2)
+  t.policy = policy_names[t.model]
+  return ckpt_call(2, core.ckpt.save, dir, t)
+end
+
+--- pt.ckpt.load(dir, [tag,] { model, optim, data }) -> { tag, step, user }: loads tag (default:
+--- the newest) into the model, optimizer and data loader, whatever layout saved it.
+function pt.ckpt.load(dir, tag, what)
+  if what == nil and type(tag) == "table" then tag, what = nil, tag end
+  if type(dir) ~= "string" then error("pt.ckpt.load: bad argument #1 (folder name expected)", 2) end
+  if tag ~= nil and type(tag) ~= "string" then error("pt.ckpt.load: bad argument #2 (tag string expected)", 2) end
+  local t = ckpt_state("load", what, 2)
+  t.step, t.user, t.full, t.num_kept, t.tag = nil, nil, nil, nil, nil
+  return ckpt_call(2, core.ckpt.load, dir, tag, t)
+end
+
+--- pt.ckpt.resume(dir, { model, optim, data }) -> { tag, step, user } from the newest
+--- checkpoint in dir, or nil when dir holds none (a fresh start).
+function pt.ckpt.resume(dir, what)
+  if type(dir) ~= "string" then error("pt.ckpt.resume: bad argument #1 (folder name expected)", 2) end
+  if not core.ckpt.newest(dir) then return nil end
+  return pt.ckpt.load(dir, nil, what)
+end
+
+pt.ckpt.newest = core.ckpt.newest
+pt.ckpt.tags = core.ckpt.tags
+--- pt.ckpt.export_safetensors(model, path) / import_safetensors(model, path): logical weights
+--- to and from a .safetensors file, in Hugging Face GPT-2's names and layout for GPT-2.
+function pt.ckpt.export_safetensors(model, path) return ckpt_call(2, core.ckpt.export_safetensors, model, path) end
+function pt.ckpt.import_safetensors(model, path) return ckpt_call(2, core.ckpt.import_safetensors, model, path) end
 
 -- Memory and plans ---------------------------------------------------------------------------
 --- pt.memory(): { allocated, allocated_peak } bytes LibTorch's tensors hold on the CPU now and at

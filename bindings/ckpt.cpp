@@ -1,0 +1,192 @@
+// pt.ckpt's C++ half: saving and loading sharded checkpoints, inspecting and verifying them, and
+// safetensors import and export. The Lua half (init.lua) adds the defaults (the model's mesh,
+// its policy) and resume.
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "bindings/lua.hpp"
+#include "engine/ckpt/ckpt.hpp"
+#include "engine/data/data.hpp"
+#include "engine/dist/world.hpp"
+#include "engine/optim/optim.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+
+namespace partrain::lua {
+
+namespace {
+
+using nlohmann::json;
+
+// A Lua value made of numbers, strings, booleans and tables of them, as JSON (loading a
+// checkpoint must never run code, so user values are data only).
+json json_of(lua_State* L, int idx, const std::string& where, int depth = 0) {
+  idx = idx < 0 ? lua_gettop(L) + idx + 1 : idx;
+  if (depth > 32) throw std::invalid_argument(where + " nests too deep");
+  switch (lua_type(L, idx)) {
+    case LUA_TNUMBER: {
+      double x = lua_tonumber(L, idx);
+      if (x == static_cast<double>(static_cast<int64_t>(x)) && std::abs(x) < 9.0e15) return static_cast<int64_t>(x);
+      return x;
+    }
+    case LUA_TSTRING: return std::string(lua_tostring(L, idx));
+    case LUA_TBOOLEAN: return static_cast<bool>(lua_toboolean(L, idx));
+    case LUA_TTABLE: {
+      size_t n = lua_objlen(L, idx);
+      json out = n > 0 ? json::array() : json::object();
+      lua_pushnil(L);
+      while (lua_next(L, idx)) {
+        if (n > 0) {
+          if (lua_type(L, -2) != LUA_TNUMBER) throw std::invalid_argument(where + " mixes a list with named fields");
+          out.push_back(json_of(L, -1, where, depth + 1));
+        } else {
+          if (lua_type(L, -2) != LUA_TSTRING)
+            throw std::invalid_argument(where + " has a key that is not a string");
+          std::string key = lua_tostring(L, -2);
+          out[key] = json_of(L, -1, where + "." + key, depth + 1);
+        }
+        lua_pop(L, 1);
+      }
+      return out;
+    }
+    default:
+      throw std::invalid_argument(where + " holds a " + luaL_typename(L, idx) +
+                                  ": user values must be numbers, strings, booleans or tables of them");
+  }
+}
+
+void push_json(lua_State* L, const json& j) {
+  if (j.is_boolean()) lua_pushboolean(L, j.get<bool>());
+  else if (j.is_number()) lua_pushnumber(L, j.get<double>());
+  else if (j.is_string()) lua_pushstring(L, j.get<std::string>().c_str());
+  else if (j.is_array()) {
+    lua_createtable(L, static_cast<int>(j.size()), 0);
+    int i = 0;
+    for (const auto& v : j) {
+      push_json(L, v);
+      lua_rawseti(L, -2, ++i);
+    }
+  } else if (j.is_object()) {
+    lua_createtable(L, 0, static_cast<int>(j.size()));
+    for (const auto& [k, v] : j.items()) {
+      push_json(L, v);
+      lua_setfield(L, -2, k.c_str());
+    }
+  } else {
+    lua_pushnil(L);
+  }
+}
+
+// { model =, optim =, data =, mesh = } at `idx` into a State (the table's other keys are the
+// caller's to read).
+ckpt::State state_of(Args& a, Options& t) {
+  ckpt::State s;
+  lua_State* L = a.L;
+  if (!t.push("model")) throw std::invalid_argument("'model' is required (the module to save or load)");
+  auto* m = ud_test<nn::ModulePtr>(L, -1, PT_MODULE_MT);
+  if (!m) throw std::invalid_argument("'model' must be a module");
+  s.model = m->get();
+  lua_pop(L, 1);
+  if (t.push("optim")) {
+    auto* o = ud_test<std::shared_ptr<optim::Optimizer>>(L, -1, PT_OPTIMIZER_MT);
+    if (!o && !lua_isnil(L, -1)) throw std::invalid_argument("'optim' must be an optimizer");
+    if (o) s.optimizer = o->get();
+    lua_pop(L, 1);
+  }
+  if (t.push("data")) {
+    auto* d = ud_test<std::shared_ptr<data::Loader>>(L, -1, PT_LOADER_MT);
+    if (!d && !lua_isnil(L, -1)) throw std::invalid_argument("'data' must be a data loader");
+    if (d) s.data = d->get();
+    lua_pop(L, 1);
+  }
+  if (t.push("mesh")) {
+    s.mesh = mesh_at(L, -1);
+    if (!s.mesh && !lua_isnil(L, -1)) throw std::invalid_argument("'mesh' must be a mesh");
+    lua_pop(L, 1);
+  }
+  return s;
+}
+
+int push_loaded(Args& a, const ckpt::Loaded& l) {
+  lua_createtable(a.L, 0, 3);
+  lua_pushstring(a.L, l.tag.c_str());
+  lua_setfield(a.L, -2, "tag");
+  lua_pushnumber(a.L, static_cast<double>(l.step));
+  lua_setfield(a.L, -2, "step");
+  push_json(a.L, json::parse(l.user_json.empty() ? "{}" : l.user_json));
+  lua_setfield(a.L, -2, "user");
+  return 1;
+}
+
+const Function kCkpt[] = {
+    // save(dir, { model, optim, data, mesh, step, user, full, num_kept, tag, policy }) -> tag
+    {"save", [](Args& a) {
+       std::string dir = a.string(1);
+       Options t(a, 2, "pt.ckpt.save");
+       ckpt::State s = state_of(a, t);
+       s.step = t.integer("step", 0);
+       s.policy = t.string("policy", "");
+       if (t.push("user")) {
+         s.user_json = json_of(a.L, -1, "user").dump();
+         lua_pop(a.L, 1);
+       }
+       ckpt::SaveOptions o;
+       o.full = t.boolean("full", false);
+       o.num_kept = static_cast<int>(t.integer("num_kept", 0));
+       if (o.num_kept < 0) throw std::invalid_argument("num_kept must be >= 0 (0 keeps every checkpoint)");
+       o.tag = t.string("tag", "");
+       t.finish();
+       return a.ret(ckpt::save(dir, s, o)); }},
+    // load(dir, tag or nil, { model, optim, data, mesh }) -> { tag, step, user }
+    {"load", [](Args& a) {
+       std::string dir = a.string(1);
+       std::string tag = a.none(2) ? "" : a.string(2);
+       Options t(a, 3, "pt.ckpt.load");
+       ckpt::State s = state_of(a, t);
+       t.finish();
+       return push_loaded(a, ckpt::load(dir, tag, s)); }},
+    {"newest", [](Args& a) {  // the newest complete tag in dir, or nil
+       auto tag = ckpt::newest(a.string(1));
+       if (tag.empty()) { lua_pushnil(a.L); return 1; }
+       return a.ret(tag); }},
+    {"tags", [](Args& a) {
+       auto all = ckpt::tags(a.string(1));
+       lua_createtable(a.L, static_cast<int>(all.size()), 0);
+       for (size_t i = 0; i < all.size(); ++i) { lua_pushstring(a.L, all[i].c_str()); lua_rawseti(a.L, -2, static_cast<int>(i + 1)); }
+       return 1; }},
+    {"describe", [](Args& a) { return a.ret(ckpt::describe(ckpt::read_manifest(a.string(1)))); }},  // a tag folder
+    {"verify", [](Args& a) {  // a tag folder -> list of problems (empty: sound)
+       auto problems = ckpt::verify(a.string(1));
+       lua_createtable(a.L, static_cast<int>(problems.size()), 0);
+       for (size_t i = 0; i < problems.size(); ++i) { lua_pushstring(a.L, problems[i].c_str()); lua_rawseti(a.L, -2, static_cast<int>(i + 1)); }
+       return 1; }},
+    // export_safetensors(model, path): the logical weights (a collective over each tensor group;
+    // rank 0 writes), in Hugging Face GPT-2's layout for GPT-2 models.
+    {"export_safetensors", [](Args& a) {
+       auto& m = a.module(1);
+       std::string path = a.string(2);
+       auto full = parallel::full_state_dict(*m);
+       std::map<std::string, torch::Tensor> tensors(full.begin(), full.end());
+       if (m->type() == "GPT2") tensors.erase("lm_head.weight");  // tied to wte.weight, as HF stores it
+       if (dist::World::instance().initialized() ? dist::World::instance().rank() == 0 : true)
+         ckpt::write_safetensors(path, tensors, m->type() == "GPT2");
+       return a.ret(); }},
+    // import_safetensors(model, path): loads logical weights into the (possibly split) model.
+    {"import_safetensors", [](Args& a) {
+       auto& m = a.module(1);
+       auto tensors = ckpt::read_safetensors(a.string(2), m->type() == "GPT2");
+       nn::TensorMap state(tensors.begin(), tensors.end());
+       if (m->type() == "GPT2" && !state.count("lm_head.weight") && state.count("wte.weight"))
+         state["lm_head.weight"] = state["wte.weight"];
+       auto own = m->state_dict();
+       for (auto it = state.begin(); it != state.end();)
+         it = own.count(it->first) ? std::next(it) : (m->type() == "GPT2" ? state.erase(it) : std::next(it));
+       parallel::load_full_state_dict(*m, state, /*strict=*/true);
+       return a.ret(); }},
+    {nullptr, nullptr}};
+
+}  // namespace
+
+void open_ckpt(lua_State* L, int core) { set_library(L, core, "ckpt", kCkpt); }
+
+}  // namespace partrain::lua
