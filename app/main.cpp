@@ -3,7 +3,6 @@
 // torchrun or SLURM (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it runs as that one rank.
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -14,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "app/launcher.hpp"
+#include "app/tools.hpp"
 #include "bindings/host.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
@@ -26,125 +26,6 @@ int fail(const std::string& message) {
   return 1;
 }
 
-// Splits argv[from..] into the words before the script (flags for `app`) and the script with
-// its arguments: everything from the script on is the script's, even words that look like flags
-// (`train.lua --help` asks the script for help). Returns the index of the script, or argc.
-int split_at_script(CLI::App& app, int from, int argc, char** argv) {
-  int split = from;
-  while (split < argc) {
-    std::string word = argv[split];
-    if (word.empty() || word[0] != '-' || word == "-") break;
-    ++split;
-    auto* option = word.rfind("--", 0) == 0 ? app.get_option_no_throw(word.substr(0, word.find('=')))
-                                            : app.get_option_no_throw(word.substr(0, 2));
-    bool inline_value = word.find('=') != std::string::npos || (word[1] != '-' && word.size() > 2);
-    if (option && option->get_items_expected_min() > 0 && !inline_value && split < argc) ++split;  // its value
-  }
-  return split;
-}
-
-// LibTorch's "Could not run 'aten::op' with arguments from the 'Meta' backend" lists every
-// backend the operator has; the planner says the one thing that matters.
-std::string shorten_missing_meta_kernel(const std::string& error) {
-  auto at = error.find("Could not run 'aten::");
-  if (at == std::string::npos || error.find("'Meta' backend", at) == std::string::npos) return error;
-  auto name_end = error.find('\'', at + 13);
-  std::string op = error.substr(at + 13, name_end - at - 13);
-  std::string shorter = error.substr(0, at) + "the operator " + op +
-                        " has no meta kernel in this LibTorch, so it cannot be planned (it runs in real runs)";
-  auto trace = error.find("\nstack traceback:");
-  if (trace != std::string::npos) shorter += error.substr(trace);
-  return shorter;
-}
-
-// `partrain plan --world N [--nproc-per-node K] [--json] [--save FILE] script.lua [args]`: runs
-// the script once per virtual rank, on the meta device, with planned groups, up to its first
-// optimizer step, and prints what every rank holds (docs/plan.md).
-int run_plan(int argc, char** argv, int first) {
-  CLI::App app{"partrain plan: what each rank of a layout will hold, without processes or memory.\n\n"
-               "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n",
-               "partrain plan"};
-  int world = 0, nproc = 0;
-  bool json = false, verbose = false;
-  std::string save;
-  app.add_option("--world", world, "ranks to plan for (virtual: nothing is started)")->required()
-      ->check(CLI::Range(1, 1 << 16));
-  app.add_option("--nproc-per-node", nproc, "ranks a machine (default: all on one); sets LOCAL_RANK")
-      ->check(CLI::PositiveNumber);
-  app.add_flag("--json", json, "print the plan as JSON");
-  app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan");
-  app.add_flag("-v,--verbose", verbose, "show what rank 0's script prints (the others stay quiet)");
-  int split = split_at_script(app, first, argc, argv);
-  std::vector<std::string> rest;
-  for (int i = split; i < argc; ++i) rest.emplace_back(argv[i]);
-  std::vector<char*> flags{argv[0]};
-  for (int i = first; i < split; ++i) flags.push_back(argv[i]);
-  try {
-    app.parse(static_cast<int>(flags.size()), flags.data());
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
-  if (nproc == 0) nproc = world;
-  if (world % nproc != 0) return fail("plan: --nproc-per-node " + std::to_string(nproc) + " does not divide --world " +
-                                      std::to_string(world));
-  std::string script = rest[0];
-  std::vector<std::string> script_args(rest.begin() + 1, rest.end());
-
-  namespace plan = partrain::plan;
-  at::set_num_threads(1);
-  plan::set_planning(true);
-  plan::reset_peak(c10::kCPU);
-  int64_t cpu_base = plan::memory(c10::kCPU).allocated;
-  auto start = std::chrono::steady_clock::now();
-  for (int rank = 0; rank < world; ++rank) {
-    std::string where = "plan: rank " + std::to_string(rank) + " of " + std::to_string(world) + ": ";
-    try {
-      partrain::dist::WorldOptions o;
-      o.rank = rank;
-      o.world_size = world;
-      o.local_rank = rank % nproc;
-      o.local_world_size = nproc;
-      o.planned = true;
-      partrain::dist::World::instance().init(o);
-      plan::reset_first_step();
-      size_t before = plan::recorded().ranks.size();
-      {
-        partrain::lua::Host host;
-        std::string error;
-        if (!(verbose && rank == 0) &&
-            !host.run_string("print = function() end; io.write = function() end", "=(plan)", &error))
-          return fail(where + error);
-        bool ok = host.run_file(script, script_args, &error);
-        if (plan::recorded().ranks.size() == before) {
-          if (!ok) return fail(where + shorten_missing_meta_kernel(error));
-          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error)) return fail(where + error);
-        }
-      }
-      partrain::dist::World::instance().shutdown();
-    } catch (const std::exception& e) {
-      return fail(where + partrain::compat::message_of(e));
-    }
-  }
-  plan::Plan result = plan::recorded();
-  result.script = script;
-  result.nproc_per_node = nproc;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.cpu_peak_bytes = std::max<int64_t>(0, plan::memory(c10::kCPU).peak - cpu_base);
-  std::cout << (json ? plan::to_json(result) : plan::to_text(result)) << std::flush;
-  if (json) std::cout << std::endl;
-  if (!save.empty()) {
-    try {
-      plan::save(result, save);
-    } catch (const std::exception& e) {
-      return fail("plan: " + partrain::compat::message_of(e));
-    }
-    std::cerr << "partrain: plan saved to " << save << " (check a run against it: partrain --plan " << save
-              << " ...)" << std::endl;
-  }
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -155,7 +36,8 @@ int main(int argc, char** argv) {
                "  partrain -e 'lua code'                         run a chunk of Lua\n"
                "  partrain -i script.lua                         run it, then open the REPL\n"
                "  partrain [--nproc-per-node 4] repl             open the REPL (on every rank)\n"
-               "  partrain plan --world 8 script.lua [args]      what each of 8 ranks would hold (no processes)\n",
+               "  partrain plan --world 8 script.lua [args]      what each of 8 ranks would hold (no processes)\n"
+               "  partrain ckpt inspect|verify|convert|export    look after checkpoints (partrain ckpt --help)\n",
                "partrain"};
   app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (LibTorch " +
                                         partrain::compat::torch_version() + ", LuaJIT)");
@@ -194,11 +76,15 @@ int main(int argc, char** argv) {
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's.
-  int split = split_at_script(app, 1, argc, argv);
+  int split = partrain::app::split_at_script(app, 1, argc, argv);
   // `partrain plan ...` (a file called plan, if there is one, is still a script).
   if (split < argc && std::string(argv[split]) == "plan" && access("plan", F_OK) != 0) {
     if (split != 1) return fail("plan takes no partrain flags before it: partrain plan --world N script.lua");
-    return run_plan(argc, argv, split + 1);
+    return partrain::app::run_plan(argc, argv, split + 1);
+  }
+  if (split < argc && std::string(argv[split]) == "ckpt" && access("ckpt", F_OK) != 0) {
+    if (split != 1) return fail("ckpt takes no partrain flags before it: partrain ckpt inspect DIR");
+    return partrain::app::run_ckpt(argc, argv, split + 1);
   }
   if (split < argc) {
     script = argv[split];

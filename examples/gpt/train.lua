@@ -3,6 +3,7 @@
 --   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --tensor 2      (tensor 2 x data 2)
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --tensor 2 --sequence-parallel
+--   partrain examples/gpt/train.lua --ckpt ckpt/ --save-every 50   (resumes from ckpt/ when it has one)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -23,6 +24,8 @@ local cfg = pt.args {
   threads = 0,
   tensor = 1,               -- tensor-parallel size (data = ranks / tensor)
   sequence_parallel = false, -- keep activations split along the sequence between TP regions
+  ckpt = "",                -- checkpoint folder: resume from its newest checkpoint, save into it
+  save_every = 0,           -- with --ckpt: save every this many steps (and at the end)
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
@@ -40,8 +43,18 @@ local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0
 print(("gpt2: %d layers of width %d, %d parameters a rank; %s; tensor %d x data %d"):format(
   cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("tensor"), mesh:size("data")))
 
+-- Resuming: from the newest checkpoint in --ckpt, whatever mesh saved it.
+local first = 1
+if cfg.ckpt ~= "" then
+  local resumed = pt.ckpt.resume(cfg.ckpt, { model = model, optim = opt, data = data })
+  if resumed then
+    first = resumed.step + 1
+    if pt.dist.rank() == 0 then print(("resumed from %s/%s at step %d"):format(cfg.ckpt, resumed.tag, resumed.step)) end
+  end
+end
+
 local start = pt.time()
-for step = 1, cfg.steps do
+for step = first, cfg.steps do
   local x, y = data:next()
   local loss = loss_of(model(x), y)
   opt:zero_grad()
@@ -51,6 +64,9 @@ for step = 1, cfg.steps do
     local global = loss:detach():clone()
     mesh:group("data"):all_reduce(global, "mean")
     pt.log { step = step, loss = global:item(), lr = opt:lr(), seconds = pt.time() - start }
+  end
+  if cfg.ckpt ~= "" and cfg.save_every > 0 and (step % cfg.save_every == 0 or step == cfg.steps) then
+    pt.ckpt.save(cfg.ckpt, { model = model, optim = opt, data = data, step = step })
   end
 end
 

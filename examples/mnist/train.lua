@@ -15,6 +15,8 @@ local cfg = pt.args {
   seed = 1,
   log_every = 1,           -- print the loss every this many steps
   threads = 0,             -- intra-op threads (0: LibTorch's default)
+  ckpt = "",               -- checkpoint folder: resume from its newest checkpoint, save into it
+  save_every = 0,          -- with --ckpt: save every this many steps
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 pt.manual_seed(cfg.seed)
@@ -48,9 +50,13 @@ local function accuracy()
   return correct / test:size()
 end
 
-local step = 0
-for epoch = 1, cfg.epochs do
-  train:start_epoch(epoch - 1)
+local step, resumed = 0, nil
+if cfg.ckpt ~= "" then
+  resumed = pt.ckpt.resume(cfg.ckpt, { model = model, optim = opt, data = train })
+  if resumed then step = resumed.step end
+end
+for epoch = train:epoch() + 1, cfg.epochs do
+  if resumed then resumed = nil else train:start_epoch(epoch - 1) end  -- a resumed epoch goes on where it was
   for x, y in train:batches() do
     local loss = pt.nn.cross_entropy(model(x), y)
     opt:zero_grad()
@@ -58,6 +64,9 @@ for epoch = 1, cfg.epochs do
     opt:step()
     step = step + 1
     if step % cfg.log_every == 0 then pt.log { epoch = epoch, step = step, loss = global_loss(loss) } end
+    if cfg.ckpt ~= "" and cfg.save_every > 0 and step % cfg.save_every == 0 then
+      pt.ckpt.save(cfg.ckpt, { model = model, optim = opt, data = train, step = step })
+    end
     if cfg.steps > 0 and step >= cfg.steps then break end
   end
   pt.log { epoch = epoch, step = step, test_accuracy = accuracy() }

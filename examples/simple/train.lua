@@ -15,6 +15,8 @@ local cfg = pt.args {
   seed = 1,
   corpus = "",              -- default: data/kjv.txt of this checkout (made by scripts/setup)
   threads = 0,
+  ckpt = "",               -- checkpoint folder: resume from its newest checkpoint, save into it
+  save_every = 0,          -- with --ckpt: save every this many steps (and at the end)
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
@@ -28,6 +30,10 @@ local opt = pt.optim.sgd(model, { lr = cfg.lr })
 if pt.dist.rank() == 0 then print(model) end
 
 local step = 0
+if cfg.ckpt ~= "" then
+  local resumed = pt.ckpt.resume(cfg.ckpt, { model = model, optim = opt, data = data })
+  if resumed then step = resumed.step end
+end
 while step < cfg.steps and data:epoch() < cfg.epochs do
   local input_ids = data:next()
   local loss = SimpleModel.loss(model(input_ids))
@@ -38,4 +44,7 @@ while step < cfg.steps and data:epoch() < cfg.epochs do
   local global = loss:detach():clone()
   mesh:group("data"):all_reduce(global, "sum")   -- the loss of the whole global batch
   pt.log { step = step, loss = global:item() }
+  if cfg.ckpt ~= "" and cfg.save_every > 0 and (step % cfg.save_every == 0 or step == cfg.steps) then
+    pt.ckpt.save(cfg.ckpt, { model = model, optim = opt, data = data, step = step })
+  end
 end

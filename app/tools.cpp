@@ -1,0 +1,262 @@
+// partrain plan and partrain ckpt (see tools.hpp).
+#include "app/tools.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "bindings/host.hpp"
+#include "engine/ckpt/ckpt.hpp"
+#include "engine/compat.hpp"
+#include "engine/dist/world.hpp"
+#include "engine/plan/plan.hpp"
+
+namespace partrain::app {
+
+namespace {
+
+int fail(const std::string& message) {
+  std::cerr << "partrain: " << message << std::endl;
+  return 1;
+}
+
+// LibTorch's "Could not run 'aten::op' with arguments from the 'Meta' backend" lists every
+// backend the operator has; the planner says the one thing that matters.
+std::string shorten_missing_meta_kernel(const std::string& error) {
+  auto at = error.find("Could not run 'aten::");
+  if (at == std::string::npos || error.find("'Meta' backend", at) == std::string::npos) return error;
+  auto name_end = error.find('\'', at + 13);
+  std::string op = error.substr(at + 13, name_end - at - 13);
+  std::string shorter = error.substr(0, at) + "the operator " + op +
+                        " has no meta kernel in this LibTorch, so it cannot be planned (it runs in real runs)";
+  auto trace = error.find("\nstack traceback:");
+  if (trace != std::string::npos) shorter += error.substr(trace);
+  return shorter;
+}
+
+}  // namespace
+
+int split_at_script(CLI::App& app, int from, int argc, char** argv) {
+  int split = from;
+  while (split < argc) {
+    std::string word = argv[split];
+    if (word.empty() || word[0] != '-' || word == "-") break;
+    ++split;
+    auto* option = word.rfind("--", 0) == 0 ? app.get_option_no_throw(word.substr(0, word.find('=')))
+                                            : app.get_option_no_throw(word.substr(0, 2));
+    bool inline_value = word.find('=') != std::string::npos || (word[1] != '-' && word.size() > 2);
+    if (option && option->get_items_expected_min() > 0 && !inline_value && split < argc) ++split;  // its value
+  }
+  return split;
+}
+
+// `partrain plan --world N [--nproc-per-node K] [--json] [--save FILE] script.lua [args]`: runs
+// the script once per virtual rank, on the meta device, with planned groups, up to its first
+// optimizer step, and prints what every rank holds (docs/plan.md).
+int run_plan(int argc, char** argv, int first) {
+  CLI::App app{"partrain plan: what each rank of a layout will hold, without processes or memory.\n\n"
+               "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n",
+               "partrain plan"};
+  int world = 0, nproc = 0;
+  bool json = false, verbose = false;
+  std::string save;
+  app.add_option("--world", world, "ranks to plan for (virtual: nothing is started)")->required()
+      ->check(CLI::Range(1, 1 << 16));
+  app.add_option("--nproc-per-node", nproc, "ranks a machine (default: all on one); sets LOCAL_RANK")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--json", json, "print the plan as JSON");
+  app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan");
+  app.add_flag("-v,--verbose", verbose, "show what rank 0's script prints (the others stay quiet)");
+  int split = split_at_script(app, first, argc, argv);
+  std::vector<std::string> rest;
+  for (int i = split; i < argc; ++i) rest.emplace_back(argv[i]);
+  std::vector<char*> flags{argv[0]};
+  for (int i = first; i < split; ++i) flags.push_back(argv[i]);
+  try {
+    app.parse(static_cast<int>(flags.size()), flags.data());
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
+  if (nproc == 0) nproc = world;
+  if (world % nproc != 0) return fail("plan: --nproc-per-node " + std::to_string(nproc) + " does not divide --world " +
+                                      std::to_string(world));
+  std::string script = rest[0];
+  std::vector<std::string> script_args(rest.begin() + 1, rest.end());
+
+  namespace plan = partrain::plan;
+  at::set_num_threads(1);
+  plan::set_planning(true);
+  plan::reset_peak(c10::kCPU);
+  int64_t cpu_base = plan::memory(c10::kCPU).allocated;
+  auto start = std::chrono::steady_clock::now();
+  for (int rank = 0; rank < world; ++rank) {
+    std::string where = "plan: rank " + std::to_string(rank) + " of " + std::to_string(world) + ": ";
+    try {
+      partrain::dist::WorldOptions o;
+      o.rank = rank;
+      o.world_size = world;
+      o.local_rank = rank % nproc;
+      o.local_world_size = nproc;
+      o.planned = true;
+      partrain::dist::World::instance().init(o);
+      plan::reset_first_step();
+      size_t before = plan::recorded().ranks.size();
+      {
+        partrain::lua::Host host;
+        std::string error;
+        if (!(verbose && rank == 0) &&
+            !host.run_string("print = function() end; io.write = function() end", "=(plan)", &error))
+          return fail(where + error);
+        bool ok = host.run_file(script, script_args, &error);
+        if (plan::recorded().ranks.size() == before) {
+          if (!ok) return fail(where + shorten_missing_meta_kernel(error));
+          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error)) return fail(where + error);
+        }
+      }
+      partrain::dist::World::instance().shutdown();
+    } catch (const std::exception& e) {
+      return fail(where + partrain::compat::message_of(e));
+    }
+  }
+  plan::Plan result = plan::recorded();
+  result.script = script;
+  result.nproc_per_node = nproc;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.cpu_peak_bytes = std::max<int64_t>(0, plan::memory(c10::kCPU).peak - cpu_base);
+  std::cout << (json ? plan::to_json(result) : plan::to_text(result)) << std::flush;
+  if (json) std::cout << std::endl;
+  if (!save.empty()) {
+    try {
+      plan::save(result, save);
+    } catch (const std::exception& e) {
+      return fail("plan: " + partrain::compat::message_of(e));
+    }
+    std::cerr << "partrain: plan saved to " << save << " (check a run against it: partrain --plan " << save
+              << " ...)" << std::endl;
+  }
+  return 0;
+}
+
+// ---- partrain ckpt -------------------------------------------------------------------------
+
+namespace {
+
+// A checkpoint folder (holding tags and `newest`) or one tag's folder, as (dir, tag folder).
+std::string tag_folder(const std::string& path, const std::string& tag) {
+  if (tag.empty() && access((path + "/manifest.bin").c_str(), F_OK) == 0) return path;
+  std::string t = tag.empty() ? ckpt::newest(path) : tag;
+  TORCH_CHECK(!t.empty(), "no checkpoint in '", path, "' (no 'newest' file and no manifest.bin)");
+  return path + "/" + t;
+}
+
+int ckpt_inspect(const std::string& path, const std::string& tag) {
+  std::string folder = tag_folder(path, tag);
+  if (folder != path) {
+    auto all = ckpt::tags(path);
+    std::cout << "checkpoints in " << path << " (oldest first):";
+    for (const auto& t : all) std::cout << " " << t;
+    std::cout << "\nnewest: " << ckpt::newest(path) << "\n\n";
+  }
+  std::cout << folder << "\n" << ckpt::describe(ckpt::read_manifest(folder)) << std::flush;
+  return 0;
+}
+
+int ckpt_verify(const std::string& path) {
+  std::vector<std::string> folders;
+  bool single = access((path + "/manifest.bin").c_str(), F_OK) == 0;
+  int bad = 0;
+  if (single) {
+    folders.push_back(path);
+  } else {
+    for (const auto& t : ckpt::tags(path)) folders.push_back(path + "/" + t);
+    std::string newest = ckpt::newest(path);
+    if (newest.empty() && folders.empty()) {
+      std::cout << path << ": no checkpoint (no 'newest' file and no tag folders)\n";
+      return 1;
+    }
+    if (newest.empty() || access((path + "/" + newest + "/manifest.bin").c_str(), F_OK) != 0) {
+      std::cout << path << "/newest: names '" << newest << "', which is not a complete checkpoint\n";
+      ++bad;
+    }
+  }
+  for (const auto& f : folders) {
+    auto problems = ckpt::verify(f);
+    if (problems.empty()) std::cout << f << ": ok\n";
+    for (const auto& p : problems) std::cout << f << ": " << p << "\n";
+    bad += problems.empty() ? 0 : 1;
+  }
+  std::cout << std::flush;
+  return bad ? 1 : 0;
+}
+
+int ckpt_export(const std::string& path, const std::string& tag, const std::string& out) {
+  std::string folder = tag_folder(path, tag);
+  auto problems = ckpt::verify(folder);
+  TORCH_CHECK(problems.empty(), "'", folder, "' is damaged: ", problems.front());
+  auto m = ckpt::read_manifest(folder);
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& e : m.tensors)
+    if (e.name.rfind("model/", 0) == 0) tensors[e.name.substr(6)] = ckpt::read_tensor(folder, m, e);
+  bool gpt2 = m.model_type == "GPT2";
+  if (gpt2) tensors.erase("lm_head.weight");  // tied to wte.weight, as Hugging Face stores it
+  ckpt::write_safetensors(out, tensors, gpt2);
+  std::cout << "wrote " << tensors.size() << " tensors of step " << m.step << " to " << out
+            << (gpt2 ? " (Hugging Face GPT-2 layout)" : "") << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int run_ckpt(int argc, char** argv, int first) {
+  CLI::App app{"partrain ckpt: look after checkpoints without starting ranks.\n\n"
+               "  partrain ckpt inspect DIR [--tag T]           tensors, shapes, shards, sizes, mesh, step\n"
+               "  partrain ckpt verify DIR                      check every file (exit 1 on any damage)\n"
+               "  partrain ckpt convert SRC DST --tensor N --data M [--tag T]   reshard offline\n"
+               "  partrain ckpt export DIR out.safetensors [--tag T]            weights for the PyTorch/HF world\n",
+               "partrain ckpt"};
+  app.require_subcommand(1);
+  std::string dir, dst, out, tag;
+  int tensor = 1, data = 1;
+  auto* inspect = app.add_subcommand("inspect", "describe a checkpoint (the newest, or --tag)");
+  inspect->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
+  inspect->add_option("--tag", tag, "which tag (default: newest)");
+  auto* verify = app.add_subcommand("verify", "verify every tag: files, sizes, checksums, coverage");
+  verify->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
+  auto* convert = app.add_subcommand("convert", "rewrite a checkpoint as another layout would have saved it");
+  convert->add_option("src", dir, "the checkpoint folder (or tag folder) to read")->required();
+  convert->add_option("dst", dst, "the checkpoint folder to write (the tag keeps its name)")->required();
+  convert->add_option("--tensor", tensor, "tensor-parallel size of the new layout")->check(CLI::PositiveNumber);
+  convert->add_option("--data", data, "data-parallel size of the new layout")->check(CLI::PositiveNumber);
+  convert->add_option("--tag", tag, "which tag (default: newest)");
+  auto* exp = app.add_subcommand("export", "write the model's logical weights as .safetensors");
+  exp->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
+  exp->add_option("out", out, "the .safetensors file to write")->required();
+  exp->add_option("--tag", tag, "which tag (default: newest)");
+  std::vector<char*> args{argv[0]};
+  for (int i = first; i < argc; ++i) args.push_back(argv[i]);
+  try {
+    app.parse(static_cast<int>(args.size()), args.data());
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (*inspect) return ckpt_inspect(dir, tag);
+    if (*verify) return ckpt_verify(dir);
+    if (*exp) return ckpt_export(dir, tag, out);
+    std::string folder = tag_folder(dir, tag);
+    ckpt::convert(folder, dst, tensor, data);
+    std::cout << "wrote " << folder.substr(folder.find_last_of('/') + 1) << " to " << dst << " as tensor " << tensor
+              << " x data " << data << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    return fail("ckpt: " + compat::message_of(e));
+  }
+}
+
+}  // namespace partrain::app
