@@ -32,7 +32,7 @@ namespace partrain::ckpt {
 
 template <class Archive>
 void serialize(Archive& ar, Piece& p) {
-  ar(p.file, p.offset, p.bytes, p.start, p.size);
+  ar(p.file, p.offset, p.bytes, p.start, p.size, p.crc32);
 }
 template <class Archive>
 void serialize(Archive& ar, TensorEntry& e) {
@@ -119,12 +119,15 @@ class DataFile {
   ~DataFile() {
     if (fd_ >= 0) ::close(fd_);
   }
-  uint64_t write(const torch::Tensor& t) {
+  // Appends the tensor's bytes; returns where they start, and their own CRC-32 in `crc`.
+  uint64_t write(const torch::Tensor& t, uint32_t* crc) {
     auto cpu = t.detach().to(torch::kCPU).contiguous();
     const char* p = static_cast<const char*>(cpu.data_ptr());
     size_t n = cpu.nbytes();
     uint64_t at = offset_;
-    crc_ = ::crc32(crc_, reinterpret_cast<const Bytef*>(p), static_cast<uInt>(n));
+    uLong own = ::crc32(::crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(p), static_cast<uInt>(n));
+    *crc = static_cast<uint32_t>(own);
+    crc_ = ::crc32_combine(crc_, own, static_cast<z_off_t>(n));  // the file's, without a second pass
     while (n > 0) {
       ssize_t w = ::write(fd_, p, n);
       TORCH_CHECK(w > 0, "writing '", path_, "' failed: ", std::strerror(errno));
@@ -211,7 +214,7 @@ void add_pieces(DataFile& file, TensorEntry& e, const torch::Tensor& local, cons
     Piece p;
     p.file = file_index;
     p.bytes = static_cast<uint64_t>(t.nbytes());
-    p.offset = file.write(t);
+    p.offset = file.write(t, &p.crc32);
     p.start = std::move(start);
     p.size = std::move(size);
     e.pieces.push_back(std::move(p));
@@ -511,39 +514,85 @@ Manifest read_manifest(const std::string& tag_dir) {
   return m;
 }
 
-torch::Tensor read_tensor(const std::string& tag_dir, const Manifest& m, const TensorEntry& e) {
+namespace {
+
+// One piece's bytes, checked against the manifest: inside its tensor and file, and its CRC-32.
+torch::Tensor read_piece(const std::string& tag_dir, const Manifest& m, const TensorEntry& e, const Piece& p) {
   auto dtype = parse_dtype(e.dtype);
-  auto full = torch::empty(e.shape, torch::TensorOptions().dtype(dtype));
+  TORCH_CHECK(p.file >= 0 && p.file < static_cast<int32_t>(m.files.size()), "tensor '", e.name,
+              "' names a data file the manifest does not list");
+  const auto& f = m.files[p.file];
+  std::string path = join(tag_dir, f.name);
+  TORCH_CHECK(p.start.size() == e.shape.size() && p.size.size() == e.shape.size(), "tensor '", e.name,
+              "' has a piece of the wrong rank in '", path, "'");
+  for (size_t d = 0; d < e.shape.size(); ++d)
+    TORCH_CHECK(p.start[d] >= 0 && p.size[d] >= 0 && p.start[d] + p.size[d] <= e.shape[d], "tensor '", e.name,
+                "' has a piece outside its shape in '", path, "'");
+  auto piece = torch::empty(p.size, torch::TensorOptions().dtype(dtype));
+  TORCH_CHECK(p.bytes == piece.nbytes() && p.offset + p.bytes <= f.bytes, "tensor '", e.name, "': its piece at byte ",
+              p.offset, " of '", path, "' does not fit the file");
+  int fd = ::open(path.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "data file '", path, "' is missing or unreadable (tensor '", e.name, "'): ", std::strerror(errno));
+  char* out = static_cast<char*>(piece.data_ptr());
+  uint64_t done = 0;
+  while (done < p.bytes) {
+    ssize_t n = ::pread(fd, out + done, p.bytes - done, static_cast<off_t>(p.offset + done));
+    if (n <= 0) break;
+    done += static_cast<uint64_t>(n);
+  }
+  ::close(fd);
+  TORCH_CHECK(done == p.bytes, "data file '", path, "' is truncated: tensor '", e.name, "' needs bytes ", p.offset,
+              "..", p.offset + p.bytes);
+  auto crc = ::crc32(::crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(out), static_cast<uInt>(p.bytes));
+  TORCH_CHECK(static_cast<uint32_t>(crc) == p.crc32, "data file '", path, "' fails its checksum in tensor '", e.name,
+              "' (bytes ", p.offset, "..", p.offset + p.bytes, " were altered)");
+  return piece;
+}
+
+}  // namespace
+
+torch::Tensor read_tensor(const std::string& tag_dir, const Manifest& m, const TensorEntry& e) {
+  auto full = torch::empty(e.shape, torch::TensorOptions().dtype(parse_dtype(e.dtype)));
   for (const auto& p : e.pieces) {
-    TORCH_CHECK(p.file >= 0 && p.file < static_cast<int32_t>(m.files.size()), "tensor '", e.name,
-                "' names a data file the manifest does not list");
-    const auto& f = m.files[p.file];
-    std::string path = join(tag_dir, f.name);
-    TORCH_CHECK(p.start.size() == e.shape.size() && p.size.size() == e.shape.size(), "tensor '", e.name,
-                "' has a piece of the wrong rank in '", path, "'");
-    for (size_t d = 0; d < e.shape.size(); ++d)
-      TORCH_CHECK(p.start[d] >= 0 && p.size[d] >= 0 && p.start[d] + p.size[d] <= e.shape[d], "tensor '", e.name,
-                  "' has a piece outside its shape in '", path, "'");
-    auto piece = torch::empty(p.size, torch::TensorOptions().dtype(dtype));
-    TORCH_CHECK(p.bytes == piece.nbytes() && p.offset + p.bytes <= f.bytes, "tensor '", e.name,
-                "': its piece at byte ", p.offset, " of '", path, "' does not fit the file");
-    int fd = ::open(path.c_str(), O_RDONLY);
-    TORCH_CHECK(fd >= 0, "cannot read '", path, "' (tensor '", e.name, "'): ", std::strerror(errno));
-    char* out = static_cast<char*>(piece.data_ptr());
-    uint64_t done = 0;
-    while (done < p.bytes) {
-      ssize_t n = ::pread(fd, out + done, p.bytes - done, static_cast<off_t>(p.offset + done));
-      if (n <= 0) break;
-      done += static_cast<uint64_t>(n);
-    }
-    ::close(fd);
-    TORCH_CHECK(done == p.bytes, "'", path, "' is truncated: tensor '", e.name, "' needs bytes ", p.offset, "..",
-                p.offset + p.bytes);
+    auto piece = read_piece(tag_dir, m, e, p);
     auto target = full;
     for (size_t d = 0; d < e.shape.size(); ++d) target = target.narrow(d, p.start[d], p.size[d]);
     target.copy_(piece);
   }
   return full;
+}
+
+torch::Tensor read_part(const std::string& tag_dir, const Manifest& m, const TensorEntry& e,
+                        const std::vector<int64_t>& local_shape, int64_t dim,
+                        const std::vector<std::pair<int64_t, int64_t>>& slices) {
+  auto local = torch::zeros(local_shape, torch::TensorOptions().dtype(parse_dtype(e.dtype)));
+  for (const auto& p : e.pieces) {
+    // Only pieces cut along `dim` (whole in every other dimension) are read in part; any other
+    // piece is read whole and cut here.
+    bool along = true;
+    for (size_t d = 0; d < e.shape.size(); ++d)
+      if (static_cast<int64_t>(d) != dim) along = along && p.start.size() == e.shape.size() && p.start[d] == 0 && p.size[d] == e.shape[d];
+    if (!along || p.start.size() != e.shape.size()) {
+      auto full = read_tensor(tag_dir, m, e);
+      int64_t offset = 0;
+      for (const auto& [start, length] : slices) {
+        local.narrow(dim, offset, length).copy_(full.narrow(dim, start, length));
+        offset += length;
+      }
+      return local;
+    }
+    int64_t offset = 0;
+    torch::Tensor piece;
+    for (const auto& [start, length] : slices) {
+      int64_t lo = std::max(start, p.start[dim]), hi = std::min(start + length, p.start[dim] + p.size[dim]);
+      if (hi > lo) {
+        if (!piece.defined()) piece = read_piece(tag_dir, m, e, p);
+        local.narrow(dim, offset + lo - start, hi - lo).copy_(piece.narrow(dim, lo - p.start[dim], hi - lo));
+      }
+      offset += length;
+    }
+  }
+  return local;
 }
 
 std::vector<std::string> verify(const std::string& tag_dir) {
@@ -629,15 +678,15 @@ Loaded load(const std::string& dir, const std::string& tag_in, State& state) {
     std::string tag_dir = join(dir, tag);
     TORCH_CHECK(exists(tag_dir), "no checkpoint '", tag, "' in '", dir, "'");
     Manifest m = read_manifest(tag_dir);
-    std::set<int32_t> checked;  // each data file's size and checksum once, before its first use
-    auto read = [&](const TensorEntry& e) {
-      for (const auto& p : e.pieces)
-        if (p.file >= 0 && p.file < static_cast<int32_t>(m.files.size()) && checked.insert(p.file).second) {
-          auto problem = check_file(tag_dir, m.files[p.file]);
-          TORCH_CHECK(problem.empty(), problem, " (needed for tensor '", e.name, "')");
-        }
-      return read_tensor(tag_dir, m, e);
-    };
+    // Each data file's size first (a truncated file names itself before any tensor does); every
+    // piece's checksum as it is read.
+    for (const auto& f : m.files) {
+      struct stat st;
+      std::string path = join(tag_dir, f.name);
+      TORCH_CHECK(::stat(path.c_str(), &st) == 0, "data file '", path, "' is missing");
+      TORCH_CHECK(static_cast<uint64_t>(st.st_size) == f.bytes, "data file '", path, "' has ", st.st_size,
+                  " bytes; the manifest says ", f.bytes, " (truncated or overwritten)");
+    }
     auto params = unique_named(*state.model);
     std::set<std::string> wanted;
     for (const auto& [name, p] : params) wanted.insert("model/" + name);
@@ -657,15 +706,17 @@ Loaded load(const std::string& dir, const std::string& tag_in, State& state) {
       auto logical = s ? s->shape : p.sizes().vec();
       TORCH_CHECK(e->shape == logical, "tensor '", name, "' in '", tag_dir, "' has shape ", c10::IntArrayRef(e->shape),
                   "; the model's is ", c10::IntArrayRef(logical));
-      auto local = [&](const torch::Tensor& full) {
-        return (s ? parallel::local_part(full, *s, s->group->rank()) : full).to(p.options().requires_grad(false));
+      auto read = [&](const TensorEntry& t) {
+        auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
+                      : read_tensor(tag_dir, m, t);
+        return part.to(p.options().requires_grad(false));
       };
-      p.copy_(local(read(*e)));
+      p.copy_(read(*e));
       if (state.optimizer && !m.optimizer.empty()) {
         std::map<std::string, torch::Tensor> slots;
         std::string prefix = "optim/" + name + "/";
         for (const auto& t : m.tensors)
-          if (t.name.rfind(prefix, 0) == 0) slots[t.name.substr(prefix.size())] = local(read(t)).clone();
+          if (t.name.rfind(prefix, 0) == 0) slots[t.name.substr(prefix.size())] = read(t);
         if (!slots.empty()) state.optimizer->set_param_state(p, slots);
       }
     }
@@ -746,7 +797,7 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
         p.file = r;
         auto part = full.narrow(e.dim, start, length);
         p.bytes = static_cast<uint64_t>(part.nbytes());
-        p.offset = file(r).write(part);
+        p.offset = file(r).write(part, &p.crc32);
         p.start = at;
         p.size = size;
         e.pieces.push_back(p);

@@ -35,6 +35,7 @@ struct Piece {
   int32_t file = 0;               ///< index into Manifest::files
   uint64_t offset = 0, bytes = 0;  ///< where in the file
   std::vector<int64_t> start, size;  ///< the box: per dimension, first index and extent
+  uint32_t crc32 = 0;                ///< of the piece's bytes, checked whenever it is read
 };
 
 /// A logical tensor: "model/<parameter>" or "optim/<parameter>/<slot>".
@@ -111,6 +112,11 @@ std::vector<std::string> verify(const std::string& tag_dir);
 std::string describe(const Manifest& manifest);
 /// A logical tensor assembled from its pieces.
 torch::Tensor read_tensor(const std::string& tag_dir, const Manifest& manifest, const TensorEntry& entry);
+/// Group rank `r`'s part of a tensor split as `s` (padding rows zero), read from the pieces that
+/// overlap it only.
+torch::Tensor read_part(const std::string& tag_dir, const Manifest& manifest, const TensorEntry& entry,
+                        const std::vector<int64_t>& local_shape, int64_t dim,
+                        const std::vector<std::pair<int64_t, int64_t>>& slices);
 /// Rewrites a checkpoint as a run at tensor x data would have saved it (offline resharding).
 void convert(const std::string& src_tag_dir, const std::string& dst_dir, int tensor, int data);
 

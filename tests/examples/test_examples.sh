@@ -28,5 +28,21 @@ first=$(echo "$out" | awk -F'loss ' '/^step 1 \|/ { split($2, a, " "); print a[1
 last=$(echo "$out" | awk -F'loss ' '/^step 10 \|/ { split($2, a, " "); print a[1] }')
 report "$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (b < a - 1) ? 0 : 1 }')" "examples/gpt's loss falls in 10 steps ($first -> $last)"
 
+# --ckpt/--save-every: a run that stops saves; the next one resumes from its newest checkpoint.
+ck=$(mktemp -d)
+trap 'rm -rf "$ck"' EXIT
+"$bin" --threads 1 examples/gpt/train.lua --steps 6 --log-every 2 --sample 0 --ckpt "$ck/gpt" --save-every 3 >/dev/null 2>&1
+out=$("$bin" --threads 1 examples/gpt/train.lua --steps 10 --log-every 2 --sample 0 --ckpt "$ck/gpt" --save-every 5 2>&1)
+report "$(echo "$out" | grep -c 'resumed from .*/step-00000006 at step 6' | awk '{ print ($1 == 1) ? 0 : 1 }')" "examples/gpt --ckpt resumes from its newest checkpoint"
+report "$( [ "$(cat "$ck/gpt/newest")" = step-00000010 ] && echo 0 || echo 1)" "examples/gpt --save-every saves at its steps and at the end"
+"$bin" --threads 1 examples/mnist/train.lua --steps 30 --log-every 10 --ckpt "$ck/mnist" --save-every 20 >/dev/null 2>&1
+out=$("$bin" --threads 1 examples/mnist/train.lua --steps 40 --log-every 10 --ckpt "$ck/mnist" --save-every 20 2>&1)
+at10=$(echo "$out" | grep -c '^epoch 1 | step 10 |'); at30=$(echo "$out" | grep -c '^epoch 1 | step 30 |')
+report "$( [ "$at10" = 0 ] && [ "$at30" = 1 ] && echo 0 || echo 1)" "examples/mnist --ckpt resumes mid-epoch at step 20 (logs step 30, not step 10)"
+"$bin" --threads 1 examples/simple/train.lua --steps 4 --ckpt "$ck/simple" --save-every 2 >/dev/null 2>&1
+out=$("$bin" --threads 1 examples/simple/train.lua --steps 6 --ckpt "$ck/simple" --save-every 2 2>&1)
+logged=$(echo "$out" | grep '^step [0-9]* | loss' | awk '{ printf "%s ", $2 }')
+report "$( [ "$logged" = "5 6 " ] && echo 0 || echo 1)" "examples/simple --ckpt resumes at step 5 (logs steps 5 and 6 only: ${logged})"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
