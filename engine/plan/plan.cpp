@@ -69,6 +69,11 @@ class CountingCpuAllocator final : public c10::Allocator {
     return {data, data, &release, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  // Allocator::copy_data is pure virtual from LibTorch 2.3 (copy-on-write tensors); in older
+  // versions this is an ordinary member, hence no `override`.
+  void copy_data(void* dest, const void* src, std::size_t count) const {
+    if (count) std::memcpy(dest, src, count);
+  }
   static void release(void* data) {
     if (!data) return;
     char* base = static_cast<char*>(data) - kHeader;
@@ -85,6 +90,7 @@ class CountingMetaAllocator final : public c10::Allocator {
     return {nullptr, new size_t(n), &release, c10::Device(c10::kMeta)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void*, const void*, std::size_t) const {}  // meta tensors have no bytes to copy
   static void release(void* ctx) {
     auto* n = static_cast<size_t*>(ctx);
     meta_counter().sub(static_cast<int64_t>(*n));

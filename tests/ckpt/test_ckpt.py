@@ -18,11 +18,14 @@ Usage: test_ckpt.py PARTRAIN
 """
 import json
 import os
+import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 from array import array
 
 BIN = sys.argv[1]
@@ -160,6 +163,44 @@ try:
               and run(["ckpt", "verify", os.path.join(d, newest)]).returncode == 0, (r.returncode, newest, r.stderr))
         r = train(2, "--tensor", "2", "--ckpt", d, "--steps", "12")
         check(f"... and the next run resumes from it ({point})", "resumed " + newest in r.stdout, r.stdout + r.stderr)
+
+    # A real kill -9 of every process at a random moment of a run that saves every step.
+    def descendants(pid):
+        children = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = open(f"/proc/{entry}/stat").read()
+                    children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+                except OSError:
+                    pass
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo.extend(children.get(p, []))
+        return out
+
+    rng = random.Random(5)
+    for trial in range(3):
+        d = os.path.join(work, f"killed-{trial}")
+        proc = subprocess.Popen([BIN, "--nproc-per-node", "2", "--threads", "1", SCRIPT, "--tensor", "2", "--dim", "256",
+                                 "--layers", "4", "--ckpt", d, "--save-every", "1", "--steps", "100000"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(d, "newest")) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
+        for pid in descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait()
+        v = run(["ckpt", "verify", d])
+        newest = open(os.path.join(d, "newest")).read().strip() if os.path.exists(os.path.join(d, "newest")) else ""
+        check(f"kill -9 of every process mid-run ({trial + 1}/3): newest ({newest}) and every complete tag verify",
+              newest != "" and v.returncode == 0, v.stdout)
 
     # ---- Corruption -----------------------------------------------------------------------------
     def damaged(name, damage, expect):
