@@ -221,18 +221,29 @@ function pt.ckpt.save(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
   local t = ckpt_state("save", what, 2)
   t.policy = policy_names[t.model]
-  return ckpt_call(2, core.ckpt.save, dir, t)
+  local tag = ckpt_call(2, core.ckpt.save, dir, t)  -- not a tail call: error levels count this frame
+  return tag
+end
+
+-- The load behind pt.ckpt.load and resume; errors point `level` frames above its caller.
+local function load_at(level, dir, tag, what)
+  if type(dir) ~= "string" then error("pt.ckpt.load: bad argument #1 (folder name expected)", level + 1) end
+  if tag ~= nil and type(tag) ~= "string" then error("pt.ckpt.load: bad argument #2 (tag string expected)", level + 1) end
+  local t = ckpt_state("load", what, level + 1)
+  for _, k in ipairs { "step", "user", "full", "num_kept", "tag" } do
+    if t[k] ~= nil then error(("pt.ckpt.load: '%s' is a key of save, not of load (load takes model, optim, data; "
+      .. "the tag is argument #2)"):format(k), level + 1) end
+  end
+  local loaded = ckpt_call(level + 1, core.ckpt.load, dir, tag, t)
+  return loaded
 end
 
 --- pt.ckpt.load(dir, [tag,] { model, optim, data }) -> { tag, step, user }: loads tag (default:
 --- the newest) into the model, optimizer and data loader, whatever layout saved it.
 function pt.ckpt.load(dir, tag, what)
   if what == nil and type(tag) == "table" then tag, what = nil, tag end
-  if type(dir) ~= "string" then error("pt.ckpt.load: bad argument #1 (folder name expected)", 2) end
-  if tag ~= nil and type(tag) ~= "string" then error("pt.ckpt.load: bad argument #2 (tag string expected)", 2) end
-  local t = ckpt_state("load", what, 2)
-  t.step, t.user, t.full, t.num_kept, t.tag = nil, nil, nil, nil, nil
-  return ckpt_call(2, core.ckpt.load, dir, tag, t)
+  local loaded = load_at(2, dir, tag, what)  -- not tail calls: error levels count these frames
+  return loaded
 end
 
 --- pt.ckpt.resume(dir, { model, optim, data }) -> { tag, step, user } from the newest
@@ -240,15 +251,20 @@ end
 function pt.ckpt.resume(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.resume: bad argument #1 (folder name expected)", 2) end
   if not core.ckpt.newest(dir) then return nil end
-  return pt.ckpt.load(dir, nil, what)
+  local loaded = load_at(2, dir, nil, what)
+  return loaded
 end
 
 pt.ckpt.newest = core.ckpt.newest
 pt.ckpt.tags = core.ckpt.tags
 --- pt.ckpt.export_safetensors(model, path) / import_safetensors(model, path): logical weights
 --- to and from a .safetensors file, in Hugging Face GPT-2's names and layout for GPT-2.
-function pt.ckpt.export_safetensors(model, path) return ckpt_call(2, core.ckpt.export_safetensors, model, path) end
-function pt.ckpt.import_safetensors(model, path) return ckpt_call(2, core.ckpt.import_safetensors, model, path) end
+function pt.ckpt.export_safetensors(model, path)
+  ckpt_call(2, core.ckpt.export_safetensors, model, path)
+end
+function pt.ckpt.import_safetensors(model, path)
+  ckpt_call(2, core.ckpt.import_safetensors, model, path)
+end
 
 -- Memory and plans ---------------------------------------------------------------------------
 --- pt.memory(): { allocated, allocated_peak } bytes LibTorch's tensors hold on the CPU now and at

@@ -1,0 +1,82 @@
+-- pt.ckpt in one process: a save and load restore weights, optimizer state, the data position
+-- and the user table exactly; num_kept and newest; and bad input is refused by name.
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, eq, raises, ok = H.test, H.eq, H.raises, H.ok
+
+local dir = os.tmpname()
+os.remove(dir)
+
+local function setup(seed)
+  pt.manual_seed(seed)
+  local model = pt.models.mlp { sizes = { 6, 8, 3 } }
+  local opt = pt.optim.adamw(model, { lr = 0.01 })
+  local data = pt.data.text { path = "data/kjv.txt", seq = 6, batch = 4, seed = 3 }
+  return model, opt, data
+end
+
+local function train_step(model, opt, data)
+  local x = data:next()
+  local loss = pt.nn.cross_entropy(model(x:narrow(1, 0, 6):to("float32")), pt.tensor({ 0, 1, 2, 0 }, { dtype = "int64" }))
+  opt:zero_grad()
+  loss:backward()
+  opt:step()
+  return loss:item()
+end
+
+test("save then load restores weights, optimizer state, data position and the user table", function()
+  local model, opt, data = setup(1)
+  for _ = 1, 3 do train_step(model, opt, data) end
+  local tag = pt.ckpt.save(dir, { model = model, optim = opt, data = data, step = 3,
+                                  user = { best = 0.25, name = "run", tags = { "a", "b" }, nested = { ok = true } } })
+  eq(tag, "step-00000003")
+  eq(pt.ckpt.newest(dir), tag)
+  local want = { train_step(model, opt, data), train_step(model, opt, data) }
+
+  local other, other_opt, other_data = setup(2)
+  local r = pt.ckpt.load(dir, { model = other, optim = other_opt, data = other_data })
+  eq(r.step, 3)
+  eq(r.user.best, 0.25)
+  eq(r.user.name, "run")
+  eq(r.user.tags[2], "b")
+  eq(r.user.nested.ok, true)
+  eq(other_opt:steps(), 3)
+  local got = { train_step(other, other_opt, other_data), train_step(other, other_opt, other_data) }
+  eq(got[1], want[1], "the first step after loading")
+  eq(got[2], want[2], "the second step after loading")
+end)
+
+test("num_kept keeps the newest tags; resume on an empty folder is nil", function()
+  local model, opt = setup(1)
+  for step = 10, 14 do pt.ckpt.save(dir, { model = model, optim = opt, step = step, num_kept = 2 }) end
+  local tags = pt.ckpt.tags(dir)
+  eq(#tags, 2)
+  eq(tags[1], "step-00000013")
+  eq(tags[2], "step-00000014")
+  eq(pt.ckpt.resume(dir .. "-empty", { model = model }), nil)
+  local r = pt.ckpt.load(dir, "step-00000013", { model = model })
+  eq(r.step, 13)
+end)
+
+test("bad input is refused by name", function()
+  local model, opt = setup(1)
+  raises(function() pt.ckpt.save(dir, { model = model, bogus = 1 }) end, "unknown key 'bogus'")
+  raises(function() pt.ckpt.save(dir, { optim = opt }) end, "'model' must be a module")
+  raises(function() pt.ckpt.save(dir, { model = model, user = { f = print } }) end, "user.f holds a function")
+  raises(function() pt.ckpt.save(dir, { model = model, num_kept = -1 }) end, "num_kept must be >= 0")
+  raises(function() pt.ckpt.save(dir, { model = model, tag = "a/b" }) end, "bad checkpoint tag 'a/b'")
+  raises(function() pt.ckpt.save(42, { model = model }) end, "folder name expected")
+  raises(function() pt.ckpt.load(dir, { model = model, step = 3 }) end, "'step' is a key of save")
+  raises(function() pt.ckpt.load(dir, "no-such-tag", { model = model }) end, "no checkpoint 'no-such-tag'")
+  raises(function() pt.ckpt.load(dir .. "-empty", { model = model }) end, "has no 'newest' file")
+  local bigger = pt.models.mlp { sizes = { 6, 9, 3 } }
+  raises(function() pt.ckpt.load(dir, { model = bigger }) end, "tensor '0.weight'")
+  raises(function() pt.ckpt.load(dir, { model = model, optim = pt.optim.sgd(model, { lr = 0.1 }) }) end,
+         "holds adamw state; the optimizer given is sgd")
+  ok(true)
+end)
+
+local status = H.run()
+os.execute("rm -rf '" .. dir .. "'")
+return status
