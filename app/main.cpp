@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(split, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? 0 : 1;  // --help is a success; any mistake exits 1, as every error does
   }
 
   // `partrain repl`: the REPL alone (a file called repl, if there is one, is still a script).

@@ -80,7 +80,7 @@ int run_plan(int argc, char** argv, int first) {
   try {
     app.parse(static_cast<int>(flags.size()), flags.data());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? 0 : 1;  // --help is a success; any mistake exits 1, as every error does
   }
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
   if (nproc == 0) nproc = world;
@@ -243,7 +243,7 @@ int run_ckpt(int argc, char** argv, int first) {
   try {
     app.parse(static_cast<int>(args.size()), args.data());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? 0 : 1;  // --help is a success; any mistake exits 1, as every error does
   }
   try {
     if (*inspect) return ckpt_inspect(dir, tag);

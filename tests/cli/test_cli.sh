@@ -66,5 +66,17 @@ printf 'return { answer = 42 }\n' > "$tmp/proj/helper.lua"
 printf 'local pt = require "partrain"\nprint("answer", require("helper").answer, pt.version)\n' > "$tmp/proj/main.lua"
 check "require finds the script's own folder and partrain from anywhere" 0 "answer	42	0.1" -- bash -c "cd / && '$bin' '$tmp/proj/main.lua'"
 
+# The subcommands that start no ranks: partrain plan and partrain ckpt.
+check "partrain plan --help lists its flags" 0 "--world" -- "$bin" plan --help
+check "partrain plan needs --world" 1 "--world" -- "$bin" plan "$tmp/cfg.lua"
+check "partrain plan needs a script" 1 "give the script to plan" -- "$bin" plan --world 2
+check "partrain plan names a missing script" 1 "cannot open script 'no/such.lua'" -- "$bin" plan --world 2 no/such.lua
+check "partrain ckpt --help lists its commands" 0 "inspect" -- "$bin" ckpt --help
+check "partrain ckpt needs a command" 1 "subcommand" -- "$bin" ckpt
+check "partrain ckpt inspect names a folder without a checkpoint" 1 "no checkpoint in '$tmp'" -- "$bin" ckpt inspect "$tmp"
+check "partrain ckpt verify fails on a folder without a checkpoint" 1 "no checkpoint" -- "$bin" ckpt verify "$tmp"
+check "partrain ckpt convert needs positive sizes" 1 "--tensor" -- "$bin" ckpt convert "$tmp" "$tmp/out" --tensor 0
+check "--plan-mode takes match, override or moo" 1 "--plan-mode" -- "$bin" --plan x --plan-mode maybe -e ""
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -247,10 +247,11 @@ function pt.ckpt.load(dir, tag, what)
 end
 
 --- pt.ckpt.resume(dir, { model, optim, data }) -> { tag, step, user } from the newest
---- checkpoint in dir, or nil when dir holds none (a fresh start).
+--- checkpoint in dir, or nil when dir holds none (a fresh start) or under `partrain plan`.
 function pt.ckpt.resume(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.resume: bad argument #1 (folder name expected)", 2) end
-  if not core.ckpt.newest(dir) then return nil end
+  -- A plan describes the layout, which a resume does not change: no need to read the files.
+  if core.plan.planning() or not core.ckpt.newest(dir) then return nil end
   local loaded = load_at(2, dir, nil, what)
   return loaded
 end
