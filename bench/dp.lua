@@ -38,14 +38,7 @@ local stats = dp:stats()
 local group = mesh:group("data")
 local flat = pt.zeros(stats.bytes / 4)
 group:all_reduce(flat)
-local times = {}
-for i = 1, cfg.raw_reps do
-  local t = pt.time()
-  group:all_reduce(flat)
-  times[i] = pt.time() - t
-end
-table.sort(times)
-local raw = times[math.ceil(#times / 2)]
+local raw = require("timing").median_seconds(cfg.raw_reps, function() group:all_reduce(flat) end)
 -- Ranks reach each sync at different moments (noise, imbalance), and the first to arrive also
 -- waits for the last; the last to arrive measures the collective itself. So: per step, the
 -- minimum over ranks; then the mean over steps.

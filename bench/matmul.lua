@@ -4,12 +4,5 @@ local cfg = pt.args { n = 1024, reps = 20, threads = 1 }
 pt.set_threads(cfg.threads)
 local a, b = pt.randn(cfg.n, cfg.n), pt.randn(cfg.n, cfg.n)
 a:matmul(b)  -- warm up
-local times = {}
-for i = 1, cfg.reps do
-  local t0 = pt.time()
-  a:matmul(b)
-  times[i] = pt.time() - t0
-end
-table.sort(times)
-local median = times[math.ceil(#times / 2)]
+local median = require("timing").median_seconds(cfg.reps, function() a:matmul(b) end)
 print(("matmul n=%d threads=%d median %.4f s  %.1f GFLOP/s"):format(cfg.n, cfg.threads, median, 2 * cfg.n ^ 3 / median / 1e9))

@@ -7,6 +7,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/ckpt/ckpt.hpp"
+#include "engine/compat.hpp"
 #include "engine/data/data.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/optim/optim.hpp"
@@ -174,14 +175,24 @@ const Function kCkpt[] = {
     // import_safetensors(model, path): loads logical weights into the (possibly split) model.
     {"import_safetensors", [](Args& a) {
        auto& m = a.module(1);
-       auto tensors = ckpt::read_safetensors(a.string(2), m->type() == "GPT2");
+       std::string path = a.string(2);
+       auto tensors = ckpt::read_safetensors(path, m->type() == "GPT2");
        nn::TensorMap state(tensors.begin(), tensors.end());
        if (m->type() == "GPT2" && !state.count("lm_head.weight") && state.count("wte.weight"))
          state["lm_head.weight"] = state["wte.weight"];
-       auto own = m->state_dict();
-       for (auto it = state.begin(); it != state.end();)
-         it = own.count(it->first) ? std::next(it) : (m->type() == "GPT2" ? state.erase(it) : std::next(it));
-       parallel::load_full_state_dict(*m, state, /*strict=*/true);
+       // Hugging Face's GPT-2 files may carry its causal-mask buffers, which partrain computes.
+       auto ends_with = [](const std::string& s, const std::string& end) {
+         return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+       };
+       if (m->type() == "GPT2")
+         for (auto it = state.begin(); it != state.end();)
+           it = ends_with(it->first, ".attn.bias") || ends_with(it->first, ".attn.masked_bias") ? state.erase(it)
+                                                                                                : std::next(it);
+       try {
+         parallel::load_full_state_dict(*m, state, /*strict=*/true);  // any other unknown or missing name fails
+       } catch (const std::exception& e) {
+         throw std::runtime_error("importing '" + path + "': " + compat::message_of(e));
+       }
        return a.ret(); }},
     {nullptr, nullptr}};
 

@@ -296,10 +296,9 @@ void together(const dist::GroupPtr& group, const std::string& what, const std::f
   } catch (const std::exception& e) {
     error = compat::message_of(e);
   }
-  auto flag = torch::tensor({error.empty() ? 0 : 1}, torch::kInt32);
-  if (group && group->size() > 1) group->all_reduce(flag, dist::ReduceOp::Max);
+  bool any = dist::any_rank(group, !error.empty());
   if (!error.empty()) TORCH_CHECK(false, error);
-  TORCH_CHECK(flag.item<int>() == 0, what, " failed on another rank (see its message)");
+  TORCH_CHECK(!any, what, " failed on another rank (see its message)");
 }
 
 void write_manifest(const std::string& tag_dir, const Manifest& m) {
@@ -365,8 +364,7 @@ std::string save(const std::string& dir, const State& state, const SaveOptions& 
       remove_all(tmp);
       make_dirs(tmp);
     }
-  });
-  if (group && group->size() > 1) group->barrier();
+  });  // together() has synchronized the ranks: the folder exists for all of them
 
   // Each rank writes what it alone holds: split tensors from data rank 0 of each tensor group,
   // whole ones from rank (tensor 0, data 0). `full`: rank 0 writes every tensor gathered whole.
@@ -389,8 +387,7 @@ std::string save(const std::string& dir, const State& state, const SaveOptions& 
       }
       if (!writer) return;
       if (!file) file = std::make_unique<DataFile>(join(tmp, name));
-      part.tensors.push_back(entry_for(key, t, split));
-      if (options.full && s) part.tensors.back().shape = s->shape;
+      part.tensors.push_back(entry_for(key, value, split));  // full: value is already logical
       add_pieces(*file, part.tensors.back(), value, split, -1);
     };
     for (const auto& [pname, p] : unique_named(*state.model)) {
@@ -772,9 +769,7 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
     auto full = read_tensor(src_tag_dir, src, *original);
     e.pieces.clear();
     if (e.dim < 0 || tensor == 1) {
-      TensorEntry whole = e;
       add_pieces(file(0), e, full, nullptr, 0);
-      (void)whole;
       continue;
     }
     const int64_t logical = e.shape[e.dim];

@@ -329,6 +329,13 @@ std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::st
   return out;
 }
 
+bool any_rank(const GroupPtr& group, bool mine) {
+  if (!group || group->size() == 1) return mine;
+  auto flag = torch::tensor({mine ? 1 : 0}, torch::kInt32);
+  group->all_reduce(flag, ReduceOp::Max);
+  return flag.item<int>() != 0;
+}
+
 // ---- World ---------------------------------------------------------------------------------
 
 namespace {

@@ -130,5 +130,8 @@ using GroupPtr = std::shared_ptr<ProcessGroup>;
 /// Everyone's bytes, in group-rank order (an all-gather of the lengths, then of the padded
 /// bytes). A null group or a group of one returns {mine}.
 std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine);
+/// Whether `mine` is true on any rank of the group (an all-reduce of one flag), so that every
+/// rank can act alike: all of them fail when one does. A null group or a group of one: `mine`.
+bool any_rank(const GroupPtr& group, bool mine);
 
 }  // namespace partrain::dist

@@ -235,17 +235,19 @@ void install() {
 // ---- Planning mode and the first step ------------------------------------------------------
 
 namespace {
-bool planning_ = false;
 FirstStep first_step_;
-std::map<std::string, dist::ProcessGroup::Traffic> traffic_base_;  // "group op" -> before the first step
+// Each group's traffic when the first step began (a group made later counts from zero).
+std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic_base_;
 
-c10::DeviceType counted_device() { return planning_ ? c10::kMeta : c10::kCPU; }
+c10::DeviceType counted_device() { return planning() ? c10::kMeta : c10::kCPU; }
 }  // namespace
 
-bool planning() { return planning_; }
+namespace detail {
+bool planning = false;
+}
 
 void set_planning(bool on) {
-  planning_ = on;
+  detail::planning = on;
   install_allocators();
   if (on) meta::install();
   nn::set_parameter_options(on ? torch::TensorOptions().device(torch::kMeta) : torch::TensorOptions());
@@ -256,12 +258,7 @@ void step_begins() {
   first_step_.begun = true;
   first_step_.base = memory(counted_device()).allocated;
   traffic_base_.clear();
-  for (const auto& g : dist::World::instance().groups())
-    for (const auto& [op, t] : g->traffic()) {
-      auto& base = traffic_base_[g->name() + " " + op];
-      base.calls += t.calls;
-      base.bytes += t.bytes;
-    }
+  for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
 }
 
 void forward_ends() {
@@ -323,14 +320,15 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
   for (const auto* o : optimizers) r.optimizer_bytes += o->planned_state_bytes();
   r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
   // What the groups moved since the first step began.
-  std::map<std::string, dist::ProcessGroup::Traffic> seen_base = traffic_base_;
-  for (const auto& g : dist::World::instance().groups())
+  for (const auto& g : dist::World::instance().groups()) {
+    auto before = traffic_base_.find(g.get());
     for (const auto& [op, t] : g->traffic()) {
-      auto& base = seen_base[g->name() + " " + op];
+      dist::ProcessGroup::Traffic base;
+      if (before != traffic_base_.end() && before->second.count(op)) base = before->second.at(op);
       int64_t calls = t.calls - base.calls, bytes = t.bytes - base.bytes;
-      base = {};  // a second group of the same name counts from zero
       if (first_step_.begun && calls > 0) r.collectives.push_back({g->name(), op, calls, bytes});
     }
+  }
   std::sort(r.collectives.begin(), r.collectives.end(),
             [](const Collective& a, const Collective& b) { return std::tie(a.group, a.op) < std::tie(b.group, b.op); });
   return r;
@@ -557,11 +555,8 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
       }
     }
   }
-  bool mismatch = !diff.empty() || !problem.empty();
   // Every rank learns whether any rank differs, so all of them act alike.
-  auto flag = torch::tensor({mismatch ? 1 : 0}, torch::kInt32);
-  if (group && group->size() > 1) group->all_reduce(flag, dist::ReduceOp::Max);
-  bool any = flag.item<int>() != 0;
+  bool any = dist::any_rank(group, !diff.empty() || !problem.empty());
   if (mode == "match" && any) {
     if (!problem.empty()) TORCH_CHECK(false, "rank ", actual.rank, ": ", problem);
     if (!diff.empty())

@@ -41,9 +41,12 @@ void reset_peak(c10::DeviceType device = c10::kCPU);
 
 // ---- Planning mode -------------------------------------------------------------------------
 
+namespace detail {
+extern bool planning;
+}
 /// Whether this process is planning: new parameters and tensors are made on the meta device and
-/// the first optimizer step ends the script.
-bool planning();
+/// the first optimizer step ends the script. Inline: every tensor crossing from Lua asks.
+inline bool planning() { return detail::planning; }
 /// Turns planning on or off; on, it also supplies the meta kernels LibTorch lacks (1.13 has no
 /// meta index_select, layer_norm or where).
 void set_planning(bool on);

@@ -28,16 +28,11 @@ import tempfile
 import time
 from array import array
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from checks import check, finish  # noqa: E402
+
 BIN = sys.argv[1]
 SCRIPT = "tests/ckpt/train.lua"
-failures = []
-
-
-def check(what, ok, detail=""):
-    print(("ok   " if ok else "FAIL ") + what + ("" if ok else "\n     " + str(detail)[:3000]))
-    if not ok:
-        failures.append(what)
-
 
 def run(args, env=None):
     e = dict(os.environ)
@@ -273,6 +268,7 @@ try:
         reread = os.path.join(work, "reread.safetensors")
         code = r'''
 import json, struct, sys, torch
+
 src, dst = sys.argv[1], sys.argv[2]
 raw = open(src, "rb").read()
 n = struct.unpack("<Q", raw[:8])[0]
@@ -290,16 +286,21 @@ assert (x @ w + b).shape == (3, 192)
 # Write new weights, as Python's safetensors would: sorted names, 8-byte aligned header.
 torch.manual_seed(0)
 out = {k: (torch.randn_like(v) * 0.02).contiguous() for k, v in tensors.items()}
-head, off = {}, 0
-for k in sorted(out):
-    nb = out[k].numel() * 4
-    head[k] = {"dtype": "F32", "shape": list(out[k].shape), "data_offsets": [off, off + nb]}
-    off += nb
-text = json.dumps(head).encode()
-text += b" " * ((8 - len(text) % 8) % 8)
-with open(dst, "wb") as f:
-    f.write(struct.pack("<Q", len(text))); f.write(text)
-    for k in sorted(out): f.write(out[k].numpy().tobytes())
+def write(path, ts):
+    head, off = {}, 0
+    for k in sorted(ts):
+        nb = ts[k].numel() * 4
+        head[k] = {"dtype": "F32", "shape": list(ts[k].shape), "data_offsets": [off, off + nb]}
+        off += nb
+    text = json.dumps(head).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text))); f.write(text)
+        for k in sorted(ts): f.write(ts[k].numpy().tobytes())
+write(dst, out)
+# As Hugging Face saves GPT-2: with its causal-mask buffer; and a file with a name GPT-2 lacks.
+write(dst + ".hf", dict(out, **{"h.0.attn.bias": torch.ones(1, 1, 4, 4)}))
+write(dst + ".bad", dict(out, **{"bogus.weight": torch.ones(3)}))
 print("python read", len(tensors), "tensors")
 '''
         p = subprocess.run([torch_python, "-c", code, exported, written], capture_output=True, text=True)
@@ -309,8 +310,13 @@ print("python read", len(tensors), "tensors")
         A, B = read_safetensors(written), read_safetensors(reread)
         check("a file written by Python imports into a split GPT-2 and exports back unchanged",
               r.returncode == 0 and sorted(A) == sorted(B) and max_diff(A, B) == 0.0, r.stderr)
+        r = train(2, "--tensor", "2", "--steps", "0", "--import", written + ".hf", "--export", reread)
+        check("Hugging Face's attention-mask buffers are skipped on import",
+              r.returncode == 0 and max_diff(A, read_safetensors(reread)) == 0.0, r.stderr)
+        r = train(2, "--tensor", "2", "--steps", "0", "--import", written + ".bad", expect_ok=False)
+        check("a tensor the model has no parameter for fails the import, named",
+              r.returncode != 0 and "bogus.weight" in r.stderr and ".bad'" in r.stderr, r.stderr[-2000:])
 finally:
     shutil.rmtree(work, ignore_errors=True)
 
-print(f"{len(failures)} failure(s)" if failures else "all checkpoint checks passed")
-sys.exit(1 if failures else 0)
+finish("checkpoint")

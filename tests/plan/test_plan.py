@@ -20,15 +20,11 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from checks import check, finish  # noqa: E402
+
 BIN = sys.argv[1]
 SCRIPT = "tests/plan/gpt2_step.lua"
-failures = []
-
-
-def check(what, ok, detail=""):
-    print(("ok   " if ok else "FAIL ") + what + ("" if ok else "\n     " + str(detail)[:3000]))
-    if not ok:
-        failures.append(what)
 
 
 def run(args, **kw):
@@ -153,5 +149,4 @@ check("--world is required", r.returncode != 0 and "--world" in r.stderr, r.stde
 r = run(["--plan-mode", "moo", SCRIPT])
 check("--plan-mode needs --plan", r.returncode != 0 and "--plan-mode needs --plan" in r.stderr, r.stderr)
 
-print(f"{len(failures)} failure(s)" if failures else "all plan checks passed")
-sys.exit(1 if failures else 0)
+finish("plan")

@@ -19,7 +19,8 @@ import time
 
 PARTRAIN, RANKS = sys.argv[1], int(sys.argv[2])
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-failures = []
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from checks import check, finish  # noqa: E402
 
 
 class Session:
@@ -82,13 +83,6 @@ class Session:
                 pass
         os.kill(self.pid, signal.SIGKILL)
         raise TimeoutError("the session did not end")
-
-
-def check(name, condition, detail=""):
-    print(("ok   " if condition else "FAIL ") + name, flush=True)
-    if not condition:
-        failures.append(name)
-        print("     " + detail.replace("\n", "\n     "), flush=True)
 
 
 every = f"[ranks 0-{RANKS - 1}]" if RANKS > 2 else "[ranks 0,1]"
@@ -195,5 +189,4 @@ with tempfile.TemporaryDirectory() as home:
     s.send("exit()\n")
     check("and the run ends cleanly", s.wait() == 0)
 
-print(f"{len(failures)} failed" if failures else "all passed")
-sys.exit(1 if failures else 0)
+finish("REPL")

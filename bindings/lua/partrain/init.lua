@@ -199,7 +199,7 @@ local function ckpt_state(fn, what, level)
   local t = {}
   for k, v in pairs(what) do
     if not ckpt_keys[k] then
-      error(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, step, user, full, num_kept, tag)"):format(
+      error(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, mesh, step, user, full, num_kept, tag)"):format(
         fn, tostring(k)), level + 1)
     end
     t[k] = v
