@@ -1,0 +1,149 @@
+// Safe file access (see files.hpp).
+#include "engine/util/files.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include <c10/util/Exception.h>
+
+namespace partrain::util {
+
+namespace {
+
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a folder";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+std::string dir_of(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+int open_regular(const std::string& path, const std::string& what, Links links) {
+  // O_NONBLOCK: opening a FIFO for reading must not wait for a writer; it is refused below.
+  int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | (links == Links::Refuse ? O_NOFOLLOW : 0);
+  int fd = ::open(path.c_str(), flags);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ELOOP && links == Links::Refuse)
+      TORCH_CHECK(false, "the ", what, " '", path, "' is a symbolic link; partrain reads only regular files there");
+    TORCH_CHECK(false, "cannot read the ", what, " '", path, "': ", std::strerror(err));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    mode_t mode = st.st_mode;
+    ::close(fd);
+    TORCH_CHECK(false, "the ", what, " '", path, "' is ", kind_of(mode), "; a regular file was expected");
+  }
+  int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
+bool is_regular(const std::string& path, Links links) {
+  struct stat st;
+  int r = links == Links::Refuse ? ::lstat(path.c_str(), &st) : ::stat(path.c_str(), &st);
+  return r == 0 && S_ISREG(st.st_mode);
+}
+
+bool is_plain_dir(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string read_regular(const std::string& path, const std::string& what, uint64_t max_bytes, Links links) {
+  int fd = open_regular(path, what, links);
+  struct stat st;
+  ::fstat(fd, &st);
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    TORCH_CHECK(false, "the ", what, " '", path, "' has ", st.st_size, " bytes; at most ", max_bytes, " are expected");
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t n = ::read(fd, &out[done], out.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  // A file that grew while it was read: take only what was sized (and checked) above.
+  ::close(fd);
+  TORCH_CHECK(done == out.size(), "reading the ", what, " '", path, "' stopped after ", done, " of ", out.size(),
+              " bytes");
+  return out;
+}
+
+bool safe_name(const std::string& name) {
+  if (name.empty() || name.size() > 128 || name[0] == '.' || name[0] == '-') return false;
+  for (char c : name)
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+          c == '-'))
+      return false;
+  return true;
+}
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void write_atomic(const std::string& path, const std::string& bytes) {
+  static thread_local std::mt19937_64 random{std::random_device{}()};
+  std::string dir = dir_of(path), name = path.substr(path.find_last_of('/') + 1);
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
+    char suffix[24];
+    std::snprintf(suffix, sizeof suffix, "%016llx", static_cast<unsigned long long>(random()));
+    tmp = dir + "/." + name + "." + suffix + ".tmp";  // hidden: never taken for a checkpoint tag
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  TORCH_CHECK(fd >= 0, "cannot write '", path, "' (its temporary '", tmp, "'): ", std::strerror(errno));
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(err));
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  bool synced = ::fsync(fd) == 0;
+  int err = errno;
+  ::close(fd);
+  if (!synced) {
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "flushing '", path, "' to disk failed: ", std::strerror(err));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    err = errno;
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "cannot rename '", tmp, "' to '", path, "': ", std::strerror(err));
+  }
+  fsync_path(dir);
+}
+
+}  // namespace partrain::util

@@ -1,0 +1,44 @@
+// Opening, reading and writing files the way every part of partrain must: only regular files,
+// sizes bounded before anything is allocated, names from a safe alphabet, and writes that land
+// whole (a temporary made exclusively, never through a planted link, then renamed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace partrain::util {
+
+/// How open_regular treats a symbolic link at the path itself.
+enum class Links {
+  Follow,  ///< a link to a regular file is fine (a script, a data file the user points at)
+  Refuse,  ///< the path must not be a link (files inside a checkpoint folder)
+};
+
+/// Opens `path` for reading and returns the descriptor. Refuses, with an error naming the path and
+/// `what` ("checkpoint manifest", "script"), anything that is not a regular file: folders, FIFOs,
+/// sockets, devices (/dev/zero), and links when `links` is Refuse. Never blocks on a FIFO.
+int open_regular(const std::string& path, const std::string& what, Links links = Links::Follow);
+
+/// Whether `path` names a regular file (not following a final link when `links` is Refuse).
+bool is_regular(const std::string& path, Links links = Links::Follow);
+/// Whether `path` names a folder (not a link to one).
+bool is_plain_dir(const std::string& path);
+
+/// The whole of a regular file, refused when it holds more than `max_bytes` (nothing larger is
+/// allocated).
+std::string read_regular(const std::string& path, const std::string& what, uint64_t max_bytes,
+                         Links links = Links::Follow);
+
+/// Whether `name` is a safe file or folder name: 1-128 characters from [A-Za-z0-9._-], not
+/// starting with '.' or '-' (so never ".", "..", a hidden scratch name or an option).
+bool safe_name(const std::string& name);
+
+/// Writes `bytes` to `path` so that a reader sees the old file or the new one, never a part:
+/// a temporary beside it, created with O_EXCL | O_NOFOLLOW (a link planted there is not
+/// followed), flushed to disk, renamed over `path`, and the folder flushed.
+void write_atomic(const std::string& path, const std::string& bytes);
+
+/// Flushes a file or folder to disk (best effort: errors are ignored).
+void fsync_path(const std::string& path);
+
+}  // namespace partrain::util

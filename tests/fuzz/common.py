@@ -1,0 +1,106 @@
+"""What the fuzz drivers share. Each driver (tests/fuzz/fuzz_*.py) generates malformed inputs of
+one class from a seed, runs partrain on each with a time bound, and classifies the outcome:
+
+  refused  - a clear error: non-zero exit status (1), no signal, a message that names the bad
+             value and a location (the user's file:line, or the file and the tensor)
+  accepted - exit 0 where the input was harmless (the driver says when that is allowed)
+  crash    - killed by a signal (SIGSEGV, SIGABRT, ...) or an exit status other than 0 and 1
+  hang     - did not end within the bound
+  unclear  - refused, but without the location or the detail the driver asked for
+
+Anything but refused/accepted (and accepted only where the driver allows it) is a failure.
+Every driver prints one line a class with its counts, then the summary table that
+docs/fuzz.md shows, and exits non-zero on any failure."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# A location inside partrain's own Lua library, or none at all: never what a user should see
+# as the place of their mistake.
+INTERNAL_LOCATION = re.compile(r"(\[C\]:-?\d+|bindings/lua/partrain/[a-z_]+\.lua:\d+: (?!in ))")
+
+
+class Outcome:
+    def __init__(self, kind, rc, out, err, seconds):
+        self.kind, self.rc, self.out, self.err, self.seconds = kind, rc, out, err, seconds
+
+    @property
+    def text(self):
+        return self.out + self.err
+
+    def __repr__(self):
+        return f"Outcome({self.kind}, rc={self.rc}, {self.seconds:.1f}s, err={self.err[-400:]!r})"
+
+
+def run(cmd, timeout=30, cwd=None, env=None, stdin=subprocess.DEVNULL):
+    """Runs `cmd` (a list) in its own process group; a run past `timeout` seconds is killed
+    with its whole group and reported as a hang."""
+    start = time.monotonic()
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        full_env.update(env)
+    p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=stdin, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True, text=True, errors="replace")
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return Outcome("hang", None, out, err, time.monotonic() - start)
+    rc = p.returncode
+    seconds = time.monotonic() - start
+    if rc == 0:
+        return Outcome("accepted", rc, out, err, seconds)
+    if rc == 1:
+        return Outcome("refused", rc, out, err, seconds)
+    return Outcome("crash", rc, out, err, seconds)
+
+
+def located(outcome, pattern):
+    """Whether a refusal's message matches `pattern` (a regular expression naming the location:
+    r"policy\\.lua:\\d+" or a file and tensor) and shows no internal location."""
+    text = outcome.text
+    return re.search(pattern, text) is not None and INTERNAL_LOCATION.search(text.split("stack traceback")[0]) is None
+
+
+class Tally:
+    """Counts outcomes by class and prints the table docs/fuzz.md shows."""
+
+    def __init__(self, title):
+        self.title = title
+        self.rows = {}  # class -> {kind: count}
+        self.failures = []
+
+    def add(self, cls, kind, ok, detail=""):
+        row = self.rows.setdefault(cls, {})
+        row[kind] = row.get(kind, 0) + 1
+        if not ok:
+            self.failures.append((cls, kind, detail))
+            print(f"FAIL {cls}: {kind}\n     " + str(detail)[:2000].replace("\n", "\n     "), flush=True)
+
+    def total(self):
+        return sum(sum(r.values()) for r in self.rows.values())
+
+    def finish(self):
+        kinds = ["refused", "accepted", "unclear", "crash", "hang"]
+        print(f"\n{self.title}: {self.total()} cases")
+        print("| class | cases | " + " | ".join(kinds) + " |")
+        print("| --- | --- | " + " | ".join("---" for _ in kinds) + " |")
+        for cls, row in sorted(self.rows.items()):
+            print(f"| {cls} | {sum(row.values())} | " + " | ".join(str(row.get(k, 0)) for k in kinds) + " |")
+        print(f"{len(self.failures)} failure(s)" if self.failures else "no failures", flush=True)
+        sys.exit(1 if self.failures else 0)
+
+
+def seed_from_argv(default=1):
+    """--seed N from the command line (or PARTRAIN_FUZZ_SEED), so a failure can be replayed."""
+    seed = int(os.environ.get("PARTRAIN_FUZZ_SEED", default))
+    if "--seed" in sys.argv:
+        seed = int(sys.argv[sys.argv.index("--seed") + 1])
+    return seed
