@@ -1,8 +1,13 @@
 // Process groups over c10d, the world and its rendezvous, and the device mesh
 // (see process_group.hpp, world.hpp, mesh.hpp).
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <sstream>
 
 #define PARTRAIN_COMPAT_C10D  // this file talks to c10d: pull its headers into compat.hpp
@@ -68,6 +73,105 @@ bool& check_flag() {
 
 void set_check_collectives(bool on) { check_flag() = on; }
 bool check_collectives() { return check_flag(); }
+
+// ---- Call sites and the last collective ----------------------------------------------------
+
+namespace {
+
+std::atomic<CallSiteFn> site_provider{nullptr};
+
+// The collective this process started last, as text, for the terminate handler (which runs on
+// whichever thread Gloo failed on, so it is copied under a lock rather than shared).
+std::mutex last_call_mutex;
+char last_call[768] = "";
+std::atomic<int> this_rank{-1};
+
+void note_call(const std::string& text) {
+  std::lock_guard<std::mutex> lock(last_call_mutex);
+  std::snprintf(last_call, sizeof last_call, "%s", text.c_str());
+}
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return "float32";
+    case c10::kDouble: return "float64";
+    case c10::kHalf: return "float16";
+    case c10::kBFloat16: return "bfloat16";
+    case c10::kLong: return "int64";
+    case c10::kInt: return "int32";
+    case c10::kShort: return "int16";
+    case c10::kChar: return "int8";
+    case c10::kByte: return "uint8";
+    case c10::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
+// "float32 [4, 3]" (or "no tensor").
+std::string describe_tensor(const Tensor& t) {
+  if (!t.defined()) return "no tensor";
+  std::ostringstream s;
+  s << dtype_name(t.scalar_type()) << " [";
+  for (int64_t d = 0; d < t.dim(); ++d) s << (d ? ", " : "") << t.size(d);
+  s << "]";
+  return s.str();
+}
+
+// FNV-1a, so ranks can compare call sites in a fixed-size record.
+int64_t hash_text(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+[[noreturn]] void on_terminate() {
+  std::string what;
+  if (auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      what = x.what();
+    } catch (...) {
+      what = "an exception of unknown type";
+    }
+  }
+  if (what.empty()) std::abort();  // terminate without an exception: a real bug, keep the core dump
+  char call[sizeof last_call] = "";
+  if (last_call_mutex.try_lock()) {
+    std::memcpy(call, last_call, sizeof call);
+    last_call_mutex.unlock();
+  }
+  auto trim = what.find("\nException raised from");  // c10's C++ backtrace: not for users
+  if (trim != std::string::npos) what.resize(trim);
+  bool gloo = what.find("gloo") != std::string::npos || what.find("enforce fail") != std::string::npos;
+  std::string rank = this_rank >= 0 ? "rank " + std::to_string(this_rank.load()) + ": " : "";
+  std::string msg = "partrain: " + rank;
+  if (gloo)
+    msg += "a collective failed because the ranks disagree on it: a peer sent more data than this rank's "
+           "tensor holds (their shapes or dtypes differ). Gloo said: " + what;
+  else
+    msg += "a background thread failed: " + what;
+  if (call[0]) msg += "\n  this rank's last collective: " + std::string(call);
+  if (gloo)
+    msg += "\n  Every rank of a group must run the same collectives in the same order, with the same shapes and "
+           "dtypes; run with --check-collectives to see each rank's call.";
+  msg += "\n";
+  if (::write(STDERR_FILENO, msg.data(), msg.size()) < 0) {
+  }
+  std::fflush(stdout);
+  _exit(1);
+}
+
+}  // namespace
+
+void set_call_site_provider(CallSiteFn fn) { site_provider = fn; }
+
+std::string call_site() {
+  CallSiteFn fn = site_provider.load();
+  return fn ? fn() : std::string();
+}
+
+void install_terminate_handler() { std::set_terminate(on_terminate); }
 
 // ---- Work ----------------------------------------------------------------------------------
 
@@ -160,35 +264,66 @@ Work ProcessGroup::run(const std::string& op, const std::function<c10::intrusive
   return w;
 }
 
-void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t) const {
-  if (!impl_ || !check_collectives()) return;
+namespace {
+const char* op_names[] = {"?", "all_reduce(sum)", "all_reduce(mean)", "all_reduce(min)", "all_reduce(max)",
+                          "all_reduce(product)", "broadcast", "all_gather", "barrier"};
+constexpr int kRecord = 16;  // call, op, dtype, ndim, 7 dims and a fold of any more, site, root, 2 spare
+}  // namespace
+
+void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, bool collective, int64_t root) const {
+  if (!impl_) return;
+  const bool checking = collective && check_collectives();
+  std::string site = call_site();
+  std::string mine_text = std::string(op_code >= 1 && op_code <= 8 ? op_names[op_code] : op.c_str()) +
+                          (op_code == 6 ? " from group rank " + std::to_string(root) : "") +
+                          (t.defined() ? " of " + describe_tensor(t) : "") + (site.empty() ? "" : " at " + site);
+  note_call(mine_text + " on " + describe());
+  if (!checking) return;
   int64_t seq = sequence_++;
-  auto mine = torch::tensor({int64_t(op_code), t.defined() ? t.numel() : 0,
-                             t.defined() ? int64_t(t.scalar_type()) : -1, seq}, torch::kInt64);
-  std::vector<std::vector<Tensor>> outputs(1);
-  for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(mine));
-  std::vector<Tensor> inputs{mine};
-  try {
-    auto w = impl_->group->allgather(outputs, inputs);
-    w->wait(options_.timeout);
-  } catch (const std::exception& e) {
-    fail(op + " (checking that every rank calls it)", compat::message_of(e));
+  auto mine = torch::zeros({kRecord}, torch::kInt64);
+  auto* m = mine.data_ptr<int64_t>();
+  m[0] = seq;
+  m[1] = op_code;
+  m[2] = t.defined() ? int64_t(t.scalar_type()) : -1;
+  m[3] = t.defined() ? t.dim() : -1;
+  for (int64_t d = 0; t.defined() && d < t.dim(); ++d) {
+    if (d < 7) m[4 + d] = t.size(d);
+    else m[11] = m[11] * 1000003 + t.size(d);
   }
+  m[12] = hash_text(site);
+  m[13] = root;
+  auto gather = [&](const Tensor& in) {
+    std::vector<std::vector<Tensor>> outputs(1);
+    for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
+    std::vector<Tensor> inputs{in};
+    try {
+      auto w = impl_->group->allgather(outputs, inputs);
+      w->wait(options_.timeout);
+    } catch (const std::exception& e) {
+      fail(op + " (checking that every rank calls it)", compat::message_of(e));
+    }
+    return outputs[0];
+  };
+  auto all = gather(mine);
   bool same = true;
-  for (const auto& other : outputs[0]) same = same && other.equal(mine);
+  for (const auto& other : all) same = same && other.equal(mine);
   if (same) return;
-  static const char* names[] = {"?", "all_reduce(sum)", "all_reduce(mean)", "all_reduce(min)", "all_reduce(max)",
-                                "all_reduce(product)", "broadcast", "all_gather", "barrier"};
+  // Every rank saw the same records, so every rank is here: gather each one's description (its
+  // length first, then the padded bytes) and name the difference.
+  mine_text += " (call " + std::to_string(seq) + " on this group)";
+  auto lengths = gather(torch::tensor({static_cast<int64_t>(mine_text.size())}, torch::kInt64));
+  int64_t longest = 1;
+  for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  auto padded = torch::zeros({longest}, torch::kUInt8);
+  std::memcpy(padded.data_ptr<uint8_t>(), mine_text.data(), mine_text.size());
+  auto texts = gather(padded);
   std::ostringstream msg;
-  msg << "the ranks called different collectives (call " << seq << " on this group):";
-  for (int r = 0; r < size(); ++r) {
-    auto v = outputs[0][r];
-    int64_t code = v[0].item<int64_t>();
-    msg << "\n  rank " << options_.ranks[r] << ": " << (code >= 1 && code <= 8 ? names[code] : "?") << " of "
-        << v[1].item<int64_t>() << " "
-        << (v[2].item<int64_t>() >= 0 ? c10::toString(static_cast<c10::ScalarType>(v[2].item<int64_t>())) : "-")
-        << " elements";
-  }
+  msg << "the ranks called different collectives:";
+  for (int r = 0; r < size(); ++r)
+    msg << "\n  rank " << options_.ranks[r] << ": "
+        << std::string(reinterpret_cast<const char*>(texts[r].data_ptr<uint8_t>()), lengths[r].item<int64_t>());
+  msg << "\n  Every rank of a group must run the same collectives in the same order, with the same shapes and "
+         "dtypes, from the same script line.";
   fail(op, msg.str());
 }
 
@@ -232,7 +367,7 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   check(t, "broadcast");
   TORCH_CHECK(root >= 0 && root < size(), "broadcast on ", describe(), ": root ", root, " is not a group rank (0..",
               size() - 1, ")");
-  verify(6, "broadcast", t);
+  verify(6, "broadcast", t, true, root);
   if (recorded_only()) record("broadcast", static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record("broadcast", static_cast<int64_t>(t.nbytes()));
@@ -293,6 +428,7 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
   if (impl_ || recorded_only()) record("send", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
+  verify(0, "send to group rank " + std::to_string(dst), t, /*collective=*/false);
   std::vector<Tensor> ts{t};
   return run("send", [&] { return impl_->group->send(ts, dst, 0); }, async);
 }
@@ -302,6 +438,7 @@ Work ProcessGroup::recv(Tensor& t, int src, bool async) const {
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
   if (impl_ || recorded_only()) record("recv", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
+  verify(0, "recv from group rank " + std::to_string(src), t, /*collective=*/false);
   std::vector<Tensor> ts{t};
   return run("recv", [&] { return impl_->group->recv(ts, src, 0); }, async);
 }
@@ -392,6 +529,8 @@ void World::init(const WorldOptions& options) {
   options_ = options;
   groups_.clear();
   if (options.world_size > 1 && !options.planned) {
+    this_rank = options.rank;
+    install_terminate_handler();
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(options.master_port);
     so.isServer = options.rank == 0;

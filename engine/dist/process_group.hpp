@@ -43,11 +43,26 @@ class Work {
   std::function<void()> after_;  // runs once the collective has completed (e.g. the mean's divide)
 };
 
-/// Whether every collective first checks that all ranks of its group are calling the same one
-/// (operation, element count, dtype): a debugging aid that costs one small all-gather each. On by
-/// default when PARTRAIN_CHECK_COLLECTIVES=1 (partrain --check-collectives).
+/// Whether every collective first checks that all ranks of its group are calling the same one:
+/// the group's call number, the operation and its reduce op, the dtype, the shape and the script
+/// line it was called from. A debugging aid that costs one small all-gather each. On by default
+/// when PARTRAIN_CHECK_COLLECTIVES=1 (partrain --check-collectives).
 void set_check_collectives(bool on);
 bool check_collectives();
+
+/// Where a collective is called from, for messages and for the check above: a function the Lua
+/// boundary installs that names the user's script line running now ("train.lua:42"), or returns
+/// "" when it cannot tell (another thread, no script). The engine alone has none.
+using CallSiteFn = std::string (*)();
+void set_call_site_provider(CallSiteFn fn);
+std::string call_site();
+
+/// Makes a Gloo error raised on one of its own threads (where nothing can catch it: a peer sent
+/// more bytes than this rank's tensor holds, because the ranks disagree on a collective's shape
+/// or dtype) end the process with a message naming the rank, the collective this rank was in and
+/// its script line, and exit status 1, instead of std::terminate's SIGABRT. Installed by
+/// World::init for worlds of more than one rank.
+void install_terminate_handler();
 
 struct GroupOptions {
   std::string name;                               ///< shown in errors: "data", "tensor[pp=0,dp=1]"
@@ -114,8 +129,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
            std::function<void()> after = {}) const;
   [[noreturn]] void fail(const std::string& op, const std::string& why) const;
   void check(const Tensor& t, const std::string& op) const;
-  // With check_collectives(): all-gathers (op, numel, dtype, sequence) and fails on a mismatch.
-  void verify(int op_code, const std::string& op, const Tensor& t) const;
+  // Notes the collective about to run (for the terminate handler's message) and, with
+  // check_collectives(), all-gathers (call number, op, dtype, shape, call site) and fails on a
+  // mismatch naming each rank's call. Point-to-point calls (collective = false) are only noted.
+  void verify(int op_code, const std::string& op, const Tensor& t, bool collective = true, int64_t root = 0) const;
   mutable int64_t sequence_ = 0;
 
   GroupOptions options_;
