@@ -1,10 +1,8 @@
 // Process groups, the mesh and data parallelism in Lua: pt.dist (this rank, the world, the
 // collectives), pt.mesh { tensor = t, pipeline = p, data = d, zero = z }, and pt.parallelize.
-#include <cstring>
 #include <map>
 #include <sstream>
 
-#include "bindings/host.hpp"
 #include "bindings/lua.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/optim/optim.hpp"
@@ -371,36 +369,15 @@ bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count) {
 
 namespace {
 
-// Source names of partrain's own Lua library ("@<dir>/partrain/..."): a call site is the first
-// frame outside it, so a collective inside pt.ckpt.save names the user's line, not init.lua's.
-std::string& library_source_prefix() {
-  static std::string prefix = "@" + find_paths().lua + "/partrain/";
-  return prefix;
-}
-
 // The user's script line running now on this thread, if a partrain function is running on it.
 std::string lua_call_site() {
   lua_State* L = active_state(nullptr);
-  if (!L) return "";
-  const std::string& library = library_source_prefix();
-  std::string fallback;
-  lua_Debug ar;
-  for (int level = 1; level < 32 && lua_getstack(L, level, &ar); ++level) {
-    if (!lua_getinfo(L, "Sl", &ar) || ar.currentline <= 0) continue;  // a C function
-    std::string where = std::string(ar.short_src) + ":" + std::to_string(ar.currentline);
-    if (ar.source && std::strncmp(ar.source, library.c_str(), library.size()) == 0) {
-      if (fallback.empty()) fallback = where;
-      continue;
-    }
-    return where;
-  }
-  return fallback;
+  return L ? user_location(L) : std::string();
 }
 
 }  // namespace
 
 void open_dist(lua_State* L, int core) {
-  library_source_prefix();
   dist::set_call_site_provider(lua_call_site);
   new_metatable<GroupPtr>(L, PT_GROUP_MT, kGroupMethods, /*keep=*/false);
   new_metatable<WorkPtr>(L, PT_WORK_MT, kWorkMethods, /*keep=*/false);

@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -302,6 +303,12 @@ void Options::finish() {
 
 namespace {
 
+// Whether a frame runs partrain's own Lua library (sources "@<dir>/partrain/...").
+bool in_library(const lua_Debug& ar) {
+  static const std::string library = "@" + find_paths().lua + "/partrain/";
+  return ar.source && std::strncmp(ar.source, library.c_str(), library.size()) == 0;
+}
+
 thread_local lua_State* active = nullptr;
 
 // Every C function partrain exposes runs through here. The try block holds no Lua call that can
@@ -320,19 +327,47 @@ int dispatch(lua_State* L) {
   } catch (const Rethrow& e) {
     lua_pushstring(L, e.what());
   } catch (const std::exception& e) {
-    luaL_where(L, 1);
-    std::string msg = message_of(e);
+    std::string msg = user_location(L);
+    msg = (msg.empty() ? "" : msg + ": ") + message_of(e);
     lua_pushlstring(L, msg.data(), msg.size());
-    lua_concat(L, 2);
   }
   return lua_error(L);
 }
 
+// An error located inside partrain's own Lua library (a check raised at the wrong level, or a
+// bug there) is moved to the user's line that led to it, keeping where it was raised:
+// "train.lua:7: attempt to index local 'self' (a number value) (raised in partrain/init.lua:90)".
+void relocate_library_error(lua_State* L) {
+  size_t n;
+  const char* text = lua_tolstring(L, 1, &n);
+  std::string msg(text, n);
+  lua_Debug ar;
+  for (int level = 1; level < 32 && lua_getstack(L, level, &ar); ++level) {
+    if (!lua_getinfo(L, "Sl", &ar) || !in_library(ar)) continue;
+    std::string prefix = std::string(ar.short_src) + ":";
+    if (msg.compare(0, prefix.size(), prefix) != 0) continue;
+    size_t end = msg.find(": ", prefix.size());
+    if (end == std::string::npos) return;
+    bool is_user = false;
+    std::string user = user_location(L, &is_user);
+    if (!is_user) return;  // only library frames: keep the library's line
+    std::string file = ar.short_src;
+    file = file.substr(file.find_last_of('/') + 1);
+    msg = user + ": " + msg.substr(end + 2) + " (raised in partrain/" + file + ":" +
+          msg.substr(prefix.size(), end - prefix.size()) + ")";
+    lua_pushlstring(L, msg.data(), msg.size());
+    lua_replace(L, 1);
+    return;
+  }
+}
+
 int traceback_handler(lua_State* L) {
   if (!lua_isstring(L, 1)) {  // an error object that is not a string: describe it
-    if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
-    lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    if (!(luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)))
+      lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    lua_replace(L, 1);
   }
+  relocate_library_error(L);
   lua_getfield(L, LUA_REGISTRYINDEX, "partrain.traceback");
   lua_pushvalue(L, 1);
   lua_pushinteger(L, 2);
@@ -351,6 +386,23 @@ int plain_handler(lua_State* L) {
 }  // namespace
 
 lua_State* active_state(lua_State* fallback) { return active ? active : fallback; }
+
+std::string user_location(lua_State* L, bool* is_user) {
+  if (is_user) *is_user = false;
+  std::string fallback;
+  lua_Debug ar;
+  for (int level = 1; level < 32 && lua_getstack(L, level, &ar); ++level) {
+    if (!lua_getinfo(L, "Sl", &ar) || ar.currentline <= 0) continue;  // a C function
+    std::string where = std::string(ar.short_src) + ":" + std::to_string(ar.currentline);
+    if (in_library(ar)) {
+      if (fallback.empty()) fallback = where;
+      continue;
+    }
+    if (is_user) *is_user = true;
+    return where;
+  }
+  return fallback;
+}
 
 lua_State* main_thread(lua_State* L) {
   lua_getfield(L, LUA_REGISTRYINDEX, "partrain.main");

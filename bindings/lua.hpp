@@ -198,6 +198,12 @@ lua_State* main_thread(lua_State* L);
 /// outside of one: engine callbacks into Lua run on it.
 lua_State* active_state(lua_State* fallback);
 
+/// "file:line" of the innermost Lua frame above the running C function that is not in partrain's
+/// own Lua library (a user's script or policy), so errors and collectives name the user's line;
+/// the innermost library line when every frame is the library's (then `is_user` is false); ""
+/// when none is Lua.
+std::string user_location(lua_State* L, bool* is_user = nullptr);
+
 /// A Lua value held in the registry for as long as an engine object needs it; released when
 /// dropped unless the state has closed first. Calls go through active_state(main()).
 class LuaRef {

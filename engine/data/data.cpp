@@ -12,20 +12,34 @@
 #include <random>
 #include <sstream>
 
+#include "engine/util/files.hpp"
+
 namespace partrain::data {
 
 namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
-// Reads the whole of a gzip or plain file (zlib reads both) into memory.
+// The most a dataset file may inflate to: far above MNIST's 47 MB, far below a gzip bomb.
+constexpr size_t kMaxInflated = size_t(4) << 30;
+
+// Reads the whole of a gzip or plain file (zlib reads both) into memory: a regular file only
+// (a FIFO or a device would block or never end), at most kMaxInflated bytes once inflated.
 std::vector<uint8_t> read_all(const std::string& path) {
-  gzFile f = gzopen(path.c_str(), "rb");
+  int fd = util::open_regular(path, "dataset file");
+  gzFile f = gzdopen(fd, "rb");
+  if (!f) ::close(fd);
   TORCH_CHECK(f, "cannot open '", path, "': ", errno_text());
   std::vector<uint8_t> out;
   uint8_t chunk[1 << 16];
   int n;
-  while ((n = gzread(f, chunk, sizeof(chunk))) > 0) out.insert(out.end(), chunk, chunk + n);
+  while ((n = gzread(f, chunk, sizeof(chunk))) > 0) {
+    if (out.size() + static_cast<size_t>(n) > kMaxInflated) {
+      gzclose(f);
+      TORCH_CHECK(false, "'", path, "' inflates to more than ", kMaxInflated >> 30, " GiB; not a dataset partrain reads");
+    }
+    out.insert(out.end(), chunk, chunk + n);
+  }
   int err = 0;
   std::string message = n < 0 ? gzerror(f, &err) : "";
   gzclose(f);
@@ -114,8 +128,7 @@ std::string Mnist::describe() const {
 
 Text::Text(const TextOptions& o) : options(o) {
   TORCH_CHECK(o.seq > 0, "text dataset: seq must be positive, got ", o.seq);
-  int fd = ::open(o.path.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0, "cannot open text corpus '", o.path, "': ", errno_text());
+  int fd = util::open_regular(o.path, "text corpus");
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     auto err = errno_text();

@@ -73,12 +73,13 @@ test("the text corpus gives byte windows with targets shifted by one", function(
   eq(x.dtype, "int64")
   eq(pt.data.decode(pt.data.encode("KJV")), "KJV", "encode and decode are inverse")
   os.remove(path)
-  raises(function() pt.data.text { path = path, seq = 5 } end, "cannot open text corpus '" .. path .. "'")
+  raises(function() pt.data.text { path = path, seq = 5 } end, "cannot read the text corpus '" .. path .. "'")
   raises(function() pt.data.text { seq = 5 } end, "needs option 'path'")
 end)
 
 test("a missing or damaged IDX file is an error naming the file", function()
-  raises(function() pt.data.mnist { root = "/nonexistent" } end, "cannot open '/nonexistent/train-images-idx3-ubyte.gz'")
+  raises(function() pt.data.mnist { root = "/nonexistent" } end,
+         "cannot read the dataset file '/nonexistent/train-images-idx3-ubyte.gz'")
   local path = os.tmpname()
   local f = assert(io.open(path, "wb"))
   f:write("\0\0\8\1\0\0\0\10abc")   -- says 10 bytes of uint8 data, holds 3
@@ -88,6 +89,17 @@ test("a missing or damaged IDX file is an error naming the file", function()
   raises(function() pt.data.read_idx(path) end, "not an IDX file")
   os.remove(path)
   raises(function() pt.data.mnist { split = "validation" } end, "split must be 'train' or 'test'")
+end)
+
+test("datasets are read from regular files only: a folder, a FIFO or a device is refused, never waited on", function()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir " .. dir .. " && mkfifo " .. dir .. "/fifo") == 0)
+  raises(function() pt.data.text { path = dir, seq = 5 } end, "the text corpus '" .. dir .. "' is a folder; a regular file was expected")
+  raises(function() pt.data.text { path = dir .. "/fifo", seq = 5 } end, "is a FIFO; a regular file was expected")
+  raises(function() pt.data.read_idx(dir .. "/fifo") end, "the dataset file '" .. dir .. "/fifo' is a FIFO")
+  raises(function() pt.data.read_idx("/dev/zero") end, "'/dev/zero' is a character device")
+  os.execute("rm -r " .. dir)
 end)
 
 H.run()

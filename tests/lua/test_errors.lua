@@ -1,0 +1,51 @@
+-- Where errors point: at the user's script line, never inside partrain's own Lua library or at
+-- a C function, whether the engine raised them, a library wrapper passed them on, or a library
+-- function tripped over a bad argument. Each case runs a small script in a new partrain process
+-- and reads its stderr.
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, ok = H.test, H.ok
+
+local bin = os.getenv("PARTRAIN_BIN") or "build/partrain"
+
+-- Runs `code` as a script file; returns its exit status and output (stdout and stderr).
+local function run(code)
+  local path = os.tmpname() .. ".lua"
+  local f = assert(io.open(path, "w"))
+  f:write(code)
+  f:close()
+  local p = io.popen(bin .. " --threads 1 " .. path .. " 2>&1; echo \"status=$?\"")
+  local out = p:read("*a")
+  p:close()
+  os.remove(path)
+  local status = tonumber(out:match("status=(%d+)%s*$"))
+  return status, out, path
+end
+
+local function has(out, text, what) ok(out:find(text, 1, true), what .. ": expected '" .. text .. "' in:\n" .. out) end
+
+test("an engine error behind a library wrapper names the script line (pt.mesh)", function()
+  local status, out, path = run('local pt = require "partrain"\n\nlocal mesh = pt.mesh { tensor = 3 }\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, path .. ":3: mesh: tensor=3", "the user's line, then the message")
+  ok(not out:match("partrain: [^\n]*init%.lua"), "the message's location is not init.lua:\n" .. out)
+end)
+
+test("a bad argument that trips inside the library is moved to the user's line, keeping where it was raised", function()
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\nm.named_parameters(5)\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, path .. ":3: attempt to index local 'self' (a number value) (raised in partrain/init.lua:", "relocated")
+end)
+
+test("an error object that is not a string is described, with a traceback", function()
+  local status, out = run('error({})\n')
+  ok(status == 1, "exit status 1")
+  has(out, "(error object is a table value)", "described")
+  has(out, "stack traceback:", "traceback")
+  status, out = run('error(setmetatable({}, { __tostring = function() return "custom error" end }))\n')
+  has(out, "partrain: custom error", "its __tostring")
+  has(out, "stack traceback:", "traceback for an object with __tostring")
+end)
+
+H.run()
