@@ -274,6 +274,10 @@ const Function kDist[] = {
     {"local_world_size", [](Args& a) { return a.ret(double(world().options().local_world_size)); }},
     {"world", [](Args& a) { return push_group(a, world().world()); }},
     {"barrier", [](Args& a) { world().world()->barrier(); return a.ret(); }},
+    {"check_collectives", [](Args& a) {  // check_collectives([on]) -> whether it was on
+       bool was = dist::check_collectives();
+       if (!a.none(1)) dist::set_check_collectives(a.boolean(1));
+       return a.ret(was); }},
     {"mesh", [](Args& a) {
        Options o(a, 1, "mesh");
        dist::MeshOptions m;

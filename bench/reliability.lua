@@ -1,0 +1,48 @@
+-- What the reliability checks cost, measured side by side in one run (bench/reliability):
+--   partrain --nproc-per-node 2 --threads 1 bench/reliability.lua
+-- 1. A training step of a byte-level GPT-2 at tensor 2 with every collective checked
+--    (pt.dist.check_collectives: one small all-gather before each) against the same step
+--    unchecked, steps interleaved, medians.
+local pt = require "partrain"
+local T = require "timing"
+local cfg = pt.args { steps = 10, warmup = 2, batch = 8, seq = 64, dim = 128, heads = 4, layers = 2 }
+local rank0 = pt.dist.rank() == 0
+local function say(...) if rank0 then print(string.format(...)) end end
+
+local mesh = pt.mesh { tensor = pt.dist.world_size() }
+local arch = { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }
+pt.manual_seed(1)
+local model = pt.parallelize(pt.models.gpt2(arch), nil, mesh)
+local loss_of = pt.loss_fn(model)
+local opt = pt.optim.adamw(model, { lr = 1e-4, clip_grad_norm = 1.0 })
+local data = pt.data.text { path = "data/kjv.txt", seq = cfg.seq, batch = cfg.batch, seed = 1 }
+local group = mesh:group("tensor")
+
+local function step()
+  local x, y = data:next()
+  local loss = loss_of(model(x), y)
+  opt:zero_grad()
+  loss:backward()
+  opt:step()
+end
+
+for _ = 1, cfg.warmup do step() end
+group:reset_traffic()
+step()
+local calls = 0
+for _, t in pairs(group:traffic()) do calls = calls + t.calls end
+local plain, checked = {}, {}
+for i = 1, cfg.steps do
+  pt.dist.barrier()
+  plain[i] = T.median_seconds(1, step)
+  pt.dist.check_collectives(true)
+  pt.dist.barrier()
+  checked[i] = T.median_seconds(1, step)
+  pt.dist.check_collectives(false)
+end
+local function median(xs) table.sort(xs) return xs[math.ceil(#xs / 2)] end
+local p, c = median(plain), median(checked)
+say("== --check-collectives, GPT-2 %d layers x %d, batch %d x %d, tensor %d, %d collectives a step, %d steps",
+    cfg.layers, cfg.dim, cfg.batch, cfg.seq, mesh:size("tensor"), calls, cfg.steps)
+say("unchecked %.1f ms | checked %.1f ms | checked/unchecked %.3f | %.0f us a checked collective",
+    p * 1e3, c * 1e3, c / p, (c - p) / calls * 1e6)
