@@ -229,18 +229,25 @@ const Function kCkpt[] = {
          for (auto it = state.begin(); it != state.end();)
            it = ends_with(it->first, ".attn.bias") || ends_with(it->first, ".attn.masked_bias") ? state.erase(it)
                                                                                                 : std::next(it);
-       // A value converts only within its kind: floating point to floating point, an integer or a
-       // boolean only to the same dtype (an I32 file tensor never lands in a float parameter).
+       // Everything is checked before anything is copied, so a refused file changes nothing: the
+       // names both ways, the logical shapes, and the kinds (a value converts only within its kind:
+       // floating point to floating point, an integer or a boolean only to the same dtype).
+       auto fail = [&](const std::string& why) { throw std::runtime_error("importing '" + path + "': " + why); };
        auto targets = m->state_dict();
        for (const auto& [name, t] : state) {
          auto it = targets.find(name);
-         if (it == targets.end()) continue;  // named below, by the strict load
+         if (it == targets.end()) fail("tensor '" + name + "' is not in the model (a " + m->type() + ")");
+         auto split = parallel::sharding_of(it->second);
+         auto logical = split ? split->shape : it->second.sizes().vec();
+         if (!t.sizes().equals(logical))
+           fail("tensor '" + name + "' has shape " + c10::str(t.sizes()) + "; the model's is " +
+                c10::str(c10::IntArrayRef(logical)));
          auto want = it->second.scalar_type(), got = t.scalar_type();
-         bool fits = c10::isFloatingType(want) ? c10::isFloatingType(got) : want == got;
-         if (!fits)
-           throw std::runtime_error("importing '" + path + "': tensor '" + name + "' is " + c10::toString(got) +
-                                    "; the model's is " + c10::toString(want));
+         if (c10::isFloatingType(want) ? !c10::isFloatingType(got) : want != got)
+           fail("tensor '" + name + "' is " + c10::toString(got) + "; the model's is " + c10::toString(want));
        }
+       for (const auto& [name, t] : targets)
+         if (!state.count(name)) fail("the file has no tensor '" + name + "' (the model's)");
        try {
          parallel::load_full_state_dict(*m, state, /*strict=*/true);  // any other unknown or missing name fails
        } catch (const std::exception& e) {

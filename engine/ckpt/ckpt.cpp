@@ -1151,6 +1151,11 @@ torch::Tensor read_part(const std::string& tag_dir, const Manifest& m, const Ten
 
 std::vector<std::string> verify(const std::string& tag_dir) {
   std::vector<std::string> problems;
+  struct stat st;
+  if (::lstat(tag_dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {  // as a load refuses it
+    problems.push_back("'" + tag_dir + "' is a symbolic link; a checkpoint tag must be a real folder");
+    return problems;
+  }
   Manifest m;
   try {
     m = read_manifest(tag_dir);
@@ -1530,6 +1535,21 @@ const std::map<c10::ScalarType, std::string>& safetensors_types() {
 }
 
 constexpr uint64_t kMaxSafetensorsHeader = 100ull << 20;
+
+// A name from a file as a message shows it: control characters escaped, at most 200 bytes.
+std::string shown(const std::string& name) {
+  std::string out;
+  for (unsigned char c : name.substr(0, 200)) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return name.size() > 200 ? out + "..." : out;
+}
 constexpr int kMaxJsonDepth = 64;
 
 // The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
@@ -1567,8 +1587,8 @@ nlohmann::json parse_header(const std::string& text, std::string* duplicate) {
       std::string key = parsed.get<std::string>();
       if (depth == 1) tensor = key;
       if (!open.back().insert(key).second && duplicate->empty())
-        *duplicate = depth == 1 ? "tensor '" + key + "' appears twice in the header"
-                                : "tensor '" + tensor + "' has the key '" + key + "' twice";
+        *duplicate = depth == 1 ? "tensor '" + shown(key) + "' appears twice in the header"
+                                : "tensor '" + shown(tensor) + "' has the key '" + shown(key) + "' twice";
     }
     return true;
   };
@@ -1647,14 +1667,14 @@ std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, b
     if (name == "__metadata__") {
       if (!info.is_object()) bad("has a __metadata__ that is not an object");
       for (const auto& [k, v] : info.items())
-        if (!v.is_string()) bad("has a __metadata__ entry '" + k + "' that is not a string");
+        if (!v.is_string()) bad("has a __metadata__ entry '" + shown(k) + "' that is not a string");
       continue;
     }
-    auto fail = [&](const std::string& why) { bad("tensor '" + name + "': " + why); };
+    auto fail = [&](const std::string& why) { bad("tensor '" + shown(name) + "': " + why); };
     if (name.empty()) bad("has a tensor with an empty name");
     if (!info.is_object()) fail("its entry is not an object");
     for (const auto& [k, v] : info.items())
-      if (k != "dtype" && k != "shape" && k != "data_offsets") fail("unknown key '" + k + "'");
+      if (k != "dtype" && k != "shape" && k != "data_offsets") fail("unknown key '" + shown(k) + "'");
     if (!info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
       fail("it needs dtype, shape and data_offsets");
     const auto& dtype = info["dtype"];
@@ -1694,17 +1714,17 @@ std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, b
   uint64_t at = 0;
   const Entry* previous = nullptr;
   for (const auto* e : order) {
-    if (e->begin < at) bad("tensor '" + e->name + "': its bytes overlap those of '" + previous->name + "'");
+    if (e->begin < at) bad("tensor '" + shown(e->name) + "': its bytes overlap those of '" + shown(previous->name) + "'");
     if (e->begin > at)
-      bad("tensor '" + e->name + "': its bytes start at " + std::to_string(e->begin) + ", leaving a hole after " +
-          (previous ? "'" + previous->name + "'" : std::string("the header")) + " (which ends at " +
+      bad("tensor '" + shown(e->name) + "': its bytes start at " + std::to_string(e->begin) + ", leaving a hole after " +
+          (previous ? "'" + shown(previous->name) + "'" : std::string("the header")) + " (which ends at " +
           std::to_string(at) + ")");
     at = e->end;
     if (e->end > e->begin) previous = e;
   }
   if (at != data_bytes)
     bad("has " + std::to_string(data_bytes - at) + " bytes after its last tensor" +
-        (previous ? " '" + previous->name + "'" : std::string()) + " (trailing garbage)");
+        (previous ? " '" + shown(previous->name) + "'" : std::string()) + " (trailing garbage)");
 
   std::map<std::string, torch::Tensor> out;
   std::map<std::string, std::string> source;  // key -> the name in the file
@@ -1712,18 +1732,20 @@ std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, b
     std::string key = e.name;
     if (hf_gpt2 && key.rfind("transformer.", 0) == 0) key = key.substr(12);
     if (source.count(key))
-      bad("has both '" + source[key] + "' and '" + e.name + "', which name the same tensor '" + key + "'");
+      bad("has both '" + shown(source[key]) + "' and '" + shown(e.name) + "', which name the same tensor '" + shown(key) +
+          "'");
     source[key] = e.name;
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.type));
     if (!read_at(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, data_start + e.begin))
-      bad("tensor '" + e.name + "': the file is truncated");
+      bad("tensor '" + shown(e.name) + "': the file is truncated");
     if (e.type == torch::kBool) {
       const auto* b = static_cast<const uint8_t*>(t.data_ptr());
       for (uint64_t i = 0; i < e.end - e.begin; ++i)
-        if (b[i] > 1) bad("tensor '" + e.name + "': a BOOL byte that is not 0 or 1");
+        if (b[i] > 1) bad("tensor '" + shown(e.name) + "': a BOOL byte that is not 0 or 1");
     }
     if (hf_gpt2 && is_conv1d(key)) {
-      if (t.dim() != 2) bad("tensor '" + e.name + "': a Conv1D weight must have 2 dimensions, not " + std::to_string(t.dim()));
+      if (t.dim() != 2) bad("tensor '" + shown(e.name) + "': a Conv1D weight must have 2 dimensions, not " +
+                                 std::to_string(t.dim()));
       t = t.t().contiguous();
     }
     out[key] = t;

@@ -6,10 +6,13 @@
   from a full (consolidated) checkpoint, and from one converted offline by `partrain ckpt
   convert`.
 - Crashes: a process killed (SIGKILL) at several points of a save leaves the previous
-  checkpoint loadable and `newest` valid.
+  checkpoint loadable and `newest` valid; killed after the rename, the next run takes the
+  complete newer tag and says why.
 - Corruption: a truncated, altered or deleted data file, a manifest of another version, a model
   of another shape or with more parameters: each a clear error naming the file or tensor, and
-  `partrain ckpt verify` exits non-zero.
+  `partrain ckpt verify` exits non-zero. A damaged newest tag at 2 ranks: both ranks fall back
+  to the previous tag, say so once, and continue bitwise as the original run; the next save of
+  the damaged tag keeps it aside.
 - safetensors: the exported file read by Python (with PyTorch where it is installed) in Hugging
   Face GPT-2's layout, and a file written by Python imported.
 - num_kept keeps the newest checkpoints only; `partrain ckpt inspect` describes one.
@@ -245,6 +248,29 @@ try:
     damaged("a flipped byte", flip, "fails its checksum")
     damaged("a deleted shard file", delete, "rank-00001.bin' is missing")
     damaged("a manifest of another version", version, "format version 99")
+
+    # A damaged newest tag on a run of 2 ranks: only rank 1 reads the damaged file, yet both fall
+    # back to the previous tag, continue exactly as the original run did, and the save of the
+    # damaged tag keeps it aside.
+    d = os.path.join(work, "fallback")
+    original = losses(train(2, "--tensor", "2", "--ckpt", d, "--save-every", "5", "--stop-after", "10").stdout)
+    with open(os.path.join(d, "step-00000010", "rank-00001.bin"), "r+b") as f:
+        f.seek(7)
+        b = f.read(1)
+        f.seek(7)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = train(2, "--tensor", "2", "--ckpt", d, "--save-every", "5", "--stop-after", "10", expect_ok=False)
+    got = losses(r.stdout)
+    check("a damaged newest tag at 2 ranks: both fall back to step 5, saying which file is damaged, once",
+          r.returncode == 0 and "resumed step-00000005" in r.stdout
+          and r.stderr.count("falling back to 'step-00000005'") == 1
+          and "rank-00001.bin' fails its checksum in tensor" in r.stderr, r.stdout + r.stderr)
+    check("... steps 6-10 repeat the original run's losses bitwise",
+          sorted(got) == list(range(6, 11)) and all(got[s] == original[s] for s in got), (got, original))
+    v = run(["ckpt", "verify", d])
+    check("... the new step 10 verifies and the damaged one is kept as step-00000010~damaged",
+          v.returncode == 0 and os.path.exists(os.path.join(d, "step-00000010~damaged", "rank-00001.bin"))
+          and "was damaged" in r.stderr, v.stdout + r.stderr)
 
     d = os.path.join(work, "shape")
     shutil.copytree(backup, d)
