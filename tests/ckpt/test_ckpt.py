@@ -15,7 +15,8 @@
   the damaged tag keeps it aside.
 - safetensors: the exported file read by Python (with PyTorch where it is installed) in Hugging
   Face GPT-2's layout, and a file written by Python imported.
-- num_kept keeps the newest checkpoints only; `partrain ckpt inspect` describes one.
+- num_kept keeps the newest checkpoints only; `partrain ckpt inspect` describes one; every
+  `partrain ckpt` command refuses a FIFO manifest and a newest linked to /dev/zero at once.
 
 Usage: test_ckpt.py PARTRAIN
 """
@@ -271,6 +272,23 @@ try:
     check("... the new step 10 verifies and the damaged one is kept as step-00000010~damaged",
           v.returncode == 0 and os.path.exists(os.path.join(d, "step-00000010~damaged", "rank-00001.bin"))
           and "was damaged" in r.stderr, v.stdout + r.stderr)
+
+    # The command line on a FIFO manifest and a newest linked to /dev/zero: refused, never waited on.
+    d = os.path.join(work, "fifo")
+    shutil.copytree(backup, d)
+    os.remove(os.path.join(d, "step-00000010", "manifest.bin"))
+    os.mkfifo(os.path.join(d, "step-00000010", "manifest.bin"))
+    os.remove(os.path.join(d, "newest"))
+    os.symlink("/dev/zero", os.path.join(d, "newest"))
+    for args in (["verify", d], ["inspect", d], ["export", d, os.path.join(work, "fifo.safetensors")],
+                 ["convert", d, os.path.join(work, "fifo-out"), "--tensor", "1"]):
+        try:
+            r = subprocess.run([BIN, "ckpt"] + args, capture_output=True, text=True, timeout=60)
+            out, rc = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired:
+            out, rc = "hung", None
+        check(f"partrain ckpt {args[0]} on a FIFO manifest and a newest linked to /dev/zero: exit 1 naming both",
+              rc == 1 and "manifest.bin' is a FIFO" in out and "newest' is a symbolic link" in out, out)
 
     d = os.path.join(work, "shape")
     shutil.copytree(backup, d)

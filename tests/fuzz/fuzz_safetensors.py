@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from fuzz_ckpt import BATCH, BIN, ROOT, SEED, run_batch  # noqa: E402
 
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
+CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 320
 SIZES = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 FLOATS = {"F32", "F64", "F16", "BF16"}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -496,6 +496,8 @@ def main():
             tally.add(cls, kind, False, f"case {i} ({what}): {detail}")
             classes[i] = kind
 
+        malformed = sum(isinstance(m[3], Bad) for m in meta.values())
+        print(f"{malformed} malformed files and {CASES - malformed} valid ones", flush=True)
         results = run_batch("safetensors", work, paths, crashed)
         for i, (path, cls, what, expected, names) in meta.items():
             if i in classes:
