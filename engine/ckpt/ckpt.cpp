@@ -178,7 +178,29 @@ constexpr uint64_t kMaxFileBytes = uint64_t(1) << 52;  // of one data file
 constexpr int kMaxRank = 16;                           // dimensions of a tensor
 constexpr int kMaxWorld = 1 << 20;
 
+constexpr int kMaxJsonDepth = 64;  // of the user table and of a safetensors header
+
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+// The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
+int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
 
 bool exists(const std::string& path) {
   struct stat st;
@@ -705,7 +727,8 @@ void check_tag(const std::string& tag) {
 void validate(const Manifest& m, const std::string& path) {
   auto bad = [&](const std::string& what) { TORCH_CHECK(false, "the checkpoint manifest '", path, "' ", what); };
   if (m.step < 0 || m.step > kMaxCount) bad("has step " + std::to_string(m.step));
-  if (m.world < 1 || m.world > kMaxWorld || m.tensor < 1 || m.data < 1 || m.pipeline < 1 || m.zero < 1 ||
+  auto size = [](int32_t n) { return n >= 1 && n <= kMaxWorld; };
+  if (!size(m.world) || !size(m.tensor) || !size(m.data) || !size(m.pipeline) || !size(m.zero) ||
       int64_t(m.tensor) * m.data * m.pipeline != m.world || m.data % m.zero != 0)
     bad("has an impossible layout (world " + std::to_string(m.world) + ", tensor " + std::to_string(m.tensor) +
         ", data " + std::to_string(m.data) + ", pipeline " + std::to_string(m.pipeline) + ", zero " +
@@ -717,10 +740,11 @@ void validate(const Manifest& m, const std::string& path) {
     bad("has optimizer step count " + std::to_string(m.optimizer_steps));
   if (m.samples_seen < -1 || m.samples_seen > kMaxCount) bad("has data position " + std::to_string(m.samples_seen));
   try {
+    if (json_depth(m.user_json) > kMaxJsonDepth) throw std::invalid_argument("too deep");
     auto user = nlohmann::json::parse(m.user_json);
     (void)user;
   } catch (const std::exception&) {
-    bad("has a user table that is not JSON");
+    bad("has a user table that is not JSON (nested at most " + std::to_string(kMaxJsonDepth) + " deep)");
   }
   if (m.rng.size() > static_cast<size_t>(m.world)) bad("has more generator states than ranks");
   for (const auto& r : m.rng)
@@ -884,10 +908,12 @@ Manifest read_manifest(const std::string& tag_dir) {
 
 namespace {
 
-// What is at DIR/<tag> before a save puts a checkpoint there.
+// What is at DIR/<tag> before a save puts a checkpoint there. A valid manifest is enough when
+// the save overwrites it anyway (`full`: false); otherwise every byte is checked, since a valid
+// checkpoint is refused and a damaged one kept aside.
 enum class Existing { None, Valid, Damaged };
 
-Existing existing(const std::string& dir, const std::string& tag, std::string* problem) {
+Existing existing(const std::string& dir, const std::string& tag, std::string* problem, bool full = true) {
   std::string path = join(dir, tag);
   if (!exists(path)) return Existing::None;
   TagState t = tag_state(dir, tag);
@@ -895,6 +921,7 @@ Existing existing(const std::string& dir, const std::string& tag, std::string* p
     *problem = t.problem;
     return Existing::Damaged;
   }
+  if (!full) return Existing::Valid;
   auto problems = verify(path);
   if (problems.empty()) return Existing::Valid;
   *problem = problems.front();
@@ -914,7 +941,7 @@ void commit(const std::string& dir, const std::string& tag, const std::string& t
   std::string final_dir = join(dir, tag);
   std::string problem;
   bool replaced = false;
-  switch (existing(dir, tag, &problem)) {
+  switch (existing(dir, tag, &problem, /*full=*/!overwrite)) {
     case Existing::None:
       rename_new(tmp, final_dir);
       break;
@@ -1549,27 +1576,6 @@ std::string shown(const std::string& name) {
     }
   }
   return name.size() > 200 ? out + "..." : out;
-}
-constexpr int kMaxJsonDepth = 64;
-
-// The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
-int json_depth(const std::string& text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return deepest;
 }
 
 // Parses a safetensors header, refusing a key that appears twice in one object (nlohmann keeps
