@@ -27,6 +27,7 @@
 #include "engine/nn/module.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
 
 namespace partrain::ckpt {
@@ -56,62 +57,6 @@ const TensorEntry* Manifest::find(const std::string& name) const {
 }
 
 namespace {
-
-// ---- A bounded cereal input archive --------------------------------------------------------
-//
-// cereal's BinaryInputArchive trusts every container size it reads: one flipped byte in a
-// length makes it allocate gigabytes. This one reads from memory and refuses a size larger
-// than the bytes left; containers of structures grow element by element, so what is allocated
-// never exceeds a small multiple of the bytes actually present.
-class BoundedInputArchive : public cereal::InputArchive<BoundedInputArchive, cereal::AllowEmptyClassElision> {
- public:
-  BoundedInputArchive(const char* data, size_t size)
-      : cereal::InputArchive<BoundedInputArchive, cereal::AllowEmptyClassElision>(this), at_(data), left_(size) {}
-  void loadBinary(void* out, size_t n) {
-    if (n > left_)
-      throw cereal::Exception("it needs " + std::to_string(n) + " more bytes where " + std::to_string(left_) +
-                              " are left");
-    std::memcpy(out, at_, n);
-    at_ += n;
-    left_ -= n;
-  }
-  size_t left() const { return left_; }
-
- private:
-  const char* at_;
-  size_t left_;
-};
-
-template <class T>
-typename std::enable_if<std::is_arithmetic<T>::value>::type CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, T& t) {
-  ar.loadBinary(std::addressof(t), sizeof(t));
-}
-template <class T>
-void CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, cereal::BinaryData<T>& data) {
-  ar.loadBinary(data.data, static_cast<size_t>(data.size));
-}
-template <class T>
-void CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, cereal::SizeTag<T>& tag) {
-  uint64_t n = 0;
-  ar.loadBinary(&n, sizeof n);
-  if (n > ar.left())
-    throw cereal::Exception("a container of " + std::to_string(n) + " elements where only " +
-                            std::to_string(ar.left()) + " bytes are left");
-  tag.size = static_cast<typename std::remove_reference<T>::type>(n);
-}
-// Vectors of structures: appended one parsed element at a time (never resized up front).
-template <class T, class A>
-typename std::enable_if<!std::is_arithmetic<T>::value>::type CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar,
-                                                                                       std::vector<T, A>& out) {
-  cereal::size_type n = 0;
-  ar(cereal::make_size_tag(n));
-  out.clear();
-  for (cereal::size_type i = 0; i < n; ++i) {
-    T value;
-    ar(value);
-    out.push_back(std::move(value));
-  }
-}
 
 // ---- Damage, and failing together -----------------------------------------------------------
 
@@ -479,7 +424,7 @@ std::string to_bytes(RankPart& part) {
 
 RankPart part_from(const std::string& bytes) {
   RankPart p;
-  BoundedInputArchive ar(bytes.data(), bytes.size());
+  util::BoundedInputArchive ar(bytes.data(), bytes.size());
   ar(p);
   return p;
 }
@@ -893,7 +838,7 @@ Manifest read_manifest(const std::string& tag_dir) {
   if (crc_of(bytes.data() + kHeaderBytes, length) != crc) bad("fails its checksum (its bytes were altered)");
   Manifest m;
   try {
-    BoundedInputArchive ar(bytes.data() + kHeaderBytes, length);
+    util::BoundedInputArchive ar(bytes.data() + kHeaderBytes, length);
     ar(m);
     if (ar.left() != 0) bad("has " + std::to_string(ar.left()) + " bytes after its contents");
   } catch (const cereal::Exception& e) {

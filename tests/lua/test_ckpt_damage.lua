@@ -52,12 +52,29 @@ for i = 0, 255 do
   for _ = 1, 8 do c = bit.band(c, 1) ~= 0 and bit.bxor(0xedb88320, bit.rshift(c, 1)) or bit.rshift(c, 1) end
   crc_table[i] = c
 end
-local function crc32(s)
+local function crc32_of(s)
   local c = 0xffffffff
   for i = 1, #s do c = bit.bxor(crc_table[bit.band(bit.bxor(c, s:byte(i)), 0xff)], bit.rshift(c, 8)) end
-  return bit.tohex(bit.bnot(c))
+  return bit.bnot(c)
 end
+local function crc32(s) return bit.tohex(crc32_of(s)) end
 local function newest_text(tag) return tag .. "\ncrc32 " .. crc32(tag) .. "\n" end
+-- Little-endian bytes of a non-negative integer below 2^53 (`n` bytes).
+local function le(x, n)
+  local out = {}
+  for i = 1, n do
+    out[i] = string.char(x % 256)
+    x = math.floor(x / 256)
+  end
+  return table.concat(out)
+end
+-- A format-2 manifest around `payload`, with a correct length and checksum.
+local function manifest_of(payload)
+  local c = crc32_of(payload)
+  local crc = ""
+  for i = 0, 3 do crc = crc .. string.char(bit.band(bit.rshift(c, 8 * i), 0xff)) end
+  return le(19, 8) .. "partrain-checkpoint" .. le(2, 4) .. le(#payload, 8) .. crc .. payload
+end
 
 local function setup(seed)
   pt.manual_seed(seed)
@@ -276,6 +293,31 @@ test("manifests: another format, truncated, extended, cut in its header", functi
   ok(select(2, resume(d)):find("is truncated", 1, true), "cut in its header")
   local good, problems = pt.ckpt.verify(d)
   ok(not good and problems[1]:find("step-00000006", 1, true), table.concat(problems, "\n"))
+end)
+
+test("a manifest with a correct checksum but absurd sizes is refused before they are allocated", function()
+  local d = copy()
+  local path = d .. "/step-00000006/manifest.bin"
+  -- step, world, tensor, data, pipeline, zero, then the model type's length: 2^60.
+  local head = le(6, 8) .. le(1, 4):rep(5)
+  write(path, manifest_of(head .. "\0\0\0\0\0\0\0\16" .. ("x"):rep(40)))
+  takes(d, 4, "a container of 1152921504606846976 elements where only 40 bytes are left", "a string of 2^60 bytes")
+  -- ... then empty names, counts, the user table "{}", full, and 2^40 tensors.
+  local strings = le(0, 8):rep(3) .. le(0, 8) .. le(0, 8) .. le(2, 8) .. "{}" .. "\0"
+  write(path, manifest_of(head .. strings .. le(2 ^ 40, 8) .. ("x"):rep(64)))
+  takes(d, 4, "a container of 1099511627776 elements", "2^40 tensors")
+  -- 64 tensors claimed, 64 bytes there: parsing stops at the first that does not fit.
+  write(path, manifest_of(head .. strings .. le(64, 8) .. ("\0"):rep(64)))
+  takes(d, 4, "more bytes where", "64 tensors in 64 bytes")
+  -- Everything parses, but a tensor's piece lies outside its shape: the shared validation.
+  -- A piece: file 0, bytes 0..8, at [3] of size [2], CRC 0; a tensor "model/0.w", Float, shape
+  -- [4], whole (dim -1, fused 1), with that one piece; one data file of 8 bytes; no generator.
+  local piece = le(0, 4) .. le(0, 8) .. le(8, 8) .. le(1, 8) .. le(3, 8) .. le(1, 8) .. le(2, 8) .. le(0, 4)
+  local tensors = le(1, 8) .. le(9, 8) .. "model/0.w" .. le(5, 8) .. "Float" .. le(1, 8) .. le(4, 8) ..
+                  le(2 ^ 32 - 1, 4) .. le(1, 8) .. le(1, 8) .. piece
+  local files = le(1, 8) .. le(14, 8) .. "rank-00000.bin" .. le(8, 8) .. le(0, 4)
+  write(path, manifest_of(head .. strings .. tensors .. files .. le(0, 8)))
+  takes(d, 4, "has tensor 'model/0.w' with a piece outside its shape [4]", "a piece outside its tensor")
 end)
 
 test("saving over a tag: a valid one is refused unless overwrite, a damaged one is set aside", function()
