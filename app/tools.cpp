@@ -1,6 +1,7 @@
 // partrain plan and partrain ckpt (see tools.hpp).
 #include "app/tools.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -15,6 +16,7 @@
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/files.hpp"
 
 namespace partrain::app {
 
@@ -147,12 +149,27 @@ int run_plan(int argc, char** argv, int first) {
 
 namespace {
 
-// A checkpoint folder (holding tags and `newest`) or one tag's folder, as (dir, tag folder).
+// Whether `path` is one tag's folder (it holds a manifest.bin, of whatever kind) rather than a
+// checkpoint folder of tags.
+bool is_tag_folder(const std::string& path) {
+  struct stat st;
+  return ::lstat((path + "/manifest.bin").c_str(), &st) == 0;
+}
+
+// A checkpoint folder (holding tags and `newest`) or one tag's folder, as a tag folder: --tag,
+// else the tag a resume would take (saying why on stderr when it is not the one `newest` names).
 std::string tag_folder(const std::string& path, const std::string& tag) {
-  if (tag.empty() && access((path + "/manifest.bin").c_str(), F_OK) == 0) return path;
-  std::string t = tag.empty() ? ckpt::newest(path) : tag;
-  TORCH_CHECK(!t.empty(), "no checkpoint in '", path, "' (no 'newest' file and no manifest.bin)");
-  return path + "/" + t;
+  if (!tag.empty()) {
+    TORCH_CHECK(util::safe_name(tag), "bad --tag '", tag, "': a tag is 1-128 characters from A-Z a-z 0-9 . _ -");
+    TORCH_CHECK(util::is_plain_dir(path + "/" + tag), "no checkpoint '", tag, "' in '", path, "'");
+    return path + "/" + tag;
+  }
+  if (is_tag_folder(path)) return path;
+  auto choice = ckpt::choose(path);
+  TORCH_CHECK(choice.found, "no checkpoint in '", path, "' (no 'newest' file and no tag folders)");
+  for (const auto& note : choice.notes) std::cerr << "partrain: ckpt: " << note << "\n";
+  TORCH_CHECK(!choice.tags.empty(), "no valid checkpoint in '", path, "' (partrain ckpt verify ", path, " says why)");
+  return path + "/" + choice.tags.front();
 }
 
 int ckpt_inspect(const std::string& path, const std::string& tag) {
@@ -161,35 +178,25 @@ int ckpt_inspect(const std::string& path, const std::string& tag) {
     auto all = ckpt::tags(path);
     std::cout << "checkpoints in " << path << " (oldest first):";
     for (const auto& t : all) std::cout << " " << t;
-    std::cout << "\nnewest: " << ckpt::newest(path) << "\n\n";
+    std::string newest = ckpt::newest(path);
+    std::cout << "\nnewest: " << (newest.empty() ? "(missing or damaged)" : newest) << "\n\n";
   }
   std::cout << folder << "\n" << ckpt::describe(ckpt::read_manifest(folder)) << std::flush;
   return 0;
 }
 
 int ckpt_verify(const std::string& path) {
-  std::vector<std::string> folders;
-  bool single = access((path + "/manifest.bin").c_str(), F_OK) == 0;
   int bad = 0;
-  if (single) {
-    folders.push_back(path);
+  if (is_tag_folder(path)) {
+    auto problems = ckpt::verify(path);
+    if (problems.empty()) std::cout << path << ": ok\n";
+    for (const auto& p : problems) std::cout << path << ": " << p << "\n";
+    bad = problems.empty() ? 0 : 1;
   } else {
-    for (const auto& t : ckpt::tags(path)) folders.push_back(path + "/" + t);
-    std::string newest = ckpt::newest(path);
-    if (newest.empty() && folders.empty()) {
-      std::cout << path << ": no checkpoint (no 'newest' file and no tag folders)\n";
-      return 1;
+    for (const auto& f : ckpt::verify_folder(path)) {
+      std::cout << f.path << ": " << f.message << "\n";
+      bad += f.problem ? 1 : 0;
     }
-    if (newest.empty() || access((path + "/" + newest + "/manifest.bin").c_str(), F_OK) != 0) {
-      std::cout << path << "/newest: names '" << newest << "', which is not a complete checkpoint\n";
-      ++bad;
-    }
-  }
-  for (const auto& f : folders) {
-    auto problems = ckpt::verify(f);
-    if (problems.empty()) std::cout << f << ": ok\n";
-    for (const auto& p : problems) std::cout << f << ": " << p << "\n";
-    bad += problems.empty() ? 0 : 1;
   }
   std::cout << std::flush;
   return bad ? 1 : 0;
@@ -216,7 +223,7 @@ int ckpt_export(const std::string& path, const std::string& tag, const std::stri
 int run_ckpt(int argc, char** argv, int first) {
   CLI::App app{"partrain ckpt: look after checkpoints without starting ranks.\n\n"
                "  partrain ckpt inspect DIR [--tag T]           tensors, shapes, shards, sizes, mesh, step\n"
-               "  partrain ckpt verify DIR                      check every file (exit 1 on any damage)\n"
+               "  partrain ckpt verify DIR                      check every tag, file and newest (exit 1 on any damage)\n"
                "  partrain ckpt convert SRC DST --tensor N --data M [--tag T]   reshard offline\n"
                "  partrain ckpt export DIR out.safetensors [--tag T]            weights for the PyTorch/HF world\n",
                "partrain ckpt"};

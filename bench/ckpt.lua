@@ -28,7 +28,8 @@ local world = pt.dist.world()
 for rep = 1, cfg.reps do
   world:barrier()
   local t0 = pt.time()
-  local tag = pt.ckpt.save(cfg.dir, { model = model, optim = opt, step = rep, tag = "bench", full = cfg.full })
+  local tag = pt.ckpt.save(cfg.dir, { model = model, optim = opt, step = rep, tag = "bench", full = cfg.full,
+                                      overwrite = true })
   world:barrier()
   local saved = pt.time() - t0
   os.execute("sync")

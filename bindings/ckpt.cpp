@@ -1,6 +1,8 @@
 // pt.ckpt's C++ half: saving and loading sharded checkpoints, inspecting and verifying them, and
 // safetensors import and export. The Lua half (init.lua) adds the defaults (the model's mesh,
 // its policy) and resume.
+#include <sys/stat.h>
+
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -108,8 +110,18 @@ ckpt::State state_of(Args& a, Options& t) {
   return s;
 }
 
+void push_strings(lua_State* L, const std::vector<std::string>& list) {
+  lua_createtable(L, static_cast<int>(list.size()), 0);
+  for (size_t i = 0; i < list.size(); ++i) {
+    lua_pushstring(L, list[i].c_str());
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+}
+
 int push_loaded(Args& a, const ckpt::Loaded& l) {
-  lua_createtable(a.L, 0, 3);
+  lua_createtable(a.L, 0, 4);
+  push_strings(a.L, l.notes);
+  lua_setfield(a.L, -2, "notes");
   lua_pushstring(a.L, l.tag.c_str());
   lua_setfield(a.L, -2, "tag");
   lua_pushnumber(a.L, static_cast<double>(l.step));
@@ -120,7 +132,8 @@ int push_loaded(Args& a, const ckpt::Loaded& l) {
 }
 
 const Function kCkpt[] = {
-    // save(dir, { model, optim, data, mesh, step, user, full, num_kept, tag, policy }) -> tag
+    // save(dir, { model, optim, data, mesh, step, user, full, num_kept, tag, overwrite, policy })
+    // -> tag, notes
     {"save", [](Args& a) {
        std::string dir = a.string(1);
        Options t(a, 2, "pt.ckpt.save");
@@ -135,9 +148,15 @@ const Function kCkpt[] = {
        o.full = t.boolean("full", false);
        o.num_kept = static_cast<int>(t.integer("num_kept", 0));
        if (o.num_kept < 0) throw std::invalid_argument("num_kept must be >= 0 (0 keeps every checkpoint)");
+       if (t.has("tag") && t.string("tag", "").empty())
+         throw std::invalid_argument("bad checkpoint tag '': leave 'tag' out for step-<step>");
        o.tag = t.string("tag", "");
+       o.overwrite = t.boolean("overwrite", false);
        t.finish();
-       return a.ret(ckpt::save(dir, s, o)); }},
+       auto saved = ckpt::save(dir, s, o);
+       lua_pushstring(a.L, saved.tag.c_str());
+       push_strings(a.L, saved.notes);
+       return 2; }},
     // load(dir, tag or nil, { model, optim, data, mesh }) -> { tag, step, user }
     {"load", [](Args& a) {
        std::string dir = a.string(1);
@@ -146,21 +165,37 @@ const Function kCkpt[] = {
        ckpt::State s = state_of(a, t);
        t.finish();
        return push_loaded(a, ckpt::load(dir, tag, s)); }},
-    {"newest", [](Args& a) {  // the newest complete tag in dir, or nil
+    // resume(dir, { model, optim, data, mesh }) -> { tag, step, user, notes }, or nil when dir
+    // holds no checkpoint at all
+    {"resume", [](Args& a) {
+       std::string dir = a.string(1);
+       Options t(a, 2, "pt.ckpt.resume");
+       ckpt::State s = state_of(a, t);
+       t.finish();
+       ckpt::Loaded loaded;
+       if (!ckpt::resume(dir, s, &loaded)) { lua_pushnil(a.L); return 1; }
+       return push_loaded(a, loaded); }},
+    {"newest", [](Args& a) {  // the tag dir/newest names (intact, a safe name), or nil
        auto tag = ckpt::newest(a.string(1));
        if (tag.empty()) { lua_pushnil(a.L); return 1; }
        return a.ret(tag); }},
-    {"tags", [](Args& a) {
-       auto all = ckpt::tags(a.string(1));
-       lua_createtable(a.L, static_cast<int>(all.size()), 0);
-       for (size_t i = 0; i < all.size(); ++i) { lua_pushstring(a.L, all[i].c_str()); lua_rawseti(a.L, -2, static_cast<int>(i + 1)); }
-       return 1; }},
+    {"tags", [](Args& a) { push_strings(a.L, ckpt::tags(a.string(1))); return 1; }},
     {"describe", [](Args& a) { return a.ret(ckpt::describe(ckpt::read_manifest(a.string(1)))); }},  // a tag folder
-    {"verify", [](Args& a) {  // a tag folder -> list of problems (empty: sound)
-       auto problems = ckpt::verify(a.string(1));
-       lua_createtable(a.L, static_cast<int>(problems.size()), 0);
-       for (size_t i = 0; i < problems.size(); ++i) { lua_pushstring(a.L, problems[i].c_str()); lua_rawseti(a.L, -2, static_cast<int>(i + 1)); }
-       return 1; }},
+    // verify(path) -> ok, problems ("path: what", one a string): a tag folder, or a checkpoint
+    // folder with every tag and `newest`
+    {"verify", [](Args& a) {
+       std::string path = a.string(1);
+       std::vector<std::string> problems;
+       struct stat st;
+       if (::lstat((path + "/manifest.bin").c_str(), &st) == 0) {
+         for (const auto& p : ckpt::verify(path)) problems.push_back(path + ": " + p);
+       } else {
+         for (const auto& f : ckpt::verify_folder(path))
+           if (f.problem) problems.push_back(f.path + ": " + f.message);
+       }
+       lua_pushboolean(a.L, problems.empty());
+       push_strings(a.L, problems);
+       return 2; }},
     // export_safetensors(model, path): the logical weights (a collective over each tensor group;
     // rank 0 writes), in Hugging Face GPT-2's layout for GPT-2 models.
     {"export_safetensors", [](Args& a) {
@@ -178,8 +213,14 @@ const Function kCkpt[] = {
        std::string path = a.string(2);
        auto tensors = ckpt::read_safetensors(path, m->type() == "GPT2");
        nn::TensorMap state(tensors.begin(), tensors.end());
-       if (m->type() == "GPT2" && !state.count("lm_head.weight") && state.count("wte.weight"))
-         state["lm_head.weight"] = state["wte.weight"];
+       if (m->type() == "GPT2" && state.count("wte.weight")) {
+         // lm_head is tied to wte: a file may leave it out, or hold the same values.
+         if (!state.count("lm_head.weight")) state["lm_head.weight"] = state["wte.weight"];
+         else if (!state["lm_head.weight"].sizes().equals(state["wte.weight"].sizes()) ||
+                  !state["lm_head.weight"].to(torch::kFloat64).equal(state["wte.weight"].to(torch::kFloat64)))
+           throw std::runtime_error("importing '" + path + "': tensor 'lm_head.weight' differs from 'wte.weight', " +
+                                    "to which the model ties it");
+       }
        // Hugging Face's GPT-2 files may carry its causal-mask buffers, which partrain computes.
        auto ends_with = [](const std::string& s, const std::string& end) {
          return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
@@ -188,6 +229,25 @@ const Function kCkpt[] = {
          for (auto it = state.begin(); it != state.end();)
            it = ends_with(it->first, ".attn.bias") || ends_with(it->first, ".attn.masked_bias") ? state.erase(it)
                                                                                                 : std::next(it);
+       // Everything is checked before anything is copied, so a refused file changes nothing: the
+       // names both ways, the logical shapes, and the kinds (a value converts only within its kind:
+       // floating point to floating point, an integer or a boolean only to the same dtype).
+       auto fail = [&](const std::string& why) { throw std::runtime_error("importing '" + path + "': " + why); };
+       auto targets = m->state_dict();
+       for (const auto& [name, t] : state) {
+         auto it = targets.find(name);
+         if (it == targets.end()) fail("tensor '" + name + "' is not in the model (a " + m->type() + ")");
+         auto split = parallel::sharding_of(it->second);
+         auto logical = split ? split->shape : it->second.sizes().vec();
+         if (!t.sizes().equals(logical))
+           fail("tensor '" + name + "' has shape " + c10::str(t.sizes()) + "; the model's is " +
+                c10::str(c10::IntArrayRef(logical)));
+         auto want = it->second.scalar_type(), got = t.scalar_type();
+         if (c10::isFloatingType(want) ? !c10::isFloatingType(got) : want != got)
+           fail("tensor '" + name + "' is " + c10::toString(got) + "; the model's is " + c10::toString(want));
+       }
+       for (const auto& [name, t] : targets)
+         if (!state.count(name)) fail("the file has no tensor '" + name + "' (the model's)");
        try {
          parallel::load_full_state_dict(*m, state, /*strict=*/true);  // any other unknown or missing name fails
        } catch (const std::exception& e) {

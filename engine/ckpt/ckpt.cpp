@@ -1,9 +1,10 @@
-// Sharded checkpoints: saving, loading with resharding, verifying, converting, safetensors.
-// See ckpt.hpp.
+// Sharded checkpoints: saving, loading with resharding, choosing the tag to resume from,
+// verifying, converting, safetensors. See ckpt.hpp.
 #include "engine/ckpt/ckpt.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -12,7 +13,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -27,6 +27,8 @@
 #include "engine/nn/module.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/util/bounded_archive.hpp"
+#include "engine/util/files.hpp"
 
 namespace partrain::ckpt {
 
@@ -56,13 +58,117 @@ const TensorEntry* Manifest::find(const std::string& name) const {
 
 namespace {
 
-const char kMagic[] = "partrain-checkpoint";
+// ---- Damage, and failing together -----------------------------------------------------------
+
+// A checkpoint that is damaged (as opposed to one that does not fit the model being loaded):
+// a load without a tag falls back past it.
+struct Damaged : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs `fn`, turning any error it raises into Damaged.
+template <class Fn>
+void as_damage(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Damaged&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Damaged(compat::message_of(e));
+  }
+}
+
+// Runs `fn` on every rank and fails on all of them if it failed on any: a rank that failed
+// reports its own error, the others the first failing rank's. Damage stays damage when every
+// failing rank saw damage.
+void together(const dist::GroupPtr& group, const std::string& what, const std::function<void()>& fn) {
+  std::string error;
+  bool damaged = false;
+  try {
+    fn();
+  } catch (const Damaged& e) {
+    error = e.what();
+    damaged = true;
+  } catch (const std::exception& e) {
+    error = compat::message_of(e);
+  }
+  if (!dist::any_rank(group, !error.empty())) return;
+  auto all = dist::all_gather_strings(group, error.empty() ? std::string() : (damaged ? "D" : "E") + error);
+  bool all_damage = true;
+  std::string first;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    all_damage = all_damage && all[r][0] == 'D';
+    if (first.empty()) first = what + " failed on rank " + std::to_string(r) + ": " + all[r].substr(1);
+  }
+  std::string message = error.empty() ? first : error;
+  if (all_damage) throw Damaged(message);
+  TORCH_CHECK(false, message);
+}
 
 // ---- Files ---------------------------------------------------------------------------------
 
+const char kMagic[] = "partrain-checkpoint";
+constexpr size_t kMagicLength = sizeof kMagic - 1;
+// The manifest file: u64 magic length, magic, u32 version, u64 payload length, u32 CRC-32 of
+// the payload, payload (cereal binary). Versions 1 and 2 share the first 31 bytes.
+constexpr size_t kVersionEnd = 8 + kMagicLength + 4;
+constexpr size_t kHeaderBytes = kVersionEnd + 8 + 4;
+constexpr uint64_t kMaxManifestBytes = 256ull << 20;
+constexpr uint64_t kMaxNewestBytes = 1024;
+// Bounds on what a manifest may claim (far beyond any real run, far below any harm).
+constexpr int64_t kMaxCount = int64_t(1) << 53;        // steps, samples: exact in a Lua number
+constexpr int64_t kMaxElements = int64_t(1) << 48;     // of one tensor
+constexpr uint64_t kMaxFileBytes = uint64_t(1) << 52;  // of one data file
+constexpr int kMaxRank = 16;                           // dimensions of a tensor
+constexpr int kMaxWorld = 1 << 20;
+
+constexpr int kMaxJsonDepth = 64;  // of the user table and of a safetensors header
+
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
-bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+// The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
+int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+std::string hex32(uint32_t x) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", x);
+  return buf;
+}
+
+uint32_t crc_of(const void* data, size_t n) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  const Bytef* p = static_cast<const Bytef*>(data);
+  while (n > 0) {  // zlib takes uInt lengths
+    uInt chunk = static_cast<uInt>(std::min<size_t>(n, 1u << 30));
+    crc = ::crc32(crc, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
 
 void make_dirs(const std::string& path) {
   for (size_t i = 1; i <= path.size(); ++i)
@@ -71,8 +177,11 @@ void make_dirs(const std::string& path) {
       if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
         TORCH_CHECK(false, "cannot make the folder '", prefix, "': ", std::strerror(errno));
     }
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "'", path, "' is not a folder");
 }
 
+// Removes a file, a link (never what it points to) or a folder and everything in it.
 void remove_all(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) return;
@@ -90,16 +199,23 @@ void remove_all(const std::string& path) {
   }
 }
 
-void fsync_path(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
+// Renames `from` to `to`, never replacing what is at `to`.
+void rename_new(const std::string& from, const std::string& to) {
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+  int err = errno;
+  if (err == EINVAL && !exists(to) && std::rename(from.c_str(), to.c_str()) == 0) return;  // no RENAME_NOREPLACE here
+  TORCH_CHECK(false, "cannot rename '", from, "' to '", to, "': ", std::strerror(err == EINVAL ? errno : err));
 }
 
-void rename_or_fail(const std::string& from, const std::string& to) {
-  TORCH_CHECK(std::rename(from.c_str(), to.c_str()) == 0, "cannot rename '", from, "' to '", to,
-              "': ", std::strerror(errno));
+// Swaps two folders in one step, so that `b` is never missing (two renames where the file
+// system cannot swap).
+void exchange(const std::string& a, const std::string& b, const std::string& spare) {
+  if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return;
+  TORCH_CHECK(errno == EINVAL, "cannot swap '", a, "' and '", b, "': ", std::strerror(errno));
+  remove_all(spare);
+  rename_new(b, spare);
+  rename_new(a, b);
+  rename_new(spare, a);
 }
 
 // A test hook: PARTRAIN_CKPT_CRASH_AT=<point> kills the process (as kill -9 would) there.
@@ -108,11 +224,35 @@ void crash_point(const char* point) {
   if (at && std::strcmp(at, point) == 0) std::raise(SIGKILL);
 }
 
-// A data file written front to back, its CRC-32 kept as it goes.
+// Creates `path`, which must not exist (a link planted there is not followed), with `bytes`,
+// flushed to disk.
+void write_new(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", std::strerror(errno));
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int err = errno;
+      ::close(fd);
+      TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(err));
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  bool synced = ::fsync(fd) == 0;
+  int err = errno;
+  ::close(fd);
+  TORCH_CHECK(synced, "flushing '", path, "' to disk failed: ", std::strerror(err));
+}
+
+// A data file written front to back into a fresh folder, its CRC-32 kept as it goes.
 class DataFile {
  public:
   explicit DataFile(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     TORCH_CHECK(fd_ >= 0, "cannot write '", path_, "': ", std::strerror(errno));
     crc_ = ::crc32(0L, Z_NULL, 0);
   }
@@ -125,11 +265,11 @@ class DataFile {
     const char* p = static_cast<const char*>(cpu.data_ptr());
     size_t n = cpu.nbytes();
     uint64_t at = offset_;
-    uLong own = ::crc32(::crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(p), static_cast<uInt>(n));
-    *crc = static_cast<uint32_t>(own);
-    crc_ = ::crc32_combine(crc_, own, static_cast<z_off_t>(n));  // the file's, without a second pass
+    *crc = crc_of(p, n);
+    crc_ = ::crc32_combine(crc_, *crc, static_cast<z_off_t>(n));  // the file's, without a second pass
     while (n > 0) {
       ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
       TORCH_CHECK(w > 0, "writing '", path_, "' failed: ", std::strerror(errno));
       p += w;
       n -= static_cast<size_t>(w);
@@ -151,61 +291,68 @@ class DataFile {
   uLong crc_;
 };
 
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(out, "cannot write '", path, "': ", std::strerror(errno));
-  out << text;
-  out.flush();
-  TORCH_CHECK(out, "writing '", path, "' failed");
-  out.close();
-  fsync_path(path);
-}
-
-uint32_t file_crc(const std::string& path, uint64_t* size) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0, "cannot read '", path, "': ", std::strerror(errno));
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  std::vector<char> buf(1 << 20);
-  uint64_t total = 0;
-  ssize_t n;
-  while ((n = ::read(fd, buf.data(), buf.size())) > 0) {
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(n));
-    total += static_cast<uint64_t>(n);
+// Reads exactly `n` bytes at `offset` of an open file.
+bool read_at(int fd, char* out, uint64_t n, uint64_t offset) {
+  uint64_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(fd, out + done, static_cast<size_t>(std::min<uint64_t>(n - done, 1u << 30)),
+                        static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    done += static_cast<uint64_t>(r);
   }
-  ::close(fd);
-  *size = total;
-  return static_cast<uint32_t>(crc);
+  return true;
 }
 
-// "" when the file is as the manifest says, else what is wrong.
-std::string check_file(const std::string& tag_dir, const FileEntry& f) {
+// A data file of a tag folder: a regular file, not a link, of the size the manifest records.
+int open_data_file(const std::string& tag_dir, const FileEntry& f) {
   std::string path = join(tag_dir, f.name);
-  if (!exists(path)) return "data file '" + path + "' is missing";
-  uint64_t size = 0;
-  uint32_t crc = file_crc(path, &size);
-  if (size != f.bytes)
-    return "data file '" + path + "' has " + std::to_string(size) + " bytes; the manifest says " +
-           std::to_string(f.bytes) + " (truncated or overwritten)";
-  if (crc != f.crc32) return "data file '" + path + "' fails its checksum (its bytes were altered)";
-  return "";
+  TORCH_CHECK(exists(path), "data file '", path, "' is missing");
+  int fd = util::open_regular(path, "data file", util::Links::Refuse);
+  struct stat st;
+  ::fstat(fd, &st);
+  if (static_cast<uint64_t>(st.st_size) != f.bytes) {
+    ::close(fd);
+    TORCH_CHECK(false, "data file '", path, "' has ", st.st_size, " bytes; the manifest says ", f.bytes,
+                " (truncated or overwritten)");
+  }
+  return fd;
 }
 
 // ---- Tensors and pieces --------------------------------------------------------------------
 
-c10::ScalarType parse_dtype(const std::string& name) {
+const std::map<std::string, c10::ScalarType>& dtypes() {
   static const std::map<std::string, c10::ScalarType> types = {
       {"Float", torch::kFloat32}, {"Double", torch::kFloat64}, {"Half", torch::kFloat16},
       {"BFloat16", torch::kBFloat16}, {"Long", torch::kInt64}, {"Int", torch::kInt32},
       {"Byte", torch::kUInt8}, {"Bool", torch::kBool}};
-  auto it = types.find(name);
-  TORCH_CHECK(it != types.end(), "unknown dtype '", name, "' in the checkpoint");
+  return types;
+}
+
+c10::ScalarType parse_dtype(const std::string& name) {
+  auto it = dtypes().find(name);
+  TORCH_CHECK(it != dtypes().end(), "unknown dtype '", name, "' in the checkpoint");
   return it->second;
 }
 
+// The number of elements of a box; -1 when it exceeds kMaxElements (or a size is negative).
 int64_t volume(const std::vector<int64_t>& size) {
   int64_t n = 1;
-  for (auto s : size) n *= s;
+  for (auto s : size) {
+    if (s < 0) return -1;
+    if (s == 0) return 0;
+  }
+  for (auto s : size) {
+    if (s > kMaxElements / n) return -1;
+    n *= s;
+  }
   return n;
+}
+
+std::string shape_text(const std::vector<int64_t>& v) {
+  std::string t = "[";
+  for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+  return t + "]";
 }
 
 // Appends `local` (this rank's part of a tensor split as `s`, or the whole tensor) as pieces.
@@ -276,9 +423,8 @@ std::string to_bytes(RankPart& part) {
 }
 
 RankPart part_from(const std::string& bytes) {
-  std::istringstream in(bytes, std::ios::binary);
   RankPart p;
-  cereal::BinaryInputArchive ar(in);
+  util::BoundedInputArchive ar(bytes.data(), bytes.size());
   ar(p);
   return p;
 }
@@ -288,48 +434,483 @@ std::string rng_state() {
   return std::string(reinterpret_cast<const char*>(state.data_ptr<uint8_t>()), state.numel());
 }
 
-// Runs `fn` on every rank and fails on all of them if it failed on any.
-void together(const dist::GroupPtr& group, const std::string& what, const std::function<void()>& fn) {
-  std::string error;
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    error = compat::message_of(e);
+// The slots each optimizer kind stores per parameter.
+const std::map<std::string, std::set<std::string>>& optimizer_slots() {
+  static const std::map<std::string, std::set<std::string>> slots = {
+      {"sgd", {"momentum_buffer"}}, {"adam", {"exp_avg", "exp_avg_sq"}}, {"adamw", {"exp_avg", "exp_avg_sq"}}};
+  return slots;
+}
+
+bool printable(const std::string& s, size_t max_length) {
+  if (s.size() > max_length) return false;
+  for (unsigned char c : s)
+    if (c < 0x20 || c == 0x7f) return false;
+  return true;
+}
+
+// Whether two boxes share an element.
+bool overlap(const Piece& a, const Piece& b) {
+  for (size_t d = 0; d < a.start.size(); ++d) {
+    int64_t lo = std::max(a.start[d], b.start[d]), hi = std::min(a.start[d] + a.size[d], b.start[d] + b.size[d]);
+    if (hi <= lo) return false;
   }
-  bool any = dist::any_rank(group, !error.empty());
-  if (!error.empty()) TORCH_CHECK(false, error);
-  TORCH_CHECK(!any, what, " failed on another rank (see its message)");
+  return true;
+}
+
+// ---- The manifest file ---------------------------------------------------------------------
+
+std::string manifest_bytes(const Manifest& m) {
+  std::ostringstream payload(std::ios::binary);
+  {
+    cereal::BinaryOutputArchive ar(payload);
+    ar(const_cast<Manifest&>(m));
+  }
+  std::string body = payload.str();
+  std::ostringstream out(std::ios::binary);
+  {
+    cereal::BinaryOutputArchive ar(out);
+    uint64_t length = body.size();
+    uint32_t crc = crc_of(body.data(), body.size());
+    ar(std::string(kMagic), m.version, length, crc);
+  }
+  std::string head = out.str();
+  TORCH_CHECK(head.size() == kHeaderBytes, "internal: manifest header of ", head.size(), " bytes");
+  return head + body;
 }
 
 void write_manifest(const std::string& tag_dir, const Manifest& m) {
-  std::string path = join(tag_dir, "manifest.bin");
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(out, "cannot write '", path, "': ", std::strerror(errno));
-    cereal::BinaryOutputArchive ar(out);
-    ar(std::string(kMagic), m.version, const_cast<Manifest&>(m));
-    out.flush();
-    TORCH_CHECK(out, "writing '", path, "' failed");
+  write_new(join(tag_dir, "manifest.bin"), manifest_bytes(m));
+  write_new(join(tag_dir, "summary.txt"), describe(m));
+  util::fsync_path(tag_dir);
+}
+
+// ---- newest --------------------------------------------------------------------------------
+//
+// DIR/newest is two lines: the tag, then "crc32 <8 hex digits>" of the tag's bytes.
+
+struct NewestState {
+  bool present = false;
+  std::string tag;      // when intact
+  std::string problem;  // when present but not intact
+};
+
+NewestState read_newest(const std::string& dir) {
+  NewestState s;
+  std::string path = join(dir, "newest");
+  if (!exists(path)) return s;
+  s.present = true;
+  std::string text;
+  try {
+    text = util::read_regular(path, "'newest' file", kMaxNewestBytes, util::Links::Refuse);
+  } catch (const std::exception& e) {
+    s.problem = compat::message_of(e);
+    return s;
   }
-  fsync_path(path);
-  write_text(join(tag_dir, "summary.txt"), describe(m));
-  fsync_path(tag_dir);
+  auto bad = [&](const std::string& why) {
+    s.problem = "'" + path + "' is damaged (" + why + ")";
+    return s;
+  };
+  auto eol = text.find('\n');
+  if (eol == std::string::npos) return bad(text.empty() ? "it is empty" : "it has no checksum line");
+  std::string tag = text.substr(0, eol), rest = text.substr(eol + 1);
+  if (rest.size() != 15 || rest.compare(0, 6, "crc32 ") != 0 || rest[14] != '\n') return bad("it has no checksum line");
+  if (rest.substr(6, 8) != hex32(crc_of(tag.data(), tag.size()))) return bad("its checksum does not match");
+  if (!util::safe_name(tag) || tag == "newest") return bad("it names '" + tag + "', which is not a tag");
+  s.tag = tag;
+  return s;
+}
+
+void write_newest(const std::string& dir, const std::string& tag) {
+  util::write_atomic(join(dir, "newest"), tag + "\ncrc32 " + hex32(crc_of(tag.data(), tag.size())) + "\n");
+}
+
+// ---- Tag folders ---------------------------------------------------------------------------
+
+struct TagState {
+  std::string name;
+  bool valid = false;
+  int64_t step = -1;
+  std::string problem;  // when not valid
+};
+
+struct Folder {
+  bool exists = false;
+  NewestState newest;
+  std::vector<TagState> tags;     // valid and damaged, in directory order
+  std::vector<std::string> aside;  // <tag>~damaged... folders a save set aside
+  std::vector<std::string> scratch;  // .<tag>.tmp folders of interrupted saves
+};
+
+// Whether a folder without a manifest holds what a checkpoint holds (else it is not one).
+bool looks_like_checkpoint(const std::string& path) {
+  bool found = false;
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (auto* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n == "summary.txt" || (n.rfind("rank-", 0) == 0 && n.size() > 9 && n.compare(n.size() - 4, 4, ".bin") == 0))
+        found = true;
+    }
+    ::closedir(d);
+  }
+  return found;
+}
+
+// The state of DIR/<name> as a tag: a real folder with a valid manifest, or why not.
+TagState tag_state(const std::string& dir, const std::string& name) {
+  TagState t;
+  t.name = name;
+  std::string path = join(dir, name);
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) {
+    t.problem = "'" + path + "' does not exist";
+  } else if (S_ISLNK(st.st_mode)) {
+    t.problem = "'" + path + "' is a symbolic link; a checkpoint tag must be a real folder";
+  } else if (!S_ISDIR(st.st_mode)) {
+    t.problem = "'" + path + "' is not a folder";
+  } else {
+    try {
+      t.step = read_manifest(path).step;
+      t.valid = true;
+    } catch (const std::exception& e) {
+      t.problem = compat::message_of(e);
+    }
+  }
+  return t;
+}
+
+Folder scan(const std::string& dir) {
+  Folder f;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) {
+    TORCH_CHECK(errno == ENOENT, "cannot read the checkpoint folder '", dir, "': ", std::strerror(errno));
+    return f;
+  }
+  f.exists = true;
+  std::vector<std::string> names;
+  while (auto* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  f.newest = read_newest(dir);
+  for (const auto& n : names) {
+    if (n == "." || n == ".." || n == "newest") continue;
+    std::string path = join(dir, n);
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    if (n[0] == '.') {
+      if (S_ISDIR(st.st_mode) && n.size() > 5 && n.compare(n.size() - 4, 4, ".tmp") == 0) f.scratch.push_back(n);
+      continue;
+    }
+    if (!util::safe_name(n)) {
+      if (n.find("~damaged") != std::string::npos) f.aside.push_back(n);
+      continue;
+    }
+    if (S_ISLNK(st.st_mode)) {
+      struct stat target;
+      if (::stat(path.c_str(), &target) == 0 && S_ISDIR(target.st_mode)) f.tags.push_back(tag_state(dir, n));
+      continue;
+    }
+    if (!S_ISDIR(st.st_mode)) continue;  // a user's file beside the tags
+    if (!exists(join(path, "manifest.bin")) && !looks_like_checkpoint(path)) continue;  // a user's folder
+    f.tags.push_back(tag_state(dir, n));
+  }
+  return f;
+}
+
+Choice choose_in(const Folder& f, const std::string& dir) {
+  Choice c;
+  c.found = f.newest.present || !f.tags.empty();
+  std::vector<const TagState*> valid;
+  for (const auto& t : f.tags)
+    if (t.valid) valid.push_back(&t);
+  const std::string& named = f.newest.tag;
+  std::sort(valid.begin(), valid.end(), [&](const TagState* a, const TagState* b) {
+    if (a->step != b->step) return a->step > b->step;
+    if ((a->name == named) != (b->name == named)) return a->name == named;
+    return a->name > b->name;
+  });
+  for (const auto* t : valid) c.tags.push_back(t->name);
+  if (!c.found) return c;
+  const std::string newest_path = join(dir, "newest");
+  auto taking = [&]() {
+    return valid.empty() ? std::string("no tag in it is valid")
+                         : "taking '" + valid.front()->name + "' (step " + std::to_string(valid.front()->step) +
+                               "), the valid checkpoint with the highest step";
+  };
+  if (!f.newest.present) {
+    c.notes.push_back("'" + newest_path + "' is missing; " + taking());
+  } else if (!f.newest.problem.empty()) {
+    c.notes.push_back(f.newest.problem + "; " + taking());
+  } else {
+    auto it = std::find_if(f.tags.begin(), f.tags.end(), [&](const TagState& t) { return t.name == named; });
+    if (it == f.tags.end()) {
+      c.notes.push_back("'" + newest_path + "' names '" + named + "', which is not a checkpoint in '" + dir + "'; " +
+                        taking());
+    } else if (!it->valid) {
+      c.notes.push_back("'" + newest_path + "' names '" + named + "', which is damaged: " + it->problem + "; " +
+                        (valid.empty() ? taking() : "falling back to " + taking().substr(7)));
+    } else if (valid.front()->name != named) {
+      c.notes.push_back("'" + newest_path + "' names '" + named + "' (step " + std::to_string(it->step) + "), but '" +
+                        valid.front()->name + "' (step " + std::to_string(valid.front()->step) +
+                        ") is complete and newer (a save stopped before it updated 'newest'); taking it");
+    }
+  }
+  if (!c.notes.empty())  // a fallback: say what else was passed over
+    for (const auto& t : f.tags)
+      if (!t.valid && t.name != named) c.notes.push_back("skipped the damaged tag '" + t.name + "': " + t.problem);
+  return c;
+}
+
+void check_tag(const std::string& tag) {
+  TORCH_CHECK(util::safe_name(tag) && tag != "newest", "bad checkpoint tag '", tag,
+              "': a tag is 1-128 characters from A-Z a-z 0-9 . _ -, not starting with '.' or '-', and not 'newest'");
+}
+
+}  // namespace
+
+// ---- Checking a manifest -------------------------------------------------------------------
+
+void validate(const Manifest& m, const std::string& path) {
+  auto bad = [&](const std::string& what) { TORCH_CHECK(false, "the checkpoint manifest '", path, "' ", what); };
+  if (m.step < 0 || m.step > kMaxCount) bad("has step " + std::to_string(m.step));
+  auto size = [](int32_t n) { return n >= 1 && n <= kMaxWorld; };
+  if (!size(m.world) || !size(m.tensor) || !size(m.data) || !size(m.pipeline) || !size(m.zero) ||
+      int64_t(m.tensor) * m.data * m.pipeline != m.world || m.data % m.zero != 0)
+    bad("has an impossible layout (world " + std::to_string(m.world) + ", tensor " + std::to_string(m.tensor) +
+        ", data " + std::to_string(m.data) + ", pipeline " + std::to_string(m.pipeline) + ", zero " +
+        std::to_string(m.zero) + ")");
+  if (!printable(m.model_type, 256) || !printable(m.policy, 256)) bad("has a model type or policy name that is not a name");
+  if (!m.optimizer.empty() && !optimizer_slots().count(m.optimizer))
+    bad("names an unknown optimizer '" + (printable(m.optimizer, 64) ? m.optimizer : "?") + "'");
+  if (m.optimizer_steps < 0 || m.optimizer_steps > kMaxCount || (m.optimizer.empty() && m.optimizer_steps != 0))
+    bad("has optimizer step count " + std::to_string(m.optimizer_steps));
+  if (m.samples_seen < -1 || m.samples_seen > kMaxCount) bad("has data position " + std::to_string(m.samples_seen));
+  try {
+    if (json_depth(m.user_json) > kMaxJsonDepth) throw std::invalid_argument("too deep");
+    auto user = nlohmann::json::parse(m.user_json);
+    (void)user;
+  } catch (const std::exception&) {
+    bad("has a user table that is not JSON (nested at most " + std::to_string(kMaxJsonDepth) + " deep)");
+  }
+  if (m.rng.size() > static_cast<size_t>(m.world)) bad("has more generator states than ranks");
+  for (const auto& r : m.rng)
+    if (r.size() > (1u << 20)) bad("has a generator state of " + std::to_string(r.size()) + " bytes");
+
+  std::set<std::string> file_names;
+  for (const auto& f : m.files) {
+    if (!util::safe_name(f.name) || f.name == "manifest.bin" || f.name == "summary.txt")
+      bad("names a data file '" + (printable(f.name, 256) ? f.name : "?") + "' that is not a plain file name");
+    if (!file_names.insert(f.name).second) bad("lists the data file '" + f.name + "' twice");
+    if (f.bytes > kMaxFileBytes) bad("says '" + f.name + "' has " + std::to_string(f.bytes) + " bytes");
+  }
+
+  // Each tensor: its pieces inside it, of its dtype's size, tiling it exactly.
+  std::set<std::string> names;
+  std::vector<std::vector<const Piece*>> by_file(m.files.size());
+  for (const auto& e : m.tensors) {
+    if (!printable(e.name, 1024) || (e.name.rfind("model/", 0) != 0 && e.name.rfind("optim/", 0) != 0) ||
+        e.name.size() < 7)
+      bad("has a tensor name that is not 'model/...' or 'optim/...'");
+    if (!names.insert(e.name).second) bad("lists tensor '" + e.name + "' twice");
+    auto fail = [&](const std::string& what) { bad("has tensor '" + e.name + "' " + what); };
+    auto type = dtypes().find(e.dtype);
+    if (type == dtypes().end()) fail("of unknown dtype '" + (printable(e.dtype, 32) ? e.dtype : "?") + "'");
+    const int64_t item = static_cast<int64_t>(c10::elementSize(type->second));
+    if (e.shape.size() > static_cast<size_t>(kMaxRank)) fail("with " + std::to_string(e.shape.size()) + " dimensions");
+    const int64_t total = volume(e.shape);
+    if (total < 0) fail("of shape " + shape_text(e.shape) + " (negative or too large)");
+    if (e.dim < -1 || e.dim >= static_cast<int32_t>(e.shape.size()) || e.fused < 1 || e.fused > 4096 ||
+        (e.dim < 0 && e.fused != 1) || (e.dim >= 0 && e.shape[e.dim] % e.fused != 0))
+      fail("split on dimension " + std::to_string(e.dim) + " in " + std::to_string(e.fused) + " parts, which its shape " +
+           shape_text(e.shape) + " does not allow");
+    int64_t covered = 0;
+    for (const auto& p : e.pieces) {
+      if (p.file < 0 || p.file >= static_cast<int32_t>(m.files.size())) fail("with a piece in an unlisted data file");
+      if (p.start.size() != e.shape.size() || p.size.size() != e.shape.size()) fail("with a piece of the wrong rank");
+      for (size_t d = 0; d < e.shape.size(); ++d)
+        if (p.size[d] < 0 || p.size[d] > e.shape[d] || p.start[d] < 0 || p.start[d] > e.shape[d] - p.size[d])
+          fail("with a piece outside its shape " + shape_text(e.shape) + " (at " + shape_text(p.start) + ", size " +
+               shape_text(p.size) + ")");
+      const int64_t n = volume(p.size);
+      if (p.bytes != static_cast<uint64_t>(n * item))
+        fail("with a piece of " + std::to_string(p.bytes) + " bytes where its box holds " + std::to_string(n * item));
+      const auto& f = m.files[p.file];
+      if (p.offset > f.bytes || p.bytes > f.bytes - p.offset)
+        fail("with a piece at bytes " + std::to_string(p.offset) + "+" + std::to_string(p.bytes) + " outside '" +
+             f.name + "' (" + std::to_string(f.bytes) + " bytes)");
+      if (p.bytes == 0 && p.crc32 != 0) fail("with an empty piece that has a checksum");
+      covered += n;
+      if (covered > total) break;
+      by_file[p.file].push_back(&p);
+    }
+    if (covered != total)
+      fail("whose pieces cover " + std::to_string(covered) + " of its " + std::to_string(total) + " elements");
+    // Volumes add up: no overlap means an exact tiling. Pieces cut along one dimension (how
+    // partrain writes them) are checked in order; others pairwise, and not too many of them.
+    std::vector<const Piece*> ps;
+    for (const auto& p : e.pieces)
+      if (p.bytes > 0) ps.push_back(&p);
+    int along = -1;
+    bool one_dim = true;
+    for (size_t d = 0; d < e.shape.size() && one_dim; ++d)
+      for (const auto* p : ps)
+        if (p->size[d] != e.shape[d]) {
+          if (along >= 0 && along != static_cast<int>(d)) one_dim = false;
+          along = static_cast<int>(d);
+        }
+    if (one_dim && along >= 0) {
+      std::sort(ps.begin(), ps.end(), [&](const Piece* a, const Piece* b) { return a->start[along] < b->start[along]; });
+      for (size_t i = 0; i + 1 < ps.size(); ++i)
+        if (ps[i]->start[along] + ps[i]->size[along] > ps[i + 1]->start[along]) fail("with overlapping pieces");
+    } else if (ps.size() > 4096) {
+      fail("with " + std::to_string(ps.size()) + " pieces cut along several dimensions (at most 4096)");
+    } else {
+      for (size_t i = 0; i < ps.size(); ++i)
+        for (size_t j = i + 1; j < ps.size(); ++j)
+          if (overlap(*ps[i], *ps[j])) fail("with overlapping pieces");
+    }
+  }
+  // Optimizer state: known slots of the saved optimizer, shaped as their parameter, all of them.
+  std::map<std::string, std::set<std::string>> slots_of;
+  for (const auto& e : m.tensors) {
+    if (e.name.rfind("optim/", 0) != 0) continue;
+    auto slash = e.name.find_last_of('/');
+    std::string param = e.name.substr(6, slash - 6), slot = e.name.substr(slash + 1);
+    const TensorEntry* owner = slash > 6 ? m.find("model/" + param) : nullptr;
+    if (!owner) bad("has optimizer state '" + e.name + "' for no tensor of the model");
+    if (m.optimizer.empty() || !optimizer_slots().at(m.optimizer).count(slot))
+      bad("has optimizer state '" + e.name + "' that " + (m.optimizer.empty() ? "no" : m.optimizer) +
+          " optimizer keeps");
+    if (owner->shape != e.shape) bad("has optimizer state '" + e.name + "' of shape " + shape_text(e.shape) +
+                                     " for a tensor of shape " + shape_text(owner->shape));
+    slots_of[param].insert(slot);
+  }
+  for (const auto& [param, slots] : slots_of)
+    if (slots != optimizer_slots().at(m.optimizer))
+      bad("has only part of the " + m.optimizer + " state of '" + param + "'");
+  // Each data file: its pieces tile it exactly, and its CRC-32 is theirs combined.
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    auto& ps = by_file[i];
+    std::sort(ps.begin(), ps.end(), [](const Piece* a, const Piece* b) { return a->offset < b->offset; });
+    uint64_t at = 0;
+    uLong crc = ::crc32(0L, Z_NULL, 0);
+    for (const auto* p : ps) {
+      if (p->bytes == 0) continue;
+      if (p->offset != at)
+        bad("has pieces that " + std::string(p->offset < at ? "overlap" : "leave a gap") + " at byte " +
+            std::to_string(std::min(at, p->offset)) + " of '" + m.files[i].name + "'");
+      crc = ::crc32_combine(crc, p->crc32, static_cast<z_off_t>(p->bytes));
+      at += p->bytes;
+    }
+    if (at != m.files[i].bytes)
+      bad("has pieces covering " + std::to_string(at) + " of the " + std::to_string(m.files[i].bytes) + " bytes of '" +
+          m.files[i].name + "'");
+    if (static_cast<uint32_t>(crc) != m.files[i].crc32)
+      bad("has a checksum for '" + m.files[i].name + "' that is not its pieces' combined");
+  }
+}
+
+Manifest read_manifest(const std::string& tag_dir) {
+  std::string path = join(tag_dir, "manifest.bin");
+  TORCH_CHECK(exists(path), "the checkpoint manifest '", path, "' is missing");
+  std::string bytes = util::read_regular(path, "checkpoint manifest", kMaxManifestBytes, util::Links::Refuse);
+  auto bad = [&](const std::string& why) { TORCH_CHECK(false, "the checkpoint manifest '", path, "' ", why); };
+  if (bytes.size() < kVersionEnd) bad("is truncated (" + std::to_string(bytes.size()) + " bytes)");
+  uint64_t magic_length = 0;
+  std::memcpy(&magic_length, bytes.data(), 8);
+  if (magic_length != kMagicLength || bytes.compare(8, kMagicLength, kMagic) != 0)
+    bad("is not a partrain checkpoint manifest");
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + 8 + kMagicLength, 4);
+  if (version == 1)
+    bad("has format version 1, which has no checksum of its own; this partrain reads version " +
+        std::to_string(kFormatVersion) + " only (load it with the partrain that saved it and save it again)");
+  if (version != kFormatVersion)
+    bad("has format version " + std::to_string(version) + "; this partrain reads version " +
+        std::to_string(kFormatVersion));
+  if (bytes.size() < kHeaderBytes) bad("is truncated (" + std::to_string(bytes.size()) + " bytes)");
+  uint64_t length = 0;
+  uint32_t crc = 0;
+  std::memcpy(&length, bytes.data() + kVersionEnd, 8);
+  std::memcpy(&crc, bytes.data() + kVersionEnd + 8, 4);
+  if (length != bytes.size() - kHeaderBytes)
+    bad("is damaged: its header says " + std::to_string(length) + " bytes follow, the file has " +
+        std::to_string(bytes.size() - kHeaderBytes) + " (truncated or extended)");
+  if (crc_of(bytes.data() + kHeaderBytes, length) != crc) bad("fails its checksum (its bytes were altered)");
+  Manifest m;
+  try {
+    util::BoundedInputArchive ar(bytes.data() + kHeaderBytes, length);
+    ar(m);
+    if (ar.left() != 0) bad("has " + std::to_string(ar.left()) + " bytes after its contents");
+  } catch (const cereal::Exception& e) {
+    bad(std::string("is damaged: ") + e.what());
+  }
+  m.version = version;
+  validate(m, path);
+  return m;
+}
+
+// ---- Saving --------------------------------------------------------------------------------
+
+namespace {
+
+// What is at DIR/<tag> before a save puts a checkpoint there. A valid manifest is enough when
+// the save overwrites it anyway (`full`: false); otherwise every byte is checked, since a valid
+// checkpoint is refused and a damaged one kept aside.
+enum class Existing { None, Valid, Damaged };
+
+Existing existing(const std::string& dir, const std::string& tag, std::string* problem, bool full = true) {
+  std::string path = join(dir, tag);
+  if (!exists(path)) return Existing::None;
+  TagState t = tag_state(dir, tag);
+  if (!t.valid) {
+    *problem = t.problem;
+    return Existing::Damaged;
+  }
+  if (!full) return Existing::Valid;
+  auto problems = verify(path);
+  if (problems.empty()) return Existing::Valid;
+  *problem = problems.front();
+  return Existing::Damaged;
+}
+
+std::string refuse_existing(const std::string& dir, const std::string& tag) {
+  return "'" + join(dir, tag) + "' already holds a valid checkpoint; save with overwrite = true to replace it, or " +
+         "under another tag";
 }
 
 // Moves a finished `tmp` folder to DIR/<tag>, points DIR/newest at it, and keeps `num_kept`.
-void commit(const std::string& dir, const std::string& tag, const std::string& tmp, int num_kept) {
+// Whatever is at DIR/<tag> is never lost: a valid checkpoint is refused (or, with `overwrite`,
+// replaced only once the new one is in place), anything else is set aside as <tag>~damaged.
+void commit(const std::string& dir, const std::string& tag, const std::string& tmp, int num_kept, bool overwrite,
+            std::vector<std::string>* notes) {
   std::string final_dir = join(dir, tag);
-  if (exists(final_dir)) {  // saving a tag again: the old one goes only once the new one is in place
-    remove_all(final_dir + ".old");
-    rename_or_fail(final_dir, final_dir + ".old");
+  std::string problem;
+  bool replaced = false;
+  switch (existing(dir, tag, &problem, /*full=*/!overwrite)) {
+    case Existing::None:
+      rename_new(tmp, final_dir);
+      break;
+    case Existing::Valid:
+      if (!overwrite) {
+        remove_all(tmp);
+        TORCH_CHECK(false, refuse_existing(dir, tag));
+      }
+      exchange(tmp, final_dir, join(dir, "." + tag + ".old"));  // the old one is now at tmp
+      replaced = true;
+      break;
+    case Existing::Damaged: {
+      std::string aside = final_dir + "~damaged";
+      for (int i = 2; exists(aside); ++i) aside = final_dir + "~damaged-" + std::to_string(i);
+      rename_new(final_dir, aside);
+      notes->push_back("'" + final_dir + "' was damaged (" + problem + "); it is kept as '" + aside + "'");
+      rename_new(tmp, final_dir);
+      break;
+    }
   }
-  rename_or_fail(tmp, final_dir);
-  fsync_path(dir);
+  util::fsync_path(dir);
   crash_point("renamed");
-  write_text(join(dir, "newest.tmp"), tag + "\n");
-  rename_or_fail(join(dir, "newest.tmp"), join(dir, "newest"));
-  fsync_path(dir);
-  remove_all(final_dir + ".old");
+  write_newest(dir, tag);
+  if (replaced) remove_all(tmp);
   if (num_kept > 0) {
     auto all = tags(dir);
     for (size_t i = 0; i + num_kept < all.size(); ++i)
@@ -337,18 +918,20 @@ void commit(const std::string& dir, const std::string& tag, const std::string& t
   }
 }
 
-void check_tag(const std::string& tag) {
-  TORCH_CHECK(!tag.empty() && tag.find('/') == std::string::npos && tag[0] != '.' && tag != "newest" &&
-                  tag.size() < 200 && tag.find(".tmp") == std::string::npos,
-              "bad checkpoint tag '", tag, "': a plain folder name, not 'newest', without '/' or '.tmp'");
+// Makes DIR (when missing) and a fresh scratch folder DIR/.<tag>.tmp for a save of `tag`.
+std::string scratch_folder(const std::string& dir, const std::string& tag) {
+  make_dirs(dir);
+  std::string tmp = join(dir, "." + tag + ".tmp");
+  remove_all(tmp);  // an interrupted save's (a link there is removed, never followed)
+  TORCH_CHECK(::mkdir(tmp.c_str(), 0755) == 0, "cannot make the folder '", tmp, "': ", std::strerror(errno));
+  return tmp;
 }
 
 }  // namespace
 
-// ---- Saving --------------------------------------------------------------------------------
-
-std::string save(const std::string& dir, const State& state, const SaveOptions& options) {
+Saved save(const std::string& dir, const State& state, const SaveOptions& options) {
   TORCH_CHECK(state.model, "checkpoint save: no model given");
+  TORCH_CHECK(state.step >= 0 && state.step <= kMaxCount, "checkpoint save: step must be >= 0, got ", state.step);
   auto& world = dist::World::instance();
   dist::GroupPtr group = world.initialized() ? world.world() : nullptr;
   const int rank = group ? world.rank() : 0;
@@ -356,14 +939,14 @@ std::string save(const std::string& dir, const State& state, const SaveOptions& 
   std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(state.step));
   const std::string tag = options.tag.empty() ? buf : options.tag;
   check_tag(tag);
-  const std::string tmp = join(dir, tag + ".tmp");
+  const std::string tmp = join(dir, "." + tag + ".tmp");
 
   together(group, "preparing the checkpoint folder", [&] {
-    if (rank == 0) {
-      make_dirs(dir);
-      remove_all(tmp);
-      make_dirs(tmp);
-    }
+    if (rank != 0) return;
+    std::string problem;
+    if (!options.overwrite && exists(join(dir, tag)) && existing(dir, tag, &problem) == Existing::Valid)
+      TORCH_CHECK(false, refuse_existing(dir, tag));
+    scratch_folder(dir, tag);
   });  // together() has synchronized the ranks: the folder exists for all of them
 
   // Each rank writes what it alone holds: split tensors from data rank 0 of each tensor group,
@@ -403,6 +986,7 @@ std::string save(const std::string& dir, const State& state, const SaveOptions& 
   crash_point("data");
   auto parts = dist::all_gather_strings(group, mine);
 
+  Saved saved{tag, {}};
   together(group, "finishing the checkpoint", [&] {
     if (rank != 0) return;
     Manifest m;
@@ -446,102 +1030,46 @@ std::string save(const std::string& dir, const State& state, const SaveOptions& 
       }
       m.rng.push_back(std::move(part.rng));
     }
+    validate(m, join(tmp, "manifest.bin"));  // what a load will demand, checked before it is written
     write_manifest(tmp, m);
     crash_point("manifest");
-    commit(dir, tag, tmp, options.num_kept);
+    commit(dir, tag, tmp, options.num_kept, options.overwrite, &saved.notes);
   });
-  return tag;
+  return saved;
 }
 
 // ---- Reading -------------------------------------------------------------------------------
 
-std::string newest(const std::string& dir) {
-  std::ifstream in(join(dir, "newest"));
-  std::string tag;
-  if (!in || !std::getline(in, tag)) return "";
-  return tag;
-}
+std::string newest(const std::string& dir) { return read_newest(dir).tag; }
 
 std::vector<std::string> tags(const std::string& dir) {
+  Folder f = scan(dir);
   std::vector<std::pair<int64_t, std::string>> found;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (auto* e = ::readdir(d)) {
-      std::string n = e->d_name;
-      bool scratch = n.size() > 4 && (n.compare(n.size() - 4, 4, ".tmp") == 0 || n.compare(n.size() - 4, 4, ".old") == 0);
-      if (n[0] == '.' || scratch) continue;
-      std::string manifest = join(join(dir, n), "manifest.bin");
-      if (!exists(manifest)) continue;
-      int64_t step = 0;
-      try {
-        step = read_manifest(join(dir, n)).step;
-      } catch (const std::exception&) {
-        step = -1;  // damaged: listed first, so pruning drops it before good ones
-      }
-      found.emplace_back(step, n);
-    }
-    ::closedir(d);
-  }
+  for (const auto& t : f.tags)
+    if (t.valid) found.emplace_back(t.step, t.name);
   std::sort(found.begin(), found.end());
   std::vector<std::string> out;
   for (auto& [step, n] : found) out.push_back(n);
   return out;
 }
 
-Manifest read_manifest(const std::string& tag_dir) {
-  std::string path = join(tag_dir, "manifest.bin");
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, "cannot read the checkpoint manifest '", path, "': ", std::strerror(errno));
-  Manifest m;
-  std::string magic;
-  try {
-    cereal::BinaryInputArchive ar(in);
-    ar(magic);
-    TORCH_CHECK(magic == kMagic, "'", path, "' is not a partrain checkpoint manifest");
-    ar(m.version);
-    TORCH_CHECK(m.version == kFormatVersion, "the checkpoint manifest '", path, "' has format version ", m.version,
-                "; this partrain reads version ", kFormatVersion);
-    ar(m);
-  } catch (const cereal::Exception& e) {
-    TORCH_CHECK(false, "the checkpoint manifest '", path, "' is damaged or truncated (", e.what(), ")");
-  } catch (const std::length_error&) {
-    TORCH_CHECK(false, "the checkpoint manifest '", path, "' is damaged");
-  } catch (const std::bad_alloc&) {
-    TORCH_CHECK(false, "the checkpoint manifest '", path, "' is damaged");
-  }
-  return m;
-}
+Choice choose(const std::string& dir) { return choose_in(scan(dir), dir); }
 
 namespace {
 
-// One piece's bytes, checked against the manifest: inside its tensor and file, and its CRC-32.
+// One piece's bytes, read from its open data file and checked against its CRC-32.
 torch::Tensor read_piece(const std::string& tag_dir, const Manifest& m, const TensorEntry& e, const Piece& p) {
-  auto dtype = parse_dtype(e.dtype);
-  TORCH_CHECK(p.file >= 0 && p.file < static_cast<int32_t>(m.files.size()), "tensor '", e.name,
-              "' names a data file the manifest does not list");
   const auto& f = m.files[p.file];
   std::string path = join(tag_dir, f.name);
-  TORCH_CHECK(p.start.size() == e.shape.size() && p.size.size() == e.shape.size(), "tensor '", e.name,
-              "' has a piece of the wrong rank in '", path, "'");
-  for (size_t d = 0; d < e.shape.size(); ++d)
-    TORCH_CHECK(p.start[d] >= 0 && p.size[d] >= 0 && p.start[d] + p.size[d] <= e.shape[d], "tensor '", e.name,
-                "' has a piece outside its shape in '", path, "'");
-  auto piece = torch::empty(p.size, torch::TensorOptions().dtype(dtype));
-  TORCH_CHECK(p.bytes == piece.nbytes() && p.offset + p.bytes <= f.bytes, "tensor '", e.name, "': its piece at byte ",
-              p.offset, " of '", path, "' does not fit the file");
-  int fd = ::open(path.c_str(), O_RDONLY);
-  TORCH_CHECK(fd >= 0, "data file '", path, "' is missing or unreadable (tensor '", e.name, "'): ", std::strerror(errno));
+  auto piece = torch::empty(p.size, torch::TensorOptions().dtype(parse_dtype(e.dtype)));
+  TORCH_CHECK(p.bytes == piece.nbytes(), "tensor '", e.name, "': its piece in '", path, "' has the wrong size");
+  int fd = open_data_file(tag_dir, f);
   char* out = static_cast<char*>(piece.data_ptr());
-  uint64_t done = 0;
-  while (done < p.bytes) {
-    ssize_t n = ::pread(fd, out + done, p.bytes - done, static_cast<off_t>(p.offset + done));
-    if (n <= 0) break;
-    done += static_cast<uint64_t>(n);
-  }
+  bool whole = read_at(fd, out, p.bytes, p.offset);
   ::close(fd);
-  TORCH_CHECK(done == p.bytes, "data file '", path, "' is truncated: tensor '", e.name, "' needs bytes ", p.offset,
-              "..", p.offset + p.bytes);
-  auto crc = ::crc32(::crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(out), static_cast<uInt>(p.bytes));
-  TORCH_CHECK(static_cast<uint32_t>(crc) == p.crc32, "data file '", path, "' fails its checksum in tensor '", e.name,
+  TORCH_CHECK(whole, "data file '", path, "' is truncated: tensor '", e.name, "' needs bytes ", p.offset, "..",
+              p.offset + p.bytes);
+  TORCH_CHECK(crc_of(out, p.bytes) == p.crc32, "data file '", path, "' fails its checksum in tensor '", e.name,
               "' (bytes ", p.offset, "..", p.offset + p.bytes, " were altered)");
   return piece;
 }
@@ -563,21 +1091,22 @@ torch::Tensor read_part(const std::string& tag_dir, const Manifest& m, const Ten
                         const std::vector<int64_t>& local_shape, int64_t dim,
                         const std::vector<std::pair<int64_t, int64_t>>& slices) {
   auto local = torch::zeros(local_shape, torch::TensorOptions().dtype(parse_dtype(e.dtype)));
-  for (const auto& p : e.pieces) {
-    // Only pieces cut along `dim` (whole in every other dimension) are read in part; any other
-    // piece is read whole and cut here.
-    bool along = true;
+  // Only pieces cut along `dim` (whole in every other dimension) are read in part; if any other
+  // piece is there, the tensor is read whole and cut here.
+  bool along = true;
+  for (const auto& p : e.pieces)
     for (size_t d = 0; d < e.shape.size(); ++d)
-      if (static_cast<int64_t>(d) != dim) along = along && p.start.size() == e.shape.size() && p.start[d] == 0 && p.size[d] == e.shape[d];
-    if (!along || p.start.size() != e.shape.size()) {
-      auto full = read_tensor(tag_dir, m, e);
-      int64_t offset = 0;
-      for (const auto& [start, length] : slices) {
-        local.narrow(dim, offset, length).copy_(full.narrow(dim, start, length));
-        offset += length;
-      }
-      return local;
+      if (static_cast<int64_t>(d) != dim) along = along && p.start[d] == 0 && p.size[d] == e.shape[d];
+  if (!along) {
+    auto full = read_tensor(tag_dir, m, e);
+    int64_t offset = 0;
+    for (const auto& [start, length] : slices) {
+      local.narrow(dim, offset, length).copy_(full.narrow(dim, start, length));
+      offset += length;
     }
+    return local;
+  }
+  for (const auto& p : e.pieces) {
     int64_t offset = 0;
     torch::Tensor piece;
     for (const auto& [start, length] : slices) {
@@ -594,6 +1123,11 @@ torch::Tensor read_part(const std::string& tag_dir, const Manifest& m, const Ten
 
 std::vector<std::string> verify(const std::string& tag_dir) {
   std::vector<std::string> problems;
+  struct stat st;
+  if (::lstat(tag_dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {  // as a load refuses it
+    problems.push_back("'" + tag_dir + "' is a symbolic link; a checkpoint tag must be a real folder");
+    return problems;
+  }
   Manifest m;
   try {
     m = read_manifest(tag_dir);
@@ -601,25 +1135,104 @@ std::vector<std::string> verify(const std::string& tag_dir) {
     problems.push_back(compat::message_of(e));
     return problems;
   }
-  for (const auto& f : m.files) {
-    auto p = check_file(tag_dir, f);
-    if (!p.empty()) problems.push_back(p);
-  }
-  for (const auto& e : m.tensors) {
-    int64_t covered = 0;
-    for (const auto& p : e.pieces) {
-      bool inside = p.file >= 0 && p.file < static_cast<int32_t>(m.files.size()) && p.size.size() == e.shape.size() &&
-                    p.offset + p.bytes <= m.files[p.file].bytes;
-      for (size_t d = 0; inside && d < e.shape.size(); ++d)
-        inside = p.start[d] >= 0 && p.start[d] + p.size[d] <= e.shape[d];
-      if (!inside) problems.push_back("tensor '" + e.name + "' has a piece outside its shape or file");
-      covered += volume(p.size);
+  // Each data file read once, front to back: the pieces tile it (validate() made sure), so each
+  // piece's CRC-32 and the file's come from the same pass.
+  std::vector<std::vector<std::pair<const TensorEntry*, const Piece*>>> by_file(m.files.size());
+  for (const auto& e : m.tensors)
+    for (const auto& p : e.pieces)
+      if (p.bytes > 0) by_file[p.file].emplace_back(&e, &p);
+  std::vector<char> buf;
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const auto& f = m.files[i];
+    std::string path = join(tag_dir, f.name);
+    int fd = -1;
+    try {
+      fd = open_data_file(tag_dir, f);
+    } catch (const std::exception& e) {
+      problems.push_back(compat::message_of(e));
+      continue;
     }
-    if (covered != volume(e.shape))
-      problems.push_back("tensor '" + e.name + "': its pieces cover " + std::to_string(covered) + " of " +
-                         std::to_string(volume(e.shape)) + " elements");
+    auto& ps = by_file[i];
+    std::sort(ps.begin(), ps.end(), [](const auto& a, const auto& b) { return a.second->offset < b.second->offset; });
+    uLong file_crc = ::crc32(0L, Z_NULL, 0);
+    bool truncated = false;
+    for (const auto& [e, p] : ps) {
+      uLong crc = ::crc32(0L, Z_NULL, 0);
+      for (uint64_t done = 0; done < p->bytes && !truncated;) {
+        uint64_t n = std::min<uint64_t>(p->bytes - done, 1 << 20);
+        buf.resize(n);
+        truncated = !read_at(fd, buf.data(), n, p->offset + done);
+        if (!truncated) crc = ::crc32(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<uInt>(n));
+        done += n;
+      }
+      if (truncated) {
+        problems.push_back("data file '" + path + "' is truncated: tensor '" + e->name + "' needs bytes " +
+                           std::to_string(p->offset) + ".." + std::to_string(p->offset + p->bytes));
+        break;
+      }
+      if (static_cast<uint32_t>(crc) != p->crc32)
+        problems.push_back("data file '" + path + "' fails its checksum in tensor '" + e->name + "' (bytes " +
+                           std::to_string(p->offset) + ".." + std::to_string(p->offset + p->bytes) +
+                           " were altered)");
+      file_crc = ::crc32_combine(file_crc, crc, static_cast<z_off_t>(p->bytes));
+    }
+    ::close(fd);
+    if (!truncated && static_cast<uint32_t>(file_crc) != f.crc32 &&
+        std::none_of(problems.begin(), problems.end(), [&](const std::string& s) { return s.find(path) != std::string::npos; }))
+      problems.push_back("data file '" + path + "' fails its checksum (its bytes were altered)");
   }
   return problems;
+}
+
+std::vector<Finding> verify_folder(const std::string& dir) {
+  std::vector<Finding> out;
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    out.push_back({dir, ::stat(dir.c_str(), &st) != 0 ? "no such folder" : "not a folder", true});
+    return out;
+  }
+  Folder f = scan(dir);
+  Choice c = choose_in(f, dir);
+  if (!c.found) {
+    out.push_back({dir, "no checkpoint (no 'newest' file and no tag folders)", true});
+    return out;
+  }
+  std::vector<const TagState*> ordered;
+  for (const auto& t : f.tags) ordered.push_back(&t);
+  std::sort(ordered.begin(), ordered.end(), [](const TagState* a, const TagState* b) {
+    return a->valid != b->valid ? a->valid : a->step != b->step ? a->step < b->step : a->name < b->name;
+  });
+  for (const auto* t : ordered) {
+    std::string path = join(dir, t->name);
+    if (!t->valid) {
+      out.push_back({path, t->problem, true});
+      continue;
+    }
+    auto problems = verify(path);
+    if (problems.empty()) out.push_back({path, "ok (step " + std::to_string(t->step) + ")", false});
+    for (const auto& p : problems) out.push_back({path, p, true});
+  }
+  const std::string newest_path = join(dir, "newest");
+  if (!f.newest.present) {
+    out.push_back({newest_path, "missing (a resume takes the valid tag with the highest step)", true});
+  } else if (!f.newest.problem.empty()) {
+    out.push_back({newest_path, f.newest.problem, true});
+  } else {
+    auto it = std::find_if(f.tags.begin(), f.tags.end(), [&](const TagState& t) { return t.name == f.newest.tag; });
+    if (it == f.tags.end()) out.push_back({newest_path, "names '" + f.newest.tag + "', which is not a checkpoint here", true});
+    else if (!it->valid) out.push_back({newest_path, "names '" + f.newest.tag + "', which is damaged", true});
+    else if (!c.tags.empty() && c.tags.front() != f.newest.tag)
+      out.push_back({newest_path, "names '" + f.newest.tag + "'; '" + c.tags.front() +
+                                      "' is newer (a save stopped before it updated 'newest'): a resume takes it",
+                     false});
+    else out.push_back({newest_path, "names '" + f.newest.tag + "'", false});
+  }
+  for (const auto& a : f.aside)
+    out.push_back({join(dir, a), "set aside by a save that found it damaged (kept for inspection; not a tag)", false});
+  for (const auto& s : f.scratch)
+    out.push_back({join(dir, s), "an interrupted save's scratch folder (ignored; the next save of its tag removes it)",
+                   false});
+  return out;
 }
 
 std::string describe(const Manifest& m) {
@@ -638,9 +1251,7 @@ std::string describe(const Manifest& m) {
     << "\nuser: " << m.user_json << "\n\nfiles:\n";
   uint64_t total = 0;
   for (const auto& f : m.files) {
-    char crc[16];
-    std::snprintf(crc, sizeof crc, "%08x", f.crc32);
-    s << "  " << f.name << "  " << f.bytes << " bytes  crc32 " << crc << "\n";
+    s << "  " << f.name << "  " << f.bytes << " bytes  crc32 " << hex32(f.crc32) << "\n";
     total += f.bytes;
   }
   s << "  total " << total << " bytes\n\ntensors:\n";
@@ -663,39 +1274,33 @@ std::string describe(const Manifest& m) {
 
 // ---- Loading -------------------------------------------------------------------------------
 
-Loaded load(const std::string& dir, const std::string& tag_in, State& state) {
-  TORCH_CHECK(state.model, "checkpoint load: no model given");
-  auto& world = dist::World::instance();
-  dist::GroupPtr group = world.initialized() ? world.world() : nullptr;
-  const int rank = group ? world.rank() : 0;
+namespace {
+
+// Loads one tag. Everything is read and checked before anything in `state` changes; Damaged
+// when the checkpoint is damaged, another error when it does not fit what is being loaded.
+Loaded load_tag(const std::string& dir, const std::string& tag, State& state, const dist::GroupPtr& group, int rank) {
   Loaded loaded;
   together(group, "loading the checkpoint", [&] {
-    std::string tag = tag_in.empty() ? newest(dir) : tag_in;
-    TORCH_CHECK(!tag.empty(), "no checkpoint in '", dir, "' (it has no 'newest' file)");
-    std::string tag_dir = join(dir, tag);
+    check_tag(tag);
+    const std::string tag_dir = join(dir, tag);
     TORCH_CHECK(exists(tag_dir), "no checkpoint '", tag, "' in '", dir, "'");
-    Manifest m = read_manifest(tag_dir);
-    // Each data file's size first (a truncated file names itself before any tensor does); every
-    // piece's checksum as it is read.
-    for (const auto& f : m.files) {
-      struct stat st;
-      std::string path = join(tag_dir, f.name);
-      TORCH_CHECK(::stat(path.c_str(), &st) == 0, "data file '", path, "' is missing");
-      TORCH_CHECK(static_cast<uint64_t>(st.st_size) == f.bytes, "data file '", path, "' has ", st.st_size,
-                  " bytes; the manifest says ", f.bytes, " (truncated or overwritten)");
-    }
+    Manifest m;
+    as_damage([&] {
+      TORCH_CHECK(util::is_plain_dir(tag_dir), "'", tag_dir, "' is not a folder (a symbolic link or a file); ",
+                  "a checkpoint tag must be a real folder");
+      m = read_manifest(tag_dir);
+      for (const auto& f : m.files) ::close(open_data_file(tag_dir, f));  // sizes first: a truncated file names itself
+    });
     auto params = unique_named(*state.model);
     std::set<std::string> wanted;
     for (const auto& [name, p] : params) wanted.insert("model/" + name);
     for (const auto& e : m.tensors)
       TORCH_CHECK(e.name.rfind("model/", 0) != 0 || wanted.count(e.name), "the checkpoint '", tag_dir,
                   "' holds tensor '", e.name.substr(6), "', which the model has no parameter for");
-    if (state.optimizer && !m.optimizer.empty())
+    const bool with_optimizer = state.optimizer && !m.optimizer.empty();
+    if (with_optimizer)
       TORCH_CHECK(m.optimizer == state.optimizer->options().kind, "the checkpoint '", tag_dir, "' holds ",
                   m.optimizer, " state; the optimizer given is ", state.optimizer->options().kind);
-    torch::NoGradGuard no_grad;
-    // The step count first: the parameters' states are set as of it (Adam's bias correction).
-    if (state.optimizer && !m.optimizer.empty()) state.optimizer->set_steps_taken(m.optimizer_steps);
     for (const auto& [name, p] : params) {
       auto s = parallel::sharding_of(p);
       const TensorEntry* e = m.find("model/" + name);
@@ -703,21 +1308,36 @@ Loaded load(const std::string& dir, const std::string& tag_in, State& state) {
       auto logical = s ? s->shape : p.sizes().vec();
       TORCH_CHECK(e->shape == logical, "tensor '", name, "' in '", tag_dir, "' has shape ", c10::IntArrayRef(e->shape),
                   "; the model's is ", c10::IntArrayRef(logical));
-      auto read = [&](const TensorEntry& t) {
-        auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
-                      : read_tensor(tag_dir, m, t);
-        return part.to(p.options().requires_grad(false));
-      };
-      p.copy_(read(*e));
-      if (state.optimizer && !m.optimizer.empty()) {
-        std::map<std::string, torch::Tensor> slots;
-        std::string prefix = "optim/" + name + "/";
-        for (const auto& t : m.tensors)
-          if (t.name.rfind(prefix, 0) == 0) slots[t.name.substr(prefix.size())] = read(t);
-        if (!slots.empty()) state.optimizer->set_param_state(p, slots);
-      }
     }
+    // Read everything first.
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> values(params.size());
+    std::vector<std::map<std::string, torch::Tensor>> slots(params.size());
+    as_damage([&] {
+      for (size_t i = 0; i < params.size(); ++i) {
+        const auto& [name, p] = params[i];
+        auto s = parallel::sharding_of(p);
+        auto read = [&](const TensorEntry& t) {
+          auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
+                        : read_tensor(tag_dir, m, t);
+          return part.to(p.options().requires_grad(false));
+        };
+        values[i] = read(*m.find("model/" + name));
+        if (with_optimizer) {
+          std::string prefix = "optim/" + name + "/";
+          for (const auto& t : m.tensors)
+            if (t.name.rfind(prefix, 0) == 0) slots[i][t.name.substr(prefix.size())] = read(t);
+        }
+      }
+    });
+    // Then change the state: the data position first (the one step that can refuse), the step
+    // count before the parameters' states (Adam's bias correction reads it).
     if (state.data && m.samples_seen >= 0) state.data->seek(m.samples_seen);
+    if (with_optimizer) state.optimizer->set_steps_taken(m.optimizer_steps);
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].second.copy_(values[i]);
+      if (with_optimizer) state.optimizer->set_param_state(params[i].second, slots[i]);  // none: cleared
+    }
     if (rank < static_cast<int>(m.rng.size()) && !m.rng[rank].empty()) {
       auto bytes = torch::empty({static_cast<int64_t>(m.rng[rank].size())}, torch::kUInt8);
       std::memcpy(bytes.data_ptr<uint8_t>(), m.rng[rank].data(), m.rng[rank].size());
@@ -728,9 +1348,60 @@ Loaded load(const std::string& dir, const std::string& tag_in, State& state) {
         // another LibTorch's generator format: keep this run's state
       }
     }
-    loaded = {tag, m.step, m.user_json};
+    loaded = {tag, m.step, m.user_json, {}};
   });
   return loaded;
+}
+
+// A load without a tag: the tags choose() gives, in order, past damaged ones. False when DIR
+// holds no checkpoint at all.
+bool load_newest(const std::string& dir, State& state, Loaded* out) {
+  auto& world = dist::World::instance();
+  dist::GroupPtr group = world.initialized() ? world.world() : nullptr;
+  const int rank = group ? world.rank() : 0;
+  Choice c;
+  together(group, "finding the checkpoint to load", [&] { c = choose(dir); });
+  // Every rank must try the same tags (they read the same folder; a shared file system can lag).
+  std::string mine;
+  for (const auto& t : c.tags) mine += t + "\n";
+  auto all = dist::all_gather_strings(group, mine);
+  for (size_t r = 1; r < all.size(); ++r)
+    TORCH_CHECK(all[r] == all[0], "the ranks see different checkpoints in '", dir, "' (rank 0 and rank ", r,
+                " disagree): is it on a file system they all share?");
+  if (!c.found) return false;
+  std::vector<std::string> notes = c.notes;
+  for (size_t i = 0; i < c.tags.size(); ++i) {
+    try {
+      *out = load_tag(dir, c.tags[i], state, group, rank);
+      out->notes = notes;
+      return true;
+    } catch (const Damaged& e) {
+      notes.push_back("'" + join(dir, c.tags[i]) + "' cannot be loaded: " + e.what() +
+                      (i + 1 < c.tags.size() ? "; falling back to '" + c.tags[i + 1] + "'" : ""));
+    }
+  }
+  std::string why;
+  for (const auto& n : notes) why += "\n  " + n;
+  TORCH_CHECK(false, "no valid checkpoint in '", dir, "':", why);
+}
+
+}  // namespace
+
+Loaded load(const std::string& dir, const std::string& tag, State& state) {
+  TORCH_CHECK(state.model, "checkpoint load: no model given");
+  if (!tag.empty()) {
+    auto& world = dist::World::instance();
+    dist::GroupPtr group = world.initialized() ? world.world() : nullptr;
+    return load_tag(dir, tag, state, group, group ? world.rank() : 0);
+  }
+  Loaded loaded;
+  TORCH_CHECK(load_newest(dir, state, &loaded), "no checkpoint in '", dir, "' (no 'newest' file and no tag folders)");
+  return loaded;
+}
+
+bool resume(const std::string& dir, State& state, Loaded* loaded) {
+  TORCH_CHECK(state.model, "checkpoint resume: no model given");
+  return load_newest(dir, state, loaded);
 }
 
 // ---- Converting ----------------------------------------------------------------------------
@@ -741,6 +1412,7 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
   TORCH_CHECK(problems.empty(), "convert: '", src_tag_dir, "' is damaged: ", problems.front());
   Manifest src = read_manifest(src_tag_dir);
   Manifest m = src;
+  m.version = kFormatVersion;
   m.world = tensor * data;
   m.tensor = tensor;
   m.data = m.zero = data;
@@ -750,10 +1422,9 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
   m.rng.clear();  // generator states belong to the ranks that saved them
   std::string tag = src_tag_dir.substr(src_tag_dir.find_last_of('/') + 1);
   check_tag(tag);
-  std::string tmp = join(dst_dir, tag + ".tmp");
-  make_dirs(dst_dir);
-  remove_all(tmp);
-  make_dirs(tmp);
+  std::string problem;
+  TORCH_CHECK(existing(dst_dir, tag, &problem) != Existing::Valid, "convert: ", refuse_existing(dst_dir, tag));
+  std::string tmp = scratch_folder(dst_dir, tag);
   // Rank r of the new layout's tensor group (data 0) writes its slices; rank 0 the whole tensors.
   std::vector<std::unique_ptr<DataFile>> files(tensor);
   auto file = [&](int r) -> DataFile& {
@@ -810,8 +1481,10 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
     }
   for (auto& e : m.tensors)
     for (auto& p : e.pieces) p.file = position[p.file];
+  validate(m, join(tmp, "manifest.bin"));
   write_manifest(tmp, m);
-  commit(dst_dir, tag, tmp, 0);
+  std::vector<std::string> notes;
+  commit(dst_dir, tag, tmp, 0, false, &notes);
 }
 
 // ---- safetensors ---------------------------------------------------------------------------
@@ -831,6 +1504,46 @@ const std::map<c10::ScalarType, std::string>& safetensors_types() {
       {torch::kFloat32, "F32"}, {torch::kFloat64, "F64"}, {torch::kFloat16, "F16"}, {torch::kBFloat16, "BF16"},
       {torch::kInt64, "I64"},   {torch::kInt32, "I32"},   {torch::kUInt8, "U8"},    {torch::kBool, "BOOL"}};
   return types;
+}
+
+constexpr uint64_t kMaxSafetensorsHeader = 100ull << 20;
+
+// A name from a file as a message shows it: control characters escaped, at most 200 bytes.
+std::string shown(const std::string& name) {
+  std::string out;
+  for (unsigned char c : name.substr(0, 200)) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return name.size() > 200 ? out + "..." : out;
+}
+
+// Parses a safetensors header, refusing a key that appears twice in one object (nlohmann keeps
+// the last one silently). `duplicate` names it: the tensor, or the key inside a tensor's entry.
+nlohmann::json parse_header(const std::string& text, std::string* duplicate) {
+  std::vector<std::set<std::string>> open;  // the keys of each object being parsed
+  std::string tensor;                        // the top-level key being parsed
+  auto callback = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) {
+      open.emplace_back();
+    } else if (event == Event::object_end) {
+      if (!open.empty()) open.pop_back();
+    } else if (event == Event::key && !open.empty()) {
+      std::string key = parsed.get<std::string>();
+      if (depth == 1) tensor = key;
+      if (!open.back().insert(key).second && duplicate->empty())
+        *duplicate = depth == 1 ? "tensor '" + shown(key) + "' appears twice in the header"
+                                : "tensor '" + shown(tensor) + "' has the key '" + shown(key) + "' twice";
+    }
+    return true;
+  };
+  return nlohmann::json::parse(text, callback);
 }
 
 }  // namespace
@@ -853,67 +1566,140 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text += ' ';  // data starts 8-byte aligned
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(out, "cannot write '", tmp, "': ", std::strerror(errno));
-    uint64_t n = text.size();
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));  // little-endian
-    out.write(reinterpret_cast<const char*>(len), 8);
-    out << text;
-    for (const auto& b : blobs) out.write(static_cast<const char*>(b.data_ptr()), static_cast<std::streamsize>(b.nbytes()));
-    out.flush();
-    TORCH_CHECK(out, "writing '", tmp, "' failed");
-  }
-  fsync_path(tmp);
-  rename_or_fail(tmp, path);
+  std::string bytes;
+  bytes.reserve(8 + text.size() + offset);
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) bytes += static_cast<char>(n >> (8 * i));  // little-endian
+  bytes += text;
+  for (const auto& b : blobs) bytes.append(static_cast<const char*>(b.data_ptr()), b.nbytes());
+  util::write_atomic(path, bytes);
 }
 
 std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, bool hf_gpt2) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  TORCH_CHECK(in, "cannot read '", path, "': ", std::strerror(errno));
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
+  int fd = util::open_regular(path, "safetensors file");
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  ::fstat(fd, &st);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  auto bad = [&](const std::string& why) { TORCH_CHECK(false, "'", path, "' ", why); };
   unsigned char len[8] = {};
-  TORCH_CHECK(size >= 8 && in.read(reinterpret_cast<char*>(len), 8), "'", path, "' is not a safetensors file (too short)");
+  if (size < 8 || !read_at(fd, reinterpret_cast<char*>(len), 8, 0)) bad("is not a safetensors file (too short)");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  TORCH_CHECK(n <= size - 8 && n < (100u << 20), "'", path, "' is not a safetensors file (header of ", n, " bytes)");
+  if (n > size - 8 || n > kMaxSafetensorsHeader)
+    bad("is not a safetensors file (a header of " + std::to_string(n) + " bytes in a file of " + std::to_string(size) +
+        ")");
   std::string text(n, '\0');
-  in.read(&text[0], static_cast<std::streamsize>(n));
+  if (!read_at(fd, &text[0], n, 8)) bad("is truncated");
+  if (text.empty() || text[0] != '{') bad("is not a safetensors file (its header does not start with '{')");
+  if (json_depth(text) > kMaxJsonDepth) bad("has a safetensors header nested deeper than " + std::to_string(kMaxJsonDepth));
   nlohmann::json header;
+  std::string duplicate;
   try {
-    header = nlohmann::json::parse(text);
+    header = parse_header(text, &duplicate);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "'", path, "': the safetensors header is not JSON (", e.what(), ")");
+    bad(std::string("has a safetensors header that is not JSON (") + e.what() + ")");
   }
-  TORCH_CHECK(header.is_object(), "'", path, "': the safetensors header is not an object");
+  if (!duplicate.empty()) bad(duplicate);
+  if (!header.is_object()) bad("has a safetensors header that is not an object");
   const uint64_t data_start = 8 + n, data_bytes = size - data_start;
-  std::map<c10::ScalarType, std::string> types = safetensors_types();
-  std::map<std::string, torch::Tensor> out;
+
+  struct Entry {
+    std::string name;
+    c10::ScalarType type;
+    std::vector<int64_t> shape;
+    uint64_t begin, end;
+  };
+  std::vector<Entry> entries;
   for (const auto& [name, info] : header.items()) {
-    if (name == "__metadata__") continue;
-    try {
-      std::string dtype = info.at("dtype").get<std::string>();
-      auto shape = info.at("shape").get<std::vector<int64_t>>();
-      auto offsets = info.at("data_offsets").get<std::vector<uint64_t>>();
-      auto type = std::find_if(types.begin(), types.end(), [&](const auto& kv) { return kv.second == dtype; });
-      TORCH_CHECK(type != types.end(), "unsupported dtype ", dtype);
-      auto t = torch::empty(shape, torch::TensorOptions().dtype(type->first));
-      TORCH_CHECK(offsets.size() == 2 && offsets[0] <= offsets[1] && offsets[1] <= data_bytes &&
-                      offsets[1] - offsets[0] == t.nbytes(),
-                  "its data_offsets do not fit its shape and the file");
-      in.seekg(static_cast<std::streamoff>(data_start + offsets[0]));
-      in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-      TORCH_CHECK(in, "the file is truncated");
-      std::string key = name;
-      if (hf_gpt2 && key.rfind("transformer.", 0) == 0) key = key.substr(12);
-      if (hf_gpt2 && is_conv1d(key)) t = t.t().contiguous();
-      out[key] = t;
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "'", path, "': tensor '", name, "': ", compat::message_of(e));
+    if (name == "__metadata__") {
+      if (!info.is_object()) bad("has a __metadata__ that is not an object");
+      for (const auto& [k, v] : info.items())
+        if (!v.is_string()) bad("has a __metadata__ entry '" + shown(k) + "' that is not a string");
+      continue;
     }
+    auto fail = [&](const std::string& why) { bad("tensor '" + shown(name) + "': " + why); };
+    if (name.empty()) bad("has a tensor with an empty name");
+    if (!info.is_object()) fail("its entry is not an object");
+    for (const auto& [k, v] : info.items())
+      if (k != "dtype" && k != "shape" && k != "data_offsets") fail("unknown key '" + shown(k) + "'");
+    if (!info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
+      fail("it needs dtype, shape and data_offsets");
+    const auto& dtype = info["dtype"];
+    if (!dtype.is_string()) fail("its dtype is not a string");
+    auto type = std::find_if(safetensors_types().begin(), safetensors_types().end(),
+                             [&](const auto& kv) { return kv.second == dtype.get<std::string>(); });
+    if (type == safetensors_types().end()) fail("unsupported dtype " + dtype.dump());
+    const auto& shape = info["shape"];
+    if (!shape.is_array() || shape.size() > static_cast<size_t>(kMaxRank))
+      fail("its shape is not a list of at most " + std::to_string(kMaxRank) + " sizes");
+    Entry e{name, type->first, {}, 0, 0};
+    for (const auto& s : shape) {
+      if (!s.is_number_unsigned() || s.get<uint64_t>() > static_cast<uint64_t>(kMaxElements))
+        fail("its shape " + shape.dump() + " holds something other than a non-negative integer size");
+      e.shape.push_back(static_cast<int64_t>(s.get<uint64_t>()));
+    }
+    const auto& offsets = info["data_offsets"];
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+        !offsets[1].is_number_unsigned())
+      fail("its data_offsets " + offsets.dump() + " are not two non-negative integers");
+    e.begin = offsets[0].get<uint64_t>();
+    e.end = offsets[1].get<uint64_t>();
+    const int64_t count = volume(e.shape);
+    if (count < 0) fail("its shape " + shape.dump() + " is too large");
+    const uint64_t nbytes = static_cast<uint64_t>(count) * c10::elementSize(e.type);
+    if (e.begin > e.end || e.end > data_bytes || e.end - e.begin != nbytes)
+      fail("its data_offsets " + offsets.dump() + " do not fit its shape " + shape.dump() + " (" +
+           std::to_string(nbytes) + " bytes) in the " + std::to_string(data_bytes) + " bytes of data");
+    entries.push_back(std::move(e));
+  }
+  // The tensors' bytes, in offset order, tile the data exactly.
+  std::vector<const Entry*> order;
+  for (const auto& e : entries) order.push_back(&e);
+  std::sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t at = 0;
+  const Entry* previous = nullptr;
+  for (const auto* e : order) {
+    if (e->begin < at) bad("tensor '" + shown(e->name) + "': its bytes overlap those of '" + shown(previous->name) + "'");
+    if (e->begin > at)
+      bad("tensor '" + shown(e->name) + "': its bytes start at " + std::to_string(e->begin) + ", leaving a hole after " +
+          (previous ? "'" + shown(previous->name) + "'" : std::string("the header")) + " (which ends at " +
+          std::to_string(at) + ")");
+    at = e->end;
+    if (e->end > e->begin) previous = e;
+  }
+  if (at != data_bytes)
+    bad("has " + std::to_string(data_bytes - at) + " bytes after its last tensor" +
+        (previous ? " '" + shown(previous->name) + "'" : std::string()) + " (trailing garbage)");
+
+  std::map<std::string, torch::Tensor> out;
+  std::map<std::string, std::string> source;  // key -> the name in the file
+  for (const auto& e : entries) {
+    std::string key = e.name;
+    if (hf_gpt2 && key.rfind("transformer.", 0) == 0) key = key.substr(12);
+    if (source.count(key))
+      bad("has both '" + shown(source[key]) + "' and '" + shown(e.name) + "', which name the same tensor '" + shown(key) +
+          "'");
+    source[key] = e.name;
+    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.type));
+    if (!read_at(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, data_start + e.begin))
+      bad("tensor '" + shown(e.name) + "': the file is truncated");
+    if (e.type == torch::kBool) {
+      const auto* b = static_cast<const uint8_t*>(t.data_ptr());
+      for (uint64_t i = 0; i < e.end - e.begin; ++i)
+        if (b[i] > 1) bad("tensor '" + shown(e.name) + "': a BOOL byte that is not 0 or 1");
+    }
+    if (hf_gpt2 && is_conv1d(key)) {
+      if (t.dim() != 2) bad("tensor '" + shown(e.name) + "': a Conv1D weight must have 2 dimensions, not " +
+                                 std::to_string(t.dim()));
+      t = t.t().contiguous();
+    }
+    out[key] = t;
   }
   return out;
 }

@@ -1,9 +1,13 @@
 // Sharded checkpoints keyed by logical tensor, written atomically, and loadable under any layout.
 //
-// A checkpoint is a folder per tag (DIR/step-00000010) holding a manifest (cereal, binary), a
-// summary for people, and one data file per writing rank. Every stored piece is a box of a
-// logical tensor (the serial model's shape, never padding), so loading under another mesh reads
-// the pieces that overlap what the rank now holds. DIR/newest names the newest complete tag.
+// A checkpoint is a folder per tag (DIR/step-00000010) holding a manifest (cereal, binary, behind
+// a header with its length and CRC-32), a summary for people, and one data file per writing rank.
+// Every stored piece is a box of a logical tensor (the serial model's shape, never padding), so
+// loading under another mesh reads the pieces that overlap what the rank now holds. DIR/newest
+// names the newest complete tag (with its own CRC-32); a load without a tag takes the valid tag
+// with the highest step, says why when that is not the one `newest` names, and falls back past
+// damaged ones. Every size read from a file is bounded before anything is allocated, and only
+// regular files and real folders inside DIR are ever opened.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +32,9 @@ class Mesh;
 
 namespace partrain::ckpt {
 
-constexpr uint32_t kFormatVersion = 1;
+/// 2: the manifest file is a header (magic, version, payload length, CRC-32 of the payload) and
+/// the payload. Version 1 (no checksum of the manifest) is refused.
+constexpr uint32_t kFormatVersion = 2;
 
 /// A box of a logical tensor stored in one data file.
 struct Piece {
@@ -80,34 +86,70 @@ struct State {
 };
 
 struct SaveOptions {
-  std::string tag;   ///< default: step-<step, 8 digits>
-  bool full = false;  ///< consolidate: rank 0 writes every logical tensor whole
-  int num_kept = 0;   ///< keep only the newest this many tags (0: all)
+  std::string tag;         ///< default: step-<step, 8 digits>; else 1-128 of [A-Za-z0-9._-], not 'newest'
+  bool full = false;       ///< consolidate: rank 0 writes every logical tensor whole
+  int num_kept = 0;        ///< keep only the newest this many valid tags (0: all)
+  bool overwrite = false;  ///< replace a valid checkpoint already saved under the tag (else refused)
 };
 
-/// Saves collectively (every rank of the world calls it). Writes DIR/<tag>.tmp, flushes every
-/// file to disk, renames it to DIR/<tag>, then points DIR/newest at it. Returns the tag.
-std::string save(const std::string& dir, const State& state, const SaveOptions& options);
+struct Saved {
+  std::string tag;
+  std::vector<std::string> notes;  ///< what the save did besides saving (a damaged tag set aside)
+};
+/// Saves collectively (every rank of the world calls it). Writes DIR/.<tag>.tmp, flushes every
+/// file to disk, renames it to DIR/<tag>, then points DIR/newest at it. Never writes over a
+/// checkpoint: a valid one under the tag is refused unless `overwrite`, a damaged one is moved
+/// aside to DIR/<tag>~damaged (kept, named in the notes).
+Saved save(const std::string& dir, const State& state, const SaveOptions& options);
 
 struct Loaded {
   std::string tag;
   int64_t step = 0;
   std::string user_json;
+  std::vector<std::string> notes;  ///< why this tag and not the one `newest` names, and what was skipped
 };
-/// Loads `tag` (default: the newest) into `state`'s model, optimizer, data loader and RNG,
-/// whatever layout saved it. Verifies magic, version, sizes and checksums of what it reads; any
-/// damage or mismatch is an error naming the file and tensor. Collective: all ranks fail together.
+/// Loads `tag` into `state`'s model, optimizer, data loader and RNG, whatever layout saved it.
+/// Without a tag, the valid checkpoint with the highest step (see choose()), falling back past a
+/// damaged one. Reads and checks everything it needs before changing anything, so a failed load
+/// leaves the state as it was. Damage or a mismatch is an error naming the file and the tensor.
+/// Collective: all ranks take the same tag or fail together.
 Loaded load(const std::string& dir, const std::string& tag, State& state);
+/// load(dir, "", state), except that a folder with no checkpoint at all (missing, or holding no
+/// `newest` and no tag folder) returns false: a fresh start. A folder whose every checkpoint is
+/// damaged is an error, never a fresh start over it.
+bool resume(const std::string& dir, State& state, Loaded* loaded);
 
-/// The tag DIR/newest names ("" when DIR holds no checkpoint).
+/// The tag DIR/newest names when the file is intact and names a safe tag, else "".
 std::string newest(const std::string& dir);
-/// The complete tags in DIR, oldest first.
+/// The tags in DIR whose manifests are valid, oldest (lowest step) first.
 std::vector<std::string> tags(const std::string& dir);
-/// Reads and checks a tag folder's manifest (magic, version).
+/// The tags a load without a tag tries, in order: valid manifests by step, highest first (on equal
+/// steps the one `newest` names first), with notes on `newest` when it is missing, damaged or
+/// not the first. `found`: whether DIR holds anything that looks like a checkpoint.
+struct Choice {
+  std::vector<std::string> tags;
+  std::vector<std::string> notes;
+  bool found = false;
+};
+Choice choose(const std::string& dir);
+/// Reads a tag folder's manifest: header, length, CRC-32, then the payload through a bounded
+/// parser, then validate().
 Manifest read_manifest(const std::string& tag_dir);
-/// Every problem with a tag folder (missing or altered files, pieces outside their files or not
-/// covering their tensors), one a line; empty when it is sound.
+/// Checks a parsed manifest as a whole (`path` names it in errors): known dtypes, bounded shapes,
+/// pieces inside their tensors and files, tiling each tensor and each file exactly, file CRCs
+/// that match their pieces', safe file names, sane step, layout, optimizer and data position.
+void validate(const Manifest& manifest, const std::string& path);
+/// Every problem with a tag folder (its manifest, missing, altered or misplaced files, every
+/// piece's checksum), one a line; empty when it is sound. What load refuses, verify reports.
 std::vector<std::string> verify(const std::string& tag_dir);
+/// One line of verify_folder's report.
+struct Finding {
+  std::string path, message;
+  bool problem = false;
+};
+/// A checkpoint folder checked whole: every tag, `newest`, links and other entries where tags
+/// live, damaged tags set aside by a save.
+std::vector<Finding> verify_folder(const std::string& dir);
 /// For people: step, layout, data position, files and every tensor with its pieces.
 std::string describe(const Manifest& manifest);
 /// A logical tensor assembled from its pieces.
@@ -125,8 +167,11 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
 /// Writes logical tensors as a .safetensors file. With `hf_gpt2`, Conv1D weights (c_attn, c_proj,
 /// c_fc) are stored transposed, [in, out], as Hugging Face's GPT-2 has them.
 void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors, bool hf_gpt2);
-/// Reads a .safetensors file (checking its header against its size); `hf_gpt2` transposes the
-/// Conv1D weights back to [out, in] and drops a "transformer." prefix.
+/// Reads a .safetensors file, refusing (with the tensor named) anything but a regular file whose
+/// header is one JSON object without duplicate keys, each tensor a known dtype, a shape of
+/// non-negative integers and integer data_offsets matching it, the tensors' bytes tiling the
+/// data exactly (no overlap, hole or trailing byte). `hf_gpt2` transposes the Conv1D weights back
+/// to [out, in] and drops a "transformer." prefix (refusing a file that has a name both ways).
 std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, bool hf_gpt2);
 
 }  // namespace partrain::ckpt

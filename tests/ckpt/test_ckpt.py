@@ -6,13 +6,17 @@
   from a full (consolidated) checkpoint, and from one converted offline by `partrain ckpt
   convert`.
 - Crashes: a process killed (SIGKILL) at several points of a save leaves the previous
-  checkpoint loadable and `newest` valid.
+  checkpoint loadable and `newest` valid; killed after the rename, the next run takes the
+  complete newer tag and says why.
 - Corruption: a truncated, altered or deleted data file, a manifest of another version, a model
   of another shape or with more parameters: each a clear error naming the file or tensor, and
-  `partrain ckpt verify` exits non-zero.
+  `partrain ckpt verify` exits non-zero. A damaged newest tag at 2 ranks: both ranks fall back
+  to the previous tag, say so once, and continue bitwise as the original run; the next save of
+  the damaged tag keeps it aside.
 - safetensors: the exported file read by Python (with PyTorch where it is installed) in Hugging
   Face GPT-2's layout, and a file written by Python imported.
-- num_kept keeps the newest checkpoints only; `partrain ckpt inspect` describes one.
+- num_kept keeps the newest checkpoints only; `partrain ckpt inspect` describes one; every
+  `partrain ckpt` command refuses a FIFO manifest and a newest linked to /dev/zero at once.
 
 Usage: test_ckpt.py PARTRAIN
 """
@@ -67,6 +71,12 @@ def read_safetensors(path):
         values.frombytes(data[begin:end])
         out[name] = (info["dtype"], info["shape"], values)
     return out
+
+
+def newest_of(d):
+    """The tag d/newest names (its first line; the second is its checksum), or ""."""
+    path = os.path.join(d, "newest")
+    return open(path).read().split("\n")[0] if os.path.exists(path) else ""
 
 
 def max_diff(a, b):
@@ -144,7 +154,7 @@ try:
     train(2, "--tensor", "2", "--ckpt", kept, "--save-every", "2", "--stop-after", "10", "--num-kept", "2")
     tags = sorted(t for t in os.listdir(kept) if t.startswith("step-"))
     check("num_kept 2 keeps the two newest", tags == ["step-00000008", "step-00000010"]
-          and open(os.path.join(kept, "newest")).read().strip() == "step-00000010", tags)
+          and newest_of(kept) == "step-00000010", tags)
 
     # ---- Crashes during a save ----------------------------------------------------------------
     for point in ("data", "manifest", "renamed"):
@@ -152,12 +162,15 @@ try:
         shutil.copytree(backup, d)
         r = train(2, "--tensor", "2", "--ckpt", d, "--save-every", "5", "--steps", "20",
                   env={"PARTRAIN_CKPT_CRASH_AT": point}, expect_ok=False)
-        newest = open(os.path.join(d, "newest")).read().strip()
-        check(f"killed during a save ({point}): the run fails and newest still names a complete checkpoint",
-              r.returncode != 0 and newest in ("step-00000010", "step-00000015")
-              and run(["ckpt", "verify", os.path.join(d, newest)]).returncode == 0, (r.returncode, newest, r.stderr))
+        newest = newest_of(d)
+        check(f"killed during a save ({point}): the run fails, newest still names step 10, and the folder verifies",
+              r.returncode != 0 and newest == "step-00000010" and run(["ckpt", "verify", d]).returncode == 0,
+              (r.returncode, newest, r.stderr))
+        # After the rename, step 15 is complete though newest was not updated: a resume takes it.
+        expected = "step-00000015" if point == "renamed" else "step-00000010"
         r = train(2, "--tensor", "2", "--ckpt", d, "--steps", "12")
-        check(f"... and the next run resumes from it ({point})", "resumed " + newest in r.stdout, r.stdout + r.stderr)
+        check(f"... and the next run resumes from {expected} ({point})", "resumed " + expected in r.stdout and
+              (point != "renamed" or "'step-00000015' (step 15) is complete and newer" in r.stderr), r.stdout + r.stderr)
 
     # A real kill -9 of every process at a random moment of a run that saves every step.
     def descendants(pid):
@@ -193,7 +206,7 @@ try:
                 pass
         proc.wait()
         v = run(["ckpt", "verify", d])
-        newest = open(os.path.join(d, "newest")).read().strip() if os.path.exists(os.path.join(d, "newest")) else ""
+        newest = newest_of(d)
         check(f"kill -9 of every process mid-run ({trial + 1}/3): newest ({newest}) and every complete tag verify",
               newest != "" and v.returncode == 0, v.stdout)
 
@@ -236,6 +249,46 @@ try:
     damaged("a flipped byte", flip, "fails its checksum")
     damaged("a deleted shard file", delete, "rank-00001.bin' is missing")
     damaged("a manifest of another version", version, "format version 99")
+
+    # A damaged newest tag on a run of 2 ranks: only rank 1 reads the damaged file, yet both fall
+    # back to the previous tag, continue exactly as the original run did, and the save of the
+    # damaged tag keeps it aside.
+    d = os.path.join(work, "fallback")
+    original = losses(train(2, "--tensor", "2", "--ckpt", d, "--save-every", "5", "--stop-after", "10").stdout)
+    with open(os.path.join(d, "step-00000010", "rank-00001.bin"), "r+b") as f:
+        f.seek(7)
+        b = f.read(1)
+        f.seek(7)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = train(2, "--tensor", "2", "--ckpt", d, "--save-every", "5", "--stop-after", "10", expect_ok=False)
+    got = losses(r.stdout)
+    check("a damaged newest tag at 2 ranks: both fall back to step 5, saying which file is damaged, once",
+          r.returncode == 0 and "resumed step-00000005" in r.stdout
+          and r.stderr.count("falling back to 'step-00000005'") == 1
+          and "rank-00001.bin' fails its checksum in tensor" in r.stderr, r.stdout + r.stderr)
+    check("... steps 6-10 repeat the original run's losses bitwise",
+          sorted(got) == list(range(6, 11)) and all(got[s] == original[s] for s in got), (got, original))
+    v = run(["ckpt", "verify", d])
+    check("... the new step 10 verifies and the damaged one is kept as step-00000010~damaged",
+          v.returncode == 0 and os.path.exists(os.path.join(d, "step-00000010~damaged", "rank-00001.bin"))
+          and "was damaged" in r.stderr, v.stdout + r.stderr)
+
+    # The command line on a FIFO manifest and a newest linked to /dev/zero: refused, never waited on.
+    d = os.path.join(work, "fifo")
+    shutil.copytree(backup, d)
+    os.remove(os.path.join(d, "step-00000010", "manifest.bin"))
+    os.mkfifo(os.path.join(d, "step-00000010", "manifest.bin"))
+    os.remove(os.path.join(d, "newest"))
+    os.symlink("/dev/zero", os.path.join(d, "newest"))
+    for args in (["verify", d], ["inspect", d], ["export", d, os.path.join(work, "fifo.safetensors")],
+                 ["convert", d, os.path.join(work, "fifo-out"), "--tensor", "1"]):
+        try:
+            r = subprocess.run([BIN, "ckpt"] + args, capture_output=True, text=True, timeout=60)
+            out, rc = r.stdout + r.stderr, r.returncode
+        except subprocess.TimeoutExpired:
+            out, rc = "hung", None
+        check(f"partrain ckpt {args[0]} on a FIFO manifest and a newest linked to /dev/zero: exit 1 naming both",
+              rc == 1 and "manifest.bin' is a FIFO" in out and "newest' is a symbolic link" in out, out)
 
     d = os.path.join(work, "shape")
     shutil.copytree(backup, d)

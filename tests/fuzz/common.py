@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -70,10 +71,13 @@ def located(outcome, pattern):
 
 
 class Tally:
-    """Counts outcomes by class and prints the table docs/fuzz.md shows."""
+    """Counts outcomes by class and prints the table docs/fuzz.md shows. `kinds` names the
+    columns (default: refused, accepted, unclear, crash, hang); a driver with outcomes of its own
+    (a fallback, wrong numbers) lists them."""
 
-    def __init__(self, title):
+    def __init__(self, title, kinds=None):
         self.title = title
+        self.kinds = list(kinds or ["refused", "accepted", "unclear", "crash", "hang"])
         self.rows = {}  # class -> {kind: count}
         self.failures = []
 
@@ -88,7 +92,7 @@ class Tally:
         return sum(sum(r.values()) for r in self.rows.values())
 
     def finish(self):
-        kinds = ["refused", "accepted", "unclear", "crash", "hang"]
+        kinds = self.kinds + sorted({k for r in self.rows.values() for k in r} - set(self.kinds))
         print(f"\n{self.title}: {self.total()} cases")
         print("| class | cases | " + " | ".join(kinds) + " |")
         print("| --- | --- | " + " | ".join("---" for _ in kinds) + " |")
@@ -96,6 +100,14 @@ class Tally:
             print(f"| {cls} | {sum(row.values())} | " + " | ".join(str(row.get(k, 0)) for k in kinds) + " |")
         print(f"{len(self.failures)} failure(s)" if self.failures else "no failures", flush=True)
         sys.exit(1 if self.failures else 0)
+
+
+def scratch_dir(prefix):
+    """A fresh folder for a driver's files: in memory (/dev/shm) where there is one, since fuzz
+    cases write, flush and delete thousands of small files; the caller removes it."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
 
 
 def seed_from_argv(default=1):

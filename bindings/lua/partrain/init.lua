@@ -189,7 +189,8 @@ function pt.parallelized() return last_parallelized[1] end
 --- pt.ckpt: sharded checkpoints keyed by logical tensor (docs/checkpoints.md).
 pt.ckpt = {}
 local ckpt_keys = { model = true, optim = true, data = true, step = true, user = true, full = true,
-                    num_kept = true, tag = true, mesh = true }
+                    num_kept = true, tag = true, mesh = true, overwrite = true }
+local save_only = { "step", "user", "full", "num_kept", "tag", "overwrite" }
 
 -- The targets table with the model's mesh and policy filled in, after checking its keys.
 local function ckpt_state(fn, what, level)
@@ -199,8 +200,8 @@ local function ckpt_state(fn, what, level)
   local t = {}
   for k, v in pairs(what) do
     if not ckpt_keys[k] then
-      error(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, mesh, step, user, full, num_kept, tag)"):format(
-        fn, tostring(k)), level + 1)
+      error(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, mesh, step, user, full, num_kept, tag, "
+        .. "overwrite)"):format(fn, tostring(k)), level + 1)
     end
     t[k] = v
   end
@@ -210,54 +211,79 @@ local function ckpt_state(fn, what, level)
 end
 
 local function ckpt_call(level, fn, ...)
-  local ok, result = pcall(fn, ...)
+  local ok, result, more = pcall(fn, ...)
   if not ok then error(result, level + 1) end
-  return result
+  return result, more
 end
 
---- pt.ckpt.save(dir, { model, optim, data, step, user, full, num_kept, tag }) -> tag. Every rank
---- calls it; each writes its own shards (full = true: rank 0 writes every tensor whole).
+-- Says on stderr (rank 0 only: every rank reaches the same notes) what a save or load did
+-- besides its job: the checkpoint it fell back to and why, a damaged tag it set aside. The
+-- caller's file:line comes first, `level` frames above this function's caller.
+local function ckpt_notes(level, fn, notes)
+  if not notes or #notes == 0 or core.dist.rank() ~= 0 then return end
+  local info = debug.getinfo(level + 1, "Sl")
+  local where = info and info.currentline and info.currentline > 0 and (info.short_src .. ":" .. info.currentline .. ": ") or ""
+  for _, note in ipairs(notes) do io.stderr:write(where, "pt.ckpt.", fn, ": ", note, "\n") end
+  io.stderr:flush()
+end
+
+--- pt.ckpt.save(dir, { model, optim, data, step, user, full, num_kept, tag, overwrite }) -> tag.
+--- Every rank calls it; each writes its own shards (full = true: rank 0 writes every tensor
+--- whole). A valid checkpoint already under the tag is refused unless overwrite = true.
 function pt.ckpt.save(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
   local t = ckpt_state("save", what, 2)
   t.policy = policy_names[t.model]
-  local tag = ckpt_call(2, core.ckpt.save, dir, t)  -- not a tail call: error levels count this frame
+  local tag, notes = ckpt_call(2, core.ckpt.save, dir, t)  -- not a tail call: error levels count this frame
+  ckpt_notes(2, "save", notes)
   return tag
 end
 
 -- The load behind pt.ckpt.load and resume; errors point `level` frames above its caller.
-local function load_at(level, dir, tag, what)
-  if type(dir) ~= "string" then error("pt.ckpt.load: bad argument #1 (folder name expected)", level + 1) end
+local function load_at(level, fn, dir, tag, what)
+  if type(dir) ~= "string" then error(("pt.ckpt.%s: bad argument #1 (folder name expected)"):format(fn), level + 1) end
   if tag ~= nil and type(tag) ~= "string" then error("pt.ckpt.load: bad argument #2 (tag string expected)", level + 1) end
-  local t = ckpt_state("load", what, level + 1)
-  for _, k in ipairs { "step", "user", "full", "num_kept", "tag" } do
-    if t[k] ~= nil then error(("pt.ckpt.load: '%s' is a key of save, not of load (load takes model, optim, data; "
-      .. "the tag is argument #2)"):format(k), level + 1) end
+  local t = ckpt_state(fn, what, level + 1)
+  for _, k in ipairs(save_only) do
+    if t[k] ~= nil then error(("pt.ckpt.%s: '%s' is a key of save, not of %s (it takes model, optim, data; "
+      .. "the tag is argument #2 of load)"):format(fn, k, fn), level + 1) end
   end
-  local loaded = ckpt_call(level + 1, core.ckpt.load, dir, tag, t)
+  local loaded
+  if fn == "resume" then loaded = ckpt_call(level + 1, core.ckpt.resume, dir, t)
+  else loaded = ckpt_call(level + 1, core.ckpt.load, dir, tag, t) end
+  if loaded then ckpt_notes(level + 1, fn, loaded.notes) end
   return loaded
 end
 
---- pt.ckpt.load(dir, [tag,] { model, optim, data }) -> { tag, step, user }: loads tag (default:
---- the newest) into the model, optimizer and data loader, whatever layout saved it.
+--- pt.ckpt.load(dir, [tag,] { model, optim, data }) -> { tag, step, user, notes }: loads tag
+--- (default: the valid checkpoint with the highest step, see resume) into the model, optimizer
+--- and data loader, whatever layout saved it.
 function pt.ckpt.load(dir, tag, what)
   if what == nil and type(tag) == "table" then tag, what = nil, tag end
-  local loaded = load_at(2, dir, tag, what)  -- not tail calls: error levels count these frames
+  local loaded = load_at(2, "load", dir, tag, what)  -- not tail calls: error levels count these frames
   return loaded
 end
 
---- pt.ckpt.resume(dir, { model, optim, data }) -> { tag, step, user } from the newest
---- checkpoint in dir, or nil when dir holds none (a fresh start) or under `partrain plan`.
+--- pt.ckpt.resume(dir, { model, optim, data }) -> { tag, step, user, notes } from the newest
+--- valid checkpoint in dir (falling back past damaged ones, saying so on stderr), or nil when
+--- dir holds no checkpoint at all (a fresh start) or under `partrain plan`.
 function pt.ckpt.resume(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.resume: bad argument #1 (folder name expected)", 2) end
   -- A plan describes the layout, which a resume does not change: no need to read the files.
-  if core.plan.planning() or not core.ckpt.newest(dir) then return nil end
-  local loaded = load_at(2, dir, nil, what)
+  if core.plan.planning() then return nil end
+  local loaded = load_at(2, "resume", dir, nil, what)
   return loaded
 end
 
 pt.ckpt.newest = core.ckpt.newest
 pt.ckpt.tags = core.ckpt.tags
+--- pt.ckpt.verify(path) -> ok, problems: a tag folder, or a checkpoint folder whole (every tag,
+--- newest), as `partrain ckpt verify` checks it; problems are "path: what" strings.
+function pt.ckpt.verify(path)
+  if type(path) ~= "string" then error("pt.ckpt.verify: bad argument #1 (folder name expected)", 2) end
+  local ok, problems = ckpt_call(2, core.ckpt.verify, path)
+  return ok, problems
+end
 --- pt.ckpt.export_safetensors(model, path) / import_safetensors(model, path): logical weights
 --- to and from a .safetensors file, in Hugging Face GPT-2's names and layout for GPT-2.
 function pt.ckpt.export_safetensors(model, path)
