@@ -137,10 +137,10 @@ std::string compare_probes(const ProbeRecord& serial, const ProbeRecord& sharded
     return "its output differs from the serial model's on the probe batch: " + d;
   for (const auto& [name, want] : serial.grads) {
     auto it = std::find_if(sharded.grads.begin(), sharded.grads.end(), [&](const auto& e) { return e.first == name; });
-    if (it == sharded.grads.end()) {
-      if (sharded.grads.empty()) continue;  // the sharded output needs no gradient: compared above
+    if (sharded.grads.empty())
+      return "no gradient flows from its output to its parameters, as it does in the serial model";
+    if (it == sharded.grads.end())
       return "the serial model's parameter " + name + " has no counterpart (or is tied differently) after it";
-    }
     if (auto d = differ(it->second, want); !d.empty())
       return "the gradient of " + name + " differs from the serial model's on the probe batch: " + d;
   }

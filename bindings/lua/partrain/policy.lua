@@ -182,7 +182,7 @@ local function entry_where(entry, at)
   if type(entry) ~= "table" then return at end
   if type(entry.replace) == "table" then
     for _, r in pairs(entry.replace) do
-      if type(r) == "table" and getmetatable(r[2]) == STYLE then return r[2].where end
+      if type(r) == "table" and getmetatable(r[2]) == STYLE and r[2].where then return r[2].where end
       if getmetatable(r) == STYLE and r.where then return r.where end  -- a map { path = style }
     end
   end
@@ -201,7 +201,8 @@ local function check_modules(modules, at)
   for _, key in ipairs(sorted_keys(modules)) do
     local entry = modules[key]
     if type(key) ~= "string" or key == "" then
-      fail(at, "modules keys must be module types, paths or globs (strings), got %s %s", type(key), tostring(key))
+      fail(at, "modules keys must be module types, paths or globs (non-empty strings), got %s",
+        type(key) == "string" and "''" or type(key) .. " " .. tostring(key))
     end
     if type(entry) ~= "table" then fail(at, "modules.%s must be a table, got %s", key, type(entry)) end
     local ew = entry_where(entry, at)
@@ -642,6 +643,13 @@ local function run(model, policy, mesh, cfg, at)
   local actions = plan(model, policy, modules, cfg, at)
   if not splitting then return end
   apply_actions(model, actions, cfg, group, at)
+  -- Two names of one attribute (GPT-2's heads and n_head) set by two entries: the last one wins.
+  for _, a in ipairs(actions) do
+    if a.attribute and a.owner:attribute(a.attribute) ~= a.value then
+      fail(a.where, "the attribute %s of %s is set twice, under two of its names (%s ends %s, not %s)", a.attribute,
+        a.owner:type(), a.attribute, tostring(a.owner:attribute(a.attribute)), tostring(a.value))
+    end
+  end
   if policy.postprocess then call("postprocess", policy.postprocess, model, cfg) end
   -- Every layer's invariants, and the ties of the serial model.
   local ok, err = pcall(core.nn._check, model)
