@@ -105,18 +105,27 @@ local function pairs_iter(names, values)
   end
 end
 
+-- A module where `what` needs one (errors at the caller's line: `m.named_modules()` for `m:`).
+local function need_module(m, what, level)
+  if not core.nn.is_module(m) then
+    error(("%s: a module expected, got %s (call it with a colon: m:%s(...))"):format(what, type(m), what), level + 1)
+  end
+end
+
 --- for name, p in model:named_parameters() do ... end   (dotted names, registration order)
-function Module:named_parameters() return pairs_iter(self:_named_parameters()) end
-function Module:named_buffers() return pairs_iter(self:_named_buffers()) end
+function Module:named_parameters() need_module(self, "named_parameters", 2); return pairs_iter(self:_named_parameters()) end
+function Module:named_buffers() need_module(self, "named_buffers", 2); return pairs_iter(self:_named_buffers()) end
 --- for path, m in model:named_modules() do ... end      (the model itself first, as "")
-function Module:named_modules() return pairs_iter(self:_named_modules()) end
-function Module:named_children() return pairs_iter(self:_named_children()) end
+function Module:named_modules() need_module(self, "named_modules", 2); return pairs_iter(self:_named_modules()) end
+function Module:named_children() need_module(self, "named_children", 2); return pairs_iter(self:_named_children()) end
 function Module:children()
+  need_module(self, "children", 2)
   local _, modules = self:_named_children()
   return modules
 end
 --- Calls fn(module, path) on every module of the tree.
 function Module:apply(fn)
+  need_module(self, "apply", 2)
   for path, m in self:named_modules() do fn(m, path) end
   return self
 end
@@ -306,6 +315,7 @@ pt.reset_peak_memory = core.reset_peak
 --- This rank's model-state bytes: { params, grads, optimizer } of `model` (a tied parameter once)
 --- and its optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields.
 function pt.memory_report(model)
+  if not core.nn.is_module(model) then error("pt.memory_report: a module expected, got " .. type(model), 2) end
   local r = pt.memory()
   r.params, r.grads, r.optimizer = 0, 0, 0
   for _, p in ipairs(model:parameters()) do
@@ -343,6 +353,7 @@ end
 --- nil when whole), fused, slices = { [group rank + 1] = { {start, length}, ... } }, ranks (the
 --- tensor group's global ranks, or nil), bytes (this rank's) }.
 function pt.tp.shards(model)
+  if not core.nn.is_module(model) then error("pt.tp.shards: a module expected, got " .. type(model), 2) end
   local rows = {}
   for name, p in model:named_parameters() do
     local s = pt.tp.sharding(p)

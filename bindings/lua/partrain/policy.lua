@@ -379,6 +379,10 @@ P.vocab_parallel = setmetatable({}, { __mode = "k" })
 --- and the error names the policy's file:line (for a plain table not made by P.policy, the line
 --- of the call).
 function P.apply(model, policy, mesh, cfg)
+  if not core.nn.is_module(model) then error("P.apply: argument #1 must be a module, got " .. type(model), 2) end
+  if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
+    error("P.apply: argument #3 must be a mesh (pt.mesh {...}), got " .. type(mesh), 2)
+  end
   cfg = P.config(cfg, 2)
   local at = declared[policy] or P.where(1)
   check_policy(policy, at)
