@@ -96,7 +96,7 @@ void Gpt2Attention::check(const std::string& path) const {
   // What the heads give c_proj: this rank's heads, side by side (a contiguous part of the width).
   nn::Features heads_out{qkv->width / 3, qkv->parts, 1};
   auto takes = c_proj->input_features();
-  TORCH_CHECK(!takes || heads_out == *takes, path, ": the heads give ", heads_out.describe(), ", but c_proj (",
+  TORCH_CHECK(!takes || heads_out.matches(*takes), path, ": the heads give ", heads_out.describe(), ", but c_proj (",
               c_proj->type(), ") takes ", takes ? takes->describe() : "", heads_out.parts > 1 && takes && takes->parts == 1
               ? ": split c_proj's input too (P.row)" : (heads_out.parts == 1 && takes && takes->parts > 1
               ? ": c_proj expects its part of split heads (split c_attn with P.column { fused = 3 })" : ""));
@@ -152,7 +152,7 @@ void Gpt2Block::check(const std::string& path) const {
   const int64_t dim = child("ln_1")->input_features() ? child("ln_1")->input_features()->width : -1;
   for (const char* branch : {"attn", "mlp"}) {
     auto out = child(branch)->output_features();
-    TORCH_CHECK(!out || dim < 0 || *out == nn::Features{dim}, path, ": ", branch, " gives ", out->describe(),
+    TORCH_CHECK(!out || dim < 0 || out->matches(nn::Features{dim}), path, ": ", branch, " gives ", out->describe(),
                 ", but the residual stream needs ", nn::Features{dim}.describe());
   }
   nn::check_chain({{"ln_1", child("ln_1")}, {"attn", child("attn")}}, path);

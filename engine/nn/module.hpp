@@ -23,7 +23,8 @@ struct Features {
   int64_t width = -1;  ///< the logical (serial, padded) number of features; -1: any
   int64_t parts = 1;   ///< 1: whole on every rank; t: split over t ranks (width / t here)
   int64_t fused = 1;   ///< the width is this many equal parts (q, k, v), each split on its own
-  bool operator==(const Features& o) const {
+  /// The same layout (a width of -1 matches any width).
+  bool matches(const Features& o) const {
     return (width < 0 || o.width < 0 || width == o.width) && parts == o.parts && fused == o.fused;
   }
   /// "64 features split over tensor=2 (32 here)", "64 whole features", ...
@@ -73,7 +74,6 @@ class Module : public torch::nn::Module {
   /// Installs `fn` in place of the module's own forward; an empty `fn` restores it.
   void replace_forward(ForwardFn fn) { replaced_ = std::move(fn); }
   bool forward_replaced() const { return static_cast<bool>(replaced_); }
-  const ForwardFn& replaced_forward() const { return replaced_; }
   /// The module's own forward, even when replaced (a replacement may call it).
   Tensor own_forward(const std::vector<Tensor>& inputs);
 

@@ -157,7 +157,7 @@ void check_chain(const std::vector<std::pair<std::string, std::shared_ptr<Module
     if (!layer) continue;
     if (layer->elementwise()) continue;
     auto takes = layer->input_features();
-    if (given && takes && !(*given == *takes)) {
+    if (given && takes && !given->matches(*takes)) {
       std::ostringstream msg;
       msg << owner << ": " << from << " (" << from_type << ") gives " << given->describe() << ", but " << name << " ("
           << layer->type() << ") takes " << takes->describe();

@@ -217,7 +217,7 @@ local function probing(model, cfg)
   return cfg.probe ~= "auto" or model:num_parameters() <= P.probe_limit
 end
 
-local function apply_actions(model, actions, cfg, group, where)
+local function apply_actions(model, actions, cfg, group)
   local sp = cfg.sequence_parallel
   local function option(s, name, default)
     if s.opts[name] ~= nil then return s.opts[name] end
@@ -285,7 +285,7 @@ local function run(model, policy, mesh, cfg, at)
   end
   local actions = plan(model, policy, modules, cfg, at)
   if not splitting then return end
-  apply_actions(model, actions, cfg, group, at)
+  apply_actions(model, actions, cfg, group)
   -- Two names of one attribute (GPT-2's heads and n_head) set by two entries: the last one wins.
   for _, a in ipairs(actions) do
     if a.attribute and a.owner:attribute(a.attribute) ~= a.value then
