@@ -16,7 +16,6 @@ import os
 import queue
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -459,7 +458,7 @@ def run_jobs(partrain, folder, n, log):
             try:
                 line = lines.get(timeout=CASE_BOUND)
             except queue.Empty:
-                os.killpg(p.pid, signal.SIGKILL)
+                common.kill_tree(p.pid)
                 p.wait()
                 stuck = current if current is not None else start
                 results[stuck] = ("hang", f"no progress for {CASE_BOUND} s")
