@@ -245,6 +245,8 @@ const Function kTensorParallel[] = {
        auto s = parallel::split_logits_of(t);
        if (!s) return a.ret(t);  // whole already
        return a.ret(parallel::gather_split_logits(t, *s)); }},
+    {"_align", [](Args& a) {  // _align(model, group): group rank 0's weights everywhere; whether they differed
+       return a.ret(parallel::align_to_first_rank(*a.module(1), group(a, 2))); }},
     {"_probe", [](Args& a) {  // _probe(model, { inputs... }): a probe record (see engine/parallel/probe.hpp)
        auto record = parallel::run_probe(*a.module(1), a.tensors(2));
        ud_push(a.L, std::make_shared<parallel::ProbeRecord>(std::move(record)), PT_PROBE_MT);

@@ -375,6 +375,34 @@ Tensor reduce_scatter_sequence(const Tensor& x, const dist::GroupPtr& g) {
 }
 Tensor split_sequence(const Tensor& x, const dist::GroupPtr& g) { return communicate<SplitSequence>(x, g); }
 
+bool align_to_first_rank(nn::Module& model, const dist::GroupPtr& group) {
+  if (!group || group->size() == 1) return false;
+  std::vector<Tensor> tensors = nn::unique_parameters(model);
+  for (const auto& b : model.buffers()) tensors.push_back(b);
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(), [](const Tensor& t) { return !t.defined(); }),
+                tensors.end());
+  if (tensors.empty() || tensors.front().is_meta()) return false;
+  torch::NoGradGuard no_grad;
+  // Three numbers a tensor (its sum, sum of squares, and a position-weighted sum), the largest and
+  // the smallest over the group: equal everywhere when every rank holds the same tensors.
+  std::vector<Tensor> sums;
+  for (const auto& t : tensors) {
+    auto x = t.detach().reshape({-1}).to(torch::kCPU, torch::kFloat64);
+    auto w = torch::arange(x.numel(), x.options()).remainder(7).add_(1);
+    sums.push_back(torch::stack({x.sum(), x.pow(2).sum(), (x * w).sum()}));
+  }
+  auto high = torch::cat(sums).nan_to_num(0, 1e300, -1e300), low = high.clone();
+  group->all_reduce(high, dist::ReduceOp::Max);
+  group->all_reduce(low, dist::ReduceOp::Min);
+  if (high.equal(low)) return false;
+  for (auto& t : tensors) {
+    auto data = t.data();
+    group->broadcast(data, 0);
+    t.unsafeGetTensorImpl()->bump_version();  // written behind autograd's back: an undo must see it
+  }
+  return true;
+}
+
 Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
   TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
               " equal parts");

@@ -178,6 +178,13 @@ void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool s
 /// up over their tensor group (their squared norms are all-reduced). Every rank gets the same.
 double global_grad_norm(const std::vector<Tensor>& params);
 
+/// Makes every rank of `group` hold group rank 0's parameters and buffers when they differ
+/// (a checksum of each tensor, then broadcasts): a tensor-parallel model must be cut from one
+/// serial model. Slices of differently seeded initializations, and replicated parameters that
+/// differ from rank to rank, would compute nothing serial without a word. Returns whether
+/// anything differed. A collective over the group.
+bool align_to_first_rank(nn::Module& model, const dist::GroupPtr& group);
+
 /// The rows [first, first + n) of a tensor's dimension `dim` for rank r of t equal parts;
 /// an error naming `what` when t does not divide the size.
 Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what);

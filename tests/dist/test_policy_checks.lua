@@ -228,6 +228,18 @@ test("the probe: on by default, off with probe = false, fed the given input, and
   near(a, b, 0, "the same random numbers follow")
 end)
 
+test("ranks seeded differently are cut from tensor rank 0's serial model, replicated parameters too", function()
+  pt.manual_seed(20 + group:rank())
+  local mine = pt.models.gpt2(GPT)
+  pt.manual_seed(20)
+  local first = pt.models.gpt2(GPT)  -- rank 0's serial model, made on every rank
+  local model = pt.parallelize(mine, nil, mesh)
+  local x = ids(GPT.vocab, 2, 8)
+  near(pt.tp.gather_logits(model(x)), first(x), 1e-5, "the sharded model computes rank 0's serial model")
+  near(model.wpe.weight, first.wpe.weight, 0, "a replicated parameter is rank 0's")
+  near(model.h:get("0").ln_1.weight, first.h:get("0").ln_1.weight, 0, "a LayerNorm's weight is rank 0's")
+end)
+
 test("policy code is bounded in time: an endless preprocess is interrupted, naming where", function()
   local function mlp() return pt.models.mlp { sizes = { 8, 16, 4 } } end
   local x = pt.randn(2, 8)

@@ -265,7 +265,9 @@ local function run(model, policy, mesh, cfg, at)
     if not ok then fail(at, "%s of policy %s failed: %s", what, name_of(policy), result) end
     return result
   end
-  -- The serial model's answer first, before anything changes.
+  -- One serial model to cut from: the tensor group's ranks hold rank 0's weights (they differ
+  -- when the ranks were seeded differently). Then its answer, before anything else changes.
+  if splitting then core.tp._align(model, group) end
   local serial, inputs
   if splitting and probing(model, cfg) then
     local given
