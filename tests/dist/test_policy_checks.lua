@@ -214,8 +214,9 @@ test("a refused policy leaves the model exactly as it was, whatever step refused
 end)
 
 test("the probe: on by default, off with probe = false, fed the given input, and invisible to the RNG", function()
-  local changes = { modules = { GPT2Block = { methods = { forward = function(self, y) return self:own_forward(y) * 1.5 end } } } }
-  local policy = gpt2_policy(function(m) m.GPT2Block.methods = changes.modules.GPT2Block.methods end)
+  -- A replaced forward that computes something else (each block's output scaled).
+  local scaled = { forward = function(self, y) local out = self:own_forward(y); return out * 1.5 end }
+  local policy = gpt2_policy(function(m) m.GPT2Block.methods = scaled end)
   refused(gpt, policy, "its output differs from the serial model's on the probe batch")
   local model = pt.parallelize(gpt(), policy, mesh, { probe = false })
   ok(model.h:get("0"):forward_replaced(), "probe = false: accepted")
