@@ -7,6 +7,7 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/probe.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -16,11 +17,13 @@ using dist::GroupPtr;
 using MeshPtr = std::shared_ptr<dist::Mesh>;
 using WorkPtr = std::shared_ptr<dist::Work>;
 using DataParallelPtr = std::shared_ptr<parallel::DataParallel>;
+using ProbePtr = std::shared_ptr<parallel::ProbeRecord>;
 
 #define PT_GROUP_MT "partrain.Group"
 #define PT_WORK_MT "partrain.Work"
 #define PT_MESH_MT "partrain.Mesh"
 #define PT_DP_MT "partrain.DataParallel"
+#define PT_PROBE_MT "partrain.ProbeRecord"
 
 namespace {
 
@@ -223,8 +226,41 @@ const Function kTensorParallel[] = {
        o.finish();
        return a.ret(nn::ModulePtr(std::make_shared<parallel::ParallelLayerNorm>(
            layer<nn::LayerNorm>(a, 1, "LayerNorm"), group(a, 2), sequence, fused))); }},
-    {"cross_entropy", [](Args& a) {  // cross_entropy(local_logits, targets, group, vocab)
-       return a.ret(parallel::vocab_parallel_cross_entropy(a.tensor(1), a.tensor(2), group(a, 3), a.integer(4))); }},
+    {"cross_entropy", [](Args& a) {  // cross_entropy(local_logits, targets, group, vocab [, { ignore_index }])
+       Options o(a, 5, "cross_entropy");
+       int64_t ignore = o.integer("ignore_index", -100);
+       o.finish();
+       return a.ret(parallel::vocab_parallel_cross_entropy(a.tensor(1), a.tensor(2), group(a, 3), a.integer(4), ignore)); }},
+    {"split_logits", [](Args& a) {  // split_logits(t): nil, or { group, vocab, padded, local }
+       auto s = parallel::split_logits_of(a.tensor(1));
+       if (!s) { lua_pushnil(a.L); return 1; }
+       lua_createtable(a.L, 0, 4);
+       push_group(a, s->group); lua_setfield(a.L, -2, "group");
+       lua_pushnumber(a.L, double(s->vocab)); lua_setfield(a.L, -2, "vocab");
+       lua_pushnumber(a.L, double(s->padded)); lua_setfield(a.L, -2, "padded");
+       lua_pushnumber(a.L, double(s->local)); lua_setfield(a.L, -2, "local");
+       return 1; }},
+    {"gather_logits", [](Args& a) {  // gather_logits(t): whole logits from vocabulary-split ones (a collective)
+       auto& t = a.tensor(1);
+       auto s = parallel::split_logits_of(t);
+       if (!s) return a.ret(t);  // whole already
+       return a.ret(parallel::gather_split_logits(t, *s)); }},
+    {"_align", [](Args& a) {  // _align(model, group): group rank 0's weights everywhere; whether they differed
+       return a.ret(parallel::align_to_first_rank(*a.module(1), group(a, 2))); }},
+    {"_probe", [](Args& a) {  // _probe(model, { inputs... }): a probe record (see engine/parallel/probe.hpp)
+       auto record = parallel::run_probe(*a.module(1), a.tensors(2));
+       ud_push(a.L, std::make_shared<parallel::ProbeRecord>(std::move(record)), PT_PROBE_MT);
+       return 1; }},
+    {"_probe_compare", [](Args& a) {  // _probe_compare(serial, sharded, vocab_head): nil, or what differs
+       auto* serial = ud_test<ProbePtr>(a.L, 1, PT_PROBE_MT);
+       auto* sharded = ud_test<ProbePtr>(a.L, 2, PT_PROBE_MT);
+       if (!serial) a.expected(1, "probe record");
+       if (!sharded) a.expected(2, "probe record");
+       auto d = parallel::compare_probes(**serial, **sharded, a.boolean(3, false));
+       if (d.empty()) { lua_pushnil(a.L); return 1; }
+       return a.ret(d); }},
+    {"_probe_input", [](Args& a) {  // _probe_input(shape, high (0: floats), dtype, device)
+       return a.ret(parallel::probe_input(a.ints(1), a.integer(2), parse_dtype(a.string(3)), torch::Device(a.string(4)))); }},
     {"copy_to", [](Args& a) { return a.ret(parallel::copy_to_tensor_region(a.tensor(1), group(a, 2))); }},
     {"reduce_from", [](Args& a) { return a.ret(parallel::reduce_from_tensor_region(a.tensor(1), group(a, 2))); }},
     {"gather_from", [](Args& a) { return a.ret(parallel::gather_from_tensor_region(a.tensor(1), group(a, 2))); }},
@@ -278,6 +314,16 @@ const Function kDist[] = {
        bool was = dist::check_collectives();
        if (!a.none(1)) dist::set_check_collectives(a.boolean(1));
        return a.ret(was); }},
+    {"_first_error", [](Args& a) {  // _first_error(message or ""): the lowest rank's non-empty message, or nil
+       auto all = dist::all_gather_strings(world().world(), a.string(1));
+       for (size_t r = 0; r < all.size(); ++r)
+         if (!all[r].empty()) {
+           a.ret(all[r]);
+           lua_pushnumber(a.L, double(r));
+           return 2;
+         }
+       lua_pushnil(a.L);
+       return 1; }},
     {"mesh", [](Args& a) {
        Options o(a, 1, "mesh");
        dist::MeshOptions m;
@@ -387,6 +433,8 @@ void open_dist(lua_State* L, int core) {
   new_metatable<WorkPtr>(L, PT_WORK_MT, kWorkMethods, /*keep=*/false);
   new_metatable<MeshPtr>(L, PT_MESH_MT, kMeshMethods, /*keep=*/false);
   new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods, /*keep=*/false);
+  new_metatable<ProbePtr>(L, PT_PROBE_MT);  // opaque: no methods
+  lua_pop(L, 1);
   set_library(L, core, "dist", kDist);
   set_library(L, core, "tp", kTensorParallel);
   set_library(L, core, "plan", kPlan);

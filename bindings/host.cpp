@@ -12,6 +12,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
@@ -142,6 +143,19 @@ int Args::ret(const torch::Tensor& t) const {
   if (!t.defined()) {
     lua_pushnil(L);
     return 1;
+  }
+  // A result computed from vocabulary-split logits with as many elements and the same last
+  // dimension (logits / temperature, :float(), :clone()) is split logits too: mark it, so the
+  // ops that read across the vocabulary still recognize it. (Views carry the mark already.)
+  if (parallel::split_logits_marked() && t.dim() >= 1 && !parallel::split_logits_of(t)) {
+    for (int i = 1; i <= top(); ++i) {
+      auto* u = ud_test<torch::Tensor>(L, i, PT_TENSOR_MT);
+      if (!u || !u->defined() || u->dim() < 1 || u->numel() != t.numel() || u->size(-1) != t.size(-1)) continue;
+      if (auto s = parallel::split_logits_of(*u)) {
+        parallel::mark_split_logits(t, *s);
+        break;
+      }
+    }
   }
   push_tensor(L, t);
   return 1;

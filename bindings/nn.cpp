@@ -18,6 +18,12 @@ using torch::Tensor;
 
 namespace {
 
+// Forwards written in Lua that C++ runs, nested: a forward that calls itself (a replaced forward
+// calling self(x)) would recurse through C++ until the C stack overflows. Bounded like Lua's own
+// C-call depth, with a clean error instead.
+constexpr int kMaxLuaForwardDepth = 200;
+thread_local int lua_forward_depth = 0;
+
 // Calls the Lua function on top of L's stack (popping it) with a module and tensors, where C++
 // needs a tensor back; `what` names the function in errors.
 Tensor call_lua_forward(lua_State* L, int top, const ModulePtr& self, const std::vector<Tensor>& inputs,
@@ -26,6 +32,15 @@ Tensor call_lua_forward(lua_State* L, int top, const ModulePtr& self, const std:
     lua_settop(L, top);
     TORCH_CHECK(false, what, " is not a function");
   }
+  if (lua_forward_depth >= kMaxLuaForwardDepth) {
+    lua_settop(L, top);
+    TORCH_CHECK(false, "stack overflow: ", what, " runs ", kMaxLuaForwardDepth, " levels deep (does it call itself? "
+                "inside a replaced forward, self:own_forward(...) runs the module's own)");
+  }
+  struct Depth {
+    Depth() { ++lua_forward_depth; }
+    ~Depth() { --lua_forward_depth; }
+  } depth;
   push_module(L, self);
   for (const auto& t : inputs) push_tensor(L, t);
   std::string error;
@@ -143,6 +158,78 @@ nn::TensorMap tensor_map(const Args& a, int i) {
   return out;
 }
 
+// ---- The undo record of a policy: the tree, and the Lua fields of its Lua-defined modules ----
+
+#define PT_SNAPSHOT_MT "partrain.Snapshot"
+
+class Snapshot {
+ public:
+  Snapshot(lua_State* L, nn::Module& root, int64_t copy_limit) : tree_(root, copy_limit) {
+    for (const auto& [path, m] : root.modules()) {
+      auto* lm = as_lua(m);
+      if (!lm) continue;
+      lm->push_fields(L);  // a shallow copy of its fields table
+      int fields = lua_gettop(L);
+      lua_newtable(L);
+      lua_pushnil(L);
+      while (lua_next(L, fields)) {
+        lua_pushvalue(L, -2);
+        lua_insert(L, -2);
+        lua_rawset(L, -4);
+      }
+      fields_.emplace_back(m, std::make_unique<LuaRef>(L, -1));
+      lua_pop(L, 2);
+    }
+  }
+  // Puts everything back; pushes the names of tensors that could not be (a Lua array).
+  int restore(lua_State* L) {
+    auto lost = tree_.restore();
+    for (auto& [m, copy] : fields_) {
+      as_lua(m)->push_fields(L);
+      int fields = lua_gettop(L);
+      lua_newtable(L);  // the keys now, then clear them
+      int keys = lua_gettop(L), n = 0;
+      lua_pushnil(L);
+      while (lua_next(L, fields)) {
+        lua_pop(L, 1);
+        lua_pushvalue(L, -1);
+        lua_rawseti(L, keys, ++n);
+      }
+      for (int i = 1; i <= n; ++i) {
+        lua_rawgeti(L, keys, i);
+        lua_pushnil(L);
+        lua_rawset(L, fields);
+      }
+      copy->push(L);
+      lua_pushnil(L);
+      while (lua_next(L, -2)) {
+        lua_pushvalue(L, -2);
+        lua_insert(L, -2);
+        lua_rawset(L, fields);
+      }
+      lua_settop(L, fields - 1);
+    }
+    lua_createtable(L, static_cast<int>(lost.size()), 0);
+    for (size_t i = 0; i < lost.size(); ++i) {
+      lua_pushstring(L, lost[i].c_str());
+      lua_rawseti(L, -2, static_cast<int>(i + 1));
+    }
+    return 1;
+  }
+
+ private:
+  nn::TreeSnapshot tree_;
+  std::vector<std::pair<ModulePtr, std::unique_ptr<LuaRef>>> fields_;
+};
+using SnapshotPtr = std::shared_ptr<Snapshot>;
+
+const Function kSnapshotMethods[] = {
+    {"restore", [](Args& a) {
+       auto* s = ud_test<SnapshotPtr>(a.L, 1, PT_SNAPSHOT_MT);
+       if (!s) a.expected(1, "snapshot");
+       return (*s)->restore(a.L); }},
+    {nullptr, nullptr}};
+
 const Function kMethods[] = {
     {"forward", [](Args& a) {
        plan::step_begins();  // a script's first forward begins its first training step
@@ -212,6 +299,14 @@ const Function kMethods[] = {
        if (!v) { lua_pushnil(a.L); return 1; }
        return a.ret(*v); }},
     {"set_attribute", [](Args& a) { a.module(1)->set_attribute(a.string(2), a.number(3)); return a.ret(); }},
+    {"attribute_names", [](Args& a) {
+       auto names = a.module(1)->attribute_names();
+       lua_createtable(a.L, static_cast<int>(names.size()), 0);
+       for (size_t i = 0; i < names.size(); ++i) {
+         lua_pushstring(a.L, names[i].c_str());
+         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+       }
+       return 1; }},
     {"register_buffer", [](Args& a) { a.module(1)->set_buffer(a.string(2), a.tensor(3)); return a.ret(); }},
     {"register_parameter", [](Args& a) { a.module(1)->set_parameter(a.string(2), a.tensor(3)); return a.ret(); }},
     {"add", [](Args& a) {  // add(module) on a Sequential appends; add(name, module) names it
@@ -318,11 +413,38 @@ const Function kConstructors[] = {
        if (!a.is_table(2)) a.expected(2, "class table");
        return a.ret(ModulePtr(std::make_shared<LuaModule>(a.L, type, 2))); }},
     {"is_module", [](Args& a) { return a.ret(ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT) != nullptr); }},
+    {"_check", [](Args& a) { nn::check_tree(*a.module(1)); return a.ret(); }},  // every module's invariants
+    {"_ties", [](Args& a) {  // { {name, name, ...}, ... }: names sharing one parameter
+       auto groups = nn::tied_parameters(*a.module(1));
+       lua_createtable(a.L, static_cast<int>(groups.size()), 0);
+       for (size_t i = 0; i < groups.size(); ++i) {
+         lua_createtable(a.L, static_cast<int>(groups[i].size()), 0);
+         for (size_t j = 0; j < groups[i].size(); ++j) {
+           lua_pushstring(a.L, groups[i][j].c_str());
+           lua_rawseti(a.L, -2, static_cast<int>(j + 1));
+         }
+         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+       }
+       return 1; }},
+    {"_snapshot", [](Args& a) {  // _snapshot(model, copy_limit_bytes): the undo record of a policy
+       ud_push(a.L, std::make_shared<Snapshot>(a.L, *a.module(1), a.integer(2)), PT_SNAPSHOT_MT);
+       return 1; }},
     {"cross_entropy", [](Args& a) {
        Options t(a, 3, "cross_entropy");
        int64_t ignore = t.integer("ignore_index", -100);
        t.finish();
-       return a.ret(nn::cross_entropy(a.tensor(1), a.tensor(2), ignore)); }},
+       const auto& logits = a.tensor(1);
+       // Logits split along the vocabulary (a P.vocab_head's): the serial formula would see this
+       // rank's columns only; the vocabulary-parallel one gives the serial loss.
+       if (auto split = parallel::split_logits_of(logits)) {
+         if (logits.dim() < 1 || logits.size(-1) != split->local)
+           a.fail(1, "vocabulary-split logits (this rank holds " + std::to_string(split->local) + " of " +
+                         std::to_string(split->padded) + " columns) reshaped so that their last dimension is " +
+                         (logits.dim() ? std::to_string(logits.size(-1)) : std::string("gone")) +
+                         ": keep (..., " + std::to_string(split->local) + ") or use pt.loss_fn(model)");
+         return a.ret(parallel::vocab_parallel_cross_entropy(logits, a.tensor(2), split->group, split->vocab, ignore));
+       }
+       return a.ret(nn::cross_entropy(logits, a.tensor(2), ignore)); }},
     {"mse", [](Args& a) { return a.ret(nn::mse(a.tensor(1), a.tensor(2))); }},
     {"clip_grad_norm", [](Args& a) {  // split parameters' norms add up over their tensor group
        auto params = params_of(a, 1);
@@ -397,6 +519,7 @@ void open_nn(lua_State* L, int core) {
   lua_setfield(L, core, "Module_mt");
 
   set_library(L, core, "nn", kConstructors);
+  new_metatable<SnapshotPtr>(L, PT_SNAPSHOT_MT, kSnapshotMethods, /*keep=*/false);
 }
 
 }  // namespace partrain::lua

@@ -7,6 +7,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
@@ -143,6 +144,26 @@ Tensor to(const Args& a) {
   return t.to(parse_device(s));
 }
 
+// Ops that read across the vocabulary refuse vocabulary-split logits (a P.vocab_head's output):
+// on this rank's columns alone their answer would be silently wrong. `dim`: the dimension the op
+// works across (nullopt: all of them). (max() and min() of everything stay allowed: comparing two
+// split tensors by their largest difference is each rank's own business.)
+void refuse_split_logits(const Args& a, const char* op, c10::optional<int64_t> dim) {
+  if (!parallel::split_logits_marked()) return;
+  const Tensor& t = a.tensor(1);
+  auto s = parallel::split_logits_of(t);
+  if (!s) return;
+  if (dim && t.dim() > 0 && t.size(-1) == s->local) {
+    int64_t d = *dim < 0 ? *dim + t.dim() : *dim;
+    if (d != t.dim() - 1) return;  // across another dimension: each vocabulary column on its own
+  }
+  throw std::invalid_argument(std::string(op) + " over vocabulary-split logits: this rank holds " +
+                              std::to_string(s->local) + " of the " + std::to_string(s->padded) +
+                              " vocabulary columns (the output of a P.vocab_head), so the answer would be this "
+                              "rank's alone; gather them first with pt.tp.gather_logits(logits), or use "
+                              "pt.loss_fn(model) for the loss");
+}
+
 // ---- The op tables -------------------------------------------------------------------------
 // One line an op: read the arguments, call ATen, return. Methods take the tensor as argument 1.
 
@@ -227,15 +248,15 @@ const Function kMethods[] = {
     {"var", [](Args& a) { return a.ret(a.none(2) ? T(1).var() : T(1).var(a.dims(2), a.boolean(3, true), a.boolean(4, false))); }},
     {"std", [](Args& a) { return a.ret(a.none(2) ? T(1).std() : T(1).std(a.dims(2), a.boolean(3, true), a.boolean(4, false))); }},
     {"norm", [](Args& a) { return a.ret(T(1).norm(a.number(2, 2.0))); }},
-    {"max", [](Args& a) { if (a.none(2)) return a.ret(T(1).max()); auto [v, i] = T(1).max(a.integer(2), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},
-    {"min", [](Args& a) { if (a.none(2)) return a.ret(T(1).min()); auto [v, i] = T(1).min(a.integer(2), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},
-    {"argmax", [](Args& a) { return a.ret(a.none(2) ? T(1).argmax() : T(1).argmax(a.integer(2), a.boolean(3, false))); }},
-    {"argmin", [](Args& a) { return a.ret(a.none(2) ? T(1).argmin() : T(1).argmin(a.integer(2), a.boolean(3, false))); }},
-    {"cumsum", [](Args& a) { return a.ret(T(1).cumsum(a.integer(2))); }},
+    {"max", [](Args& a) { if (a.none(2)) return a.ret(T(1).max()); refuse_split_logits(a, "max", a.integer(2)); auto [v, i] = T(1).max(a.integer(2), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},
+    {"min", [](Args& a) { if (a.none(2)) return a.ret(T(1).min()); refuse_split_logits(a, "min", a.integer(2)); auto [v, i] = T(1).min(a.integer(2), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},
+    {"argmax", [](Args& a) { refuse_split_logits(a, "argmax", a.none(2) ? c10::nullopt : c10::optional<int64_t>(a.integer(2))); return a.ret(a.none(2) ? T(1).argmax() : T(1).argmax(a.integer(2), a.boolean(3, false))); }},
+    {"argmin", [](Args& a) { refuse_split_logits(a, "argmin", a.none(2) ? c10::nullopt : c10::optional<int64_t>(a.integer(2))); return a.ret(a.none(2) ? T(1).argmin() : T(1).argmin(a.integer(2), a.boolean(3, false))); }},
+    {"cumsum", [](Args& a) { refuse_split_logits(a, "cumsum", a.integer(2)); return a.ret(T(1).cumsum(a.integer(2))); }},
     {"all", [](Args& a) { return a.ret(T(1).all()); }},
     {"any", [](Args& a) { return a.ret(T(1).any()); }},
-    {"topk", [](Args& a) { auto [v, i] = T(1).topk(a.integer(2), a.integer(3, -1)); a.ret(v); return 1 + a.ret(i); }},
-    {"multinomial", [](Args& a) { return a.ret(T(1).multinomial(a.integer(2), a.boolean(3, false))); }},
+    {"topk", [](Args& a) { refuse_split_logits(a, "topk", a.integer(3, -1)); auto [v, i] = T(1).topk(a.integer(2), a.integer(3, -1)); a.ret(v); return 1 + a.ret(i); }},
+    {"multinomial", [](Args& a) { refuse_split_logits(a, "multinomial", -1); return a.ret(T(1).multinomial(a.integer(2), a.boolean(3, false))); }},
     // comparisons (elementwise, to bool tensors)
     {"eq", [](Args& a) { auto [l, r] = operands(a); return a.ret(l.eq(r)); }},
     {"ne", [](Args& a) { auto [l, r] = operands(a); return a.ret(l.ne(r)); }},
@@ -250,8 +271,8 @@ const Function kMethods[] = {
     {"gelu", [](Args& a) { return a.ret(a.string(2, "none") == "tanh" ? compat::gelu_tanh(T(1)) : at::gelu(T(1))); }},
     {"tanh", [](Args& a) { return a.ret(T(1).tanh()); }},
     {"sigmoid", [](Args& a) { return a.ret(T(1).sigmoid()); }},
-    {"softmax", [](Args& a) { return a.ret(T(1).softmax(a.integer(2))); }},
-    {"log_softmax", [](Args& a) { return a.ret(T(1).log_softmax(a.integer(2))); }},
+    {"softmax", [](Args& a) { refuse_split_logits(a, "softmax", a.integer(2)); return a.ret(T(1).softmax(a.integer(2))); }},
+    {"log_softmax", [](Args& a) { refuse_split_logits(a, "log_softmax", a.integer(2)); return a.ret(T(1).log_softmax(a.integer(2))); }},
     // in place
     {"fill_", [](Args& a) { return a.ret(T(1).fill_(a.scalar(2))); }},
     {"zero_", [](Args& a) { return a.ret(T(1).zero_()); }},

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "engine/compat.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::models {
 
@@ -22,7 +23,9 @@ nn::ModulePtr layer_norm(const Gpt2Options& o) {
 }
 }  // namespace
 
-Gpt2Attention::Gpt2Attention(const Gpt2Options& o) : nn::Unary("GPT2Attention"), heads(o.heads), dropout(o.dropout), flash_attention(o.flash_attention) {
+Gpt2Attention::Gpt2Attention(const Gpt2Options& o)
+    : nn::Unary("GPT2Attention"), heads(o.heads), head_dim(o.dim / o.heads), dropout(o.dropout),
+      flash_attention(o.flash_attention) {
   set_child("c_attn", linear(o.dim, 3 * o.dim));
   set_child("c_proj", linear(o.dim, o.dim));
 }
@@ -51,8 +54,10 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   // (B, T, 3 * heads * hd); under sequence parallelism x holds T/t positions and c_attn gathers T.
   auto qkv = c_attn.forward({x});
   const int64_t B = qkv.size(0), T = qkv.size(1), width = qkv.size(-1) / 3;
-  TORCH_CHECK(width % heads == 0, "GPT2Attention: width ", width, " does not split into ", heads, " heads");
-  const int64_t hd = width / heads;
+  TORCH_CHECK(qkv.size(-1) == 3 * heads * head_dim, "GPT2Attention: ", heads, " heads of ", head_dim,
+              " need q, k and v of ", 3 * heads * head_dim, " features from c_attn, got ", qkv.size(-1),
+              " (under tensor parallelism the heads must be divided like c_attn's output)");
+  const int64_t hd = head_dim;
   auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)
   auto q = split[0], k = split[1], v = split[2];
   const double p = is_training() ? dropout : 0.0;
@@ -68,6 +73,35 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   return child("c_proj")->forward({y});
 }
 
+std::string Gpt2Attention::extra_repr() const {
+  return "heads=" + std::to_string(heads) + ", head_dim=" + std::to_string(head_dim);
+}
+
+void Gpt2Attention::check(const std::string& path) const {
+  auto c_attn = child("c_attn"), c_proj = child("c_proj");
+  TORCH_CHECK(c_attn && c_proj, path, ": GPT2Attention needs its c_attn and c_proj");
+  auto qkv = c_attn->output_features();
+  if (!qkv || qkv->width < 0) return;  // a module that does not say (written in Lua)
+  TORCH_CHECK(qkv->width % 3 == 0, path, ": c_attn gives ", qkv->describe(), ", not q, k and v of equal width");
+  if (qkv->parts > 1)
+    TORCH_CHECK(qkv->fused == 3, path, ": c_attn's output (q, k and v side by side) is split over tensor=", qkv->parts,
+                qkv->fused == 1 ? " in one piece" : " in " + std::to_string(qkv->fused) + " fused parts",
+                ", so a rank would not hold the q, k and v of the same heads: split it with P.column { fused = 3 }");
+  const int64_t width = qkv->width / qkv->parts / 3;  // q's features here
+  TORCH_CHECK(heads * head_dim == width, path, ": ", heads, " heads of ", head_dim, " features make ", heads * head_dim,
+              ", but c_attn gives ", width, " features of q here",
+              qkv->parts > 1 ? " (its output is split over tensor=" + std::to_string(qkv->parts) + ")" : std::string(),
+              ": the heads this module computes must be the heads c_attn's part holds (divide n_head by the tensor "
+              "size: attributes = { [\"attn.n_head\"] = P.divide_by_tensor })");
+  // What the heads give c_proj: this rank's heads, side by side (a contiguous part of the width).
+  nn::Features heads_out{qkv->width / 3, qkv->parts, 1};
+  auto takes = c_proj->input_features();
+  TORCH_CHECK(!takes || heads_out.matches(*takes), path, ": the heads give ", heads_out.describe(), ", but c_proj (",
+              c_proj->type(), ") takes ", takes ? takes->describe() : "", heads_out.parts > 1 && takes && takes->parts == 1
+              ? ": split c_proj's input too (P.row)" : (heads_out.parts == 1 && takes && takes->parts > 1
+              ? ": c_proj expects its part of split heads (split c_attn with P.column { fused = 3 })" : ""));
+}
+
 Gpt2Mlp::Gpt2Mlp(const Gpt2Options& o) : nn::Unary("GPT2MLP"), dropout(o.dropout) {
   set_child("c_fc", linear(o.dim, 4 * o.dim));
   set_child("c_proj", linear(4 * o.dim, o.dim));
@@ -76,6 +110,10 @@ Gpt2Mlp::Gpt2Mlp(const Gpt2Options& o) : nn::Unary("GPT2MLP"), dropout(o.dropout
 Tensor Gpt2Mlp::forward(const Tensor& x) {
   auto h = compat::gelu_tanh(child("c_fc")->forward({x}));  // (B, T, 4 dim)
   return at::dropout(child("c_proj")->forward({h}), dropout, is_training());
+}
+
+void Gpt2Mlp::check(const std::string& path) const {
+  nn::check_chain({{"c_fc", child("c_fc")}, {"c_proj", child("c_proj")}}, path);
 }
 
 Gpt2Block::Gpt2Block(const Gpt2Options& o) : nn::Unary("GPT2Block") {
@@ -88,6 +126,63 @@ Gpt2Block::Gpt2Block(const Gpt2Options& o) : nn::Unary("GPT2Block") {
 Tensor Gpt2Block::forward(const Tensor& x) {
   auto h = x + child("attn")->forward({child("ln_1")->forward({x})});
   return h + child("mlp")->forward({child("ln_2")->forward({h})});
+}
+
+namespace {
+// The layers of a sequence-parallel region must all agree: a LayerNorm that sees T/t positions
+// without summing its gradients over the group (or one that sums them while seeing all T)
+// trains differently from the serial model without any error.
+void check_sequence(const nn::Module& root, const std::string& path, const std::vector<std::string>& layers) {
+  std::string on, off;
+  for (const auto& name : layers) {
+    auto m = root.find(name);
+    auto split = m ? m->sequence_split() : c10::nullopt;
+    if (!split) continue;
+    (*split ? on : off) += (*split ? on : off).empty() ? name : ", " + name;
+  }
+  TORCH_CHECK(on.empty() || off.empty(), path, ": sequence parallelism must be on for all of ", [&] {
+    std::string all;
+    for (const auto& n : layers) all += (all.empty() ? "" : ", ") + n;
+    return all;
+  }(), " or for none: it is on for ", on, " and off for ", off);
+}
+}  // namespace
+
+void Gpt2Block::check(const std::string& path) const {
+  const int64_t dim = child("ln_1")->input_features() ? child("ln_1")->input_features()->width : -1;
+  for (const char* branch : {"attn", "mlp"}) {
+    auto out = child(branch)->output_features();
+    TORCH_CHECK(!out || dim < 0 || out->matches(nn::Features{dim}), path, ": ", branch, " gives ", out->describe(),
+                ", but the residual stream needs ", nn::Features{dim}.describe());
+  }
+  nn::check_chain({{"ln_1", child("ln_1")}, {"attn", child("attn")}}, path);
+  nn::check_chain({{"ln_2", child("ln_2")}, {"mlp", child("mlp")}}, path);
+  check_sequence(*this, path, {"ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"});
+}
+
+void Gpt2::check(const std::string& path) const {
+  // Only the output head may be a vocabulary head: logits split anywhere else would be read as
+  // whole features by the next layer, and the loss would take the real output for split logits.
+  for (const auto& [name, m] : const_cast<Gpt2*>(this)->modules()) {
+    auto* column = dynamic_cast<const parallel::ColumnParallelLinear*>(m.get());
+    if (column && column->vocab_head)
+      TORCH_CHECK(name == "lm_head", path, ": P.vocab_head fits only GPT-2's output head lm_head, not ", name);
+  }
+  auto head = child("lm_head")->output_features();
+  auto* column = dynamic_cast<const parallel::ColumnParallelLinear*>(child("lm_head").get());
+  TORCH_CHECK(!head || head->parts == 1 || (column && column->vocab_head), path, ": lm_head gives ", head->describe(),
+              ": split logits need P.vocab_head {} (the loss then comes from pt.loss_fn(model)), or gather them "
+              "with gather_output = true");
+  nn::check_chain({{"ln_f", child("ln_f")}, {"lm_head", child("lm_head")}}, path);
+  std::vector<std::string> layers = {"ln_f", "lm_head"};
+  for (const auto& [name, block] : child("h")->children_named()) {
+    layers.push_back("h." + name + ".ln_1");
+    layers.push_back("h." + name + ".attn.c_attn");
+  }
+  check_sequence(*this, path, layers);
+  auto split = child("ln_f")->sequence_split();
+  TORCH_CHECK(!(split && *split) || forward_replaced(), path, ": its layers are sequence-parallel, but GPT2's own "
+              "forward never splits the sequence: replace it (policies/gpt2.lua does, under sequence_parallel)");
 }
 
 Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {

@@ -24,17 +24,25 @@ struct Gpt2Options {
 
 /// Causal self-attention: c_attn makes q, k, v (fused, [3*dim, dim]); c_proj mixes the heads.
 /// `heads` is the number of heads this module computes (a policy divides it under tensor
-/// parallelism); the head width is c_attn's output / (3 * heads).
+/// parallelism); each head is `head_dim` = dim / heads (of the serial model) wide, so c_attn
+/// must give 3 * heads * head_dim features: forward and check() refuse anything else.
 class Gpt2Attention : public nn::Unary {
  public:
   Gpt2Attention(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;  // (B, T, dim) -> (B, T, dim)
-  std::string extra_repr() const override { return "heads=" + std::to_string(heads); }
+  std::string extra_repr() const override;
   /// "heads" (Hugging Face calls it n_head): the heads this module computes;
   /// "flash_attention" (0 or 1): use the fused attention kernel where LibTorch has one.
   c10::optional<double> attribute(const std::string& name) const override;
   void set_attribute(const std::string& name, double value) override;
+  std::vector<std::string> attribute_names() const override { return {"heads", "flash_attention"}; }
+  /// heads x head_dim = the width of q that c_attn gives here; q, k and v of a head on one rank;
+  /// c_proj takes what the heads give.
+  void check(const std::string& path) const override;
+  c10::optional<nn::Features> input_features() const override { return child("c_attn")->input_features(); }
+  c10::optional<nn::Features> output_features() const override { return child("c_proj")->output_features(); }
   int64_t heads;
+  int64_t head_dim;
   double dropout;
   bool flash_attention;
 };
@@ -44,6 +52,9 @@ class Gpt2Mlp : public nn::Unary {
  public:
   Gpt2Mlp(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;
+  void check(const std::string& path) const override;  // c_proj takes what c_fc gives
+  c10::optional<nn::Features> input_features() const override { return child("c_fc")->input_features(); }
+  c10::optional<nn::Features> output_features() const override { return child("c_proj")->output_features(); }
   double dropout;
 };
 
@@ -52,6 +63,9 @@ class Gpt2Block : public nn::Unary {
  public:
   Gpt2Block(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;
+  /// The residual branches give whole features; sequence parallelism is on for all of ln_1,
+  /// attn.c_attn, attn.c_proj, ln_2, mlp.c_fc and mlp.c_proj or for none of them.
+  void check(const std::string& path) const override;
 };
 
 /// Token ids (B, T) -> logits (B, T, vocab).
@@ -63,6 +77,10 @@ class Gpt2 : public nn::Unary {
   /// Read-only: "dropout" (on the embeddings' sum) and "seq" (the context length), for a
   /// replaced forward to behave as this one does.
   c10::optional<double> attribute(const std::string& name) const override;
+  std::vector<std::string> attribute_names() const override { return {"dropout", "seq"}; }
+  /// Only lm_head may be a vocabulary head, and its logits split only as one; ln_f, lm_head and
+  /// the blocks agree on sequence parallelism, which needs a forward that splits the sequence.
+  void check(const std::string& path) const override;
   Gpt2Options options;
 };
 

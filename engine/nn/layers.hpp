@@ -26,6 +26,10 @@ class Linear : public Unary {
   explicit Linear(const LinearOptions& options);
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out)
   std::string extra_repr() const override;
+  void check(const std::string& path) const override;  // weight [out, in], bias [out]
+  c10::optional<Features> input_features() const override { return Features{options.in}; }
+  c10::optional<Features> output_features() const override { return Features{options.out}; }
+  c10::optional<bool> sequence_split() const override { return false; }
   const Tensor& weight() const { return param("weight"); }  // [out, in]
   const Tensor& bias() const { return param("bias"); }      // [out] or undefined
   LinearOptions options;
@@ -43,6 +47,8 @@ class Embedding : public Unary {
   explicit Embedding(const EmbeddingOptions& options);
   Tensor forward(const Tensor& ids) override;
   std::string extra_repr() const override;
+  void check(const std::string& path) const override;  // weight [count, dim]
+  c10::optional<Features> output_features() const override { return Features{options.dim}; }
   const Tensor& weight() const { return param("weight"); }  // [count, dim]
   EmbeddingOptions options;
 };
@@ -60,6 +66,10 @@ class LayerNorm : public Unary {
   explicit LayerNorm(const LayerNormOptions& options);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
+  void check(const std::string& path) const override;  // weight and bias [dim] when affine
+  c10::optional<Features> input_features() const override { return Features{options.dim}; }
+  c10::optional<Features> output_features() const override { return Features{options.dim}; }
+  c10::optional<bool> sequence_split() const override { return false; }
   const Tensor& weight() const { return param("weight"); }  // [dim] or undefined
   const Tensor& bias() const { return param("bias"); }      // [dim] or undefined
   LayerNormOptions options;
@@ -71,6 +81,7 @@ class Dropout : public Unary {
   explicit Dropout(double p);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override { return "p=" + std::to_string(p); }
+  bool elementwise() const override { return true; }
   double p;
 };
 
@@ -81,6 +92,10 @@ class Sequential : public Module {
   void append(ModulePtr layer);
   size_t size() const { return children_named().size(); }
   Tensor forward(const std::vector<Tensor>& inputs) override;
+  /// Each layer takes the features the one before gives (check_chain).
+  void check(const std::string& path) const override;
+  c10::optional<Features> input_features() const override;   // the first layer's
+  c10::optional<Features> output_features() const override;  // the last layer's
 };
 
 /// A parameter-free elementwise module (ReLU, GELU, Tanh, Sigmoid, Softmax, LogSoftmax).
@@ -88,6 +103,12 @@ class Activation : public Unary {
  public:
   Activation(std::string type, std::function<Tensor(const Tensor&)> fn);
   Tensor forward(const Tensor& x) override { return fn_(x); }
+  /// ReLU, GELU, Tanh, Sigmoid act on each feature alone; Softmax and LogSoftmax need them whole.
+  bool elementwise() const override { return type() != "Softmax" && type() != "LogSoftmax"; }
+  c10::optional<Features> input_features() const override {
+    if (elementwise()) return c10::nullopt;
+    return Features{};
+  }
 
  private:
   std::function<Tensor(const Tensor&)> fn_;

@@ -16,6 +16,21 @@ namespace partrain::nn {
 using torch::Tensor;
 using TensorMap = std::map<std::string, Tensor>;
 
+/// How the last dimension (the features) of a layer's input or output is laid out across a tensor
+/// group: whole, or split into `parts` equal slices, one a rank. The checks that run after a
+/// policy compare what one layer gives with what the next one takes.
+struct Features {
+  int64_t width = -1;  ///< the logical (serial, padded) number of features; -1: any
+  int64_t parts = 1;   ///< 1: whole on every rank; t: split over t ranks (width / t here)
+  int64_t fused = 1;   ///< the width is this many equal parts (q, k, v), each split on its own
+  /// The same layout (a width of -1 matches any width).
+  bool matches(const Features& o) const {
+    return (width < 0 || o.width < 0 || width == o.width) && parts == o.parts && fused == o.fused;
+  }
+  /// "64 features split over tensor=2 (32 here)", "64 whole features", ...
+  std::string describe() const;
+};
+
 class Module : public torch::nn::Module {
  public:
   /// `type` is the module's class name as users and policies see it ("Linear", "GPT2Block").
@@ -31,6 +46,22 @@ class Module : public torch::nn::Module {
   /// Changes it; a name the module does not have, or a value it cannot take, is an error naming
   /// the module.
   virtual void set_attribute(const std::string& name, double value);
+  /// The names attribute() knows (an attention module's "heads", ...), for messages and undo.
+  virtual std::vector<std::string> attribute_names() const { return {}; }
+  /// Checks the invariants that tie this module's sizes and its children's together (an
+  /// attention module: its heads x head size = its width); a policy can break them. Throws a
+  /// message naming the module by `path`. Called on every module of a tree after a policy.
+  virtual void check(const std::string& path) const;
+  /// The features the forward takes and gives along the last dimension, when the module knows
+  /// them (linear layers, norms, chains of them), for check(); nullopt: unknown.
+  virtual c10::optional<Features> input_features() const { return c10::nullopt; }
+  virtual c10::optional<Features> output_features() const { return c10::nullopt; }
+  /// Whether the forward works on each feature alone (ReLU, GELU, Dropout): it passes split
+  /// features through unchanged.
+  virtual bool elementwise() const { return false; }
+  /// Whether the input arrives, or the output leaves, split along the sequence (sequence
+  /// parallelism), where the module says; nullopt: it does not say.
+  virtual c10::optional<bool> sequence_split() const { return c10::nullopt; }
   /// The settings shown after the type when the tree is printed ("in=784, out=256").
   virtual std::string extra_repr() const { return ""; }
   /// The tree as text, one module a line, in the style of PyTorch's repr.
@@ -76,6 +107,22 @@ class Module : public torch::nn::Module {
   /// error; a shape mismatch always is. Every problem is named in one message.
   void load_state_dict(const TensorMap& state, bool strict = true);
 
+  /// This module's own slots (not its children's): children, parameters and buffers as objects,
+  /// attributes, the replaced forward and the training flag. The undo record of a policy.
+  struct Slots {
+    std::vector<std::pair<std::string, std::shared_ptr<Module>>> children;
+    std::vector<std::pair<std::string, Tensor>> parameters;  // undefined for an empty slot
+    std::vector<std::pair<std::string, Tensor>> buffers;
+    std::vector<std::pair<std::string, double>> attributes;
+    ForwardFn replaced;
+    bool training = true;
+  };
+  Slots save_slots() const;
+  /// Puts the slots back: the same child and tensor objects in the same order (children and
+  /// parameters added since are dropped; a buffer added since stays: LibTorch cannot remove one),
+  /// the attributes, the forward. The training flag is left to the caller (train() recurses).
+  void restore_slots(const Slots& slots);
+
  protected:
   /// For overrides of forward(inputs): when the forward was replaced (and not bypassed by
   /// own_forward), runs the replacement into `out` and returns true.
@@ -95,6 +142,40 @@ using ModulePtr = std::shared_ptr<Module>;
 
 /// The module's parameters, each once even when shared (a tied weight, a reused submodule).
 std::vector<Tensor> unique_parameters(const torch::nn::Module& module);
+/// Names that share one parameter tensor (a tied weight), each group sorted, groups in order.
+std::vector<std::vector<std::string>> tied_parameters(const torch::nn::Module& module);
+
+/// Calls check(path) on every module of the tree, the root first.
+void check_tree(Module& root);
+/// Checks that each of `layers`, run in this order, takes the features the one before it gives
+/// (width, whole or split, fused parts); elementwise layers pass features through, and a layer
+/// that does not know its features starts the chain anew. `owner` names the chain in messages.
+void check_chain(const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& layers,
+                 const std::string& owner);
+
+/// A whole tree as it is now, to put back exactly: the undo record of a policy that fails half-way.
+/// Holds every module's slots and every tensor's data, requires_grad and version.
+class TreeSnapshot {
+ public:
+  /// Keeps a copy of the tensors' contents when they hold at most `copy_limit` bytes in all;
+  /// without it, contents changed in place cannot be put back (restore() names them).
+  TreeSnapshot(Module& root, int64_t copy_limit);
+  /// Puts the tree back as it was. Returns the names of tensors whose contents were changed in
+  /// place and could not be restored (no copy was kept); empty when everything is back.
+  std::vector<std::string> restore();
+
+ private:
+  struct TensorState {
+    std::string name;
+    Tensor handle;  // the slot's tensor object
+    Tensor data;    // a shallow alias of its data then (set_data swaps it)
+    Tensor copy;    // its contents, when copies are kept
+    uint32_t version;
+    bool requires_grad;
+  };
+  std::vector<std::pair<std::shared_ptr<Module>, Module::Slots>> modules_;  // pre-order
+  std::vector<TensorState> tensors_;
+};
 
 /// A module whose forward takes one tensor: the usual case for layers.
 class Unary : public Module {

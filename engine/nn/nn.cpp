@@ -1,4 +1,5 @@
 // The model tree and the serial layers (see module.hpp and layers.hpp).
+#include <algorithm>
 #include <sstream>
 #include <unordered_set>
 
@@ -37,8 +38,45 @@ Tensor Module::own_forward(const std::vector<Tensor>& inputs) {
 
 c10::optional<double> Module::attribute(const std::string&) const { return c10::nullopt; }
 
+void Module::check(const std::string&) const {}
+
+std::string Features::describe() const {
+  std::ostringstream s;
+  if (width < 0) return "features of any width, whole";
+  if (parts == 1) {
+    s << width << " whole features";
+  } else {
+    s << width << " features split over tensor=" << parts << " (" << width / parts << " here";
+    if (fused > 1) s << ", a slice of each of " << fused << " fused parts";
+    s << ")";
+  }
+  return s.str();
+}
+
 void Module::set_attribute(const std::string& name, double) {
   TORCH_CHECK(false, type_, " has no attribute '", name, "'");
+}
+
+Module::Slots Module::save_slots() const {
+  Slots s;
+  s.children = children_named();
+  for (const auto& p : parameters_) s.parameters.emplace_back(p.key(), p.value());
+  for (const auto& b : named_buffers(/*recurse=*/false)) s.buffers.emplace_back(b.key(), b.value());
+  for (const auto& name : attribute_names())
+    if (auto v = attribute(name)) s.attributes.emplace_back(name, *v);
+  s.replaced = replaced_;
+  s.training = is_training();
+  return s;
+}
+
+void Module::restore_slots(const Slots& s) {
+  for (const auto& [name, _] : children_named()) unregister_module(name);
+  for (const auto& [name, child] : s.children) register_module(name, child);
+  parameters_.clear();
+  for (const auto& [name, t] : s.parameters) parameters_.insert(name, t);
+  for (const auto& [name, value] : s.attributes)
+    if (attribute(name) != value) set_attribute(name, value);
+  replaced_ = s.replaced;
 }
 
 void Module::expect_inputs(const std::vector<Tensor>& inputs, size_t n) const {
@@ -88,6 +126,95 @@ std::vector<Tensor> unique_parameters(const torch::nn::Module& module) {
   for (const auto& p : module.parameters())
     if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
   return out;
+}
+
+std::vector<std::vector<std::string>> tied_parameters(const torch::nn::Module& module) {
+  std::map<const c10::TensorImpl*, std::vector<std::string>> names;
+  std::vector<const c10::TensorImpl*> order;
+  for (const auto& p : module.named_parameters()) {
+    auto& list = names[p.value().unsafeGetTensorImpl()];
+    if (list.empty()) order.push_back(p.value().unsafeGetTensorImpl());
+    list.push_back(p.key());
+  }
+  std::vector<std::vector<std::string>> out;
+  for (auto* impl : order) {
+    auto& list = names[impl];
+    if (list.size() < 2) continue;
+    std::sort(list.begin(), list.end());
+    out.push_back(list);
+  }
+  return out;
+}
+
+void check_tree(Module& root) {
+  for (const auto& [path, m] : root.modules()) m->check(path.empty() ? root.type() : path);
+}
+
+void check_chain(const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& layers, const std::string& owner) {
+  c10::optional<Features> given;  // what the previous layer gives
+  std::string from, from_type;
+  for (const auto& [name, layer] : layers) {
+    if (!layer) continue;
+    if (layer->elementwise()) continue;
+    auto takes = layer->input_features();
+    if (given && takes && !given->matches(*takes)) {
+      std::ostringstream msg;
+      msg << owner << ": " << from << " (" << from_type << ") gives " << given->describe() << ", but " << name << " ("
+          << layer->type() << ") takes " << takes->describe();
+      if (given->parts > 1 && takes->parts == 1) msg << ": split " << name << "'s input too (P.row) or gather " << from
+                                                     << "'s output (gather_output = true)";
+      else if (given->parts == 1 && takes->parts > 1) msg << ": " << name << " expects its part of a split input "
+                                                          << "(split " << from << " with P.column, or set "
+                                                          << "input_is_parallel = false)";
+      else if (given->fused != takes->fused) msg << ": a fused split (fused = " << given->fused
+                                                 << ") keeps parts apart that " << name << " reads as one";
+      TORCH_CHECK(false, msg.str());
+    }
+    given = layer->output_features();
+    from = name;
+    from_type = layer->type();
+  }
+}
+
+TreeSnapshot::TreeSnapshot(Module& root, int64_t copy_limit) {
+  for (const auto& [path, m] : root.modules()) modules_.emplace_back(m, m->save_slots());
+  std::unordered_set<const c10::TensorImpl*> seen;
+  int64_t bytes = 0;
+  for (const auto& [path, m] : root.modules()) {
+    auto add = [&](const std::string& name, const Tensor& t) {
+      if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+      tensors_.push_back({path.empty() ? name : path + "." + name, t, t.variable_data(), Tensor(),
+                          static_cast<uint32_t>(t._version()), t.requires_grad()});
+      bytes += t.numel() * t.element_size();
+    };
+    for (const auto& p : m->named_parameters(/*recurse=*/false)) add(p.key(), p.value());
+    for (const auto& b : m->named_buffers(/*recurse=*/false)) add(b.key(), b.value());
+  }
+  if (bytes <= copy_limit) {
+    torch::NoGradGuard no_grad;
+    for (auto& t : tensors_)
+      if (!t.handle.is_meta()) t.copy = t.data.clone();
+  }
+}
+
+std::vector<std::string> TreeSnapshot::restore() {
+  for (auto& [m, slots] : modules_) m->restore_slots(slots);
+  for (auto& [m, slots] : modules_) m->train(slots.training);  // pre-order: each overrides its parent's
+  std::vector<std::string> lost;
+  torch::NoGradGuard no_grad;
+  for (auto& t : tensors_) {
+    // Data swapped under the same tensor object (set_data): point it back at the old data.
+    bool moved = t.handle.storage().unsafeGetStorageImpl() != t.data.storage().unsafeGetStorageImpl() ||
+                 !t.handle.sizes().equals(t.data.sizes()) || !t.handle.strides().equals(t.data.strides()) ||
+                 t.handle.storage_offset() != t.data.storage_offset() || t.handle.dtype() != t.data.dtype();
+    if (moved) t.handle.set_data(t.data);
+    if (static_cast<uint32_t>(t.handle._version()) != t.version) {
+      if (t.copy.defined()) t.handle.detach().copy_(t.copy);
+      else lost.push_back(t.name);
+    }
+    if (t.handle.requires_grad() != t.requires_grad) t.handle.requires_grad_(t.requires_grad);
+  }
+  return lost;
 }
 
 void Module::set_child(const std::string& name, std::shared_ptr<Module> module) {
@@ -208,6 +335,23 @@ Tensor Linear::forward(const Tensor& x) {
   return F::linear(x, weight(), bias());
 }
 
+namespace {
+// "h.0.attn.c_attn: Linear(16, 48) holds a weight of [24, 16], not [48, 16]"
+void check_shape(const Module& m, const std::string& path, const char* name, const Tensor& t,
+                 std::vector<int64_t> want, const std::string& what) {
+  if (!t.defined()) return;
+  TORCH_CHECK(t.sizes().equals(want), path, ": ", what, " holds a ", name, " of ", t.sizes(), ", not ",
+              c10::IntArrayRef(want), " (", m.type(), ")");
+}
+}  // namespace
+
+void Linear::check(const std::string& path) const {
+  std::string what = "Linear(" + std::to_string(options.in) + ", " + std::to_string(options.out) + ")";
+  TORCH_CHECK(weight().defined(), path, ": ", what, " has no weight");
+  check_shape(*this, path, "weight", weight(), {options.out, options.in}, what);
+  check_shape(*this, path, "bias", bias(), {options.out}, what);
+}
+
 std::string Linear::extra_repr() const {
   std::ostringstream s;
   s << "in=" << options.in << ", out=" << options.out << (options.bias ? "" : ", bias=false");
@@ -223,6 +367,12 @@ Embedding::Embedding(const EmbeddingOptions& o) : Unary("Embedding"), options(o)
 Tensor Embedding::forward(const Tensor& ids) {
   TORCH_CHECK(!ids.is_floating_point(), "Embedding expects integer ids, got ", ids.dtype());
   return F::embedding(ids, weight());
+}
+
+void Embedding::check(const std::string& path) const {
+  std::string what = "Embedding(" + std::to_string(options.count) + ", " + std::to_string(options.dim) + ")";
+  TORCH_CHECK(weight().defined(), path, ": ", what, " has no weight");
+  check_shape(*this, path, "weight", weight(), {options.count, options.dim}, what);
 }
 
 std::string Embedding::extra_repr() const {
@@ -244,6 +394,12 @@ Tensor LayerNorm::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.dim, "LayerNorm(", options.dim,
               ") expects input (..., ", options.dim, "), got ", x.sizes());
   return at::layer_norm(x, {options.dim}, weight(), bias(), options.eps);
+}
+
+void LayerNorm::check(const std::string& path) const {
+  std::string what = "LayerNorm(" + std::to_string(options.dim) + ")";
+  check_shape(*this, path, "weight", weight(), {options.dim}, what);
+  check_shape(*this, path, "bias", bias(), {options.dim}, what);
 }
 
 std::string LayerNorm::extra_repr() const {
@@ -275,6 +431,21 @@ Tensor Sequential::forward(const std::vector<Tensor>& inputs) {
   Tensor x = layers.front().second->forward(inputs);
   for (size_t i = 1; i < layers.size(); ++i) x = layers[i].second->forward(std::vector<Tensor>{x});
   return x;
+}
+
+void Sequential::check(const std::string& path) const { check_chain(children_named(), path); }
+
+c10::optional<Features> Sequential::input_features() const {
+  for (const auto& [name, layer] : children_named())
+    if (!layer->elementwise()) return layer->input_features();
+  return c10::nullopt;
+}
+
+c10::optional<Features> Sequential::output_features() const {
+  auto layers = children_named();
+  for (auto it = layers.rbegin(); it != layers.rend(); ++it)
+    if (!it->second->elementwise()) return it->second->output_features();
+  return c10::nullopt;
 }
 
 Activation::Activation(std::string type, std::function<Tensor(const Tensor&)> fn)

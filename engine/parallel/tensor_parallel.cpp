@@ -2,6 +2,8 @@
 #include "engine/parallel/tensor_parallel.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <cmath>
 #include <mutex>
 #include <sstream>
@@ -140,34 +142,41 @@ struct OverlappedSequenceLinear : torch::autograd::Function<OverlappedSequenceLi
 };
 
 // Per-sample cross-entropy over a vocabulary split across the group (Megatron's), (N, V/t) -> (N).
+// Computed in the logits' dtype promoted to at least float32: float64 logits keep float64.
+// Samples whose target is `ignore` give 0 and no gradient.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  static Tensor forward(AutogradContext* ctx, Tensor logits, Tensor targets, int64_t group, int64_t vocab) {
+  static Tensor forward(AutogradContext* ctx, Tensor logits, Tensor targets, int64_t group, int64_t vocab,
+                        int64_t ignore) {
     const auto& g = group_of(group);
     const int64_t part = logits.size(-1), first = g.rank() * part;
-    auto x = logits.detach().to(torch::kFloat32);
+    auto x = logits.detach().to(c10::promoteTypes(logits.scalar_type(), torch::kFloat32));
     // Padding columns (global index >= vocab) take no part: -inf before the max and the exp.
     auto columns = torch::arange(first, first + part, torch::TensorOptions().dtype(torch::kInt64).device(x.device()));
-    x = x.masked_fill(columns.ge(vocab), -std::numeric_limits<float>::infinity());
+    x = x.masked_fill(columns.ge(vocab), -std::numeric_limits<double>::infinity());
     auto max = std::get<0>(x.max(-1));
     g.all_reduce(max, dist::ReduceOp::Max);
     auto shifted = x - max.unsqueeze(-1);
-    auto outside = targets.lt(first).logical_or(targets.ge(first + part));
+    auto ignored = targets.eq(ignore);
+    auto outside = targets.lt(first).logical_or(targets.ge(first + part)).logical_or(ignored);
     auto local = (targets - first).masked_fill(outside, 0);
     auto predicted = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0);
     g.all_reduce(predicted);
     auto exp = shifted.exp();
     auto sum = exp.sum(-1);
     g.all_reduce(sum);
-    ctx->save_for_backward({exp.div_(sum.unsqueeze(-1)), local, outside});
-    return (sum.log() - predicted).to(logits.scalar_type());
+    ctx->save_for_backward({exp.div_(sum.unsqueeze(-1)), local, outside, ignored});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return (sum.log() - predicted).masked_fill(ignored, 0).to(logits.scalar_type());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto grad = saved[0].clone();  // softmax
     auto hit = saved[2].logical_not().to(grad.scalar_type());
     grad.scatter_add_(-1, saved[1].unsqueeze(-1), -hit.unsqueeze(-1));
-    grad.mul_(grads[0].unsqueeze(-1));
-    return {grad, Tensor(), Tensor(), Tensor()};
+    grad.mul_(grads[0].to(grad.scalar_type()).unsqueeze(-1));
+    grad.masked_fill_(saved[3].unsqueeze(-1), 0);
+    auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad.to(dtype), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -228,6 +237,51 @@ c10::optional<Sharding> sharding_of(const Tensor& param) {
 dist::GroupPtr sharded_over(const Tensor& param) {
   auto s = sharding_of(param);
   return s ? s->group : nullptr;
+}
+
+// ---- Vocabulary-split logits -----------------------------------------------------------------
+// Marked by storage, with a weak reference beside it (a freed storage's address can be reused).
+namespace {
+using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+std::mutex logits_mutex;
+std::atomic<bool> logits_ever_marked{false};
+std::unordered_map<const c10::StorageImpl*, std::pair<WeakStorage, SplitLogits>>& logits_marks() {
+  static std::unordered_map<const c10::StorageImpl*, std::pair<WeakStorage, SplitLogits>> map;
+  return map;
+}
+}  // namespace
+
+void mark_split_logits(const Tensor& logits, const SplitLogits& info) {
+  if (!logits.defined() || !logits.has_storage()) return;
+  std::lock_guard<std::mutex> lock(logits_mutex);
+  auto& marks = logits_marks();
+  if (marks.size() >= 64)  // logits of past steps: forget the freed ones
+    for (auto it = marks.begin(); it != marks.end();) it = it->second.first.expired() ? marks.erase(it) : std::next(it);
+  marks.insert_or_assign(logits.storage().unsafeGetStorageImpl(),
+                         std::make_pair(logits.storage().getWeakStorageImpl(), info));
+  logits_ever_marked = true;
+}
+
+c10::optional<SplitLogits> split_logits_of(const Tensor& t) {
+  if (!logits_ever_marked || !t.defined() || !t.has_storage()) return c10::nullopt;
+  std::lock_guard<std::mutex> lock(logits_mutex);
+  auto& marks = logits_marks();
+  auto it = marks.find(t.storage().unsafeGetStorageImpl());
+  if (it == marks.end()) return c10::nullopt;
+  if (it->second.first.expired()) {
+    marks.erase(it);
+    return c10::nullopt;
+  }
+  return it->second.second;
+}
+
+bool split_logits_marked() { return logits_ever_marked; }
+
+Tensor gather_split_logits(const Tensor& local_logits, const SplitLogits& info) {
+  TORCH_CHECK(local_logits.dim() >= 1 && local_logits.size(-1) == info.local, "gathering vocabulary-split logits: "
+              "expected (..., ", info.local, ") with this rank's ", info.local, " of ", info.padded,
+              " columns, got ", local_logits.sizes());
+  return gather_from_tensor_region(local_logits, info.group).narrow(-1, 0, info.vocab);
 }
 
 Tensor gather_full(const Tensor& local, const Sharding& s) {
@@ -321,6 +375,34 @@ Tensor reduce_scatter_sequence(const Tensor& x, const dist::GroupPtr& g) {
 }
 Tensor split_sequence(const Tensor& x, const dist::GroupPtr& g) { return communicate<SplitSequence>(x, g); }
 
+bool align_to_first_rank(nn::Module& model, const dist::GroupPtr& group) {
+  if (!group || group->size() == 1) return false;
+  std::vector<Tensor> tensors = nn::unique_parameters(model);
+  for (const auto& b : model.buffers()) tensors.push_back(b);
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(), [](const Tensor& t) { return !t.defined(); }),
+                tensors.end());
+  if (tensors.empty() || tensors.front().is_meta()) return false;
+  torch::NoGradGuard no_grad;
+  // Three numbers a tensor (its sum, sum of squares, and a position-weighted sum), the largest and
+  // the smallest over the group: equal everywhere when every rank holds the same tensors.
+  std::vector<Tensor> sums;
+  for (const auto& t : tensors) {
+    auto x = t.detach().reshape({-1}).to(torch::kCPU, torch::kFloat64);
+    auto w = torch::arange(x.numel(), x.options()).remainder(7).add_(1);
+    sums.push_back(torch::stack({x.sum(), x.pow(2).sum(), (x * w).sum()}));
+  }
+  auto high = torch::cat(sums).nan_to_num(0, 1e300, -1e300), low = high.clone();
+  group->all_reduce(high, dist::ReduceOp::Max);
+  group->all_reduce(low, dist::ReduceOp::Min);
+  if (high.equal(low)) return false;
+  for (auto& t : tensors) {
+    auto data = t.data();
+    group->broadcast(data, 0);
+    t.unsafeGetTensorImpl()->bump_version();  // written behind autograd's back: an undo must see it
+  }
+  return true;
+}
+
 Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
   TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
               " equal parts");
@@ -355,6 +437,42 @@ ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::Group
     register_parameter("bias", Tensor(), false);
   mark_sharded(*this, "weight", group, 0, {logical_out, in}, fused, out);
   mark_sharded(*this, "bias", group, 0, {logical_out}, fused, out);
+  vocab_head = pad;
+}
+
+namespace {
+// A split parameter must be split as its layer was built: a policy's tie to another tensor
+// (a whole one, or one split another way) would make the layer compute with the wrong slice.
+void check_split(const nn::Module& m, const std::string& path, const char* name, const dist::GroupPtr& g,
+                 int64_t dim, int64_t fused) {
+  const auto& p = m.param(name);
+  if (!p.defined() || g->size() == 1) return;
+  auto s = sharding_of(p);
+  TORCH_CHECK(s && s->group == g && s->dim == dim && s->fused == fused, path, ": ", m.type(), "'s ", name,
+              " is not this layer's part of a tensor split over tensor=", g->size(), " along dimension ", dim,
+              s ? " (it is split another way)" : " (it is a whole tensor: tied to one?)");
+}
+
+void check_local_shape(const nn::Module& m, const std::string& path, const char* name, std::vector<int64_t> want) {
+  const auto& p = m.param(name);
+  if (!p.defined()) return;
+  TORCH_CHECK(p.sizes().equals(want), path, ": ", m.type(), " holds a ", name, " of ", p.sizes(), ", not its part ",
+              c10::IntArrayRef(want));
+}
+}  // namespace
+
+void ColumnParallelLinear::check(const std::string& path) const {
+  const int64_t t = group->size();
+  TORCH_CHECK(param("weight").defined(), path, ": ColumnParallelLinear has no weight");
+  check_local_shape(*this, path, "weight", {out / t, in});
+  check_local_shape(*this, path, "bias", {out / t});
+  check_split(*this, path, "weight", group, 0, fused);
+  check_split(*this, path, "bias", group, 0, fused);
+}
+
+c10::optional<nn::Features> ColumnParallelLinear::output_features() const {
+  if (gather_output || group->size() == 1) return nn::Features{out};
+  return nn::Features{out, group->size(), fused};
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
@@ -369,7 +487,11 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
     auto input = sequence_parallel ? gather_sequence(x, group) : copy_to_tensor_region(x, group);
     y = torch::nn::functional::linear(input, param("weight"), param("bias"));
   }
-  if (!gather_output) return y;
+  if (!gather_output) {
+    if (vocab_head && group->size() > 1)  // (..., padded/t): losses and sampling must know
+      mark_split_logits(y, SplitLogits{group, logical_out, out, out / group->size()});
+    return y;
+  }
   TORCH_CHECK(fused == 1, "column-parallel linear: gather_output with fused parts would interleave them");
   return gather_from_tensor_region(y, group);
 }
@@ -378,6 +500,7 @@ std::string ColumnParallelLinear::extra_repr() const {
   std::ostringstream s;
   s << "in=" << in << ", out=" << out << " (" << out / group->size() << " here of tensor=" << group->size() << ")";
   if (fused > 1) s << ", fused=" << fused;
+  if (vocab_head) s << ", vocab_head";
   if (gather_output) s << ", gather_output";
   if (sequence_parallel) s << ", sequence_parallel";
   if (sequence_overlap) s << ", sequence_overlap";
@@ -407,6 +530,18 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
   // Under sequence parallelism each rank adds the bias to its part of the sequence only: the
   // bias's gradient is a partial sum, completed over the group.
   return y + (sequence_parallel ? copy_to_tensor_region(param("bias"), group) : param("bias"));
+}
+
+void RowParallelLinear::check(const std::string& path) const {
+  TORCH_CHECK(param("weight").defined(), path, ": RowParallelLinear has no weight");
+  check_local_shape(*this, path, "weight", {out, in / group->size()});
+  check_local_shape(*this, path, "bias", {out});
+  check_split(*this, path, "weight", group, 1, 1);
+}
+
+c10::optional<nn::Features> RowParallelLinear::input_features() const {
+  if (input_is_parallel && group->size() > 1) return nn::Features{in, group->size(), 1};
+  return nn::Features{in};
 }
 
 std::string RowParallelLinear::extra_repr() const {
@@ -442,6 +577,11 @@ Tensor ParallelLayerNorm::forward(const Tensor& x) {
   return b.defined() ? y + b : y;
 }
 
+void ParallelLayerNorm::check(const std::string& path) const {
+  check_local_shape(*this, path, "weight", {dim});
+  check_local_shape(*this, path, "bias", {dim});
+}
+
 std::string ParallelLayerNorm::extra_repr() const {
   std::ostringstream s;
   s << "dim=" << dim << ", eps=" << eps << (sequence_parallel ? ", sequence_parallel" : "")
@@ -472,6 +612,12 @@ Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
   return reduce_from_tensor_region(y, group);
 }
 
+void VocabParallelEmbedding::check(const std::string& path) const {
+  TORCH_CHECK(param("weight").defined(), path, ": VocabParallelEmbedding has no weight");
+  check_local_shape(*this, path, "weight", {padded / group->size(), dim});
+  check_split(*this, path, "weight", group, 0, 1);
+}
+
 std::string VocabParallelEmbedding::extra_repr() const {
   std::ostringstream s;
   s << "count=" << count << " (padded to " << padded << "; rows " << first << ".." << first + padded / group->size() - 1
@@ -480,12 +626,28 @@ std::string VocabParallelEmbedding::extra_repr() const {
 }
 
 Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
-                                    int64_t vocab) {
-  TORCH_CHECK(local_logits.dim() == targets.dim() + 1, "vocab-parallel cross_entropy expects logits (..., V/t) and "
-              "targets (...), got ", local_logits.sizes(), " and ", targets.sizes());
-  auto flat = local_logits.reshape({-1, local_logits.size(-1)});
-  auto losses = VocabParallelCrossEntropy::apply(flat, targets.reshape({-1}), key_of(group), vocab);
-  return losses.mean();
+                                    int64_t vocab, int64_t ignore_index) {
+  TORCH_CHECK(local_logits.dim() == targets.dim() + 1 &&
+                  local_logits.sizes().slice(0, targets.dim()).equals(targets.sizes()),
+              "vocab-parallel cross_entropy expects logits (..., V/t) and targets (...), got ", local_logits.sizes(),
+              " and ", targets.sizes());
+  TORCH_CHECK(!targets.is_floating_point(), "vocab-parallel cross_entropy expects integer class ids, got ",
+              targets.dtype());
+  const int64_t t = group->size(), part = local_logits.size(-1);
+  TORCH_CHECK(vocab > 0 && (vocab + t - 1) / t == part, "vocab-parallel cross_entropy: logits of ", part,
+              " columns a rank over tensor=", t, " do not hold a vocabulary of ", vocab, " (expected ",
+              (vocab + t - 1) / t, " columns a rank)");
+  if (!targets.is_meta()) {  // a target outside the vocabulary would silently count as none
+    auto bad = targets.ne(ignore_index).logical_and(targets.lt(0).logical_or(targets.ge(vocab)));
+    if (bad.any().item<bool>())
+      TORCH_CHECK(false, "cross_entropy: target ", targets.masked_select(bad)[0].item<int64_t>(),
+                  " is outside the vocabulary [0, ", vocab, ")");
+  }
+  auto flat = local_logits.reshape({-1, part});
+  auto flat_targets = targets.reshape({-1});
+  auto losses = VocabParallelCrossEntropy::apply(flat, flat_targets, key_of(group), vocab, ignore_index);
+  auto counted = flat_targets.ne(ignore_index).sum().to(losses.scalar_type());
+  return losses.sum() / counted;
 }
 
 }  // namespace partrain::parallel

@@ -43,14 +43,22 @@ class ColumnParallelLinear : public nn::Unary {
   /// `sequence_parallel`: the input arrives split along the sequence and is all-gathered first.
   /// `pad`: the output (a vocabulary) may be padded with zero rows up to a multiple of the group
   /// size, as VocabParallelEmbedding pads, so the two can share a weight.
+  /// `pad` also makes it a vocabulary head: its (split) outputs are marked as vocabulary-split
+  /// logits (split_logits_of), so losses and sampling recognize them.
   ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr group, int64_t fused = 1, bool gather_output = false,
                        bool sequence_parallel = false, bool pad = false);
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out/t), or (..., out) gathered
   std::string extra_repr() const override;
+  /// weight [out/t, in] and bias [out/t], split over `group` as built.
+  void check(const std::string& path) const override;
+  c10::optional<nn::Features> input_features() const override { return nn::Features{in}; }
+  c10::optional<nn::Features> output_features() const override;
+  c10::optional<bool> sequence_split() const override { return sequence_parallel; }
   dist::GroupPtr group;
   int64_t in, out, fused;  ///< the serial sizes (out padded when `pad`)
   int64_t logical_out;     ///< out without the padding
   bool gather_output, sequence_parallel;
+  bool vocab_head = false;  ///< built with `pad`: the output is vocabulary-split logits
   /// With sequence_parallel: overlap the all-gather of the input with the matmul of the local part
   /// (and, in backward, the reduce-scatter of the input's gradient with the weight's gradient):
   /// ShardFormer's sequence_overlap.
@@ -68,6 +76,11 @@ class RowParallelLinear : public nn::Unary {
                     bool sequence_parallel = false);
   Tensor forward(const Tensor& x) override;  // (..., in/t) or (..., in) -> (..., out)
   std::string extra_repr() const override;
+  /// weight [out, in/t] split over `group`, bias [out] whole.
+  void check(const std::string& path) const override;
+  c10::optional<nn::Features> input_features() const override;
+  c10::optional<nn::Features> output_features() const override { return nn::Features{out}; }
+  c10::optional<bool> sequence_split() const override { return sequence_parallel; }
   dist::GroupPtr group;
   int64_t in, out;
   bool input_is_parallel, sequence_parallel;
@@ -80,6 +93,8 @@ class VocabParallelEmbedding : public nn::Unary {
   VocabParallelEmbedding(const nn::Embedding& serial, dist::GroupPtr group);
   Tensor forward(const Tensor& ids) override;  // ids (...) -> (..., dim), summed over the group
   std::string extra_repr() const override;
+  void check(const std::string& path) const override;  // weight [padded/t, dim], split over `group`
+  c10::optional<nn::Features> output_features() const override { return nn::Features{dim}; }
   dist::GroupPtr group;
   int64_t count, padded, dim, first;  ///< logical rows, padded rows, width, this rank's first row
 };
@@ -94,6 +109,10 @@ class ParallelLayerNorm : public nn::Unary {
   ParallelLayerNorm(const nn::LayerNorm& serial, dist::GroupPtr group, bool sequence_parallel, bool fused = true);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
+  void check(const std::string& path) const override;  // weight and bias [dim], whole
+  c10::optional<nn::Features> input_features() const override { return nn::Features{dim}; }
+  c10::optional<nn::Features> output_features() const override { return nn::Features{dim}; }
+  c10::optional<bool> sequence_split() const override { return sequence_parallel; }
   dist::GroupPtr group;
   int64_t dim;
   double eps;
@@ -101,10 +120,31 @@ class ParallelLayerNorm : public nn::Unary {
 };
 
 /// Cross-entropy of logits whose last dimension (the vocabulary) is split across the group,
-/// without ever gathering the full logits: (..., V/t) local logits, (...) targets -> mean loss.
-/// Columns at or beyond `vocab` (padding) never count.
+/// without ever gathering the full logits: (..., V/t) local logits, (...) targets -> mean loss
+/// over the targets that are not `ignore_index`, as the serial cross-entropy. Columns at or
+/// beyond `vocab` (padding) never count; a target outside [0, vocab) is an error. Computed in
+/// the logits' precision, at least float32 (float64 stays float64).
 Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
-                                    int64_t vocab);
+                                    int64_t vocab, int64_t ignore_index = -100);
+
+/// What makes a tensor vocabulary-split logits: the output of a vocabulary head (a
+/// ColumnParallelLinear built with `pad`) on a group of more than one rank.
+struct SplitLogits {
+  dist::GroupPtr group;
+  int64_t vocab = 0;   ///< the logical vocabulary
+  int64_t padded = 0;  ///< the vocabulary padded to a multiple of the group size
+  int64_t local = 0;   ///< this rank's columns: padded / t, the logits' last dimension
+};
+/// Marks `logits` as vocabulary-split. The mark is on its storage, so every view of it (a
+/// view(-1, V/t), a select of the last position) carries it too.
+void mark_split_logits(const Tensor& logits, const SplitLogits& info);
+/// The mark of `t` when it is (a view of) vocabulary-split logits, or nullopt.
+c10::optional<SplitLogits> split_logits_of(const Tensor& t);
+/// Whether any tensor was ever marked (a fast path for programs without vocabulary heads).
+bool split_logits_marked();
+/// The whole logits (..., vocab) from vocabulary-split ones (..., V/t): all-gathered over the
+/// group, padding dropped. Autograd flows back to each rank's part.
+Tensor gather_split_logits(const Tensor& local_logits, const SplitLogits& info);
 
 /// How a split parameter's logical (global) tensor is divided across its tensor group.
 struct Sharding {
@@ -137,6 +177,13 @@ void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool s
 /// The global L2 norm of the parameters' gradients: whole parameters count once, split ones add
 /// up over their tensor group (their squared norms are all-reduced). Every rank gets the same.
 double global_grad_norm(const std::vector<Tensor>& params);
+
+/// Makes every rank of `group` hold group rank 0's parameters and buffers when they differ
+/// (a checksum of each tensor, then broadcasts): a tensor-parallel model must be cut from one
+/// serial model. Slices of differently seeded initializations, and replicated parameters that
+/// differ from rank to rank, would compute nothing serial without a word. Returns whether
+/// anything differed. A collective over the group.
+bool align_to_first_rank(nn::Module& model, const dist::GroupPtr& group);
 
 /// The rows [first, first + n) of a tensor's dimension `dim` for rank r of t equal parts;
 /// an error naming `what` when t does not divide the size.

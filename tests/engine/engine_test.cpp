@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "engine/data/data.hpp"
+#include "engine/models/gpt2.hpp"
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
@@ -88,6 +89,63 @@ TEST(Layers, ReprShowsTheTree) {
   EXPECT_EQ(model->type(), "MLP");
   EXPECT_EQ(model->repr(), "MLP(\n  (0): Linear(in=4, out=8)\n  (1): ReLU()\n  (2): Linear(in=8, out=2)\n)");
   EXPECT_NE(error_of([] { nn::make_activation("Swish"); }).find("unknown activation 'Swish'"), std::string::npos);
+}
+
+TEST(ModuleTree, SnapshotPutsBackChildrenParametersContentsAndFlags) {
+  auto model = models::mlp({{4, 8, 2}});
+  auto first = model->find("0");
+  Tensor weight = first->param("weight"), before = weight.detach().clone();
+  nn::TreeSnapshot snapshot(*model, /*copy_limit=*/1 << 20);
+  model->set_child("0", std::make_shared<nn::Linear>(nn::LinearOptions(4, 8)));
+  model->find("2")->set_parameter("extra", torch::zeros({3}));
+  {
+    torch::NoGradGuard no_grad;
+    weight.mul_(3);
+  }
+  model->find("2")->param("bias").requires_grad_(false);
+  model->find("2")->replace_forward([](nn::Module&, const std::vector<Tensor>& x) { return x[0]; });
+  model->eval();
+  EXPECT_TRUE(snapshot.restore().empty()) << "everything was put back";
+  EXPECT_EQ(model->find("0"), first) << "the same child object";
+  EXPECT_TRUE(model->find("0")->param("weight").is_same(weight)) << "the same parameter object";
+  EXPECT_TRUE(weight.equal(before)) << "its contents, changed in place, restored";
+  EXPECT_FALSE(model->find("2")->has_slot("extra")) << "an added parameter is gone";
+  EXPECT_TRUE(model->find("2")->param("bias").requires_grad());
+  EXPECT_FALSE(model->find("2")->forward_replaced());
+  EXPECT_TRUE(model->is_training() && model->find("0")->is_training());
+  // Without a copy, contents changed in place cannot come back, and restore() says which.
+  nn::TreeSnapshot no_copy(*model, /*copy_limit=*/0);
+  {
+    torch::NoGradGuard no_grad;
+    weight.add_(1);
+  }
+  EXPECT_EQ(no_copy.restore(), (std::vector<std::string>{"0.weight"}));
+}
+
+TEST(Policy, Gpt2AttentionRefusesHeadsThatDoNotMakeItsWidth) {
+  models::Gpt2Options o;
+  o.vocab = 16, o.seq = 4, o.dim = 8, o.heads = 2, o.layers = 1;
+  auto model = models::gpt2(o);
+  nn::check_tree(*model);  // the serial model is consistent
+  model->find("h.0.attn")->set_attribute("heads", 1);
+  std::string msg = error_of([&] { nn::check_tree(*model); });
+  EXPECT_NE(msg.find("h.0.attn: 1 heads of 4 features make 4, but c_attn gives 8 features of q here"),
+            std::string::npos) << msg;
+  msg = error_of([&] { model->forward({torch::zeros({1, 4}, torch::kInt64)}); });
+  EXPECT_NE(msg.find("1 heads of 4 need q, k and v of 12 features from c_attn, got 24"), std::string::npos) << msg;
+}
+
+TEST(Policy, ChainsRefuseLayersWhoseFeaturesDisagree) {
+  nn::Sequential chain({std::make_shared<nn::Linear>(nn::LinearOptions(4, 8)), nn::make_activation("ReLU"),
+                        std::make_shared<nn::Linear>(nn::LinearOptions(8, 2))});
+  chain.check("chain");
+  chain.set_child("2", std::make_shared<nn::Linear>(nn::LinearOptions(6, 2)));
+  std::string msg = error_of([&] { chain.check("chain"); });
+  EXPECT_NE(msg.find("chain: 0 (Linear) gives 8 whole features, but 2 (Linear) takes 6 whole features"),
+            std::string::npos) << msg;
+  chain.find("0")->set_parameter("weight", torch::zeros({8, 3}));
+  msg = error_of([&] { chain.find("0")->check("chain.0"); });
+  EXPECT_NE(msg.find("chain.0: Linear(4, 8) holds a weight of [8, 3], not [8, 4]"), std::string::npos) << msg;
 }
 
 TEST(Optim, SchedulesGiveDocumentedRates) {

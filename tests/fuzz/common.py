@@ -116,3 +116,28 @@ def seed_from_argv(default=1):
     if "--seed" in sys.argv:
         seed = int(sys.argv[sys.argv.index("--seed") + 1])
     return seed
+
+
+def kill_tree(pid):
+    """SIGKILLs `pid` and every process below it (the launcher puts each rank in its own process
+    group, so killing the launcher's group alone would leave what a rank started running)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass

@@ -160,6 +160,27 @@ test("errors in Lua forwards and misuse of modules are reported with their place
   raises(function() pt.nn.GELU { approximate = "fast" } end, "approximate must be 'none' or 'tanh'")
 end)
 
+test("a replaced forward that calls itself stops with a clean error naming the module, not a crash", function()
+  local lin = pt.nn.Linear(2, 2)
+  lin:replace_forward(function(self, x) local y = self(x); return y end)
+  local err = raises(function() local y = lin(pt.ones(1, 2)); return y end,
+    "stack overflow: the replaced forward of Linear runs 200 levels deep")
+  ok(err:find("test_nn.lua:%d+: stack overflow"), "names the line: " .. err)
+  -- Through C++ parents too, and the depth is counted back down: the module works again after.
+  local seq = pt.nn.Sequential(lin)
+  raises(function() local y = seq(pt.ones(1, 2)); return y end, "stack overflow")
+  lin:replace_forward(function(self, x) local y = self:own_forward(x); return y * 2 end)
+  near(seq(pt.ones(1, 2)), lin:own_forward(pt.ones(1, 2)) * 2, 1e-6, "works after the overflow")
+  -- 150 nested Lua-defined modules run under C++ parents are not a recursion: they still run.
+  local Wrap = pt.nn.Module "Wrap"
+  function Wrap:__init(inner) self.inner = inner end
+  function Wrap:forward(x) local y = self.inner(x); return y + 1 end
+  local inner = pt.nn.Linear(2, 2)
+  local m = inner
+  for _ = 1, 150 do m = pt.nn.Sequential(Wrap(m)) end
+  near(m(pt.zeros(1, 2)), inner.bias:view(1, 2) + 150, 1e-5, "150 levels deep")
+end)
+
 test("shared parameters count and train once", function()
   local l = pt.nn.Linear(2, 2, { bias = false })
   local m = pt.nn.Sequential(l, pt.nn.ReLU(), l)

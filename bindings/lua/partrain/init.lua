@@ -5,6 +5,25 @@ local core = require "partrain.core"
 
 local pt = { version = core.version }
 
+-- `require` of Lua files through a loader of partrain's own, the same search as Lua's, which
+-- remembers which file each running chunk came from: a file that ends in a tail call (`return
+-- P.policy {...}`) loses its frame, and errors about it would otherwise name no file of it.
+local loading = setmetatable({}, { __mode = "k" })  -- the wrapper running a file's chunk -> its path
+package.loaders[2] = function(name)
+  local path, tried = package.searchpath(name, package.path)
+  if not path then return tried end
+  local chunk, err = loadfile(path)
+  if not chunk then error(("error loading module '%s' from file '%s':\n\t%s"):format(name, path, err), 0) end
+  local function wrapper(...)
+    local results = { chunk(...) }  -- not a tail call: this frame stays while the chunk runs
+    return unpack(results, 1, table.maxn(results))
+  end
+  loading[wrapper] = path
+  return wrapper
+end
+--- The file whose chunk `fn` runs, when `fn` is the function partrain's loader made for it.
+function pt.loading_file(fn) return loading[fn] end
+
 -- Tensors: pt.zeros, pt.tensor, pt.cat, pt.no_grad, ... (dims and indices count from 0).
 for name, fn in pairs(core) do
   if type(fn) == "function" then pt[name] = fn end
@@ -86,18 +105,27 @@ local function pairs_iter(names, values)
   end
 end
 
+-- A module where `what` needs one (errors at the caller's line: `m.named_modules()` for `m:`).
+local function need_module(m, what, level)
+  if not core.nn.is_module(m) then
+    error(("%s: a module expected, got %s (call it with a colon: m:%s(...))"):format(what, type(m), what), level + 1)
+  end
+end
+
 --- for name, p in model:named_parameters() do ... end   (dotted names, registration order)
-function Module:named_parameters() return pairs_iter(self:_named_parameters()) end
-function Module:named_buffers() return pairs_iter(self:_named_buffers()) end
+function Module:named_parameters() need_module(self, "named_parameters", 2); return pairs_iter(self:_named_parameters()) end
+function Module:named_buffers() need_module(self, "named_buffers", 2); return pairs_iter(self:_named_buffers()) end
 --- for path, m in model:named_modules() do ... end      (the model itself first, as "")
-function Module:named_modules() return pairs_iter(self:_named_modules()) end
-function Module:named_children() return pairs_iter(self:_named_children()) end
+function Module:named_modules() need_module(self, "named_modules", 2); return pairs_iter(self:_named_modules()) end
+function Module:named_children() need_module(self, "named_children", 2); return pairs_iter(self:_named_children()) end
 function Module:children()
+  need_module(self, "children", 2)
   local _, modules = self:_named_children()
   return modules
 end
 --- Calls fn(module, path) on every module of the tree.
 function Module:apply(fn)
+  need_module(self, "apply", 2)
   for path, m in self:named_modules() do fn(m, path) end
   return self
 end
@@ -128,7 +156,8 @@ pt.tp = core.tp
 --- pipeline x data x tensor (tensor fastest), with its groups made once.
 local last_mesh = setmetatable({}, { __mode = "v" })
 function pt.mesh(...)
-  local mesh = core.dist.mesh(...)
+  local ok, mesh = pcall(core.dist.mesh, ...)   -- its errors name the caller's line, not this one's
+  if not ok then error(mesh, 2) end
   last_mesh[1] = mesh
   return mesh
 end
@@ -147,8 +176,9 @@ local policy_names = setmetatable({}, { __mode = "k" })   -- model -> the name o
 --- policy is only checked. Then data parallelism runs over the data group (parameters broadcast
 --- from data rank 0, gradients synced in buckets during backward).
 --- opts: the sharding options (sequence_parallel, sequence_overlap, fused_norm, flash_attention,
---- tensor_parallel: see partrain.policy) and the data-parallel ones (bucket_cap_mb, reduce
---- ("mean", "sum", "min", "max"), grad_accumulation, broadcast_buffers).
+--- tensor_parallel, probe, policy_timeout: see partrain.policy) and the data-parallel ones
+--- (bucket_cap_mb, reduce ("mean", "sum", "min", "max"), grad_accumulation, broadcast_buffers).
+--- All or nothing: when anything is refused, the model is left exactly as it was.
 function pt.parallelize(model, policy, mesh, opts)
   if not core.nn.is_module(model) then error("parallelize: argument #1 must be a module, got " .. type(model), 2) end
   if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
@@ -168,11 +198,21 @@ function pt.parallelize(model, policy, mesh, opts)
         error(("no policy is registered for %s: pass one (see policies/ for examples)"):format(model:type()), 0)
       end
     end
-    if type(policy) == "string" then policy = require(policy) end
+    if type(policy) == "string" then
+      local loaded, result = pcall(require, policy)
+      if not loaded then error(tostring(result), 0) end
+      policy = result
+    end
     if policy ~= nil and type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
     local cfg = P.config(shard, 3)
-    if policy then P.apply(model, policy, mesh, cfg) end
-    data_parallel[model] = core.dist.data_parallel(model, mesh, dp)
+    local undo
+    if policy then _, undo = P.apply(model, policy, mesh, cfg) end
+    local attached, handle = pcall(core.dist.data_parallel, model, mesh, dp)
+    if not attached then
+      if undo then undo() end
+      error(handle, 0)
+    end
+    data_parallel[model] = handle
   end)
   if not ok then error(err, 2) end
   meshes[model], last_parallelized[1] = mesh, model
@@ -301,6 +341,7 @@ pt.reset_peak_memory = core.reset_peak
 --- This rank's model-state bytes: { params, grads, optimizer } of `model` (a tied parameter once)
 --- and its optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields.
 function pt.memory_report(model)
+  if not core.nn.is_module(model) then error("pt.memory_report: a module expected, got " .. type(model), 2) end
   local r = pt.memory()
   r.params, r.grads, r.optimizer = 0, 0, 0
   for _, p in ipairs(model:parameters()) do
@@ -338,6 +379,7 @@ end
 --- nil when whole), fused, slices = { [group rank + 1] = { {start, length}, ... } }, ranks (the
 --- tensor group's global ranks, or nil), bytes (this rank's) }.
 function pt.tp.shards(model)
+  if not core.nn.is_module(model) then error("pt.tp.shards: a module expected, got " .. type(model), 2) end
   local rows = {}
   for name, p in model:named_parameters() do
     local s = pt.tp.sharding(p)
@@ -354,20 +396,38 @@ end
 --- gradient, say), gathered over its tensor group: a collective. Whole tensors come back as they are.
 function pt.tp.gather(p, t)
   t = t or p
-  local s = pt.tp.sharding(p)
+  local ok, s = pcall(pt.tp.sharding, p)
+  if not ok then error(s, 2) end
   if not s then return t end
-  return core.tp._gather_full(p, t)
+  local done, full = pcall(core.tp._gather_full, p, t)
+  if not done then error(full, 2) end
+  return full
 end
 
 --- The loss to use with `model`'s logits: cross-entropy, computed from vocabulary-split logits
---- without gathering them when a policy split the output head.
+--- without gathering them when a policy split the output head. loss(logits, targets [, { ignore_index }]).
 function pt.loss_fn(model)
   local P = package.loaded["partrain.policy"]
   local split = P and P.vocab_parallel[model]
-  if split then
-    return function(logits, targets) return core.tp.cross_entropy(logits, targets, split.group, split.vocab) end
+  if not split then
+    return function(logits, targets, opts)
+      local ok, loss = pcall(core.nn.cross_entropy, logits, targets, opts)
+      if not ok then error(loss, 2) end
+      return loss
+    end
   end
-  return core.nn.cross_entropy
+  return function(logits, targets, opts)
+    -- The logits must be (a view of) the vocabulary head's output: anything else (the head was
+    -- not the model's last layer, or they were gathered) would be read as split when it is not.
+    if pt.is_tensor(logits) and not core.plan.planning() and not core.tp.split_logits(logits) then
+      error(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (P.vocab_head "
+        .. "at %s): is it the model's output layer? Whole logits take pt.nn.cross_entropy"):format(
+        table.concat(logits.shape, "x"), model:type(), split.where or "?"), 2)
+    end
+    local ok, loss = pcall(core.tp.cross_entropy, logits, targets, split.group, split.vocab, opts)
+    if not ok then error(loss, 2) end
+    return loss
+  end
 end
 
 --- The data-parallel handle of a model made parallel by pt.parallelize (or nil): hooks,

@@ -3,9 +3,13 @@
 -- which of their sub-modules become which parallel layer, which integer attributes divide by the
 -- tensor size, which methods Lua functions replace, and what to do before and after
 -- (preprocess, postprocess: ties). `modules` may be a function of the configuration (ShardConfig:
--- sequence_parallel, sequence_overlap, fused_norm, flash_attention) returning that table. The
--- sharder checks everything before it changes anything, and every error names the policy's
--- file:line.
+-- sequence_parallel, sequence_overlap, fused_norm, flash_attention) returning that table.
+--
+-- This file is the language: styles, P.policy and the checks of a policy's shape, the
+-- configuration. Applying one (partrain/sharder.lua) is a transaction: plan every change and
+-- refuse conflicts, apply them, check every layer's invariants (an attention's heads x head
+-- size = its width), compare a probe batch's output and gradients with the serial model's, and
+-- on any failure put the model back exactly as it was. Every error names the policy's file:line.
 --
 --   local P = require "partrain.policy"
 --   return P.policy {
@@ -19,32 +23,103 @@
 --     postprocess = function(model, cfg) P.tie(model, "lm_head.weight", "wte.weight") end,
 --   }
 local pt = require "partrain"
+local core = require "partrain.core"
 
 local P = {}
 
--- file:line of the policy code that called a constructor (level 2: the constructor's caller).
-local function where(level)
-  local info = debug.getinfo(level + 1, "Sl")
-  return info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
+-- Locations ----------------------------------------------------------------------------------
+-- Errors name the user's file:line. A function that ends in a tail call (`return P.policy {...}`,
+-- the usual last line of a policy file) loses its frame in Lua, so the frame above is someone
+-- else's: a C function (require, pcall), or the loader partrain installs for `require`, which
+-- says which file it is loading (pt.loading_file); the line then comes from that file's text.
+
+local own_dir = debug.getinfo(1, "S").source:match("^@(.*/)[^/]+$") or "\0"
+local function internal(source) return source:sub(1, 1) == "@" and source:sub(2, #own_dir + 1) == own_dir end
+
+-- The line of the last `return ... policy {` (or `policy (`) in a file, or of any `policy {`.
+local function policy_line(path)
+  local f = io.open(path, "r")
+  if not f then return nil end
+  local n, last, last_return = 0, nil, nil
+  for line in f:lines() do
+    n = n + 1
+    local code = line:gsub("%-%-.*$", "")
+    if code:find("policy%s*[{(]") then
+      last = n
+      if code:find("return") then last_return = n end
+    end
+  end
+  f:close()
+  return last_return or last
+end
+
+--- file:line of the user code that called the function `level` frames above the caller of
+--- P.where (1: the caller's caller), seeing through tail calls as described above.
+function P.where(level)
+  level = (level or 1) + 2
+  local info = debug.getinfo(level, "Slf")
+  if info and info.what ~= "C" and not internal(info.source) and (info.currentline or 0) > 0 then
+    return info.short_src .. ":" .. info.currentline
+  end
+  for l = level, level + 40 do
+    local i = debug.getinfo(l, "Slf")
+    if not i then break end
+    local path = pt.loading_file(i.func)
+    if path then return path .. ":" .. (policy_line(path) or 1) end
+    if i.what ~= "C" and not internal(i.source) and (i.currentline or 0) > 0 then
+      return i.short_src .. ":" .. i.currentline
+    end
+  end
+  return "?"
+end
+
+-- file:line where a Lua function was written.
+local function defined_at(fn)
+  local info = debug.getinfo(fn, "S")
+  return info.short_src .. ":" .. info.linedefined
 end
 
 local function fail(at, fmt, ...) error(at .. ": " .. fmt:format(...), 0) end
 
+-- A message without the locations inside partrain's own Lua files that lead it (those of the
+-- sharder's calls into the engine): the user's location is added in their place.
+local function strip_internal(err)
+  local msg = tostring(err)
+  while true do
+    local rest = msg:match("^[^\n:]*:%d+: (.*)$")
+    local prefix = rest and msg:sub(1, #msg - #rest)
+    if not prefix or not (prefix:find(own_dir, 1, true) or prefix:find("partrain/[%w_]+%.lua:%d+: $")) then return msg end
+    msg = rest
+  end
+end
+
+local function sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  return keys
+end
+
+-- Styles -------------------------------------------------------------------------------------
+
 local STYLE = {}  -- metatable of style values
 local function style(kind, needs, allowed)
   return function(opts)
-    local at = where(2)
+    local at = P.where(1)
     opts = opts or {}
-    if type(opts) ~= "table" then fail(at, "P.%s expects an options table, got %s", kind, type(opts)) end
+    if type(opts) ~= "table" or getmetatable(opts) == STYLE then
+      fail(at, "P.%s expects an options table, got %s", kind, getmetatable(opts) == STYLE and "a style" or type(opts))
+    end
     for k, v in pairs(opts) do
       local expected = allowed[k]
       if not expected then
-        local names = {}
-        for n in pairs(allowed) do names[#names + 1] = n end
-        table.sort(names)
+        local names = sorted_keys(allowed)
         fail(at, "P.%s has no option '%s' (options: %s)", kind, tostring(k), #names > 0 and table.concat(names, ", ") or "none")
       end
       if type(v) ~= expected then fail(at, "P.%s option '%s' must be a %s, got %s", kind, k, expected, type(v)) end
+      if k == "fused" and (v < 1 or v ~= math.floor(v) or v ~= v or v == math.huge) then
+        fail(at, "P.%s option 'fused' must be a whole number of parts >= 1, got %s", kind, tostring(v))
+      end
     end
     return setmetatable({ kind = kind, needs = needs, opts = opts, where = at }, STYLE)
   end
@@ -60,7 +135,8 @@ P.row = style("row", "Linear", { input_is_parallel = "boolean", sequence_paralle
 P.norm = style("norm", "LayerNorm", { sequence_parallel = "boolean" })
 --- An embedding split along the vocabulary (padded to a multiple of the tensor size).
 P.vocab_embedding = style("vocab_embedding", "Embedding", {})
---- An output head split along the vocabulary; its logits stay split: use pt.loss_fn(model).
+--- The output head split along the vocabulary; its logits stay split: use pt.loss_fn(model), or
+--- pt.tp.gather_logits(logits) before sampling.
 P.vocab_head = style("vocab_head", "Linear", {})
 
 --- An attribute value: divided by the tensor size (which must divide it).
@@ -68,6 +144,8 @@ P.divide_by_tensor = setmetatable({ kind = "divide_by_tensor" }, STYLE)
 
 --- Ties parameter `a` to parameter `b` (dotted paths): after it they are one tensor.
 function P.tie(model, a, b)
+  if not core.nn.is_module(model) then error("P.tie: argument #1 must be the model, got " .. type(model), 2) end
+  if type(a) ~= "string" or type(b) ~= "string" then error("P.tie: the parameters must be dotted paths (strings)", 2) end
   local function split(path)
     local owner, name = path:match("^(.*)%.([^.]+)$")
     return owner or "", name or path
@@ -77,80 +155,166 @@ function P.tie(model, a, b)
   local ma, mb = model:get(oa), model:get(ob)
   if not ma then error(("tie: no module '%s' in %s"):format(oa, model:type()), 2) end
   if not mb then error(("tie: no module '%s' in %s"):format(ob, model:type()), 2) end
-  local pb = mb[nb]
-  if not pt.is_tensor(pb) then error(("tie: '%s' is not a parameter"):format(b), 2) end
-  if not pt.is_tensor(ma[na]) then error(("tie: '%s' is not a parameter"):format(a), 2) end
-  ma[na] = pb
+  local ok, pb = pcall(function() return mb[nb] end)
+  if not ok or not pt.is_tensor(pb) then error(("tie: '%s' is not a parameter"):format(b), 2) end
+  local ok_a, pa = pcall(function() return ma[na] end)
+  if not ok_a or not pt.is_tensor(pa) then error(("tie: '%s' is not a parameter"):format(a), 2) end
+  local set_ok, err = pcall(function() ma[na] = pb end)
+  if not set_ok then error(("tie: %s"):format(strip_internal(err)), 2) end
+end
+
+-- The shape of a policy ----------------------------------------------------------------------
+
+local function is_list(t)
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  for i = 1, n do if t[i] == nil then return false end end
+  return true
+end
+
+local function first_non_index(t)
+  for k in pairs(t) do
+    if type(k) ~= "number" or k < 1 or k ~= math.floor(k) or k > #t then return k end
+  end
+end
+
+-- Where a modules entry was written: a method's definition or a style's line, else `at`.
+local function entry_where(entry, at)
+  if type(entry) ~= "table" then return at end
+  if type(entry.replace) == "table" then
+    for _, r in pairs(entry.replace) do
+      if type(r) == "table" and getmetatable(r[2]) == STYLE and r[2].where then return r[2].where end
+      if getmetatable(r) == STYLE and r.where then return r.where end  -- a map { path = style }
+    end
+  end
+  if type(entry.methods) == "table" then
+    for _, fn in pairs(entry.methods) do if type(fn) == "function" then return defined_at(fn) end end
+  end
+  return at
 end
 
 -- Checks the shape of a policy's modules table (written at `at`).
 local function check_modules(modules, at)
-  if type(modules) ~= "table" then fail(at, "modules must be a table, got %s", type(modules)) end
-  for key, entry in pairs(modules) do
-    if type(entry) ~= "table" then fail(at, "modules.%s must be a table, got %s", tostring(key), type(entry)) end
+  if type(modules) ~= "table" or getmetatable(modules) == STYLE then
+    fail(at, "modules must be a table, got %s", type(modules))
+  end
+  if next(modules) == nil then fail(at, "modules is empty: the policy would change nothing") end
+  for _, key in ipairs(sorted_keys(modules)) do
+    local entry = modules[key]
+    if type(key) ~= "string" or key == "" then
+      fail(at, "modules keys must be module types, paths or globs (non-empty strings), got %s",
+        type(key) == "string" and "''" or type(key) .. " " .. tostring(key))
+    end
+    if type(entry) ~= "table" then fail(at, "modules.%s must be a table, got %s", key, type(entry)) end
+    local ew = entry_where(entry, at)
     for k in pairs(entry) do
       if k ~= "attributes" and k ~= "replace" and k ~= "methods" then
-        fail(at, "modules.%s has no field '%s' (fields: attributes, methods, replace)", tostring(key), tostring(k))
+        fail(ew, "modules.%s has no field '%s' (fields: attributes, methods, replace)", key, tostring(k))
       end
     end
-    for i, r in ipairs(entry.replace or {}) do
-      if type(r) ~= "table" or type(r[1]) ~= "string" or getmetatable(r[2]) ~= STYLE then
-        fail(at, "modules.%s.replace[%d] must be { \"path\", P.<style> {...} [, ignore_if_missing = true] }", key, i)
+    if entry.replace ~= nil then
+      if type(entry.replace) ~= "table" then fail(ew, "modules.%s.replace must be a list, got %s", key, type(entry.replace)) end
+      if not is_list(entry.replace) then
+        fail(ew, "modules.%s.replace must be a list of { \"path\", P.<style> {...} } entries, but it has the key '%s' "
+          .. "(a map is not read: write { { \"path\", P.column {} }, ... })", key, tostring(first_non_index(entry.replace)))
       end
-      for k in pairs(r) do
-        if k ~= 1 and k ~= 2 and k ~= "ignore_if_missing" then
-          fail(r[2].where, "modules.%s.replace[%d] has no field '%s' (fields: ignore_if_missing)", key, i, tostring(k))
+      for i, r in ipairs(entry.replace) do
+        local rw = type(r) == "table" and getmetatable(r[2]) == STYLE and r[2].where or ew
+        if type(r) ~= "table" or type(r[1]) ~= "string" or getmetatable(r[2]) ~= STYLE or r[2].kind == "divide_by_tensor" then
+          fail(rw, "modules.%s.replace[%d] must be { \"path\", P.<style> {...} [, ignore_if_missing = true] }", key, i)
+        end
+        if r[1] == "" then fail(rw, "modules.%s.replace[%d]: the path is empty (the module itself cannot be replaced)", key, i) end
+        for k in pairs(r) do
+          if k ~= 1 and k ~= 2 and k ~= "ignore_if_missing" then
+            fail(rw, "modules.%s.replace[%d] has no field '%s' (fields: ignore_if_missing)", key, i, tostring(k))
+          end
+        end
+        if r.ignore_if_missing ~= nil and type(r.ignore_if_missing) ~= "boolean" then
+          fail(rw, "modules.%s.replace[%d]: ignore_if_missing must be a boolean, got %s", key, i, type(r.ignore_if_missing))
         end
       end
     end
-    for path, value in pairs(entry.attributes or {}) do
-      local t = type(value)
-      if type(path) ~= "string" or (getmetatable(value) ~= STYLE and t ~= "number" and t ~= "boolean") then
-        fail(at, "modules.%s.attributes: '%s' must map to P.divide_by_tensor, a number or a boolean", key, tostring(path))
+    if entry.attributes ~= nil then
+      if type(entry.attributes) ~= "table" then fail(ew, "modules.%s.attributes must be a table, got %s", key, type(entry.attributes)) end
+      for _, path in ipairs(sorted_keys(entry.attributes)) do
+        local value = entry.attributes[path]
+        local t = type(value)
+        if type(path) ~= "string" or path == "" or (value ~= P.divide_by_tensor and t ~= "number" and t ~= "boolean") then
+          fail(ew, "modules.%s.attributes: '%s' must map to P.divide_by_tensor, a number or a boolean", key, tostring(path))
+        end
+        if t == "number" and (value ~= value or value == math.huge or value == -math.huge) then
+          fail(ew, "modules.%s.attributes: '%s' is set to %s", key, path, tostring(value))
+        end
       end
     end
-    for name, fn in pairs(entry.methods or {}) do
-      if type(name) ~= "string" or type(fn) ~= "function" then
-        fail(at, "modules.%s.methods: '%s' must map to a function(self, ...)", key, tostring(name))
+    if entry.methods ~= nil then
+      if type(entry.methods) ~= "table" then fail(ew, "modules.%s.methods must be a table, got %s", key, type(entry.methods)) end
+      for _, name in ipairs(sorted_keys(entry.methods)) do
+        if type(name) ~= "string" or type(entry.methods[name]) ~= "function" then
+          fail(ew, "modules.%s.methods: '%s' must map to a function(self, ...)", key, tostring(name))
+        end
       end
     end
   end
 end
 
---- Declares a policy; checks its shape and remembers where it was written.
-function P.policy(spec)
-  local at = where(2)
-  if type(spec) ~= "table" then fail(at, "P.policy expects a table, got %s", type(spec)) end
-  local keys = { name = "string", targets = "table", modules = { table = true, ["function"] = true }, preprocess = "function",
+local FIELDS = { name = "string", targets = "table", modules = "table or function", preprocess = "function",
                  postprocess = "function", pipeline = "table" }
-  for k, v in pairs(spec) do
-    if not keys[k] then fail(at, "policy has no field '%s' (fields: modules, name, pipeline, postprocess, preprocess, targets)", tostring(k)) end
-    local want = keys[k]
-    if type(want) == "table" and not want[type(v)] then
-      fail(at, "policy field '%s' must be a table or a function(cfg) returning one, got %s", k, type(v))
-    elseif type(want) == "string" and type(v) ~= want then
+local PIPELINE = { blocks = "string", first = "list", last = "list" }
+
+-- Checks a policy's fields (written at `at`).
+local function check_policy(spec, at)
+  if type(spec) ~= "table" or getmetatable(spec) == STYLE then fail(at, "P.policy expects a table, got %s", type(spec)) end
+  for _, k in ipairs(sorted_keys(spec)) do
+    local v, want = spec[k], FIELDS[k]
+    if not want then
+      fail(at, "policy has no field '%s' (fields: modules, name, pipeline, postprocess, preprocess, targets)", tostring(k))
+    end
+    if want == "table or function" then
+      if type(v) ~= "table" and type(v) ~= "function" then
+        fail(at, "policy field '%s' must be a table or a function(cfg) returning one, got %s", k, type(v))
+      end
+    elseif type(v) ~= want then
       fail(at, "policy field '%s' must be a %s, got %s", k, want, type(v))
     end
   end
-  if not spec.modules then fail(at, "policy %s has no modules", spec.name or "?") end
+  if spec.modules == nil then fail(at, "policy %s has no modules", spec.name or "?") end
+  if spec.targets then
+    if not is_list(spec.targets) or #spec.targets == 0 then fail(at, "policy field 'targets' must be a non-empty list of model types") end
+    for i, name in ipairs(spec.targets) do
+      if type(name) ~= "string" then fail(at, "policy field 'targets': entry %d must be a model type (a string), got %s", i, type(name)) end
+    end
+  end
+  if spec.pipeline then
+    for _, k in ipairs(sorted_keys(spec.pipeline)) do
+      local v, want = spec.pipeline[k], PIPELINE[k]
+      if not want then fail(at, "pipeline has no field '%s' (fields: blocks, first, last)", tostring(k)) end
+      if want == "string" and type(v) ~= "string" then fail(at, "pipeline.%s must be a string, got %s", k, type(v)) end
+      if want == "list" then
+        if type(v) ~= "table" or not is_list(v) then fail(at, "pipeline.%s must be a list of module paths", k) end
+        for i, p in ipairs(v) do
+          if type(p) ~= "string" then fail(at, "pipeline.%s[%d] must be a module path (a string), got %s", k, i, type(p)) end
+        end
+      end
+    end
+  end
   if type(spec.modules) == "table" then check_modules(spec.modules, at) end
-  spec.where = at
+end
+
+local declared = setmetatable({}, { __mode = "k" })  -- policy table -> where P.policy made it
+
+--- Declares a policy; checks its shape and remembers where it was written.
+function P.policy(spec)
+  local at = P.where(1)
+  check_policy(spec, at)
+  declared[spec] = at
   return spec
 end
 
--- Modules of `model` a policy key names: a type name, a path ("lm_head", "h.0.attn"), or a
--- dotted-path glob ("h.*.attn").
-local function matches(model, key)
-  local found = {}
-  local glob = key:find("[%.%*]") ~= nil
-  local pattern = "^" .. key:gsub("%.", "%%."):gsub("%*", "[^.]+") .. "$"
-  for path, m in model:named_modules() do
-    if path:match(pattern) or (not glob and m:type() == key) then found[#found + 1] = { path, m } end
-  end
-  return found
-end
+--- Where `policy` was declared (P.policy's file:line), or nil for a plain table.
+function P.declared_at(policy) return declared[policy] end
 
-local function join(a, b) return a == "" and b or (a .. "." .. b) end
+-- The configuration ---------------------------------------------------------------------------
 
 -- The configuration a policy sees (ShardFormer's ShardConfig), with its defaults.
 local CONFIG = {
@@ -159,8 +323,12 @@ local CONFIG = {
   sequence_overlap = false,   -- overlap the sequence all-gather with the matmul (needs the above)
   fused_norm = true,          -- LayerNorm as one fused kernel (false: composed, for reference)
   flash_attention = false,    -- fused attention where LibTorch has it (2.x)
+  policy_timeout = 60,        -- seconds each of preprocess, modules(cfg), postprocess and the probe may take
+  probe = "auto",             -- compare a probe batch with the serial model: true, false, "auto", or the input
 }
 P.config_keys = CONFIG
+--- Models of at most this many parameters are probed by default (probe = "auto").
+P.probe_limit = 16 * 1024 * 1024
 
 --- Fills in and checks a configuration table; an unknown key or a wrong type is an error
 --- (at `level`). Returns a new table.
@@ -169,12 +337,25 @@ function P.config(opts, level)
   local cfg = {}
   for k, v in pairs(opts or {}) do
     if CONFIG[k] == nil then
-      local names = {}
-      for n in pairs(CONFIG) do names[#names + 1] = n end
-      table.sort(names)
-      error(("unknown sharding option '%s' (options: %s)"):format(tostring(k), table.concat(names, ", ")), level)
+      error(("unknown sharding option '%s' (options: %s)"):format(tostring(k), table.concat(sorted_keys(CONFIG), ", ")), level)
     end
-    if type(v) ~= "boolean" then error(("sharding option '%s' must be a boolean, got %s"):format(k, type(v)), level) end
+    if k == "policy_timeout" then
+      if type(v) ~= "number" or not (v > 0) or v == math.huge then
+        error(("sharding option 'policy_timeout' must be a number of seconds > 0, got %s"):format(tostring(v)), level)
+      end
+    elseif k == "probe" then
+      local ok = type(v) == "boolean" or v == "auto" or pt.is_tensor(v)
+      if type(v) == "table" then
+        ok = #v > 0 and is_list(v)
+        for _, x in ipairs(v) do ok = ok and pt.is_tensor(x) end
+      end
+      if not ok then
+        error(("sharding option 'probe' must be true, false, \"auto\", an input tensor or a list of them, got %s"):format(
+          type(v) == "string" and ("'" .. v .. "'") or type(v)), level)
+      end
+    elseif type(v) ~= "boolean" then
+      error(("sharding option '%s' must be a boolean, got %s"):format(k, type(v)), level)
+    end
     cfg[k] = v
   end
   for k, default in pairs(CONFIG) do
@@ -186,138 +367,35 @@ function P.config(opts, level)
   return cfg
 end
 
--- Everything a policy would do to `model`, checked, as a list of actions; nothing changes yet.
-local function plan(model, policy, cfg)
-  local at = policy.where or "policy"
-  local t = cfg.tensor
-  if policy.targets then
-    local ok = false
-    for _, name in ipairs(policy.targets) do ok = ok or name == model:type() end
-    if not ok then fail(at, "policy %s serves %s, not %s", policy.name or "?", table.concat(policy.targets, ", "), model:type()) end
-  end
-  local modules = policy.modules
-  if type(modules) == "function" then
-    local ok, result = pcall(modules, cfg)
-    if not ok then fail(at, "modules(cfg) of policy %s failed: %s", policy.name or "?", tostring(result)) end
-    modules = result
-  end
-  check_modules(modules, at)
-  local actions = {}
-  local keys = {}  -- in a fixed order: every rank must build its layers in the same order
-  for key in pairs(modules) do keys[#keys + 1] = key end
-  table.sort(keys)
-  for _, key in ipairs(keys) do
-    local entry = modules[key]
-    local found = matches(model, key)
-    if #found == 0 then fail(at, "modules.%s matches no module of %s", key, model:type()) end
-    for _, item in ipairs(found) do
-      local base, parent = item[1], item[2]
-      for _, r in ipairs(entry.replace or {}) do
-        local path, s = join(base, r[1]), r[2]
-        local target = model:get(path)
-        if not target then
-          if not r.ignore_if_missing then fail(s.where, "%s: no module '%s' in %s (set ignore_if_missing = true if that is expected)", s.kind, path, model:type()) end
-        else
-          if target:type() ~= s.needs then
-            fail(s.where, "P.%s does not fit %s: it is a %s, and P.%s needs a %s", s.kind, path, target:type(), s.kind, s.needs)
-          end
-          actions[#actions + 1] = { path = path, style = s, target = target }
-          -- Sizes: an error now rather than half-way through.
-          if s.kind == "column" then
-            local fused = s.opts.fused or 1
-            local out = target.weight.shape[1]
-            if out % fused ~= 0 or (out / fused) % t ~= 0 then
-              fail(s.where, "tensor=%d does not divide %s's output of %d%s", t, path, out, fused > 1 and (" (" .. fused .. " fused parts of " .. out / fused .. ")") or "")
-            end
-          elseif s.kind == "row" then
-            local input = target.weight.shape[2]
-            if input % t ~= 0 then fail(s.where, "tensor=%d does not divide %s's input of %d", t, path, input) end
-          end
-        end
-      end
-      for attr_path, value in pairs(entry.attributes or {}) do
-        local owner_path, name = attr_path:match("^(.*)%.([^.]+)$")
-        owner_path, name = owner_path or "", name or attr_path
-        local owner = parent:get(owner_path)
-        if not owner then fail(at, "attributes: no module '%s' under %s", owner_path, base == "" and model:type() or base) end
-        local current = owner:attribute(name)
-        if current == nil then fail(at, "attributes: %s has no attribute '%s'", owner:type(), name) end
-        local new = value
-        if getmetatable(value) == STYLE then
-          if current % t ~= 0 then
-            fail(at, "tensor=%d does not divide %s.%s=%d", t, join(base, owner_path), name, current)
-          end
-          new = current / t
-        elseif type(value) == "boolean" then
-          new = value and 1 or 0
-        end
-        actions[#actions + 1] = { attribute = name, owner = owner, value = new }
-      end
-      for name, fn in pairs(entry.methods or {}) do
-        if name ~= "forward" and not parent:is_lua() then
-          fail(at, "methods: %s is a built-in module; only its forward can be replaced, not '%s'", parent:type(), name)
-        end
-        actions[#actions + 1] = { method = name, owner = parent, fn = fn }
-      end
-    end
-  end
-  return actions
-end
+-- Applying (partrain/sharder.lua does it) -----------------------------------------------------
+
+--- Models whose output logits are split along the vocabulary (by P.vocab_head): model -> { group, vocab, where }.
+P.vocab_parallel = setmetatable({}, { __mode = "k" })
 
 --- Applies `policy` to `model` over the tensor group of `mesh`; cfg: the sharding options
---- (P.config). Returns the model, changed in place. With tensor_parallel = false, or a tensor
---- group of one, the policy is only checked against the model.
+--- (P.config). Returns the model, changed in place, and a function that undoes the policy. With
+--- tensor_parallel = false, or a tensor group of one, the policy is only checked against the
+--- model. All or nothing: on any error (on any rank) the model is put back exactly as it was,
+--- and the error names the policy's file:line (for a plain table not made by P.policy, the line
+--- of the call).
 function P.apply(model, policy, mesh, cfg)
+  if not core.nn.is_module(model) then error("P.apply: argument #1 must be a module, got " .. type(model), 2) end
+  if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
+    error("P.apply: argument #3 must be a mesh (pt.mesh {...}), got " .. type(mesh), 2)
+  end
   cfg = P.config(cfg, 2)
-  local at = policy.where or "policy"
-  local group = mesh:group("tensor")
-  cfg.tensor, cfg.group = group:size(), group
-  if policy.preprocess then
-    local ok, err = pcall(policy.preprocess, model, cfg)
-    if not ok then fail(at, "preprocess of policy %s failed: %s", policy.name or "?", tostring(err)) end
-  end
-  -- Check everything first: nothing changes unless the whole policy applies.
-  local actions = plan(model, policy, cfg)
-  if not cfg.tensor_parallel or cfg.tensor == 1 then return model end
-  local sp = cfg.sequence_parallel
-  local function option(s, name, default)
-    if s.opts[name] ~= nil then return s.opts[name] end
-    return default
-  end
-  for _, a in ipairs(actions) do
-    if a.attribute then
-      a.owner:set_attribute(a.attribute, a.value)
-    elseif a.method then
-      if a.method == "forward" then a.owner:replace_forward(a.fn)
-      else a.owner[a.method] = a.fn end
-    else
-      local s, built = a.style
-      if s.kind == "column" then
-        local seq = option(s, "sequence_parallel", sp)
-        built = pt.tp.column(a.target, group, { fused = s.opts.fused, gather_output = s.opts.gather_output,
-                                                sequence_parallel = seq, sequence_overlap = seq and cfg.sequence_overlap })
-      elseif s.kind == "row" then
-        built = pt.tp.row(a.target, group, { input_is_parallel = s.opts.input_is_parallel,
-                                             sequence_parallel = option(s, "sequence_parallel", sp) })
-      elseif s.kind == "norm" then
-        built = pt.tp.layer_norm(a.target, group, { sequence_parallel = option(s, "sequence_parallel", sp), fused = cfg.fused_norm })
-      elseif s.kind == "vocab_embedding" then built = pt.tp.vocab_embedding(a.target, group)
-      elseif s.kind == "vocab_head" then
-        built = pt.tp.column(a.target, group, { pad = true, sequence_parallel = sp, sequence_overlap = sp and cfg.sequence_overlap })
-        P.vocab_parallel[model] = { group = group, vocab = a.target.weight.shape[1] }
-      end
-      model:set(a.path, built)
-    end
-  end
-  if policy.postprocess then
-    local ok, err = pcall(policy.postprocess, model, cfg)
-    if not ok then fail(at, "postprocess of policy %s failed: %s", policy.name or "?", tostring(err)) end
-  end
-  return model
+  local at = declared[policy] or P.where(1)
+  check_policy(policy, at)
+  return require("partrain.sharder").apply(model, policy, mesh, cfg, at)
 end
 
---- Models whose output logits are split along the vocabulary (by P.vocab_head): model -> { group, vocab }.
-P.vocab_parallel = setmetatable({}, { __mode = "k" })
+--- The undo record of `model` now: a function that puts it back exactly (its modules,
+--- parameters and their contents, attributes, forwards, Lua fields, vocabulary split).
+function P.begin(model) return require("partrain.sharder").begin(model) end
+
+-- What partrain/sharder.lua shares with this file.
+P._shape = { STYLE = STYLE, check_modules = check_modules, entry_where = entry_where, defined_at = defined_at,
+             fail = fail, strip_internal = strip_internal, sorted_keys = sorted_keys, internal = internal }
 
 --- The policies partrain ships, by model type.
 P.registry = { GPT2 = "policies.gpt2", MLP = "policies.mlp", SimpleModel = "policies.simple" }
