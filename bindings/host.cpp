@@ -485,6 +485,14 @@ int open_core(lua_State* L) {
   open_dist(L, core);
   open_repl(L, core);
   open_ckpt(L, core);
+  // core._where(): the user's file:line running now (the first frame outside partrain's Lua), as
+  // engine errors name it; "" when there is none.
+  lua_pushcfunction(L, [](lua_State* S) {
+    std::string where = user_location(S);
+    lua_pushlstring(S, where.data(), where.size());
+    return 1;
+  });
+  lua_setfield(L, core, "_where");
   lua_pushstring(L, PARTRAIN_VERSION);
   lua_setfield(L, core, "version");
   return 1;

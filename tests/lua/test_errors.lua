@@ -28,14 +28,21 @@ local function has(out, text, what) ok(out:find(text, 1, true), what .. ": expec
 test("an engine error behind a library wrapper names the script line (pt.mesh)", function()
   local status, out, path = run('local pt = require "partrain"\n\nlocal mesh = pt.mesh { tensor = 3 }\n')
   ok(status == 1, "exit status 1, got " .. tostring(status))
-  has(out, path .. ":3: mesh: tensor=3", "the user's line, then the message")
+  has(out, "partrain: " .. path .. ":3: mesh: tensor=3", "the user's line once, then the message")
   ok(not out:match("partrain: [^\n]*init%.lua"), "the message's location is not init.lua:\n" .. out)
 end)
 
 test("a bad argument that trips inside the library is moved to the user's line, keeping where it was raised", function()
-  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\nm.named_parameters(5)\n')
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\nm:apply(5)\n')
   ok(status == 1, "exit status 1, got " .. tostring(status))
-  has(out, path .. ":3: attempt to index local 'self' (a number value) (raised in partrain/init.lua:", "relocated")
+  has(out, "partrain: " .. path .. ":3: attempt to call local 'fn' (a number value) (raised in partrain/init.lua:", "relocated")
+end)
+
+test("an engine error passed on by a library wrapper names the user's line once (pt.ckpt.save)", function()
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+    .. 'pt.ckpt.save(os.tmpname() .. "-ck", { model = m, tag = "../x" })\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, "partrain: " .. path .. ":3: bad checkpoint tag '../x'", "named once")
 end)
 
 test("an error object that is not a string is described, with a traceback", function()

@@ -5,6 +5,16 @@ local core = require "partrain.core"
 
 local pt = { version = core.version }
 
+--- Re-raises an error a pcall caught around an engine call so that it names the caller's line
+--- once, `level` frames above the caller of rethrow: an engine error already begins with the
+--- user's line (the first frame outside partrain's own Lua), so it is raised as it is.
+local function rethrow(err, level)
+  local msg, user = tostring(err), core._where()
+  if user ~= "" and msg:sub(1, #user + 2) == user .. ": " then error(msg, 0) end
+  error(msg, level + 1)
+end
+pt._rethrow = rethrow
+
 -- `require` of Lua files through a loader of partrain's own, the same search as Lua's, which
 -- remembers which file each running chunk came from: a file that ends in a tail call (`return
 -- P.policy {...}`) loses its frame, and errors about it would otherwise name no file of it.
@@ -157,7 +167,7 @@ pt.tp = core.tp
 local last_mesh = setmetatable({}, { __mode = "v" })
 function pt.mesh(...)
   local ok, mesh = pcall(core.dist.mesh, ...)   -- its errors name the caller's line, not this one's
-  if not ok then error(mesh, 2) end
+  if not ok then rethrow(mesh, 2) end
   last_mesh[1] = mesh
   return mesh
 end
@@ -214,7 +224,7 @@ function pt.parallelize(model, policy, mesh, opts)
     end
     data_parallel[model] = handle
   end)
-  if not ok then error(err, 2) end
+  if not ok then rethrow(err, 2) end
   meshes[model], last_parallelized[1] = mesh, model
   policy_names[model] = type(policy) == "table" and policy.name or nil
   return model
@@ -252,7 +262,7 @@ end
 
 local function ckpt_call(level, fn, ...)
   local ok, result, more = pcall(fn, ...)
-  if not ok then error(result, level + 1) end
+  if not ok then rethrow(result, level + 1) end
   return result, more
 end
 
@@ -397,10 +407,10 @@ end
 function pt.tp.gather(p, t)
   t = t or p
   local ok, s = pcall(pt.tp.sharding, p)
-  if not ok then error(s, 2) end
+  if not ok then rethrow(s, 2) end
   if not s then return t end
   local done, full = pcall(core.tp._gather_full, p, t)
-  if not done then error(full, 2) end
+  if not done then rethrow(full, 2) end
   return full
 end
 
@@ -412,7 +422,7 @@ function pt.loss_fn(model)
   if not split then
     return function(logits, targets, opts)
       local ok, loss = pcall(core.nn.cross_entropy, logits, targets, opts)
-      if not ok then error(loss, 2) end
+      if not ok then rethrow(loss, 2) end
       return loss
     end
   end
@@ -425,7 +435,7 @@ function pt.loss_fn(model)
         table.concat(logits.shape, "x"), model:type(), split.where or "?"), 2)
     end
     local ok, loss = pcall(core.tp.cross_entropy, logits, targets, split.group, split.vocab, opts)
-    if not ok then error(loss, 2) end
+    if not ok then rethrow(loss, 2) end
     return loss
   end
 end

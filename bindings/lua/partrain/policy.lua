@@ -83,12 +83,17 @@ local function fail(at, fmt, ...) error(at .. ": " .. fmt:format(...), 0) end
 
 -- A message without the locations inside partrain's own Lua files that lead it (those of the
 -- sharder's calls into the engine): the user's location is added in their place.
+-- The user's line that led into partrain, which engine errors begin with, goes too: the caller
+-- names a better place (the policy's entry).
 local function strip_internal(err)
-  local msg = tostring(err)
+  local msg, user = tostring(err), core._where()
   while true do
     local rest = msg:match("^[^\n:]*:%d+: (.*)$")
     local prefix = rest and msg:sub(1, #msg - #rest)
-    if not prefix or not (prefix:find(own_dir, 1, true) or prefix:find("partrain/[%w_]+%.lua:%d+: $")) then return msg end
+    if not prefix or not (prefix:find(own_dir, 1, true) or prefix:find("partrain/[%w_]+%.lua:%d+: $")
+                          or (user ~= "" and prefix == user .. ": ")) then
+      return msg
+    end
     msg = rest
   end
 end
