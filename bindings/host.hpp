@@ -18,6 +18,10 @@ struct Paths {
 };
 Paths find_paths();
 
+/// Whether this run was asked for the REPL (partrain -i, partrain repl): under the launcher only
+/// then does rank 0 read the terminal, so only then does pt.breakpoint() stop.
+void set_interactive(bool on);
+
 class Host {
  public:
   Host();
