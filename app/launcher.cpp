@@ -315,9 +315,11 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
   std::vector<std::pair<int, char>> missing;  // ranks still running, without a report, when the settling
                                               // ended, and their process state then
   Clock::time_point kill_at;
+  // TERM goes to the ranks that have not reported (one that has is already on its way out, and
+  // must end by its own exit, not by the launcher's signal); KILL, after the grace, to all.
   auto stop_all = [&](int sig) {
     for (auto& r : ranks)
-      if (r.running) {
+      if (r.running && !(sig == SIGTERM && r.report)) {
         kill(o.interactive ? r.pid : -r.pid, sig);
         if (sig == SIGTERM) kill(o.interactive ? r.pid : -r.pid, SIGCONT);  // a stopped rank must see it
       }
@@ -471,8 +473,8 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
   }
   if (culprit >= 0) {
     const Rank& r = ranks[culprit];
-    std::cerr << "partrain: " << name(r) << " " << describe_status(r.status) << ", the first rank to fail; "
-              << "the other ranks were stopped";
+    std::cerr << "partrain: " << name(r) << " failed first: it " << describe_status(r.status)
+              << "; the other ranks were stopped";
     if (r.report) {
       std::cerr << ". Its error:\n" << indented(r.report->message, 12);
     } else if (!r.last_err.empty()) {

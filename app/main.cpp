@@ -1,6 +1,7 @@
 // The partrain command: runs Lua training scripts on the engine (`partrain train.lua`), single
 // chunks (`-e`), and, with --nproc-per-node, launches one process per rank like torchrun. Under
 // torchrun or SLURM (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it runs as that one rank.
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -193,6 +194,13 @@ int main(int argc, char** argv) {
     auto world_options = partrain::dist::world_options_from_env();
     if (world_options.world_size > 1) {
       where = "rank " + std::to_string(world_options.rank) + ": ";
+      // With -i, Ctrl-C reaches every rank. Outside the REPL it is rank 0's to act on (it ends
+      // the run); another rank, still starting or finishing the script, must not die of it.
+      if (interactive && world_options.rank != 0) {
+        struct sigaction sa {};
+        sa.sa_handler = [](int) {};
+        sigaction(SIGINT, &sa, nullptr);
+      }
       partrain::dist::World::instance().init(world_options);
     }
   } catch (const std::exception& e) {

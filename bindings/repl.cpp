@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -217,12 +218,21 @@ char** complete(const char* text, int, int) {
   return rl_completion_matches(text, next_candidate);
 }
 
-// Ctrl-C while reading: readline calls this after the signal; the line is abandoned.
-int on_signal_event() {
-  if (!interrupted_at_prompt) return 0;
-  rl_replace_line("", 0);
-  rl_done = 1;
-  return 0;
+// Ctrl-C while reading. readline's own signal handling is off (rl_catch_signals = 0): SIGINT
+// reaches on_sigint, the read below returns EINTR, and the line is abandoned at once (an empty
+// line is accepted; repl_readline then reports the interrupt), without waiting for a key.
+int read_key(FILE* in) {
+  while (true) {
+    unsigned char c;
+    ssize_t n = ::read(fileno(in), &c, 1);
+    if (n == 1) return c;
+    if (n == 0) return EOF;
+    if (errno != EINTR) return EOF;
+    if (interrupted_at_prompt) {
+      rl_replace_line("", 0);
+      return '\n';
+    }
+  }
 }
 
 const Function kRepl[] = {
@@ -234,7 +244,8 @@ const Function kRepl[] = {
        rl_readline_name = "partrain";
        rl_attempted_completion_function = complete;
        rl_basic_word_break_characters = const_cast<char*>(" \t\n\"\\'`@$><=;|&{(,[+-*/%^~#");
-       rl_signal_event_hook = on_signal_event;
+       rl_catch_signals = 0;
+       rl_getc_function = read_key;
        using_history();
        if (history_usable(history)) read_history(history.c_str());  // a missing file is fine: the first session
        return a.ret(); }},
@@ -251,7 +262,6 @@ const Function kRepl[] = {
        char* line = readline(a.string(1).c_str());
        if (interrupted_at_prompt) {
          std::free(line);
-         std::fputs("\n", stdout);
          return a.ret(std::string("\0interrupt", 10));
        }
        if (!line) {

@@ -30,7 +30,7 @@ took=$(( $(date +%s) - killed_at ))
 out=$(cat "$tmp/kill.out")
 report $(( status == 0 )) "the launcher exits non-zero when a rank is killed (status $status)" "$out"
 report $(( took > 30 )) "it exits within 30 s of the kill (took ${took} s)" "$out"
-has "$out" "rank 2 (local rank 2, pid $victim) was killed by signal 9 (SIGKILL)"; report $? "its message names the killed rank and the signal" "$out"
+has "$out" "partrain: rank 2 (local rank 2, pid $victim) failed first: it was killed by signal 9 (SIGKILL)"; report $? "its message names the killed rank and the signal" "$out"
 left=0
 for f in "$tmp"/kill/pid.*; do kill -0 "$(cat "$f")" 2>/dev/null && left=$((left + 1)); done
 report $(( left != 0 )) "no rank is left running ($left left)" "$out"
@@ -56,7 +56,7 @@ named=0 last=""
 for _ in $(seq 10); do
   out=$("$bin" --nproc-per-node 4 --threads 1 --timeout 60 "$worker" --mode raise 2>&1)
   summary=$(grep -A2 '^partrain: rank' <<<"$out")
-  if grep -q '^partrain: rank 1 (local rank 1, pid [0-9]*) exited with status 1, the first rank to fail' <<<"$summary" &&
+  if grep -q '^partrain: rank 1 (local rank 1, pid [0-9]*) failed first: it exited with status 1' <<<"$summary" &&
      grep -q 'rank 1 raised on purpose' <<<"$summary"; then named=$((named + 1)); else last="$out"; fi
 done
 report $(( named != 10 )) "a rank raising while the others wait in a collective is named with its error ($named of 10 runs)" "$last"

@@ -16,12 +16,13 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import sys
 import tempfile
 import time
 
-PARTRAIN, RANKS = sys.argv[1], int(sys.argv[2])
+PARTRAIN, RANKS = os.path.realpath(sys.argv[1]), int(sys.argv[2])
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from checks import check, finish  # noqa: E402
@@ -35,7 +36,7 @@ class Session:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:
             os.chdir(ROOT)
-            os.execve(argv[0] if os.path.isabs(argv[0]) else "/bin/" + argv[0], argv, env)
+            os.execve(argv[0] if "/" in argv[0] else shutil.which(argv[0]), argv, env)
         self.buffer = ""
 
     def read_until(self, pattern, timeout=60):
@@ -169,7 +170,7 @@ with tempfile.TemporaryDirectory() as home:
         except (TimeoutError, EOFError) as e:
             check(f"Ctrl-C inside a collective brings every rank back to the prompt (trial {trial + 1})", False, e)
             break
-        tags = re.findall(r"^\[ranks? ([0-9,-]+)\]", out, re.M)
+        tags = re.findall(r"\[ranks? ([0-9,-]+)\]", out)
         shown = set()
         for tag in tags:
             for part in tag.split(","):
@@ -188,6 +189,21 @@ with tempfile.TemporaryDirectory() as home:
           come_back == trials)
     check(f"... and the next collective gives the right sum on every rank ({work_again} of {trials} trials)",
           work_again == trials)
+    # The same, made certain: rank 0 spins in Lua while the others wait for it in an all-reduce.
+    s.send("if pt.dist.rank() == 0 then while true do end end; pt.dist.world():all_reduce(pt.ones(1))\n")
+    time.sleep(2)
+    s.send("\x03")
+    try:
+        out = s.read_until(r"\n> $", timeout=40)
+    except (TimeoutError, EOFError) as e:
+        out = str(e)
+    check("Ctrl-C ends a wait in a collective for a rank that never comes, on every rank",
+          "[rank 0]\ninterrupted" in out
+          and all(f"[rank {r}]\nstdin:1: all_reduce(sum) on group 'world' (ranks {','.join(map(str, range(RANKS)))}) "
+                  f"failed on rank {r}: interrupted while waiting for the other ranks (Ctrl-C)" in out
+                  for r in range(1, RANKS)), repr(out))
+    out = s.chunk("=pt.dist.world():all_reduce(pt.ones(1)):item()")
+    check("... and the world group, renewed, sums right again", out == f"{every} {RANKS}\n", repr(out))
     out = s.chunk("=x")
     check("globals survive interrupted collectives", f"[rank {last}] {40 + last}" in out, repr(out))
 
