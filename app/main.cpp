@@ -143,10 +143,20 @@ int main(int argc, char** argv) {
   // a mistake), checked before any rank starts.
   try {
     if (!script.empty()) close(partrain::util::open_regular(script, "script"));
+    // --plan: in match mode a plan that loads (checked now, not at the first step); in the
+    // modes that write, never over a file that is not a plan.
     if (!plan_file.empty()) {
-      if (access(plan_file.c_str(), F_OK) == 0) close(partrain::util::open_regular(plan_file, "plan (--plan)"));
-      else if (plan_mode == "match") return fail("there is no plan at '" + plan_file + "' (make one with partrain plan --save)");
-      else if (!partrain::app::writable_beside(plan_file)) return fail("--plan '" + plan_file + "': its folder does not exist");
+      if (access(plan_file.c_str(), F_OK) == 0) {
+        close(partrain::util::open_regular(plan_file, "plan (--plan)"));
+        if (plan_mode == "match") partrain::plan::load(plan_file);
+        else if (!partrain::plan::starts_like_plan(plan_file))
+          return fail("--plan '" + plan_file + "' is not a partrain plan; --plan-mode " + plan_mode +
+                      " would write over it (remove it, or name another file)");
+      } else if (plan_mode == "match") {
+        return fail("there is no plan at '" + plan_file + "' (make one with partrain plan --save)");
+      } else if (!partrain::app::writable_beside(plan_file)) {
+        return fail("--plan '" + plan_file + "': its folder does not exist");
+      }
     }
   } catch (const std::exception& e) {
     return fail(partrain::compat::message_of(e));
@@ -177,6 +187,9 @@ int main(int argc, char** argv) {
                                                                                                      : script);
     }
     child.insert(child.end(), script_args.begin(), script_args.end());
+    // A script that cannot load fails once here, not once a rank.
+    std::string error;
+    if (!script.empty() && !partrain::lua::check_script(script, &error)) return fail(error);
     try {
       return partrain::app::launch(launch, child);
     } catch (const std::exception& e) {

@@ -158,7 +158,9 @@ int run_plan(int argc, char** argv, int first) {
         bool ok = host.run_file(script, script_args, &error);
         if (plan::recorded().ranks.size() == before) {
           if (!ok) return fail(where + shorten_missing_meta_kernel(error));
-          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error)) return fail(where + error);
+          // Nothing to plan: the script, not partrain's own Lua, is what to look at.
+          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error))
+            return fail(where + "'" + script + "' " + error.substr(0, error.find("\nstack traceback:")));
         }
       }
       partrain::dist::World::instance().shutdown();

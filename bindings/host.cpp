@@ -502,19 +502,38 @@ bool load_source(lua_State* L, const std::string& code, const std::string& name,
   return false;
 }
 
-}  // namespace
-
-bool Host::run_file(const std::string& path, const std::vector<std::string>& args,
-                    std::string* error) {
-  // A regular file of bounded size, read once (a FIFO or a folder is refused, never waited on).
-  std::string code;
+// A script's source: a regular file of bounded size, read once (a FIFO or a folder is refused,
+// never waited on), with a #! first line blanked (its line still counts).
+bool read_script(const std::string& path, std::string* code, std::string* error) {
   try {
-    code = util::read_regular(path, "script", kMaxScriptBytes);
+    *code = util::read_regular(path, "script", kMaxScriptBytes);
   } catch (const std::exception& e) {
     *error = message_of(e);
     return false;
   }
-  if (!code.empty() && code[0] == '#') code.erase(0, code.find('\n') == std::string::npos ? code.size() : code.find('\n'));  // #!
+  if (!code->empty() && (*code)[0] == '#') code->erase(0, std::min(code->find('\n'), code->size()));
+  return true;
+}
+
+}  // namespace
+
+bool check_script(const std::string& path, std::string* error) {
+  std::string code;
+  if (!read_script(path, &code, error)) return false;
+  lua_State* L = luaL_newstate();
+  if (!L) {
+    *error = "cannot create a Lua state (out of memory)";
+    return false;
+  }
+  bool ok = load_source(L, code, "@" + path, error);
+  lua_close(L);
+  return ok;
+}
+
+bool Host::run_file(const std::string& path, const std::vector<std::string>& args,
+                    std::string* error) {
+  std::string code;
+  if (!read_script(path, &code, error)) return false;
   set_arg_table(path, args);
   // The script's own folder comes first on package.path, so it can require its neighbours.
   std::string dir = dir_of(path);

@@ -468,6 +468,16 @@ constexpr uint32_t kVersion = 1;
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 
+// Whether `bytes` begin with the magic as cereal writes a string: its length (8 bytes, little
+// endian), then its characters.
+bool begins_with_magic(const std::string& bytes) {
+  const size_t n = sizeof(kMagic) - 1;
+  if (bytes.size() < 8 + n) return false;
+  uint64_t length = 0;
+  std::memcpy(&length, bytes.data(), 8);
+  return length == n && bytes.compare(8, n, kMagic) == 0;
+}
+
 void save(const Plan& plan, const std::string& path) {
   std::ostringstream out(std::ios::binary);
   {
@@ -481,6 +491,7 @@ Plan load(const std::string& path) {
   // A regular file of bounded size (never a FIFO or a folder); cereal then reads it from memory,
   // and every length inside it is checked against what is left before anything is allocated.
   std::string bytes = util::read_regular(path, "plan", kMaxPlanBytes);
+  TORCH_CHECK(begins_with_magic(bytes), "'", path, "' is not a partrain plan (made by partrain plan --save)");
   Plan plan;
   std::string magic;
   uint32_t version = 0;
@@ -500,6 +511,14 @@ Plan load(const std::string& path) {
     TORCH_CHECK(false, "'", path, "' is not a partrain plan");
   }
   return plan;
+}
+
+bool starts_like_plan(const std::string& path) {
+  int fd = util::open_regular(path, "plan");
+  std::string head(8 + sizeof(kMagic) - 1, '\0');
+  ssize_t n = ::read(fd, head.data(), head.size());
+  ::close(fd);
+  return n == static_cast<ssize_t>(head.size()) && begins_with_magic(head);
 }
 
 std::string to_bytes(const RankPlan& rank) {

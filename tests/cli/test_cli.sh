@@ -171,6 +171,8 @@ refuse "--plan of a missing file is refused up front in match mode" "there is no
 refuse "a LuaJIT bytecode file is refused (LuaJIT does not verify bytecode)" "bytecode.lua: LuaJIT bytecode; partrain runs Lua source only" -- "$bin" "$tmp/bytecode.lua"
 refuse "bytecode through -e is refused" "LuaJIT bytecode" -- "$bin" -e "$(head -c 4 "$tmp/bytecode.lua")"
 settle_refusals
+printf 'local pt = require "partrain"\npt.parallelize(pt.models.mlp { sizes = { 4, 2 } }, nil, pt.mesh {})\npt.breakpoint()\n' > "$tmp/planbp.lua"
+check "partrain plan skips pt.breakpoint(), saying so" 0 "pt.breakpoint() at $tmp/planbp.lua:3 skipped: partrain plan does not stop at breakpoints" -- "$bin" plan --world 2 "$tmp/planbp.lua"
 printf '#!/usr/bin/env partrain\nprint("shebang", 1)\nerror("at line 3")\n' > "$tmp/shebang.lua"
 check "a #! first line is skipped and line numbers stay right" 1 "shebang.lua:3: at line 3" -- "$bin" "$tmp/shebang.lua"
 

@@ -15,6 +15,9 @@ Classes:
               a device, a missing path, an unreadable file, bytecode, binary junk, a symlink loop
   repl        flags after `repl`, good and bad, and words that do not belong there
   mixed       a random sequence of flags, values, subcommand words and paths
+  plan-file   --plan with a real plan (partrain plan --save) damaged at random: bytes flipped,
+              cut short, counts inflated; loaded up front, so refused at once (or accepted
+              when the damage hit a number the run does not check)
 """
 import os
 import random
@@ -30,7 +33,7 @@ import common  # noqa: E402
 
 BIN = os.path.realpath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
+CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 200
 ROOT = os.getuid() == 0  # root reads a file whatever its mode
 
 NUMBER_FLAGS = {  # flag: (lowest, highest) valid
@@ -77,6 +80,15 @@ def setup(tmp):
     paths["loop"] = loop
     os.mkdir(os.path.join(tmp, "ckptdir"))
     paths["ckptdir"] = os.path.join(tmp, "ckptdir")
+    model = os.path.join(tmp, "model.lua")
+    with open(model, "w") as f:
+        f.write('local pt = require "partrain"\npt.parallelize(pt.models.mlp { sizes = { 8, 4, 2 } }, nil, pt.mesh {})\n')
+    plan = os.path.join(tmp, "good.plan")
+    made = common.run([BIN, "plan", "--world", "2", "--save", plan, model], timeout=60)
+    if made.kind != "accepted":
+        sys.exit(f"cannot make a plan to damage: {made!r}")
+    with open(plan, "rb") as f:
+        paths["plan_bytes"] = f.read()
     return paths
 
 
@@ -136,7 +148,6 @@ def subcommand_case(rng, paths):
         (["plan", "--world", "6", "--nproc-per-node", "4", s], ["--nproc-per-node"]),
         (["plan", "--world", "2", "--save", paths["dir"], s], ["--save"]),
         (["plan", "--world", "2", "--save", os.path.join(paths["missing"], "p.bin"), s], ["--save"]),
-        (["plan", "--json=3", "--world", "2", s], ["--json"]),
         (["ckpt"], ["subcommand"]),
         (["ckpt", "bogus"], ["bogus"]),
         (["ckpt", "inspect"], ["dir"]),
@@ -174,12 +185,10 @@ def file_case(rng, paths):
         args = ["plan", "--world", "2", path]
     else:
         args = [path, "--help", "-e", "x"]
-    # An unreadable file is read anyway by root; its code is harmless, so it runs (success), as
-    # it would for a user who can read it. Junk is Lua source with syntax errors: refused with
-    # its file:line. A missing --plan file is refused up front (match mode).
-    accept = kind == "unreadable" and ROOT and how != "plan-file"
-    if kind == "unreadable" and ROOT and how == "plan-file":
-        return Case("file", args, [path], accept=False)  # a script-shaped file is not a plan
+    # An unreadable file is read anyway by root: as a script its harmless code runs (success),
+    # as it would for a user who can read it; as a plan it is not one, and planning it finds
+    # nothing to plan. Junk is Lua source with syntax errors: refused with its file:line.
+    accept = kind == "unreadable" and ROOT and how in ("script", "launcher", "args-after")
     return Case("file", args, [path, os.path.basename(path)], accept=accept, refuse=not accept)
 
 
@@ -194,7 +203,7 @@ def repl_case(rng, paths):
             flags = ["--nproc-per-node", "2", "--threads", "1", "--timeout", "10"]
         return Case("repl", ["repl", *flags], accept=True, refuse=False)
     flags, name = rng.choice(bad)
-    before = rng.choice([[], ["--threads", "1"]])
+    before = rng.choice([[], ["-e", "y = 2"]])
     return Case("repl", [*before, "repl", *rng.choice(good[:2]), *flags], [name])
 
 
@@ -212,8 +221,28 @@ def mixed_case(rng, paths):
     return Case("mixed", args, accept=True, refuse=True)
 
 
-GENERATORS = [number_case, missing_case, unknown_case, subcommand_case, file_case, repl_case, mixed_case]
-WEIGHTS = [6, 2, 2, 4, 4, 3, 3]
+def plan_file_case(rng, paths):
+    data = bytearray(paths["plan_bytes"])
+    how = rng.choice(["flip", "cut", "count", "grow"])
+    if how == "flip":
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif how == "cut":
+        data = data[: rng.randrange(len(data))]
+    elif how == "count":  # a length field made huge: 8 bytes of 0xff, or a large count, somewhere
+        at = rng.randrange(max(1, len(data) - 8))
+        data[at:at + 8] = rng.choice([b"\xff" * 8, (1 << 40).to_bytes(8, "little"), (10 ** 7).to_bytes(8, "little")])
+    else:
+        data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+    path = os.path.join(paths["dir"], f"damaged.{rng.randrange(10 ** 9)}.plan")
+    with open(path, "wb") as f:
+        f.write(data)
+    return Case("plan-file", ["--plan", path, "-e", ""], [path], accept=True)
+
+
+GENERATORS = [number_case, missing_case, unknown_case, subcommand_case, file_case, repl_case, mixed_case,
+              plan_file_case]
+WEIGHTS = [6, 2, 2, 4, 4, 3, 3, 3]
 
 
 def judge(case, outcome, tally):
@@ -225,8 +254,9 @@ def judge(case, outcome, tally):
     if outcome.kind == "accepted":
         tally.add(case.cls, "accepted", case.accept, f"{case.args!r} was accepted: {text[-500:]!r}")
         return
-    # A refusal: short, plainly partrain's, naming what is wrong.
-    short = len(lines) <= 3 and all(len(l) <= 300 for l in lines)
+    # A refusal: short, plainly partrain's, naming what is wrong (a line may quote a long value).
+    widest = 300 + max((len(a) for a in case.args), default=0)
+    short = len(lines) <= 3 and all(len(l) <= widest for l in lines)
     ok = case.refuse and short and lines and lines[0].startswith("partrain: ")
     if ok and case.names:
         ok = any(n and n in text for n in case.names)
@@ -244,15 +274,14 @@ def main():
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         paths = setup(tmp)
-        cases = [rng.choices(GENERATORS, WEIGHTS)[0](rng, paths) for _ in range(CASES)]
-        # Every class at least a few times, whatever the seed.
-        for g in GENERATORS:
-            cases += [g(rng, paths) for _ in range(3)]
+        # Every class at least 3 times, whatever the seed; the rest drawn by weight.
+        cases = [g(rng, paths) for g in GENERATORS for _ in range(3)]
+        cases += [rng.choices(GENERATORS, WEIGHTS)[0](rng, paths) for _ in range(CASES - len(cases))]
 
         def run(case):
             return common.run([BIN, *case.args], timeout=30, cwd=tmp, env={"HOME": tmp})
 
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        with ThreadPoolExecutor(max_workers=4) as pool:
             outcomes = list(pool.map(run, cases))
         for case, outcome in zip(cases, outcomes):
             judge(case, outcome, tally)
