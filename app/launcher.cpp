@@ -180,9 +180,9 @@ void adopt_report_channel() {
 void report_failure(const std::string& message) {
   if (report_fd < 0) return;
   // A collective that failed names its group, "failed on rank N:", and a timeout says so; the
-  // REPL's channel and the rendezvous fail when a peer does. These are consequences, unless no
-  // other rank failed first.
-  static const std::regex collective(R"(failed on rank \d+: |rendezvous at .* failed: |the REPL lost rank 0)");
+  // REPL's channel and joining the rendezvous (not serving it) fail when a peer does. These are
+  // consequences, unless no other rank failed first.
+  static const std::regex collective(R"(failed on rank \d+: |rendezvous at \S+ failed: |the REPL lost rank 0)");
   static const std::regex timeout(R"(failed on rank \d+: .*([Tt]imed out|[Tt]imeout))");
   const char* kind = "error";
   if (std::regex_search(message, collective)) kind = std::regex_search(message, timeout) ? "timeout" : "collective";
