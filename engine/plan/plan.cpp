@@ -503,6 +503,7 @@ Plan load(const std::string& path) {
     TORCH_CHECK(version == kVersion, "the plan '", path, "' has format version ", version, "; this partrain reads ",
                 kVersion);
     ar(plan);
+    if (ar.left() != 0) throw cereal::Exception(std::to_string(ar.left()) + " bytes follow the end of the plan");
   } catch (const cereal::Exception& e) {
     TORCH_CHECK(false, "the plan '", path, "' is damaged or truncated (", e.what(), ")");
   } catch (const std::length_error& e) {

@@ -285,7 +285,10 @@ def main():
             outcomes = list(pool.map(run, cases))
         for case, outcome in zip(cases, outcomes):
             judge(case, outcome, tally)
-    print(f"{len(cases)} command lines in {time.monotonic() - start:.1f} s")
+        print(f"mean {sum(o.seconds for o in outcomes) / len(outcomes):.2f} s a command line")
+    print(f"{len(cases)} command lines in {time.monotonic() - start:.1f} s; the slowest:")
+    for case, outcome in sorted(zip(cases, outcomes), key=lambda co: -co[1].seconds)[:3]:
+        print(f"  {outcome.seconds:.1f} s  {case.cls}: {' '.join(case.args)[:150]}")
     tally.finish()
 
 
