@@ -286,17 +286,19 @@ const Function kRepl[] = {
          lua_pcall(L, 2, 0, 0);
        }
        lua_settop(L, 1);
-       struct Target {  // evaluation ends however this frame is left
-         explicit Target(lua_State* L) {
+       struct Target {  // evaluation ends however this frame is left; an outer one (a
+                        // breakpoint's REPL inside a chunk) is interruptible again after it
+         lua_State* outer;
+         explicit Target(lua_State* L) : outer(interrupt_target) {
            interrupt_pending = 0;
            interrupt_target = L;
            dist::set_wait_interrupt(wait_interrupted);
          }
          ~Target() {
-           dist::set_wait_interrupt(nullptr);
            if (lua_State* L = interrupt_target) lua_sethook(L, nullptr, 0, 0);
-           interrupt_target = nullptr;
+           interrupt_target = outer;
            interrupt_pending = 0;
+           if (!outer) dist::set_wait_interrupt(nullptr);
          }
        } target(L);
        std::string error;
@@ -332,46 +334,82 @@ const Function kRepl[] = {
     {"repl_session", [](Args& a) {
        static int64_t sessions = 0;
        return a.ret(double(++sessions)); }},
-    {"repl_publish", [](Args& a) {  // rank 0: repl_publish(session, n, code | nil for the end)
-       put(key(a.integer(1), a.integer(2), "chunk"), a.is_string(3) ? "c" + a.string(3) : std::string("e"));
+    // rank 0: repl_publish(session, n, code | nil for the end). For a chunk, it then waits, up to
+    // --timeout, until every rank has taken it: a rank that never reaches the REPL (a
+    // breakpoint only some ranks pass) is an error naming it, not a wait without end.
+    {"repl_publish", [](Args& a) {
+       int64_t session = a.integer(1), n = a.integer(2);
+       bool chunk = a.is_string(3);
+       put(key(session, n, "chunk"), chunk ? "c" + a.string(3) : std::string("e"));
+       if (!chunk) return a.ret();
+       auto& world = dist::World::instance();
+       auto deadline = std::chrono::steady_clock::now() + world.options().timeout;
+       std::string missing;
+       for (int r = 1; r < world.size(); ++r) {
+         while (!store().check({key(session, n, "took/" + std::to_string(r))}) &&
+                std::chrono::steady_clock::now() < deadline)
+           std::this_thread::sleep_for(std::chrono::milliseconds(10));
+         if (!store().check({key(session, n, "took/" + std::to_string(r))}))
+           missing += (missing.empty() ? "" : ",") + std::to_string(r);
+       }
+       TORCH_CHECK(missing.empty(), "rank(s) ", missing, " did not reach the REPL within --timeout (",
+                   world.options().timeout.count() / 1000, " s): every rank must reach it (a pt.breakpoint() that only "
+                   "some ranks pass stops only those)");
        return a.ret(); }},
     {"repl_receive", [](Args& a) {  // other ranks: repl_receive(session, n) -> code | nil at the end
-       std::string v = take(key(a.integer(1), a.integer(2), "chunk"));
+       int64_t session = a.integer(1), n = a.integer(2);
+       std::string v = take(key(session, n, "chunk"));
        if (v.empty() || v[0] != 'c') return a.ret();
+       put(key(session, n, "took/" + std::to_string(dist::World::instance().rank())), "");
        return a.ret(v.substr(1)); }},
-    // repl_exchange(session, n, output): every rank posts its output; rank 0 gets { output of
-    // rank 0, of rank 1, ... }, the others nil. Groups left at different points are renewed.
+    // repl_exchange(session, n, output, exit): every rank posts its output and whether the chunk
+    // called exit(); rank 0 gets { output of rank 0, of rank 1, ... }, the others nil, and every
+    // rank gets whether to leave (exit() on any rank ends the REPL on all). Groups left at
+    // different points of their collectives are renewed.
     {"repl_exchange", [](Args& a) {
        int64_t session = a.integer(1), n = a.integer(2);
        std::string output = a.string(3);
+       bool leave = a.boolean(4);
        auto& world = dist::World::instance();
-       put(key(session, n, "out/" + std::to_string(world.rank())), posting(output));
+       put(key(session, n, "out/" + std::to_string(world.rank())), (leave ? "x" : "-") + posting(output));
        std::vector<Posting> all;
-       std::string renew;
+       std::string verdict;
        if (world.rank() == 0) {
-         for (int r = 0; r < world.size(); ++r) all.push_back(parse_posting(take(key(session, n, "out/" + std::to_string(r)))));
-         renew = groups_to_renew(all);
-         put(key(session, n, "renew"), renew);
+         for (int r = 0; r < world.size(); ++r) {
+           std::string p = take(key(session, n, "out/" + std::to_string(r)));
+           leave = leave || p[0] == 'x';
+           all.push_back(parse_posting(p.substr(1)));
+         }
+         verdict = (leave ? "x" : "-") + groups_to_renew(all);
+         put(key(session, n, "renew"), verdict);
          if (n > 1) {  // every rank has read chunk n - 1 and its verdict: it posted chunk n's output
            store().deleteKey(key(session, n - 1, "chunk"));
            store().deleteKey(key(session, n - 1, "renew"));
-           for (int r = 0; r < world.size(); ++r) store().deleteKey(key(session, n - 1, "out/" + std::to_string(r)));
+           for (int r = 0; r < world.size(); ++r) {
+             store().deleteKey(key(session, n - 1, "out/" + std::to_string(r)));
+             store().deleteKey(key(session, n - 1, "took/" + std::to_string(r)));
+           }
          }
        } else {
-         renew = take(key(session, n, "renew"));
+         verdict = take(key(session, n, "renew"));
        }
+       leave = verdict[0] == 'x';
        std::set<std::string> keys;
-       std::istringstream lines(renew);
+       std::istringstream lines(verdict.substr(1));
        for (std::string k; std::getline(lines, k);) keys.insert(k);
        for (const auto& g : world.groups())  // in the order they were made, as every member does
          if (keys.count(g->key())) g->renew();
-       if (world.rank() != 0) return a.ret();
-       lua_createtable(a.L, static_cast<int>(all.size()), 0);
-       for (size_t r = 0; r < all.size(); ++r) {
-         lua_pushlstring(a.L, all[r].output.data(), all[r].output.size());
-         lua_rawseti(a.L, -2, static_cast<int>(r + 1));
+       if (world.rank() == 0) {
+         lua_createtable(a.L, static_cast<int>(all.size()), 0);
+         for (size_t r = 0; r < all.size(); ++r) {
+           lua_pushlstring(a.L, all[r].output.data(), all[r].output.size());
+           lua_rawseti(a.L, -2, static_cast<int>(r + 1));
+         }
+       } else {
+         lua_pushnil(a.L);
        }
-       return 1; }},
+       lua_pushboolean(a.L, leave);
+       return 2; }},
     {"string_to_tensor", [](Args& a) {  // the bytes of a string as a uint8 tensor
        size_t n = 0;
        const char* s = luaL_checklstring(a.L, 1, &n);

@@ -232,8 +232,8 @@ with tempfile.TemporaryDirectory() as home:
     out = s.chunk("=pt.dist.rank()")
     check("a chunk that runs longer than --timeout on every rank is no error",
           f"[rank {last}] {last}" in out and "timed out" not in out, repr(out))
-    s.send("exit()\n")
-    check("and the session ends cleanly", s.wait() == 0)
+    s.send(f"on({last}, exit)\n")
+    check("exit() on one rank ends the REPL on every rank, cleanly", s.wait() == 0)
 
     # ---- partrain -i script.lua, and Ctrl-D -------------------------------------------------
     script = os.path.join(home, "script.lua")
@@ -262,6 +262,22 @@ with tempfile.TemporaryDirectory() as home:
     s.read_until(r"\n> $")
     s.send("exit()\n")
     check("and the run ends cleanly", s.wait() == 0)
+
+    # ---- a breakpoint only rank 0 reaches: an error naming the others, not a wait -------------
+    lonely = os.path.join(home, "lonely.lua")
+    with open(lonely, "w") as f:
+        f.write("local pt = require \"partrain\"\nif pt.dist.rank() == 0 then pt.breakpoint() else os.execute('sleep 60') end\n")
+    s = Session("--timeout", "3", "-i", lonely, home=home)
+    s.read_until(r"\n> $")
+    s.send("=1\n")
+    try:
+        out = s.read_until(r"the other ranks were stopped", timeout=60)
+    except (TimeoutError, EOFError) as e:
+        out = str(e)
+    others = ",".join(str(r) for r in range(1, RANKS))
+    check("a breakpoint the other ranks never reach ends with an error naming them",
+          f"rank(s) {others} did not reach the REPL within --timeout (3 s)" in out, out)
+    check("... with status 1", s.wait() == 1)
 
     # ---- under timeout(1): a background process group may not read the terminal --------------
     # `sh -c 'timeout ...'`: timeout moves itself and partrain out of the terminal's foreground

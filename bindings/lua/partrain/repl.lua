@@ -222,7 +222,9 @@ function R.loop(env, banner)
         for i = 2, #results do shown[#shown + 1] = show(results[i]) end
         if #shown > 0 then print(table.concat(shown, "\t")) end
       end)
-      local outputs = session and core.repl_exchange(session, n, output) or { output }
+      local outputs, leave = { output }, done
+      if session then outputs, leave = core.repl_exchange(session, n, output, done) end
+      done = leave  -- exit() on any rank ends the REPL on every rank
       if rank == 0 then
         io.stdout:write(R.group_outputs(outputs))
         io.stdout:flush()
