@@ -303,6 +303,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     r.out = out[0];
     r.err = err[0];
     r.report_fd = report[0];
+    fcntl(r.report_fd, F_SETFL, O_NONBLOCK);  // drained after the rank ends: never a blocking read
     r.running = true;
   }
 
@@ -365,7 +366,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
       int which = owners[k].second;
       char buf[65536];
       ssize_t n = read(fds[k].fd, buf, sizeof(buf));
-      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       bool eof = n <= 0;
       if (which == 2) {
         if (n > 0 && r.report_bytes.size() < kMaxReport)
