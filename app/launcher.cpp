@@ -467,11 +467,6 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     return 1;
   }
   if (culprit < 0) culprit = first_collective;
-  if (culprit < 0) {
-    // No report and no cause: a failure seen only after the launcher began stopping.
-    for (size_t i = 0; i < ranks.size() && !interrupted; ++i)
-      if (!ranks[i].running && failed(ranks[i].status) && !ranks[i].ended_stopping) culprit = int(i);
-  }
   if (culprit >= 0) {
     const Rank& r = ranks[culprit];
     std::cerr << "partrain: " << name(r) << " failed first: it " << describe_status(r.status)
@@ -493,7 +488,8 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
   });
   if (interrupted || sigint) {
     int sig = interrupted ? int(interrupted) : SIGINT;
-    std::cerr << "partrain: interrupted (signal " << sig << "); stopped all ranks\n";
+    std::cerr << "partrain: interrupted (" << (sig == SIGINT ? "Ctrl-C" : "signal " + std::to_string(sig))
+              << "); stopped all ranks\n";
     return 128 + sig;
   }
   return 0;
