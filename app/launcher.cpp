@@ -3,19 +3,27 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <regex>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -23,20 +31,41 @@ namespace partrain::app {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: the ranks' report times use it too
 
 volatile sig_atomic_t interrupted = 0;
 void on_signal(int sig) { interrupted = sig; }
 void ignore_signal(int) {}  // unlike SIG_IGN, not inherited by the ranks through exec
+void on_child(int) {}       // wakes poll() when a rank ends, so its end is timed closely
+
+constexpr size_t kMaxReport = 16 * 1024;  // bytes of a rank's report the launcher keeps
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// What a rank reported before it exited: when, what kind of failure, and its message.
+struct Report {
+  enum Kind { Error, Collective, Timeout };
+  int64_t at_ns = 0;
+  Kind kind = Error;
+  std::string message;
+};
 
 struct Rank {
   int rank = 0, local_rank = 0;
   pid_t pid = -1;
-  int out = -1, err = -1;        // read ends of the child's stdout and stderr
-  std::string out_line, err_line; // partial lines
+  int out = -1, err = -1, report_fd = -1;  // read ends of the child's stdout, stderr and report pipe
+  std::string out_line, err_line;           // partial lines
+  std::string report_bytes;
   std::deque<std::string> last_err;
+  std::optional<Report> report;
   bool running = false;
   int status = 0;
+  int64_t ended_ns = 0;       // when it was reaped
+  bool ended_stopping = false;  // reaped after the launcher began stopping the ranks
 };
 
 std::string exe_path() {
@@ -47,7 +76,7 @@ std::string exe_path() {
 }
 
 int free_port(const std::string& addr) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw std::runtime_error(std::string("cannot open a socket: ") + std::strerror(errno));
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
@@ -97,19 +126,103 @@ void emit_lines(std::string& buffer, std::ostream& to, const std::string& prefix
   to.flush();
 }
 
+// A report on the wire: "<monotonic ns> <kind>\n<message>". Parsed once its first line is in.
+void parse_report(Rank& r) {
+  auto nl = r.report_bytes.find('\n');
+  if (nl == std::string::npos) return;
+  std::istringstream head(r.report_bytes.substr(0, nl));
+  Report rep;
+  std::string kind;
+  if (!(head >> rep.at_ns >> kind)) return;
+  rep.kind = kind == "timeout" ? Report::Timeout : kind == "collective" ? Report::Collective : Report::Error;
+  rep.message = r.report_bytes.substr(nl + 1);
+  r.report = rep;
+}
+
+// The first `max` lines of `text`, indented, and a count of the rest.
+std::string indented(const std::string& text, size_t max) {
+  std::istringstream in(text);
+  std::string line, out;
+  size_t n = 0, more = 0;
+  while (std::getline(in, line)) {
+    if (n < max) out += "  " + line + "\n";
+    else ++more;
+    ++n;
+  }
+  if (more) out += "  ... (" + std::to_string(more) + " more lines above, in its stderr)\n";
+  return out;
+}
+
+// "R" (state letter) of /proc/PID/stat: T when stopped (SIGSTOP, Ctrl-Z), t when traced.
+char process_state(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  auto close = all.rfind(')');
+  return close != std::string::npos && close + 2 < all.size() ? all[close + 2] : '?';
+}
+
+int report_fd = -1;  // in a rank: the write end of its report pipe
+
 }  // namespace
+
+void adopt_report_channel() {
+  const char* v = std::getenv("PARTRAIN_REPORT_FD");
+  if (!v) return;
+  unsetenv("PARTRAIN_REPORT_FD");
+  char* end = nullptr;
+  long fd = std::strtol(v, &end, 10);
+  struct stat st;
+  if (!end || *end || fd < 3 || fd > INT_MAX || fstat(int(fd), &st) != 0 || !S_ISFIFO(st.st_mode)) return;
+  fcntl(int(fd), F_SETFD, FD_CLOEXEC);
+  report_fd = int(fd);
+}
+
+void report_failure(const std::string& message) {
+  if (report_fd < 0) return;
+  // A collective that failed names its group, "failed on rank N:", and a timeout says so; the
+  // REPL's channel and joining the rendezvous (not serving it) fail when a peer does. These are
+  // consequences, unless no other rank failed first.
+  static const std::regex collective(R"(failed on rank \d+: |rendezvous at \S+ failed: |the REPL lost rank 0)");
+  static const std::regex timeout(R"(failed on rank \d+: .*([Tt]imed out|[Tt]imeout))");
+  const char* kind = "error";
+  if (std::regex_search(message, collective)) kind = std::regex_search(message, timeout) ? "timeout" : "collective";
+  std::string bytes = std::to_string(monotonic_ns()) + " " + kind + "\n" + message.substr(0, kMaxReport - 64);
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    ssize_t n = write(report_fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    p += n;
+    left -= size_t(n);
+  }
+  close(report_fd);
+  report_fd = -1;
+}
 
 void validate(const LaunchOptions& o) {
   auto bad = [](const std::string& msg) { throw std::invalid_argument(msg); };
-  if (o.nproc_per_node < 1) bad("--nproc-per-node must be >= 1, got " + std::to_string(o.nproc_per_node));
-  if (o.nnodes < 1) bad("--nnodes must be >= 1, got " + std::to_string(o.nnodes));
+  if (o.nproc_per_node < 1 || o.nproc_per_node > kMaxLocalRanks)
+    bad("--nproc-per-node " + std::to_string(o.nproc_per_node) + " is out of range: 1 to " +
+        std::to_string(kMaxLocalRanks));
+  if (o.nnodes < 1 || o.nnodes > kMaxNodes)
+    bad("--nnodes " + std::to_string(o.nnodes) + " is out of range: 1 to " + std::to_string(kMaxNodes));
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
     bad("--node-rank " + std::to_string(o.node_rank) + " is not in [0, --nnodes=" + std::to_string(o.nnodes) + ")");
   if (o.master_port < 0 || o.master_port > 65535)
     bad("--master-port " + std::to_string(o.master_port) + " is not a port (1-65535)");
   if (o.nnodes > 1 && o.master_addr.empty()) bad("--nnodes " + std::to_string(o.nnodes) + " needs --master-addr (the host of node 0)");
   if (o.nnodes > 1 && o.master_port == 0) bad("--nnodes " + std::to_string(o.nnodes) + " needs --master-port (all nodes must agree on it)");
-  if (o.timeout < 1) bad("--timeout must be >= 1 second, got " + std::to_string(o.timeout));
+  if (o.timeout < 1 || o.timeout > kMaxTimeout)
+    bad("--timeout " + std::to_string(o.timeout) + " is out of range: 1 to " + std::to_string(kMaxTimeout) + " seconds");
+  if (!o.master_addr.empty()) {
+    addrinfo hints{}, *found = nullptr;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    int err = getaddrinfo(o.master_addr.c_str(), nullptr, &hints, &found);
+    if (err != 0) bad("--master-addr '" + o.master_addr + "' is not an address this machine can resolve (" + gai_strerror(err) + ")");
+    freeaddrinfo(found);
+  }
 }
 
 int launch(const LaunchOptions& options, const std::vector<std::string>& child_args) {
@@ -133,7 +246,13 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
   sigaction(SIGTERM, &sa, nullptr);
   if (o.interactive) sa.sa_handler = ignore_signal;  // Ctrl-C interrupts the ranks' evaluation
   sigaction(SIGINT, &sa, nullptr);
+  sa.sa_handler = on_child;  // no SA_RESTART: poll() returns as soon as a rank ends
+  sigaction(SIGCHLD, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+
+  // Without -i no rank reads a terminal: each rank has its own process group, and reading the
+  // terminal from it would stop the rank. Rank 0 keeps a pipe or a file as stdin.
+  const bool stdin_is_terminal = isatty(STDIN_FILENO) == 1;
 
   const pid_t launcher = getpid();
   std::vector<Rank> ranks(o.nproc_per_node);
@@ -141,8 +260,9 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     Rank& r = ranks[local];
     r.local_rank = local;
     r.rank = o.node_rank * o.nproc_per_node + local;
-    int out[2], err[2];
-    if (pipe(out) != 0 || pipe(err) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+    int out[2], err[2], report[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 || pipe2(report, O_CLOEXEC) != 0)
+      throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
@@ -155,12 +275,14 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
         dup2(out[1], STDOUT_FILENO);
         dup2(err[1], STDERR_FILENO);
       }
-      if (o.interactive && r.rank != 0) {
+      bool own_stdin = o.interactive ? r.rank == 0 : local == 0 && !stdin_is_terminal;
+      if (!own_stdin) {
         int null = open("/dev/null", O_RDONLY);
         dup2(null, STDIN_FILENO);
         close(null);
       }
-      close(out[0]); close(out[1]); close(err[0]); close(err[1]);
+      fcntl(report[1], F_SETFD, 0);  // the one pipe end the rank keeps across exec
+      setenv("PARTRAIN_REPORT_FD", std::to_string(report[1]).c_str(), 1);
       setenv("RANK", std::to_string(r.rank).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
@@ -176,86 +298,182 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     }
     close(out[1]);
     close(err[1]);
+    close(report[1]);
     r.pid = pid;
     r.out = out[0];
     r.err = err[0];
+    r.report_fd = report[0];
+    fcntl(r.report_fd, F_SETFL, O_NONBLOCK);  // drained after the rank ends: never a blocking read
     r.running = true;
   }
 
-  int culprit = -1;           // the rank whose failure stopped the run
+  // How long, after the first collective failure, the launcher waits for the other ranks' own
+  // reports before stopping them: ranks in the same collective time out together, so a rank
+  // still running without a report by then was not in it.
+  const auto settle = std::chrono::milliseconds(std::min(o.timeout, 5) * 1000);
   bool stopping = false;
+  std::optional<Clock::time_point> settle_until;
+  std::vector<std::pair<int, char>> missing;  // ranks still running, without a report, when the settling
+                                              // ended, and their process state then
   Clock::time_point kill_at;
+  // TERM goes to the ranks that have not reported (one that has is already on its way out, and
+  // must end by its own exit, not by the launcher's signal); KILL, after the grace, to all.
   auto stop_all = [&](int sig) {
     for (auto& r : ranks)
-      if (r.running) kill(o.interactive ? r.pid : -r.pid, sig);
+      if (r.running && !(sig == SIGTERM && r.report)) {
+        kill(o.interactive ? r.pid : -r.pid, sig);
+        if (sig == SIGTERM) kill(o.interactive ? r.pid : -r.pid, SIGCONT);  // a stopped rank must see it
+      }
+  };
+  auto begin_stopping = [&] {
+    if (stopping) return;
+    stopping = true;
+    stop_all(SIGTERM);
+    kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int>(o.grace * 1000));
+  };
+  // A cause: an error a rank reported as its own, a death by a signal the launcher did not send,
+  // or a failing exit without a report.
+  auto is_cause = [&](const Rank& r) {
+    if (r.report) return r.report->kind == Report::Error;
+    if (r.running || !failed(r.status)) return false;
+    if (WIFSIGNALED(r.status)) {
+      int sig = WTERMSIG(r.status);
+      if (o.interactive && sig == SIGINT) return false;  // Ctrl-C at the terminal: an interrupt
+      return !(r.ended_stopping && (sig == SIGTERM || sig == SIGKILL));
+    }
+    return !r.ended_stopping;
   };
   auto prefix = [&](const Rank& r) { return world > 1 ? "[rank " + std::to_string(r.rank) + "] " : std::string(); };
 
   int running = o.nproc_per_node;
-  while (running > 0 || std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.out >= 0 || r.err >= 0; })) {
-    // Forward output.
+  auto open_fds = [&] {
+    return std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.out >= 0 || r.err >= 0 || r.report_fd >= 0; });
+  };
+  while (running > 0 || open_fds()) {
+    // Forward output and collect reports.
     std::vector<pollfd> fds;
-    std::vector<std::pair<int, bool>> owners;  // (rank index, is stderr)
+    std::vector<std::pair<int, int>> owners;  // (rank index, 0 stdout | 1 stderr | 2 report)
     for (size_t i = 0; i < ranks.size(); ++i) {
-      if (ranks[i].out >= 0) { fds.push_back({ranks[i].out, POLLIN, 0}); owners.emplace_back(i, false); }
-      if (ranks[i].err >= 0) { fds.push_back({ranks[i].err, POLLIN, 0}); owners.emplace_back(i, true); }
+      if (ranks[i].out >= 0) { fds.push_back({ranks[i].out, POLLIN, 0}); owners.emplace_back(i, 0); }
+      if (ranks[i].err >= 0) { fds.push_back({ranks[i].err, POLLIN, 0}); owners.emplace_back(i, 1); }
+      if (ranks[i].report_fd >= 0) { fds.push_back({ranks[i].report_fd, POLLIN, 0}); owners.emplace_back(i, 2); }
     }
     if (!fds.empty()) poll(fds.data(), fds.size(), 100);
     else std::this_thread::sleep_for(std::chrono::milliseconds(50));
     for (size_t k = 0; k < fds.size(); ++k) {
       if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       Rank& r = ranks[owners[k].first];
-      bool is_err = owners[k].second;
+      int which = owners[k].second;
       char buf[65536];
       ssize_t n = read(fds[k].fd, buf, sizeof(buf));
-      std::string& line = is_err ? r.err_line : r.out_line;
-      if (n > 0) line.append(buf, n);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       bool eof = n <= 0;
-      if (is_err) {
-        emit_lines(line, std::cerr, prefix(r), eof, &r.last_err);
-      } else if (r.rank == 0 || o.tee) {
-        emit_lines(line, std::cout, o.tee ? prefix(r) : "", eof);
+      if (which == 2) {
+        if (n > 0 && r.report_bytes.size() < kMaxReport)
+          r.report_bytes.append(buf, std::min<size_t>(n, kMaxReport - r.report_bytes.size()));
+        parse_report(r);
       } else {
-        line.clear();  // only rank 0's stdout by default
+        std::string& line = which == 1 ? r.err_line : r.out_line;
+        if (n > 0) line.append(buf, n);
+        if (which == 1) {
+          emit_lines(line, std::cerr, prefix(r), eof, &r.last_err);
+        } else if (r.rank == 0 || o.tee) {
+          emit_lines(line, std::cout, o.tee ? prefix(r) : "", eof);
+        } else {
+          line.clear();  // only rank 0's stdout by default
+        }
       }
       if (eof) {
         close(fds[k].fd);
-        (is_err ? r.err : r.out) = -1;
+        (which == 0 ? r.out : which == 1 ? r.err : r.report_fd) = -1;
       }
     }
-    // Reap. Among failures seen together, one killed by a signal we did not send is the cause.
-    std::vector<int> failures;
+    // Reap.
     for (auto& r : ranks) {
       if (!r.running) continue;
       int status;
       if (waitpid(r.pid, &status, WNOHANG) == r.pid) {
         r.running = false;
         r.status = status;
+        r.ended_ns = monotonic_ns();
+        r.ended_stopping = stopping;
         --running;
-        if (failed(status) && !stopping) failures.push_back(r.local_rank);
+        if (r.report_fd >= 0) {  // what it reported is all in the pipe now
+          ssize_t n;
+          char buf[4096];
+          while ((n = read(r.report_fd, buf, sizeof buf)) > 0)
+            if (r.report_bytes.size() < kMaxReport)
+              r.report_bytes.append(buf, std::min<size_t>(n, kMaxReport - r.report_bytes.size()));
+          parse_report(r);
+          close(r.report_fd);
+          r.report_fd = -1;
+        }
       }
     }
-    if (!failures.empty() && culprit < 0) {
-      culprit = failures.front();
-      for (int f : failures)
-        if (WIFSIGNALED(ranks[f].status)) { culprit = f; break; }
+    if (stopping) {
+      if (Clock::now() >= kill_at) {
+        stop_all(SIGKILL);
+        kill_at = Clock::now() + std::chrono::hours(1);
+      }
+      continue;
     }
-    if ((culprit >= 0 || interrupted) && !stopping) {
-      stopping = true;
-      stop_all(SIGTERM);
-      kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int>(o.grace * 1000));
+    bool cause = false, collective = false, sigint = false;
+    for (const auto& r : ranks) {
+      cause = cause || is_cause(r);
+      collective = collective || (r.report && r.report->kind != Report::Error);
+      sigint = sigint || (!r.running && o.interactive && WIFSIGNALED(r.status) && WTERMSIG(r.status) == SIGINT);
     }
-    if (stopping && Clock::now() >= kill_at) {
-      stop_all(SIGKILL);
-      kill_at = Clock::now() + std::chrono::hours(1);
+    if (cause || interrupted || sigint) {
+      begin_stopping();
+    } else if (collective) {
+      if (!settle_until) settle_until = Clock::now() + settle;
+      bool all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.running || r.report; });
+      if (all_heard || Clock::now() >= *settle_until) {
+        for (size_t i = 0; i < ranks.size(); ++i)
+          if (ranks[i].running && !ranks[i].report) missing.emplace_back(int(i), process_state(ranks[i].pid));
+        begin_stopping();
+      }
     }
   }
 
+  // The culprit: the earliest cause; else, when the first failure is a collective timeout, the
+  // ranks it waited for; else the earliest collective failure.
+  auto when = [](const Rank& r) { return r.report ? r.report->at_ns : r.ended_ns; };
+  int culprit = -1;
+  for (size_t i = 0; i < ranks.size(); ++i)
+    if (is_cause(ranks[i]) && (culprit < 0 || when(ranks[i]) < when(ranks[culprit]))) culprit = int(i);
+  int first_collective = -1;
+  for (size_t i = 0; i < ranks.size(); ++i)
+    if (ranks[i].report && ranks[i].report->kind != Report::Error &&
+        (first_collective < 0 || ranks[i].report->at_ns < ranks[first_collective].report->at_ns))
+      first_collective = int(i);
+  auto name = [](const Rank& r) {
+    return "rank " + std::to_string(r.rank) + " (local rank " + std::to_string(r.local_rank) + ", pid " +
+           std::to_string(r.pid) + ")";
+  };
+
+  if (culprit < 0 && first_collective >= 0 && ranks[first_collective].report->kind == Report::Timeout &&
+      !missing.empty()) {
+    const Rank& waited = ranks[first_collective];
+    std::cerr << "partrain: ";
+    for (size_t k = 0; k < missing.size(); ++k) std::cerr << (k ? ", " : "") << name(ranks[missing[k].first]);
+    std::cerr << (missing.size() > 1 ? " were" : " was") << " still running, with no error, when the other ranks timed "
+              << "out waiting in a collective: " << (missing.size() > 1 ? "they are" : "it is")
+              << " the rank the others waited for";
+    for (const auto& [i, state] : missing)
+      if (state == 'T' || state == 't') std::cerr << " (rank " << ranks[i].rank << " was stopped: SIGSTOP, Ctrl-Z or a debugger)";
+    std::cerr << "; all ranks were stopped. The first timeout, on rank " << waited.rank << ":\n"
+              << indented(waited.report->message, 6);
+    return 1;
+  }
+  if (culprit < 0) culprit = first_collective;
   if (culprit >= 0) {
     const Rank& r = ranks[culprit];
-    std::cerr << "partrain: rank " << r.rank << " (local rank " << r.local_rank << ", pid " << r.pid << ") "
-              << describe_status(r.status) << "; the other ranks were stopped";
-    if (!r.last_err.empty()) {
+    std::cerr << "partrain: " << name(r) << " failed first: it " << describe_status(r.status)
+              << "; the other ranks were stopped";
+    if (r.report) {
+      std::cerr << ". Its error:\n" << indented(r.report->message, 12);
+    } else if (!r.last_err.empty()) {
       std::cerr << ". The last lines of its stderr:\n";
       for (const auto& l : r.last_err) std::cerr << "  " << l << '\n';
     } else if (o.interactive && r.rank == 0) {
@@ -265,9 +483,14 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     }
     return 1;
   }
-  if (interrupted) {
-    std::cerr << "partrain: interrupted (signal " << interrupted << "); stopped all ranks\n";
-    return 128 + interrupted;
+  bool sigint = std::any_of(ranks.begin(), ranks.end(), [&](const Rank& r) {
+    return o.interactive && WIFSIGNALED(r.status) && WTERMSIG(r.status) == SIGINT;
+  });
+  if (interrupted || sigint) {
+    int sig = interrupted ? int(interrupted) : SIGINT;
+    std::cerr << "partrain: interrupted (" << (sig == SIGINT ? "Ctrl-C" : "signal " + std::to_string(sig))
+              << "); stopped all ranks\n";
+    return 128 + sig;
   }
   return 0;
 }

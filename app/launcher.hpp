@@ -1,6 +1,9 @@
 // The local launcher behind `partrain --nproc-per-node N script.lua`: starts N ranks of this
 // machine with torchrun's environment, forwards their output, and when one fails stops the rest
-// and says which rank failed and how.
+// and says which rank failed first and how: each rank reports its fatal error, with the time it
+// happened, through a pipe; the earliest error, or a death by a signal the launcher did not
+// send, is the cause; when the first failures are collective timeouts, the rank still running
+// without an error is the one the others waited for.
 #pragma once
 
 #include <string>
@@ -23,8 +26,22 @@ struct LaunchOptions {
   bool interactive = false;
 };
 
+/// The bounds of the launcher's numbers, shared with the command line's checks.
+constexpr int kMaxLocalRanks = 1024;  ///< --nproc-per-node
+constexpr int kMaxNodes = 1024;       ///< --nnodes
+constexpr int kMaxTimeout = 7 * 24 * 3600;  ///< --timeout, seconds (as PARTRAIN_TIMEOUT)
+
 /// Checks the options; a bad value is an error naming the flag.
 void validate(const LaunchOptions& options);
+
+/// In a rank the launcher started: takes the report pipe named by PARTRAIN_REPORT_FD (and
+/// makes it close-on-exec, so the script's own children do not hold it). Call once at start-up;
+/// elsewhere it does nothing.
+void adopt_report_channel();
+/// In such a rank: tells the launcher this rank's fatal error, with the monotonic time of now,
+/// before the rank exits (and so before its sockets close and its peers fail). Elsewhere it
+/// does nothing.
+void report_failure(const std::string& message);
 
 /// Runs `child_args` (partrain's arguments for one rank: flags, script, script arguments) as
 /// every local rank and waits for all of them. Returns the exit status for the launcher: 0 when

@@ -1,12 +1,14 @@
 // The partrain command: runs Lua training scripts on the engine (`partrain train.lua`), single
 // chunks (`-e`), and, with --nproc-per-node, launches one process per rank like torchrun. Under
 // torchrun or SLURM (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it runs as that one rank.
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +20,7 @@
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/files.hpp"
 
 namespace {
 
@@ -26,44 +29,52 @@ int fail(const std::string& message) {
   return 1;
 }
 
+// A rank's fatal error: said on stderr, and told to the launcher (when one started the rank)
+// with the time it happened, so that it can name the rank that failed first.
+int rank_fail(const std::string& message) {
+  partrain::app::report_failure(message);
+  return fail(message);
+}
+
+constexpr int kMaxThreads = 1024;  // --threads: more would only stall the machine
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  partrain::app::adopt_report_channel();
   partrain::plan::install_allocators();  // before any tensor, so mem() counts them all
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"
                "  partrain script.lua [args...]                  run a training script\n"
                "  partrain --nproc-per-node 4 script.lua [args]  run it as 4 local ranks\n"
                "  partrain -e 'lua code'                         run a chunk of Lua\n"
                "  partrain -i script.lua                         run it, then open the REPL\n"
-               "  partrain [--nproc-per-node 4] repl             open the REPL (on every rank)\n"
+               "  partrain repl [--nproc-per-node 4]             open the REPL (on every rank)\n"
                "  partrain plan --world 8 script.lua [args]      what each of 8 ranks would hold (no processes)\n"
-               "  partrain ckpt inspect|verify|convert|export    look after checkpoints (partrain ckpt --help)\n",
+               "  partrain ckpt inspect|verify|convert|export    look after checkpoints (partrain ckpt --help)\n"
+               "\n  plan, ckpt and repl are always these commands; a script of that name runs as ./plan\n",
                "partrain"};
   app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (LibTorch " +
                                         partrain::compat::torch_version() + ", LuaJIT)");
   std::vector<std::string> chunks;
-  int threads = 0;
-  int timeout = 0;
+  std::string threads_text, timeout_text, nproc_text, nnodes_text, node_rank_text, port_text;
   std::string script;
   std::vector<std::string> script_args;
   partrain::app::LaunchOptions launch;
-  int nproc = 0;
   app.add_option("-e,--execute", chunks, "run this Lua code (before the script, if any)")->allow_extra_args(false);
   bool interactive = false;
   app.add_flag("-i,--interactive", interactive, "after the script (or -e), open the REPL in its globals: rank 0 reads, "
                "every rank runs each chunk, outputs come back grouped by rank");
-  app.add_option("--threads", threads, "intra-op threads for LibTorch (default: all cores; with "
-                 "--nproc-per-node, cores / local ranks)")->check(CLI::PositiveNumber);
-  app.add_option("--nproc-per-node", nproc, "ranks to start on this machine (launcher mode)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--nnodes", launch.nnodes, "machines taking part (default 1)");
-  app.add_option("--node-rank", launch.node_rank, "this machine's index, 0..nnodes-1 (default 0)");
+  app.add_option("--threads", threads_text, "intra-op threads for LibTorch, 1-1024 (default: all cores; with "
+                 "--nproc-per-node, cores / local ranks)");
+  app.add_option("--nproc-per-node", nproc_text, "ranks to start on this machine, 1-1024 (launcher mode)");
+  app.add_option("--nnodes", nnodes_text, "machines taking part, 1-1024 (default 1)");
+  app.add_option("--node-rank", node_rank_text, "this machine's index, 0..nnodes-1 (default 0)");
   app.add_option("--master-addr", launch.master_addr, "host where rank 0 serves the rendezvous "
                  "(default 127.0.0.1)");
-  app.add_option("--master-port", launch.master_port, "its port (default: a free one; required with --nnodes > 1)");
+  app.add_option("--master-port", port_text, "its port, 1-65535 (default: a free one; required with --nnodes > 1)");
   app.add_flag("--tee", launch.tee, "show every rank's stdout, each line prefixed with its rank");
-  app.add_option("--timeout", timeout, "seconds a collective or the rendezvous may wait before "
-                 "failing (default 300)")->check(CLI::PositiveNumber);
+  app.add_option("--timeout", timeout_text, "seconds a collective or the rendezvous may wait before "
+                 "failing, 1-604800 (default 300)");
   bool check_collectives = false;
   app.add_flag("--check-collectives", check_collectives, "before every collective, check that all ranks of its "
                "group call the same one (debugging; costs a small all-gather each)");
@@ -71,39 +82,84 @@ int main(int argc, char** argv) {
   app.add_option("--plan", plan_file, "check the run against this saved plan (partrain plan --save) at its first "
                  "optimizer step");
   app.add_option("--plan-mode", plan_mode, "with --plan: match (fail on any difference), override (write this "
-                 "run's plan over it) or moo (match if it agrees, otherwise override)")
-      ->check(CLI::IsMember({"match", "override", "moo"}));
+                 "run's plan over it) or moo (match if it agrees, otherwise override)");
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's.
+  // plan, ckpt and repl are always subcommands, whatever files the working folder holds.
   int split = partrain::app::split_at_script(app, 1, argc, argv);
-  // `partrain plan ...` (a file called plan, if there is one, is still a script).
-  if (split < argc && std::string(argv[split]) == "plan" && access("plan", F_OK) != 0) {
-    if (split != 1) return fail("plan takes no partrain flags before it: partrain plan --world N script.lua");
-    return partrain::app::run_plan(argc, argv, split + 1);
+  std::string word = split < argc ? argv[split] : "";
+  if (word == "plan" || word == "ckpt") {
+    if (split != 1)
+      return fail(word + " takes no partrain flags before it: partrain " + word +
+                  (word == "plan" ? " --world N script.lua" : " inspect DIR"));
+    return word == "plan" ? partrain::app::run_plan(argc, argv, split + 1) : partrain::app::run_ckpt(argc, argv, split + 1);
   }
-  if (split < argc && std::string(argv[split]) == "ckpt" && access("ckpt", F_OK) != 0) {
-    if (split != 1) return fail("ckpt takes no partrain flags before it: partrain ckpt inspect DIR");
-    return partrain::app::run_ckpt(argc, argv, split + 1);
-  }
-  if (split < argc) {
+  std::vector<char*> flags(argv, argv + split);
+  bool repl = word == "repl";
+  if (repl) {  // `partrain [flags] repl [flags]`: the REPL alone, flags on either side
+    int after = partrain::app::split_at_script(app, split + 1, argc, argv);
+    if (after < argc)
+      return fail("repl takes partrain's flags only, not '" + std::string(argv[after]) +
+                  "' (partrain repl --nproc-per-node 2; a script named repl runs as ./repl)");
+    flags.insert(flags.end(), argv + split + 1, argv + argc);
+  } else if (split < argc) {
     script = argv[split];
     for (int i = split + 1; i < argc; ++i) script_args.emplace_back(argv[i]);
   }
   try {
-    app.parse(split, argv);
+    app.parse(static_cast<int>(flags.size()), flags.data());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 1;  // --help is a success; any mistake exits 1, as every error does
+    return partrain::app::parse_failed(app, e);
   }
+  if (repl) interactive = true;
 
-  // `partrain repl`: the REPL alone (a file called repl, if there is one, is still a script).
-  if (script == "repl" && script_args.empty() && access("repl", F_OK) != 0) {
-    script.clear();
-    interactive = true;
-  }
-  if (chunks.empty() && script.empty() && !interactive) {
-    std::cerr << app.help() << std::endl;
-    return fail("nothing to run: give a script or -e CODE");
+  // Numbers: each in its range, or a short message naming the flag, the value and the range.
+  int threads = 0, timeout = 0, nproc = 0;
+  using partrain::app::parse_count;
+  std::string bad;
+  if (bad.empty() && app.count("--threads")) bad = parse_count("--threads", threads_text, 1, kMaxThreads, threads);
+  if (bad.empty() && app.count("--timeout"))
+    bad = parse_count("--timeout", timeout_text, 1, partrain::app::kMaxTimeout, timeout);
+  if (bad.empty() && app.count("--nproc-per-node"))
+    bad = parse_count("--nproc-per-node", nproc_text, 1, partrain::app::kMaxLocalRanks, nproc);
+  if (bad.empty() && app.count("--nnodes"))
+    bad = parse_count("--nnodes", nnodes_text, 1, partrain::app::kMaxNodes, launch.nnodes);
+  if (bad.empty() && app.count("--node-rank"))
+    bad = parse_count("--node-rank", node_rank_text, 0, launch.nnodes - 1, launch.node_rank);
+  if (bad.empty() && app.count("--master-port")) bad = parse_count("--master-port", port_text, 1, 65535, launch.master_port);
+  if (bad.empty() && app.count("--master-addr") && launch.master_addr.empty()) bad = "--master-addr is empty";
+  if (!bad.empty()) return fail(bad);
+  if (plan_mode != "match" && plan_mode != "override" && plan_mode != "moo")
+    return fail("--plan-mode '" + plan_mode + "' is not one of match, override, moo");
+
+  if (chunks.empty() && script.empty() && !interactive)
+    return fail("nothing to run: give a script or -e CODE (partrain --help shows how)");
+  bool launcher_flags = app.count("--nnodes") || app.count("--node-rank") || app.count("--master-addr") ||
+                        app.count("--master-port") || app.count("--tee");
+  if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port and --tee "
+                                                "need --nproc-per-node");
+  // Files the command line names: regular files only (a FIFO would hang the run, a folder is
+  // a mistake), checked before any rank starts.
+  try {
+    if (!script.empty()) close(partrain::util::open_regular(script, "script"));
+    // --plan: in match mode a plan that loads (checked now, not at the first step); in the
+    // modes that write, never over a file that is not a plan.
+    if (!plan_file.empty()) {
+      if (access(plan_file.c_str(), F_OK) == 0) {
+        close(partrain::util::open_regular(plan_file, "plan (--plan)"));
+        if (plan_mode == "match") partrain::plan::load(plan_file);
+        else if (!partrain::plan::starts_like_plan(plan_file))
+          return fail("--plan '" + plan_file + "' is not a partrain plan; --plan-mode " + plan_mode +
+                      " would write over it (remove it, or name another file)");
+      } else if (plan_mode == "match") {
+        return fail("there is no plan at '" + plan_file + "' (make one with partrain plan --save)");
+      } else if (!partrain::app::writable_beside(plan_file)) {
+        return fail("--plan '" + plan_file + "': its folder does not exist");
+      }
+    }
+  } catch (const std::exception& e) {
+    return fail(partrain::compat::message_of(e));
   }
   if (check_collectives) setenv("PARTRAIN_CHECK_COLLECTIVES", "1", 1);  // ranks inherit it
   if (!plan_file.empty()) {
@@ -112,10 +168,6 @@ int main(int argc, char** argv) {
   } else if (app.count("--plan-mode")) {
     return fail("--plan-mode needs --plan FILE");
   }
-  bool launcher_flags = app.count("--nnodes") || app.count("--node-rank") || app.count("--master-addr") ||
-                        app.count("--master-port") || app.count("--tee");
-  if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port and --tee "
-                                                "need --nproc-per-node");
 
   // Launcher mode: start the ranks, each running this same command without the launcher flags.
   if (nproc > 0) {
@@ -129,8 +181,15 @@ int main(int argc, char** argv) {
       child.push_back("-e");
       child.push_back(c);
     }
-    if (!script.empty()) child.push_back(script);
+    if (!script.empty()) {
+      // A script whose name looks like a flag or a subcommand must not read as one in the rank.
+      child.push_back(script[0] == '-' || script == "plan" || script == "ckpt" || script == "repl" ? "./" + script
+                                                                                                     : script);
+    }
     child.insert(child.end(), script_args.begin(), script_args.end());
+    // A script that cannot load fails once here, not once a rank.
+    std::string error;
+    if (!script.empty() && !partrain::lua::check_script(script, &error)) return fail(error);
     try {
       return partrain::app::launch(launch, child);
     } catch (const std::exception& e) {
@@ -140,6 +199,7 @@ int main(int argc, char** argv) {
 
   if (threads > 0) at::set_num_threads(threads);
   if (timeout > 0) setenv("PARTRAIN_TIMEOUT", std::to_string(timeout).c_str(), 1);
+  partrain::lua::set_interactive(interactive);
   std::string where;  // "rank N: " in messages once there are several ranks
   try {
     // One rank of several (started by the launcher, torchrun or SLURM): join the others first,
@@ -147,27 +207,39 @@ int main(int argc, char** argv) {
     auto world_options = partrain::dist::world_options_from_env();
     if (world_options.world_size > 1) {
       where = "rank " + std::to_string(world_options.rank) + ": ";
+      // With -i, Ctrl-C reaches every rank. Outside the REPL it is rank 0's to act on (it ends
+      // the run); another rank, still starting or finishing the script, must not die of it.
+      if (interactive && world_options.rank != 0) {
+        struct sigaction sa {};
+        sa.sa_handler = [](int) {};
+        sigaction(SIGINT, &sa, nullptr);
+      }
       partrain::dist::World::instance().init(world_options);
     }
   } catch (const std::exception& e) {
-    return fail(where + partrain::compat::message_of(e));
+    return rank_fail(where + partrain::compat::message_of(e));
   }
 
   try {
     partrain::lua::Host host;
     std::string error;
     for (size_t i = 0; i < chunks.size(); ++i)
-      if (!host.run_string(chunks[i], "=(command line)", &error)) return fail(where + error);
-    if (!script.empty() && !host.run_file(script, script_args, &error)) return fail(where + error);
-    if (interactive && !host.run_string("require('partrain.repl').loop(_G, 'partrain ' .. require('partrain').version .. "
-                                        "' REPL on ' .. require('partrain').dist.world_size() .. ' rank(s): every "
-                                        "chunk runs on every rank; shards(), mesh(), mem(), on(rank, fn), exit()')",
-                                        "=(repl)", &error))
-      return fail(where + error);
+      if (!host.run_string(chunks[i], "=(command line)", &error)) return rank_fail(where + error);
+    if (!script.empty() && !host.run_file(script, script_args, &error)) return rank_fail(where + error);
+    if (interactive) {
+      // The REPL returns why it could not read the terminal (a background process group), if so.
+      std::string why;
+      if (!host.eval("return require('partrain.repl').loop(_G, 'partrain ' .. require('partrain').version .. "
+                     "' REPL on ' .. require('partrain').dist.world_size() .. ' rank(s): every chunk runs on "
+                     "every rank; shards(), mesh(), mem(), on(rank, fn), exit()')",
+                     &why, &error))
+        return rank_fail(where + error);
+      if (why != "nil") return rank_fail(where + "the REPL cannot start: " + why);
+    }
     std::fflush(stdout);
     partrain::dist::World::instance().shutdown();  // wait for the others before leaving
   } catch (const std::exception& e) {
-    return fail(where + partrain::compat::message_of(e));
+    return rank_fail(where + partrain::compat::message_of(e));
   }
   return 0;
 }

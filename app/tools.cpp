@@ -4,7 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -43,6 +46,34 @@ std::string shorten_missing_meta_kernel(const std::string& error) {
 
 }  // namespace
 
+std::string parse_count(const std::string& flag, const std::string& text, long long lo, long long hi, int& out) {
+  std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+  std::string range = std::to_string(lo) + " to " + std::to_string(hi);
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || !end || *end != '\0')
+    return flag + " '" + shown + "' is not a whole number (expected " + range + ")";
+  if (errno == ERANGE || v < lo || v > hi) return flag + " " + shown + " is out of range: " + range;
+  out = static_cast<int>(v);
+  return "";
+}
+
+int parse_failed(CLI::App& app, const CLI::ParseError& e) {
+  if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+  std::string what = e.what();
+  if (what.size() > 200) what = what.substr(0, 200) + "...";
+  std::cerr << "partrain: " << what << " (" << app.get_name() << " --help lists the flags)" << std::endl;
+  return 1;
+}
+
+bool writable_beside(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st;
+  return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 int split_at_script(CLI::App& app, int from, int argc, char** argv) {
   int split = from;
   while (split < argc) {
@@ -64,13 +95,11 @@ int run_plan(int argc, char** argv, int first) {
   CLI::App app{"partrain plan: what each rank of a layout will hold, without processes or memory.\n\n"
                "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n",
                "partrain plan"};
-  int world = 0, nproc = 0;
+  std::string world_text, nproc_text;
   bool json = false, verbose = false;
   std::string save;
-  app.add_option("--world", world, "ranks to plan for (virtual: nothing is started)")->required()
-      ->check(CLI::Range(1, 1 << 16));
-  app.add_option("--nproc-per-node", nproc, "ranks a machine (default: all on one); sets LOCAL_RANK")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--world", world_text, "ranks to plan for, 1-65536 (virtual: nothing is started)")->required();
+  app.add_option("--nproc-per-node", nproc_text, "ranks a machine, dividing --world (default: all on one); sets LOCAL_RANK");
   app.add_flag("--json", json, "print the plan as JSON");
   app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan");
   app.add_flag("-v,--verbose", verbose, "show what rank 0's script prints (the others stay quiet)");
@@ -82,12 +111,23 @@ int run_plan(int argc, char** argv, int first) {
   try {
     app.parse(static_cast<int>(flags.size()), flags.data());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 1;  // --help is a success; any mistake exits 1, as every error does
+    return parse_failed(app, e);
   }
+  int world = 0, nproc = 0;
+  std::string bad = parse_count("--world", world_text, 1, 1 << 16, world);
+  if (bad.empty() && app.count("--nproc-per-node")) bad = parse_count("--nproc-per-node", nproc_text, 1, world, nproc);
+  if (!bad.empty()) return fail("plan: " + bad);
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
   if (nproc == 0) nproc = world;
   if (world % nproc != 0) return fail("plan: --nproc-per-node " + std::to_string(nproc) + " does not divide --world " +
                                       std::to_string(world));
+  try {
+    close(util::open_regular(rest[0], "script"));
+    if (!save.empty() && util::is_plain_dir(save)) return fail("plan: --save '" + save + "' is a folder; give a file name");
+    if (!save.empty() && !writable_beside(save)) return fail("plan: --save '" + save + "': its folder does not exist");
+  } catch (const std::exception& e) {
+    return fail("plan: " + compat::message_of(e));
+  }
   std::string script = rest[0];
   std::vector<std::string> script_args(rest.begin() + 1, rest.end());
 
@@ -118,7 +158,9 @@ int run_plan(int argc, char** argv, int first) {
         bool ok = host.run_file(script, script_args, &error);
         if (plan::recorded().ranks.size() == before) {
           if (!ok) return fail(where + shorten_missing_meta_kernel(error));
-          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error)) return fail(where + error);
+          // Nothing to plan: the script, not partrain's own Lua, is what to look at.
+          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error))
+            return fail(where + "'" + script + "' " + error.substr(0, error.find("\nstack traceback:")));
         }
       }
       partrain::dist::World::instance().shutdown();
@@ -228,8 +270,7 @@ int run_ckpt(int argc, char** argv, int first) {
                "  partrain ckpt export DIR out.safetensors [--tag T]            weights for the PyTorch/HF world\n",
                "partrain ckpt"};
   app.require_subcommand(1);
-  std::string dir, dst, out, tag;
-  int tensor = 1, data = 1;
+  std::string dir, dst, out, tag, tensor_text, data_text;
   auto* inspect = app.add_subcommand("inspect", "describe a checkpoint (the newest, or --tag)");
   inspect->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
   inspect->add_option("--tag", tag, "which tag (default: newest)");
@@ -238,20 +279,44 @@ int run_ckpt(int argc, char** argv, int first) {
   auto* convert = app.add_subcommand("convert", "rewrite a checkpoint as another layout would have saved it");
   convert->add_option("src", dir, "the checkpoint folder (or tag folder) to read")->required();
   convert->add_option("dst", dst, "the checkpoint folder to write (the tag keeps its name)")->required();
-  convert->add_option("--tensor", tensor, "tensor-parallel size of the new layout")->check(CLI::PositiveNumber);
-  convert->add_option("--data", data, "data-parallel size of the new layout")->check(CLI::PositiveNumber);
+  convert->add_option("--tensor", tensor_text, "tensor-parallel size of the new layout, 1-65536 (default 1)");
+  convert->add_option("--data", data_text, "data-parallel size of the new layout, 1-65536 (default 1)");
   convert->add_option("--tag", tag, "which tag (default: newest)");
   auto* exp = app.add_subcommand("export", "write the model's logical weights as .safetensors");
   exp->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
   exp->add_option("out", out, "the .safetensors file to write")->required();
   exp->add_option("--tag", tag, "which tag (default: newest)");
+  if (first < argc && argv[first][0] != '-') {
+    std::string command = argv[first];
+    if (command != "inspect" && command != "verify" && command != "convert" && command != "export")
+      return fail("ckpt: '" + command.substr(0, 80) + "' is not a command (inspect, verify, convert or export)");
+  }
   std::vector<char*> args{argv[0]};
   for (int i = first; i < argc; ++i) args.push_back(argv[i]);
   try {
     app.parse(static_cast<int>(args.size()), args.data());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 1;  // --help is a success; any mistake exits 1, as every error does
+    return parse_failed(app, e);
   }
+  // The arguments, before anything is read: sizes in range, a tag that is a plain name, folders
+  // that exist, and outputs that are files in an existing folder.
+  int tensor = 1, data = 1;
+  std::string bad;
+  if (convert->count("--tensor")) bad = parse_count("--tensor", tensor_text, 1, 1 << 16, tensor);
+  if (bad.empty() && convert->count("--data")) bad = parse_count("--data", data_text, 1, 1 << 16, data);
+  if (bad.empty() && !tag.empty() && !util::safe_name(tag))
+    bad = "--tag '" + tag.substr(0, 80) + "' is not a tag name (letters, digits, '.', '_', '-'; not starting with '.' or '-')";
+  struct stat st;
+  if (bad.empty() && ::stat(dir.c_str(), &st) != 0)
+    bad = "cannot read the checkpoint folder '" + dir + "': " + std::strerror(errno);
+  else if (bad.empty() && !S_ISDIR(st.st_mode))
+    bad = "'" + dir + "' is not a folder; a checkpoint is a folder";
+  if (bad.empty() && *convert && ::stat(dst.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
+    bad = "the destination '" + dst + "' exists and is not a folder";
+  if (bad.empty() && *convert && !writable_beside(dst)) bad = "the destination '" + dst + "': its folder does not exist";
+  if (bad.empty() && *exp && util::is_plain_dir(out)) bad = "the output '" + out + "' is a folder; give a file name";
+  if (bad.empty() && *exp && !writable_beside(out)) bad = "the output '" + out + "': its folder does not exist";
+  if (!bad.empty()) return fail("ckpt: " + bad);
   try {
     if (*inspect) return ckpt_inspect(dir, tag);
     if (*verify) return ckpt_verify(dir);

@@ -3,9 +3,22 @@
 // checkpoints, docs/checkpoints.md), and the argument split they share with the main command.
 #pragma once
 
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 namespace partrain::app {
+
+/// Reads `text`, the value of `flag`, as a whole number in [lo, hi] into `out`. Returns "" or
+/// a short message naming the flag, the value and the range.
+std::string parse_count(const std::string& flag, const std::string& text, long long lo, long long hi, int& out);
+
+/// Whether the folder that would hold `path` exists (a file partrain is asked to write).
+bool writable_beside(const std::string& path);
+
+/// A CLI11 parse error as partrain reports it: --help and --version print and succeed (0);
+/// any mistake is one short line and status 1.
+int parse_failed(CLI::App& app, const CLI::ParseError& e);
 
 /// Splits argv[from..] into the words before the script (flags for `app`) and the script with
 /// its arguments: everything from the script on is the script's, even words that look like flags

@@ -7,13 +7,13 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/files.hpp"
 
 namespace partrain::lua {
 
@@ -561,13 +561,53 @@ void Host::set_arg_table(const std::string& script, const std::vector<std::strin
   lua_setglobal(L_, "arg");
 }
 
-bool Host::run_file(const std::string& path, const std::vector<std::string>& args,
-                    std::string* error) {
-  std::ifstream probe(path);
-  if (!probe) {
-    *error = "cannot open script '" + path + "': " + std::strerror(errno);
+namespace {
+
+constexpr uint64_t kMaxScriptBytes = 64ull << 20;  // a Lua script; more is not a script
+
+// Loads Lua source (never bytecode: LuaJIT does not verify it, and a bytecode file can crash
+// it) as a chunk named `name`. On failure leaves nothing on the stack and sets `error`.
+bool load_source(lua_State* L, const std::string& code, const std::string& name, std::string* error) {
+  if (luaL_loadbufferx(L, code.data(), code.size(), name.c_str(), "t") == 0) return true;
+  *error = lua_tostring(L, -1);
+  lua_pop(L, 1);
+  if (code.compare(0, 3, "\x1bLJ") == 0)
+    *error = (name[0] == '@' || name[0] == '=' ? name.substr(1) : name) + ": LuaJIT bytecode; partrain runs Lua source only";
+  return false;
+}
+
+// A script's source: a regular file of bounded size, read once (a FIFO or a folder is refused,
+// never waited on), with a #! first line blanked (its line still counts).
+bool read_script(const std::string& path, std::string* code, std::string* error) {
+  try {
+    *code = util::read_regular(path, "script", kMaxScriptBytes);
+  } catch (const std::exception& e) {
+    *error = message_of(e);
     return false;
   }
+  if (!code->empty() && (*code)[0] == '#') code->erase(0, std::min(code->find('\n'), code->size()));
+  return true;
+}
+
+}  // namespace
+
+bool check_script(const std::string& path, std::string* error) {
+  std::string code;
+  if (!read_script(path, &code, error)) return false;
+  lua_State* L = luaL_newstate();
+  if (!L) {
+    *error = "cannot create a Lua state (out of memory)";
+    return false;
+  }
+  bool ok = load_source(L, code, "@" + path, error);
+  lua_close(L);
+  return ok;
+}
+
+bool Host::run_file(const std::string& path, const std::vector<std::string>& args,
+                    std::string* error) {
+  std::string code;
+  if (!read_script(path, &code, error)) return false;
   set_arg_table(path, args);
   // The script's own folder comes first on package.path, so it can require its neighbours.
   std::string dir = dir_of(path);
@@ -579,30 +619,18 @@ bool Host::run_file(const std::string& path, const std::vector<std::string>& arg
   lua_setfield(L_, -2, "path");
   lua_pop(L_, 1);
 
-  if (luaL_loadfile(L_, path.c_str()) != 0) {
-    *error = lua_tostring(L_, -1);
-    lua_pop(L_, 1);
-    return false;
-  }
+  if (!load_source(L_, code, "@" + path, error)) return false;
   for (const auto& a : args) lua_pushstring(L_, a.c_str());
   return pcall(L_, static_cast<int>(args.size()), 0, error, /*traceback=*/true);
 }
 
 bool Host::run_string(const std::string& code, const std::string& chunkname, std::string* error) {
-  if (luaL_loadbuffer(L_, code.data(), code.size(), chunkname.c_str()) != 0) {
-    *error = lua_tostring(L_, -1);
-    lua_pop(L_, 1);
-    return false;
-  }
+  if (!load_source(L_, code, chunkname, error)) return false;
   return pcall(L_, 0, 0, error, /*traceback=*/true);
 }
 
 bool Host::eval(const std::string& code, std::string* result, std::string* error) {
-  if (luaL_loadbuffer(L_, code.data(), code.size(), "=eval") != 0) {
-    *error = lua_tostring(L_, -1);
-    lua_pop(L_, 1);
-    return false;
-  }
+  if (!load_source(L_, code, "=eval", error)) return false;
   if (!pcall(L_, 0, 1, error, true)) return false;
   lua_getglobal(L_, "tostring");
   lua_insert(L_, -2);

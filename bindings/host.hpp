@@ -18,6 +18,15 @@ struct Paths {
 };
 Paths find_paths();
 
+/// Reads and compiles (without running) the script at `path`: false, with the message, when it
+/// cannot be read, is not Lua source, or has a syntax error. The launcher asks once, before it
+/// starts ranks that would each fail the same way.
+bool check_script(const std::string& path, std::string* error);
+
+/// Whether this run was asked for the REPL (partrain -i, partrain repl): under the launcher only
+/// then does rank 0 read the terminal, so only then does pt.breakpoint() stop.
+void set_interactive(bool on);
+
 class Host {
  public:
   Host();

@@ -1,29 +1,43 @@
 // What the SPMD REPL (partrain/repl.lua) needs from C: line editing with history and completion
 // (GNU readline), evaluation that Ctrl-C interrupts (lua.c's way: a signal handler installs a
-// hook that raises an error at the next Lua instruction), strings as byte tensors to send them
-// between ranks, and the process's memory.
+// hook that raises an error at the next Lua instruction; a collective waiting for a peer ends
+// too), the channel that hands chunks and outputs between ranks through the rendezvous store
+// (never a collective, so waiting for input has no deadline), and the process's memory.
 #include <signal.h>
+#include <termios.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include <readline/history.h>
 #include <readline/readline.h>
 
+#include "bindings/host.hpp"
 #include "bindings/lua.hpp"
+#include "engine/dist/world.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/files.hpp"
 
 namespace partrain::lua {
 
 namespace {
 
+bool interactive_run = false;  // partrain -i or partrain repl (set_interactive)
+
 // ---- Interrupting an evaluation ------------------------------------------------------------
 
 lua_State* volatile interrupt_target = nullptr;  // the state evaluating, while one is
 volatile sig_atomic_t interrupted_at_prompt = 0;
+volatile sig_atomic_t interrupt_pending = 0;     // Ctrl-C during the evaluation
 
 void interrupt_hook(lua_State* L, lua_Debug*) {
   lua_sethook(L, nullptr, 0, 0);
@@ -31,22 +45,149 @@ void interrupt_hook(lua_State* L, lua_Debug*) {
 }
 
 void on_sigint(int) {
-  if (lua_State* L = interrupt_target) lua_sethook(L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
-  else interrupted_at_prompt = 1;
+  if (lua_State* L = interrupt_target) {
+    interrupt_pending = 1;
+    lua_sethook(L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
+  } else {
+    interrupted_at_prompt = 1;
+  }
 }
 
-// SIGINT goes to on_sigint from the first REPL call on: a REPL session is never ended by Ctrl-C.
-void install_sigint() {
-  static bool installed = false;
-  if (installed) return;
-  installed = true;
-  struct sigaction sa {};
-  sa.sa_handler = on_sigint;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
+// Asked by a collective while it waits during an evaluation: Ctrl-C ends the wait (a peer that
+// was interrupted before reaching the collective will never answer). The hook comes off first,
+// so that the collective's error, not a second "interrupted", reaches the chunk.
+bool wait_interrupted() {
+  if (!interrupt_pending) return false;
+  if (lua_State* L = interrupt_target) lua_sethook(L, nullptr, 0, 0);
+  return true;
 }
 
-// ---- Completion ----------------------------------------------------------------------------
+// SIGINT goes to on_sigint while a REPL runs (repl_signals(true)), on every rank: a session is
+// never ended by Ctrl-C. Outside it (a script after a breakpoint) Ctrl-C acts as before.
+struct sigaction saved_sigint;
+int sigint_depth = 0;  // nested REPLs (a breakpoint inside a chunk)
+
+void hold_sigint(bool on) {
+  if (on && sigint_depth++ == 0) {
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &saved_sigint);
+  } else if (!on && sigint_depth > 0 && --sigint_depth == 0) {
+    sigaction(SIGINT, &saved_sigint, nullptr);
+  }
+}
+
+// ---- The channel between ranks ---------------------------------------------------------------
+// Rank 0 puts chunk n of session s under repl/s/n/chunk; every rank puts its output (and how
+// many collectives each of its groups has started) under repl/s/n/out/RANK; rank 0 answers
+// with repl/s/n/renew, the groups whose members stopped at different points of their sequence
+// (a chunk interrupted between collectives), which every member then renews. All waits poll
+// the store with no deadline: an idle prompt or a long chunk on one rank is not an error.
+
+constexpr size_t kMaxOutput = 1 << 20;  // bytes of one rank's output for one chunk
+
+c10d::Store& store() {
+  auto s = dist::World::instance().store();
+  TORCH_CHECK(s, "the REPL has no rendezvous store (a world of one needs none)");
+  return *s;
+}
+
+std::string key(int64_t session, int64_t n, const std::string& what) {
+  return "repl/" + std::to_string(session) + "/" + std::to_string(n) + "/" + what;
+}
+
+void put(const std::string& k, const std::string& value) {
+  store().set(k, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// Waits for `k` without a deadline, sleeping 5 ms, then longer up to 100 ms, between looks.
+// A store that stops answering means rank 0 (its server) has ended.
+std::string take(const std::string& k) {
+  auto pause = std::chrono::milliseconds(5);
+  try {
+    while (!store().check({k})) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
+    }
+    auto v = store().get(k);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception& e) {
+    throw std::runtime_error("the REPL lost rank 0, which serves the rendezvous store (it has ended?): " +
+                             message_of(e));
+  }
+}
+
+// A rank's posting: its output's length, the output, then a line a group: key, collectives
+// started, members.
+std::string posting(const std::string& output) {
+  std::string out = output.size() > kMaxOutput
+                        ? output.substr(0, kMaxOutput) + "\n... (output cut at " + std::to_string(kMaxOutput) + " bytes)\n"
+                        : output;
+  std::string s = std::to_string(out.size()) + "\n" + out;
+  for (const auto& g : dist::World::instance().groups()) {
+    if (g->size() < 2) continue;
+    s += g->key() + "\t" + std::to_string(g->started()) + "\t";
+    for (size_t i = 0; i < g->ranks().size(); ++i) s += (i ? "," : "") + std::to_string(g->ranks()[i]);
+    s += "\n";
+  }
+  return s;
+}
+
+struct Posting {
+  std::string output;
+  std::map<std::string, std::pair<int64_t, std::string>> groups;  // key -> (started, members)
+};
+
+Posting parse_posting(const std::string& s) {
+  Posting p;
+  size_t nl = s.find('\n');
+  size_t len = std::stoull(s.substr(0, nl));
+  p.output = s.substr(nl + 1, len);
+  std::istringstream rest(s.substr(nl + 1 + len));
+  std::string line;
+  while (std::getline(rest, line)) {
+    auto t1 = line.find('\t'), t2 = line.find('\t', t1 + 1);
+    p.groups[line.substr(0, t1)] = {std::stoll(line.substr(t1 + 1, t2 - t1 - 1)), line.substr(t2 + 1)};
+  }
+  return p;
+}
+
+// Rank 0: the groups to renew. A group is renewed when every member posted it and they have
+// started different numbers of collectives on it.
+std::string groups_to_renew(const std::vector<Posting>& all) {
+  std::set<std::string> keys;
+  for (const auto& p : all)
+    for (const auto& g : p.groups) keys.insert(g.first);
+  std::string out;
+  for (const auto& k : keys) {
+    std::string members;
+    std::set<int64_t> counts;
+    size_t posted = 0;
+    for (const auto& p : all) {
+      auto it = p.groups.find(k);
+      if (it == p.groups.end()) continue;
+      members = it->second.second;
+      counts.insert(it->second.first);
+      ++posted;
+    }
+    size_t size = std::count(members.begin(), members.end(), ',') + 1;
+    if (posted == size && counts.size() > 1) out += k + "\n";
+  }
+  return out;
+}
+
+// ---- History and completion ----------------------------------------------------------------
+
+// The history file is read and written only when it is a regular file or absent: a FIFO or a
+// device planted there would block readline or be clobbered. Said once a process.
+bool history_usable(const std::string& path) {
+  if (::access(path.c_str(), F_OK) != 0 || util::is_regular(path)) return true;
+  static bool told = false;
+  if (!told) std::fprintf(stderr, "partrain: the REPL keeps no history: '%s' is not a regular file\n", path.c_str());
+  told = true;
+  return false;
+}
 
 std::unique_ptr<LuaRef> completer;      // fn(word) -> { candidates }
 std::vector<std::string> candidates;
@@ -77,41 +218,50 @@ char** complete(const char* text, int, int) {
   return rl_completion_matches(text, next_candidate);
 }
 
-// Ctrl-C while reading: readline calls this after the signal; the line is abandoned.
-int on_signal_event() {
-  if (!interrupted_at_prompt) return 0;
-  rl_replace_line("", 0);
-  rl_done = 1;
-  return 0;
+// Ctrl-C while reading. readline's own signal handling is off (rl_catch_signals = 0): SIGINT
+// reaches on_sigint, the read below returns EINTR, and the line is abandoned at once (an empty
+// line is accepted; repl_readline then reports the interrupt), without waiting for a key.
+int read_key(FILE* in) {
+  while (true) {
+    unsigned char c;
+    ssize_t n = ::read(fileno(in), &c, 1);
+    if (n == 1) return c;
+    if (n == 0) return EOF;
+    if (errno != EINTR) return EOF;
+    if (interrupted_at_prompt) {
+      rl_replace_line("", 0);
+      return '\n';
+    }
+  }
 }
 
 const Function kRepl[] = {
     {"repl_isatty", [](Args& a) { return a.ret(isatty(STDIN_FILENO) == 1 && isatty(STDOUT_FILENO) == 1); }},
     {"repl_start", [](Args& a) {  // repl_start(history_file, completer)
-       install_sigint();
        std::string history = a.string(1);
        if (lua_type(a.L, 2) != LUA_TFUNCTION) a.expected(2, "completion function");
        completer = std::make_unique<LuaRef>(a.L, 2);
        rl_readline_name = "partrain";
        rl_attempted_completion_function = complete;
        rl_basic_word_break_characters = const_cast<char*>(" \t\n\"\\'`@$><=;|&{(,[+-*/%^~#");
-       rl_signal_event_hook = on_signal_event;
+       rl_catch_signals = 0;
+       rl_getc_function = read_key;
        using_history();
-       read_history(history.c_str());  // a missing file is fine: the first session
+       if (history_usable(history)) read_history(history.c_str());  // a missing file is fine: the first session
        return a.ret(); }},
     {"repl_stop", [](Args& a) {  // repl_stop(history_file): saves the history (the last 1000 lines)
        std::string history = a.string(1);
-       write_history(history.c_str());
-       history_truncate_file(history.c_str(), 1000);
+       if (history_usable(history)) {
+         write_history(history.c_str());
+         history_truncate_file(history.c_str(), 1000);
+       }
        completer.reset();
        return a.ret(); }},
     {"repl_readline", [](Args& a) {  // a line; "\0interrupt" after Ctrl-C; nil at end of input
-       install_sigint();
        interrupted_at_prompt = 0;
        char* line = readline(a.string(1).c_str());
        if (interrupted_at_prompt) {
          std::free(line);
-         std::fputs("\n", stdout);
          return a.ret(std::string("\0interrupt", 10));
        }
        if (!line) {
@@ -124,7 +274,6 @@ const Function kRepl[] = {
        return a.ret(s); }},
     {"repl_add_history", [](Args& a) { add_history(a.string(1).c_str()); return a.ret(); }},
     {"repl_try", [](Args& a) {  // repl_try(fn): true, results... | false, message with traceback
-       install_sigint();
        lua_State* L = a.L;
        if (lua_type(L, 1) != LUA_TFUNCTION) a.expected(1, "function");
        lua_settop(L, 1);
@@ -137,11 +286,19 @@ const Function kRepl[] = {
          lua_pcall(L, 2, 0, 0);
        }
        lua_settop(L, 1);
-       struct Target {  // evaluation ends however this frame is left
-         explicit Target(lua_State* L) { interrupt_target = L; }
+       struct Target {  // evaluation ends however this frame is left; an outer one (a
+                        // breakpoint's REPL inside a chunk) is interruptible again after it
+         lua_State* outer;
+         explicit Target(lua_State* L) : outer(interrupt_target) {
+           interrupt_pending = 0;
+           interrupt_target = L;
+           dist::set_wait_interrupt(wait_interrupted);
+         }
          ~Target() {
            if (lua_State* L = interrupt_target) lua_sethook(L, nullptr, 0, 0);
-           interrupt_target = nullptr;
+           interrupt_target = outer;
+           interrupt_pending = 0;
+           if (!outer) dist::set_wait_interrupt(nullptr);
          }
        } target(L);
        std::string error;
@@ -153,6 +310,106 @@ const Function kRepl[] = {
        lua_pushboolean(L, 1);
        lua_insert(L, 1);
        return lua_gettop(L); }},
+    {"repl_signals", [](Args& a) {  // repl_signals(on): Ctrl-C interrupts chunks instead of ending the process
+       hold_sigint(a.boolean(1));
+       return a.ret(); }},
+    {"repl_interactive", [](Args& a) { return a.ret(interactive_run); }},
+    // Why rank 0 cannot read the terminal, or nil: reading it from a background process group
+    // (under timeout(1), or `cmd &`) would stop the process, and the run would hang.
+    {"repl_terminal_problem", [](Args& a) {
+       if (isatty(STDIN_FILENO) != 1) return a.ret();
+       pid_t fg = tcgetpgrp(STDIN_FILENO);
+       if (fg < 0 || fg == getpgrp()) return a.ret();
+       return a.ret(std::string("partrain runs in a background process group and cannot read the terminal (under "
+                                "timeout, use timeout --foreground; or run it in the foreground)")); }},
+    // Why pt.breakpoint() cannot stop here whatever the terminal, or nil.
+    {"repl_breakpoint_problem", [](Args& a) {
+       if (plan::planning()) return a.ret(std::string("partrain plan does not stop at breakpoints"));
+       auto& w = dist::World::instance();
+       if (w.initialized() && w.size() > 1 && !interactive_run)
+         return a.ret(std::string("run with partrain -i to stop here (only then does rank 0 read the terminal)"));
+       return a.ret(); }},
+    // The channel (see above). repl_session(): a new session's number, the same on every rank
+    // (every rank opens REPLs in the same order: they are collective).
+    {"repl_session", [](Args& a) {
+       static int64_t sessions = 0;
+       return a.ret(double(++sessions)); }},
+    // rank 0: repl_publish(session, n, code | nil for the end). For a chunk, it then waits, up to
+    // --timeout, until every rank has taken it: a rank that never reaches the REPL (a
+    // breakpoint only some ranks pass) is an error naming it, not a wait without end.
+    {"repl_publish", [](Args& a) {
+       int64_t session = a.integer(1), n = a.integer(2);
+       bool chunk = a.is_string(3);
+       put(key(session, n, "chunk"), chunk ? "c" + a.string(3) : std::string("e"));
+       if (!chunk) return a.ret();
+       auto& world = dist::World::instance();
+       auto deadline = std::chrono::steady_clock::now() + world.options().timeout;
+       std::string missing;
+       for (int r = 1; r < world.size(); ++r) {
+         while (!store().check({key(session, n, "took/" + std::to_string(r))}) &&
+                std::chrono::steady_clock::now() < deadline)
+           std::this_thread::sleep_for(std::chrono::milliseconds(10));
+         if (!store().check({key(session, n, "took/" + std::to_string(r))}))
+           missing += (missing.empty() ? "" : ",") + std::to_string(r);
+       }
+       TORCH_CHECK(missing.empty(), "rank(s) ", missing, " did not reach the REPL within --timeout (",
+                   world.options().timeout.count() / 1000, " s): every rank must reach it (a pt.breakpoint() that only "
+                   "some ranks pass stops only those)");
+       return a.ret(); }},
+    {"repl_receive", [](Args& a) {  // other ranks: repl_receive(session, n) -> code | nil at the end
+       int64_t session = a.integer(1), n = a.integer(2);
+       std::string v = take(key(session, n, "chunk"));
+       if (v.empty() || v[0] != 'c') return a.ret();
+       put(key(session, n, "took/" + std::to_string(dist::World::instance().rank())), "");
+       return a.ret(v.substr(1)); }},
+    // repl_exchange(session, n, output, exit): every rank posts its output and whether the chunk
+    // called exit(); rank 0 gets { output of rank 0, of rank 1, ... }, the others nil, and every
+    // rank gets whether to leave (exit() on any rank ends the REPL on all). Groups left at
+    // different points of their collectives are renewed.
+    {"repl_exchange", [](Args& a) {
+       int64_t session = a.integer(1), n = a.integer(2);
+       std::string output = a.string(3);
+       bool leave = a.boolean(4);
+       auto& world = dist::World::instance();
+       put(key(session, n, "out/" + std::to_string(world.rank())), (leave ? "x" : "-") + posting(output));
+       std::vector<Posting> all;
+       std::string verdict;
+       if (world.rank() == 0) {
+         for (int r = 0; r < world.size(); ++r) {
+           std::string p = take(key(session, n, "out/" + std::to_string(r)));
+           leave = leave || p[0] == 'x';
+           all.push_back(parse_posting(p.substr(1)));
+         }
+         verdict = (leave ? "x" : "-") + groups_to_renew(all);
+         put(key(session, n, "renew"), verdict);
+         if (n > 1) {  // every rank has read chunk n - 1 and its verdict: it posted chunk n's output
+           store().deleteKey(key(session, n - 1, "chunk"));
+           store().deleteKey(key(session, n - 1, "renew"));
+           for (int r = 0; r < world.size(); ++r) {
+             store().deleteKey(key(session, n - 1, "out/" + std::to_string(r)));
+             store().deleteKey(key(session, n - 1, "took/" + std::to_string(r)));
+           }
+         }
+       } else {
+         verdict = take(key(session, n, "renew"));
+       }
+       leave = verdict[0] == 'x';
+       std::set<std::string> keys;
+       std::istringstream lines(verdict.substr(1));
+       for (std::string k; std::getline(lines, k);) keys.insert(k);
+       for (const auto& g : world.groups())  // in the order they were made, as every member does
+         if (keys.count(g->key())) g->renew();
+       if (world.rank() == 0) {
+         lua_createtable(a.L, static_cast<int>(all.size()), 0);
+         for (size_t r = 0; r < all.size(); ++r) {
+           lua_pushlstring(a.L, all[r].output.data(), all[r].output.size());
+           lua_rawseti(a.L, -2, static_cast<int>(r + 1));
+         }
+       } else {
+         lua_pushnil(a.L);
+       }
+       lua_pushboolean(a.L, leave);
+       return 2; }},
     {"string_to_tensor", [](Args& a) {  // the bytes of a string as a uint8 tensor
        size_t n = 0;
        const char* s = luaL_checklstring(a.L, 1, &n);
@@ -190,5 +447,7 @@ const Function kRepl[] = {
 }  // namespace
 
 void open_repl(lua_State* L, int core) { set_functions(L, core, kRepl); }
+
+void set_interactive(bool on) { interactive_run = on; }
 
 }  // namespace partrain::lua

@@ -164,6 +164,41 @@ int64_t hash_text(const std::string& text) {
 
 }  // namespace
 
+// ---- Waiting -------------------------------------------------------------------------------
+
+namespace {
+
+std::atomic<bool (*)()> wait_interrupt{nullptr};
+
+// Waits for `work` up to `timeout`. With an interrupt check installed the wait goes in slices,
+// asking the check between them, so that Ctrl-C in the REPL ends a wait no peer will answer;
+// a collective that completes within the first slice costs nothing more.
+void wait_for(c10d::Work& work, std::chrono::milliseconds timeout) {
+  auto interrupted = wait_interrupt.load();
+  if (!interrupted) {
+    work.wait(timeout);
+    return;
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      work.wait(std::max(std::chrono::milliseconds(1), std::min(left, std::chrono::milliseconds(50))));
+      return;
+    } catch (const std::exception&) {
+      if (work.isCompleted()) {  // it ended meanwhile, or with its own error: that outcome
+        work.wait();
+        return;
+      }
+      if (Clock::now() >= deadline) throw;
+    }
+    if (interrupted()) throw std::runtime_error("interrupted while waiting for the other ranks (Ctrl-C)");
+  }
+}
+
+}  // namespace
+
 void set_call_site_provider(CallSiteFn fn) { site_provider = fn; }
 
 std::string call_site() {
@@ -172,6 +207,8 @@ std::string call_site() {
 }
 
 void install_terminate_handler() { std::set_terminate(on_terminate); }
+
+void set_wait_interrupt(bool (*interrupted)()) { wait_interrupt = interrupted; }
 
 // ---- Work ----------------------------------------------------------------------------------
 
@@ -184,7 +221,7 @@ bool Work::done() const { return !work_ || work_->isCompleted(); }
 void Work::wait() {
   if (work_) {
     try {
-      work_->wait(group_->timeout());
+      wait_for(*work_, group_->timeout());
     } catch (const std::exception& e) {
       work_.reset();
       std::string why = compat::message_of(e);
@@ -219,10 +256,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const GroupOptions& options, 
               "' (ranks ", join(options.ranks), ")");
   int rank = static_cast<int>(it - options.ranks.begin());
   std::shared_ptr<ProcessGroup> group(new ProcessGroup(options, rank));
+  group->store_ = store;
+  group->store_prefix_ = store_prefix.empty() ? options.name : store_prefix;
   if (options.ranks.size() > 1 && !options.planned) {
     TORCH_CHECK(store, "group '", options.name, "' needs a rendezvous store");
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-        "group/" + (store_prefix.empty() ? options.name : store_prefix), store);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("group/" + group->store_prefix_, store);
     group->impl_ = std::make_unique<Impl>();
     try {
       group->impl_->group = compat::make_c10d_group(options.backend, prefixed, rank,
@@ -232,6 +270,23 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const GroupOptions& options, 
     }
   }
   return group;
+}
+
+void ProcessGroup::renew() {
+  if (!impl_) return;
+  // Never destroyed: destroying a Gloo group waits for its pending collectives.
+  static auto* retired = new std::vector<c10::intrusive_ptr<compat::C10dGroup>>();
+  std::string prefix = "group/" + store_prefix_ + "/renewed/" + std::to_string(++renewals_);
+  c10::intrusive_ptr<compat::C10dGroup> fresh;
+  try {
+    fresh = compat::make_c10d_group(options_.backend, c10::make_intrusive<c10d::PrefixStore>(prefix, store_), rank_,
+                                    size(), options_.timeout);
+  } catch (const std::exception& e) {
+    fail("rendezvous (renewing the group)", compat::message_of(e));
+  }
+  retired->push_back(std::move(impl_->group));
+  impl_->group = std::move(fresh);
+  started_ = 0;
 }
 
 std::string ProcessGroup::describe() const {
@@ -256,6 +311,7 @@ Work ProcessGroup::run(const std::string& op, const std::function<c10::intrusive
                        bool async, std::function<void()> after) const {
   Work w;
   try {
+    ++started_;
     w = start(op, launch(), std::move(after));
   } catch (const std::exception& e) {
     fail(op, compat::message_of(e));
@@ -297,8 +353,9 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, b
     for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
     std::vector<Tensor> inputs{in};
     try {
+      ++started_;
       auto w = impl_->group->allgather(outputs, inputs);
-      w->wait(options_.timeout);
+      wait_for(*w, options_.timeout);
     } catch (const std::exception& e) {
       fail(op + " (checking that every rank calls it)", compat::message_of(e));
     }

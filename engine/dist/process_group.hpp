@@ -3,6 +3,7 @@
 // bounds every wait by a timeout, and runs groups of one rank without any communication.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -64,6 +65,11 @@ std::string call_site();
 /// World::init for worlds of more than one rank.
 void install_terminate_handler();
 
+/// A check that collectives call every few milliseconds while they wait, installed by the REPL
+/// while it runs a chunk: when it returns true (Ctrl-C), the wait ends with an error saying
+/// "interrupted". Without one (nullptr, the default) a wait runs to the group's timeout.
+void set_wait_interrupt(bool (*interrupted)());
+
 struct GroupOptions {
   std::string name;                               ///< shown in errors: "data", "tensor[pp=0,dp=1]"
   std::vector<int> ranks;                         ///< global ranks, in group-rank order
@@ -115,6 +121,19 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::map<std::string, Traffic> traffic() const;
   void reset_traffic() const;
 
+  /// The group's name in the rendezvous store: unique in the world and the same on every member.
+  const std::string& key() const { return store_prefix_; }
+  /// The c10d operations this group has started (the --check-collectives all-gathers included)
+  /// since it was made or renewed. Members that agree on it are at the same point of the
+  /// group's sequence of collectives.
+  int64_t started() const { return started_; }
+  /// Replaces the group's c10d backend with a fresh one (a new rendezvous under a new store
+  /// prefix). Every member must call it, in the order the groups were made. After an interrupted
+  /// collective (Ctrl-C in the REPL) members can be at different points of the old backend's
+  /// sequence; the fresh one starts them level. The old backend is kept alive, never destroyed:
+  /// an abandoned collective may still be pending in it until its timeout.
+  void renew();
+
  private:
   // An all-reduce recorded under `op` (reduce_scatter on Gloo is one).
   Work reduce(Tensor& t, ReduceOp op, bool async, const char* name) const;
@@ -134,6 +153,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // mismatch naming each rank's call. Point-to-point calls (collective = false) are only noted.
   void verify(int op_code, const std::string& op, const Tensor& t, bool collective = true, int64_t root = 0) const;
   mutable int64_t sequence_ = 0;
+  mutable std::atomic<int64_t> started_{0};
+  c10::intrusive_ptr<c10d::Store> store_;  // kept for renew()
+  std::string store_prefix_;
+  int renewals_ = 0;
 
   GroupOptions options_;
   int rank_;

@@ -44,6 +44,9 @@ class World {
   int rank() const { return options_.rank; }
   int size() const { return options_.world_size; }
   GroupPtr world() const;
+  /// The rendezvous store (null in a world of one or a planned world), for side channels that
+  /// must not be collectives: the REPL hands out chunks through it, with no deadline.
+  c10::intrusive_ptr<c10d::Store> store() const { return store_; }
 
   /// Makes a group of `ranks` named `name`. Every rank must make the same groups in the same
   /// order; ranks outside `ranks` get nullptr.

@@ -30,6 +30,7 @@
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/util/files.hpp"
 
 namespace partrain::plan {
 
@@ -367,6 +368,82 @@ Plan& recorded() { return recorded_; }
 
 // ---- Saving and loading --------------------------------------------------------------------
 
+// Plans are read with a bounded archive: cereal's binary format with every count checked
+// against the bytes left before a string or vector is sized, so a damaged or hostile file
+// cannot make partrain allocate more than a small multiple of its own size.
+class BoundedInput : public cereal::InputArchive<BoundedInput, cereal::AllowEmptyClassElision> {
+ public:
+  explicit BoundedInput(const std::string& bytes) : InputArchive(this), bytes_(bytes) {}
+  void loadBinary(void* out, size_t size) {
+    if (size > left()) throw cereal::Exception("the file ends " + std::to_string(size - left()) + " bytes early");
+    std::memcpy(out, bytes_.data() + pos_, size);
+    pos_ += size;
+  }
+  size_t left() const { return bytes_.size() - pos_; }
+  // A count of elements that take at least `min_bytes` each in the file.
+  size_t count(uint64_t n, size_t min_bytes) const {
+    if (n > left() / min_bytes)
+      throw cereal::Exception("a count of " + std::to_string(n) + " is more than the " + std::to_string(left()) +
+                              " bytes left can hold");
+    return static_cast<size_t>(n);
+  }
+
+ private:
+  const std::string& bytes_;
+  size_t pos_ = 0;
+};
+
+// The fewest bytes an element of each stored type takes in the file.
+template <class T>
+constexpr size_t min_stored_bytes() {
+  if constexpr (std::is_arithmetic_v<T>) return sizeof(T);
+  else if constexpr (std::is_same_v<T, Shard>) return 8 * 6 + 4 + 8;       // 6 counts, dim, bytes
+  else if constexpr (std::is_same_v<T, Collective>) return 8 * 2 + 8 * 2;  // 2 counts, calls, bytes
+  else if constexpr (std::is_same_v<T, RankPlan>) return 4 * 4 + 8 * 2 + 8 * 4;
+  else return 1;
+}
+
+}  // namespace partrain::plan
+
+namespace cereal {
+using partrain::plan::BoundedInput;
+template <class T, traits::EnableIf<std::is_arithmetic<T>::value> = traits::sfinae>
+inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, T& t) {
+  ar.loadBinary(std::addressof(t), sizeof(t));
+}
+template <class T>
+inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, NameValuePair<T>& t) {
+  ar(t.value);
+}
+template <class T>
+inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, SizeTag<T>& t) {
+  ar(t.size);
+}
+template <class T>
+inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, BinaryData<T>& t) {
+  ar.loadBinary(t.data, static_cast<std::size_t>(t.size));
+}
+inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, std::string& s) {
+  uint64_t n = 0;
+  ar.loadBinary(&n, sizeof n);
+  s.resize(ar.count(n, 1));
+  ar.loadBinary(s.data(), s.size());
+}
+template <class T, class A>
+inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, std::vector<T, A>& v) {
+  uint64_t n = 0;
+  ar.loadBinary(&n, sizeof n);
+  v.resize(ar.count(n, partrain::plan::min_stored_bytes<T>()));
+  if constexpr (std::is_arithmetic_v<T>) {
+    ar.loadBinary(v.data(), v.size() * sizeof(T));
+  } else {
+    for (auto& x : v) ar(x);
+  }
+}
+}  // namespace cereal
+
+namespace partrain::plan {
+
 template <class Archive>
 void serialize(Archive& ar, Shard& s) {
   ar(s.name, s.dtype, s.shape, s.local_shape, s.dim, s.slices, s.group, s.bytes);
@@ -388,41 +465,45 @@ void serialize(Archive& ar, Plan& p) {
 namespace {
 const char kMagic[] = "partrain-plan";
 constexpr uint32_t kVersion = 1;
+constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 
+// Whether `bytes` begin with the magic as cereal writes a string: its length (8 bytes, little
+// endian), then its characters.
+bool begins_with_magic(const std::string& bytes) {
+  const size_t n = sizeof(kMagic) - 1;
+  if (bytes.size() < 8 + n) return false;
+  uint64_t length = 0;
+  std::memcpy(&length, bytes.data(), 8);
+  return length == n && bytes.compare(8, n, kMagic) == 0;
+}
+
 void save(const Plan& plan, const std::string& path) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  std::ostringstream out(std::ios::binary);
   {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(out, "cannot write the plan to '", tmp, "': ", std::strerror(errno));
     cereal::BinaryOutputArchive ar(out);
     ar(std::string(kMagic), kVersion, const_cast<Plan&>(plan));
-    out.flush();
-    TORCH_CHECK(out, "writing the plan to '", tmp, "' failed");
   }
-  int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot move the plan into place at '", path,
-              "': ", std::strerror(errno));
+  util::write_atomic(path, out.str());
 }
 
 Plan load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, "cannot read the plan '", path, "': ", std::strerror(errno));
+  // A regular file of bounded size (never a FIFO or a folder); cereal then reads it from memory,
+  // and every length inside it is checked against what is left before anything is allocated.
+  std::string bytes = util::read_regular(path, "plan", kMaxPlanBytes);
+  TORCH_CHECK(begins_with_magic(bytes), "'", path, "' is not a partrain plan (made by partrain plan --save)");
   Plan plan;
   std::string magic;
   uint32_t version = 0;
   try {
-    cereal::BinaryInputArchive ar(in);
+    BoundedInput ar(bytes);
     ar(magic);
     TORCH_CHECK(magic == kMagic, "'", path, "' is not a partrain plan (made by partrain plan --save)");
     ar(version);
     TORCH_CHECK(version == kVersion, "the plan '", path, "' has format version ", version, "; this partrain reads ",
                 kVersion);
     ar(plan);
+    if (ar.left() != 0) throw cereal::Exception(std::to_string(ar.left()) + " bytes follow the end of the plan");
   } catch (const cereal::Exception& e) {
     TORCH_CHECK(false, "the plan '", path, "' is damaged or truncated (", e.what(), ")");
   } catch (const std::length_error& e) {
@@ -431,6 +512,14 @@ Plan load(const std::string& path) {
     TORCH_CHECK(false, "'", path, "' is not a partrain plan");
   }
   return plan;
+}
+
+bool starts_like_plan(const std::string& path) {
+  int fd = util::open_regular(path, "plan");
+  std::string head(8 + sizeof(kMagic) - 1, '\0');
+  ssize_t n = ::read(fd, head.data(), head.size());
+  ::close(fd);
+  return n == static_cast<ssize_t>(head.size()) && begins_with_magic(head);
 }
 
 std::string to_bytes(const RankPlan& rank) {

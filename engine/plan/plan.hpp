@@ -131,6 +131,9 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
 void save(const Plan& plan, const std::string& path);
 /// Reads a plan; a missing, truncated or foreign file is an error naming it.
 Plan load(const std::string& path);
+/// Whether the regular file at `path` begins as a plan does (its magic), whatever its version
+/// or state: the test before writing over it (--plan-mode override or moo).
+bool starts_like_plan(const std::string& path);
 /// A rank plan as bytes and back (to gather them over a group).
 std::string to_bytes(const RankPlan& rank);
 RankPlan from_bytes(const std::string& bytes);

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The partrain command as a user meets it: flags, exit codes, and the messages bad input gives.
-# Usage: test_cli.sh PATH/TO/partrain
+# The partrain command as a user meets it: flags, exit codes, and the messages bad input gives:
+# every number flag of the command, plan and ckpt out of range or malformed is one short line
+# naming the flag, the value and the range; FIFOs, folders, devices and bytecode as files are
+# refused, never waited on; plan, ckpt and repl stay commands beside files of those names, and
+# repl takes partrain's flags after it. Usage: test_cli.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 tmp=$(mktemp -d)
@@ -30,8 +33,7 @@ check "--help lists every flag" 0 "--threads" -- "$bin" --help
 check "--help lists -e" 0 "-e,--execute" -- "$bin" --help
 check "no script and no -e is an error" nonzero "nothing to run" -- "$bin"
 check "an unknown flag is an error" nonzero "--bogus" -- "$bin" --bogus
-check "a bad --threads is an error" nonzero "threads" -- "$bin" --threads 0 -e ""
-check "a missing script names the file" 1 "partrain: cannot open script 'no/such.lua'" -- "$bin" no/such.lua
+check "a missing script names the file" 1 "partrain: cannot read the script 'no/such.lua': No such file or directory" -- "$bin" no/such.lua
 check "-e runs code" 0 "hello	3" -- "$bin" -e 'print("hello", 1 + 2)'
 check "-e code can exit with a status" 3 "" -- "$bin" -e 'os.exit(3)'
 
@@ -70,13 +72,125 @@ check "require finds the script's own folder and partrain from anywhere" 0 "answ
 check "partrain plan --help lists its flags" 0 "--world" -- "$bin" plan --help
 check "partrain plan needs --world" 1 "--world" -- "$bin" plan "$tmp/cfg.lua"
 check "partrain plan needs a script" 1 "give the script to plan" -- "$bin" plan --world 2
-check "partrain plan names a missing script" 1 "cannot open script 'no/such.lua'" -- "$bin" plan --world 2 no/such.lua
+check "partrain plan names a missing script" 1 "cannot read the script 'no/such.lua'" -- "$bin" plan --world 2 no/such.lua
 check "partrain ckpt --help lists its commands" 0 "inspect" -- "$bin" ckpt --help
 check "partrain ckpt needs a command" 1 "subcommand" -- "$bin" ckpt
 check "partrain ckpt inspect names a folder without a checkpoint" 1 "no checkpoint in '$tmp'" -- "$bin" ckpt inspect "$tmp"
 check "partrain ckpt verify fails on a folder without a checkpoint" 1 "no checkpoint" -- "$bin" ckpt verify "$tmp"
 check "partrain ckpt convert needs positive sizes" 1 "--tensor" -- "$bin" ckpt convert "$tmp" "$tmp/out" --tensor 0
-check "--plan-mode takes match, override or moo" 1 "--plan-mode" -- "$bin" --plan x --plan-mode maybe -e ""
+
+# refuse NAME PATTERN -- COMMAND...: wants status 1, PATTERN in the output, and a short message:
+# at most 2 lines of at most 200 characters (no usage text, no CLI11 essay). A bound of 30 s
+# catches a hang (timeout's status 124 fails the check). Refusals run 4 at a time (each is a
+# process start, mostly loading LibTorch); settle_refusals reports them in order.
+refusals=0
+refuse_one() {
+  local name="$1" pattern="$2"
+  shift 3
+  local out status lines longest
+  out=$(timeout 30 "$@" 2>&1 </dev/null)
+  status=$?
+  lines=$(printf '%s\n' "$out" | wc -l)
+  longest=$(printf '%s\n' "$out" | awk '{ if (length($0) > m) m = length($0) } END { print m + 0 }')
+  if [ "$status" -eq 1 ] && grep -qF -- "$pattern" <<<"$out" && [ "$lines" -le 2 ] && [ "$longest" -le 200 ]; then
+    echo "[ OK ] $name"
+  else
+    echo "[FAIL] $name (status $status, $lines lines, longest $longest; wanted 1 and '$pattern')"
+    echo "$out" | head -20
+  fi
+}
+refuse() {
+  refusals=$((refusals + 1))
+  refuse_one "$@" >"$tmp/refusal.$(printf %03d $refusals)" &
+  while [ "$(jobs -rp | wc -l)" -ge 4 ]; do sleep 0.05; done
+}
+settle_refusals() {
+  wait
+  for f in "$tmp"/refusal.*; do
+    [ -e "$f" ] || continue
+    cat "$f"
+    if head -1 "$f" | grep -q '^\[ OK \]'; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+    rm -f "$f"
+  done
+}
+
+# --- every number flag: in its range, or a short message naming the flag, the value and the range
+refuse "--threads 0 is out of range" "--threads 0 is out of range: 1 to 1024" -- "$bin" --threads 0 -e ""
+refuse "--threads 100000 is out of range (it used to hang)" "--threads 100000 is out of range: 1 to 1024" -- "$bin" --threads 100000 -e ""
+refuse "--threads -3 is out of range" "--threads -3 is out of range" -- "$bin" --threads -3 -e ""
+refuse "--threads abc is not a number" "--threads 'abc' is not a whole number (expected 1 to 1024)" -- "$bin" --threads abc -e ""
+refuse "--threads 2.5 is not a whole number" "--threads '2.5' is not a whole number" -- "$bin" --threads 2.5 -e ""
+refuse "--threads beyond 64 bits is out of range" "--threads 99999999999999999999999 is out of range" -- "$bin" --threads 99999999999999999999999 -e ""
+refuse "--nproc-per-node 1000000 is out of range" "--nproc-per-node 1000000 is out of range: 1 to 1024" -- "$bin" --nproc-per-node 1000000 -e ""
+refuse "--nproc-per-node 0 is out of range" "--nproc-per-node 0 is out of range: 1 to 1024" -- "$bin" --nproc-per-node 0 -e ""
+refuse "--nproc-per-node x is not a number" "--nproc-per-node 'x' is not a whole number" -- "$bin" --nproc-per-node x -e ""
+refuse "--nnodes 0 is out of range" "--nnodes 0 is out of range: 1 to 1024" -- "$bin" --nproc-per-node 1 --nnodes 0 -e ""
+refuse "--nnodes 5000 is out of range" "--nnodes 5000 is out of range: 1 to 1024" -- "$bin" --nproc-per-node 1 --nnodes 5000 -e ""
+refuse "--node-rank must be below --nnodes" "--node-rank 2 is out of range: 0 to 1" -- "$bin" --nproc-per-node 1 --nnodes 2 --node-rank 2 -e ""
+refuse "--node-rank -1 is out of range" "--node-rank -1 is out of range: 0 to 0" -- "$bin" --nproc-per-node 1 --node-rank -1 -e ""
+refuse "--master-port 0 is out of range" "--master-port 0 is out of range: 1 to 65535" -- "$bin" --nproc-per-node 1 --master-port 0 -e ""
+refuse "--master-port http is not a number" "--master-port 'http' is not a whole number" -- "$bin" --nproc-per-node 1 --master-port http -e ""
+refuse "--master-addr must resolve" "--master-addr 'no such host' is not an address" -- "$bin" --nproc-per-node 1 --master-addr "no such host" -e ""
+refuse "--master-addr must not be empty" "--master-addr is empty" -- "$bin" --nproc-per-node 1 --master-addr "" -e ""
+refuse "--timeout 0 is out of range" "--timeout 0 is out of range: 1 to 604800" -- "$bin" --timeout 0 -e ""
+refuse "--timeout of a year is out of range" "--timeout 31536000 is out of range: 1 to 604800" -- "$bin" --timeout 31536000 -e ""
+refuse "--plan-mode takes match, override or moo (short)" "--plan-mode 'maybe' is not one of match, override, moo" -- "$bin" --plan x --plan-mode maybe -e ""
+refuse "a flag without its value names the flag" "--threads" -- "$bin" --threads
+refuse "-e without code names the flag" "-e" -- "$bin" -e
+refuse "an unknown flag is named, briefly" "--bogus" -- "$bin" --bogus -e ""
+refuse "no script and no -e is a short error" "nothing to run" -- "$bin"
+refuse "partrain plan --world 0 is out of range" "--world 0 is out of range: 1 to 65536" -- "$bin" plan --world 0 "$tmp/cfg.lua"
+refuse "partrain plan --world 70000 is out of range" "--world 70000 is out of range: 1 to 65536" -- "$bin" plan --world 70000 "$tmp/cfg.lua"
+refuse "partrain plan --world x is not a number" "--world 'x' is not a whole number" -- "$bin" plan --world x "$tmp/cfg.lua"
+refuse "partrain plan --nproc-per-node above --world is out of range" "--nproc-per-node 8 is out of range: 1 to 4" -- "$bin" plan --world 4 --nproc-per-node 8 "$tmp/cfg.lua"
+refuse "partrain plan --save into a folder is refused" "--save '$tmp' is a folder" -- "$bin" plan --world 2 --save "$tmp" "$tmp/cfg.lua"
+refuse "partrain plan --save in a missing folder is refused" "its folder does not exist" -- "$bin" plan --world 2 --save "$tmp/no/plan.bin" "$tmp/cfg.lua"
+refuse "partrain ckpt convert --tensor 0 is out of range" "--tensor 0 is out of range: 1 to 65536" -- "$bin" ckpt convert "$tmp" "$tmp/out" --tensor 0
+refuse "partrain ckpt convert --data abc is not a number" "--data 'abc' is not a whole number" -- "$bin" ckpt convert "$tmp" "$tmp/out" --data abc
+refuse "partrain ckpt --tag must be a plain name" "--tag '../x' is not a tag name" -- "$bin" ckpt inspect "$tmp" --tag ../x
+refuse "partrain ckpt inspect of a missing folder names it" "cannot read the checkpoint folder '$tmp/none'" -- "$bin" ckpt inspect "$tmp/none"
+refuse "partrain ckpt verify of a file names it" "'$tmp/cfg.lua' is not a folder" -- "$bin" ckpt verify "$tmp/cfg.lua"
+refuse "partrain ckpt export into a folder is refused" "the output '$tmp' is a folder" -- "$bin" ckpt export "$tmp" "$tmp"
+refuse "partrain ckpt with an unknown command names it" "ckpt: 'bogus' is not a command" -- "$bin" ckpt bogus "$tmp"
+settle_refusals
+out=$(timeout 60 "$bin" --threads 1024 -e 'print("ran")' 2>&1); status=$?
+[ $status -eq 0 ] && grep -q ran <<<"$out"; if [ $? = 0 ]; then passed=$((passed + 1)); echo "[ OK ] --threads 1024 (the top of the range) runs"
+else failed=$((failed + 1)); echo "[FAIL] --threads 1024 (the top of the range) runs (status $status)"; echo "$out" | head; fi
+
+# --- files the command line names: regular files only, never a wait on a FIFO ------------------
+mkfifo "$tmp/fifo"
+refuse "a FIFO as the script is refused, not waited on" "the script '$tmp/fifo' is a FIFO" -- "$bin" "$tmp/fifo"
+refuse "a folder as the script is refused" "the script '$tmp' is a folder" -- "$bin" "$tmp"
+refuse "a device as the script is refused" "the script '/dev/zero' is a character device" -- "$bin" /dev/zero
+refuse "a FIFO as the script is refused before ranks start" "is a FIFO" -- "$bin" --nproc-per-node 2 "$tmp/fifo"
+refuse "partrain plan refuses a FIFO as the script" "is a FIFO" -- "$bin" plan --world 2 "$tmp/fifo"
+refuse "--plan of a folder is refused (not basic_filebuf::underflow)" "the plan (--plan) '$tmp' is a folder" -- "$bin" --plan "$tmp" -e ""
+refuse "--plan of a FIFO is refused" "the plan (--plan) '$tmp/fifo' is a FIFO" -- "$bin" --plan "$tmp/fifo" -e ""
+refuse "--plan of a missing file is refused up front in match mode" "there is no plan at '$tmp/none.bin'" -- "$bin" --plan "$tmp/none.bin" -e ""
+"$bin" -e "io.open('$tmp/bytecode.lua', 'wb'):write(string.dump(function() print('x') end))"
+refuse "a LuaJIT bytecode file is refused (LuaJIT does not verify bytecode)" "bytecode.lua: LuaJIT bytecode; partrain runs Lua source only" -- "$bin" "$tmp/bytecode.lua"
+refuse "bytecode through -e is refused" "LuaJIT bytecode" -- "$bin" -e "$(head -c 4 "$tmp/bytecode.lua")"
+settle_refusals
+printf 'local pt = require "partrain"\npt.parallelize(pt.models.mlp { sizes = { 4, 2 } }, nil, pt.mesh {})\npt.breakpoint()\n' > "$tmp/planbp.lua"
+check "partrain plan skips pt.breakpoint(), saying so" 0 "pt.breakpoint() at $tmp/planbp.lua:3 skipped: partrain plan does not stop at breakpoints" -- "$bin" plan --world 2 "$tmp/planbp.lua"
+printf '#!/usr/bin/env partrain\nprint("shebang", 1)\nerror("at line 3")\n' > "$tmp/shebang.lua"
+check "a #! first line is skipped and line numbers stay right" 1 "shebang.lua:3: at line 3" -- "$bin" "$tmp/shebang.lua"
+
+# --- plan, ckpt and repl are commands whatever the working folder holds -------------------------
+mkdir -p "$tmp/cwd/ckpt" "$tmp/cwd/plan" "$tmp/cwd/repl" "$tmp/cwd2"
+check "partrain ckpt verify is the command even beside a folder named ckpt" 1 "no checkpoint" -- bash -c "cd '$tmp/cwd' && '$bin' ckpt verify '$tmp'"
+printf 'local pt = require "partrain"\npt.parallelize(pt.models.mlp { sizes = { 4, 2 } }, nil, pt.mesh {})\n' > "$tmp/par.lua"
+check "partrain plan is the command even beside a folder named plan" 0 "rank" -- bash -c "cd '$tmp/cwd' && '$bin' plan --world 2 '$tmp/par.lua'"
+check "partrain repl is the command even beside a folder named repl" 0 "" -- bash -c "cd '$tmp/cwd' && '$bin' repl </dev/null"
+printf 'print("the script named plan ran")\n' > "$tmp/cwd2/plan"
+check "a script named plan runs as ./plan" 0 "the script named plan ran" -- bash -c "cd '$tmp/cwd2' && '$bin' ./plan"
+check "partrain repl takes launcher flags after it" 0 "" -- bash -c "'$bin' repl --nproc-per-node 2 --threads 1 --timeout 30 </dev/null"
+check "partrain repl -e runs the chunk first" 0 "chunk ran" -- bash -c "'$bin' repl -e 'print(\"chunk ran\")' </dev/null"
+refuse "partrain repl refuses a bad flag after it, naming it" "--threads 0 is out of range" -- "$bin" repl --threads 0
+refuse "partrain repl refuses an unknown flag after it" "--bogus" -- "$bin" repl --bogus
+refuse "partrain repl refuses a script after it" "repl takes partrain's flags only, not 'x.lua'" -- "$bin" repl x.lua
+refuse "partrain flags before plan are refused, briefly" "plan takes no partrain flags before it" -- "$bin" --threads 2 plan --world 2 "$tmp/cfg.lua"
+settle_refusals
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

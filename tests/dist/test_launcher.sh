@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The launcher under failure and misuse: a rank killed mid-training ends the run within 30 s
 # naming that rank and leaving no process behind; a stalled collective times out naming its group
-# and operation; bad sizes, ports and environments are clear errors; torchrun-style environments
-# run a single rank. Usage: test_launcher.sh PATH/TO/partrain
+# and operation, and the rank the others waited for (one that sleeps, loops or is stopped) is the
+# one named; a rank that raises while the others wait is named with its error in 10 runs of 10;
+# pt.breakpoint() without -i says how to stop there; bad sizes, ports and environments are clear
+# errors; torchrun-style environments run a single rank. Usage: test_launcher.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 worker="$(realpath tests/dist/worker.lua)"
@@ -28,7 +30,7 @@ took=$(( $(date +%s) - killed_at ))
 out=$(cat "$tmp/kill.out")
 report $(( status == 0 )) "the launcher exits non-zero when a rank is killed (status $status)" "$out"
 report $(( took > 30 )) "it exits within 30 s of the kill (took ${took} s)" "$out"
-has "$out" "rank 2 (local rank 2, pid $victim) was killed by signal 9 (SIGKILL)"; report $? "its message names the killed rank and the signal" "$out"
+has "$out" "partrain: rank 2 (local rank 2, pid $victim) failed first: it was killed by signal 9 (SIGKILL)"; report $? "its message names the killed rank and the signal" "$out"
 left=0
 for f in "$tmp"/kill/pid.*; do kill -0 "$(cat "$f")" 2>/dev/null && left=$((left + 1)); done
 report $(( left != 0 )) "no rank is left running ($left left)" "$out"
@@ -42,6 +44,40 @@ report $(( status == 0 )) "a collective waiting on a stalled rank fails (status 
 has "$out" "barrier on group 'world' (ranks 0,1) failed on rank 0"; report $? "the timeout names the group and the operation" "$out"
 report $(( took > 30 )) "the stalled run ends within 30 s with --timeout 3 (took ${took} s)" "$out"
 
+summary=$(grep -A2 '^partrain: rank' <<<"$out")
+grep -q '^partrain: rank 1 (local rank 1, pid [0-9]*) was still running, with no error, when the other ranks timed out' <<<"$summary"
+report $? "the summary names the stalled rank as the one the others waited for" "$out"
+
+# --- the rank that failed first is named, whatever order the ranks end in --------------------
+# Rank 1 raises while ranks 0, 2 and 3 wait in an all-reduce; they then fail too ("connection
+# closed"), often before the launcher reaps rank 1. Each rank reports its error with the time it
+# happened, so the launcher names rank 1, with its message, every time.
+named=0 last=""
+for _ in $(seq 10); do
+  out=$("$bin" --nproc-per-node 4 --threads 1 --timeout 60 "$worker" --mode raise 2>&1)
+  summary=$(grep -A2 '^partrain: rank' <<<"$out")
+  if grep -q '^partrain: rank 1 (local rank 1, pid [0-9]*) failed first: it exited with status 1' <<<"$summary" &&
+     grep -q 'rank 1 raised on purpose' <<<"$summary"; then named=$((named + 1)); else last="$out"; fi
+done
+report $(( named != 10 )) "a rank raising while the others wait in a collective is named with its error ($named of 10 runs)" "$last"
+
+# --- a rank that never reaches the collective is the one named ---------------------------------
+for mode in spin stop; do
+  start=$(date +%s)
+  out=$(timeout 120 "$bin" --nproc-per-node 3 --threads 1 --timeout 2 "$worker" --mode $mode 2>&1); status=$?
+  took=$(( $(date +%s) - start ))
+  summary=$(grep -A2 '^partrain: rank' <<<"$out")
+  grep -q '^partrain: rank 1 (local rank 1, pid [0-9]*) was still running, with no error, when the other ranks timed out' <<<"$summary"
+  report $? "a rank that $( [ $mode = spin ] && echo 'loops forever' || echo 'is stopped (SIGSTOP)' ) is named as the one the others waited for" "$out"
+  report $(( status != 1 || took > 40 )) "... and the run ends with status 1 within 40 s (status $status, ${took} s)" "$out"
+done
+has "$summary" "(rank 1 was stopped: SIGSTOP"; report $? "a stopped rank is said to be stopped" "$summary"
+
+# --- pt.breakpoint() without -i under the launcher says so and goes on ------------------------
+out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 "$worker" --mode breakpoint 2>&1); status=$?
+has "$out" "pt.breakpoint() at $worker:35 skipped: run with partrain -i to stop here" && has "$out" "after the breakpoint"
+report $(( $? != 0 || status != 0 )) "pt.breakpoint() without -i under the launcher is skipped with a message saying to use -i (status $status)" "$out"
+
 # --- ranks calling different collectives -----------------------------------------------------
 out=$("$bin" --nproc-per-node 2 --threads 1 --check-collectives "$worker" --mode mismatch 2>&1); status=$?
 has "$out" "the ranks called different collectives (call 0 on this group):"; report $(( status == 0 ? 1 : $? )) "--check-collectives stops ranks that call different collectives" "$out"
@@ -53,7 +89,7 @@ has "$out" "tensor=3 x pipeline=1 = 3 does not divide the world of 2 ranks"; rep
 out=$("$bin" --nproc-per-node 4 --threads 1 -e 'require("partrain").mesh { tensor = 2, data = 3 }' 2>&1)
 has "$out" "tensor=2 x data=3 x pipeline=1 = 6 ranks, but the world has 4"; report $? "explicit sizes that do not multiply to the world are named" "$out"
 out=$("$bin" --nproc-per-node 2 --master-port 70000 -e '' 2>&1); status=$?
-has "$out" "--master-port 70000 is not a port (1-65535)"; report $(( status == 0 ? 1 : $? )) "a bad port is refused" "$out"
+has "$out" "--master-port 70000 is out of range: 1 to 65535"; report $(( status == 0 ? 1 : $? )) "a bad port is refused" "$out"
 /usr/bin/python3 -c 'import socket,time,sys; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(60)' >"$tmp/port" &
 holder=$!
 for _ in $(seq 50); do [ -s "$tmp/port" ] && break; sleep 0.1; done

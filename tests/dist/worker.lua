@@ -1,6 +1,9 @@
 -- A rank for the launcher's failure tests: writes its pid to DIR/pid.RANK, then does what --mode
 -- says: "loop" (all-reduce until killed), "stall" (rank 1 sleeps while the others wait in a
--- barrier), "sum" (one all-reduce, printed).
+-- barrier), "spin" (rank 1 loops forever in Lua while the others wait in a barrier), "stop"
+-- (rank 1 stops itself with SIGSTOP, the same), "raise" (rank 1 raises an error while the others
+-- wait in an all-reduce), "sum" (one all-reduce, printed), "breakpoint" (pt.breakpoint() between
+-- two prints).
 local pt = require "partrain"
 local cfg = pt.args { dir = "", mode = "loop" }
 local rank = pt.dist.rank()
@@ -15,6 +18,22 @@ if cfg.mode == "loop" then
 elseif cfg.mode == "stall" then
   if rank == 1 then os.execute("sleep 120") end
   pt.dist.barrier()
+elseif cfg.mode == "spin" then
+  if rank == 1 then while true do end end
+  pt.dist.barrier()
+elseif cfg.mode == "stop" then
+  if rank == 1 then os.execute("kill -STOP " .. io.open("/proc/self/stat"):read("*n")) end
+  pt.dist.barrier()
+elseif cfg.mode == "raise" then
+  if rank == 1 then
+    os.execute("sleep 0.3")  -- the others are waiting in the all-reduce by now
+    error("rank 1 raised on purpose")
+  end
+  pt.dist.world():all_reduce(pt.ones(4))
+elseif cfg.mode == "breakpoint" then
+  print("before the breakpoint")
+  pt.breakpoint()
+  print("after the breakpoint")
 elseif cfg.mode == "sum" then
   local t = pt.tensor({ rank + 1 })
   pt.dist.world():all_reduce(t)

@@ -3,33 +3,40 @@
 
 Usage: test_repl.py PATH/TO/partrain RANKS
 
-Starts `partrain --nproc-per-node RANKS repl` (and `-i script.lua`, and a script that calls
+Starts `partrain repl --nproc-per-node RANKS` (and `-i script.lua`, and a script that calls
 pt.breakpoint()) on a pty, types chunks, and checks what rank 0 prints: outputs grouped by rank,
 =expr, multi-line chunks, per-rank errors with tracebacks, the helpers, Ctrl-C interrupting an
-endless loop on every rank without ending the session, tab completion, and exit().
+endless loop on every rank without ending the session, Ctrl-C landing inside a collective
+(ranks left at different points of it) bringing every rank back to a prompt where collectives
+work again, a prompt left idle longer than --timeout, tab completion, and exit(). Under
+timeout(1), a background process group that may not read the terminal, pt.breakpoint() and -i
+say so instead of hanging.
 """
 import os
 import pty
 import re
 import select
+import shutil
 import signal
 import sys
 import tempfile
 import time
 
-PARTRAIN, RANKS = sys.argv[1], int(sys.argv[2])
+PARTRAIN, RANKS = os.path.realpath(sys.argv[1]), int(sys.argv[2])
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from checks import check, finish  # noqa: E402
 
 
 class Session:
-    def __init__(self, *args, home):
+    def __init__(self, *args, home, argv=None):
+        """`partrain --nproc-per-node RANKS args...` on a new pty, or `argv` as it is."""
         env = dict(os.environ, HOME=home, TERM="dumb", OMP_NUM_THREADS="1")
+        argv = argv or [PARTRAIN, "--nproc-per-node", str(RANKS), *args]
         self.pid, self.fd = pty.fork()
         if self.pid == 0:
             os.chdir(ROOT)
-            os.execve(PARTRAIN, [PARTRAIN, "--nproc-per-node", str(RANKS), *args], env)
+            os.execve(argv[0] if "/" in argv[0] else shutil.which(argv[0]), argv, env)
         self.buffer = ""
 
     def read_until(self, pattern, timeout=60):
@@ -89,10 +96,10 @@ every = f"[ranks 0-{RANKS - 1}]" if RANKS > 2 else "[ranks 0,1]"
 last = RANKS - 1
 
 with tempfile.TemporaryDirectory() as home:
-    # ---- partrain repl ------------------------------------------------------------------------
-    s = Session("repl", home=home)
+    # ---- partrain repl --nproc-per-node N: launcher flags after the subcommand ------------------
+    s = Session(home=home, argv=[PARTRAIN, "repl", "--nproc-per-node", str(RANKS)])
     banner = s.read_until(r"\n> $")
-    check("the REPL opens on every rank", f"on {RANKS} rank(s)" in banner, banner)
+    check("the REPL opens on every rank (launcher flags after repl)", f"on {RANKS} rank(s)" in banner, banner)
 
     out = s.chunk("print(pt.dist.rank())")
     want = "".join(f"[rank {r}] {r}\n" for r in range(RANKS))
@@ -149,6 +156,57 @@ with tempfile.TemporaryDirectory() as home:
     out = s.chunk("=x")
     check("the session goes on after Ctrl-C", f"[rank {last}] {40 + last}" in out, repr(out))
 
+    # Ctrl-C inside a loop of collectives: some ranks stop between two all-reduces, others inside
+    # the next one, waiting for a peer that will not come. Every rank must come back to the
+    # prompt (not after --timeout, not dead), and the world group must work again.
+    come_back, work_again = 0, 0
+    trials = 4
+    for trial in range(trials):
+        s.send("t = pt.ones(64); for i = 1, 1e9 do pt.dist.world():all_reduce(t) end\n")
+        time.sleep(1.0 + 0.3 * trial)
+        s.send("\x03")
+        try:
+            out = s.read_until(r"\n> $", timeout=40)
+        except (TimeoutError, EOFError) as e:
+            check(f"Ctrl-C inside a collective brings every rank back to the prompt (trial {trial + 1})", False, e)
+            break
+        tags = re.findall(r"\[ranks? ([0-9,-]+)\]", out)
+        shown = set()
+        for tag in tags:
+            for part in tag.split(","):
+                lo, _, hi = part.partition("-")
+                shown.update(range(int(lo), int(hi or lo) + 1))
+        if "interrupted" in out and shown == set(range(RANKS)) and "timed out" not in out:
+            come_back += 1
+        else:
+            print("     trial", trial + 1, repr(out[-1500:]))
+        out = s.chunk("=pt.dist.world():all_reduce(pt.ones(1)):item()")
+        if out == f"{every} {RANKS}\n":
+            work_again += 1
+        else:
+            print("     trial", trial + 1, "after:", repr(out))
+    check(f"Ctrl-C inside a collective brings every rank back, interrupted ({come_back} of {trials} trials)",
+          come_back == trials)
+    check(f"... and the next collective gives the right sum on every rank ({work_again} of {trials} trials)",
+          work_again == trials)
+    # The same, made certain: rank 0 spins in Lua while the others wait for it in an all-reduce.
+    s.send("if pt.dist.rank() == 0 then while true do end end; pt.dist.world():all_reduce(pt.ones(1))\n")
+    time.sleep(2)
+    s.send("\x03")
+    try:
+        out = s.read_until(r"\n> $", timeout=40)
+    except (TimeoutError, EOFError) as e:
+        out = str(e)
+    check("Ctrl-C ends a wait in a collective for a rank that never comes, on every rank",
+          "[rank 0]\ninterrupted" in out
+          and all(f"[rank {r}]\nstdin:1: all_reduce(sum) on group 'world' (ranks {','.join(map(str, range(RANKS)))}) "
+                  f"failed on rank {r}: interrupted while waiting for the other ranks (Ctrl-C)" in out
+                  for r in range(1, RANKS)), repr(out))
+    out = s.chunk("=pt.dist.world():all_reduce(pt.ones(1)):item()")
+    check("... and the world group, renewed, sums right again", out == f"{every} {RANKS}\n", repr(out))
+    out = s.chunk("=x")
+    check("globals survive interrupted collectives", f"[rank {last}] {40 + last}" in out, repr(out))
+
     s.send("=pt.dist.worl\t")  # completes to the common prefix of world and world_size
     time.sleep(1)
     s.send("_size()\n")
@@ -160,6 +218,22 @@ with tempfile.TemporaryDirectory() as home:
     check("exit() ends every rank cleanly", code == 0, f"exit code {code}")
     history = os.path.join(home, ".partrain_history")
     check("the history is saved", os.path.exists(history) and "=1 + 1" in open(history).read())
+
+    # ---- an idle prompt outlives --timeout; Ctrl-C at the first prompt ----------------------
+    s = Session("--timeout", "2", "repl", home=home)
+    s.read_until(r"\n> $")
+    s.send("\x03")  # before any chunk: no rank may die of it
+    s.read_until(r"> $")
+    time.sleep(5)  # longer than --timeout 2: the other ranks wait for the next chunk anyway
+    out = s.chunk("=pt.dist.world():all_reduce(pt.ones(1)):item()")
+    check("a prompt idle longer than --timeout, after Ctrl-C at the prompt, still runs collectives",
+          out == f"{every} {RANKS}\n", repr(out))
+    out = s.chunk("os.execute('sleep 3')")
+    out = s.chunk("=pt.dist.rank()")
+    check("a chunk that runs longer than --timeout on every rank is no error",
+          f"[rank {last}] {last}" in out and "timed out" not in out, repr(out))
+    s.send(f"on({last}, exit)\n")
+    check("exit() on one rank ends the REPL on every rank, cleanly", s.wait() == 0)
 
     # ---- partrain -i script.lua, and Ctrl-D -------------------------------------------------
     script = os.path.join(home, "script.lua")
@@ -188,5 +262,43 @@ with tempfile.TemporaryDirectory() as home:
     s.read_until(r"\n> $")
     s.send("exit()\n")
     check("and the run ends cleanly", s.wait() == 0)
+
+    # ---- a breakpoint only rank 0 reaches: an error naming the others, not a wait -------------
+    lonely = os.path.join(home, "lonely.lua")
+    with open(lonely, "w") as f:
+        f.write("local pt = require \"partrain\"\nif pt.dist.rank() == 0 then pt.breakpoint() else os.execute('sleep 60') end\n")
+    s = Session("--timeout", "3", "-i", lonely, home=home)
+    s.read_until(r"\n> $")
+    s.send("=1\n")
+    try:
+        out = s.read_until(r"the other ranks were stopped", timeout=60)
+    except (TimeoutError, EOFError) as e:
+        out = str(e)
+    others = ",".join(str(r) for r in range(1, RANKS))
+    check("a breakpoint the other ranks never reach ends with an error naming them",
+          f"rank(s) {others} did not reach the REPL within --timeout (3 s)" in out, out)
+    check("... with status 1", s.wait() == 1)
+
+    # ---- under timeout(1): a background process group may not read the terminal --------------
+    # `sh -c 'timeout ...'`: timeout moves itself and partrain out of the terminal's foreground
+    # group; reading the terminal there would stop the process and hang the run.
+    s = Session(home=home, argv=["sh", "-c", f"timeout 120 {PARTRAIN} {script}"])
+    try:
+        out = s.read_until(r"finished at step 3", timeout=60)
+    except (TimeoutError, EOFError) as e:
+        out = str(e)
+    check("pt.breakpoint() under timeout is skipped with a message, not a hang",
+          re.search(r"pt\.breakpoint\(\) at .*script\.lua:5 skipped: partrain runs in a background process group", out)
+          is not None and "finished at step 3" in out, out)
+    check("... and the script ends cleanly", s.wait() == 0)
+    s = Session(home=home, argv=["sh", "-c", f"timeout 120 {PARTRAIN} --nproc-per-node {RANKS} --threads 1 -i {script}"])
+    try:
+        out = s.read_until(r"the other ranks were stopped|all ranks were stopped", timeout=90)
+    except (TimeoutError, EOFError) as e:
+        out = str(e)
+    check("-i under timeout skips the breakpoint and refuses the REPL, naming why",
+          "skipped: partrain runs in a background process group" in out
+          and "the REPL cannot start: partrain runs in a background process group" in out, out)
+    check("... with status 1", s.wait() == 1)
 
 finish("REPL")

@@ -369,9 +369,22 @@ pt.plan = { planning = core.plan.planning, first_step = core.plan.first_step }
 
 --- Opens the REPL on every rank at this point of the script (rank 0 reads; every rank runs what
 --- it reads; see docs/repl.md). The caller's locals are visible (read-only) beside the globals;
---- exit() or Ctrl-D continues the script.
+--- exit() or Ctrl-D continues the script. Where it cannot stop (several ranks without -i, under
+--- partrain plan, a terminal it may not read) rank 0 says so on stderr, once a line, and the
+--- script goes on.
+local breakpoints_skipped = {}
 function pt.breakpoint()
   local info = debug.getinfo(2, "Sl")
+  local at = info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
+  local function skipped(why)
+    if why and pt.dist.rank() == 0 and not breakpoints_skipped[at] then
+      breakpoints_skipped[at] = true
+      io.stderr:write(("pt.breakpoint() at %s skipped: %s\n"):format(at, why))
+      io.stderr:flush()
+    end
+  end
+  local why = core.repl_breakpoint_problem()
+  if why then return skipped(why) end
   local locals, i = {}, 1
   while true do
     local name, value = debug.getlocal(2, i)
@@ -379,9 +392,8 @@ function pt.breakpoint()
     if name:sub(1, 1) ~= "(" then locals[name] = value end
     i = i + 1
   end
-  local at = info and (info.short_src .. ":" .. (info.currentline or 0)) or "?"
   local repl = require "partrain.repl"
-  repl.loop(repl.layered(locals, _G), "breakpoint at " .. at .. " (exit() or Ctrl-D continues)")
+  skipped(repl.loop(repl.layered(locals, _G), "breakpoint at " .. at .. " (exit() or Ctrl-D continues)"))
 end
 
 --- Every parameter of `model` and how it is laid out over the ranks, in registration order

@@ -38,7 +38,7 @@ function M.at_end()
   local pt = require "partrain"
   local model = pt.parallelized()
   if not model then
-    error("the script ended without an optimizer step and made no model with pt.parallelize: nothing to plan", 0)
+    error("ended without an optimizer step and made no model with pt.parallelize: nothing to plan", 0)
   end
   core.plan.record(model, pt.optim.of(model), pt.mesh_of(model))
 end

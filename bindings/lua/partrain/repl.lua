@@ -9,32 +9,6 @@ local R = {}
 local rank, world = pt.dist.rank(), pt.dist.world_size()
 local history_file = (os.getenv("HOME") or ".") .. "/.partrain_history"
 
--- Strings travel between ranks as uint8 tensors over the world group.
-local function broadcast_string(s)
-  local group = pt.dist.world()
-  local n = pt.tensor({ s and #s or -1 }, { dtype = "int64" })
-  group:broadcast(n, 0)
-  local len = n:item()
-  if len < 0 then return nil end
-  local bytes = rank == 0 and core.string_to_tensor(s) or pt.zeros({ len }, { dtype = "uint8" })
-  if len > 0 then group:broadcast(bytes, 0) end
-  return core.tensor_to_string(bytes)
-end
-
-local function gather_strings(s)
-  if world == 1 then return { s } end
-  local group = pt.dist.world()
-  local lengths = group:all_gather(pt.tensor({ #s }, { dtype = "int64" }))
-  local longest = 0
-  for _, l in ipairs(lengths) do longest = math.max(longest, l:item()) end
-  local padded = pt.zeros({ math.max(longest, 1) }, { dtype = "uint8" })
-  if #s > 0 then padded:narrow(0, 0, #s):copy_(core.string_to_tensor(s)) end
-  local parts = group:all_gather(padded)
-  local out = {}
-  for i, p in ipairs(parts) do out[i] = core.tensor_to_string(p:narrow(0, 0, lengths[i]:item())) end
-  return out
-end
-
 -- "0-3", "0,2", "1": a compact list of ranks.
 local function rank_list(ranks)
   local parts, i = {}, 1
@@ -112,8 +86,9 @@ end
 -- Returns fn, or nil and the message; `incomplete` when more lines could complete it.
 local function compile(code, env)
   if code:sub(1, 1) == "=" then code = "return " .. code:sub(2) end
-  local fn, err = loadstring("return " .. code, "=stdin")
-  if not fn then fn, err = loadstring(code, "=stdin") end
+  -- Source only ("t"): LuaJIT does not verify bytecode, and a bytecode chunk can crash it.
+  local fn, err = load("return " .. code, "=stdin", "t")
+  if not fn then fn, err = load(code, "=stdin", "t") end
   if not fn then return nil, err, err:find("<eof>") ~= nil end
   setfenv(fn, env)
   return fn
@@ -201,41 +176,65 @@ function R.layered(front, back)
 end
 
 --- The REPL loop, on every rank. `env`: the environment chunks run in (the script's globals,
---- or a breakpoint's view of its locals). Returns when input ends or a chunk calls exit().
+--- or a breakpoint's view of its locals). Returns when input ends or a chunk calls exit(); on
+--- rank 0 it returns why it could not read (the terminal belongs to another process group), or
+--- nil. Chunks and outputs travel through the rendezvous store (repl.cpp), not collectives, so
+--- the other ranks wait for the next chunk as long as rank 0 does, and a chunk that Ctrl-C left
+--- half-way through its collectives cannot jam the next one.
 function R.loop(env, banner)
   env = env or _G
   local done = false
   local helpers = R.helpers(function() done = true end)
   local scope = R.layered(helpers, env)
+  local session = world > 1 and core.repl_session() or nil
+  local problem, editing = nil, false
   if rank == 0 then
-    if core.repl_isatty() then
+    problem = core.repl_terminal_problem()
+    editing = not problem and core.repl_isatty()
+    if editing then
       core.repl_start(history_file, completions(scope))
       if banner then io.write(banner, "\n") end
     end
   end
-  while not done do
-    local code = broadcast_string(rank == 0 and read_chunk(scope) or nil)
-    if code == nil then break end
-    local output = captured(function()
-      local fn, err = compile(code, scope)
-      if not fn then print(err) return end
-      local results = { core.repl_try(fn) }
-      if results[1] == false then
-        -- The traceback down to the chunk; the REPL's own frames below it say nothing.
-        print((results[2]:gsub("\n%s*%[C%]: in function 'repl_try'.*$", "")))
-        return
+  core.repl_signals(true)
+  local ok, err = pcall(function()
+    local n = 0
+    while not done do
+      n = n + 1
+      local code
+      if rank == 0 then
+        if not problem then code = read_chunk(scope) end
+        if session then core.repl_publish(session, n, code) end
+      else
+        code = core.repl_receive(session, n)
       end
-      local shown = {}
-      for i = 2, #results do shown[#shown + 1] = show(results[i]) end
-      if #shown > 0 then print(table.concat(shown, "\t")) end
-    end)
-    local outputs = gather_strings(output)
-    if rank == 0 then
-      io.stdout:write(R.group_outputs(outputs))
-      io.stdout:flush()
+      if code == nil then break end
+      local output = captured(function()
+        local fn, err = compile(code, scope)
+        if not fn then print(err) return end
+        local results = { core.repl_try(fn) }
+        if results[1] == false then
+          -- The traceback down to the chunk; the REPL's own frames below it say nothing.
+          print((results[2]:gsub("\n%s*%[C%]: in function 'repl_try'.*$", "")))
+          return
+        end
+        local shown = {}
+        for i = 2, #results do shown[#shown + 1] = show(results[i]) end
+        if #shown > 0 then print(table.concat(shown, "\t")) end
+      end)
+      local outputs, leave = { output }, done
+      if session then outputs, leave = core.repl_exchange(session, n, output, done) end
+      done = leave  -- exit() on any rank ends the REPL on every rank
+      if rank == 0 then
+        io.stdout:write(R.group_outputs(outputs))
+        io.stdout:flush()
+      end
     end
-  end
-  if rank == 0 and core.repl_isatty() then core.repl_stop(history_file) end
+  end)
+  core.repl_signals(false)
+  if editing then core.repl_stop(history_file) end
+  if not ok then error(err, 0) end
+  return problem
 end
 
 -- Helpers ------------------------------------------------------------------------------------
