@@ -42,6 +42,7 @@ constexpr int kMaxThreads = 1024;  // --threads: more would only stall the machi
 
 int main(int argc, char** argv) {
   partrain::app::adopt_report_channel();
+  partrain::dist::set_fatal_reporter(partrain::app::report_failure);  // Gloo's uncatchable errors too
   partrain::plan::install_allocators();  // before any tensor, so mem() counts them all
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"
                "  partrain script.lua [args...]                  run a training script\n"

@@ -85,6 +85,7 @@ std::atomic<CallSiteFn> site_provider{nullptr};
 std::mutex last_call_mutex;
 char last_call[768] = "";
 std::atomic<int> this_rank{-1};
+std::atomic<void (*)(const std::string&)> fatal_reporter{nullptr};
 
 void note_call(const std::string& text) {
   std::lock_guard<std::mutex> lock(last_call_mutex);
@@ -155,6 +156,7 @@ int64_t hash_text(const std::string& text) {
   if (gloo)
     msg += "\n  Every rank of a group must run the same collectives in the same order, with the same shapes and "
            "dtypes; run with --check-collectives to see each rank's call.";
+  if (auto report = fatal_reporter.load()) report(msg.substr(std::string("partrain: ").size()));
   msg += "\n";
   if (::write(STDERR_FILENO, msg.data(), msg.size()) < 0) {
   }
@@ -207,6 +209,7 @@ std::string call_site() {
 }
 
 void install_terminate_handler() { std::set_terminate(on_terminate); }
+void set_fatal_reporter(void (*report)(const std::string& message)) { fatal_reporter = report; }
 
 void set_wait_interrupt(bool (*interrupted)()) { wait_interrupt = interrupted; }
 

@@ -64,6 +64,9 @@ std::string call_site();
 /// its script line, and exit status 1, instead of std::terminate's SIGABRT. Installed by
 /// World::init for worlds of more than one rank.
 void install_terminate_handler();
+/// Called with the terminate handler's message before the process exits (the launcher's report
+/// channel, so that it can name the rank that failed first); none by default.
+void set_fatal_reporter(void (*report)(const std::string& message));
 
 /// A check that collectives call every few milliseconds while they wait, installed by the REPL
 /// while it runs a chunk: when it returns true (Ctrl-C), the wait ends with an error saying
