@@ -3,6 +3,7 @@
 // hook that raises an error at the next Lua instruction; a collective waiting for a peer ends
 // too), the channel that hands chunks and outputs between ranks through the rendezvous store
 // (never a collective, so waiting for input has no deadline), and the process's memory.
+#include <poll.h>
 #include <signal.h>
 #include <termios.h>
 #include <unistd.h>
@@ -219,19 +220,28 @@ char** complete(const char* text, int, int) {
 }
 
 // Ctrl-C while reading. readline's own signal handling is off (rl_catch_signals = 0): SIGINT
-// reaches on_sigint, the read below returns EINTR, and the line is abandoned at once (an empty
-// line is accepted; repl_readline then reports the interrupt), without waiting for a key.
+// reaches on_sigint, and the line is abandoned at once (an empty line is accepted; repl_readline
+// then reports the interrupt), without waiting for a key. The flag is looked at between short
+// polls, not only when read() returns EINTR: the signal may land on another thread of the process
+// (Gloo's), or between readline showing the prompt and this function starting to wait.
 int read_key(FILE* in) {
+  int fd = fileno(in);
   while (true) {
-    unsigned char c;
-    ssize_t n = ::read(fileno(in), &c, 1);
-    if (n == 1) return c;
-    if (n == 0) return EOF;
-    if (errno != EINTR) return EOF;
     if (interrupted_at_prompt) {
       rl_replace_line("", 0);
       return '\n';
     }
+    struct pollfd p {};
+    p.fd = fd;
+    p.events = POLLIN;
+    int ready = ::poll(&p, 1, 100);
+    if (ready < 0 && errno != EINTR) return EOF;
+    if (ready <= 0) continue;
+    unsigned char c;
+    ssize_t n = ::read(fd, &c, 1);
+    if (n == 1) return c;
+    if (n == 0) return EOF;
+    if (errno != EINTR && errno != EAGAIN) return EOF;
   }
 }
 

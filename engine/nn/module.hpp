@@ -104,7 +104,8 @@ class Module : public torch::nn::Module {
   /// Parameters and buffers by dotted name.
   TensorMap state_dict() const;
   /// Copies `state` into the module's tensors. With `strict`, a missing or unexpected key is an
-  /// error; a shape mismatch always is. Every problem is named in one message.
+  /// error; a shape mismatch always is. Every problem is named in one message, and then nothing
+  /// is copied (all or nothing).
   void load_state_dict(const TensorMap& state, bool strict = true);
 
   /// This module's own slots (not its children's): children, parameters and buffers as objects,

@@ -276,6 +276,7 @@ TensorMap Module::state_dict() const {
 void Module::load_state_dict(const TensorMap& state, bool strict) {
   TensorMap own = state_dict();
   std::vector<std::string> problems;
+  std::vector<std::pair<Tensor, Tensor>> copies;  // all or nothing: copied once everything checks
   torch::NoGradGuard no_grad;
   for (auto& [name, target] : own) {
     auto it = state.find(name);
@@ -290,17 +291,18 @@ void Module::load_state_dict(const TensorMap& state, bool strict) {
       problems.push_back(msg.str());
       continue;
     }
-    target.copy_(it->second);
+    copies.emplace_back(target, it->second);
   }
   if (strict)
     for (const auto& [name, _] : state)
       if (!own.count(name)) problems.push_back("unexpected '" + name + "'");
   if (!problems.empty()) {
     std::ostringstream msg;
-    msg << "load_state_dict into " << type_ << ": ";
+    msg << "load_state_dict into " << type_ << " (nothing was loaded): ";
     for (size_t i = 0; i < problems.size(); ++i) msg << (i ? "; " : "") << problems[i];
     TORCH_CHECK(false, msg.str());
   }
+  for (auto& [target, value] : copies) target.copy_(value);
 }
 
 // ---- Layers ---------------------------------------------------------------------------------

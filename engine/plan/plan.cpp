@@ -30,6 +30,7 @@
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
 
 namespace partrain::plan {
@@ -368,82 +369,6 @@ Plan& recorded() { return recorded_; }
 
 // ---- Saving and loading --------------------------------------------------------------------
 
-// Plans are read with a bounded archive: cereal's binary format with every count checked
-// against the bytes left before a string or vector is sized, so a damaged or hostile file
-// cannot make partrain allocate more than a small multiple of its own size.
-class BoundedInput : public cereal::InputArchive<BoundedInput, cereal::AllowEmptyClassElision> {
- public:
-  explicit BoundedInput(const std::string& bytes) : InputArchive(this), bytes_(bytes) {}
-  void loadBinary(void* out, size_t size) {
-    if (size > left()) throw cereal::Exception("the file ends " + std::to_string(size - left()) + " bytes early");
-    std::memcpy(out, bytes_.data() + pos_, size);
-    pos_ += size;
-  }
-  size_t left() const { return bytes_.size() - pos_; }
-  // A count of elements that take at least `min_bytes` each in the file.
-  size_t count(uint64_t n, size_t min_bytes) const {
-    if (n > left() / min_bytes)
-      throw cereal::Exception("a count of " + std::to_string(n) + " is more than the " + std::to_string(left()) +
-                              " bytes left can hold");
-    return static_cast<size_t>(n);
-  }
-
- private:
-  const std::string& bytes_;
-  size_t pos_ = 0;
-};
-
-// The fewest bytes an element of each stored type takes in the file.
-template <class T>
-constexpr size_t min_stored_bytes() {
-  if constexpr (std::is_arithmetic_v<T>) return sizeof(T);
-  else if constexpr (std::is_same_v<T, Shard>) return 8 * 6 + 4 + 8;       // 6 counts, dim, bytes
-  else if constexpr (std::is_same_v<T, Collective>) return 8 * 2 + 8 * 2;  // 2 counts, calls, bytes
-  else if constexpr (std::is_same_v<T, RankPlan>) return 4 * 4 + 8 * 2 + 8 * 4;
-  else return 1;
-}
-
-}  // namespace partrain::plan
-
-namespace cereal {
-using partrain::plan::BoundedInput;
-template <class T, traits::EnableIf<std::is_arithmetic<T>::value> = traits::sfinae>
-inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, T& t) {
-  ar.loadBinary(std::addressof(t), sizeof(t));
-}
-template <class T>
-inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, NameValuePair<T>& t) {
-  ar(t.value);
-}
-template <class T>
-inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, SizeTag<T>& t) {
-  ar(t.size);
-}
-template <class T>
-inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, BinaryData<T>& t) {
-  ar.loadBinary(t.data, static_cast<std::size_t>(t.size));
-}
-inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, std::string& s) {
-  uint64_t n = 0;
-  ar.loadBinary(&n, sizeof n);
-  s.resize(ar.count(n, 1));
-  ar.loadBinary(s.data(), s.size());
-}
-template <class T, class A>
-inline void CEREAL_LOAD_FUNCTION_NAME(BoundedInput& ar, std::vector<T, A>& v) {
-  uint64_t n = 0;
-  ar.loadBinary(&n, sizeof n);
-  v.resize(ar.count(n, partrain::plan::min_stored_bytes<T>()));
-  if constexpr (std::is_arithmetic_v<T>) {
-    ar.loadBinary(v.data(), v.size() * sizeof(T));
-  } else {
-    for (auto& x : v) ar(x);
-  }
-}
-}  // namespace cereal
-
-namespace partrain::plan {
-
 template <class Archive>
 void serialize(Archive& ar, Shard& s) {
   ar(s.name, s.dtype, s.shape, s.local_shape, s.dim, s.slices, s.group, s.bytes);
@@ -496,7 +421,8 @@ Plan load(const std::string& path) {
   std::string magic;
   uint32_t version = 0;
   try {
-    BoundedInput ar(bytes);
+    // Every length is checked against the bytes left before anything is sized.
+    util::BoundedInputArchive ar(bytes.data(), bytes.size());
     ar(magic);
     TORCH_CHECK(magic == kMagic, "'", path, "' is not a partrain plan (made by partrain plan --save)");
     ar(version);
@@ -532,9 +458,8 @@ std::string to_bytes(const RankPlan& rank) {
 }
 
 RankPlan from_bytes(const std::string& bytes) {
-  std::istringstream in(bytes, std::ios::binary);
   RankPlan r;
-  cereal::BinaryInputArchive ar(in);
+  util::BoundedInputArchive ar(bytes.data(), bytes.size());
   ar(r);
   return r;
 }

@@ -48,6 +48,11 @@ template <class T>
 void CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, cereal::BinaryData<T>& data) {
   ar.loadBinary(data.data, static_cast<size_t>(data.size));
 }
+// Names are not stored in a binary archive (std::pair wraps its members in them).
+template <class T>
+void CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, cereal::NameValuePair<T>& pair) {
+  ar(pair.value);
+}
 template <class T>
 void CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, cereal::SizeTag<T>& tag) {
   uint64_t n = 0;

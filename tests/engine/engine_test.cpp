@@ -65,6 +65,16 @@ TEST(ModuleTree, LoadStateDictNamesEveryProblem) {
   EXPECT_NE(msg.find("unexpected 'extra'"), std::string::npos) << msg;
 }
 
+TEST(ModuleTree, RefusedLoadStateDictChangesNothing) {
+  nn::Linear a(nn::LinearOptions(3, 2)), b(nn::LinearOptions(3, 2));
+  auto weight = b.weight().clone(), bias = b.bias().clone();
+  nn::TensorMap state = a.state_dict();   // a good weight and bias...
+  state["extra"] = torch::zeros({1});      // ...and one key too many
+  EXPECT_FALSE(error_of([&] { b.load_state_dict(state); }).empty());
+  EXPECT_TRUE(b.weight().equal(weight)) << "the weight was copied although the load was refused";
+  EXPECT_TRUE(b.bias().equal(bias)) << "the bias was copied although the load was refused";
+}
+
 TEST(Layers, LinearReadsAReplacedWeight) {
   nn::Linear l(nn::LinearOptions(3, 2));
   auto x = torch::randn({4, 3});
@@ -191,7 +201,7 @@ TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
   }
   std::ofstream(plain, std::ios::binary).write(reinterpret_cast<const char*>(idx), sizeof(idx) - 2);
   EXPECT_NE(error_of([&] { data::read_idx(plain); }).find("is truncated"), std::string::npos);
-  EXPECT_NE(error_of([] { data::read_idx("/no/such/file.idx"); }).find("cannot open '/no/such/file.idx'"),
+  EXPECT_NE(error_of([] { data::read_idx("/no/such/file.idx"); }).find("cannot read the dataset file '/no/such/file.idx'"),
             std::string::npos);
   std::remove(plain.c_str());
   std::remove(gz.c_str());
