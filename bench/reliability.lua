@@ -1,5 +1,5 @@
 -- What the reliability checks cost, measured side by side in one run (bench/reliability):
---   partrain --nproc-per-node 2 --threads 1 bench/reliability.lua
+--   partrain --nproc-per-node 2 --threads 1 bench/reliability.lua [--steps 20]
 -- 1. A training step of a byte-level GPT-2 at tensor 2 with every collective checked
 --    (pt.dist.check_collectives: one small all-gather before each) against the same step
 --    unchecked, steps interleaved, medians.
@@ -46,3 +46,21 @@ say("== --check-collectives, GPT-2 %d layers x %d, batch %d x %d, tensor %d, %d 
     cfg.layers, cfg.dim, cfg.batch, cfg.seq, mesh:size("tensor"), calls, cfg.steps)
 say("unchecked %.1f ms | checked %.1f ms | checked/unchecked %.3f | %.0f us a checked collective",
     p * 1e3, c * 1e3, c / p, (c - p) / calls * 1e6)
+
+-- 2. What pt.parallelize's probe costs: parallelizing a fresh GPT-2 (the same architecture) with
+--    the probe (a serial forward and backward on a small batch, compared with the sharded ones)
+--    against without it, alternating, medians.
+local function parallelize_seconds(probe)
+  pt.manual_seed(1)
+  local serial = pt.models.gpt2(arch)
+  pt.dist.barrier()
+  return T.median_seconds(1, function() pt.parallelize(serial, nil, mesh, { probe = probe }) end)
+end
+local with, without = {}, {}
+for i = 1, 5 do
+  without[i] = parallelize_seconds(false)
+  with[i] = parallelize_seconds(true)
+end
+local w, wo = median(with), median(without)
+say("== the policy probe, the same GPT-2, 5 times each")
+say("without %.1f ms | with %.1f ms | with/without %.2f | probe %.1f ms", wo * 1e3, w * 1e3, w / wo, (w - wo) * 1e3)
