@@ -110,6 +110,14 @@ def scratch_dir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=base)
 
 
+def make_with_batch(binary, batch, work, root):
+    """Runs ckpt_batch.lua's `make` at 2 ranks in `work` (which gets a small corpus first): the
+    pristine files a checkpoint or safetensors driver then damages. Returns the outcome."""
+    with open(os.path.join(root, "data", "kjv.txt"), "rb") as f:
+        open(os.path.join(work, "corpus.txt"), "wb").write(f.read(4096))
+    return run([binary, "--nproc-per-node", "2", "--threads", "1", batch, "make", work], timeout=180, cwd=root)
+
+
 def seed_from_argv(default=1):
     """--seed N from the command line (or PARTRAIN_FUZZ_SEED), so a failure can be replayed."""
     seed = int(os.environ.get("PARTRAIN_FUZZ_SEED", default))

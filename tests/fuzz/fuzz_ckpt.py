@@ -265,9 +265,7 @@ def main():
     work = common.scratch_dir("fuzz-ckpt-")
     start = time.monotonic()
     try:
-        with open(os.path.join(ROOT, "data", "kjv.txt"), "rb") as f:
-            open(os.path.join(work, "corpus.txt"), "wb").write(f.read(4096))
-        made = common.run([BIN, "--nproc-per-node", "2", "--threads", "1", BATCH, "make", work], timeout=180, cwd=ROOT)
+        made = common.make_with_batch(BIN, BATCH, work, ROOT)
         if made.kind != "accepted":
             print("could not make the pristine checkpoints:", made)
             return 1
