@@ -1,0 +1,472 @@
+-- partrain.pipeline: the shipped schedules pass the pre-flight check with the expected counts,
+-- bubble and peak activations; broken plans are refused naming the offending action; seeded random
+-- damage never trips the checker itself, and whatever it accepts a second, simpler validator accepts.
+package.path = "tests/lua/?.lua;" .. package.path
+local P = require "partrain.pipeline"
+local H = require "harness"
+local test, eq, ok, near, raises = H.test, H.eq, H.ok, H.near, H.raises
+
+-- A plan from text: { [0] = "F0 SEND_F0->1 ...", [1] = "..." } -> { [0] = { "F0", "SEND_F0->1" }, ... }
+local function plan_of(ranks)
+  local plan = {}
+  for r, line in pairs(ranks) do
+    local list = type(line) == "table" and line or {}
+    for word in type(line) == "string" and line:gmatch("%S+") or function() end do list[#list + 1] = word end
+    plan[r] = list
+  end
+  return plan
+end
+
+-- Megatron's interleaved warm-up for rank r (a second statement of the rule the schedule follows).
+local function interleaved_peak(pp, m, chunks, r)
+  local total = m * chunks
+  if chunks == 1 then return math.min(pp - r, m) end
+  if m == pp then return total end
+  return math.min((pp - r - 1) * 2 + (chunks - 1) * pp + 1, total)
+end
+
+local function combos(fn)
+  for pp = 2, 4 do
+    for m = 1, 8 do
+      fn("gpipe", pp, m, 1); fn("gpipe", pp, m, 2)
+      fn("1f1b", pp, m, 1)
+      if m % pp == 0 then for chunks = 1, 3 do fn("interleaved", pp, m, chunks) end end
+    end
+  end
+end
+
+test("actions print and parse in their text form", function()
+  eq(P.format(P.action("F", 3, 0)), "F3.c0")
+  eq(P.format(P.action("SEND_F", 3, 0, 1)), "SEND_F3.c0->1")
+  eq(P.format(P.action("RECV_B", 2, 1, 3)), "RECV_B2.c1<-3")
+  for _, text in ipairs { "F3.c0", "B12.c2", "SEND_F3.c0->1", "RECV_F3.c1<-0", "SEND_B0.c1->3", "RECV_B7.c0<-1" } do
+    eq(P.format(P.parse(text)), text, "round trip of " .. text)
+  end
+  eq(P.format(P.parse("B4")), "B4.c0", "the chunk defaults to 0")
+  raises(function() P.parse("SEND_F3.c0<-1") end, "'SEND_F3.c0<-1' is not an action")
+  raises(function() P.parse("F3.c0->1") end, "'F3.c0->1' is not an action")
+  raises(function() P.parse("X3") end, "'X3' is not an action")
+  raises(function() P.parse(7) end, "an action must be a table or a string, got number")
+end)
+
+test("every shipped schedule passes the check with exact per-rank counts", function()
+  local n = 0
+  combos(function(name, pp, m, chunks)
+    local plan, report = P.build(name, pp, m, chunks)
+    local what = ("%s pp=%d m=%d chunks=%d"):format(name, pp, m, chunks)
+    eq(report.name, name, what)
+    for r = 0, pp - 1 do
+      local rr, at = report.ranks[r], what .. " rank " .. r
+      eq(rr.forwards, m * chunks, at .. " forwards")
+      eq(rr.backwards, m * chunks, at .. " backwards")
+      -- every pair crosses a rank boundary except into the first / out of the last virtual stage
+      local first, last = r == 0 and m or 0, r == pp - 1 and m or 0
+      eq(rr.sends, 2 * m * chunks - first - last, at .. " sends")
+      eq(rr.receives, 2 * m * chunks - first - last, at .. " receives")
+      eq(rr.actions, #plan[r], at .. " actions")
+      eq(rr.actions, rr.forwards + rr.backwards + rr.sends + rr.receives, at .. " nothing else")
+      eq(rr.busy, 3 * m * chunks, at .. " busy time")
+    end
+    n = n + 1
+  end)
+  eq(n, 3 * 8 * 3 + 3 * (4 + 2 + 2), "combinations checked")
+end)
+
+test("the bubble is (p-1)/(m+p-1) for 1F1B and GPipe, and chunks times smaller work for interleaved", function()
+  combos(function(name, pp, m, chunks)
+    local _, report = P.build(name, pp, m, chunks)
+    local what = ("%s pp=%d m=%d chunks=%d"):format(name, pp, m, chunks)
+    -- chunks virtual stages a rank: the fill and drain of p-1 stages costs 1/chunks of a step each
+    local formula = (pp - 1) / (chunks * m + pp - 1)
+    if name == "gpipe" and chunks > 1 and m < pp then
+      -- fewer micro-batches than ranks: rank 0 idles until the first one wraps around from the last
+      ok(report.bubble > formula + 1e-9, what .. ": GPipe over chunks with m < pp waits at the wrap-around")
+      return
+    end
+    near(report.bubble, formula, 1e-12, what)
+    if chunks == 1 then near(report.bubble, (pp - 1) / (m + pp - 1), 1e-12, what) end
+    near(report.makespan, 3 * (chunks * m + pp - 1), 1e-12, what .. " makespan")
+  end)
+  for _, pm in ipairs { { 2, 8 }, { 4, 8 }, { 4, 16 } } do
+    local pp, m = pm[1], pm[2]
+    local _, one = P.build("1f1b", pp, m, 1)
+    for chunks = 2, 3 do
+      local _, inter = P.build("interleaved", pp, m, chunks)
+      local ratio = one.bubble / inter.bubble
+      ok(ratio > 1 and ratio <= chunks, ("interleaved x%d divides the bubble by %.3f"):format(chunks, ratio))
+      near(inter.bubble, one.bubble / chunks, 0.1 * one.bubble / chunks + 0.5 * (pp - 1) / (chunks * m),
+        "interleaved is about 1F1B / chunks")
+    end
+  end
+end)
+
+test("peak in-flight: 1F1B holds min(pp-r, m) whatever m, GPipe holds every micro-batch", function()
+  for pp = 2, 4 do
+    local flat, grow = {}, {}
+    for m = 1, 8 do
+      local _, one = P.build("1f1b", pp, m, 1)
+      local _, gp = P.build("gpipe", pp, m, 1)
+      for r = 0, pp - 1 do
+        eq(one.ranks[r].peak, math.min(pp - r, m), ("1f1b pp=%d m=%d rank %d peak"):format(pp, m, r))
+        eq(gp.ranks[r].peak, m, ("gpipe pp=%d m=%d rank %d peak"):format(pp, m, r))
+      end
+      flat[m], grow[m] = one.ranks[0].peak, gp.ranks[0].peak
+    end
+    eq(flat[8], flat[pp], "1f1b's peak stays flat once m >= pp")
+    ok(grow[8] > grow[pp], "gpipe's peak grows with m")
+  end
+end)
+
+test("interleaved holds Megatron's warm-up plus one (virtual micro-batches) at its peak", function()
+  combos(function(name, pp, m, chunks)
+    if name ~= "interleaved" then return end
+    local _, report = P.build(name, pp, m, chunks)
+    for r = 0, pp - 1 do
+      eq(report.ranks[r].peak, interleaved_peak(pp, m, chunks, r),
+        ("interleaved pp=%d m=%d chunks=%d rank %d peak"):format(pp, m, chunks, r))
+    end
+  end)
+end)
+
+test("one rank: chunks hand over in place, with no transfers", function()
+  for _, name in ipairs { "gpipe", "1f1b", "interleaved" } do
+    local plan, report = P.build(name, 1, 3, name == "1f1b" and 1 or 2)
+    eq(report.ranks[0].sends + report.ranks[0].receives, 0, name .. " transfers")
+    near(report.bubble, 0, 1e-12, name .. " bubble")
+    eq(#plan[0], report.ranks[0].forwards * 2, name .. " actions")
+  end
+end)
+
+test("describe prints one line a rank, in order or as a timeline", function()
+  local plan = P.build("1f1b", 2, 4, 1)
+  eq(P.describe(plan, { transfers = false }), "rank 0: F0 F1 B0 F2 B1 F3 B2 B3\nrank 1: F0 B0 F1 B1 F2 B2 F3 B3")
+  local full = P.describe(plan)
+  ok(full:find("rank 0: F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0", 1, true), full)
+  eq(P.describe(plan, { timeline = true }),
+    "rank 0 | F0 F1 .. .. B0 == F2 B1 == F3 B2 == .. B3 ==|\n" ..
+    "rank 1 | .. F0 B0 == F1 B1 == F2 B2 == F3 B3 == .. ..|")
+end)
+
+-- The lowered 1F1B plan for pp=2, m=2, which the broken plans below start from.
+local good = {
+  [0] = "F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1",
+  [1] = "RECV_F0<-0 F0 B0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0",
+}
+
+test("the hand-written good plan is the lowered 1F1B plan and passes", function()
+  local built = P.build("1f1b", 2, 2, 1)
+  eq(P.describe(built), P.describe(plan_of(good)))
+  P.check(plan_of(good), 2, 2, 1)
+end)
+
+local broken = {
+  { "a missing receive",
+    { [0] = good[0], [1] = "RECV_F0<-0 F0 B0 SEND_B0->0 F1 B1 SEND_B1->0" },
+    "pipeline schedule: rank 1, action 5 (F1.c0): its input was not received (no RECV_F1.c0<-0 before it)" },
+  { "a backward before its forward",
+    { [0] = good[0], [1] = "RECV_F0<-0 B0 F0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0" },
+    "rank 1, action 2 (B0.c0): its forward F0.c0 has not run on this rank" },
+  { "a cycle across two ranks",
+    { [0] = "RECV_B0<-1 F0 SEND_F0->1 F1 SEND_F1->1 B0 RECV_B1<-1 B1", [1] = good[1] },
+    "no rank can go on (deadlock): rank 0, action 1 (RECV_B0.c0<-1) waits for rank 1; rank 1, action 1 (RECV_F0.c0<-0) waits for rank 0" },
+  { "a receive whose sender has finished",
+    { [0] = "F0 SEND_F0->1 F1 RECV_B0<-1 B0", [1] = "RECV_F0<-0 F0 B0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0" },
+    "rank 1, action 5 (RECV_F1.c0<-0) waits for rank 0, which has finished its list without sending it" },
+  { "a micro-batch never run",
+    { [0] = "F0 SEND_F0->1 RECV_B0<-1 B0", [1] = "RECV_F0<-0 F0 B0 SEND_B0->0" },
+    "rank 0, end of its list (4 actions): micro-batch 1 never runs forward on chunk 0 (no F1.c0)" },
+  { "a duplicate forward",
+    { [0] = "F0 F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1", [1] = good[1] },
+    "rank 0, action 2 (F0.c0): a second forward of micro-batch 0 on chunk 0 (the first is action 1)" },
+  { "a duplicate backward",
+    { [0] = good[0], [1] = "RECV_F0<-0 F0 B0 B0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0" },
+    "rank 1, action 4 (B0.c0): a second backward of micro-batch 0 on chunk 0 (the first is action 3)" },
+  { "a duplicate send",
+    { [0] = "F0 SEND_F0->1 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1", [1] = good[1] },
+    "rank 0, action 3 (SEND_F0.c0->1): a second send of the same activation (the first is action 2)" },
+  { "a receive of the wrong micro-batch (order mismatch)",
+    { [0] = good[0], [1] = "RECV_F1<-0 F1 B1 SEND_B1->0 RECV_F0<-0 F0 B0 SEND_B0->0" },
+    "rank 1, action 1 (RECV_F1.c0<-0): the next activation rank 0 sends here is for F0.c0 (rank 0, action 2: SEND_F0.c0->1): sends and receives are out of order" },
+  { "a receive on the first stage",
+    { [0] = "RECV_F0<-1 F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1", [1] = good[1] },
+    "rank 0, action 1 (RECV_F0.c0<-1): virtual stage 0 is the first stage: it has no previous stage to receive from" },
+  { "a send of an activation from the last stage",
+    { [0] = good[0], [1] = "RECV_F0<-0 F0 SEND_F0->0 B0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0" },
+    "rank 1, action 3 (SEND_F0.c0->0): virtual stage 1 is the last stage: it has no next stage to send to" },
+  { "a send before its forward ran",
+    { [0] = "SEND_F0->1 F0 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1", [1] = good[1] },
+    "rank 0, action 1 (SEND_F0.c0->1): its forward F0.c0 has not run on this rank" },
+  { "a backward without its gradient",
+    { [0] = "F0 SEND_F0->1 F1 SEND_F1->1 B0 RECV_B0<-1 RECV_B1<-1 B1", [1] = good[1] },
+    "rank 0, action 5 (B0.c0): its gradient was not received (no RECV_B0.c0<-1 before it)" },
+  { "an activation never freed",
+    { [0] = "F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0", [1] = "RECV_F0<-0 F0 B0 SEND_B0->0 RECV_F1<-0 F1 B1" },
+    "rank 0, action 3 (F1.c0): its activation is never freed (no B1.c0 after it)" },
+  { "a backward whose gradient is never received",
+    { [0] = "F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 B1", [1] = good[1] },
+    "rank 0, action 7 (B1.c0): its gradient was not received" },
+  { "a second send of a gradient",
+    { [0] = good[0], [1] = good[1] .. " SEND_B1->0" },
+    "rank 1, action 9 (SEND_B1.c0->0): a second send of the same gradient (the first is action 8)" },
+  { "a send never received",
+    { [0] = "F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0", [1] = good[1] },
+    "rank 1, action 8 (SEND_B1.c0->0): rank 0 never receives it" },
+  { "a chunk that does not exist",
+    { [0] = "F0.c1 " .. good[0], [1] = good[1] },
+    "rank 0, action 1 (F0.c1): chunk must be from 0 to 0, got 1" },
+  { "a micro-batch out of range",
+    { [0] = good[0], [1] = good[1]:gsub("F1<", "F2<") },
+    "rank 1, action 5 (RECV_F2.c0<-0): mb must be a micro-batch from 0 to 1, got 2" },
+  { "an unknown op",
+    { [0] = { { op = "FWD", mb = 0, chunk = 0 } }, [1] = {} },
+    "rank 0, action 1 (FWD0.c0): op must be one of F, B, SEND_F, RECV_F, SEND_B, RECV_B, got \"FWD\"" },
+  { "a compute action with a peer",
+    { [0] = { { op = "F", mb = 0, chunk = 0, peer = 1 } }, [1] = {} },
+    "rank 0, action 1 (F0.c0): a F has no peer (only sends and receives do), got peer=1" },
+  { "an unknown field",
+    { [0] = { { op = "F", mb = 0, chunk = 0, stage = 1 } }, [1] = {} },
+    "rank 0, action 1 (F0.c0): an action has no field 'stage'" },
+  { "a missing rank",
+    { [0] = {} },
+    "rank 1: its action list must be a table, got nil" },
+  { "a rank too many",
+    { [0] = {}, [1] = {}, [2] = {} },
+    "a plan's keys are ranks 0 to 1 (and name), got 2" },
+  { "a list with a hole",
+    { [0] = { "F0", nil, "F1" }, [1] = {} },
+    "rank 0: its action list has" },
+}
+
+for _, case in ipairs(broken) do
+  test("refused: " .. case[1], function()
+    raises(function() P.check(plan_of(case[2]), 2, 2, 1) end, case[3], case[1])
+  end)
+end
+
+test("refused: a send to the wrong peer (pp=3)", function()
+  local plan = P.build("1f1b", 3, 1, 1)
+  eq(P.format(plan[0][2]), "SEND_F0.c0->1")
+  plan[0][2].peer = 2
+  raises(function() P.check(plan, 3, 1, 1) end,
+    "pipeline schedule '1f1b': rank 0, action 2 (SEND_F0.c0->2): sends to rank 2, but the next stage (virtual stage 1) is on rank 1")
+end)
+
+test("refused: interleaved chunks out of order across the wrap-around (last rank to rank 0)", function()
+  local plan = P.build("interleaved", 2, 2, 2)
+  -- rank 0 receives its chunk-1 inputs from rank 1 (virtual stage 1 -> 2); swap the two receives
+  local recvs = {}
+  for i, a in ipairs(plan[0]) do if a.op == "RECV_F" then recvs[#recvs + 1] = i end end
+  eq(#recvs, 2, "rank 0 receives two activations")
+  local i, j = recvs[1], recvs[2]
+  plan[0][i], plan[0][j] = plan[0][j], plan[0][i]
+  raises(function() P.check(plan, 2, 2, 2) end, ("rank 0, action %d (RECV_F1.c1<-1): the next activation rank 1 sends here is for F0.c1"):format(i))
+end)
+
+test("refusals name the script line that asked, and bad sizes and names are refused", function()
+  local err = raises(function() P.check(plan_of(broken[2][2]), 2, 2, 1) end, "its forward F0.c0 has not run")
+  ok(err:find("^[^:]*test_schedules%.lua:%d+: pipeline schedule: rank 1"), err)
+  ok(not err:find("partrain/pipeline", 1, true), "no library location: " .. err)
+  raises(function() P.build("interleaved", 3, 4, 2) end,
+    "pipeline schedule 'interleaved': interleaved needs microbatches to be a multiple of pp, got microbatches=4, pp=3")
+  raises(function() P.build("1f1b", 2, 4, 2) end, "1f1b runs one chunk a rank, got chunks=2")
+  raises(function() P.build("zb", 2, 4, 1) end, "no shipped schedule named 'zb' (shipped: gpipe, 1f1b, interleaved; or pass a function)")
+  raises(function() P.build("1f1b", 0, 4, 1) end, "pp must be an integer from 1 to 4096, got 0")
+  raises(function() P.build("1f1b", 2, 1.5, 1) end, "microbatches must be an integer from 1 to 65536, got 1.5")
+  raises(function() P.build("1f1b", 2, 4, "2") end, "chunks must be an integer from 1 to 64, got \"2\"")
+  raises(function() P.build(42, 2, 4, 1) end, "a schedule is a shipped name (gpipe, 1f1b, interleaved) or a function")
+  raises(function() P.check("F0", 2, 4, 1) end, "a plan must be a table { [rank] = { actions... } }, got string")
+  raises(function() P.check({ [0] = { "F0" }, [1] = { 1 } }, 2, 1, 1) end,
+    "rank 1, action 1: an action must be a table or a string, got number")
+end)
+
+test("a user-written schedule goes through the same lowering and check", function()
+  -- all forwards, then backwards in reverse order: valid, GPipe's peak
+  local function reverse_gpipe(pp, m)
+    local plan = {}
+    for r = 0, pp - 1 do
+      local list = {}
+      for i = 0, m - 1 do list[#list + 1] = "F" .. i end
+      for i = m - 1, 0, -1 do list[#list + 1] = { op = "B", mb = i } end
+      plan[r] = list
+    end
+    return plan
+  end
+  local plan, report = P.build(reverse_gpipe, 3, 4)
+  ok(report.name:find("test_schedules.lua:%d+$"), "named by where it is defined: " .. report.name)
+  eq(report.ranks[0].peak, 4)
+  near(report.bubble, 2 / 6, 1e-12)
+  eq(P.describe(plan, { transfers = false }):match("^[^\n]*"), "rank 0: F0 F1 F2 F3 B3 B2 B1 B0")
+  -- backwards in an order the next rank does not send: refused at the first mismatched receive
+  local function mixed(pp, m)
+    local plan = reverse_gpipe(pp, m)
+    plan[0][m + 1], plan[0][m + 2] = plan[0][m + 2], plan[0][m + 1]
+    return plan
+  end
+  raises(function() P.build(mixed, 2, 2) end, "rank 0, action 5 (RECV_B0.c0<-1): the next gradient rank 1 sends here is for B1.c0")
+  raises(function() P.build(function() error("my schedule fails") end, 2, 2) end, "my schedule fails")
+  raises(function() P.build(function() return 3 end, 2, 2) end, "a plan must be a table")
+end)
+
+-- A second, simpler validator: run any rank whose next action is possible, one action at a time
+-- (lowest rank first), with messages matched by identity on ordered (sender, receiver, kind)
+-- queues; the plan is valid if every list runs to its end, no message is left, and every
+-- (micro-batch, chunk) ran one forward then one backward on every rank. (For pp >= 2 only: one
+-- rank's in-place hand-over of chunks is not modelled.)
+local function brute_valid(plan, pp, m, chunks)
+  local S = pp * chunks
+  local pos, did, got, queues = {}, {}, {}, {}
+  for r = 0, pp - 1 do
+    pos[r], did[r], got[r] = 1, {}, {}
+    if type(plan[r]) ~= "table" then return false, "no list" end
+  end
+  local function q(s, d, k) local name = s .. "/" .. d .. "/" .. k; queues[name] = queues[name] or {}; return queues[name] end
+  local function runnable(r, a)
+    if type(a) == "string" then a = P.parse(a) end
+    local op, mb, c, peer = a.op, a.mb, a.chunk or 0, a.peer
+    if (op == "F" or op == "B") and peer ~= nil then return nil end
+    if type(mb) ~= "number" or mb < 0 or mb >= m or mb % 1 ~= 0 then return nil end
+    if type(c) ~= "number" or c < 0 or c >= chunks or c % 1 ~= 0 then return nil end
+    local v = c * pp + r
+    local id = mb .. "." .. c
+    local prev_rank, next_rank = (v - 1) % pp, (v + 1) % pp
+    if op == "F" then
+      if did[r]["F" .. id] then return nil end
+      if v > 0 and not got[r]["F" .. id] then return nil end
+      return function() did[r]["F" .. id] = true end
+    elseif op == "B" then
+      if did[r]["B" .. id] or not did[r]["F" .. id] then return nil end
+      if v < S - 1 and not got[r]["B" .. id] then return nil end
+      return function() did[r]["B" .. id] = true end
+    elseif op == "SEND_F" or op == "SEND_B" then
+      local kind = op:sub(-1)
+      local to = kind == "F" and v + 1 or v - 1
+      if to < 0 or to >= S or peer ~= to % pp or not did[r][kind .. id] or did[r][op .. id] then return nil end
+      return function()
+        did[r][op .. id] = true
+        table.insert(q(r, peer, kind), mb .. "." .. math.floor(to / pp))
+      end
+    elseif op == "RECV_F" or op == "RECV_B" then
+      local kind = op:sub(-1)
+      local from = kind == "F" and v - 1 or v + 1
+      if from < 0 or from >= S or peer ~= from % pp or got[r][kind .. id] then return nil end
+      local queue = q(peer, r, kind)
+      if queue[1] ~= id then return nil end
+      return function() table.remove(queue, 1); got[r][kind .. id] = true end
+    end
+    return nil
+  end
+  while true do
+    local moved = false
+    for r = 0, pp - 1 do
+      local a = plan[r][pos[r]]
+      local run = a and runnable(r, a)
+      if run then run(); pos[r] = pos[r] + 1; moved = true; break end
+    end
+    if not moved then break end
+  end
+  for r = 0, pp - 1 do
+    if pos[r] <= #plan[r] then return false, "rank " .. r .. " stuck" end
+    for mb = 0, m - 1 do
+      for c = 0, chunks - 1 do
+        if not (did[r]["F" .. mb .. "." .. c] and did[r]["B" .. mb .. "." .. c]) then return false, "missing compute" end
+      end
+    end
+  end
+  for _, queue in pairs(queues) do if #queue > 0 then return false, "message left" end end
+  return true
+end
+
+-- The second validator on anything: an ill-formed action it cannot read makes the plan invalid.
+local function brute(plan, pp, m, chunks)
+  local good_call, valid, why = pcall(brute_valid, plan, pp, m, chunks)
+  if not good_call then return false, valid end
+  return valid, why
+end
+
+test("the second validator agrees with the check on the shipped and the broken plans", function()
+  combos(function(name, pp, m, chunks)
+    local plan = P.build(name, pp, m, chunks)
+    ok(brute_valid(plan, pp, m, chunks), ("%s pp=%d m=%d chunks=%d"):format(name, pp, m, chunks))
+  end)
+  ok(brute_valid(plan_of(good), 2, 2, 1), "the good plan")
+  for _, case in ipairs(broken) do
+    local plan = plan_of(case[2])
+    ok(not brute(plan, 2, 2, 1), "the second validator refuses " .. case[1])
+  end
+end)
+
+test("seeded random damage: refused clearly or accepted and valid, never a checker error", function()
+  math.randomseed(20261122)
+  local bases = {}
+  combos(function(name, pp, m, chunks)
+    if m <= 4 then bases[#bases + 1] = { name, pp, m, chunks } end
+  end)
+  local function copy(plan, pp)
+    local out = { name = plan.name }
+    for r = 0, pp - 1 do
+      out[r] = {}
+      for i, a in ipairs(plan[r]) do out[r][i] = { op = a.op, mb = a.mb, chunk = a.chunk, peer = a.peer } end
+    end
+    return out
+  end
+  local ops = { "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B" }
+  local junk = { "F0", "B1.c1", "RECV_F0.c0<-0", "SEND_B0->0", "X1", "F", "", 5, true, {}, { op = "F" },
+                 { op = "F", mb = 0.5 }, { op = "SEND_F", mb = 0, chunk = 0, peer = -1 }, { op = "B", mb = 2^60 },
+                 { op = "F", mb = 0, chunk = 0 / 0 }, { op = "RECV_B", mb = 0, chunk = 0, peer = "1" } }
+  local function copy_junk(x)
+    if type(x) ~= "table" then return x end
+    local t = {}
+    for k, v in pairs(x) do t[k] = v end
+    return t
+  end
+  local tally = { refused = 0, accepted = 0 }
+  local mutations = 0
+  local started = os.clock()
+  for trial = 1, 3000 do
+    local b = bases[math.random(#bases)]
+    local name, pp, m, chunks = b[1], b[2], b[3], b[4]
+    local plan = copy(P.build(name, pp, m, chunks), pp)
+    for _ = 1, math.random(3) do
+      local r = math.random(0, pp - 1)
+      local list = plan[r]
+      local n = #list
+      local i, j = math.random(n), math.random(n)
+      local kind = math.random(10)
+      if kind >= 3 and kind <= 7 and type(list[i]) ~= "table" then kind = 1 end
+      if kind == 1 then list[i], list[j] = list[j], list[i]                               -- swap
+      elseif kind == 2 then table.remove(list, i)                                          -- delete
+      elseif kind == 3 then table.insert(list, j, { op = list[i].op, mb = list[i].mb, chunk = list[i].chunk, peer = list[i].peer })
+      elseif kind == 4 then list[i].mb = (tonumber(list[i].mb) or 0) + math.random(-1, 1)  -- mb
+      elseif kind == 5 then list[i].peer = math.random(0, pp)                              -- peer
+      elseif kind == 6 then list[i].chunk = math.random(0, chunks)                         -- chunk
+      elseif kind == 7 then list[i].op = ops[math.random(#ops)]                            -- op
+      elseif kind == 8 then                                                                -- move to another rank
+        local other = plan[math.random(0, pp - 1)]
+        table.insert(other, math.random(#other + 1), table.remove(list, i))
+      elseif kind == 9 then local k = math.random(i, math.min(n, i + 3)); list[i], list[k] = list[k], list[i]  -- near swap
+      else list[i] = copy_junk(junk[math.random(#junk)]) end                                         -- junk
+      mutations = mutations + 1
+    end
+    local good_call, result = pcall(P.check, plan, pp, m, chunks)
+    if good_call then
+      tally.accepted = tally.accepted + 1
+      local valid, why = brute(plan, pp, m, chunks)
+      ok(valid, ("trial %d: the check accepted a plan the second validator refuses (%s)"):format(trial, tostring(why)))
+      eq(result.ranks[0].forwards, m * chunks, "an accepted plan runs every forward")
+    else
+      tally.refused = tally.refused + 1
+      ok(type(result) == "string", "a refusal is a message")
+      ok(result:find("pipeline schedule '" .. name .. "': ", 1, true), ("trial %d: not a clear refusal: %s"):format(trial, result))
+      ok(result:find("pipeline schedule '[^']*': rank %d+") or result:find("pipeline schedule '[^']*': no rank can go on"),
+        ("trial %d: a refusal names a rank: %s"):format(trial, result))
+      ok(not result:find("partrain/pipeline", 1, true) and not result:find("attempt to", 1, true),
+        ("trial %d: the checker's own error: %s"):format(trial, result))
+      ok(not brute(plan, pp, m, chunks), ("trial %d: refused a plan the second validator accepts: %s"):format(trial, result))
+    end
+  end
+  print(("  random damage: %d plans (%d mutations): %d refused, %d accepted, %.1f s"):format(
+    tally.refused + tally.accepted, mutations, tally.refused, tally.accepted, os.clock() - started))
+  ok(tally.refused > 2000 and tally.accepted > 0, "the damage both breaks plans and leaves some valid")
+end)
+
+H.run()
