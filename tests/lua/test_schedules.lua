@@ -93,9 +93,8 @@ test("the bubble is (p-1)/(m+p-1) for 1F1B and GPipe, and chunks times smaller w
     for chunks = 2, 3 do
       local _, inter = P.build("interleaved", pp, m, chunks)
       local ratio = one.bubble / inter.bubble
-      ok(ratio > 1 and ratio <= chunks, ("interleaved x%d divides the bubble by %.3f"):format(chunks, ratio))
-      near(inter.bubble, one.bubble / chunks, 0.1 * one.bubble / chunks + 0.5 * (pp - 1) / (chunks * m),
-        "interleaved is about 1F1B / chunks")
+      ok(ratio > 0.75 * chunks and ratio <= chunks,
+        ("interleaved x%d pp=%d m=%d divides 1F1B's bubble by about %d: by %.3f"):format(chunks, pp, m, chunks, ratio))
     end
   end
 end)
@@ -145,6 +144,11 @@ test("describe prints one line a rank, in order or as a timeline", function()
   eq(P.describe(plan, { timeline = true }),
     "rank 0 | F0 F1 .. .. B0 == F2 B1 == F3 B2 == .. B3 ==|\n" ..
     "rank 1 | .. F0 B0 == F1 B1 == F2 B2 == F3 B3 == .. ..|")
+  eq(P.describe(P.build("interleaved", 1, 2, 2), { timeline = true }),
+    -- one rank: a warm-up of (chunks-1)*pp = 1 forward, then one forward and one backward
+    "rank 0 | F0.c0 F0.c1 B0.c1 ===== F1.c0 B0.c0 ===== F1.c1 B1.c1 ===== B1.c0 =====|", "one rank, two chunks")
+  raises(function() P.describe(plan, { timline = true }) end, "describe has no option 'timline' (options: timeline, transfers)")
+  raises(function() P.describe(42) end, "describe takes a plan, got number")
 end)
 
 -- The lowered 1F1B plan for pp=2, m=2, which the broken plans below start from.
@@ -232,6 +236,9 @@ local broken = {
   { "a rank too many",
     { [0] = {}, [1] = {}, [2] = {} },
     "a plan's keys are ranks 0 to 1 (and name), got 2" },
+  { "ranks counted from 1",
+    { [1] = good[0], [2] = good[1] },
+    "a plan's keys are ranks 0 to 1 (and name), got 2 (ranks count from 0)" },
   { "a list with a hole",
     { [0] = { "F0", nil, "F1" }, [1] = {} },
     "rank 0: its action list has" },

@@ -86,7 +86,8 @@ function C.normalize(plan, pp, microbatches, chunks)
   if plan.name ~= nil and type(plan.name) ~= "string" then refuse("a plan's name must be a string, got %s", type(plan.name)) end
   for k in pairs(plan) do
     if k ~= "name" and not (A.is_int(k) and k >= 0 and k < pp) then
-      refuse("a plan's keys are ranks 0 to %d (and name), got %s", pp - 1, A.format(k))
+      refuse("a plan's keys are ranks 0 to %d (and name), got %s%s", pp - 1, A.format(k),
+        k == pp and plan[0] == nil and " (ranks count from 0)" or "")
     end
   end
   local out = { name = plan.name }

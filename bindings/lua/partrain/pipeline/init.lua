@@ -135,9 +135,13 @@ end
 --- column a time unit, "F0" a forward (1 unit), "B0==" a backward (2 units), "." idle.
 function P.describe(plan, opts)
   opts = opts or {}
-  if type(plan) ~= "table" then
-    guarded(function() end, function() C.refuse("describe takes a plan, got %s", type(plan)) end)
-  end
+  guarded(function() end, function()
+    if type(plan) ~= "table" then C.refuse("describe takes a plan, got %s", type(plan)) end
+    if type(opts) ~= "table" then C.refuse("describe's options must be a table, got %s", type(opts)) end
+    for k in pairs(opts) do
+      if k ~= "timeline" and k ~= "transfers" then C.refuse("describe has no option '%s' (options: timeline, transfers)", tostring(k)) end
+    end
+  end)
   local pp, mbs, chunks = sizes_of(plan)
   local n = P.lower(plan, pp, mbs, chunks)
   local lines = {}
