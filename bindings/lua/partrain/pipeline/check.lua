@@ -36,9 +36,9 @@ function C.check_sizes(pp, microbatches, chunks)
       refuse("%s must be an integer from 1 to %d, got %s", name, LIMITS[name], A.format(v))
     end
   end
-  if pp * microbatches * chunks > 2^22 then
+  if pp * microbatches * chunks > 2^20 then
     refuse("pp * microbatches * chunks = %d is more actions than a plan may hold (at most %d)",
-      pp * microbatches * chunks, 2^22)
+      pp * microbatches * chunks, 2^20)
   end
 end
 
@@ -134,8 +134,7 @@ function C.simulate(plan, pp, microbatches, chunks)
     if not a then return "done" end
     local m, c, op = a.mb, a.chunk, a.op
     local v, k = A.stage(pp, r, c), key(m, c)
-    local here = at(r, i, a)
-    local function refuse_here(fmt, ...) refuse("%s: " .. fmt, here, ...) end
+    local function refuse_here(fmt, ...) refuse("%s: " .. fmt, at(r, i, a), ...) end
     local pr, pc = A.place(pp, v - 1)   -- previous virtual stage
     local nr, nc = A.place(pp, v + 1)   -- next virtual stage
     local kind = op:sub(-1)             -- "F" or "B" for transfers
