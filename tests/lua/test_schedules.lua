@@ -258,6 +258,14 @@ test("refused: a send to the wrong peer (pp=3)", function()
     "pipeline schedule '1f1b': rank 0, action 2 (SEND_F0.c0->2): sends to rank 2, but the next stage (virtual stage 1) is on rank 1")
 end)
 
+test("refused: a receive from the wrong peer (pp=3)", function()
+  local plan = P.build("gpipe", 3, 1, 1)
+  eq(P.format(plan[2][1]), "RECV_F0.c0<-1")
+  plan[2][1].peer = 0
+  raises(function() P.check(plan, 3, 1, 1) end,
+    "pipeline schedule 'gpipe': rank 2, action 1 (RECV_F0.c0<-0): receives from rank 0, but the previous stage (virtual stage 1) is on rank 1")
+end)
+
 test("refused: interleaved chunks out of order across the wrap-around (last rank to rank 0)", function()
   local plan = P.build("interleaved", 2, 2, 2)
   -- rank 0 receives its chunk-1 inputs from rank 1 (virtual stage 1 -> 2); swap the two receives
@@ -280,6 +288,7 @@ test("refusals name the script line that asked, and bad sizes and names are refu
   raises(function() P.build("1f1b", 0, 4, 1) end, "pp must be an integer from 1 to 4096, got 0")
   raises(function() P.build("1f1b", 2, 1.5, 1) end, "microbatches must be an integer from 1 to 65536, got 1.5")
   raises(function() P.build("1f1b", 2, 4, "2") end, "chunks must be an integer from 1 to 64, got \"2\"")
+  raises(function() P.build("1f1b", 4096, 65536, 1) end, "pp * microbatches * chunks = 268435456 is more actions than a plan may hold (at most 1048576)")
   raises(function() P.build(42, 2, 4, 1) end, "a schedule is a shipped name (gpipe, 1f1b, interleaved) or a function")
   raises(function() P.check("F0", 2, 4, 1) end, "a plan must be a table { [rank] = { actions... } }, got string")
   raises(function() P.check({ [0] = { "F0" }, [1] = { 1 } }, 2, 1, 1) end,
