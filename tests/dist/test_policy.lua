@@ -22,7 +22,7 @@ local function same_gradients(model, serial, what)
   for name, p in model:named_parameters() do
     local want = serial_params[name]
     ok(want ~= nil, what .. ": " .. name .. " exists in the serial model")
-    local g = pt.tp.gather(p, p.grad)
+    local g = pt.tp.gather(model, name, p.grad)
     -- Data parallelism syncs the mean of the data ranks' gradients: the global batch's.
     near(g, want.grad, TOL, what .. ": gradient of " .. name)
   end
@@ -130,7 +130,7 @@ test("split parameters report their logical shape, split dimension and slices; p
   eq(wte.local_shape[1], math.ceil(255 / t), "local rows include the padding")
   local last = wte.slices[t][1]
   eq(last[1] + last[2], 255, "the last rank's slice ends at the logical vocabulary")
-  ok(not pt.tp.is_sharded(model.wpe.weight), "wpe is whole")
+  ok(not pt.tp.is_sharded(model, "wpe.weight"), "wpe is whole")
   -- The full state_dict gathers logical tensors equal to the serial model's...
   local full, want = model:full_state_dict(), serial:state_dict()
   local names = {}

@@ -76,9 +76,20 @@ local function plan(model, policy, modules, cfg, at)
           actions[#actions + 1] = { path = path, style = s, target = target }
           -- Sizes: an error now rather than half-way through.
           if s.kind == "column" then
-            local fused = s.opts.fused or 1
+            local fused = s.opts.fused or (s.opts.parts and #s.opts.parts) or 1
             local out = target.weight.shape[1]
-            if out % fused ~= 0 or (out / fused) % t ~= 0 then
+            if s.opts.parts then
+              local sum = 0
+              for _, n in ipairs(s.opts.parts) do
+                sum = sum + n
+                if n % t ~= 0 then
+                  fail(s.where, "tensor=%d does not divide %s's output part of %d (parts %s)", t, path, n, table.concat(s.opts.parts, "+"))
+                end
+              end
+              if sum ~= out then
+                fail(s.where, "P.column's parts %s add up to %d, but %s's output is %d", table.concat(s.opts.parts, "+"), sum, path, out)
+              end
+            elseif out % fused ~= 0 or (out / fused) % t ~= 0 then
               fail(s.where, "tensor=%d does not divide %s's output of %d%s", t, path, out, fused > 1 and (" (" .. fused .. " fused parts of " .. out / fused .. ")") or "")
             end
             if fused > 1 and s.opts.gather_output then
@@ -235,7 +246,7 @@ local function apply_actions(model, actions, cfg, group)
       local ok, err = pcall(function()
         if s.kind == "column" then
           local seq = option(s, "sequence_parallel", sp)
-          built = pt.tp.column(a.target, group, { fused = s.opts.fused, gather_output = s.opts.gather_output,
+          built = pt.tp.column(a.target, group, { fused = s.opts.fused, parts = s.opts.parts, gather_output = s.opts.gather_output,
                                                   sequence_parallel = seq, sequence_overlap = seq and cfg.sequence_overlap })
         elseif s.kind == "row" then
           built = pt.tp.row(a.target, group, { input_is_parallel = s.opts.input_is_parallel,
