@@ -242,7 +242,7 @@ test("bad policies are refused with file:line before anything changes", function
   refused(function() return P.policy { modules = { MLP = { replace = { { "0", P.row {} } } } } } end,
     "does not divide 0's input of", pt.models.mlp { sizes = { 7, 6, 4 } })
   raises(function() P.column { fused = "3" } end, "P.column option 'fused' must be a number, got string")
-  raises(function() P.column { fuse = 3 } end, "P.column has no option 'fuse' (options: fused, gather_output, sequence_parallel)")
+  raises(function() P.column { fuse = 3 } end, "P.column has no option 'fuse' (options: fused, gather_output, parts, sequence_parallel)")
   raises(function() P.policy { module = {} } end, "policy has no field 'module'")
   raises(function() P.policy { name = 3, modules = {} } end, "policy field 'name' must be a string, got number")
   raises(function() P.policy { modules = { MLP = { replce = {} } } } end, "modules.MLP has no field 'replce'")
