@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "engine/dist/mesh.hpp"
+#include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
@@ -97,7 +98,7 @@ TEST(Sharding, SizesThatDoNotFitAreRefusedByName) {
   EXPECT_NE(error_of([] { Sharding::split(nullptr, 4, 0, {10, 3}, {}, 11); }).find("padded to 11"), std::string::npos);
   EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 2, {10, 3}); }).find("cannot split dimension 2"),
             std::string::npos);
-  EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 1, {4, 3}).slices(2); }).find("rank 2 is outside"),
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 1, {4, 4}).slices(2); }).find("rank 2 is outside"),
             std::string::npos);
 }
 
@@ -173,7 +174,7 @@ TEST(MeshLayout, EverySizeThatDividesEightLaysOutAndGroupsAgree) {
           }
         }
       }
-  EXPECT_EQ(layouts, 35) << "every (tensor, pipeline, data) with product 8, each with its zero sizes";
+  EXPECT_EQ(layouts, 20) << "the 10 (tensor, pipeline, data) with product 8, each with every zero size dividing data";
   EXPECT_NE(error_of([] { dist::Layout({3, 1, 0, 0}, 8); }).find("tensor=3 x pipeline=1 = 3 does not divide the world"),
             std::string::npos);
   EXPECT_NE(error_of([] { dist::Layout({2, 1, 0, 3}, 8); }).find("zero=3 does not divide the data size 4"),
@@ -211,7 +212,7 @@ TEST(DataParallel, BucketsInReverseOrderUnderTheCapEveryParameterOnce) {
   std::vector<size_t> reverse;
   for (size_t k = params.size(); k-- > 0;) reverse.push_back(k);
   EXPECT_EQ(order, reverse) << "every parameter exactly once, in reverse parameter order";
-  EXPECT_EQ(buckets.size(), 6u);
+  EXPECT_EQ(buckets.size(), 4u) << "{7, 6, 5} (reaches the cap), {4, 3}, {2} (float64), {1, 0}";
   EXPECT_EQ(parallel::bucket_layout(params, int64_t{1} << 40).size(), 3u) << "a huge cap: split by dtype only";
 }
 
