@@ -271,7 +271,6 @@ const Function kParallel[] = {
        a.module(1) = nn::ModulePtr(pm, pm->root().get());
        lua_pushvalue(a.L, 1);
        return 1; }},
-    {"is_parallel", [](Args& a) { return a.ret(owner_of(a, 1) != nullptr); }},
     {"mesh", [](Args& a) {  // mesh(model): the mesh it was made parallel over, or nil
        auto pm = owner_of(a, 1);
        if (!pm) { lua_pushnil(a.L); return 1; }
@@ -321,7 +320,6 @@ const Function kParallel[] = {
        if (!t.sizes().equals(param.sizes())) a.fail(3, "a tensor shaped like the parameter expected");
        if (!s) return a.ret(t);
        return a.ret(parallel::gather_full(t, *s)); }},
-    {"check_ties", [](Args& a) { parallel::parameter_records(*a.module(1)); return a.ret(); }},
     {"live", [](Args& a) { return a.ret(double(parallel::ParallelModel::live())); }},
     {"last", [](Args& a) {  // last(): the model pt.parallelize made last, while it lives, or nil
        auto pm = last_parallelized().lock();

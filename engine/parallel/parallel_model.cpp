@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "engine/plan/plan.hpp"
+
 namespace partrain::parallel {
 
 std::atomic<int64_t> ParallelModel::live_{0};
@@ -73,6 +75,29 @@ const std::vector<std::string>& train_step_losses() {
   return losses;
 }
 
+namespace {
+
+void check_loss(const std::string& name) {
+  const auto& known = train_step_losses();
+  if (std::find(known.begin(), known.end(), name) != known.end()) return;
+  std::string list;
+  for (const auto& l : known) list += (list.empty() ? "" : ", ") + l;
+  TORCH_CHECK(false, "train_step: unknown loss '", name, "' (expected one of ", list, ")");
+}
+
+// Turns the data-parallel sync off for a micro-batch's backward and back on whatever happens.
+struct SyncOnlyIf {
+  SyncOnlyIf(DataParallel* dp, bool on) : dp(dp) {
+    if (dp) dp->set_sync(on);
+  }
+  ~SyncOnlyIf() {
+    if (dp) dp->set_sync(true);
+  }
+  DataParallel* dp;
+};
+
+}  // namespace
+
 // ---- The composer ----------------------------------------------------------------------------
 
 std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
@@ -135,10 +160,8 @@ torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tens
       return nn::cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), options.ignore_index);
     return nn::cross_entropy(output, targets, options.ignore_index);
   }
-  if (options.loss == "mse") return nn::mse(output, targets);
-  std::string known;
-  for (const auto& l : train_step_losses()) known += (known.empty() ? "" : ", ") + l;
-  TORCH_CHECK(false, "train_step: unknown loss '", options.loss, "' (expected one of ", known, ")");
+  check_loss(options.loss);
+  return nn::mse(output, targets);
 }
 
 torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -153,24 +176,21 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     TORCH_CHECK(data_parallel_->options().grad_accumulation == 1, "train_step: accumulate=", n,
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
-  // Unknown losses are refused before any work.
-  if (std::find(train_step_losses().begin(), train_step_losses().end(), options.loss) == train_step_losses().end())
-    loss(x, y, options);
+  check_loss(options.loss);  // before any work
   root_->train();
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
   torch::Tensor total;
   for (int i = 0; i < n; ++i) {
     // Only the last micro-batch's backward syncs: the others accumulate into .grad locally.
-    if (data_parallel_) data_parallel_->set_sync(i == n - 1);
+    SyncOnlyIf sync(data_parallel_.get(), i == n - 1);
+    plan::step_begins();  // the planner's first step: its forward begins (once)
     auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
     auto l = loss(out, ys[i], options);
+    plan::forward_ends();  // ... and what the forward left allocated is measured (once)
     (n > 1 ? l / n : l).backward();
     total = total.defined() ? total + l.detach() : l.detach();
   }
-  if (data_parallel_) {
-    data_parallel_->set_sync(true);
-    data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks) runs now
-  }
+  if (data_parallel_) data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks)
   return n > 1 ? total / n : total;
 }
 
