@@ -228,6 +228,12 @@ const Function kTensorParallel[] = {
 // The data-parallel options of pt.parallelize (unknown keys are an error).
 parallel::DataParallelOptions data_parallel_options(const Args& a, int idx) {
   Options o(a, idx, "parallelize");
+  // Options of what is not built yet are refused by name rather than taken for typos or ignored.
+  for (const char* key : {"schedule", "microbatches", "pipeline", "zero"})
+    if (o.has(key))
+      throw std::invalid_argument(std::string("parallelize option '") + key + "' asks for " +
+                                  (std::string(key) == "zero" ? "ZeRO" : "pipeline parallelism") +
+                                  ", which is not implemented yet");
   parallel::DataParallelOptions d;
   d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
   d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
