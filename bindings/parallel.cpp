@@ -326,6 +326,15 @@ const Function kParallel[] = {
        if (!t.sizes().equals(param.sizes())) a.fail(3, "a tensor shaped like the parameter expected");
        if (!s) return a.ret(t);
        return a.ret(parallel::gather_full(t, *s)); }},
+    {"vocab_head", [](Args& a) {  // vocab_head(model): nil, or { group, vocab, path } of its split vocabulary head
+       std::string path;
+       auto* head = parallel::vocab_head_of(*a.module(1), &path);
+       if (!head) { lua_pushnil(a.L); return 1; }
+       lua_createtable(a.L, 0, 3);
+       push_group(a, head->group); lua_setfield(a.L, -2, "group");
+       lua_pushnumber(a.L, double(head->logical_out)); lua_setfield(a.L, -2, "vocab");
+       a.ret(path); lua_setfield(a.L, -2, "path");
+       return 1; }},
     {"live", [](Args& a) { return a.ret(double(parallel::ParallelModel::live())); }},
     {"last", [](Args& a) {  // last(): the model pt.parallelize made last, while it lives, or nil
        auto pm = last_parallelized().lock();

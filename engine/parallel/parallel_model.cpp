@@ -15,17 +15,17 @@ namespace {
 
 std::string describe_split(const c10::optional<Sharding>& s) { return s ? s->describe() : "whole"; }
 
-// The vocabulary head of the tree: a ColumnParallelLinear built with padding on a group of more
-// than one rank, whose (split) output train_step's cross-entropy reads without gathering.
-const ColumnParallelLinear* vocab_head_of(nn::Module& root) {
+}  // namespace
+
+const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path) {
   const ColumnParallelLinear* head = nullptr;
-  for (const auto& [path, m] : root.modules())
-    if (auto* c = dynamic_cast<const ColumnParallelLinear*>(m.get()); c && c->vocab_head && c->group->size() > 1)
+  for (const auto& [where, m] : root.modules())
+    if (auto* c = dynamic_cast<const ColumnParallelLinear*>(m.get()); c && c->vocab_head && c->group->size() > 1) {
       head = c;
+      if (path) *path = where;
+    }
   return head;
 }
-
-}  // namespace
 
 std::vector<ParameterRecord> parameter_records(nn::Module& root) {
   std::vector<ParameterRecord> records;

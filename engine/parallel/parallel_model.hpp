@@ -48,6 +48,11 @@ std::vector<ParameterRecord> parameter_records(nn::Module& root);
 /// parameter of `root`): what global_grad_norm needs to count split gradients once.
 std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<torch::Tensor>& params);
 
+/// The tree's vocabulary head: the ColumnParallelLinear built with padding (P.vocab_head) on a
+/// group of more than one rank, whose split logits losses read without gathering them; nullptr
+/// when the tree has none. `path` (if given) receives its dotted path.
+const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path = nullptr);
+
 /// What a training step computes (model:train_step's options).
 struct TrainStepOptions {
   /// The loss of the model's output and the targets: "cross_entropy" (vocabulary-parallel when

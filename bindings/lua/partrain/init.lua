@@ -478,8 +478,8 @@ end
 --- The loss to use with `model`'s logits: cross-entropy, computed from vocabulary-split logits
 --- without gathering them when a policy split the output head. loss(logits, targets [, { ignore_index }]).
 function pt.loss_fn(model)
-  local P = package.loaded["partrain.policy"]
-  local split = P and P.vocab_parallel[model]
+  if not core.nn.is_module(model) then error("pt.loss_fn: a module expected, got " .. type(model), 2) end
+  local split = core.parallel.vocab_head(model)   -- found in the tree: { group, vocab, path } or nil
   if not split then
     return function(logits, targets, opts)
       local ok, loss = pcall(core.nn.cross_entropy, logits, targets, opts)
@@ -491,9 +491,9 @@ function pt.loss_fn(model)
     -- The logits must be (a view of) the vocabulary head's output: anything else (the head was
     -- not the model's last layer, or they were gathered) would be read as split when it is not.
     if pt.is_tensor(logits) and not core.plan.planning() and not core.tp.split_logits(logits) then
-      error(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (P.vocab_head "
-        .. "at %s): is it the model's output layer? Whole logits take pt.nn.cross_entropy"):format(
-        table.concat(logits.shape, "x"), model:type(), split.where or "?"), 2)
+      error(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (%s): "
+        .. "is it the model's output layer? Whole logits take pt.nn.cross_entropy"):format(
+        table.concat(logits.shape, "x"), model:type(), split.path), 2)
     end
     local ok, loss = pcall(core.tp.cross_entropy, logits, targets, split.group, split.vocab, opts)
     if not ok then rethrow(loss, 2) end

@@ -385,8 +385,6 @@ end
 
 -- Applying (partrain/sharder.lua does it) -----------------------------------------------------
 
---- Models whose output logits are split along the vocabulary (by P.vocab_head): model -> { group, vocab, where }.
-P.vocab_parallel = setmetatable({}, { __mode = "k" })
 
 --- Applies `policy` to `model` over the tensor group of `mesh`; cfg: the sharding options
 --- (P.config). Returns the model, changed in place, and a function that undoes the policy. With

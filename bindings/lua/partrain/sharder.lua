@@ -256,7 +256,6 @@ local function apply_actions(model, actions, cfg, group)
         elseif s.kind == "vocab_embedding" then built = pt.tp.vocab_embedding(a.target, group)
         elseif s.kind == "vocab_head" then
           built = pt.tp.column(a.target, group, { pad = true, sequence_parallel = sp, sequence_overlap = sp and cfg.sequence_overlap })
-          P.vocab_parallel[model] = { group = group, vocab = a.target.weight.shape[1], where = s.where }
         end
         model:set(a.path, built)
       end)
@@ -337,7 +336,7 @@ function S.apply(model, policy, mesh, cfg, at)
   if serial then  -- the probe: the sharded model must compute what the serial one did
     local ran, sharded = bounded(cfg.policy_timeout, core.tp._probe, model, inputs)
     local problem = not ran and ("its forward fails on the probe batch: " .. strip_internal(sharded))
-    if ran then problem = core.tp._probe_compare(serial, sharded, P.vocab_parallel[model] ~= nil) end
+    if ran then problem = core.tp._probe_compare(serial, sharded, core.parallel.vocab_head(model) ~= nil) end
     if problem then
       problem = ("%s: policy %s splits %s wrong: %s (the probe compares one batch with the serial model; "
         .. "probe = false turns it off)"):format(at, name_of(policy), model:type(), problem)
@@ -352,13 +351,11 @@ function S.apply(model, policy, mesh, cfg, at)
 end
 
 --- The undo record of `model` now (P.begin): a function that puts it back exactly (its modules,
---- parameters and their contents, attributes, forwards, Lua fields, vocabulary split).
+--- parameters and their contents, attributes, forwards, Lua fields; the vocabulary head with them).
 function S.begin(model)
   local snapshot = core.nn._snapshot(model, 256 * 1024 * 1024)
-  local split = P.vocab_parallel[model]
   return function()
     local lost = snapshot:restore()
-    P.vocab_parallel[model] = split
     if #lost > 0 then
       io.stderr:write(("partrain: the policy changed %s in place; too large to keep a copy of, it stays changed\n"):format(
         table.concat(lost, ", ")))
