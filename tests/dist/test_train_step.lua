@@ -145,6 +145,22 @@ test("a parallelized model and its optimizer dropped by the script are freed", f
   eq(core.parallel.live(), before, "the engine's parallelized model is freed")
 end)
 
+test("a policy tying tensors its layers split differently is refused, naming both names", function()
+  local P = require "partrain.policy"
+  local mesh = pt.mesh { tensor = 2 }
+  -- 0.weight is split by rows (local 4x8 of 8x8), 4.weight by columns (local 4x8 of 4x16): one
+  -- tensor cannot be both.
+  local policy = P.policy {
+    name = "bad_tie",
+    modules = { MLP = { replace = { { "0", P.column { gather_output = true } }, { "2", P.column {} }, { "4", P.row {} } } } },
+    postprocess = function(model) P.tie(model, "4.weight", "0.weight") end,
+  }
+  local model = pt.models.mlp { sizes = { 8, 8, 16, 4 } }
+  local e = raises(function() pt.parallelize(model, policy, mesh) end, "'4.weight' is tied to '0.weight'")
+  ok(e:find("split on dimension 1") and e:find("split on dimension 0"), "names both splits: " .. e)
+  eq(model:get("0"):type(), "Linear", "the model is left as it was")
+end)
+
 test("bad train_step options are refused at the caller's line", function()
   local mesh = pt.mesh {}
   local model = pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh)
