@@ -18,11 +18,11 @@ local opts = { sequence_parallel = cfg.sequence_parallel, sequence_overlap = cfg
 local rank0 = pt.dist.rank() == 0
 local function say(...) if rank0 then print(string.format(...)) end end
 
-local function bytes_of(params)
+local function bytes_of(model)
   local whole, split, logical_split = 0, 0, 0
-  for _, p in ipairs(params) do
+  for name, p in model:named_parameters() do
     local b = p:numel() * p:element_size()
-    local s = pt.tp.sharding(p)
+    local s = pt.tp.sharding(model, name)
     if s then
       split = split + b
       local n = 1
@@ -38,10 +38,10 @@ end
 -- 1. Parameter bytes, GPT-2 small.
 if cfg.size_check then
   local small = { vocab = 50257, seq = 1024, dim = 768, heads = 12, layers = 12 }
-  local serial_bytes = select(1, bytes_of(pt.models.gpt2(small):parameters()))
+  local serial_bytes = select(1, bytes_of(pt.models.gpt2(small)))
   local model = pt.parallelize(pt.models.gpt2(small), nil, mesh, opts)
   -- model:parameters() lists the tied wte/lm_head weight once.
-  local whole, split, logical = bytes_of(model:parameters())
+  local whole, split, logical = bytes_of(model)
   say("== parameter bytes a rank, GPT-2 small (%.1f M parameters), tensor %d", serial_bytes / 4 / 1e6, t)
   say("serial %.1f MB | a rank %.1f MB (%.3f of serial): split %.1f MB, whole %.2f MB", serial_bytes / 1e6,
       (whole + split) / 1e6, (whole + split) / serial_bytes, split / 1e6, whole / 1e6)

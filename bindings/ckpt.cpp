@@ -237,7 +237,7 @@ const Function kCkpt[] = {
        for (const auto& [name, t] : state) {
          auto it = targets.find(name);
          if (it == targets.end()) fail("tensor '" + name + "' is not in the model (a " + m->type() + ")");
-         auto split = parallel::sharding_of(it->second);
+         auto split = parallel::sharding_of(*m, name);
          auto logical = split ? split->shape : it->second.sizes().vec();
          if (!t.sizes().equals(logical))
            fail("tensor '" + name + "' has shape " + c10::str(t.sizes()) + "; the model's is " +

@@ -16,6 +16,8 @@
 
 namespace partrain::dist {
 class Mesh;
+class ProcessGroup;
+using GroupPtr = std::shared_ptr<ProcessGroup>;
 }
 namespace partrain::parallel {
 class DataParallel;
@@ -28,6 +30,8 @@ namespace partrain::lua {
 #define PT_MODULE_MT "partrain.Module"
 #define PT_OPTIMIZER_MT "partrain.Optimizer"
 #define PT_LOADER_MT "partrain.Loader"
+#define PT_GROUP_MT "partrain.Group"
+#define PT_MESH_MT "partrain.Mesh"
 
 /// A Lua error that already carries its location (and maybe a traceback): re-raised unchanged.
 struct Rethrow : std::runtime_error {
@@ -240,11 +244,16 @@ void open_tensor(lua_State* L, int core);
 void open_nn(lua_State* L, int core);
 void open_optim_data(lua_State* L, int core);
 void open_dist(lua_State* L, int core);
+void open_parallel(lua_State* L, int core);  // called by open_dist
 void open_repl(lua_State* L, int core);
 void open_ckpt(lua_State* L, int core);
 
-/// The data-parallel state attached to `model` by pt.parallelize, or nullptr.
+/// The data-parallel state of `model` when pt.parallelize made it parallel, or nullptr.
 std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);
+/// Pushes a process group (nil for none).
+int push_group(lua_State* L, const dist::GroupPtr& g);
+/// The mesh at idx, as its owning pointer, or nullptr.
+std::shared_ptr<dist::Mesh>* mesh_test(lua_State* L, int idx);
 /// When the value at idx is a mesh: this rank's data index and the data size.
 bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count);
 /// The mesh at idx, or nullptr when the value there is not one.

@@ -8,6 +8,7 @@
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -413,7 +414,10 @@ const Function kConstructors[] = {
        if (!a.is_table(2)) a.expected(2, "class table");
        return a.ret(ModulePtr(std::make_shared<LuaModule>(a.L, type, 2))); }},
     {"is_module", [](Args& a) { return a.ret(ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT) != nullptr); }},
-    {"_check", [](Args& a) { nn::check_tree(*a.module(1)); return a.ret(); }},  // every module's invariants
+    {"_check", [](Args& a) {  // every module's invariants, and ties between tensors split alike
+       nn::check_tree(*a.module(1));
+       parallel::parameter_records(*a.module(1));
+       return a.ret(); }},
     {"_ties", [](Args& a) {  // { {name, name, ...}, ... }: names sharing one parameter
        auto groups = nn::tied_parameters(*a.module(1));
        lua_createtable(a.L, static_cast<int>(groups.size()), 0);
@@ -450,7 +454,10 @@ const Function kConstructors[] = {
        auto params = params_of(a, 1);
        double max_norm = a.number(2);
        if (max_norm <= 0) a.fail(2, "max_norm must be > 0");
-       double norm = parallel::global_grad_norm(params);
+       // Given the model, its split parameters are found in its tree; a list of tensors counts whole.
+       auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
+       double norm = parallel::global_grad_norm(params, model ? parallel::split_groups(**model, params)
+                                                              : std::vector<dist::GroupPtr>{});
        double scale = max_norm / (norm + 1e-6);
        if (scale < 1)
          for (auto& p : params)

@@ -10,6 +10,7 @@
 #include "engine/models/models.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -71,11 +72,14 @@ int make_optimizer(Args& a, const std::string& kind) {
   }
   t.finish();
   auto opt = std::make_shared<optim::Optimizer>(params, o);
-  for (const auto& p : opt->params())
-    if (parallel::sharded_over(p)) {  // split parameters: the norm for clipping spans the group
-      opt->set_grad_norm(parallel::global_grad_norm);
-      break;
-    }
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+    // Split parameters (found through the model's tree): the norm for clipping spans their group.
+    auto groups = parallel::split_groups(**m, opt->params());
+    if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
+      opt->set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
+        return parallel::global_grad_norm(params, groups);
+      });
+  }
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
     auto& entry = optimizers_of()[m->get()];
     if (entry.model.lock() != *m) entry = ModelOptimizers{*m, {}};

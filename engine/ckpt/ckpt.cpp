@@ -387,7 +387,7 @@ TensorEntry entry_for(const std::string& name, const torch::Tensor& t, const par
   e.shape = s ? s->shape : t.sizes().vec();
   if (s) {
     e.dim = static_cast<int32_t>(s->dim);
-    e.fused = s->fused;
+    e.fused = s->equal_parts();
   }
   return e;
 }
@@ -974,7 +974,7 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
       add_pieces(*file, part.tensors.back(), value, split, -1);
     };
     for (const auto& [pname, p] : unique_named(*state.model)) {
-      auto s = parallel::sharding_of(p);
+      auto s = parallel::sharding_of(*state.model, pname);
       store("model/" + pname, p, s);
       if (state.optimizer)
         for (const auto& [slot, t] : state.optimizer->param_state(p)) store("optim/" + pname + "/" + slot, t, s);
@@ -1302,7 +1302,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       TORCH_CHECK(m.optimizer == state.optimizer->options().kind, "the checkpoint '", tag_dir, "' holds ",
                   m.optimizer, " state; the optimizer given is ", state.optimizer->options().kind);
     for (const auto& [name, p] : params) {
-      auto s = parallel::sharding_of(p);
+      auto s = parallel::sharding_of(*state.model, name);
       const TensorEntry* e = m.find("model/" + name);
       TORCH_CHECK(e, "the checkpoint '", tag_dir, "' has no tensor '", name, "' (a parameter of the model)");
       auto logical = s ? s->shape : p.sizes().vec();
@@ -1316,7 +1316,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     as_damage([&] {
       for (size_t i = 0; i < params.size(); ++i) {
         const auto& [name, p] = params[i];
-        auto s = parallel::sharding_of(p);
+        auto s = parallel::sharding_of(*state.model, name);
         auto read = [&](const TensorEntry& t) {
           auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
                         : read_tensor(tag_dir, m, t);

@@ -660,8 +660,7 @@ Layout::Layout(const MeshOptions& o, int world) : tensor(o.tensor), data(o.data)
   }
   TORCH_CHECK(unit * data == world, "mesh: tensor=", o.tensor, " x data=", data, " x pipeline=", o.pipeline, " = ",
               unit * data, " ranks, but the world has ", world);
-  if (o.zero <= 0) zero = data;
-  else zero = o.zero;
+  zero = o.zero <= 0 ? 1 : o.zero;  // unset: off (ZeRO is not built yet, so nothing splits by default)
   TORCH_CHECK(zero <= data && data % zero == 0, "mesh: zero=", o.zero, " does not divide the data size ", data,
               " (zero <= 0: the whole data group; 1: off; n: groups of n data ranks)");
 }
@@ -709,8 +708,19 @@ std::vector<std::vector<int>> Layout::groups(const std::string& kind) const {
   return out;
 }
 
+namespace {
+// What the mesh can describe but nothing runs yet is refused, never silently ignored.
+const MeshOptions& buildable(const MeshOptions& o) {
+  TORCH_CHECK(o.pipeline == 1, "pipeline=", o.pipeline, ": pipeline parallelism is not implemented yet "
+              "(leave pipeline unset, or 1)");
+  TORCH_CHECK(o.zero <= 1, "zero=", o.zero, ": ZeRO (optimizer state split over the data group) is not implemented "
+              "yet (leave zero unset, or 1)");
+  return o;
+}
+}  // namespace
+
 Mesh::Mesh(const MeshOptions& options, World& world)
-    : layout_(options, world.size()), rank_(world.rank()), coord_(layout_.coord(world.rank())) {
+    : layout_(buildable(options), world.size()), rank_(world.rank()), coord_(layout_.coord(world.rank())) {
   // Every rank makes every group of every kind in the same order; it keeps the ones it is in.
   for (const auto& kind : Layout::kinds()) {
     if (kind == "world") {
@@ -736,7 +746,10 @@ std::string Mesh::describe() const {
   s << "mesh tensor=" << layout_.tensor << " data=" << layout_.data << " pipeline=" << layout_.pipeline
     << " zero=" << layout_.zero << " (world " << layout_.world() << "); rank " << rank_ << " at tensor="
     << coord_.tensor << " data=" << coord_.data << " pipeline=" << coord_.pipeline;
-  for (const auto& kind : Layout::kinds()) s << "\n  " << kind << ": ranks " << join(group(kind)->ranks());
+  for (const auto& kind : Layout::kinds()) {
+    if ((kind == "zero" && layout_.zero == 1) || (kind == "pipeline" && layout_.pipeline == 1)) continue;  // nothing runs
+    s << "\n  " << kind << ": ranks " << join(group(kind)->ranks());
+  }
   return s.str();
 }
 

@@ -11,6 +11,11 @@
 
 #include <torch/torch.h>
 
+namespace partrain::parallel {
+struct Sharding;
+class ParallelModel;
+}
+
 namespace partrain::nn {
 
 using torch::Tensor;
@@ -62,6 +67,14 @@ class Module : public torch::nn::Module {
   /// Whether the input arrives, or the output leaves, split along the sequence (sequence
   /// parallelism), where the module says; nullopt: it does not say.
   virtual c10::optional<bool> sequence_split() const { return c10::nullopt; }
+  /// How this module's own parameter `name` is split across a tensor group, when this module
+  /// split it (a tensor-parallel layer); nullptr for a whole parameter. The module tree is where
+  /// every consumer (checkpoints, planner, clipping, the REPL) finds it: parallel::sharding_of.
+  virtual const parallel::Sharding* sharding_of(const std::string& name) const { return nullptr; }
+  /// The parallelized model this module is the root of (parallel::ParallelModel), or nullptr.
+  /// Held weakly: the parallelized model owns the tree, not the other way round.
+  std::shared_ptr<parallel::ParallelModel> parallel_owner() const { return owner_.lock(); }
+  void set_parallel_owner(std::weak_ptr<parallel::ParallelModel> owner) { owner_ = std::move(owner); }
   /// The settings shown after the type when the tree is printed ("in=784, out=256").
   virtual std::string extra_repr() const { return ""; }
   /// The tree as text, one module a line, in the style of PyTorch's repr.
@@ -137,6 +150,7 @@ class Module : public torch::nn::Module {
   std::string type_;
   ForwardFn replaced_;
   bool bypass_ = false;  // inside own_forward
+  std::weak_ptr<parallel::ParallelModel> owner_;
 };
 
 using ModulePtr = std::shared_ptr<Module>;

@@ -37,6 +37,26 @@ namespace partrain::parallel {
 
 using Clock = std::chrono::steady_clock;
 
+std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& params, int64_t cap_bytes) {
+  std::vector<std::vector<size_t>> buckets;
+  int64_t bytes = 0;
+  for (size_t k = params.size(); k-- > 0;) {
+    const auto& p = params[k];
+    bool fresh = buckets.empty() || bytes >= cap_bytes;
+    if (!fresh) {
+      const auto& first = params[buckets.back().front()];
+      fresh = first.dtype != p.dtype || first.device != p.device;
+    }
+    if (fresh) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(k);
+    bytes += p.bytes;
+  }
+  return buckets;
+}
+
 DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
     : group_(std::move(group)), options_(options) {
   TORCH_CHECK(group_, "data parallelism needs a data group");
@@ -63,29 +83,20 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     if (p.requires_grad()) dp->params_.push_back(p);
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
-  // Buckets in reverse parameter order (roughly the order backward produces gradients), split
-  // at the byte cap and wherever dtype or device changes.
+  std::vector<BucketParam> sizes;
+  for (const auto& p : dp->params_)
+    sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device()});
   const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
   dp->bucket_of_.resize(dp->params_.size());
   dp->slot_of_.resize(dp->params_.size());
-  int64_t bytes = 0;
-  for (size_t k = dp->params_.size(); k-- > 0;) {
-    const auto& p = dp->params_[k];
-    bool fresh = dp->buckets_.empty() || bytes >= cap;
-    if (!fresh) {
-      const auto& first = dp->params_[dp->buckets_.back().params.front()];
-      fresh = first.scalar_type() != p.scalar_type() || first.device() != p.device();
+  for (const auto& members : bucket_layout(sizes, cap)) {
+    auto& b = dp->buckets_.emplace_back();
+    for (size_t k : members) {
+      dp->bucket_of_[k] = dp->buckets_.size() - 1;
+      dp->slot_of_[k] = b.params.size();
+      b.offsets.push_back(b.params.empty() ? 0 : b.offsets.back() + dp->params_[b.params.back()].numel());
+      b.params.push_back(k);
     }
-    if (fresh) {
-      dp->buckets_.emplace_back();
-      bytes = 0;
-    }
-    auto& b = dp->buckets_.back();
-    dp->bucket_of_[k] = dp->buckets_.size() - 1;
-    dp->slot_of_[k] = b.params.size();
-    b.offsets.push_back(b.params.empty() ? 0 : b.offsets.back() + dp->params_[b.params.back()].numel());
-    b.params.push_back(k);
-    bytes += p.numel() * static_cast<int64_t>(p.element_size());
   }
   for (auto& b : dp->buckets_) {
     const auto& last = dp->params_[b.params.back()];
@@ -105,7 +116,7 @@ void DataParallel::on_grad_ready(size_t index) {
   if (!in_backward_) {  // the first gradient of a backward pass
     in_backward_ = true;
     ++passes_;
-    syncing_ = passes_ % options_.grad_accumulation == 0;
+    syncing_ = sync_enabled_ && passes_ % options_.grad_accumulation == 0;
     if (syncing_) {
       for (auto& b : buckets_) {
         b.pending = static_cast<int>(b.params.size());
@@ -128,7 +139,26 @@ void DataParallel::on_grad_ready(size_t index) {
   else if (grad.data_ptr() != slice.data_ptr()) slice.copy_(grad.reshape({-1}));  // not already in place
   if (--b.pending == 0) {
     b.ready = true;
-    launch_ready();
+    if (!thread_bound()) launch_ready();  // thread-bound hooks: launched at the end, on their thread
+  }
+}
+
+void DataParallel::set_pre_hook(Hook hook, bool bound) {
+  pre_hook_ = std::move(hook);
+  pre_bound_ = pre_hook_ && bound;
+  if (pre_bound_) hook_thread_ = std::this_thread::get_id();
+}
+
+void DataParallel::set_post_hook(Hook hook, bool bound) {
+  post_hook_ = std::move(hook);
+  post_bound_ = post_hook_ && bound;
+  if (post_bound_) hook_thread_ = std::this_thread::get_id();
+}
+
+void DataParallel::complete() {
+  if (pending_finish_ && std::this_thread::get_id() == hook_thread_) {
+    pending_finish_ = false;
+    finish_here();
   }
 }
 
@@ -155,6 +185,14 @@ void DataParallel::finish() {
   in_backward_ = false;
   if (!syncing_) return;
   syncing_ = false;
+  if (thread_bound() && std::this_thread::get_id() != hook_thread_) {
+    pending_finish_ = true;  // backward ran on another thread: complete() finishes on the hooks' thread
+    return;
+  }
+  finish_here();
+}
+
+void DataParallel::finish_here() {
   // Parameters that got no gradient this pass count as zeros (every rank must send every bucket).
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "engine/dist/process_group.hpp"
@@ -24,6 +25,17 @@ struct DataParallelOptions {
   int grad_accumulation = 1;                    ///< backward passes a sync: sync on every k-th only
   bool broadcast_buffers = true;                ///< copy buffers from data rank 0 at start, with parameters
 };
+
+/// What the bucket layout needs to know of a parameter.
+struct BucketParam {
+  int64_t bytes = 0;
+  torch::ScalarType dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+};
+/// The buckets for `params` (in parameter order): lists of parameter indices, in reverse parameter
+/// order (roughly the order backward produces gradients), a bucket closed once it holds at least
+/// `cap_bytes` and wherever dtype or device changes. Every parameter is in exactly one bucket.
+std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& params, int64_t cap_bytes);
 
 /// A bucket: some parameters' gradients laid end to end in one flat tensor.
 struct Bucket {
@@ -55,11 +67,25 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// Called with (bucket index, flat gradients) before a bucket's all-reduce and after the sync
   /// has finished (Cube's register_reducer_pre_hook / post_hook). Either may change the tensor.
   using Hook = std::function<void(int, torch::Tensor&)>;
-  void set_pre_hook(Hook hook) { pre_hook_ = std::move(hook); }
-  void set_post_hook(Hook hook) { post_hook_ = std::move(hook); }
+  /// A `thread_bound` hook (one written in Lua) runs only on the thread that set it: while one is
+  /// set, buckets are not launched from the gradient hooks (autograd may run them on its own
+  /// threads, as on CUDA) but together at the end of backward when that runs on this thread, or
+  /// else by complete() (train_step, an optimizer's check). C++ hooks run inline.
+  void set_pre_hook(Hook hook, bool thread_bound = false);
+  void set_post_hook(Hook hook, bool thread_bound = false);
 
-  /// Whether every finished backward pass has been synced (an optimizer may step).
-  bool synced() const { return passes_ == 0; }
+  /// Whether every finished backward pass has been synced (an optimizer may step). Completes a
+  /// sync deferred to this thread first (see set_pre_hook).
+  bool synced() {
+    complete();
+    return passes_ == 0;
+  }
+  /// Runs the end of a sync that a backward on another thread left to the hooks' thread; does
+  /// nothing when none is pending or when called on another thread.
+  void complete();
+  /// Whether the next backward passes sync (true) or only accumulate into .grad (false; train_step
+  /// turns it off for all but the last micro-batch, as DDP's no_sync).
+  void set_sync(bool on) { sync_enabled_ = on; }
   int passes_since_sync() const { return passes_; }
   const DataParallelOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
@@ -77,6 +103,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   void on_grad_ready(size_t index);
   void launch_ready();
   void finish();
+  void finish_here();
+  bool thread_bound() const { return pre_bound_ || post_bound_; }
 
   dist::GroupPtr group_;
   DataParallelOptions options_;
@@ -90,6 +118,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;
   Hook pre_hook_, post_hook_;
+  bool pre_bound_ = false, post_bound_ = false, pending_finish_ = false, sync_enabled_ = true;
+  std::thread::id hook_thread_;
   DataParallelStats stats_;
 };
 

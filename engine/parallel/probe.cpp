@@ -123,7 +123,7 @@ ProbeRecord run_probe(nn::Module& model, const std::vector<Tensor>& inputs) {
                                      /*allow_unused=*/true);
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor g = grads[i].defined() ? grads[i] : torch::zeros_like(params[i]);
-    if (auto s = sharding_of(params[i])) g = gather_full(g, *s);
+    if (auto s = sharding_of(model, names[i])) g = gather_full(g, *s);
     record.grads.emplace_back(names[i], g.detach());
   }
   return record;

@@ -180,64 +180,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
-// Which parameters are split, and how. Keyed by the parameter's TensorImpl, with a weak
-// reference beside it: once a parameter is freed its address can be reused by another tensor,
-// and a stale entry must not make that one look split (ranks would then disagree on which
-// collectives to run).
-using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-std::mutex sharded_mutex;
-std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, Sharding>>& sharded() {
-  static std::unordered_map<const c10::TensorImpl*, std::pair<WeakImpl, Sharding>> map;
-  return map;
-}
-
-// Records how m's parameter `name` splits: along `dim` of a logical tensor of `shape`.
-void mark_sharded(nn::Module& m, const std::string& name, const dist::GroupPtr& g, int64_t dim,
-                  std::vector<int64_t> shape, int64_t fused = 1, int64_t padded = 0) {
-  const auto& p = m.param(name);
-  if (!p.defined() || g->size() == 1) return;
-  Sharding s{g, dim, std::move(shape), fused, padded};
-  if (s.padded == 0) s.padded = s.shape[dim];
-  std::lock_guard<std::mutex> lock(sharded_mutex);
-  sharded().insert_or_assign(p.unsafeGetTensorImpl(), std::make_pair(WeakImpl(p.getIntrusivePtr()), std::move(s)));
-}
-
 }  // namespace
-
-std::vector<std::pair<int64_t, int64_t>> Sharding::slices(int r) const {
-  const int64_t t = group->size(), logical = shape[dim];
-  std::vector<std::pair<int64_t, int64_t>> out;
-  if (fused > 1) {  // each fused part contributes its r-th slice
-    const int64_t part = logical / fused, each = part / t;
-    for (int64_t j = 0; j < fused; ++j) out.emplace_back(j * part + r * each, each);
-    return out;
-  }
-  const int64_t each = padded / t, start = r * each, end = std::min(start + each, logical);
-  if (end > start) out.emplace_back(start, end - start);
-  return out;
-}
-
-std::vector<int64_t> Sharding::local_shape() const {
-  auto local = shape;
-  local[dim] = padded / group->size();
-  return local;
-}
-
-c10::optional<Sharding> sharding_of(const Tensor& param) {
-  std::lock_guard<std::mutex> lock(sharded_mutex);
-  auto it = sharded().find(param.unsafeGetTensorImpl());
-  if (it == sharded().end()) return c10::nullopt;
-  if (it->second.first.expired()) {  // a freed parameter's address, now another tensor's
-    sharded().erase(it);
-    return c10::nullopt;
-  }
-  return it->second.second;
-}
-
-dist::GroupPtr sharded_over(const Tensor& param) {
-  auto s = sharding_of(param);
-  return s ? s->group : nullptr;
-}
 
 // ---- Vocabulary-split logits -----------------------------------------------------------------
 // Marked by storage, with a weak reference beside it (a freed storage's address can be reused).
@@ -284,37 +227,12 @@ Tensor gather_split_logits(const Tensor& local_logits, const SplitLogits& info) 
   return gather_from_tensor_region(local_logits, info.group).narrow(-1, 0, info.vocab);
 }
 
-Tensor gather_full(const Tensor& local, const Sharding& s) {
-  auto parts = s.group->all_gather(local.detach().contiguous());
-  auto full = torch::empty(s.shape, local.options().requires_grad(false));
-  for (int r = 0; r < s.group->size(); ++r) {
-    int64_t offset = 0;
-    for (auto [start, length] : s.slices(r)) {
-      full.narrow(s.dim, start, length).copy_(parts[r].narrow(s.dim, offset, length));
-      offset += length;
-    }
-  }
-  return full;
-}
-
-Tensor local_part(const Tensor& full, const Sharding& s, int r) {
-  TORCH_CHECK(full.sizes().equals(s.shape), "a split tensor's logical shape is ", c10::IntArrayRef(s.shape),
-              ", got ", full.sizes());
-  auto local = torch::zeros(s.local_shape(), full.options().requires_grad(false));
-  int64_t offset = 0;
-  for (auto [start, length] : s.slices(r)) {
-    local.narrow(s.dim, offset, length).copy_(full.narrow(s.dim, start, length));
-    offset += length;
-  }
-  return local;
-}
-
 nn::TensorMap full_state_dict(const nn::Module& module) {
   nn::TensorMap out;
   std::unordered_map<const c10::TensorImpl*, Tensor> gathered;  // a tied weight is gathered once
   torch::NoGradGuard no_grad;
   for (const auto& [name, t] : module.state_dict()) {  // name order: the same on every rank
-    auto s = sharding_of(t);
+    auto s = sharding_of(module, name);
     if (!s) {
       out[name] = t.detach();
       continue;
@@ -329,7 +247,7 @@ nn::TensorMap full_state_dict(const nn::Module& module) {
 void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool strict) {
   nn::TensorMap local = state;
   for (const auto& [name, t] : module.state_dict()) {
-    auto s = sharding_of(t);
+    auto s = sharding_of(module, name);
     auto it = local.find(name);
     if (!s || it == local.end()) continue;
     TORCH_CHECK(it->second.sizes().equals(s->shape), "load_full_state_dict into ", module.type(), ": '", name,
@@ -339,16 +257,19 @@ void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool s
   module.load_state_dict(local, strict);
 }
 
-double global_grad_norm(const std::vector<Tensor>& params) {
+double global_grad_norm(const std::vector<Tensor>& params, const std::vector<dist::GroupPtr>& groups) {
+  TORCH_CHECK(groups.empty() || groups.size() == params.size(), "global_grad_norm: ", groups.size(),
+              " groups for ", params.size(), " parameters");
   // Squared norms summed as tensors (no host sync per parameter): whole parameters together,
   // split ones per group, in first-seen order (the same on every rank).
   Tensor whole;
   std::vector<std::pair<dist::GroupPtr, Tensor>> split;
   auto add = [](Tensor& acc, const Tensor& sq) { acc = acc.defined() ? acc + sq : sq; };
-  for (const auto& p : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
     if (!p.grad().defined()) continue;
     auto sq = p.grad().detach().to(torch::kFloat64).pow(2).sum();
-    auto g = sharded_over(p);
+    auto g = groups.empty() ? nullptr : groups[i];
     if (!g) {
       add(whole, sq);
       continue;
@@ -403,56 +324,60 @@ bool align_to_first_rank(nn::Module& model, const dist::GroupPtr& group) {
   return true;
 }
 
-Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
-  TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
-              " equal parts");
-  return full.chunk(parts, dim)[rank].contiguous();
-}
-
 // ---- ColumnParallelLinear ------------------------------------------------------------------
 
-ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, int64_t fused_parts,
+namespace {
+// `count` equal parts of `out` (q, k, v: 3), or an error naming the sizes.
+std::vector<int64_t> equal_parts(int64_t out, int64_t count) {
+  TORCH_CHECK(count >= 1 && out % count == 0, "column-parallel linear: fused=", count, " does not divide out=", out);
+  return std::vector<int64_t>(static_cast<size_t>(count), out / count);
+}
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, int64_t fused, bool gather,
+                                           bool sequence, bool pad)
+    : ColumnParallelLinear(serial, std::move(g), equal_parts(serial.options.out, fused), gather, sequence, pad) {}
+
+ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr g, std::vector<int64_t> part_sizes,
                                            bool gather, bool sequence, bool pad)
     : nn::Unary("ColumnParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
-      fused(fused_parts), logical_out(serial.options.out), gather_output(gather), sequence_parallel(sequence) {
-  TORCH_CHECK(fused >= 1 && out % fused == 0, "column-parallel linear: fused=", fused, " does not divide out=", out);
+      parts(std::move(part_sizes)), logical_out(serial.options.out), gather_output(gather),
+      sequence_parallel(sequence) {
+  if (parts.empty()) parts = {out};
   const int t = group->size(), r = group->rank();
-  Tensor weight = serial.weight().detach(), bias = serial.bias().defined() ? serial.bias().detach() : Tensor();
+  int64_t padded = out;
   if (pad && out % t != 0) {
-    TORCH_CHECK(fused == 1 && !gather_output, "column-parallel linear: padding works only unfused and ungathered");
-    int64_t padded = (out + t - 1) / t * t;
-    weight = torch::cat({weight, torch::zeros({padded - out, in}, weight.options())});
-    if (bias.defined()) bias = torch::cat({bias, torch::zeros({padded - out}, bias.options())});
-    out = padded;
+    TORCH_CHECK(parts.size() == 1 && !gather_output, "column-parallel linear: padding works only unfused and ungathered");
+    padded = (out + t - 1) / t * t;
   }
-  TORCH_CHECK((out / fused) % t == 0, "column-parallel linear: out=", out, (fused > 1 ? " (per fused part: " : ""),
-              (fused > 1 ? std::to_string(out / fused) + ")" : ""), " does not split into tensor=", t, " equal parts");
+  if (padded == out)
+    for (auto p : parts)
+      TORCH_CHECK(p > 0 && p % t == 0, "column-parallel linear: out=", out,
+                  (parts.size() > 1 ? " (a part of " + std::to_string(p) + ")" : std::string()),
+                  " does not split into tensor=", t, " equal parts");
+  // Rank r's rows: its slice of every part (a head's q, k and v stay on one rank), padding zero.
+  auto split = Sharding::split(group, 0, {logical_out, in}, parts, padded);
+  out = padded;
   torch::NoGradGuard no_grad;
-  // (out, in) -> (fused, out/fused, in): each rank takes its slice of every fused part.
-  auto w = shard(weight.view({fused, out / fused, in}), 1, r, t, "column-parallel weight");
-  register_parameter("weight", w.reshape({out / t, in}).clone());
-  if (bias.defined())
-    register_parameter("bias", shard(bias.view({fused, out / fused}), 1, r, t, "bias").reshape({out / t}).clone());
-  else
+  register_parameter("weight", local_part(serial.weight().detach(), split, r));
+  if (serial.bias().defined()) {
+    auto bias_split = Sharding::split(group, 0, {logical_out}, parts, padded);
+    register_parameter("bias", local_part(serial.bias().detach(), bias_split, r));
+    if (t > 1) bias_split_ = bias_split;
+  } else {
     register_parameter("bias", Tensor(), false);
-  mark_sharded(*this, "weight", group, 0, {logical_out, in}, fused, out);
-  mark_sharded(*this, "bias", group, 0, {logical_out}, fused, out);
+  }
+  if (t > 1) weight_split_ = split;
   vocab_head = pad;
 }
 
-namespace {
-// A split parameter must be split as its layer was built: a policy's tie to another tensor
-// (a whole one, or one split another way) would make the layer compute with the wrong slice.
-void check_split(const nn::Module& m, const std::string& path, const char* name, const dist::GroupPtr& g,
-                 int64_t dim, int64_t fused) {
-  const auto& p = m.param(name);
-  if (!p.defined() || g->size() == 1) return;
-  auto s = sharding_of(p);
-  TORCH_CHECK(s && s->group == g && s->dim == dim && s->fused == fused, path, ": ", m.type(), "'s ", name,
-              " is not this layer's part of a tensor split over tensor=", g->size(), " along dimension ", dim,
-              s ? " (it is split another way)" : " (it is a whole tensor: tied to one?)");
+const Sharding* ColumnParallelLinear::sharding_of(const std::string& name) const {
+  if (name == "weight" && weight_split_) return &*weight_split_;
+  if (name == "bias" && bias_split_) return &*bias_split_;
+  return nullptr;
 }
 
+namespace {
 void check_local_shape(const nn::Module& m, const std::string& path, const char* name, std::vector<int64_t> want) {
   const auto& p = m.param(name);
   if (!p.defined()) return;
@@ -466,13 +391,11 @@ void ColumnParallelLinear::check(const std::string& path) const {
   TORCH_CHECK(param("weight").defined(), path, ": ColumnParallelLinear has no weight");
   check_local_shape(*this, path, "weight", {out / t, in});
   check_local_shape(*this, path, "bias", {out / t});
-  check_split(*this, path, "weight", group, 0, fused);
-  check_split(*this, path, "bias", group, 0, fused);
 }
 
 c10::optional<nn::Features> ColumnParallelLinear::output_features() const {
   if (gather_output || group->size() == 1) return nn::Features{out};
-  return nn::Features{out, group->size(), fused};
+  return nn::Features{out, group->size(), static_cast<int64_t>(parts.size())};
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
@@ -492,14 +415,18 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
       mark_split_logits(y, SplitLogits{group, logical_out, out, out / group->size()});
     return y;
   }
-  TORCH_CHECK(fused == 1, "column-parallel linear: gather_output with fused parts would interleave them");
+  TORCH_CHECK(parts.size() == 1, "column-parallel linear: gather_output with fused parts would interleave them");
   return gather_from_tensor_region(y, group);
 }
 
 std::string ColumnParallelLinear::extra_repr() const {
   std::ostringstream s;
   s << "in=" << in << ", out=" << out << " (" << out / group->size() << " here of tensor=" << group->size() << ")";
-  if (fused > 1) s << ", fused=" << fused;
+  if (parts.size() > 1) {
+    bool equal = std::all_of(parts.begin(), parts.end(), [&](int64_t p) { return p == parts.front(); });
+    if (equal) s << ", fused=" << parts.size();
+    else s << ", parts=" << c10::IntArrayRef(parts);
+  }
   if (vocab_head) s << ", vocab_head";
   if (gather_output) s << ", gather_output";
   if (sequence_parallel) s << ", sequence_parallel";
@@ -516,7 +443,11 @@ RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g,
   register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"));
   if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());  // whole
   else register_parameter("bias", Tensor(), false);
-  mark_sharded(*this, "weight", group, 1, {out, in});
+  if (group->size() > 1) weight_split_ = Sharding::split(group, 1, {out, in});
+}
+
+const Sharding* RowParallelLinear::sharding_of(const std::string& name) const {
+  return name == "weight" && weight_split_ ? &*weight_split_ : nullptr;
 }
 
 Tensor RowParallelLinear::forward(const Tensor& x) {
@@ -536,7 +467,6 @@ void RowParallelLinear::check(const std::string& path) const {
   TORCH_CHECK(param("weight").defined(), path, ": RowParallelLinear has no weight");
   check_local_shape(*this, path, "weight", {out, in / group->size()});
   check_local_shape(*this, path, "bias", {out});
-  check_split(*this, path, "weight", group, 1, 1);
 }
 
 c10::optional<nn::Features> RowParallelLinear::input_features() const {
@@ -600,7 +530,11 @@ VocabParallelEmbedding::VocabParallelEmbedding(const nn::Embedding& serial, dist
   auto full = torch::zeros({padded, dim}, serial.weight().options().requires_grad(false));
   full.narrow(0, 0, count).copy_(serial.weight().detach());
   register_parameter("weight", full.narrow(0, first, padded / t).clone());
-  mark_sharded(*this, "weight", group, 0, {count, dim}, 1, padded);
+  if (t > 1) weight_split_ = Sharding::split(group, 0, {count, dim}, {}, padded);
+}
+
+const Sharding* VocabParallelEmbedding::sharding_of(const std::string& name) const {
+  return name == "weight" && weight_split_ ? &*weight_split_ : nullptr;
 }
 
 Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
@@ -615,7 +549,6 @@ Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
 void VocabParallelEmbedding::check(const std::string& path) const {
   TORCH_CHECK(param("weight").defined(), path, ": VocabParallelEmbedding has no weight");
   check_local_shape(*this, path, "weight", {padded / group->size(), dim});
-  check_split(*this, path, "weight", group, 0, 1);
 }
 
 std::string VocabParallelEmbedding::extra_repr() const {

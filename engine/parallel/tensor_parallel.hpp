@@ -6,6 +6,7 @@
 
 #include "engine/dist/process_group.hpp"
 #include "engine/nn/layers.hpp"
+#include "engine/parallel/sharding.hpp"
 
 namespace partrain::parallel {
 
@@ -34,8 +35,8 @@ Tensor split_sequence(const Tensor& x, const dist::GroupPtr& group);
 // ---- Layers --------------------------------------------------------------------------------
 
 /// Output features split across the group: rank r holds rows [r*out/t, (r+1)*out/t) of W and b.
-/// With fused = k, the output is k equal parts (q, k, v: k = 3) and each rank takes its slice of
-/// every part, so a head's q, k and v stay on one rank.
+/// With parts (q, k, v: three sizes, unequal under grouped-query attention) each rank takes its
+/// slice of every part, so a head's q, k and v stay on one rank.
 class ColumnParallelLinear : public nn::Unary {
  public:
   /// Slices `serial` (which it leaves untouched). `gather_output`: all-gather the output so the
@@ -45,6 +46,10 @@ class ColumnParallelLinear : public nn::Unary {
   /// size, as VocabParallelEmbedding pads, so the two can share a weight.
   /// `pad` also makes it a vocabulary head: its (split) outputs are marked as vocabulary-split
   /// logits (split_logits_of), so losses and sampling recognize them.
+  /// `parts`: the sizes the output is made of, each split across the group (empty: one part).
+  ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr group, std::vector<int64_t> parts,
+                       bool gather_output = false, bool sequence_parallel = false, bool pad = false);
+  /// `fused` equal parts (q, k, v of one size: 3).
   ColumnParallelLinear(const nn::Linear& serial, dist::GroupPtr group, int64_t fused = 1, bool gather_output = false,
                        bool sequence_parallel = false, bool pad = false);
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out/t), or (..., out) gathered
@@ -54,8 +59,11 @@ class ColumnParallelLinear : public nn::Unary {
   c10::optional<nn::Features> input_features() const override { return nn::Features{in}; }
   c10::optional<nn::Features> output_features() const override;
   c10::optional<bool> sequence_split() const override { return sequence_parallel; }
+  /// weight and bias: split along dimension 0 (on a group of one rank: whole, nullptr).
+  const Sharding* sharding_of(const std::string& name) const override;
   dist::GroupPtr group;
-  int64_t in, out, fused;  ///< the serial sizes (out padded when `pad`)
+  int64_t in, out;             ///< the serial sizes (out padded when `pad`)
+  std::vector<int64_t> parts;  ///< the sizes the logical output is made of
   int64_t logical_out;     ///< out without the padding
   bool gather_output, sequence_parallel;
   bool vocab_head = false;  ///< built with `pad`: the output is vocabulary-split logits
@@ -63,6 +71,9 @@ class ColumnParallelLinear : public nn::Unary {
   /// (and, in backward, the reduce-scatter of the input's gradient with the weight's gradient):
   /// ShardFormer's sequence_overlap.
   bool sequence_overlap = false;
+
+ private:
+  c10::optional<Sharding> weight_split_, bias_split_;
 };
 
 /// Input features split across the group: rank r holds columns [r*in/t, (r+1)*in/t) of W; the
@@ -81,9 +92,14 @@ class RowParallelLinear : public nn::Unary {
   c10::optional<nn::Features> input_features() const override;
   c10::optional<nn::Features> output_features() const override { return nn::Features{out}; }
   c10::optional<bool> sequence_split() const override { return sequence_parallel; }
+  /// weight: split along dimension 1 (the bias is whole).
+  const Sharding* sharding_of(const std::string& name) const override;
   dist::GroupPtr group;
   int64_t in, out;
   bool input_is_parallel, sequence_parallel;
+
+ private:
+  c10::optional<Sharding> weight_split_;
 };
 
 /// The vocabulary split across the group: rank r holds rows [r*V'/t, (r+1)*V'/t) where V' is the
@@ -95,8 +111,13 @@ class VocabParallelEmbedding : public nn::Unary {
   std::string extra_repr() const override;
   void check(const std::string& path) const override;  // weight [padded/t, dim], split over `group`
   c10::optional<nn::Features> output_features() const override { return nn::Features{dim}; }
+  /// weight: split along dimension 0, padded.
+  const Sharding* sharding_of(const std::string& name) const override;
   dist::GroupPtr group;
   int64_t count, padded, dim, first;  ///< logical rows, padded rows, width, this rank's first row
+
+ private:
+  c10::optional<Sharding> weight_split_;
 };
 
 /// LayerNorm for tensor-parallel models (ShardFormer's FusedLayerNorm replacement). Under sequence
@@ -146,37 +167,15 @@ bool split_logits_marked();
 /// group, padding dropped. Autograd flows back to each rank's part.
 Tensor gather_split_logits(const Tensor& local_logits, const SplitLogits& info);
 
-/// How a split parameter's logical (global) tensor is divided across its tensor group.
-struct Sharding {
-  dist::GroupPtr group;
-  int64_t dim = 0;             ///< the split dimension
-  std::vector<int64_t> shape;  ///< the logical shape: what a serial model has, without padding
-  int64_t fused = 1;           ///< `dim` is this many equal parts (q, k, v), each split across the group
-  int64_t padded = 0;          ///< `dim`'s size padded to a multiple of the group (== shape[dim] if none)
-  /// The ranges of the logical `dim`, (start, length), that group rank `r` holds, in the order
-  /// of its local rows; local rows past their total are padding.
-  std::vector<std::pair<int64_t, int64_t>> slices(int r) const;
-  /// The local shape on every rank (padding included).
-  std::vector<int64_t> local_shape() const;
-};
-
-/// How `param` is split (it was made by a parallel layer), or nullopt for a whole (replicated)
-/// parameter (smp's is_distributed_parameter).
-c10::optional<Sharding> sharding_of(const Tensor& param);
-/// The tensor group a parameter is split over, or nullptr for a whole parameter.
-dist::GroupPtr sharded_over(const Tensor& param);
-/// The logical tensor assembled from every rank's part: a collective over the group.
-Tensor gather_full(const Tensor& local, const Sharding& s);
-/// Group rank `r`'s part of the logical tensor `full` (padding rows zero).
-Tensor local_part(const Tensor& full, const Sharding& s, int r);
 /// The module's state with every split tensor gathered to its logical shape (smp's full
 /// state_dict); a collective over each tensor group, run in name order on every rank.
 nn::TensorMap full_state_dict(const nn::Module& module);
 /// Loads logical tensors (a full state_dict) into a split module: each rank takes its parts.
 void load_full_state_dict(nn::Module& module, const nn::TensorMap& state, bool strict = true);
 /// The global L2 norm of the parameters' gradients: whole parameters count once, split ones add
-/// up over their tensor group (their squared norms are all-reduced). Every rank gets the same.
-double global_grad_norm(const std::vector<Tensor>& params);
+/// up over their tensor group (their squared norms are all-reduced). `groups[i]`: the group
+/// params[i] is split over, or null when whole (empty: all whole). Every rank gets the same.
+double global_grad_norm(const std::vector<Tensor>& params, const std::vector<dist::GroupPtr>& groups);
 
 /// Makes every rank of `group` hold group rank 0's parameters and buffers when they differ
 /// (a checksum of each tensor, then broadcasts): a tensor-parallel model must be cut from one
@@ -184,9 +183,5 @@ double global_grad_norm(const std::vector<Tensor>& params);
 /// differ from rank to rank, would compute nothing serial without a word. Returns whether
 /// anything differed. A collective over the group.
 bool align_to_first_rank(nn::Module& model, const dist::GroupPtr& group);
-
-/// The rows [first, first + n) of a tensor's dimension `dim` for rank r of t equal parts;
-/// an error naming `what` when t does not divide the size.
-Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what);
 
 }  // namespace partrain::parallel

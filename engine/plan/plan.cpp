@@ -309,7 +309,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     s.local_shape = p.sizes().vec();
     s.shape = s.local_shape;
     s.bytes = static_cast<int64_t>(p.nbytes());
-    if (auto sharding = parallel::sharding_of(p)) {
+    if (auto sharding = parallel::sharding_of(model, item.key())) {
       s.shape = sharding->shape;
       s.dim = static_cast<int>(sharding->dim);
       s.slices = sharding->slices(sharding->group->rank());
@@ -347,7 +347,8 @@ Plan layout_of(const dist::Mesh* mesh) {
     p.pipeline = mesh->layout().pipeline;
     p.zero = mesh->layout().zero;
   } else {
-    p.data = p.zero = p.world;
+    p.data = p.world;
+    p.zero = 1;  // ZeRO is not built yet: no zero groups
   }
   return p;
 }
@@ -648,7 +649,8 @@ std::string to_text(const Plan& plan) {
   std::ostringstream out;
   out << "plan of " << plan.script << " on " << plan.world << " virtual rank(s) (" << plan.world / plan.nproc_per_node
       << " node(s) x " << plan.nproc_per_node << "): tensor " << plan.tensor << " x data " << plan.data
-      << " x pipeline " << plan.pipeline << ", zero groups of " << plan.zero << "\n";
+      << " x pipeline " << plan.pipeline << (plan.zero > 1 ? ", zero groups of " + std::to_string(plan.zero) : "")
+      << "\n";
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.2f", plan.seconds);
   out << "planned in " << secs << " s; tensor memory allocated on the CPU while planning: peak "

@@ -33,8 +33,8 @@ elseif mode == "library" then  -- a collective inside partrain's own Lua (pt.tp.
   local model = pt.models.mlp { sizes = { 4, 8, 2 } }
   local mesh = pt.mesh { tensor = 2 }
   pt.parallelize(model, nil, mesh)
-  local p = model:get("0").weight
-  if r == 0 then pt.tp.gather(p) else mesh:group("tensor"):barrier() end -- line 37
+  local name = "0.weight"
+  if r == 0 then pt.tp.gather(model, name) else mesh:group("tensor"):barrier() end -- line 37
 else
   error("unknown mode " .. tostring(mode))
 end

@@ -22,7 +22,7 @@ local function same_gradients(model, serial, what)
   for name, p in model:named_parameters() do
     local want = serial_params[name]
     ok(want ~= nil, what .. ": " .. name .. " exists in the serial model")
-    local g = pt.tp.gather(p, p.grad)
+    local g = pt.tp.gather(model, name, p.grad)
     -- Data parallelism syncs the mean of the data ranks' gradients: the global batch's.
     near(g, want.grad, TOL, what .. ": gradient of " .. name)
   end
@@ -130,7 +130,7 @@ test("split parameters report their logical shape, split dimension and slices; p
   eq(wte.local_shape[1], math.ceil(255 / t), "local rows include the padding")
   local last = wte.slices[t][1]
   eq(last[1] + last[2], 255, "the last rank's slice ends at the logical vocabulary")
-  ok(not pt.tp.is_sharded(model.wpe.weight), "wpe is whole")
+  ok(not pt.tp.is_sharded(model, "wpe.weight"), "wpe is whole")
   -- The full state_dict gathers logical tensors equal to the serial model's...
   local full, want = model:full_state_dict(), serial:state_dict()
   local names = {}
@@ -242,7 +242,7 @@ test("bad policies are refused with file:line before anything changes", function
   refused(function() return P.policy { modules = { MLP = { replace = { { "0", P.row {} } } } } } end,
     "does not divide 0's input of", pt.models.mlp { sizes = { 7, 6, 4 } })
   raises(function() P.column { fused = "3" } end, "P.column option 'fused' must be a number, got string")
-  raises(function() P.column { fuse = 3 } end, "P.column has no option 'fuse' (options: fused, gather_output, sequence_parallel)")
+  raises(function() P.column { fuse = 3 } end, "P.column has no option 'fuse' (options: fused, gather_output, parts, sequence_parallel)")
   raises(function() P.policy { module = {} } end, "policy has no field 'module'")
   raises(function() P.policy { name = 3, modules = {} } end, "policy field 'name' must be a string, got number")
   raises(function() P.policy { modules = { MLP = { replce = {} } } } end, "modules.MLP has no field 'replce'")

@@ -323,7 +323,7 @@ test("vocabulary-parallel cross-entropy keeps float64: equal to serial within 1e
   eq(lp2.dtype, "float64")
   near(lp2, ls2, 1e-12, "GPT-2 in float64 under tensor 2")
   ls2:backward(); lp2:backward()
-  near(pt.tp.gather(model.h:get("0").attn.c_attn.weight, model.h:get("0").attn.c_attn.weight.grad),
+  near(pt.tp.gather(model, "h.0.attn.c_attn.weight", model.h:get("0").attn.c_attn.weight.grad),
     serial.h:get("0").attn.c_attn.weight.grad, 1e-10, "a float64 gradient")
 end)
 

@@ -156,19 +156,22 @@ test("sequence parallelism: LayerNorm on a split sequence, then column and row l
   raises(function() pt.tp.split_sequence(pt.randn(1, T + 1, D), group) end, "does not split into tensor=")
 end)
 
-test("split parameters are known as split; a freed one's memory never makes another tensor look split", function()
+test("split parameters are known as split by the layer holding them, and asked by name", function()
   local col = pt.tp.column(pt.nn.Linear(4, 8), group)
-  ok(pt.tp.is_sharded(col.weight), "a column layer's weight is split")
-  ok(not pt.tp.is_sharded(pt.tp.row(pt.nn.Linear(8, 4), group).bias), "a row layer's bias is whole")
-  for _ = 1, 20 do
-    local layer = pt.tp.column(pt.nn.Linear(4, 8), group)
-    layer = nil
-    collectgarbage()
-    for _ = 1, 20 do
-      local fresh = pt.zeros(8 / t, 4)        -- the freed weight's size: its address is likely reused
-      if pt.tp.is_sharded(fresh) then error("a fresh tensor looks split") end
-    end
-  end
+  ok(pt.tp.is_sharded(col, "weight"), "a column layer's weight is split")
+  ok(not pt.tp.is_sharded(pt.tp.row(pt.nn.Linear(8, 4), group), "bias"), "a row layer's bias is whole")
+  raises(function() pt.tp.is_sharded(col.weight) end, "pass the model and the parameter's name")
+  raises(function() pt.tp.sharding(col, "wieght") end, "'wieght' is not a parameter of this ColumnParallelLinear")
+  -- Unequal parts (grouped-query attention's q, k, v): each split across the group.
+  local qkv = pt.tp.column(pt.nn.Linear(4, 4 * t + 2 * t + 2 * t), group, { parts = { 4 * t, 2 * t, 2 * t } })
+  local s = pt.tp.sharding(qkv, "weight")
+  eq(table.concat(s.parts, ","), table.concat({ 4 * t, 2 * t, 2 * t }, ","))
+  eq(s.fused, nil, "unequal parts are not a count of fused parts")
+  eq(s.slices[r + 1][2][1], 4 * t + 2 * r, "this rank's slice of the second part")
+  local full = pt.tp.gather(qkv, "weight")
+  eq(table.concat(full.shape, "x"), (8 * t) .. "x4", "gathered to the logical shape")
+  raises(function() pt.tp.column(pt.nn.Linear(4, 8 * t), group, { parts = { 4 * t, 4 * t }, fused = 2 }) end,
+    "give fused or parts, not both")
 end)
 
 H.run()

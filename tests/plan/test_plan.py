@@ -9,6 +9,8 @@
 - A 64-rank plan of a GPT-2 with 1.5 B parameters (GPT-2 XL's sizes) takes seconds and
   allocates no tensor memory.
 - Bad input: a layout the script cannot take, a --nproc-per-node that does not divide --world.
+- What is not built yet (pipeline, ZeRO) is refused at the script's line, and no zero groups are
+  printed.
 
 Usage: test_plan.py PARTRAIN
 """
@@ -148,5 +150,19 @@ r = run(["plan", SCRIPT])
 check("--world is required", r.returncode != 0 and "--world" in r.stderr, r.stderr)
 r = run(["--plan-mode", "moo", SCRIPT])
 check("--plan-mode needs --plan", r.returncode != 0 and "--plan-mode needs --plan" in r.stderr, r.stderr)
+
+# ---- What is not built yet is refused, not planned -----------------------------------------------
+r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
+check("a plan prints no zero groups while ZeRO is not built",
+      r.returncode == 0 and "zero" not in r.stdout.split("\n")[0], r.stdout[:400])
+with tempfile.TemporaryDirectory() as d:
+    for option, words in (("pipeline = 2", "pipeline=2: pipeline parallelism is not implemented yet"),
+                          ("zero = 2", "zero=2: ZeRO (optimizer state split over the data group) is not implemented yet")):
+        script = os.path.join(d, "unbuilt.lua")
+        with open(script, "w") as f:
+            f.write('local pt = require "partrain"\n\nlocal mesh = pt.mesh { %s }\n' % option)
+        r = run(["plan", "--world", "4", script])
+        check(f"partrain plan refuses {option} at the script's line",
+              r.returncode != 0 and words in r.stderr and "unbuilt.lua:3" in r.stderr, r.stderr)
 
 finish("plan")

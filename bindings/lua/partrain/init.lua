@@ -157,7 +157,7 @@ end
 --- (pt.dist.world()), barrier. Outside a launcher the world has one rank and collectives are no-ops.
 pt.dist = {}
 for name, fn in pairs(core.dist) do
-  if name ~= "data_parallel" then pt.dist[name] = fn end
+  pt.dist[name] = fn
 end
 --- pt.tp: the tensor-parallel building blocks (column/row-parallel linear, vocab-parallel
 --- embedding and cross-entropy, the region functions); sharding policies compose them.
@@ -175,12 +175,10 @@ pt.dist.mesh = pt.mesh
 --- The mesh made last (while it lives).
 function pt.last_mesh() return last_mesh[1] end
 
-local data_parallel = {}   -- model -> its data-parallel handle (the model is returned as it was)
-local meshes = setmetatable({}, { __mode = "k" })   -- model -> the mesh it was made parallel over
-local last_parallelized = setmetatable({}, { __mode = "v" })
-local policy_names = setmetatable({}, { __mode = "k" })   -- model -> the name of its policy
-
---- Makes `model` parallel over `mesh` and returns it, used like the serial model.
+--- Makes `model` parallel over `mesh` and returns it, used like the serial model. The model then
+--- has one owner in the engine (a ParallelModel: docs/parallel.md) that holds its mesh, policy,
+--- data-parallel state and parameter records, and runs model:train_step; dropping the model
+--- frees it all.
 --- `policy` (a table from partrain.policy, a module name such as "policies.gpt2", or nil for the
 --- registered policy of the model's type) splits it over the mesh's tensor group; at tensor 1 a
 --- policy is only checked. Then data parallelism runs over the data group (parameters broadcast
@@ -215,25 +213,50 @@ function pt.parallelize(model, policy, mesh, opts)
     end
     if policy ~= nil and type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
     local cfg = P.config(shard, 3)
+    -- The engine composes the parallelisms in its order (engine/parallel/parallel_model.cpp);
+    -- tensor parallelism is this policy, applied by the sharder when the engine calls for it.
+    -- (`undo` is kept only until the composer returns; the model is not kept anywhere by Lua:
+    -- a global `_` here once held every parallelized model alive.)
     local undo
-    if policy then _, undo = P.apply(model, policy, mesh, cfg) end
-    local attached, handle = pcall(core.dist.data_parallel, model, mesh, dp)
-    if not attached then
+    local apply = policy and function() undo = select(2, P.apply(model, policy, mesh, cfg)) end
+    local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply)
+    if not made then
       if undo then undo() end
-      error(handle, 0)
+      error(result, 0)
     end
-    data_parallel[model] = handle
   end)
   if not ok then rethrow(err, 2) end
-  meshes[model], last_parallelized[1] = mesh, model
-  policy_names[model] = type(policy) == "table" and policy.name or nil
   return model
 end
 
+--- What the model knows of its parallel form (nil on a model pt.parallelize did not make parallel):
+--- model:mesh(), model:policy() (the applied policy's name), model:data_parallel() (the handle:
+--- hooks, synced(), stats()), model:records() (a table a parameter: name, aliases, shape (logical),
+--- local_shape, sharding, device, dtype, trainable).
+function Module:mesh() return core.parallel.mesh(self) end
+function Module:policy() return core.parallel.policy(self) end
+function Module:data_parallel() return core.parallel.data_parallel(self) end
+function Module:records()
+  need_module(self, "records", 2)
+  local ok, records = pcall(core.parallel.records, self)
+  if not ok then rethrow(records, 2) end
+  return records
+end
+--- loss = model:train_step(x, y [, { loss = "cross_entropy" | "mse", accumulate = n, ignore_index }]):
+--- forward, the model's loss (vocabulary-parallel when its head is split), backward and the
+--- gradient sync, all in C++; accumulate = n splits the batch into n micro-batches (one sync, the
+--- mean loss). The optimizer steps after: opt:step().
+function Module:train_step(x, y, opts)
+  need_module(self, "train_step", 2)
+  local ok, loss = pcall(core.parallel.train_step, self, x, y, opts)
+  if not ok then rethrow(loss, 2) end
+  return loss
+end
+
 --- The mesh `model` was made parallel over (or nil).
-function pt.mesh_of(model) return model and meshes[model] end
+function pt.mesh_of(model) return model and core.nn.is_module(model) and core.parallel.mesh(model) or nil end
 --- The model pt.parallelize made last (while it lives), for the REPL's helpers.
-function pt.parallelized() return last_parallelized[1] end
+function pt.parallelized() return core.parallel.last() end
 
 -- Checkpoints -------------------------------------------------------------------------------
 --- pt.ckpt: sharded checkpoints keyed by logical tensor (docs/checkpoints.md).
@@ -256,7 +279,7 @@ local function ckpt_state(fn, what, level)
     t[k] = v
   end
   if not core.nn.is_module(t.model) then error(("pt.ckpt.%s: 'model' must be a module"):format(fn), level + 1) end
-  t.mesh = t.mesh or meshes[t.model]
+  t.mesh = t.mesh or core.parallel.mesh(t.model)
   return t
 end
 
@@ -283,7 +306,7 @@ end
 function pt.ckpt.save(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
   local t = ckpt_state("save", what, 2)
-  t.policy = policy_names[t.model]
+  t.policy = core.parallel.policy(t.model)
   local tag, notes = ckpt_call(2, core.ckpt.save, dir, t)  -- not a tail call: error levels count this frame
   ckpt_notes(2, "save", notes)
   return tag
@@ -396,32 +419,58 @@ function pt.breakpoint()
   skipped(repl.loop(repl.layered(locals, _G), "breakpoint at " .. at .. " (exit() or Ctrl-D continues)"))
 end
 
+-- Split parameters are known by their name in the model: the layer holding one says how it is
+-- split (a tensor alone does not know).
+local function check_name(fn, model, name, level)
+  if not core.nn.is_module(model) then
+    error(("pt.tp.%s: a module expected as argument #1, got %s (pass the model and the parameter's name: "
+      .. "pt.tp.%s(model, \"h.0.attn.c_attn.weight\"))"):format(fn, type(model), fn), level + 1)
+  end
+  if type(name) ~= "string" then
+    error(("pt.tp.%s: bad argument #2 (a parameter's dotted name expected, got %s)"):format(fn, type(name)), level + 1)
+  end
+end
+
+--- pt.tp.sharding(model, name): nil for a whole parameter, else { dim, shape, local_shape, parts,
+--- fused (when the parts are equal), padded, group, slices = { [group rank + 1] = { {start, length}, ... } } }.
+function pt.tp.sharding(model, name)
+  check_name("sharding", model, name, 2)
+  local ok, s = pcall(core.parallel.sharding, model, name)
+  if not ok then rethrow(s, 2) end
+  return s
+end
+--- pt.tp.is_sharded(model, name): whether that parameter is split across a tensor group.
+function pt.tp.is_sharded(model, name)
+  check_name("is_sharded", model, name, 2)
+  local ok, s = pcall(core.parallel.sharding, model, name)
+  if not ok then rethrow(s, 2) end
+  return s ~= nil
+end
+
 --- Every parameter of `model` and how it is laid out over the ranks, in registration order
 --- (a tied parameter under each of its names): { name, shape (logical), local_shape, dim (the split dimension, or
---- nil when whole), fused, slices = { [group rank + 1] = { {start, length}, ... } }, ranks (the
+--- nil when whole), parts, fused, slices = { [group rank + 1] = { {start, length}, ... } }, ranks (the
 --- tensor group's global ranks, or nil), bytes (this rank's) }.
 function pt.tp.shards(model)
   if not core.nn.is_module(model) then error("pt.tp.shards: a module expected, got " .. type(model), 2) end
   local rows = {}
   for name, p in model:named_parameters() do
-    local s = pt.tp.sharding(p)
+    local s = core.parallel.sharding(model, name)
     rows[#rows + 1] = {
       name = name, shape = s and s.shape or p.shape, local_shape = p.shape, dim = s and s.dim,
-      fused = s and s.fused or 1, slices = s and s.slices, ranks = s and s.group:ranks(),
+      parts = s and s.parts, fused = s and s.fused or 1, slices = s and s.slices, ranks = s and s.group:ranks(),
       bytes = p:numel() * p:element_size(),
     }
   end
   return rows
 end
 
---- The logical (global) tensor of a split parameter `p`, or of `t` laid out like it (its
---- gradient, say), gathered over its tensor group: a collective. Whole tensors come back as they are.
-function pt.tp.gather(p, t)
-  t = t or p
-  local ok, s = pcall(pt.tp.sharding, p)
-  if not ok then rethrow(s, 2) end
-  if not s then return t end
-  local done, full = pcall(core.tp._gather_full, p, t)
+--- pt.tp.gather(model, name [, t]): the logical (global) tensor of the split parameter `name`, or
+--- of `t` laid out like it (its gradient, say), gathered over its tensor group: a collective.
+--- Whole tensors come back as they are.
+function pt.tp.gather(model, name, t)
+  check_name("gather", model, name, 2)
+  local done, full = pcall(core.parallel.gather, model, name, t)
   if not done then rethrow(full, 2) end
   return full
 end
@@ -429,8 +478,8 @@ end
 --- The loss to use with `model`'s logits: cross-entropy, computed from vocabulary-split logits
 --- without gathering them when a policy split the output head. loss(logits, targets [, { ignore_index }]).
 function pt.loss_fn(model)
-  local P = package.loaded["partrain.policy"]
-  local split = P and P.vocab_parallel[model]
+  if not core.nn.is_module(model) then error("pt.loss_fn: a module expected, got " .. type(model), 2) end
+  local split = core.parallel.vocab_head(model)   -- found in the tree: { group, vocab, path } or nil
   if not split then
     return function(logits, targets, opts)
       local ok, loss = pcall(core.nn.cross_entropy, logits, targets, opts)
@@ -442,9 +491,9 @@ function pt.loss_fn(model)
     -- The logits must be (a view of) the vocabulary head's output: anything else (the head was
     -- not the model's last layer, or they were gathered) would be read as split when it is not.
     if pt.is_tensor(logits) and not core.plan.planning() and not core.tp.split_logits(logits) then
-      error(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (P.vocab_head "
-        .. "at %s): is it the model's output layer? Whole logits take pt.nn.cross_entropy"):format(
-        table.concat(logits.shape, "x"), model:type(), split.where or "?"), 2)
+      error(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (%s): "
+        .. "is it the model's output layer? Whole logits take pt.nn.cross_entropy"):format(
+        table.concat(logits.shape, "x"), model:type(), split.path), 2)
     end
     local ok, loss = pcall(core.tp.cross_entropy, logits, targets, split.group, split.vocab, opts)
     if not ok then rethrow(loss, 2) end
@@ -453,8 +502,11 @@ function pt.loss_fn(model)
 end
 
 --- The data-parallel handle of a model made parallel by pt.parallelize (or nil): hooks,
---- synced(), stats().
-function pt.data_parallel(model) return data_parallel[model] end
+--- synced(), stats(). The same as model:data_parallel().
+function pt.data_parallel(model)
+  if not core.nn.is_module(model) then error("pt.data_parallel: a module expected, got " .. type(model), 2) end
+  return core.parallel.data_parallel(model)
+end
 
 -- Scripts -----------------------------------------------------------------------------------
 pt.args = require "partrain.args"

@@ -125,14 +125,25 @@ local function style(kind, needs, allowed)
       if k == "fused" and (v < 1 or v ~= math.floor(v) or v ~= v or v == math.huge) then
         fail(at, "P.%s option 'fused' must be a whole number of parts >= 1, got %s", kind, tostring(v))
       end
+      if k == "parts" then
+        if #v < 1 then fail(at, "P.%s option 'parts' must list the output's part sizes, got an empty table", kind) end
+        for i, n in pairs(v) do
+          if type(i) ~= "number" or i > #v or type(n) ~= "number" or n < 1 or n ~= math.floor(n) or n == math.huge then
+            fail(at, "P.%s option 'parts' must be a list of whole sizes >= 1, got %s at [%s]", kind, tostring(n), tostring(i))
+          end
+        end
+        if opts.fused then fail(at, "P.%s takes fused or parts, not both", kind) end
+      end
     end
     return setmetatable({ kind = kind, needs = needs, opts = opts, where = at }, STYLE)
   end
 end
 
---- Output features split (Megatron's column-parallel linear). fused = k keeps k output parts
---- (q, k, v) together per head; gather_output gathers the full width after.
-P.column = style("column", "Linear", { fused = "number", gather_output = "boolean", sequence_parallel = "boolean" })
+--- Output features split (Megatron's column-parallel linear). fused = k keeps k equal output parts
+--- (q, k, v) together per head; parts = { q, k, v } the same for parts of unequal sizes (grouped-query
+--- attention); gather_output gathers the full width after.
+P.column = style("column", "Linear", { fused = "number", parts = "table", gather_output = "boolean",
+                                       sequence_parallel = "boolean" })
 --- Input features split; the partial outputs are summed (row-parallel linear).
 P.row = style("row", "Linear", { input_is_parallel = "boolean", sequence_parallel = "boolean" })
 --- A LayerNorm in the sequence-parallel region: under sequence_parallel its weight's and bias's
@@ -374,8 +385,6 @@ end
 
 -- Applying (partrain/sharder.lua does it) -----------------------------------------------------
 
---- Models whose output logits are split along the vocabulary (by P.vocab_head): model -> { group, vocab, where }.
-P.vocab_parallel = setmetatable({}, { __mode = "k" })
 
 --- Applies `policy` to `model` over the tensor group of `mesh`; cfg: the sharding options
 --- (P.config). Returns the model, changed in place, and a function that undoes the policy. With

@@ -76,9 +76,20 @@ local function plan(model, policy, modules, cfg, at)
           actions[#actions + 1] = { path = path, style = s, target = target }
           -- Sizes: an error now rather than half-way through.
           if s.kind == "column" then
-            local fused = s.opts.fused or 1
+            local fused = s.opts.fused or (s.opts.parts and #s.opts.parts) or 1
             local out = target.weight.shape[1]
-            if out % fused ~= 0 or (out / fused) % t ~= 0 then
+            if s.opts.parts then
+              local sum = 0
+              for _, n in ipairs(s.opts.parts) do
+                sum = sum + n
+                if n % t ~= 0 then
+                  fail(s.where, "tensor=%d does not divide %s's output part of %d (parts %s)", t, path, n, table.concat(s.opts.parts, "+"))
+                end
+              end
+              if sum ~= out then
+                fail(s.where, "P.column's parts %s add up to %d, but %s's output is %d", table.concat(s.opts.parts, "+"), sum, path, out)
+              end
+            elseif out % fused ~= 0 or (out / fused) % t ~= 0 then
               fail(s.where, "tensor=%d does not divide %s's output of %d%s", t, path, out, fused > 1 and (" (" .. fused .. " fused parts of " .. out / fused .. ")") or "")
             end
             if fused > 1 and s.opts.gather_output then
@@ -235,7 +246,7 @@ local function apply_actions(model, actions, cfg, group)
       local ok, err = pcall(function()
         if s.kind == "column" then
           local seq = option(s, "sequence_parallel", sp)
-          built = pt.tp.column(a.target, group, { fused = s.opts.fused, gather_output = s.opts.gather_output,
+          built = pt.tp.column(a.target, group, { fused = s.opts.fused, parts = s.opts.parts, gather_output = s.opts.gather_output,
                                                   sequence_parallel = seq, sequence_overlap = seq and cfg.sequence_overlap })
         elseif s.kind == "row" then
           built = pt.tp.row(a.target, group, { input_is_parallel = s.opts.input_is_parallel,
@@ -245,7 +256,6 @@ local function apply_actions(model, actions, cfg, group)
         elseif s.kind == "vocab_embedding" then built = pt.tp.vocab_embedding(a.target, group)
         elseif s.kind == "vocab_head" then
           built = pt.tp.column(a.target, group, { pad = true, sequence_parallel = sp, sequence_overlap = sp and cfg.sequence_overlap })
-          P.vocab_parallel[model] = { group = group, vocab = a.target.weight.shape[1], where = s.where }
         end
         model:set(a.path, built)
       end)
@@ -326,7 +336,7 @@ function S.apply(model, policy, mesh, cfg, at)
   if serial then  -- the probe: the sharded model must compute what the serial one did
     local ran, sharded = bounded(cfg.policy_timeout, core.tp._probe, model, inputs)
     local problem = not ran and ("its forward fails on the probe batch: " .. strip_internal(sharded))
-    if ran then problem = core.tp._probe_compare(serial, sharded, P.vocab_parallel[model] ~= nil) end
+    if ran then problem = core.tp._probe_compare(serial, sharded, core.parallel.vocab_head(model) ~= nil) end
     if problem then
       problem = ("%s: policy %s splits %s wrong: %s (the probe compares one batch with the serial model; "
         .. "probe = false turns it off)"):format(at, name_of(policy), model:type(), problem)
@@ -341,13 +351,11 @@ function S.apply(model, policy, mesh, cfg, at)
 end
 
 --- The undo record of `model` now (P.begin): a function that puts it back exactly (its modules,
---- parameters and their contents, attributes, forwards, Lua fields, vocabulary split).
+--- parameters and their contents, attributes, forwards, Lua fields; the vocabulary head with them).
 function S.begin(model)
   local snapshot = core.nn._snapshot(model, 256 * 1024 * 1024)
-  local split = P.vocab_parallel[model]
   return function()
     local lost = snapshot:restore()
-    P.vocab_parallel[model] = split
     if #lost > 0 then
       io.stderr:write(("partrain: the policy changed %s in place; too large to keep a copy of, it stays changed\n"):format(
         table.concat(lost, ", ")))

@@ -1,0 +1,361 @@
+// Parallelisms in Lua: the engine half of pt.parallelize (the parallelized model a module
+// becomes, which answers model:mesh(), model:policy(), model:data_parallel(), model:train_step()
+// and its parameter records), the data-parallel handle, and pt.tp, the tensor-parallel building
+// blocks the policy sharder composes.
+#include <sstream>
+
+#include "bindings/lua.hpp"
+#include "engine/dist/mesh.hpp"
+#include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/parallel_model.hpp"
+#include "engine/parallel/probe.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+
+namespace partrain::lua {
+
+using dist::GroupPtr;
+using MeshPtr = std::shared_ptr<dist::Mesh>;
+using DataParallelPtr = std::shared_ptr<parallel::DataParallel>;
+using ProbePtr = std::shared_ptr<parallel::ProbeRecord>;
+using ParallelModelPtr = std::shared_ptr<parallel::ParallelModel>;
+
+#define PT_DP_MT "partrain.DataParallel"
+#define PT_PROBE_MT "partrain.ProbeRecord"
+
+namespace {
+
+template <class T>
+T& check(const Args& a, int i, const char* mt, const char* what) {
+  auto* p = ud_test<T>(a.L, i, mt);
+  if (!p) a.expected(i, what);
+  return *p;
+}
+GroupPtr& group(const Args& a, int i) { return check<GroupPtr>(a, i, PT_GROUP_MT, "process group"); }
+DataParallelPtr& data_parallel(const Args& a, int i) {
+  return check<DataParallelPtr>(a, i, PT_DP_MT, "data-parallel handle");
+}
+int push_group(const Args& a, const GroupPtr& g) { return lua::push_group(a.L, g); }
+
+// The model pt.parallelize made last, while it lives (the REPL's helpers show it).
+std::weak_ptr<parallel::ParallelModel>& last_parallelized() {
+  static std::weak_ptr<parallel::ParallelModel> last;
+  return last;
+}
+
+// The parallelized model the module at i is the root of, or nullptr.
+ParallelModelPtr owner_of(const Args& a, int i) { return parallel::ParallelModel::of(*a.module(i)); }
+// The same, or an error saying the model was not parallelized.
+ParallelModelPtr owner(const Args& a, int i) {
+  auto pm = owner_of(a, i);
+  if (!pm) a.fail(i, "a model made parallel by pt.parallelize expected, got a " + a.module(i)->type() + " that is not");
+  return pm;
+}
+
+// Pushes a model that pt.parallelize made: its module userdata, which holds the parallelized
+// model alive as long as Lua holds it.
+void push_parallel_model(lua_State* L, const ParallelModelPtr& pm) {
+  push_module(L, pm->root());
+  auto* ud = ud_test<nn::ModulePtr>(L, -1, PT_MODULE_MT);
+  if (ud && ud->get() == pm->root().get()) *ud = nn::ModulePtr(pm, pm->root().get());
+}
+
+// { dim, shape, local_shape, parts, fused, padded, group, slices = { [r + 1] = { {start, length}... } } }
+int push_sharding(lua_State* L, const parallel::Sharding& s) {
+  lua_createtable(L, 0, 8);
+  lua_pushnumber(L, double(s.dim)); lua_setfield(L, -2, "dim");
+  push_ints(L, s.shape); lua_setfield(L, -2, "shape");
+  push_ints(L, s.local_shape()); lua_setfield(L, -2, "local_shape");
+  push_ints(L, s.parts); lua_setfield(L, -2, "parts");
+  bool equal = std::all_of(s.parts.begin(), s.parts.end(), [&](int64_t p) { return p == s.parts.front(); });
+  if (equal) { lua_pushnumber(L, double(s.parts.size())); lua_setfield(L, -2, "fused"); }
+  lua_pushnumber(L, double(s.padded)); lua_setfield(L, -2, "padded");
+  lua::push_group(L, s.group); lua_setfield(L, -2, "group");
+  lua_createtable(L, s.ranks, 0);
+  for (int r = 0; r < s.ranks; ++r) {
+    auto slices = s.slices(r);
+    lua_createtable(L, static_cast<int>(slices.size()), 0);
+    for (size_t i = 0; i < slices.size(); ++i) {
+      push_ints(L, std::vector<int64_t>{slices[i].first, slices[i].second});
+      lua_rawseti(L, -2, static_cast<int>(i + 1));
+    }
+    lua_rawseti(L, -2, r + 1);
+  }
+  lua_setfield(L, -2, "slices");
+  return 1;
+}
+
+// How the parameter `name` of the module at 1 is split (nil when whole); an unknown name is an error.
+c10::optional<parallel::Sharding> sharding_at(const Args& a, int model, int name_idx) {
+  auto& m = a.module(model);
+  auto name = a.string(name_idx);
+  auto params = m->named_parameters(/*recurse=*/true);
+  if (!params.contains(name)) a.fail(name_idx, "'" + name + "' is not a parameter of this " + m->type());
+  return parallel::sharding_of(*m, name);
+}
+
+// Runs a Lua function stored in the registry as a bucket hook: fn(bucket_index, flat_grads).
+parallel::DataParallel::Hook lua_hook(lua_State* L, int fn_idx) {
+  auto fn = std::make_shared<LuaRef>(L, fn_idx);
+  return [fn](int bucket, torch::Tensor& flat) {
+    TORCH_CHECK(fn->alive(), "a reducer hook outlived its Lua state");
+    lua_State* S = active_state(fn->main());
+    fn->push(S);
+    lua_pushnumber(S, bucket);
+    push_tensor(S, flat);
+    std::string error;
+    if (!pcall(S, 2, 1, &error)) throw Rethrow(error);
+    // A hook may return a replacement for the bucket's tensor (same shape).
+    if (auto* t = ud_test<torch::Tensor>(S, -1, PT_TENSOR_MT)) {
+      TORCH_CHECK(t->sizes().equals(flat.sizes()), "a reducer hook returned shape ", t->sizes(),
+                  " for a bucket of shape ", flat.sizes());
+      if (!t->is_same(flat)) flat.copy_(*t);
+    }
+    lua_pop(S, 1);
+  };
+}
+
+const Function kDataParallelMethods[] = {
+    // Lua hooks are bound to this thread: autograd may run on its own threads (CUDA).
+    {"set_pre_hook", [](Args& a) { data_parallel(a, 1)->set_pre_hook(lua_hook(a.L, 2), true); return a.ret(); }},
+    {"set_post_hook", [](Args& a) { data_parallel(a, 1)->set_post_hook(lua_hook(a.L, 2), true); return a.ret(); }},
+    {"synced", [](Args& a) { return a.ret(data_parallel(a, 1)->synced()); }},
+    {"buckets", [](Args& a) { return a.ret(double(data_parallel(a, 1)->buckets().size())); }},
+    {"stats", [](Args& a) {
+       const auto& s = data_parallel(a, 1)->stats();
+       lua_createtable(a.L, 0, 5);
+       lua_pushnumber(a.L, double(s.syncs)); lua_setfield(a.L, -2, "syncs");
+       lua_pushnumber(a.L, double(s.bytes)); lua_setfield(a.L, -2, "bytes");
+       lua_pushnumber(a.L, s.sync_seconds); lua_setfield(a.L, -2, "sync_seconds");
+       lua_pushnumber(a.L, s.exposed_seconds); lua_setfield(a.L, -2, "exposed_seconds");
+       lua_pushnumber(a.L, double(s.buckets_done_early)); lua_setfield(a.L, -2, "buckets_done_early");
+       lua_pushnumber(a.L, s.last_sync_seconds); lua_setfield(a.L, -2, "last_sync_seconds");
+       lua_pushnumber(a.L, s.last_exposed_seconds); lua_setfield(a.L, -2, "last_exposed_seconds");
+       return 1; }},
+    {"reset_stats", [](Args& a) { data_parallel(a, 1)->reset_stats(); return a.ret(); }},
+    {nullptr, nullptr}};
+
+template <class T>
+T& layer(const Args& a, int i, const char* what) {
+  auto* m = dynamic_cast<T*>(a.module(i).get());
+  if (!m) a.fail(i, std::string(what) + " expected, got " + a.module(i)->type());
+  return *m;
+}
+
+// The tensor-parallel building blocks; the policy sharder composes them.
+const Function kTensorParallel[] = {
+    {"column", [](Args& a) {  // column(linear, group [, { fused = 1 | parts = {...}, gather_output = false }])
+       Options o(a, 3, "column");
+       int64_t fused = o.integer("fused", 1);
+       std::vector<int64_t> parts = o.has("parts") ? o.ints("parts", {}) : std::vector<int64_t>{};
+       bool gather = o.boolean("gather_output", false);
+       bool sequence = o.boolean("sequence_parallel", false);
+       bool overlap = o.boolean("sequence_overlap", false);
+       bool pad = o.boolean("pad", false);
+       o.finish();
+       if (overlap && !sequence) a.fail(3, "sequence_overlap needs sequence_parallel");
+       if (!parts.empty() && fused != 1) a.fail(3, "give fused or parts, not both");
+       auto& serial = layer<nn::Linear>(a, 1, "Linear");
+       auto column = parts.empty()
+           ? std::make_shared<parallel::ColumnParallelLinear>(serial, group(a, 2), fused, gather, sequence, pad)
+           : std::make_shared<parallel::ColumnParallelLinear>(serial, group(a, 2), parts, gather, sequence, pad);
+       column->sequence_overlap = overlap;
+       return a.ret(nn::ModulePtr(column)); }},
+    {"row", [](Args& a) {  // row(linear, group [, { input_is_parallel = true }])
+       Options o(a, 3, "row");
+       bool parallel_input = o.boolean("input_is_parallel", true);
+       bool sequence = o.boolean("sequence_parallel", false);
+       o.finish();
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::RowParallelLinear>(
+           layer<nn::Linear>(a, 1, "Linear"), group(a, 2), parallel_input, sequence))); }},
+    {"vocab_embedding", [](Args& a) {
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::VocabParallelEmbedding>(
+           layer<nn::Embedding>(a, 1, "Embedding"), group(a, 2)))); }},
+    {"layer_norm", [](Args& a) {  // layer_norm(ln, group [, { sequence_parallel = false, fused = true }])
+       Options o(a, 3, "layer_norm");
+       bool sequence = o.boolean("sequence_parallel", false);
+       bool fused = o.boolean("fused", true);
+       o.finish();
+       return a.ret(nn::ModulePtr(std::make_shared<parallel::ParallelLayerNorm>(
+           layer<nn::LayerNorm>(a, 1, "LayerNorm"), group(a, 2), sequence, fused))); }},
+    {"cross_entropy", [](Args& a) {  // cross_entropy(local_logits, targets, group, vocab [, { ignore_index }])
+       Options o(a, 5, "cross_entropy");
+       int64_t ignore = o.integer("ignore_index", -100);
+       o.finish();
+       return a.ret(parallel::vocab_parallel_cross_entropy(a.tensor(1), a.tensor(2), group(a, 3), a.integer(4), ignore)); }},
+    {"split_logits", [](Args& a) {  // split_logits(t): nil, or { group, vocab, padded, local }
+       auto s = parallel::split_logits_of(a.tensor(1));
+       if (!s) { lua_pushnil(a.L); return 1; }
+       lua_createtable(a.L, 0, 4);
+       push_group(a, s->group); lua_setfield(a.L, -2, "group");
+       lua_pushnumber(a.L, double(s->vocab)); lua_setfield(a.L, -2, "vocab");
+       lua_pushnumber(a.L, double(s->padded)); lua_setfield(a.L, -2, "padded");
+       lua_pushnumber(a.L, double(s->local)); lua_setfield(a.L, -2, "local");
+       return 1; }},
+    {"gather_logits", [](Args& a) {  // gather_logits(t): whole logits from vocabulary-split ones (a collective)
+       auto& t = a.tensor(1);
+       auto s = parallel::split_logits_of(t);
+       if (!s) return a.ret(t);  // whole already
+       return a.ret(parallel::gather_split_logits(t, *s)); }},
+    {"_align", [](Args& a) {  // _align(model, group): group rank 0's weights everywhere; whether they differed
+       return a.ret(parallel::align_to_first_rank(*a.module(1), group(a, 2))); }},
+    {"_probe", [](Args& a) {  // _probe(model, { inputs... }): a probe record (see engine/parallel/probe.hpp)
+       auto record = parallel::run_probe(*a.module(1), a.tensors(2));
+       ud_push(a.L, std::make_shared<parallel::ProbeRecord>(std::move(record)), PT_PROBE_MT);
+       return 1; }},
+    {"_probe_compare", [](Args& a) {  // _probe_compare(serial, sharded, vocab_head): nil, or what differs
+       auto* serial = ud_test<ProbePtr>(a.L, 1, PT_PROBE_MT);
+       auto* sharded = ud_test<ProbePtr>(a.L, 2, PT_PROBE_MT);
+       if (!serial) a.expected(1, "probe record");
+       if (!sharded) a.expected(2, "probe record");
+       auto d = parallel::compare_probes(**serial, **sharded, a.boolean(3, false));
+       if (d.empty()) { lua_pushnil(a.L); return 1; }
+       return a.ret(d); }},
+    {"_probe_input", [](Args& a) {  // _probe_input(shape, high (0: floats), dtype, device)
+       return a.ret(parallel::probe_input(a.ints(1), a.integer(2), parse_dtype(a.string(3)), torch::Device(a.string(4)))); }},
+    {"copy_to", [](Args& a) { return a.ret(parallel::copy_to_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"reduce_from", [](Args& a) { return a.ret(parallel::reduce_from_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"gather_from", [](Args& a) { return a.ret(parallel::gather_from_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"scatter_to", [](Args& a) { return a.ret(parallel::scatter_to_tensor_region(a.tensor(1), group(a, 2))); }},
+    {"gather_sequence", [](Args& a) { return a.ret(parallel::gather_sequence(a.tensor(1), group(a, 2))); }},
+    {"reduce_scatter_sequence", [](Args& a) { return a.ret(parallel::reduce_scatter_sequence(a.tensor(1), group(a, 2))); }},
+    {"split_sequence", [](Args& a) { return a.ret(parallel::split_sequence(a.tensor(1), group(a, 2))); }},
+    {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
+       return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
+                                    static_cast<int>(a.integer(4)), "shard")); }},
+    {nullptr, nullptr}};
+
+
+// The data-parallel options of pt.parallelize (unknown keys are an error).
+parallel::DataParallelOptions data_parallel_options(const Args& a, int idx) {
+  Options o(a, idx, "parallelize");
+  // Options of what is not built yet are refused by name rather than taken for typos or ignored.
+  for (const char* key : {"schedule", "microbatches", "pipeline", "zero"})
+    if (o.has(key))
+      throw std::invalid_argument(std::string("parallelize option '") + key + "' asks for " +
+                                  (std::string(key) == "zero" ? "ZeRO" : "pipeline parallelism") +
+                                  ", which is not implemented yet");
+  parallel::DataParallelOptions d;
+  d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
+  d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
+  d.grad_accumulation = static_cast<int>(o.integer("grad_accumulation", d.grad_accumulation));
+  d.broadcast_buffers = o.boolean("broadcast_buffers", d.broadcast_buffers);
+  o.finish();
+  return d;
+}
+
+// model:train_step's options.
+parallel::TrainStepOptions train_step_options(const Args& a, int idx) {
+  Options o(a, idx, "train_step");
+  parallel::TrainStepOptions t;
+  t.loss = o.string("loss", t.loss);
+  t.accumulate = static_cast<int>(o.integer("accumulate", t.accumulate));
+  t.ignore_index = o.integer("ignore_index", t.ignore_index);
+  o.finish();
+  return t;
+}
+
+const Function kParallel[] = {
+    {"parallelize", [](Args& a) {  // parallelize(model, mesh, policy name|nil, dp options, apply|nil): model
+       auto root = a.module(1);
+       auto* mesh = mesh_test(a.L, 2);
+       if (!mesh) a.expected(2, "mesh");
+       parallel::ParallelizeOptions options;
+       options.policy = a.string(3, "");
+       options.data_parallel = data_parallel_options(a, 4);
+       if (!a.none(5)) {
+         if (lua_type(a.L, 5) != LUA_TFUNCTION) a.expected(5, "function");
+         lua_State* L = a.L;
+         options.tensor_parallel = [L](nn::Module&, const dist::Mesh&) {  // the Lua sharder, on this thread
+           lua_pushvalue(L, 5);
+           std::string error;
+           if (!pcall(L, 0, 0, &error)) throw Rethrow(error);
+         };
+       }
+       auto pm = parallel::ParallelModel::parallelize(root, *mesh, std::move(options));
+       last_parallelized() = pm;
+       // The script's model object now holds its parallelized model: dropping it frees both.
+       a.module(1) = nn::ModulePtr(pm, pm->root().get());
+       lua_pushvalue(a.L, 1);
+       return 1; }},
+    {"mesh", [](Args& a) {  // mesh(model): the mesh it was made parallel over, or nil
+       auto pm = owner_of(a, 1);
+       if (!pm) { lua_pushnil(a.L); return 1; }
+       ud_push(a.L, pm->mesh(), PT_MESH_MT);
+       return 1; }},
+    {"policy", [](Args& a) {  // policy(model): the name of the policy applied, or nil
+       auto pm = owner_of(a, 1);
+       if (!pm || pm->policy().empty()) { lua_pushnil(a.L); return 1; }
+       return a.ret(pm->policy()); }},
+    {"data_parallel", [](Args& a) {  // data_parallel(model): its data-parallel handle, or nil
+       auto pm = owner_of(a, 1);
+       if (!pm || !pm->data_parallel()) { lua_pushnil(a.L); return 1; }
+       ud_push(a.L, pm->data_parallel(), PT_DP_MT);
+       return 1; }},
+    {"train_step", [](Args& a) {  // train_step(model, x, y [, { loss, accumulate, ignore_index }]): loss
+       auto pm = owner(a, 1);
+       auto options = train_step_options(a, 4);
+       return a.ret(pm->train_step(a.tensor(2), a.tensor(3), options)); }},
+    {"records", [](Args& a) {  // records(model): one table a parameter (see docs/parallel.md)
+       auto pm = owner_of(a, 1);
+       auto records = pm ? pm->records() : parallel::parameter_records(*a.module(1));
+       lua_createtable(a.L, static_cast<int>(records.size()), 0);
+       for (size_t i = 0; i < records.size(); ++i) {
+         const auto& r = records[i];
+         lua_createtable(a.L, 0, 8);
+         a.ret(r.name); lua_setfield(a.L, -2, "name");
+         lua_createtable(a.L, static_cast<int>(r.aliases.size()), 0);
+         for (size_t k = 0; k < r.aliases.size(); ++k) { a.ret(r.aliases[k]); lua_rawseti(a.L, -2, static_cast<int>(k + 1)); }
+         lua_setfield(a.L, -2, "aliases");
+         push_ints(a.L, r.shape); lua_setfield(a.L, -2, "shape");
+         push_ints(a.L, r.param.sizes()); lua_setfield(a.L, -2, "local_shape");
+         if (r.sharding) { push_sharding(a.L, *r.sharding); lua_setfield(a.L, -2, "sharding"); }
+         a.ret(r.device.str()); lua_setfield(a.L, -2, "device");
+         a.ret(dtype_name(r.dtype)); lua_setfield(a.L, -2, "dtype");
+         a.ret(r.trainable); lua_setfield(a.L, -2, "trainable");
+         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+       }
+       return 1; }},
+    {"sharding", [](Args& a) {  // sharding(model, name): nil for a whole parameter, else how it is split
+       auto s = sharding_at(a, 1, 2);
+       if (!s) { lua_pushnil(a.L); return 1; }
+       return push_sharding(a.L, *s); }},
+    {"gather", [](Args& a) {  // gather(model, name [, t]): the logical tensor of the parameter (or of t laid out like it)
+       auto s = sharding_at(a, 1, 2);
+       auto param = a.module(1)->named_parameters(/*recurse=*/true)[a.string(2)];
+       const torch::Tensor& t = a.none(3) ? param : a.tensor(3);
+       if (!t.sizes().equals(param.sizes())) a.fail(3, "a tensor shaped like the parameter expected");
+       if (!s) return a.ret(t);
+       return a.ret(parallel::gather_full(t, *s)); }},
+    {"vocab_head", [](Args& a) {  // vocab_head(model): nil, or { group, vocab, path } of its split vocabulary head
+       std::string path;
+       auto* head = parallel::vocab_head_of(*a.module(1), &path);
+       if (!head) { lua_pushnil(a.L); return 1; }
+       lua_createtable(a.L, 0, 3);
+       push_group(a, head->group); lua_setfield(a.L, -2, "group");
+       lua_pushnumber(a.L, double(head->logical_out)); lua_setfield(a.L, -2, "vocab");
+       a.ret(path); lua_setfield(a.L, -2, "path");
+       return 1; }},
+    {"live", [](Args& a) { return a.ret(double(parallel::ParallelModel::live())); }},
+    {"last", [](Args& a) {  // last(): the model pt.parallelize made last, while it lives, or nil
+       auto pm = last_parallelized().lock();
+       if (!pm) { lua_pushnil(a.L); return 1; }
+       push_parallel_model(a.L, pm);
+       return 1; }},
+    {nullptr, nullptr}};
+
+}  // namespace
+
+std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model) {
+  auto pm = model ? parallel::ParallelModel::of(*model) : nullptr;
+  return pm ? pm->data_parallel() : nullptr;
+}
+
+void open_parallel(lua_State* L, int core) {
+  new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods, /*keep=*/false);
+  new_metatable<ProbePtr>(L, PT_PROBE_MT);  // opaque: no methods
+  lua_pop(L, 1);
+  set_library(L, core, "tp", kTensorParallel);
+  set_library(L, core, "parallel", kParallel);
+}
+
+}  // namespace partrain::lua

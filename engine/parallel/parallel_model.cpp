@@ -1,0 +1,197 @@
+// This file composes the parallelisms into one parallelized model and runs its training step (see
+// parallel_model.hpp).
+#include "engine/parallel/parallel_model.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "engine/plan/plan.hpp"
+
+namespace partrain::parallel {
+
+std::atomic<int64_t> ParallelModel::live_{0};
+
+namespace {
+
+std::string describe_split(const c10::optional<Sharding>& s) { return s ? s->describe() : "whole"; }
+
+}  // namespace
+
+const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path) {
+  const ColumnParallelLinear* head = nullptr;
+  for (const auto& [where, m] : root.modules())
+    if (auto* c = dynamic_cast<const ColumnParallelLinear*>(m.get()); c && c->vocab_head && c->group->size() > 1) {
+      head = c;
+      if (path) *path = where;
+    }
+  return head;
+}
+
+std::vector<ParameterRecord> parameter_records(nn::Module& root) {
+  std::vector<ParameterRecord> records;
+  std::unordered_map<const c10::TensorImpl*, size_t> index;  // a tied tensor: one record
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    const auto& name = item.key();
+    const auto& p = item.value();
+    if (!p.defined()) continue;
+    auto sharding = sharding_of(root, name);
+    auto [it, fresh] = index.emplace(p.unsafeGetTensorImpl(), records.size());
+    if (!fresh) {
+      auto& first = records[it->second];
+      TORCH_CHECK(first.sharding == sharding, "'", name, "' is tied to '", first.name, "', but its layer holds it ",
+                  describe_split(sharding), " and the other ", describe_split(first.sharding),
+                  ": tied tensors must be split the same way (or be whole) under every name");
+      first.aliases.push_back(name);
+      continue;
+    }
+    ParameterRecord r;
+    r.name = name;
+    r.shape = sharding ? sharding->shape : p.sizes().vec();
+    r.sharding = std::move(sharding);
+    r.device = p.device();
+    r.dtype = p.scalar_type();
+    r.trainable = p.requires_grad();
+    r.param = p;
+    records.push_back(std::move(r));
+  }
+  return records;
+}
+
+std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<torch::Tensor>& params) {
+  std::unordered_map<const c10::TensorImpl*, dist::GroupPtr> group_of;
+  for (const auto& r : parameter_records(root))
+    if (r.sharding) group_of[r.param.unsafeGetTensorImpl()] = r.sharding->group;
+  std::vector<dist::GroupPtr> groups;
+  groups.reserve(params.size());
+  for (const auto& p : params) {
+    auto it = group_of.find(p.unsafeGetTensorImpl());
+    groups.push_back(it == group_of.end() ? nullptr : it->second);
+  }
+  return groups;
+}
+
+const std::vector<std::string>& train_step_losses() {
+  static const std::vector<std::string> losses{"cross_entropy", "mse"};
+  return losses;
+}
+
+namespace {
+
+void check_loss(const std::string& name) {
+  const auto& known = train_step_losses();
+  if (std::find(known.begin(), known.end(), name) != known.end()) return;
+  std::string list;
+  for (const auto& l : known) list += (list.empty() ? "" : ", ") + l;
+  TORCH_CHECK(false, "train_step: unknown loss '", name, "' (expected one of ", list, ")");
+}
+
+// Turns the data-parallel sync off for a micro-batch's backward and back on whatever happens.
+struct SyncOnlyIf {
+  SyncOnlyIf(DataParallel* dp, bool on) : dp(dp) {
+    if (dp) dp->set_sync(on);
+  }
+  ~SyncOnlyIf() {
+    if (dp) dp->set_sync(true);
+  }
+  DataParallel* dp;
+};
+
+}  // namespace
+
+// ---- The composer ----------------------------------------------------------------------------
+
+std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
+                                                          ParallelizeOptions options) {
+  TORCH_CHECK(root, "parallelize: no model");
+  TORCH_CHECK(mesh, "parallelize: no mesh");
+  TORCH_CHECK(!of(*root), "this ", root->type(), " is already data-parallel (parallelized once): parallelize a fresh "
+              "model");
+  std::shared_ptr<ParallelModel> model(new ParallelModel());
+  model->root_ = std::move(root);
+  model->mesh_ = std::move(mesh);
+  model->policy_ = std::move(options.policy);
+  auto& tree = *model->root_;
+
+  // The order follows torchtitan's parallelize: the parallelisms that change what a rank holds
+  // come first, the ones that only move gradients last.
+  // 1. Tensor and sequence parallelism, by the policy: layers are replaced by their parallel
+  //    forms, cut from the serial weights. Everything after sees the split tree.
+  if (options.tensor_parallel) options.tensor_parallel(tree, *model->mesh_);
+  // 2. (Pipeline parallelism will cut the split tree into stages here, before anything keeps a
+  //    list of parameters; the mesh refuses pipeline > 1 until it is built.)
+  // 3. The records: one per parameter, from the tree as the policy left it. A tie between tensors
+  //    split differently is refused here.
+  model->records_ = parameter_records(tree);
+  // 4. Data parallelism over the data group: parameters broadcast from data rank 0, gradient hooks
+  //    over the unit's parameters as they now are (split or whole). It comes after the split so
+  //    that its buckets hold this rank's parts. (ZeRO will shard the optimizer state over the zero
+  //    group after this; the mesh refuses zero > 1 until it is built.)
+  model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), options.data_parallel);
+  // 5. Only once everything succeeded does the tree know its owner.
+  tree.set_parallel_owner(model);
+  return model;
+}
+
+ParallelModel::~ParallelModel() { --live_; }
+
+const ParameterRecord* ParallelModel::record(const std::string& name) const {
+  for (const auto& r : records_) {
+    if (r.name == name) return &r;
+    for (const auto& alias : r.aliases)
+      if (alias == name) return &r;
+  }
+  return nullptr;
+}
+
+// ---- The training step -----------------------------------------------------------------------
+
+torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tensor& targets,
+                                  const TrainStepOptions& options) const {
+  if (options.loss == "cross_entropy") {
+    if (auto* head = vocab_head_of(*root_)) {
+      // (..., V/t) logits of this rank's vocabulary columns: the loss without gathering them.
+      TORCH_CHECK(output.dim() >= 1 && output.size(-1) == head->out / head->group->size(), "train_step: the model's "
+                  "output ", output.sizes(), " is not its vocabulary head's split logits (..., ",
+                  head->out / head->group->size(), ")");
+      return vocab_parallel_cross_entropy(output, targets, head->group, head->logical_out, options.ignore_index);
+    }
+    // The serial loss takes (N, C) and (N): flatten leading dimensions as a language model has them.
+    if (output.dim() > 2 && targets.dim() == output.dim() - 1)
+      return nn::cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), options.ignore_index);
+    return nn::cross_entropy(output, targets, options.ignore_index);
+  }
+  check_loss(options.loss);
+  return nn::mse(output, targets);
+}
+
+torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Tensor& y,
+                                        const TrainStepOptions& options) {
+  const int n = options.accumulate;
+  TORCH_CHECK(n >= 1, "train_step: accumulate must be >= 1, got ", n);
+  TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
+              "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
+              y.sizes());
+  TORCH_CHECK(x.size(0) % n == 0, "train_step: accumulate=", n, " does not divide the batch of ", x.size(0));
+  if (n > 1 && data_parallel_)
+    TORCH_CHECK(data_parallel_->options().grad_accumulation == 1, "train_step: accumulate=", n,
+                " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
+                " both split the batch: use one of them");
+  check_loss(options.loss);  // before any work
+  root_->train();
+  auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
+  torch::Tensor total;
+  for (int i = 0; i < n; ++i) {
+    // Only the last micro-batch's backward syncs: the others accumulate into .grad locally.
+    SyncOnlyIf sync(data_parallel_.get(), i == n - 1);
+    plan::step_begins();  // the planner's first step: its forward begins (once)
+    auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
+    auto l = loss(out, ys[i], options);
+    plan::forward_ends();  // ... and what the forward left allocated is measured (once)
+    (n > 1 ? l / n : l).backward();
+    total = total.defined() ? total + l.detach() : l.detach();
+  }
+  if (data_parallel_) data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks)
+  return n > 1 ? total / n : total;
+}
+
+}  // namespace partrain::parallel

@@ -1,0 +1,120 @@
+// A parallelized model, with one owner: the module tree, the mesh it runs over, the name of the
+// policy applied, the data-parallel state and one record per parameter (its logical name and
+// shape, its sharding, device and dtype). The composer (ParallelModel::parallelize) applies the
+// parallelisms in one commented order; train_step runs a whole step (forward, loss, backward,
+// gradient sync) in C++. Checkpoints, the planner, clipping and the REPL read the records or the
+// module tree: there are no side tables keyed by object identity.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/dist/mesh.hpp"
+#include "engine/nn/module.hpp"
+#include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/sharding.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+
+namespace partrain::parallel {
+
+/// One parameter as the serial model has it, and this rank's part of it.
+struct ParameterRecord {
+  std::string name;                  ///< dotted name (a tied tensor: its first name in tree order)
+  std::vector<std::string> aliases;  ///< the tensor's other names (ties), in tree order
+  std::vector<int64_t> shape;        ///< the logical shape (what the serial model has)
+  c10::optional<Sharding> sharding;  ///< how it is split across its tensor group; nullopt: whole
+  torch::Device device = torch::kCPU;
+  torch::ScalarType dtype = torch::kFloat32;
+  bool trainable = true;  ///< requires_grad
+  torch::Tensor param;    ///< this rank's tensor, the one the module holds
+  /// Reserved, empty for now: the full-precision master copy that mixed precision will keep
+  /// beside a low-precision parameter (filled by the issue that brings mixed precision).
+  torch::Tensor master;
+  /// Reserved, -1 for now: where the parameter's gradient (and, under ZeRO, its optimizer state)
+  /// sits in a flat buffer: the buffer's index and the offset in it (filled by ZeRO).
+  int64_t flat_buffer = -1, flat_offset = -1;
+};
+
+/// The records of `root`'s parameters in tree order, a tied tensor once (its other names in
+/// `aliases`). Every name of a tied tensor must be split the same way by the module holding it
+/// (or whole under all): otherwise an error naming both names and both splits, since the layers
+/// would compute with different slices of one tensor.
+std::vector<ParameterRecord> parameter_records(nn::Module& root);
+
+/// For each of `params`, the tensor group it is split over in `root` (null when whole, or not a
+/// parameter of `root`): what global_grad_norm needs to count split gradients once.
+std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<torch::Tensor>& params);
+
+/// The tree's vocabulary head: the ColumnParallelLinear built with padding (P.vocab_head) on a
+/// group of more than one rank, whose split logits losses read without gathering them; nullptr
+/// when the tree has none. `path` (if given) receives its dotted path.
+const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path = nullptr);
+
+/// What a training step computes (model:train_step's options).
+struct TrainStepOptions {
+  /// The loss of the model's output and the targets: "cross_entropy" (vocabulary-parallel when
+  /// the model's head is split, the serial one otherwise) or "mse".
+  std::string loss = "cross_entropy";
+  int accumulate = 1;          ///< micro-batches the batch is split into (along dim 0); one sync
+  int64_t ignore_index = -100; ///< cross_entropy: targets that do not count
+};
+
+/// The losses train_step knows, for messages.
+const std::vector<std::string>& train_step_losses();
+
+struct ParallelizeOptions {
+  /// Applies tensor (and sequence) parallelism to the tree: a policy, written in Lua (the
+  /// sharder) or C++. Empty: the tree is used as it is.
+  std::function<void(nn::Module& root, const dist::Mesh& mesh)> tensor_parallel;
+  std::string policy;            ///< the applied policy's name, for checkpoints and the REPL
+  DataParallelOptions data_parallel;
+};
+
+class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
+ public:
+  /// The composer: makes `root` parallel over `mesh` and returns its owner. `root` must not be
+  /// parallelized already. Pipeline and ZeRO are refused by the mesh until they are built.
+  static std::shared_ptr<ParallelModel> parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
+                                                    ParallelizeOptions options);
+  ~ParallelModel();
+
+  /// The parallelized model `module` is the root of, or nullptr.
+  static std::shared_ptr<ParallelModel> of(const nn::Module& module) { return module.parallel_owner(); }
+  /// How many ParallelModels are alive in this process (tests of their lifetime).
+  static int64_t live() { return live_.load(); }
+
+  nn::Module& module() const { return *root_; }
+  const nn::ModulePtr& root() const { return root_; }
+  const std::shared_ptr<dist::Mesh>& mesh() const { return mesh_; }
+  const std::string& policy() const { return policy_; }
+  const std::shared_ptr<DataParallel>& data_parallel() const { return data_parallel_; }
+  const std::vector<ParameterRecord>& records() const { return records_; }
+  /// The record of the parameter called `name` (or one of its aliases), or nullptr.
+  const ParameterRecord* record(const std::string& name) const;
+  /// Builds the records again from the tree (after a tie or a replacement made since).
+  void refresh_records() { records_ = parameter_records(*root_); }
+
+  /// One training step: forward on `x`, the loss against `y`, backward, and the data-parallel
+  /// gradient sync. With accumulate = n the batch is split into n micro-batches along dim 0,
+  /// each run forward and backward, one sync at the end; the mean of their losses is returned.
+  /// The optimizer steps after (the caller's opt:step()).
+  torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y, const TrainStepOptions& options = {});
+
+  /// The model's loss of `output` against `targets` as train_step computes it.
+  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& targets, const TrainStepOptions& options) const;
+
+ private:
+  ParallelModel() { ++live_; }
+
+  nn::ModulePtr root_;
+  std::shared_ptr<dist::Mesh> mesh_;
+  std::string policy_;
+  std::shared_ptr<DataParallel> data_parallel_;
+  std::vector<ParameterRecord> records_;
+  static std::atomic<int64_t> live_;
+};
+
+}  // namespace partrain::parallel

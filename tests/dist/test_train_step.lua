@@ -1,0 +1,183 @@
+-- model:train_step (forward, loss, backward and gradient sync in C++) trains exactly as serial
+-- training on the global batch: data parallel (MLP), tensor x data parallel GPT-2 with and without
+-- sequence parallelism, with accumulation; in float32 (losses and parameters within 1e-5,
+-- relative to max(|x|, 1)) and float64 (1e-10). Also: Lua bucket hooks still run and change
+-- nothing, a dropped parallelized model and its optimizer are freed, and bad options are refused
+-- at the caller's line.
+--   partrain --nproc-per-node 4 --threads 1 tests/dist/test_train_step.lua
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local core = require "partrain.core"
+local H = require "harness"
+local test, near, eq, ok, raises = H.test, H.near, H.eq, H.ok, H.raises
+
+local world = pt.dist.world_size()
+local TOL = { float32 = 1e-5, float64 = 1e-10 }
+
+-- The global batch (the same on every rank) and this rank's data slice of it.
+local function batches(mesh, make_batch)
+  local x, y = make_batch()
+  mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+  local d, n = mesh:coord().data, mesh:size("data")
+  local b = x.shape[1] / n
+  return x, y, x:narrow(0, d * b, b), y:narrow(0, d * b, b)
+end
+
+-- Trains `make()` serially (the hand-written loop, on whole batches) and parallelized through
+-- model:train_step (on this rank's slices) from the same weights: losses each step and every
+-- parameter at the end must agree within the dtype's tolerance.
+local function equal_to_serial(what, mesh, make, policy, opts, make_batch, dtype, step_opts, steps)
+  local tol = TOL[dtype]
+  pt.manual_seed(21)
+  local serial = make():to(dtype)
+  pt.manual_seed(21)
+  local model = pt.parallelize(make():to(dtype), policy, mesh, opts)
+  local so = pt.optim.adamw(serial, { lr = 1e-3 })
+  local po = pt.optim.adamw(model, { lr = 1e-3 })
+  for step = 1, steps or 5 do
+    local gx, gy, x, y = batches(mesh, make_batch)
+    local out = serial(gx)
+    local ls = pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1))
+    ls:backward()
+    local lp = model:train_step(x, y, step_opts)
+    local global = lp:detach():clone()
+    mesh:group("data"):all_reduce(global, "mean")
+    near(global, ls, tol, ("%s (%s): loss at step %d"):format(what, dtype, step))
+    so:step(); po:step()
+    so:zero_grad(); po:zero_grad()
+  end
+  local full, want = model:full_state_dict(), serial:state_dict()
+  for name, w in pairs(want) do
+    near(full[name], w, tol, ("%s (%s): parameter %s"):format(what, dtype, name))
+  end
+  return model
+end
+
+local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 1 }
+local function gpt_batch() return pt.randint(0, gpt.vocab, { 4, gpt.seq }), pt.randint(0, gpt.vocab, { 4, gpt.seq }) end
+local function mlp_batch(dtype)
+  return function() return pt.randn(8, 12):to(dtype), pt.randint(0, 5, { 8 }) end
+end
+
+for _, dtype in ipairs { "float32", "float64" } do
+  test("data parallel: train_step equals serial training (" .. dtype .. ")", function()
+    local mesh = pt.mesh {}
+    equal_to_serial("mlp", mesh, function() return pt.models.mlp { sizes = { 12, 16, 5 } } end, nil, nil,
+      mlp_batch(dtype), dtype)
+  end)
+
+  test("tensor x data parallel GPT-2: train_step equals serial training (" .. dtype .. ")", function()
+    local mesh = pt.mesh { tensor = 2 }
+    local model = equal_to_serial("gpt2", mesh, function() return pt.models.gpt2(gpt) end, "policies.gpt2", nil,
+      gpt_batch, dtype)
+    eq(model:policy(), "gpt2", "the model knows its policy")
+  end)
+
+  test("sequence-parallel GPT-2 with accumulate = 2: train_step equals serial training (" .. dtype .. ")", function()
+    local mesh = pt.mesh { tensor = 2 }
+    equal_to_serial("gpt2 sp", mesh, function() return pt.models.gpt2(gpt) end, "policies.gpt2",
+      { sequence_parallel = true }, gpt_batch, dtype, { accumulate = 2 })
+  end)
+end
+
+test("the model answers its mesh, policy, data-parallel handle and records", function()
+  local mesh = pt.mesh { tensor = 2 }
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+  eq(tostring(model:mesh()), tostring(mesh), "model:mesh()")
+  eq(pt.mesh_of(model):size("tensor"), 2)
+  ok(model:data_parallel():buckets() >= 1, "model:data_parallel()")
+  ok(pt.parallelized() == model, "the last parallelized model")
+  local records = {}
+  for _, r in ipairs(model:records()) do records[r.name] = r end
+  local wte = records["wte.weight"]
+  eq(table.concat(wte.shape, "x"), "64x16", "the logical shape")
+  eq(wte.aliases[1], "lm_head.weight", "the tied head is the same record")
+  eq(wte.sharding.dim, 0); eq(wte.dtype, "float32"); eq(wte.device, "cpu")
+  eq(records["wpe.weight"].sharding, nil, "a whole parameter")
+  eq(pt.models.mlp { sizes = { 2, 2 } }:mesh(), nil, "a model not made parallel has no mesh")
+end)
+
+test("Lua bucket hooks run on the script's thread through train_step and change nothing", function()
+  local mesh = pt.mesh {}
+  local function run(hooked)
+    pt.manual_seed(5)
+    local model = pt.parallelize(pt.models.mlp { sizes = { 12, 16, 5 } }, nil, mesh, { bucket_cap_mb = 1e-4 })
+    local calls = { pre = 0, post = 0 }
+    if hooked then
+      local dp = model:data_parallel()
+      dp:set_pre_hook(function(i, flat) calls.pre = calls.pre + 1; return flat * 1 end)
+      dp:set_post_hook(function(i, flat) calls.post = calls.post + 1 end)
+    end
+    pt.manual_seed(6)
+    local losses = {}
+    local opt = pt.optim.sgd(model, { lr = 0.1 })
+    for step = 1, 3 do
+      local _, _, x, y = batches(mesh, mlp_batch("float32"))
+      losses[step] = model:train_step(x, y):item()
+      opt:step(); opt:zero_grad()
+    end
+    return losses, calls, model:data_parallel():buckets()
+  end
+  local plain = run(false)
+  local hooked, calls, buckets = run(true)
+  for i = 1, 3 do eq(hooked[i], plain[i], "loss at step " .. i .. " with hooks") end
+  eq(calls.pre, 3 * buckets, "a pre hook a bucket a step"); eq(calls.post, 3 * buckets, "a post hook a bucket a step")
+end)
+
+test("a parallelized model and its optimizer dropped by the script are freed", function()
+  local mesh = pt.mesh { tensor = 2 }
+  collectgarbage(); collectgarbage()
+  local before = core.parallel.live()
+  local weak = setmetatable({}, { __mode = "v" })
+  do
+    local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+    local opt = pt.optim.adamw(model, { lr = 1e-3 })
+    local _, _, x, y = batches(mesh, gpt_batch)
+    model:train_step(x, y)
+    opt:step()
+    weak.model, weak.opt, weak.dp = model, opt, model:data_parallel()
+    eq(core.parallel.live(), before + 1)
+  end
+  for _ = 1, 3 do collectgarbage() end
+  eq(weak.model, nil, "the model is collected")
+  eq(weak.opt, nil, "its optimizer is collected")
+  eq(weak.dp, nil, "its data-parallel handle is collected")
+  eq(core.parallel.live(), before, "the engine's parallelized model is freed")
+end)
+
+test("a policy tying tensors its layers split differently is refused, naming both names", function()
+  local P = require "partrain.policy"
+  local mesh = pt.mesh { tensor = 2 }
+  -- 0.weight is split by rows (local 4x8 of 8x8), 4.weight by columns (local 4x8 of 4x16): one
+  -- tensor cannot be both.
+  local policy = P.policy {
+    name = "bad_tie",
+    modules = { MLP = { replace = { { "0", P.column { gather_output = true } }, { "2", P.column {} }, { "4", P.row {} } } } },
+    postprocess = function(model) P.tie(model, "4.weight", "0.weight") end,
+  }
+  local model = pt.models.mlp { sizes = { 8, 8, 16, 4 } }
+  local e = raises(function() pt.parallelize(model, policy, mesh) end, "'4.weight' is tied to '0.weight'")
+  ok(e:find("split on dimension 1") and e:find("split on dimension 0"), "names both splits: " .. e)
+  eq(model:get("0"):type(), "Linear", "the model is left as it was")
+end)
+
+test("bad train_step options are refused at the caller's line", function()
+  local mesh = pt.mesh {}
+  local model = pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh)
+  local x, y = pt.randn(4, 12), pt.randint(0, 5, { 4 })
+  local e = raises(function() model:train_step(x, y, { loss = "hinge" }) end,
+    "unknown loss 'hinge' (expected one of cross_entropy, mse)")
+  ok(e:find("test_train_step.lua:%d+"), "names the script's line: " .. e)
+  raises(function() model:train_step(x, y, { accumulate = 3 }) end, "accumulate=3 does not divide the batch of 4")
+  raises(function() model:train_step(x, y, { acumulate = 2 }) end, "unknown option 'acumulate' for train_step")
+  raises(function() pt.models.mlp { sizes = { 12, 5 } }:train_step(x, y) end, "made parallel by pt.parallelize")
+  local pipelined = raises(function() pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh, { microbatches = 4 }) end,
+    "parallelize option 'microbatches' asks for pipeline parallelism, which is not implemented yet")
+  ok(pipelined:find("test_train_step.lua:%d+"), "names the script's line: " .. pipelined)
+  raises(function() pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh, { zero = 2 }) end,
+    "parallelize option 'zero' asks for ZeRO, which is not implemented yet")
+  local twice = pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh, { grad_accumulation = 2 })
+  raises(function() twice:train_step(x, y, { accumulate = 2 }) end, "both split the batch")
+end)
+
+H.run()

@@ -1,0 +1,321 @@
+// GoogleTest for the parallel engine without processes: sharding arithmetic (slices, padding,
+// unequal parts, re-cutting along another dimension), the mesh layout for every size that
+// divides 8, the data-parallel bucket layout, and the parallelized model's records, lifetime,
+// thread-bound hooks and train_step on a world of one.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "engine/dist/mesh.hpp"
+#include "engine/models/models.hpp"
+#include "engine/nn/layers.hpp"
+#include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/parallel_model.hpp"
+#include "engine/parallel/sharding.hpp"
+
+using namespace partrain;
+using parallel::Sharding;
+using parallel::Slice;
+using torch::Tensor;
+
+namespace {
+
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A logical tensor whose every element differs: (rows, cols) of 0, 1, 2, ...
+Tensor numbered(int64_t rows, int64_t cols) { return torch::arange(rows * cols, torch::kFloat64).view({rows, cols}); }
+
+dist::World& world_of_one() {
+  auto& w = dist::World::instance();
+  if (!w.initialized()) w.init(dist::WorldOptions{});
+  return w;
+}
+
+// A module holding one parameter that it says is split as `split` (sizes only, no group).
+class SplitHolder : public nn::Module {
+ public:
+  SplitHolder(Tensor weight, c10::optional<Sharding> split) : nn::Module("SplitHolder"), split_(std::move(split)) {
+    register_parameter("weight", std::move(weight));
+  }
+  const Sharding* sharding_of(const std::string& name) const override {
+    return name == "weight" && split_ ? &*split_ : nullptr;
+  }
+
+ private:
+  c10::optional<Sharding> split_;
+};
+
+}  // namespace
+
+TEST(Sharding, SlicesOfAPaddedDimension) {
+  // 10 rows over 4 ranks, padded to 12: 3 rows a rank, the last holds 1 row and 2 of padding.
+  auto s = Sharding::split(nullptr, 4, 0, {10, 3}, {}, 12);
+  EXPECT_EQ(s.slices(0), (std::vector<Slice>{{0, 3}}));
+  EXPECT_EQ(s.slices(2), (std::vector<Slice>{{6, 3}}));
+  EXPECT_EQ(s.slices(3), (std::vector<Slice>{{9, 1}}));
+  EXPECT_EQ(s.local_shape(), (std::vector<int64_t>{3, 3}));
+  auto full = numbered(10, 3);
+  std::vector<Tensor> parts;
+  for (int r = 0; r < 4; ++r) parts.push_back(parallel::local_part(full, s, r));
+  EXPECT_TRUE(parts[3].narrow(0, 1, 2).eq(0).all().item<bool>()) << "padding rows are zero";
+  EXPECT_TRUE(parts[3][0].equal(full[9])) << "the last rank's one real row";
+  EXPECT_TRUE(parallel::assemble(parts, s).equal(full)) << "the parts put back give the logical tensor";
+}
+
+TEST(Sharding, UnequalPartsEachSplitAcrossTheGroup) {
+  // Grouped-query attention's fused q, k, v: 8 query rows, 4 key and 4 value rows, over 2 ranks.
+  auto s = Sharding::split(nullptr, 2, 0, {16, 5}, {8, 4, 4});
+  EXPECT_EQ(s.slices(0), (std::vector<Slice>{{0, 4}, {8, 2}, {12, 2}}));
+  EXPECT_EQ(s.slices(1), (std::vector<Slice>{{4, 4}, {10, 2}, {14, 2}}));
+  EXPECT_EQ(s.local_shape(), (std::vector<int64_t>{8, 5}));
+  auto full = numbered(16, 5);
+  auto mine = parallel::local_part(full, s, 1);
+  EXPECT_TRUE(mine.narrow(0, 0, 4).equal(full.narrow(0, 4, 4))) << "rank 1's half of q";
+  EXPECT_TRUE(mine.narrow(0, 4, 2).equal(full.narrow(0, 10, 2))) << "rank 1's half of k";
+  EXPECT_TRUE(mine.narrow(0, 6, 2).equal(full.narrow(0, 14, 2))) << "rank 1's half of v";
+  EXPECT_TRUE(parallel::assemble({parallel::local_part(full, s, 0), mine}, s).equal(full));
+  EXPECT_NE(error_of([&] { s.equal_parts(); }).find("unequal sizes [8, 4, 4]"), std::string::npos);
+  EXPECT_EQ(Sharding::split(nullptr, 2, 0, {12, 5}, {4, 4, 4}).equal_parts(), 3);
+  EXPECT_NE(s.describe().find("parts 8+4+4"), std::string::npos) << s.describe();
+}
+
+TEST(Sharding, SizesThatDoNotFitAreRefusedByName) {
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 0, {16, 5}, {8, 4}); }).find("do not add up to dimension 0's size 16"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 4, 0, {12, 5}, {6, 3, 3}); }).find("a part of 6"), std::string::npos);
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 0, {12, 5}, {6, 6}, 14); }).find("cannot be padded"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 4, 0, {10, 3}, {}, 11); }).find("padded to 11"), std::string::npos);
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 2, {10, 3}); }).find("cannot split dimension 2"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { Sharding::split(nullptr, 2, 1, {4, 4}).slices(2); }).find("rank 2 is outside"),
+            std::string::npos);
+}
+
+TEST(Sharding, APieceCutAlongAnotherDimensionReadsTheSameValues) {
+  // The logical tensor saved cut along dim 0 (fused parts, 2 ranks) and read back cut along dim 1
+  // (3 ranks): each new piece assembled from the old pieces through their slices equals the
+  // piece cut from the logical tensor directly.
+  auto full = numbered(12, 6);
+  auto by_rows = Sharding::split(nullptr, 2, 0, {12, 6}, {4, 8});
+  auto by_cols = Sharding::split(nullptr, 3, 1, {12, 6});
+  std::vector<Tensor> saved;
+  for (int r = 0; r < 2; ++r) saved.push_back(parallel::local_part(full, by_rows, r));
+  for (int r = 0; r < 3; ++r) {
+    auto piece = torch::zeros(by_cols.local_shape(), torch::kFloat64);
+    for (int q = 0; q < 2; ++q) {
+      int64_t offset = 0;
+      for (auto [start, rows] : by_rows.slices(q)) {
+        int64_t col = 0;
+        for (auto [first, cols] : by_cols.slices(r)) {
+          piece.narrow(0, start, rows).narrow(1, col, cols).copy_(saved[q].narrow(0, offset, rows).narrow(1, first, cols));
+          col += cols;
+        }
+        offset += rows;
+      }
+    }
+    EXPECT_TRUE(piece.equal(parallel::local_part(full, by_cols, r))) << "rank " << r << " of the column cut";
+  }
+}
+
+TEST(MeshLayout, EverySizeThatDividesEightLaysOutAndGroupsAgree) {
+  const std::vector<int> sizes{1, 2, 4, 8};
+  int layouts = 0;
+  for (int t : sizes)
+    for (int p : sizes)
+      for (int d : sizes) {
+        if (t * p * d != 8) continue;
+        for (int z : sizes) {
+          if (z > d || d % z) continue;
+          SCOPED_TRACE("tensor=" + std::to_string(t) + " pipeline=" + std::to_string(p) + " data=" + std::to_string(d) +
+                       " zero=" + std::to_string(z));
+          dist::Layout layout({t, p, 0, z}, 8);
+          ++layouts;
+          ASSERT_EQ(layout.data, d);
+          ASSERT_EQ(layout.zero, z);
+          for (int r = 0; r < 8; ++r) {
+            auto c = layout.coord(r);
+            EXPECT_EQ(layout.rank_of(c), r);
+            EXPECT_EQ(r, c.tensor + t * (c.data + d * c.pipeline)) << "tensor fastest, then data, then pipeline";
+          }
+          const std::map<std::string, int> want{{"world", 8}, {"tensor", t}, {"data", d},
+                                                {"pipeline", p}, {"unit", t * p}, {"zero", z}};
+          for (const auto& [kind, size] : want) {
+            std::vector<int> seen(8, 0);
+            for (const auto& g : layout.groups(kind)) {
+              EXPECT_EQ(static_cast<int>(g.size()), size) << kind;
+              for (int member : g) {
+                ++seen[member];
+                EXPECT_EQ(layout.group_of(kind, member), g) << kind << ": every member sees the same group";
+              }
+            }
+            for (int r = 0; r < 8; ++r) EXPECT_EQ(seen[r], 1) << kind << ": rank " << r << " is in exactly one group";
+          }
+          for (int r = 0; r < 8; ++r) {
+            auto c = layout.coord(r);
+            for (int m : layout.group_of("tensor", r)) {
+              EXPECT_EQ(layout.coord(m).data, c.data);
+              EXPECT_EQ(layout.coord(m).pipeline, c.pipeline);
+            }
+            for (int m : layout.group_of("data", r)) EXPECT_EQ(layout.coord(m).tensor, c.tensor);
+            auto data = layout.group_of("data", r);
+            for (int m : layout.group_of("zero", r))
+              EXPECT_NE(std::find(data.begin(), data.end(), m), data.end()) << "a zero group lies in the data group";
+          }
+        }
+      }
+  EXPECT_EQ(layouts, 20) << "the 10 (tensor, pipeline, data) with product 8, each with every zero size dividing data";
+  EXPECT_NE(error_of([] { dist::Layout({3, 1, 0, 0}, 8); }).find("tensor=3 x pipeline=1 = 3 does not divide the world"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dist::Layout({2, 1, 0, 3}, 8); }).find("zero=3 does not divide the data size 4"),
+            std::string::npos);
+  EXPECT_EQ(dist::Layout({2, 1, 0, 0}, 8).zero, 1) << "unset: ZeRO off";
+}
+
+TEST(Mesh, PipelineAndZeroAreRefusedUntilBuilt) {
+  auto& w = world_of_one();
+  EXPECT_NE(error_of([&] { dist::Mesh({1, 2, 0, 0}, w); }).find("pipeline=2: pipeline parallelism is not implemented yet"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dist::Mesh({1, 1, 0, 2}, w); }).find("zero=2: ZeRO"), std::string::npos);
+  dist::Mesh mesh({}, w);
+  EXPECT_EQ(mesh.describe().find("zero:"), std::string::npos) << "no zero group printed while ZeRO is off";
+}
+
+TEST(DataParallel, BucketsInReverseOrderUnderTheCapEveryParameterOnce) {
+  std::vector<parallel::BucketParam> params;
+  const std::vector<int64_t> bytes{400, 100, 100, 300, 50, 700, 10, 10};
+  for (auto b : bytes) params.push_back({b, torch::kFloat32, torch::kCPU});
+  params[2].dtype = torch::kFloat64;  // a dtype change closes a bucket
+  const int64_t cap = 300;
+  auto buckets = parallel::bucket_layout(params, cap);
+  std::vector<size_t> order;
+  for (const auto& b : buckets) {
+    ASSERT_FALSE(b.empty());
+    int64_t before_last = 0;
+    for (size_t i = 0; i + 1 < b.size(); ++i) before_last += bytes[b[i]];
+    EXPECT_LT(before_last, cap) << "a bucket is closed once it reaches the cap";
+    for (size_t k : b) {
+      order.push_back(k);
+      EXPECT_EQ(params[k].dtype, params[b.front()].dtype) << "one dtype a bucket";
+    }
+  }
+  std::vector<size_t> reverse;
+  for (size_t k = params.size(); k-- > 0;) reverse.push_back(k);
+  EXPECT_EQ(order, reverse) << "every parameter exactly once, in reverse parameter order";
+  EXPECT_EQ(buckets.size(), 4u) << "{7, 6, 5} (reaches the cap), {4, 3}, {2} (float64), {1, 0}";
+  EXPECT_EQ(parallel::bucket_layout(params, int64_t{1} << 40).size(), 3u) << "a huge cap: split by dtype only";
+}
+
+TEST(ParallelModel, ShardingIsAskedOfTheHolderAndTiesMustAgree) {
+  auto root = std::make_shared<nn::Sequential>(std::vector<nn::ModulePtr>{});
+  auto split = Sharding::split(nullptr, 2, 0, {8, 3});
+  auto a = std::make_shared<SplitHolder>(torch::zeros({4, 3}), split);
+  root->set_child("a", a);
+  root->set_child("b", std::make_shared<SplitHolder>(torch::zeros({2}), c10::nullopt));
+  auto s = parallel::sharding_of(*root, "a.weight");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(*s, split);
+  EXPECT_FALSE(parallel::sharding_of(*root, "b.weight").has_value()) << "a whole parameter";
+  EXPECT_FALSE(parallel::sharding_of(*root, "c.weight").has_value()) << "no such module";
+  auto records = parallel::parameter_records(*root);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].name, "a.weight");
+  EXPECT_EQ(records[0].shape, (std::vector<int64_t>{8, 3})) << "the logical shape";
+  EXPECT_EQ(records[0].flat_buffer, -1) << "reserved for ZeRO";
+  EXPECT_FALSE(records[0].master.defined()) << "reserved for mixed precision";
+  // The same tensor held whole by another module: refused, naming both names.
+  auto whole = std::make_shared<SplitHolder>(a->named_parameters()["weight"], c10::nullopt);
+  root->set_child("c", whole);
+  auto error = error_of([&] { parallel::parameter_records(*root); });
+  EXPECT_NE(error.find("'c.weight' is tied to 'a.weight'"), std::string::npos) << error;
+  EXPECT_NE(error.find("whole"), std::string::npos) << error;
+  // Held split the same way under both names: one record with an alias.
+  root->set_child("c", std::make_shared<SplitHolder>(a->named_parameters()["weight"], split));
+  records = parallel::parameter_records(*root);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].aliases, (std::vector<std::string>{"c.weight"}));
+}
+
+TEST(ParallelModel, DroppedModelIsFreedWithItsState) {
+  auto& w = world_of_one();
+  const auto before = parallel::ParallelModel::live();
+  std::weak_ptr<nn::Module> tree;
+  std::weak_ptr<parallel::DataParallel> dp;
+  {
+    auto model = models::mlp(models::MlpOptions{{4, 8, 2}});
+    tree = model;
+    auto pm = parallel::ParallelModel::parallelize(model, std::make_shared<dist::Mesh>(dist::MeshOptions{}, w), {});
+    model.reset();
+    dp = pm->data_parallel();
+    EXPECT_EQ(parallel::ParallelModel::live(), before + 1);
+    EXPECT_EQ(parallel::ParallelModel::of(pm->module()), pm) << "the tree knows its owner";
+    EXPECT_NE(error_of([&] { parallel::ParallelModel::parallelize(pm->root(), pm->mesh(), {}); }).find("already"),
+              std::string::npos);
+  }
+  EXPECT_EQ(parallel::ParallelModel::live(), before);
+  EXPECT_TRUE(tree.expired()) << "the module tree is freed with its owner";
+  EXPECT_TRUE(dp.expired()) << "the data-parallel state is freed with its owner";
+}
+
+TEST(ParallelModel, TrainStepEqualsTheHandWrittenStep) {
+  auto& w = world_of_one();
+  auto mesh = std::make_shared<dist::Mesh>(dist::MeshOptions{}, w);
+  torch::manual_seed(3);
+  auto serial = models::mlp(models::MlpOptions{{6, 16, 5}});
+  torch::manual_seed(3);
+  auto pm = parallel::ParallelModel::parallelize(models::mlp(models::MlpOptions{{6, 16, 5}}), mesh, {});
+  auto x = torch::randn({8, 6});
+  auto y = torch::randint(0, 5, {8});
+  auto loss = pm->train_step(x, y);
+  auto want = nn::cross_entropy(serial->forward(std::vector<Tensor>{x}), y);
+  want.backward();
+  EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-6);
+  auto mine = pm->module().named_parameters(), theirs = serial->named_parameters();
+  for (const auto& item : theirs)
+    EXPECT_TRUE(torch::allclose(mine[item.key()].grad(), item.value().grad(), 1e-5, 1e-6)) << item.key();
+  // accumulate = 2: the mean of the two halves' losses, and the gradient of the whole batch.
+  for (auto& p : pm->module().parameters()) p.mutable_grad().zero_();
+  auto accumulated = pm->train_step(x, y, {"cross_entropy", 2});
+  EXPECT_NEAR(accumulated.item<double>(), want.item<double>(), 1e-6);
+  for (const auto& item : theirs)
+    EXPECT_TRUE(torch::allclose(mine[item.key()].grad(), item.value().grad(), 1e-5, 1e-6)) << item.key();
+  EXPECT_NE(error_of([&] { pm->train_step(x, y, {"hinge"}); }).find("unknown loss 'hinge' (expected one of "
+                                                                   "cross_entropy, mse)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { pm->train_step(x, y, {"cross_entropy", 3}); }).find("accumulate=3 does not divide the batch of 8"),
+            std::string::npos);
+}
+
+TEST(DataParallel, ThreadBoundHooksRunOnlyOnTheirThread) {
+  auto& w = world_of_one();
+  auto mesh = std::make_shared<dist::Mesh>(dist::MeshOptions{}, w);
+  auto pm = parallel::ParallelModel::parallelize(models::mlp(models::MlpOptions{{3, 4, 2}}), mesh, {});
+  auto& dp = *pm->data_parallel();
+  const auto main = std::this_thread::get_id();
+  std::vector<std::thread::id> ran;
+  dp.set_pre_hook([&](int, Tensor& flat) { ran.push_back(std::this_thread::get_id()); }, /*thread_bound=*/true);
+  auto x = torch::randn({4, 3});
+  auto y = torch::randint(0, 2, {4});
+  std::thread autograd([&] { nn::cross_entropy(pm->module().forward(std::vector<Tensor>{x}), y).backward(); });
+  autograd.join();
+  EXPECT_TRUE(ran.empty()) << "no hook ran on the backward's thread";
+  EXPECT_FALSE(dp.passes_since_sync() == 0) << "the sync waits for the hooks' thread";
+  EXPECT_TRUE(dp.synced()) << "completed on this thread";
+  ASSERT_FALSE(ran.empty());
+  for (auto id : ran) EXPECT_EQ(id, main);
+  // On the hooks' own thread the sync completes at the end of backward, as before.
+  ran.clear();
+  nn::cross_entropy(pm->module().forward(std::vector<Tensor>{x}), y).backward();
+  EXPECT_EQ(dp.passes_since_sync(), 0);
+  EXPECT_EQ(ran.size(), dp.buckets().size());
+}
