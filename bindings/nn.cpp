@@ -4,8 +4,7 @@
 #include <sstream>
 
 #include "bindings/lua.hpp"
-#include "engine/models/gpt2.hpp"
-#include "engine/models/models.hpp"
+#include "engine/models/registry.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
@@ -456,28 +455,61 @@ const Function kConstructors[] = {
          for (auto& p : params)
            if (p.grad().defined()) p.mutable_grad().mul_(scale);
        return a.ret(norm); }},
-    {"mlp", [](Args& a) {
-       Options t(a, 1, "mlp");
-       models::MlpOptions o;
-       o.sizes = t.ints("sizes", {});
-       o.activation = t.string("activation", o.activation);
-       o.dropout = t.number("dropout", o.dropout);
-       o.bias = t.boolean("bias", o.bias);
-       t.finish();
-       return a.ret(models::mlp(o)); }},
-    {"gpt2", [](Args& a) {
-       Options t(a, 1, "gpt2");
-       models::Gpt2Options o;
-       o.vocab = t.integer("vocab", o.vocab);
-       o.seq = t.integer("seq", o.seq);
-       o.dim = t.integer("dim", o.dim);
-       o.heads = t.integer("heads", o.heads);
-       o.layers = t.integer("layers", o.layers);
-       o.dropout = t.number("dropout", o.dropout);
-       o.eps = t.number("eps", o.eps);
-       o.flash_attention = t.boolean("flash_attention", o.flash_attention);
-       t.finish();
-       return a.ret(models::gpt2(o)); }},
+    {nullptr, nullptr}};
+
+// ---- pt.models: one constructor a registered family ---------------------------------------
+
+// A family builder's options from the Lua table (types checked by Options; keys no builder read
+// are refused by finish()).
+class TableOptions final : public models::OptionReader {
+ public:
+  explicit TableOptions(Options& t) : t_(t) {}
+  int64_t integer(const char* key, int64_t fallback) override { return t_.integer(key, fallback); }
+  double number(const char* key, double fallback) override { return t_.number(key, fallback); }
+  bool boolean(const char* key, bool fallback) override { return t_.boolean(key, fallback); }
+  std::string string(const char* key, const std::string& fallback) override { return t_.string(key, fallback); }
+  std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback) override {
+    return t_.ints(key, std::move(fallback));
+  }
+
+ private:
+  Options& t_;
+};
+
+// pt.models.<family>(options): the family is the function's own name.
+int build_model(Args& a) {
+  const auto& family = models::family(a.name());
+  Options t(a, 1, family.name);
+  TableOptions reader(t);
+  auto model = family.build(reader);
+  t.finish();
+  return a.ret(model);
+}
+
+// family_of(model) -> { name, type, policy } of the family whose root the model is, or nil.
+int family_of(Args& a) {
+  const auto* f = models::family_of_type(a.module(1)->type());
+  if (!f) { lua_pushnil(a.L); return 1; }
+  lua_createtable(a.L, 0, 3);
+  lua_pushstring(a.L, f->name.c_str()); lua_setfield(a.L, -2, "name");
+  lua_pushstring(a.L, f->type.c_str()); lua_setfield(a.L, -2, "type");
+  lua_pushstring(a.L, f->default_policy.c_str()); lua_setfield(a.L, -2, "policy");
+  return 1;
+}
+
+// The constructors, one a family, with addresses that stay put (closures point at them).
+const std::vector<Function>& model_constructors() {
+  static const std::vector<Function> fns = [] {
+    std::vector<Function> out;
+    for (const auto& f : models::families()) out.push_back({f.name.c_str(), build_model});
+    out.push_back({nullptr, nullptr});
+    return out;
+  }();
+  return fns;
+}
+
+const Function kModelFunctions[] = {
+    {"family_of", family_of},
     {nullptr, nullptr}};
 
 }  // namespace
@@ -519,6 +551,8 @@ void open_nn(lua_State* L, int core) {
   lua_setfield(L, core, "Module_mt");
 
   set_library(L, core, "nn", kConstructors);
+  set_library(L, core, "models", model_constructors().data());  // pt.models.mlp, pt.models.gpt2, ...
+  set_library(L, core, "model_families", kModelFunctions);
   new_metatable<SnapshotPtr>(L, PT_SNAPSHOT_MT, kSnapshotMethods, /*keep=*/false);
 }
 
