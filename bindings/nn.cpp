@@ -101,6 +101,21 @@ nn::Module::ForwardFn lua_forward(lua_State* L, int index) {
 
 LuaModule* as_lua(const ModulePtr& m) { return dynamic_cast<LuaModule*>(m.get()); }
 
+// The module metatable's array slots: the method table and the weak userdata cache.
+constexpr int kMethodsSlot = 1, kModulesSlot = 2;
+
+// Pushes the one userdata of `m`, made and remembered in the weak table at `cache` the first time.
+void push_module_via(lua_State* L, int cache, const ModulePtr& m) {
+  lua_pushlightuserdata(L, m.get());
+  lua_rawget(L, cache);
+  if (!lua_isnil(L, -1)) return;
+  lua_pop(L, 1);
+  ud_push(L, m, PT_MODULE_MT);
+  lua_pushlightuserdata(L, m.get());
+  lua_pushvalue(L, -2);
+  lua_rawset(L, cache);
+}
+
 // Parameters from a module or a table of tensors.
 std::vector<Tensor> params_of(const Args& a, int i) {
   if (auto* m = ud_test<ModulePtr>(a.L, i, PT_MODULE_MT)) return nn::unique_parameters(**m);
@@ -337,7 +352,11 @@ const Function kMeta[] = {
          if (!lua_isnil(L, -1)) return 1;
          lua_pop(L, 2);
        }
-       lua_getfield(L, LUA_REGISTRYINDEX, "partrain.Module.methods");
+       // The method table and the userdata cache hang off the module metatable's array slots,
+       // reached without a registry lookup by name.
+       lua_getmetatable(L, 1);
+       int mt = lua_gettop(L);
+       lua_rawgeti(L, mt, kMethodsSlot);
        lua_pushvalue(L, 2);
        lua_rawget(L, -2);
        if (!lua_isnil(L, -1)) return 1;
@@ -345,7 +364,11 @@ const Function kMeta[] = {
        if (lua_type(L, 2) != LUA_TSTRING) { lua_pushnil(L); return 1; }
        std::string key = lua_tostring(L, 2);
        if (Tensor t = m->own_tensor(key); t.defined()) return a.ret(t);
-       if (auto child = m->child(key)) return a.ret(child);
+       if (auto child = m->child(key)) {
+         lua_rawgeti(L, mt, kModulesSlot);
+         push_module_via(L, lua_gettop(L), child);
+         return 1;
+       }
        if (lm || m->has_slot(key)) { lua_pushnil(L); return 1; }
        throw std::invalid_argument(m->type() + " has no field, method, parameter or child '" + key + "'"); }},
     {"__newindex", [](Args& a) {
@@ -515,19 +538,8 @@ const Function kModelFunctions[] = {
 }  // namespace
 
 void push_module(lua_State* L, const ModulePtr& m) {
-  // One userdata a module: look it up in the weak cache first.
   lua_getfield(L, LUA_REGISTRYINDEX, "partrain.modules");
-  lua_pushlightuserdata(L, m.get());
-  lua_rawget(L, -2);
-  if (!lua_isnil(L, -1)) {
-    lua_remove(L, -2);
-    return;
-  }
-  lua_pop(L, 1);
-  ud_push(L, m, PT_MODULE_MT);
-  lua_pushlightuserdata(L, m.get());
-  lua_pushvalue(L, -2);
-  lua_rawset(L, -4);
+  push_module_via(L, lua_gettop(L), m);
   lua_remove(L, -2);
 }
 
@@ -538,17 +550,23 @@ void open_nn(lua_State* L, int core) {
   lua_pushstring(L, "v");
   lua_setfield(L, -2, "__mode");
   lua_setmetatable(L, -2);
+  lua_pushvalue(L, -1);
   lua_setfield(L, LUA_REGISTRYINDEX, "partrain.modules");
+  int modules = lua_gettop(L);
 
   lua_newtable(L);
   set_functions(L, -1, kMethods);
-  lua_pushvalue(L, -1);
-  lua_setfield(L, LUA_REGISTRYINDEX, "partrain.Module.methods");
-  lua_setfield(L, core, "Module");  // the method table, so Lua can add methods
+  int methods = lua_gettop(L);
 
   new_metatable<ModulePtr>(L, PT_MODULE_MT);
   set_functions(L, -1, kMeta);
+  lua_pushvalue(L, methods);
+  lua_rawseti(L, -2, kMethodsSlot);
+  lua_pushvalue(L, modules);
+  lua_rawseti(L, -2, kModulesSlot);
   lua_setfield(L, core, "Module_mt");
+  lua_setfield(L, core, "Module");  // the method table, so Lua can add methods
+  lua_pop(L, 1);  // the cache
 
   set_library(L, core, "nn", kConstructors);
   set_library(L, core, "models", model_constructors().data());  // pt.models.mlp, pt.models.gpt2, ...
