@@ -8,6 +8,10 @@
 #define PARTRAIN_COMPAT_C10D  // make_c10d_group is defined here
 #include "engine/compat.hpp"
 
+#ifdef PARTRAIN_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace partrain::compat {
 
 std::string torch_version() {
@@ -30,6 +34,15 @@ torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor
 bool cuda_available() { return torch::cuda::is_available(); }
 
 int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
+
+void use_device(const torch::Device& device) {
+  if (!device.is_cuda()) return;
+#ifdef PARTRAIN_WITH_NCCL  // a CUDA LibTorch (the one that carries NCCL)
+  c10::cuda::set_device(device.index());
+#else
+  TORCH_CHECK(false, "device ", device.str(), " needs a CUDA build of partrain");
+#endif
+}
 
 std::string message_of(const std::exception& e) {
   if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();

@@ -51,6 +51,10 @@ bool cuda_available();
 /// How many CUDA devices this LibTorch sees (0 without CUDA).
 int cuda_device_count();
 
+/// Makes `device` (a CUDA device) the thread's current one, as torch.cuda.set_device does, so that
+/// NCCL and kernels launched without a device use the rank's. Nothing for a CPU device.
+void use_device(const torch::Device& device);
+
 /// An exception's message without LibTorch's C++ backtrace.
 std::string message_of(const std::exception& e);
 

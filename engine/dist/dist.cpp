@@ -641,6 +641,7 @@ void World::init(const WorldOptions& options) {
   options_ = options;
   // The device first: a bad one is refused before any rank waits on the rendezvous.
   device_ = options.planned ? torch::Device(torch::kCPU) : resolve_device(options.device, options.local_rank);
+  compat::use_device(*device_);  // before the groups: NCCL binds to the current device
   groups_.clear();
   if (options.world_size > 1 && !options.planned) {
     this_rank = options.rank;
@@ -674,6 +675,7 @@ torch::Device World::device() const {
       auto o = world_options_from_env();
       device_ = resolve_device(o.device, o.local_rank);
     }
+    compat::use_device(*device_);
   }
   return *device_;
 }
