@@ -1,4 +1,4 @@
-// Data loaders in Lua (pt.data.mnist, pt.data.text) and byte helpers: thin userdata over the
+// Data loaders in Lua (pt.data.mnist, pt.data.text) and byte conversions: thin userdata over the
 // engine's loaders; batching stays in C++, and batches land on the rank's device.
 #include <cstring>
 

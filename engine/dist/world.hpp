@@ -52,7 +52,7 @@ class World {
   const WorldOptions& options() const { return options_; }
   int rank() const { return options_.rank; }
   int size() const { return options_.world_size; }
-  /// This rank's device: groups, helper collectives, loaders and new modules allocate there.
+  /// This rank's device: groups, the engine's own collectives, loaders and new modules allocate there.
   /// Before init, the device PARTRAIN_DEVICE names for this process (resolved once).
   torch::Device device() const;
   GroupPtr world() const;

@@ -2,7 +2,7 @@
 # Each rank's device: --device and PARTRAIN_DEVICE set it explicitly (cpu here), pt.device() says
 # it, and modules, models and loader batches land there; devices this machine cannot have (cuda:0
 # without CUDA), unknown devices (tpu) and malformed ones (cuda:x) are refused with a message
-# naming the value; the launcher passes the device to every rank, and groups and the helper
+# naming the value; the launcher passes the device to every rank, and groups and the engine's own
 # collectives run on it. Usage: test_device.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
@@ -35,7 +35,7 @@ out=$("$bin" --threads 1 --nproc-per-node 2 --tee --device cpu "$tmp/where.lua" 
   has "$out" "rank 1 device=cpu linear=cpu gpt2=cpu batch=cpu,cpu env=cpu"
 report $? "the launcher passes --device to every rank" "$out"
 
-# Helper collectives (verify under --check-collectives, all_gather_strings behind
+# The engine's own collectives (verify under --check-collectives, all_gather_strings behind
 # the sharder's first-error exchange) run on the device at 2 ranks.
 cat >"$tmp/collect.lua" <<'EOF'
 local pt = require "partrain"

@@ -35,7 +35,7 @@ end
 function pt.loading_file(fn) return loading[fn] end
 
 -- Tensors: pt.zeros, pt.tensor, pt.cat, pt.no_grad, ... (dims and indices count from 0), and
--- where this rank computes. A list, not a copy of core: the REPL's helpers and the `_` names
+-- where this rank computes. A list, not a copy of core: the REPL's functions and the `_` names
 -- stay inside the library.
 for _, name in ipairs {
   "tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye",
