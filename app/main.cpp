@@ -19,6 +19,7 @@
 #include "bindings/host.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
+#include "engine/nn/layers.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
 
@@ -76,6 +77,9 @@ int main(int argc, char** argv) {
   app.add_flag("--tee", launch.tee, "show every rank's stdout, each line prefixed with its rank");
   app.add_option("--timeout", timeout_text, "seconds a collective or the rendezvous may wait before "
                  "failing, 1-604800 (default 300)");
+  std::string device;
+  app.add_option("--device", device, "where each rank computes: cpu, cuda (cuda:<local rank>) or cuda:N "
+                 "(default: cuda:<local rank> when CUDA is present, else cpu; PARTRAIN_DEVICE too)");
   bool check_collectives = false;
   app.add_flag("--check-collectives", check_collectives, "before every collective, check that all ranks of its "
                "group call the same one (debugging; costs a small all-gather each)");
@@ -162,6 +166,15 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(partrain::compat::message_of(e));
   }
+  if (app.count("--device")) {  // checked once here; every rank inherits it and resolves its own
+    if (device.empty()) return fail("--device is empty (expected cpu, cuda or cuda:N)");
+    try {
+      partrain::dist::resolve_device(device, 0);
+    } catch (const std::exception& e) {
+      return fail("--device: " + partrain::compat::message_of(e));
+    }
+    setenv("PARTRAIN_DEVICE", device.c_str(), 1);
+  }
   if (check_collectives) setenv("PARTRAIN_CHECK_COLLECTIVES", "1", 1);  // ranks inherit it
   if (!plan_file.empty()) {
     setenv("PARTRAIN_PLAN", plan_file.c_str(), 1);
@@ -217,6 +230,8 @@ int main(int argc, char** argv) {
       }
       partrain::dist::World::instance().init(world_options);
     }
+    // Modules built from here on (pt.nn, pt.models) put their parameters on this rank's device.
+    partrain::nn::set_parameter_options(torch::TensorOptions().device(partrain::dist::World::instance().device()));
   } catch (const std::exception& e) {
     return rank_fail(where + partrain::compat::message_of(e));
   }

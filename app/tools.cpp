@@ -18,6 +18,7 @@
 #include "engine/ckpt/ckpt.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
+#include "engine/models/registry.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
 
@@ -252,11 +253,13 @@ int ckpt_export(const std::string& path, const std::string& tag, const std::stri
   std::map<std::string, torch::Tensor> tensors;
   for (const auto& e : m.tensors)
     if (e.name.rfind("model/", 0) == 0) tensors[e.name.substr(6)] = ckpt::read_tensor(folder, m, e);
-  bool gpt2 = m.model_type == "GPT2";
-  if (gpt2) tensors.erase("lm_head.weight");  // tied to wte.weight, as Hugging Face stores it
-  ckpt::write_safetensors(out, tensors, gpt2);
+  const auto* family = models::family_of_type(m.model_type);
+  const auto* hf = family && family->has_hf() ? &family->hf : nullptr;
+  if (hf)
+    for (const auto& [tied, source] : hf->tied) tensors.erase(tied);  // Hugging Face stores the source alone
+  ckpt::write_safetensors(out, tensors, hf);
   std::cout << "wrote " << tensors.size() << " tensors of step " << m.step << " to " << out
-            << (gpt2 ? " (Hugging Face GPT-2 layout)" : "") << std::endl;
+            << (hf ? " (" + hf->layout + " layout)" : "") << std::endl;
   return 0;
 }
 

@@ -12,12 +12,19 @@
 #include "engine/compat.hpp"
 #include "engine/data/data.hpp"
 #include "engine/dist/world.hpp"
+#include "engine/models/registry.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::lua {
 
 namespace {
+
+// The Hugging Face names of the model's family (by its root's type), or nullptr: names as they are.
+const models::HfNames* hf_names(const nn::Module& model) {
+  const auto* family = models::family_of_type(model.type());
+  return family && family->has_hf() ? &family->hf : nullptr;
+}
 
 using nlohmann::json;
 
@@ -203,32 +210,31 @@ const Function kCkpt[] = {
        std::string path = a.string(2);
        auto full = parallel::full_state_dict(*m);
        std::map<std::string, torch::Tensor> tensors(full.begin(), full.end());
-       if (m->type() == "GPT2") tensors.erase("lm_head.weight");  // tied to wte.weight, as HF stores it
+       const auto* hf = hf_names(*m);
+       if (hf)
+         for (const auto& [tied, source] : hf->tied) tensors.erase(tied);  // Hugging Face stores the source alone
        if (dist::World::instance().initialized() ? dist::World::instance().rank() == 0 : true)
-         ckpt::write_safetensors(path, tensors, m->type() == "GPT2");
+         ckpt::write_safetensors(path, tensors, hf);
        return a.ret(); }},
     // import_safetensors(model, path): loads logical weights into the (possibly split) model.
     {"import_safetensors", [](Args& a) {
        auto& m = a.module(1);
        std::string path = a.string(2);
-       auto tensors = ckpt::read_safetensors(path, m->type() == "GPT2");
+       const auto* hf = hf_names(*m);
+       auto tensors = ckpt::read_safetensors(path, hf);
        nn::TensorMap state(tensors.begin(), tensors.end());
-       if (m->type() == "GPT2" && state.count("wte.weight")) {
-         // lm_head is tied to wte: a file may leave it out, or hold the same values.
-         if (!state.count("lm_head.weight")) state["lm_head.weight"] = state["wte.weight"];
-         else if (!state["lm_head.weight"].sizes().equals(state["wte.weight"].sizes()) ||
-                  !state["lm_head.weight"].to(torch::kFloat64).equal(state["wte.weight"].to(torch::kFloat64)))
-           throw std::runtime_error("importing '" + path + "': tensor 'lm_head.weight' differs from 'wte.weight', " +
-                                    "to which the model ties it");
+       for (const auto& [tied, source] : hf ? hf->tied : decltype(hf->tied){}) {
+         if (!state.count(source)) continue;
+         // A tied tensor (GPT-2's lm_head, tied to wte): a file may leave it out, or hold the same values.
+         if (!state.count(tied)) state[tied] = state[source];
+         else if (!state[tied].sizes().equals(state[source].sizes()) ||
+                  !state[tied].to(torch::kFloat64).equal(state[source].to(torch::kFloat64)))
+           throw std::runtime_error("importing '" + path + "': tensor '" + tied + "' differs from '" + source +
+                                    "', to which the model ties it");
        }
-       // Hugging Face's GPT-2 files may carry its causal-mask buffers, which partrain computes.
-       auto ends_with = [](const std::string& s, const std::string& end) {
-         return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
-       };
-       if (m->type() == "GPT2")
-         for (auto it = state.begin(); it != state.end();)
-           it = ends_with(it->first, ".attn.bias") || ends_with(it->first, ".attn.masked_bias") ? state.erase(it)
-                                                                                                : std::next(it);
+       // Tensors Hugging Face's files may carry that partrain computes (GPT-2's causal-mask buffers).
+       if (hf && hf->ignored)
+         for (auto it = state.begin(); it != state.end();) it = hf->ignored(it->first) ? state.erase(it) : std::next(it);
        // Everything is checked before anything is copied, so a refused file changes nothing: the
        // names both ways, the logical shapes, and the kinds (a value converts only within its kind:
        // floating point to floating point, an integer or a boolean only to the same dtype).

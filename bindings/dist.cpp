@@ -157,48 +157,6 @@ const Function kDist[] = {
        return 1; }},
     {nullptr, nullptr}};
 
-// ---- pt.plan: the planner's hooks and a run's check against a saved plan --------------------
-
-// The model, its optimizers (a table) and its mesh (or nil) at 1, 2, 3, as this rank's plan.
-plan::RankPlan rank_plan(const Args& a, const dist::Mesh** mesh_out) {
-  auto& model = a.module(1);
-  std::vector<const optim::Optimizer*> optimizers;
-  if (!a.none(2)) {
-    if (!a.is_table(2)) a.expected(2, "table of optimizers");
-    for (int i = 1;; ++i) {
-      lua_rawgeti(a.L, 2, i);
-      if (lua_isnil(a.L, -1)) { lua_pop(a.L, 1); break; }
-      auto* o = ud_test<std::shared_ptr<optim::Optimizer>>(a.L, -1, PT_OPTIMIZER_MT);
-      lua_pop(a.L, 1);
-      if (!o) a.fail(2, "table of optimizers expected");
-      optimizers.push_back(o->get());
-    }
-  }
-  const dist::Mesh* m = a.none(3) ? nullptr : mesh(a, 3).get();
-  *mesh_out = m;
-  return plan::describe(world().rank(), *model, optimizers, m);
-}
-
-const Function kPlan[] = {
-    {"planning", [](Args& a) { return a.ret(plan::planning()); }},
-    {"record", [](Args& a) {  // record(model, optimizers, mesh|nil): this virtual rank's plan
-       const dist::Mesh* m = nullptr;
-       auto r = rank_plan(a, &m);
-       plan::record(std::move(r), plan::layout_of(m));
-       return a.ret(); }},
-    {"check", [](Args& a) {  // check(model, optimizers, mesh|nil, path, mode) -> what it did
-       const dist::Mesh* m = nullptr;
-       auto r = rank_plan(a, &m);
-       return a.ret(plan::check(r, plan::layout_of(m), a.string(4), a.string(5))); }},
-    {"first_step", [](Args& a) {  // { begun, forward_done, activations }
-       const auto& f = plan::first_step();
-       lua_createtable(a.L, 0, 3);
-       lua_pushboolean(a.L, f.begun); lua_setfield(a.L, -2, "begun");
-       lua_pushboolean(a.L, f.forward_done); lua_setfield(a.L, -2, "forward_done");
-       if (f.activations >= 0) { lua_pushnumber(a.L, double(f.activations)); lua_setfield(a.L, -2, "activations"); }
-       return 1; }},
-    {nullptr, nullptr}};
-
 }  // namespace
 
 int push_group(lua_State* L, const dist::GroupPtr& g) {
@@ -241,7 +199,6 @@ void open_dist(lua_State* L, int core) {
   new_metatable<WorkPtr>(L, PT_WORK_MT, kWorkMethods, /*keep=*/false);
   new_metatable<MeshPtr>(L, PT_MESH_MT, kMeshMethods, /*keep=*/false);
   set_library(L, core, "dist", kDist);
-  set_library(L, core, "plan", kPlan);
   open_parallel(L, core);  // the parallelisms over these groups
 }
 

@@ -481,8 +481,10 @@ int open_core(lua_State* L) {
   int core = lua_gettop(L);
   open_tensor(L, core);
   open_nn(L, core);
-  open_optim_data(L, core);
+  open_optim(L, core);
+  open_data(L, core);
   open_dist(L, core);
+  open_plan(L, core);
   open_repl(L, core);
   open_ckpt(L, core);
   // core._where(): the user's file:line running now (the first frame outside partrain's Lua), as

@@ -242,9 +242,11 @@ bool pcall(lua_State* L, int nargs, int nresults, std::string* error, bool trace
 // ---- Per-area registration (each in its own file) ------------------------------------------
 void open_tensor(lua_State* L, int core);
 void open_nn(lua_State* L, int core);
-void open_optim_data(lua_State* L, int core);
+void open_optim(lua_State* L, int core);
+void open_data(lua_State* L, int core);
 void open_dist(lua_State* L, int core);
 void open_parallel(lua_State* L, int core);  // called by open_dist
+void open_plan(lua_State* L, int core);
 void open_repl(lua_State* L, int core);
 void open_ckpt(lua_State* L, int core);
 

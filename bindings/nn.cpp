@@ -4,8 +4,7 @@
 #include <sstream>
 
 #include "bindings/lua.hpp"
-#include "engine/models/gpt2.hpp"
-#include "engine/models/models.hpp"
+#include "engine/models/registry.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/parallel_model.hpp"
@@ -102,6 +101,21 @@ nn::Module::ForwardFn lua_forward(lua_State* L, int index) {
 }
 
 LuaModule* as_lua(const ModulePtr& m) { return dynamic_cast<LuaModule*>(m.get()); }
+
+// The module metatable's array slots: the method table and the weak userdata cache.
+constexpr int kMethodsSlot = 1, kModulesSlot = 2;
+
+// Pushes the one userdata of `m`, made and remembered in the weak table at `cache` the first time.
+void push_module_via(lua_State* L, int cache, const ModulePtr& m) {
+  lua_pushlightuserdata(L, m.get());
+  lua_rawget(L, cache);
+  if (!lua_isnil(L, -1)) return;
+  lua_pop(L, 1);
+  ud_push(L, m, PT_MODULE_MT);
+  lua_pushlightuserdata(L, m.get());
+  lua_pushvalue(L, -2);
+  lua_rawset(L, cache);
+}
 
 // Parameters from a module or a table of tensors.
 std::vector<Tensor> params_of(const Args& a, int i) {
@@ -339,7 +353,11 @@ const Function kMeta[] = {
          if (!lua_isnil(L, -1)) return 1;
          lua_pop(L, 2);
        }
-       lua_getfield(L, LUA_REGISTRYINDEX, "partrain.Module.methods");
+       // The method table and the userdata cache hang off the module metatable's array slots,
+       // reached without a registry lookup by name.
+       lua_getmetatable(L, 1);
+       int mt = lua_gettop(L);
+       lua_rawgeti(L, mt, kMethodsSlot);
        lua_pushvalue(L, 2);
        lua_rawget(L, -2);
        if (!lua_isnil(L, -1)) return 1;
@@ -347,7 +365,11 @@ const Function kMeta[] = {
        if (lua_type(L, 2) != LUA_TSTRING) { lua_pushnil(L); return 1; }
        std::string key = lua_tostring(L, 2);
        if (Tensor t = m->own_tensor(key); t.defined()) return a.ret(t);
-       if (auto child = m->child(key)) return a.ret(child);
+       if (auto child = m->child(key)) {
+         lua_rawgeti(L, mt, kModulesSlot);
+         push_module_via(L, lua_gettop(L), child);
+         return 1;
+       }
        if (lm || m->has_slot(key)) { lua_pushnil(L); return 1; }
        throw std::invalid_argument(m->type() + " has no field, method, parameter or child '" + key + "'"); }},
     {"__newindex", [](Args& a) {
@@ -463,46 +485,68 @@ const Function kConstructors[] = {
          for (auto& p : params)
            if (p.grad().defined()) p.mutable_grad().mul_(scale);
        return a.ret(norm); }},
-    {"mlp", [](Args& a) {
-       Options t(a, 1, "mlp");
-       models::MlpOptions o;
-       o.sizes = t.ints("sizes", {});
-       o.activation = t.string("activation", o.activation);
-       o.dropout = t.number("dropout", o.dropout);
-       o.bias = t.boolean("bias", o.bias);
-       t.finish();
-       return a.ret(models::mlp(o)); }},
-    {"gpt2", [](Args& a) {
-       Options t(a, 1, "gpt2");
-       models::Gpt2Options o;
-       o.vocab = t.integer("vocab", o.vocab);
-       o.seq = t.integer("seq", o.seq);
-       o.dim = t.integer("dim", o.dim);
-       o.heads = t.integer("heads", o.heads);
-       o.layers = t.integer("layers", o.layers);
-       o.dropout = t.number("dropout", o.dropout);
-       o.eps = t.number("eps", o.eps);
-       o.flash_attention = t.boolean("flash_attention", o.flash_attention);
-       t.finish();
-       return a.ret(models::gpt2(o)); }},
+    {nullptr, nullptr}};
+
+// ---- pt.models: one constructor a registered family ---------------------------------------
+
+// A family builder's options from the Lua table (types checked by Options; keys no builder read
+// are refused by finish()).
+class TableOptions final : public models::OptionReader {
+ public:
+  explicit TableOptions(Options& t) : t_(t) {}
+  int64_t integer(const char* key, int64_t fallback) override { return t_.integer(key, fallback); }
+  double number(const char* key, double fallback) override { return t_.number(key, fallback); }
+  bool boolean(const char* key, bool fallback) override { return t_.boolean(key, fallback); }
+  std::string string(const char* key, const std::string& fallback) override { return t_.string(key, fallback); }
+  std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback) override {
+    return t_.ints(key, std::move(fallback));
+  }
+
+ private:
+  Options& t_;
+};
+
+// pt.models.<family>(options): the family is the function's own name.
+int build_model(Args& a) {
+  const auto& family = models::family(a.name());
+  Options t(a, 1, family.name);
+  TableOptions reader(t);
+  auto model = family.build(reader);
+  t.finish();
+  return a.ret(model);
+}
+
+// family_of(model) -> { name, type, policy } of the family whose root the model is, or nil.
+int family_of(Args& a) {
+  const auto* f = models::family_of_type(a.module(1)->type());
+  if (!f) { lua_pushnil(a.L); return 1; }
+  lua_createtable(a.L, 0, 3);
+  lua_pushstring(a.L, f->name.c_str()); lua_setfield(a.L, -2, "name");
+  lua_pushstring(a.L, f->type.c_str()); lua_setfield(a.L, -2, "type");
+  lua_pushstring(a.L, f->default_policy.c_str()); lua_setfield(a.L, -2, "policy");
+  return 1;
+}
+
+// The constructors, one a family, with addresses that stay put (closures point at them).
+const std::vector<Function>& model_constructors() {
+  static const std::vector<Function> fns = [] {
+    std::vector<Function> out;
+    for (const auto& f : models::families()) out.push_back({f.name.c_str(), build_model});
+    out.push_back({nullptr, nullptr});
+    return out;
+  }();
+  return fns;
+}
+
+const Function kModelFunctions[] = {
+    {"family_of", family_of},
     {nullptr, nullptr}};
 
 }  // namespace
 
 void push_module(lua_State* L, const ModulePtr& m) {
-  // One userdata a module: look it up in the weak cache first.
   lua_getfield(L, LUA_REGISTRYINDEX, "partrain.modules");
-  lua_pushlightuserdata(L, m.get());
-  lua_rawget(L, -2);
-  if (!lua_isnil(L, -1)) {
-    lua_remove(L, -2);
-    return;
-  }
-  lua_pop(L, 1);
-  ud_push(L, m, PT_MODULE_MT);
-  lua_pushlightuserdata(L, m.get());
-  lua_pushvalue(L, -2);
-  lua_rawset(L, -4);
+  push_module_via(L, lua_gettop(L), m);
   lua_remove(L, -2);
 }
 
@@ -513,19 +557,27 @@ void open_nn(lua_State* L, int core) {
   lua_pushstring(L, "v");
   lua_setfield(L, -2, "__mode");
   lua_setmetatable(L, -2);
+  lua_pushvalue(L, -1);
   lua_setfield(L, LUA_REGISTRYINDEX, "partrain.modules");
+  int modules = lua_gettop(L);
 
   lua_newtable(L);
   set_functions(L, -1, kMethods);
-  lua_pushvalue(L, -1);
-  lua_setfield(L, LUA_REGISTRYINDEX, "partrain.Module.methods");
-  lua_setfield(L, core, "Module");  // the method table, so Lua can add methods
+  int methods = lua_gettop(L);
 
   new_metatable<ModulePtr>(L, PT_MODULE_MT);
   set_functions(L, -1, kMeta);
+  lua_pushvalue(L, methods);
+  lua_rawseti(L, -2, kMethodsSlot);
+  lua_pushvalue(L, modules);
+  lua_rawseti(L, -2, kModulesSlot);
   lua_setfield(L, core, "Module_mt");
+  lua_setfield(L, core, "Module");  // the method table, so Lua can add methods
+  lua_pop(L, 1);  // the cache
 
   set_library(L, core, "nn", kConstructors);
+  set_library(L, core, "models", model_constructors().data());  // pt.models.mlp, pt.models.gpt2, ...
+  set_library(L, core, "model_families", kModelFunctions);
   new_metatable<SnapshotPtr>(L, PT_SNAPSHOT_MT, kSnapshotMethods, /*keep=*/false);
 }
 

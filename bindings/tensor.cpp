@@ -1,12 +1,14 @@
 // Tensors in Lua: one userdata type over at::Tensor and table-driven op lists, so adding an op
 // is one line. Dimensions and indices count from 0 as in PyTorch (negative counts from the end);
 // Lua tables that come back (shape, totable) are ordinary 1-based Lua arrays.
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <sstream>
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/dist/world.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -337,6 +339,8 @@ const Function kMeta[] = {
 
 // Module-level functions: pt.zeros, pt.cat, ...
 const Function kFunctions[] = {
+    // device(): where this rank computes ("cpu", "cuda:1"): models and batches are put there.
+    {"device", [](Args& a) { return a.ret(dist::World::instance().device().str()); }},
     {"tensor", [](Args& a) {
        if (a.is_number(1) || lua_type(a.L, 1) == LUA_TBOOLEAN) {
          auto opts = creation_options(a, 2, "tensor", a.is_number(1) ? torch::kFloat32 : torch::kBool);
@@ -440,22 +444,24 @@ std::string dtype_name(c10::ScalarType t) {
 
 // Lua sees a tensor as a small userdata, so its collector never feels the megabytes behind it:
 // activations and batches would pile up until a collection happened to run, and every step would
-// write into fresh, cold memory. Count the bytes of the tensors handed to Lua and collect when
-// they pass twice Lua's own heap (at least 4 MiB): the collector's cost stays a fixed fraction of
-// the work, however small or large the Lua heap.
+// write into fresh, cold memory. So a tensor handed to Lua counts as that many bytes allocated:
+// the collector takes incremental steps in proportion (every 64 KiB, LUA_GCSTEP's unit being
+// KiB), never a full collection in one push. One push advances it by at most a quarter of Lua's
+// own heap (at least 1 MiB), so a tensor far larger than the heap costs a slice of a cycle, not
+// a whole one; a cycle still ends every few such tensors, which bounds the memory they hold.
 namespace {
-thread_local size_t bytes_since_gc = 0;
+thread_local size_t bytes_since_step = 0;
+constexpr size_t kStepBytes = size_t(64) << 10;
 }  // namespace
 
 void push_tensor(lua_State* L, Tensor t) {
-  if (t.defined()) bytes_since_gc += static_cast<size_t>(t.numel()) * t.element_size();
+  if (t.defined()) bytes_since_step += static_cast<size_t>(t.numel()) * t.element_size();
   ud_push(L, std::move(t), PT_TENSOR_MT);
-  if (bytes_since_gc > (size_t(4) << 20)) {
-    size_t heap = static_cast<size_t>(lua_gc(L, LUA_GCCOUNT, 0)) << 10;
-    if (bytes_since_gc > 2 * heap) {
-      bytes_since_gc = 0;
-      lua_gc(L, LUA_GCCOLLECT, 0);
-    }
+  if (bytes_since_step >= kStepBytes) {
+    size_t heap_kb = static_cast<size_t>(lua_gc(L, LUA_GCCOUNT, 0));
+    size_t kb = std::min(bytes_since_step >> 10, std::max<size_t>(heap_kb / 4, 1024));
+    bytes_since_step = 0;
+    lua_gc(L, LUA_GCSTEP, static_cast<int>(kb));
   }
 }
 

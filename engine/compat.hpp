@@ -15,14 +15,11 @@
 namespace partrain::compat {
 
 /// The LibTorch version as "major.minor.patch".
-inline std::string torch_version() {
-  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-         std::to_string(TORCH_VERSION_PATCH);
-}
+std::string torch_version();
 
 /// GELU with the tanh approximation (GPT-2's). The option's spelling is the same in 1.13 and 2.x,
 /// but keeping the call here lets a future rename stay in one place.
-inline torch::Tensor gelu_tanh(const torch::Tensor& x) { return at::gelu(x, "tanh"); }
+torch::Tensor gelu_tanh(const torch::Tensor& x);
 
 /// Whether this LibTorch has a fused attention kernel (scaled_dot_product_attention: flash and
 /// memory-efficient attention on CUDA). 1.13 has none.
@@ -30,15 +27,8 @@ constexpr bool kHasFusedAttention = PARTRAIN_TORCH_AT_LEAST(2, 0);
 
 /// Causal softmax(q k^T / sqrt(d)) v in one fused call, q, k, v (B, heads, T, d). Only where
 /// kHasFusedAttention; callers compute the same math in steps otherwise.
-inline torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                            double dropout) {
-#if PARTRAIN_TORCH_AT_LEAST(2, 0)
-  return at::scaled_dot_product_attention(q, k, v, {}, dropout, /*is_causal=*/true);
-#else
-  (void)q, (void)k, (void)v, (void)dropout;
-  TORCH_CHECK(false, "fused attention needs LibTorch 2.0 or later; this is ", torch_version());
-#endif
-}
+torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     double dropout);
 
 /// The key of a parameter in torch::optim::Optimizer::state(): the TensorImpl's address printed
 /// in LibTorch 1.x, the address itself in 2.x. (A template so the branch not taken is never
@@ -56,13 +46,17 @@ inline auto optimizer_state_key(const T& param) {
 }
 
 /// Whether this LibTorch can reach a CUDA device at run time.
-inline bool cuda_available() { return torch::cuda::is_available(); }
+bool cuda_available();
+
+/// How many CUDA devices this LibTorch sees (0 without CUDA).
+int cuda_device_count();
+
+/// Makes `device` (a CUDA device) the thread's current one, as torch.cuda.set_device does, so that
+/// NCCL and kernels launched without a device use the rank's. Nothing for a CPU device.
+void use_device(const torch::Device& device);
 
 /// An exception's message without LibTorch's C++ backtrace.
-inline std::string message_of(const std::exception& e) {
-  if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
-  return e.what();
-}
+std::string message_of(const std::exception& e);
 
 /// Calls `fn` each time autograd has accumulated a new gradient into the leaf `param`'s .grad
 /// (the hook DistributedDataParallel uses). Returns the accumulator node, which the caller must
@@ -89,8 +83,6 @@ void at_end_of_backward(std::function<void()> fn);
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-#include <cstdlib>
-
 namespace partrain::compat {
 
 #if PARTRAIN_TORCH_AT_LEAST(2, 0)
@@ -102,33 +94,8 @@ using C10dGroup = c10d::ProcessGroup;
 /// A c10d backend of `size` ranks rendezvousing through `store`. The Gloo device binds the
 /// interface GLOO_SOCKET_IFNAME names; else loopback when MASTER_ADDR is a loopback address (a
 /// run on one machine); else the address this host's name resolves to.
-inline c10::intrusive_ptr<C10dGroup> make_c10d_group(const std::string& backend,
-                                                     const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                     int size, std::chrono::milliseconds timeout) {
-  if (backend == "nccl") {
-#ifdef PARTRAIN_WITH_NCCL
-    auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-#else
-    TORCH_CHECK(false, "this partrain was built without NCCL (a CPU LibTorch): use the gloo backend");
-#endif
-  }
-  TORCH_CHECK(backend == "gloo", "unknown backend '", backend, "' (expected gloo or nccl)");
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-  const char* master = std::getenv("MASTER_ADDR");
-  std::string addr = master ? master : "127.0.0.1";
-  bool loopback = addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
-  if (ifname && *ifname)
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  else if (loopback)
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  else
-    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  options->threads = 1;  // one worker a group: ranks already share few cores
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-}
+c10::intrusive_ptr<C10dGroup> make_c10d_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size, std::chrono::milliseconds timeout);
 
 }  // namespace partrain::compat
 #endif  // PARTRAIN_COMPAT_C10D

@@ -1,6 +1,7 @@
-// Sharded checkpoints: saving, loading with resharding, choosing the tag to resume from,
-// verifying, converting, safetensors. See ckpt.hpp.
+// Sharded checkpoints: saving, loading with resharding, choosing the tag to resume from, and
+// verifying. See ckpt.hpp; converting is in convert.cpp, safetensors in safetensors.cpp.
 #include "engine/ckpt/ckpt.hpp"
+#include "engine/ckpt/internal.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -56,7 +57,7 @@ const TensorEntry* Manifest::find(const std::string& name) const {
   return nullptr;
 }
 
-namespace {
+namespace internal {
 
 // ---- Damage, and failing together -----------------------------------------------------------
 
@@ -118,12 +119,9 @@ constexpr uint64_t kMaxManifestBytes = 256ull << 20;
 constexpr uint64_t kMaxNewestBytes = 1024;
 // Bounds on what a manifest may claim (far beyond any real run, far below any harm).
 constexpr int64_t kMaxCount = int64_t(1) << 53;        // steps, samples: exact in a Lua number
-constexpr int64_t kMaxElements = int64_t(1) << 48;     // of one tensor
 constexpr uint64_t kMaxFileBytes = uint64_t(1) << 52;  // of one data file
-constexpr int kMaxRank = 16;                           // dimensions of a tensor
 constexpr int kMaxWorld = 1 << 20;
 
-constexpr int kMaxJsonDepth = 64;  // of the user table and of a safetensors header
 
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
@@ -247,49 +245,6 @@ void write_new(const std::string& path, const std::string& bytes) {
   ::close(fd);
   TORCH_CHECK(synced, "flushing '", path, "' to disk failed: ", std::strerror(err));
 }
-
-// A data file written front to back into a fresh folder, its CRC-32 kept as it goes.
-class DataFile {
- public:
-  explicit DataFile(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd_ >= 0, "cannot write '", path_, "': ", std::strerror(errno));
-    crc_ = ::crc32(0L, Z_NULL, 0);
-  }
-  ~DataFile() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  // Appends the tensor's bytes; returns where they start, and their own CRC-32 in `crc`.
-  uint64_t write(const torch::Tensor& t, uint32_t* crc) {
-    auto cpu = t.detach().to(torch::kCPU).contiguous();
-    const char* p = static_cast<const char*>(cpu.data_ptr());
-    size_t n = cpu.nbytes();
-    uint64_t at = offset_;
-    *crc = crc_of(p, n);
-    crc_ = ::crc32_combine(crc_, *crc, static_cast<z_off_t>(n));  // the file's, without a second pass
-    while (n > 0) {
-      ssize_t w = ::write(fd_, p, n);
-      if (w < 0 && errno == EINTR) continue;
-      TORCH_CHECK(w > 0, "writing '", path_, "' failed: ", std::strerror(errno));
-      p += w;
-      n -= static_cast<size_t>(w);
-      offset_ += static_cast<uint64_t>(w);
-    }
-    return at;
-  }
-  FileEntry finish(const std::string& name) {
-    TORCH_CHECK(::fsync(fd_) == 0, "flushing '", path_, "' to disk failed: ", std::strerror(errno));
-    ::close(fd_);
-    fd_ = -1;
-    return {name, offset_, static_cast<uint32_t>(crc_)};
-  }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-  uint64_t offset_ = 0;
-  uLong crc_;
-};
 
 // Reads exactly `n` bytes at `offset` of an open file.
 bool read_at(int fd, char* out, uint64_t n, uint64_t offset) {
@@ -665,7 +620,9 @@ void check_tag(const std::string& tag) {
               "': a tag is 1-128 characters from A-Z a-z 0-9 . _ -, not starting with '.' or '-', and not 'newest'");
 }
 
-}  // namespace
+}  // namespace internal
+
+using namespace internal;
 
 // ---- Checking a manifest -------------------------------------------------------------------
 
@@ -851,14 +808,9 @@ Manifest read_manifest(const std::string& tag_dir) {
 
 // ---- Saving --------------------------------------------------------------------------------
 
-namespace {
+namespace internal {
 
-// What is at DIR/<tag> before a save puts a checkpoint there. A valid manifest is enough when
-// the save overwrites it anyway (`full`: false); otherwise every byte is checked, since a valid
-// checkpoint is refused and a damaged one kept aside.
-enum class Existing { None, Valid, Damaged };
-
-Existing existing(const std::string& dir, const std::string& tag, std::string* problem, bool full = true) {
+Existing existing(const std::string& dir, const std::string& tag, std::string* problem, bool full) {
   std::string path = join(dir, tag);
   if (!exists(path)) return Existing::None;
   TagState t = tag_state(dir, tag);
@@ -927,7 +879,7 @@ std::string scratch_folder(const std::string& dir, const std::string& tag) {
   return tmp;
 }
 
-}  // namespace
+}  // namespace internal
 
 Saved save(const std::string& dir, const State& state, const SaveOptions& options) {
   TORCH_CHECK(state.model, "checkpoint save: no model given");
@@ -1402,306 +1354,6 @@ Loaded load(const std::string& dir, const std::string& tag, State& state) {
 bool resume(const std::string& dir, State& state, Loaded* loaded) {
   TORCH_CHECK(state.model, "checkpoint resume: no model given");
   return load_newest(dir, state, loaded);
-}
-
-// ---- Converting ----------------------------------------------------------------------------
-
-void convert(const std::string& src_tag_dir, const std::string& dst_dir, int tensor, int data) {
-  TORCH_CHECK(tensor >= 1 && data >= 1, "convert: --tensor and --data must be at least 1");
-  auto problems = verify(src_tag_dir);
-  TORCH_CHECK(problems.empty(), "convert: '", src_tag_dir, "' is damaged: ", problems.front());
-  Manifest src = read_manifest(src_tag_dir);
-  Manifest m = src;
-  m.version = kFormatVersion;
-  m.world = tensor * data;
-  m.tensor = tensor;
-  m.data = m.zero = data;
-  m.pipeline = 1;
-  m.full = false;
-  m.files.clear();
-  m.rng.clear();  // generator states belong to the ranks that saved them
-  std::string tag = src_tag_dir.substr(src_tag_dir.find_last_of('/') + 1);
-  check_tag(tag);
-  std::string problem;
-  TORCH_CHECK(existing(dst_dir, tag, &problem) != Existing::Valid, "convert: ", refuse_existing(dst_dir, tag));
-  std::string tmp = scratch_folder(dst_dir, tag);
-  // Rank r of the new layout's tensor group (data 0) writes its slices; rank 0 the whole tensors.
-  std::vector<std::unique_ptr<DataFile>> files(tensor);
-  auto file = [&](int r) -> DataFile& {
-    if (!files[r]) {
-      char name[32];
-      std::snprintf(name, sizeof name, "rank-%05d.bin", r);
-      files[r] = std::make_unique<DataFile>(join(tmp, name));
-    }
-    return *files[r];
-  };
-  for (auto& e : m.tensors) {
-    const TensorEntry* original = src.find(e.name);
-    auto full = read_tensor(src_tag_dir, src, *original);
-    e.pieces.clear();
-    if (e.dim < 0 || tensor == 1) {
-      add_pieces(file(0), e, full, nullptr, 0);
-      continue;
-    }
-    const int64_t logical = e.shape[e.dim];
-    for (int r = 0; r < tensor; ++r) {
-      std::vector<std::pair<int64_t, int64_t>> slices;
-      if (e.fused > 1) {
-        const int64_t part = logical / e.fused, each = part / tensor;
-        TORCH_CHECK(part % tensor == 0, "convert: tensor ", tensor, " does not divide the ", e.fused, " fused parts of ",
-                    e.name, " (", part, " each)");
-        for (int64_t j = 0; j < e.fused; ++j) slices.emplace_back(j * part + r * each, each);
-      } else {
-        const int64_t each = (logical + tensor - 1) / tensor, start = r * each, end = std::min(start + each, logical);
-        if (end > start) slices.emplace_back(start, end - start);
-      }
-      for (const auto& [start, length] : slices) {
-        std::vector<int64_t> at(e.shape.size(), 0), size = e.shape;
-        at[e.dim] = start;
-        size[e.dim] = length;
-        Piece p;
-        p.file = r;
-        auto part = full.narrow(e.dim, start, length);
-        p.bytes = static_cast<uint64_t>(part.nbytes());
-        p.offset = file(r).write(part, &p.crc32);
-        p.start = at;
-        p.size = size;
-        e.pieces.push_back(p);
-      }
-    }
-  }
-  // Files in rank order; pieces name them by position.
-  std::vector<int32_t> position(tensor, -1);
-  for (int r = 0; r < tensor; ++r)
-    if (files[r]) {
-      char name[32];
-      std::snprintf(name, sizeof name, "rank-%05d.bin", r);
-      position[r] = static_cast<int32_t>(m.files.size());
-      m.files.push_back(files[r]->finish(name));
-    }
-  for (auto& e : m.tensors)
-    for (auto& p : e.pieces) p.file = position[p.file];
-  validate(m, join(tmp, "manifest.bin"));
-  write_manifest(tmp, m);
-  std::vector<std::string> notes;
-  commit(dst_dir, tag, tmp, 0, false, &notes);
-}
-
-// ---- safetensors ---------------------------------------------------------------------------
-
-namespace {
-
-bool is_conv1d(const std::string& name) {
-  for (const char* suffix : {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}) {
-    std::string s = suffix;
-    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) return true;
-  }
-  return false;
-}
-
-const std::map<c10::ScalarType, std::string>& safetensors_types() {
-  static const std::map<c10::ScalarType, std::string> types = {
-      {torch::kFloat32, "F32"}, {torch::kFloat64, "F64"}, {torch::kFloat16, "F16"}, {torch::kBFloat16, "BF16"},
-      {torch::kInt64, "I64"},   {torch::kInt32, "I32"},   {torch::kUInt8, "U8"},    {torch::kBool, "BOOL"}};
-  return types;
-}
-
-constexpr uint64_t kMaxSafetensorsHeader = 100ull << 20;
-
-// A name from a file as a message shows it: control characters escaped, at most 200 bytes.
-std::string shown(const std::string& name) {
-  std::string out;
-  for (unsigned char c : name.substr(0, 200)) {
-    if (c < 0x20 || c == 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return name.size() > 200 ? out + "..." : out;
-}
-
-// Parses a safetensors header, refusing a key that appears twice in one object (nlohmann keeps
-// the last one silently). `duplicate` names it: the tensor, or the key inside a tensor's entry.
-nlohmann::json parse_header(const std::string& text, std::string* duplicate) {
-  std::vector<std::set<std::string>> open;  // the keys of each object being parsed
-  std::string tensor;                        // the top-level key being parsed
-  auto callback = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start) {
-      open.emplace_back();
-    } else if (event == Event::object_end) {
-      if (!open.empty()) open.pop_back();
-    } else if (event == Event::key && !open.empty()) {
-      std::string key = parsed.get<std::string>();
-      if (depth == 1) tensor = key;
-      if (!open.back().insert(key).second && duplicate->empty())
-        *duplicate = depth == 1 ? "tensor '" + shown(key) + "' appears twice in the header"
-                                : "tensor '" + shown(tensor) + "' has the key '" + shown(key) + "' twice";
-    }
-    return true;
-  };
-  return nlohmann::json::parse(text, callback);
-}
-
-}  // namespace
-
-void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors, bool hf_gpt2) {
-  nlohmann::json header = {{"__metadata__", {{"format", "pt"}, {"producer", "partrain"}}}};
-  std::vector<torch::Tensor> blobs;
-  uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {  // std::map: sorted names, as safetensors writes them
-    auto value = t.detach().to(torch::kCPU);
-    if (hf_gpt2 && is_conv1d(name)) value = value.t();
-    value = value.contiguous();
-    auto type = safetensors_types().find(value.scalar_type());
-    TORCH_CHECK(type != safetensors_types().end(), "safetensors: tensor '", name, "' has unsupported dtype ",
-                value.scalar_type());
-    header[name] = {{"dtype", type->second}, {"shape", value.sizes().vec()},
-                    {"data_offsets", {offset, offset + value.nbytes()}}};
-    offset += value.nbytes();
-    blobs.push_back(value);
-  }
-  std::string text = header.dump();
-  while ((8 + text.size()) % 8 != 0) text += ' ';  // data starts 8-byte aligned
-  std::string bytes;
-  bytes.reserve(8 + text.size() + offset);
-  uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) bytes += static_cast<char>(n >> (8 * i));  // little-endian
-  bytes += text;
-  for (const auto& b : blobs) bytes.append(static_cast<const char*>(b.data_ptr()), b.nbytes());
-  util::write_atomic(path, bytes);
-}
-
-std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, bool hf_gpt2) {
-  int fd = util::open_regular(path, "safetensors file");
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st;
-  ::fstat(fd, &st);
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  auto bad = [&](const std::string& why) { TORCH_CHECK(false, "'", path, "' ", why); };
-  unsigned char len[8] = {};
-  if (size < 8 || !read_at(fd, reinterpret_cast<char*>(len), 8, 0)) bad("is not a safetensors file (too short)");
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
-  if (n > size - 8 || n > kMaxSafetensorsHeader)
-    bad("is not a safetensors file (a header of " + std::to_string(n) + " bytes in a file of " + std::to_string(size) +
-        ")");
-  std::string text(n, '\0');
-  if (!read_at(fd, &text[0], n, 8)) bad("is truncated");
-  if (text.empty() || text[0] != '{') bad("is not a safetensors file (its header does not start with '{')");
-  if (json_depth(text) > kMaxJsonDepth) bad("has a safetensors header nested deeper than " + std::to_string(kMaxJsonDepth));
-  nlohmann::json header;
-  std::string duplicate;
-  try {
-    header = parse_header(text, &duplicate);
-  } catch (const std::exception& e) {
-    bad(std::string("has a safetensors header that is not JSON (") + e.what() + ")");
-  }
-  if (!duplicate.empty()) bad(duplicate);
-  if (!header.is_object()) bad("has a safetensors header that is not an object");
-  const uint64_t data_start = 8 + n, data_bytes = size - data_start;
-
-  struct Entry {
-    std::string name;
-    c10::ScalarType type;
-    std::vector<int64_t> shape;
-    uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
-  for (const auto& [name, info] : header.items()) {
-    if (name == "__metadata__") {
-      if (!info.is_object()) bad("has a __metadata__ that is not an object");
-      for (const auto& [k, v] : info.items())
-        if (!v.is_string()) bad("has a __metadata__ entry '" + shown(k) + "' that is not a string");
-      continue;
-    }
-    auto fail = [&](const std::string& why) { bad("tensor '" + shown(name) + "': " + why); };
-    if (name.empty()) bad("has a tensor with an empty name");
-    if (!info.is_object()) fail("its entry is not an object");
-    for (const auto& [k, v] : info.items())
-      if (k != "dtype" && k != "shape" && k != "data_offsets") fail("unknown key '" + shown(k) + "'");
-    if (!info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
-      fail("it needs dtype, shape and data_offsets");
-    const auto& dtype = info["dtype"];
-    if (!dtype.is_string()) fail("its dtype is not a string");
-    auto type = std::find_if(safetensors_types().begin(), safetensors_types().end(),
-                             [&](const auto& kv) { return kv.second == dtype.get<std::string>(); });
-    if (type == safetensors_types().end()) fail("unsupported dtype " + dtype.dump());
-    const auto& shape = info["shape"];
-    if (!shape.is_array() || shape.size() > static_cast<size_t>(kMaxRank))
-      fail("its shape is not a list of at most " + std::to_string(kMaxRank) + " sizes");
-    Entry e{name, type->first, {}, 0, 0};
-    for (const auto& s : shape) {
-      if (!s.is_number_unsigned() || s.get<uint64_t>() > static_cast<uint64_t>(kMaxElements))
-        fail("its shape " + shape.dump() + " holds something other than a non-negative integer size");
-      e.shape.push_back(static_cast<int64_t>(s.get<uint64_t>()));
-    }
-    const auto& offsets = info["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned())
-      fail("its data_offsets " + offsets.dump() + " are not two non-negative integers");
-    e.begin = offsets[0].get<uint64_t>();
-    e.end = offsets[1].get<uint64_t>();
-    const int64_t count = volume(e.shape);
-    if (count < 0) fail("its shape " + shape.dump() + " is too large");
-    const uint64_t nbytes = static_cast<uint64_t>(count) * c10::elementSize(e.type);
-    if (e.begin > e.end || e.end > data_bytes || e.end - e.begin != nbytes)
-      fail("its data_offsets " + offsets.dump() + " do not fit its shape " + shape.dump() + " (" +
-           std::to_string(nbytes) + " bytes) in the " + std::to_string(data_bytes) + " bytes of data");
-    entries.push_back(std::move(e));
-  }
-  // The tensors' bytes, in offset order, tile the data exactly.
-  std::vector<const Entry*> order;
-  for (const auto& e : entries) order.push_back(&e);
-  std::sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
-    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
-  });
-  uint64_t at = 0;
-  const Entry* previous = nullptr;
-  for (const auto* e : order) {
-    if (e->begin < at) bad("tensor '" + shown(e->name) + "': its bytes overlap those of '" + shown(previous->name) + "'");
-    if (e->begin > at)
-      bad("tensor '" + shown(e->name) + "': its bytes start at " + std::to_string(e->begin) + ", leaving a hole after " +
-          (previous ? "'" + shown(previous->name) + "'" : std::string("the header")) + " (which ends at " +
-          std::to_string(at) + ")");
-    at = e->end;
-    if (e->end > e->begin) previous = e;
-  }
-  if (at != data_bytes)
-    bad("has " + std::to_string(data_bytes - at) + " bytes after its last tensor" +
-        (previous ? " '" + shown(previous->name) + "'" : std::string()) + " (trailing garbage)");
-
-  std::map<std::string, torch::Tensor> out;
-  std::map<std::string, std::string> source;  // key -> the name in the file
-  for (const auto& e : entries) {
-    std::string key = e.name;
-    if (hf_gpt2 && key.rfind("transformer.", 0) == 0) key = key.substr(12);
-    if (source.count(key))
-      bad("has both '" + shown(source[key]) + "' and '" + shown(e.name) + "', which name the same tensor '" + shown(key) +
-          "'");
-    source[key] = e.name;
-    auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.type));
-    if (!read_at(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, data_start + e.begin))
-      bad("tensor '" + shown(e.name) + "': the file is truncated");
-    if (e.type == torch::kBool) {
-      const auto* b = static_cast<const uint8_t*>(t.data_ptr());
-      for (uint64_t i = 0; i < e.end - e.begin; ++i)
-        if (b[i] > 1) bad("tensor '" + shown(e.name) + "': a BOOL byte that is not 0 or 1");
-    }
-    if (hf_gpt2 && is_conv1d(key)) {
-      if (t.dim() != 2) bad("tensor '" + shown(e.name) + "': a Conv1D weight must have 2 dimensions, not " +
-                                 std::to_string(t.dim()));
-      t = t.t().contiguous();
-    }
-    out[key] = t;
-  }
-  return out;
 }
 
 }  // namespace partrain::ckpt

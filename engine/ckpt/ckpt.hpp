@@ -30,6 +30,10 @@ namespace partrain::dist {
 class Mesh;
 }
 
+namespace partrain::models {
+struct HfNames;
+}
+
 namespace partrain::ckpt {
 
 /// 2: the manifest file is a header (magic, version, payload length, CRC-32 of the payload) and
@@ -164,14 +168,17 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
 
 // ---- safetensors (Hugging Face) ------------------------------------------------------------
 
-/// Writes logical tensors as a .safetensors file. With `hf_gpt2`, Conv1D weights (c_attn, c_proj,
-/// c_fc) are stored transposed, [in, out], as Hugging Face's GPT-2 has them.
-void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors, bool hf_gpt2);
+/// Writes logical tensors as a .safetensors file. With a model family's Hugging Face names `hf`
+/// (models/registry.hpp), tensors take Hugging Face's names, and those it stores transposed (GPT-2's
+/// Conv1D weights: c_attn, c_proj, c_fc, [in, out]) are written so; without, as they are.
+void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
+                       const models::HfNames* hf);
 /// Reads a .safetensors file, refusing (with the tensor named) anything but a regular file whose
 /// header is one JSON object without duplicate keys, each tensor a known dtype, a shape of
 /// non-negative integers and integer data_offsets matching it, the tensors' bytes tiling the
-/// data exactly (no overlap, hole or trailing byte). `hf_gpt2` transposes the Conv1D weights back
-/// to [out, in] and drops a "transformer." prefix (refusing a file that has a name both ways).
-std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, bool hf_gpt2);
+/// data exactly (no overlap, hole or trailing byte). With `hf`, names map to partrain's (GPT-2:
+/// a "transformer." prefix dropped, refusing a file that has a name both ways) and transposed
+/// weights turn back to [out, in].
+std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, const models::HfNames* hf);
 
 }  // namespace partrain::ckpt

@@ -230,7 +230,10 @@ std::vector<Tensor> Loader::next() {
   int64_t total = end - begin, n = options_.shard_count, r = options_.shard_rank;
   int64_t lo = begin + total * r / n, hi = begin + total * (r + 1) / n;
   std::vector<int64_t> indices(order_.begin() + lo, order_.begin() + hi);
-  return dataset_->batch(indices);
+  auto batch = dataset_->batch(indices);  // read on the host...
+  if (options_.device != torch::kCPU)
+    for (auto& t : batch) t = t.to(options_.device);  // ...used on the rank's device
+  return batch;
 }
 
 int64_t Loader::samples_seen() const {

@@ -77,6 +77,7 @@ struct LoaderOptions {
   bool drop_last = true;      ///< skip a last batch smaller than `batch`
   int64_t shard_rank = 0;     ///< this rank's slice of each global batch...
   int64_t shard_count = 1;    ///< ...out of this many equal slices
+  torch::Device device = torch::kCPU;  ///< where batches land (the rank's device)
 };
 
 /// Walks a dataset in batches, epoch after epoch. Given the same options it yields the same

@@ -351,7 +351,11 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, b
   }
   m[12] = hash_text(site);
   m[13] = root;
-  auto gather = [&](const Tensor& in) {
+  // Built on the host, exchanged on this rank's device (NCCL takes device tensors only), read
+  // back on the host.
+  const auto device = World::instance().device();
+  auto gather = [&](const Tensor& host) {
+    auto in = host.to(device);
     std::vector<std::vector<Tensor>> outputs(1);
     for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
     std::vector<Tensor> inputs{in};
@@ -362,6 +366,7 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, b
     } catch (const std::exception& e) {
       fail(op + " (checking that every rank calls it)", compat::message_of(e));
     }
+    for (auto& out : outputs[0]) out = out.cpu();
     return outputs[0];
   };
   auto all = gather(mine);
@@ -513,13 +518,17 @@ Work ProcessGroup::barrier(bool async) const {
 
 std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine) {
   if (!group || group->size() == 1) return {mine};
-  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
+  const auto device = World::instance().device();  // exchanged there, read on the host
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64).to(device);
   auto lengths = group->all_gather(length);
+  for (auto& l : lengths) l = l.cpu();
   int64_t longest = 1;
   for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
   auto padded = torch::zeros({longest}, torch::kUInt8);
   if (!mine.empty()) std::memcpy(padded.data_ptr<uint8_t>(), mine.data(), mine.size());
+  padded = padded.to(device);
   auto all = group->all_gather(padded);
+  for (auto& part : all) part = part.cpu();
   std::vector<std::string> out;
   for (size_t r = 0; r < all.size(); ++r)
     out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()), lengths[r].item<int64_t>());
@@ -528,7 +537,7 @@ std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::st
 
 bool any_rank(const GroupPtr& group, bool mine) {
   if (!group || group->size() == 1) return mine;
-  auto flag = torch::tensor({mine ? 1 : 0}, torch::kInt32);
+  auto flag = torch::tensor({mine ? 1 : 0}, torch::kInt32).to(World::instance().device());
   group->all_reduce(flag, ReduceOp::Max);
   return flag.item<int>() != 0;
 }
@@ -553,7 +562,39 @@ int env_int(const char* name, int fallback, int lo, int hi) {
   return static_cast<int>(x);
 }
 
+// PARTRAIN_BACKEND, else the device's own: NCCL for CUDA where partrain has it, Gloo otherwise.
+std::string backend_for(const WorldOptions& o) {
+  if (const char* b = env("PARTRAIN_BACKEND")) return b;
+#ifdef PARTRAIN_WITH_NCCL
+  if (resolve_device(o.device, o.local_rank).is_cuda()) return "nccl";
+#else
+  (void)o;
+#endif
+  return "gloo";
+}
+
 }  // namespace
+
+torch::Device resolve_device(const std::string& spec, int local_rank) {
+  const std::string expected = " (expected cpu, cuda or cuda:N)";
+  if (spec.empty()) return compat::cuda_available() ? torch::Device(torch::kCUDA, local_rank) : torch::Device(torch::kCPU);
+  if (spec == "cpu") return torch::kCPU;
+  TORCH_CHECK(spec.rfind("cuda", 0) == 0, "unknown device '", spec, "'", expected);
+  int index = local_rank;
+  if (spec != "cuda") {
+    const std::string digits = spec.substr(4 + (spec.size() > 4 && spec[4] == ':' ? 1 : 0));
+    bool ok = spec.size() > 5 && spec[4] == ':' && digits.size() <= 4 &&
+              digits.find_first_not_of("0123456789") == std::string::npos;
+    TORCH_CHECK(ok, "unknown device '", spec, "'", expected);
+    index = std::stoi(digits);
+  }
+  TORCH_CHECK(compat::cuda_available(), "device '", spec, "' needs CUDA, but ",
+              "this LibTorch sees no CUDA device (use --device cpu)");
+  int count = compat::cuda_device_count();
+  TORCH_CHECK(index < count, "device '", spec, "' is cuda:", index, " but this machine has ", count,
+              " CUDA device(s)", spec == "cuda" ? " (one a local rank: start fewer ranks a node)" : "");
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
 
 WorldOptions world_options_from_env() {
   WorldOptions o;
@@ -561,7 +602,18 @@ WorldOptions world_options_from_env() {
   TORCH_CHECK(has_rank == has_world, "RANK and WORLD_SIZE must be set together (only ",
               has_rank ? "RANK" : "WORLD_SIZE", " is set)");
   if (env("PARTRAIN_TIMEOUT")) o.timeout = std::chrono::seconds(env_int("PARTRAIN_TIMEOUT", 300, 1, 7 * 24 * 3600));
-  if (!has_rank) return o;
+  if (const char* d = std::getenv("PARTRAIN_DEVICE")) {
+    o.device = d;
+    try {
+      resolve_device(o.device, 0);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "PARTRAIN_DEVICE: ", e.what_without_backtrace());
+    }
+  }
+  if (!has_rank) {
+    o.backend = backend_for(o);
+    return o;
+  }
   o.world_size = env_int("WORLD_SIZE", 1, 1, 1 << 20);
   o.rank = env_int("RANK", 0, 0, o.world_size - 1);
   o.local_rank = env_int("LOCAL_RANK", o.rank, 0, o.world_size - 1);
@@ -575,7 +627,7 @@ WorldOptions world_options_from_env() {
     o.master_addr = env("MASTER_ADDR");
     o.master_port = env_int("MASTER_PORT", 29500, 1, 65535);
   }
-  if (const char* b = env("PARTRAIN_BACKEND")) o.backend = b;
+  o.backend = backend_for(o);
   return o;
 }
 
@@ -587,6 +639,9 @@ World& World::instance() {
 void World::init(const WorldOptions& options) {
   TORCH_CHECK(!initialized_, "the world is already initialized");
   options_ = options;
+  // The device first: a bad one is refused before any rank waits on the rendezvous.
+  device_ = options.planned ? torch::Device(torch::kCPU) : resolve_device(options.device, options.local_rank);
+  compat::use_device(*device_);  // before the groups: NCCL binds to the current device
   groups_.clear();
   if (options.world_size > 1 && !options.planned) {
     this_rank = options.rank;
@@ -610,6 +665,19 @@ void World::init(const WorldOptions& options) {
   world_ = ProcessGroup::create(g, options.rank, store_);
   groups_.push_back(world_);
   initialized_ = true;
+}
+
+torch::Device World::device() const {
+  if (!device_) {
+    if (initialized_) {
+      device_ = options_.planned ? torch::Device(torch::kCPU) : resolve_device(options_.device, options_.local_rank);
+    } else {
+      auto o = world_options_from_env();
+      device_ = resolve_device(o.device, o.local_rank);
+    }
+    compat::use_device(*device_);
+  }
+  return *device_;
 }
 
 GroupPtr World::world() const {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,14 +20,22 @@ struct WorldOptions {
   std::string master_addr = "127.0.0.1";         ///< MASTER_ADDR: where rank 0 serves the store
   int master_port = 29500;                       ///< MASTER_PORT
   std::chrono::milliseconds timeout{300000};     ///< PARTRAIN_TIMEOUT (seconds): store and collectives
-  std::string backend = "gloo";                  ///< "gloo" (CPU) or "nccl" (CUDA)
+  /// PARTRAIN_DEVICE (--device): "cpu", "cuda" (cuda:<local rank>) or "cuda:N"; empty: cuda:<local
+  /// rank> when CUDA is present, else cpu.
+  std::string device;
+  std::string backend = "gloo";                  ///< PARTRAIN_BACKEND: "gloo" (CPU) or "nccl" (CUDA)
   /// A virtual rank of the planner: no rendezvous, and every group is planned (records its
   /// collectives, runs none).
   bool planned = false;
 };
 
-/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
-/// PARTRAIN_TIMEOUT as torchrun and SLURM wrappers set them. Without RANK and WORLD_SIZE: a world
+/// The device a rank computes on, from its spec (see WorldOptions::device) and its local rank.
+/// An unknown device, or cuda without a CUDA device to match, is an error naming the value.
+torch::Device resolve_device(const std::string& spec, int local_rank);
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+/// PARTRAIN_TIMEOUT, PARTRAIN_DEVICE and PARTRAIN_BACKEND as torchrun and SLURM wrappers set them
+/// (the device's spec is checked here). Without RANK and WORLD_SIZE: a world
 /// of one. A variable that is malformed, out of range or missing while RANK is set is an error
 /// naming it.
 WorldOptions world_options_from_env();
@@ -43,6 +52,9 @@ class World {
   const WorldOptions& options() const { return options_; }
   int rank() const { return options_.rank; }
   int size() const { return options_.world_size; }
+  /// This rank's device: groups, the engine's own collectives, loaders and new modules allocate there.
+  /// Before init, the device PARTRAIN_DEVICE names for this process (resolved once).
+  torch::Device device() const;
   GroupPtr world() const;
   /// The rendezvous store (null in a world of one or a planned world), for side channels that
   /// must not be collectives: the REPL hands out chunks through it, with no deadline.
@@ -62,6 +74,7 @@ class World {
   World() = default;
   bool initialized_ = false;
   WorldOptions options_;
+  mutable std::optional<torch::Device> device_;
   c10::intrusive_ptr<c10d::Store> store_;
   GroupPtr world_;
   int groups_made_ = 0;

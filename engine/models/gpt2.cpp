@@ -1,4 +1,4 @@
-// GPT-2 (see gpt2.hpp).
+// GPT-2 (see gpt2.hpp), and its family's descriptor: builder, Hugging Face names, policy.
 #include "engine/models/gpt2.hpp"
 
 #include <cmath>
@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "engine/compat.hpp"
+#include "engine/models/registry.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::models {
@@ -241,6 +242,52 @@ nn::ModulePtr gpt2(const Gpt2Options& o) {
   // lm_head shares wte's weight (both [vocab, dim]).
   model->child("lm_head")->set_parameter("weight", model->child("wte")->param("weight"));
   return model;
+}
+
+// ---- The family's descriptor ---------------------------------------------------------------
+
+namespace {
+// Hugging Face's Conv1D layers: weights stored [in, out], where these Linear layers hold [out, in].
+bool is_conv1d(const std::string& name) {
+  for (const char* suffix : {"attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"}) {
+    std::string s = suffix;
+    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0) return true;
+  }
+  return false;
+}
+}  // namespace
+
+Family gpt2_family() {
+  Family f;
+  f.name = "gpt2";
+  f.type = "GPT2";
+  f.default_policy = "policies.gpt2";
+  f.build = [](OptionReader& r) {
+    Gpt2Options o;
+    o.vocab = r.integer("vocab", o.vocab);
+    o.seq = r.integer("seq", o.seq);
+    o.dim = r.integer("dim", o.dim);
+    o.heads = r.integer("heads", o.heads);
+    o.layers = r.integer("layers", o.layers);
+    o.dropout = r.number("dropout", o.dropout);
+    o.eps = r.number("eps", o.eps);
+    o.flash_attention = r.boolean("flash_attention", o.flash_attention);
+    return gpt2(o);
+  };
+  // GPT2Model's names are these; GPT2LMHeadModel puts "transformer." before them. lm_head is
+  // tied to wte, and Hugging Face files store wte alone.
+  f.hf.layout = "Hugging Face GPT-2";
+  f.hf.from_hf = [](const std::string& hf) { return hf.rfind("transformer.", 0) == 0 ? hf.substr(12) : hf; };
+  f.hf.to_hf = [](const std::string& name) { return name; };
+  f.hf.transposed = is_conv1d;
+  f.hf.ignored = [](const std::string& hf) {  // the causal-mask buffers partrain computes
+    auto ends_with = [&](const std::string& end) {
+      return hf.size() >= end.size() && hf.compare(hf.size() - end.size(), end.size(), end) == 0;
+    };
+    return ends_with(".attn.bias") || ends_with(".attn.masked_bias");
+  };
+  f.hf.tied = {{"lm_head.weight", "wte.weight"}};
+  return f;
 }
 
 }  // namespace partrain::models

@@ -1,6 +1,7 @@
 // Built-in model families (see models.hpp).
 #include "engine/models/models.hpp"
 
+#include "engine/models/registry.hpp"
 #include "engine/plan/plan.hpp"
 
 namespace partrain::models {
@@ -27,6 +28,22 @@ nn::ModulePtr mlp(const MlpOptions& o) {
     }
   }
   return model;
+}
+
+Family mlp_family() {
+  Family f;
+  f.name = "mlp";
+  f.type = "MLP";
+  f.default_policy = "policies.mlp";
+  f.build = [](OptionReader& r) {
+    MlpOptions o;
+    o.sizes = r.integers("sizes", {});
+    o.activation = r.string("activation", o.activation);
+    o.dropout = r.number("dropout", o.dropout);
+    o.bias = r.boolean("bias", o.bias);
+    return mlp(o);
+  };
+  return f;  // no Hugging Face layout
 }
 
 torch::Tensor classification_loss(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,

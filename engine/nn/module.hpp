@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/torch.h>
@@ -151,6 +152,12 @@ class Module : public torch::nn::Module {
   ForwardFn replaced_;
   bool bypass_ = false;  // inside own_forward
   std::weak_ptr<parallel::ParallelModel> owner_;
+  // child()'s index, name -> child: built from LibTorch's children dict (which only hands out
+  // copies) at the first lookup, and dropped whenever this module's children change (set_child,
+  // restore_slots: the only ways partrain changes them). Like the rest of the tree, it is not
+  // for changing and reading from two threads at once.
+  mutable std::unordered_map<std::string, std::shared_ptr<Module>> child_index_;
+  mutable bool child_index_built_ = false;
 };
 
 using ModulePtr = std::shared_ptr<Module>;

@@ -72,6 +72,7 @@ Module::Slots Module::save_slots() const {
 void Module::restore_slots(const Slots& s) {
   for (const auto& [name, _] : children_named()) unregister_module(name);
   for (const auto& [name, child] : s.children) register_module(name, child);
+  child_index_built_ = false;
   parameters_.clear();
   for (const auto& [name, t] : s.parameters) parameters_.insert(name, t);
   for (const auto& [name, value] : s.attributes)
@@ -103,9 +104,14 @@ std::string Module::repr() const {
 }
 
 std::shared_ptr<Module> Module::child(const std::string& name) const {
-  for (const auto& item : named_children())
-    if (item.key() == name) return std::dynamic_pointer_cast<Module>(item.value());
-  return nullptr;
+  if (!child_index_built_) {
+    child_index_.clear();
+    for (const auto& item : named_children())
+      child_index_.emplace(item.key(), std::dynamic_pointer_cast<Module>(item.value()));
+    child_index_built_ = true;
+  }
+  auto it = child_index_.find(name);
+  return it == child_index_.end() ? nullptr : it->second;
 }
 
 std::shared_ptr<Module> Module::find(const std::string& path) const {
@@ -226,6 +232,7 @@ void Module::set_child(const std::string& name, std::shared_ptr<Module> module) 
     replace_module(name, module);
   else
     register_module(name, module);
+  child_index_built_ = false;
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::modules() {
@@ -243,8 +250,11 @@ std::vector<std::pair<std::string, std::shared_ptr<Module>>> Module::children_na
 }
 
 Tensor Module::own_tensor(const std::string& name) const {
-  if (const auto* p = named_parameters(/*recurse=*/false).find(name)) return *p;
-  if (const auto* b = named_buffers(/*recurse=*/false).find(name)) return *b;
+  // The parameters straight from their dict (an empty slot is no tensor); buffers only through a
+  // copy, kept alive while it is read.
+  if (const auto* p = parameters_.find(name); p && p->defined()) return *p;
+  auto buffers = named_buffers(/*recurse=*/false);
+  if (const auto* b = buffers.find(name)) return *b;
   return {};
 }
 

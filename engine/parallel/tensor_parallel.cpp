@@ -279,9 +279,9 @@ double global_grad_norm(const std::vector<Tensor>& params, const std::vector<dis
     else add(it->second, sq);
   }
   for (auto& [g, sq] : split) {
-    auto t = sq.reshape({1}).cpu().contiguous();
+    auto t = sq.reshape({1}).contiguous();  // on the gradients' device: the rank's
     g->all_reduce(t);
-    add(whole, t.squeeze(0).to(sq.device()));
+    add(whole, t.squeeze(0));
   }
   return whole.defined() ? std::sqrt(whole.item<double>()) : 0.0;
 }

@@ -1,12 +1,12 @@
-// Planning without processes: counting allocators, the meta kernels LibTorch lacks, the first
-// step's marks, and the plan itself (built, saved, compared and shown). See plan.hpp.
+// Planning without processes: the meta kernels LibTorch lacks, the first step's marks, and the
+// plan itself (built, saved, compared and shown). See plan.hpp; the counting allocators are in
+// memory.cpp.
 #include "engine/plan/plan.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -16,8 +16,6 @@
 
 #include <ATen/ExpandUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
 #include <cereal/archives/binary.hpp>
 #include <cereal/types/string.hpp>
 #include <cereal/types/utility.hpp>
@@ -34,100 +32,6 @@
 #include "engine/util/files.hpp"
 
 namespace partrain::plan {
-
-// ---- Memory accounting ---------------------------------------------------------------------
-
-namespace {
-
-struct Counter {
-  std::atomic<int64_t> allocated{0}, peak{0};
-  void add(int64_t n) {
-    int64_t now = allocated.fetch_add(n) + n;
-    int64_t seen = peak.load();
-    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
-    }
-  }
-  void sub(int64_t n) { allocated.fetch_sub(n); }
-};
-
-Counter& cpu_counter() {
-  static Counter c;
-  return c;
-}
-Counter& meta_counter() {
-  static Counter c;
-  return c;
-}
-
-// CPU memory with its size in a header before the data (kept 64-byte aligned, as LibTorch's).
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  static constexpr size_t kHeader = 64;
-  c10::DataPtr allocate(size_t n) const override {
-    auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
-    *reinterpret_cast<size_t*>(base) = n;
-    cpu_counter().add(static_cast<int64_t>(n));
-    void* data = base + kHeader;
-    return {data, data, &release, c10::Device(c10::kCPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  // Allocator::copy_data is pure virtual from LibTorch 2.3 (copy-on-write tensors); in older
-  // versions this is an ordinary member, hence no `override`.
-  void copy_data(void* dest, const void* src, std::size_t count) const {
-    if (count) std::memcpy(dest, src, count);
-  }
-  static void release(void* data) {
-    if (!data) return;
-    char* base = static_cast<char*>(data) - kHeader;
-    cpu_counter().sub(static_cast<int64_t>(*reinterpret_cast<size_t*>(base)));
-    c10::free_cpu(base);
-  }
-};
-
-// Meta "memory": no data, only the size, counted while the storage lives.
-class CountingMetaAllocator final : public c10::Allocator {
- public:
-  c10::DataPtr allocate(size_t n) const override {
-    meta_counter().add(static_cast<int64_t>(n));
-    return {nullptr, new size_t(n), &release, c10::Device(c10::kMeta)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void*, const void*, std::size_t) const {}  // meta tensors have no bytes to copy
-  static void release(void* ctx) {
-    auto* n = static_cast<size_t*>(ctx);
-    meta_counter().sub(static_cast<int64_t>(*n));
-    delete n;
-  }
-};
-
-Counter& counter(c10::DeviceType device) {
-  TORCH_CHECK(device == c10::kCPU || device == c10::kMeta, "memory is counted on the CPU and the meta device, not ",
-              device);
-  return device == c10::kCPU ? cpu_counter() : meta_counter();
-}
-
-}  // namespace
-
-void install_allocators() {
-  static CountingCpuAllocator cpu;
-  static CountingMetaAllocator meta;
-  static bool done = [] {
-    c10::SetAllocator(c10::kCPU, &cpu, /*priority=*/100);
-    c10::SetAllocator(c10::kMeta, &meta, /*priority=*/100);
-    return true;
-  }();
-  (void)done;
-}
-
-Memory memory(c10::DeviceType device) {
-  auto& c = counter(device);
-  return {c.allocated.load(), c.peak.load()};
-}
-
-void reset_peak(c10::DeviceType device) {
-  auto& c = counter(device);
-  c.peak.store(c.allocated.load());
-}
 
 // ---- Meta kernels --------------------------------------------------------------------------
 // Shapes only: what the CPU kernel would return, without computing it. Registered only for the

@@ -14,6 +14,8 @@
 
 #include <torch/torch.h>
 
+#include "engine/plan/memory.hpp"
+
 namespace partrain::nn {
 class Module;
 }
@@ -25,19 +27,6 @@ class Mesh;
 }
 
 namespace partrain::plan {
-
-// ---- Memory accounting ---------------------------------------------------------------------
-
-/// Bytes held by tensors on one device, now and at the peak since reset_peak().
-struct Memory {
-  int64_t allocated = 0, peak = 0;
-};
-/// Counts every allocation on the CPU and on the meta device from now on (idempotent). LibTorch's
-/// CPU allocator keeps no statistics; the meta device's "allocations" are the bytes a real device
-/// would need, which is how the planner weighs activations.
-void install_allocators();
-Memory memory(c10::DeviceType device = c10::kCPU);
-void reset_peak(c10::DeviceType device = c10::kCPU);
 
 // ---- Planning mode -------------------------------------------------------------------------
 

@@ -51,6 +51,24 @@ TEST(ModuleTree, DottedNamesFindAndReplace) {
   EXPECT_EQ(root.forward({torch::randn({3, 2})}).sizes(), (std::vector<int64_t>{3, 4}));
 }
 
+TEST(ModuleTree, ChildLookupsFollowEveryChangeOfTheChildren) {
+  auto root = std::make_shared<nn::Sequential>(
+      std::vector<nn::ModulePtr>{std::make_shared<nn::Linear>(nn::LinearOptions(2, 2))});
+  auto first = root->child("0");
+  ASSERT_TRUE(first);
+  EXPECT_EQ(root->child("1"), nullptr) << "no such child yet";
+  nn::TreeSnapshot snapshot(*root, 1 << 20);
+  auto norm = std::make_shared<nn::LayerNorm>(nn::LayerNormOptions(2));
+  root->set_child("0", norm);
+  EXPECT_EQ(root->child("0"), norm) << "a replaced child is seen at once";
+  root->set_child("1", std::make_shared<nn::Linear>(nn::LinearOptions(2, 3)));
+  ASSERT_TRUE(root->child("1")) << "an added child is seen at once";
+  EXPECT_EQ(root->child("1")->type(), "Linear");
+  EXPECT_TRUE(snapshot.restore().empty());
+  EXPECT_EQ(root->child("0"), first) << "a restored tree gives back the child it had";
+  EXPECT_EQ(root->child("1"), nullptr) << "a restored tree has no child added after the snapshot";
+}
+
 TEST(ModuleTree, LoadStateDictNamesEveryProblem) {
   nn::Linear a(nn::LinearOptions(3, 2)), b(nn::LinearOptions(3, 2));
   nn::TensorMap state = a.state_dict();

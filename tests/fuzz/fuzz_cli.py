@@ -18,11 +18,15 @@ Classes:
   plan-file   --plan with a real plan (partrain plan --save) damaged at random: bytes flipped,
               cut short, counts inflated; loaded up front, so refused at once (or accepted
               when the damage hit a number the run does not check)
+  device      --device with a device this machine cannot have (cuda without CUDA), an unknown
+              or malformed one (tpu, cuda:x, CPU, padded, random printable junk), alone or
+              before a launch; cpu is accepted
 """
 import os
 import random
 import re
 import stat
+import string
 import sys
 import tempfile
 import time
@@ -48,6 +52,8 @@ BAD_NUMBERS = ["0", "-1", "-7", "1000000", "2147483648", "9223372036854775808", 
                "1.5", "1e3", "0x10", "abc", "", " 3", "3 ", "+-1", "--", "NaN", "inf", "٣", "1_000"]
 VALUE_FLAGS = ["-e", "--execute", "--threads", "--timeout", "--nproc-per-node", "--nnodes", "--node-rank",
                "--master-addr", "--master-port", "--plan", "--plan-mode"]
+BAD_DEVICES = ["tpu", "mps", "cuda:x", "cuda:", "cuda:-1", "cuda:1.5", "cuda:0:1", "cuda0", "cpu:0", "CPU", "Cuda",
+               "cpu ", " cpu", "cuda:99999", "", "cuda:00000", "gpu", "cpu\tcpu"]
 UNKNOWN = ["--bogus", "--thread", "--threads-per-rank", "---threads", "-x", "-Z", "--nproc", "--world",
            "--Threads", "--tee=1", "--i", "--interactive=maybe", "--plan-modes", "--check-collective"]
 
@@ -89,6 +95,8 @@ def setup(tmp):
         sys.exit(f"cannot make a plan to damage: {made!r}")
     with open(plan, "rb") as f:
         paths["plan_bytes"] = f.read()
+    paths["cuda"] = common.run([BIN, "-e", "os.exit(require('partrain').cuda_available() and 0 or 1)"],
+                               timeout=60).rc == 0
     return paths
 
 
@@ -240,9 +248,27 @@ def plan_file_case(rng, paths):
     return Case("plan-file", ["--plan", path, "-e", ""], [path], accept=True)
 
 
+def device_case(rng, paths):
+    how = rng.random()
+    if how < 0.15:
+        value = "cpu"
+    elif how < 0.3:
+        value = rng.choice(["cuda", "cuda:0", "cuda:1"])
+    elif how < 0.7:
+        value = rng.choice(BAD_DEVICES)
+    else:
+        value = "".join(rng.choice(string.printable[:94]) for _ in range(rng.randint(1, 12)))
+    flag = ["--device", value] if rng.random() < 0.7 else [f"--device={value}"]
+    launch = ["--nproc-per-node", "2", "--threads", "1", "--timeout", "10"] if rng.random() < 0.3 else []
+    # cpu runs; a cuda device runs where CUDA is (or is refused for a missing index); all else is refused.
+    cuda = value in ("cuda", "cuda:0", "cuda:1") and paths["cuda"]
+    return Case("device", [*launch, *flag, "-e", ""], ["--device", value], accept=value == "cpu" or cuda,
+                refuse=value != "cpu")
+
+
 GENERATORS = [number_case, missing_case, unknown_case, subcommand_case, file_case, repl_case, mixed_case,
-              plan_file_case]
-WEIGHTS = [6, 2, 2, 4, 4, 3, 3, 3]
+              plan_file_case, device_case]
+WEIGHTS = [6, 2, 2, 4, 4, 3, 3, 3, 2]
 
 
 def judge(case, outcome, tally):

@@ -10,12 +10,12 @@ local test, ok = H.test, H.ok
 local bin = os.getenv("PARTRAIN_BIN") or "build/partrain"
 
 -- Runs `code` as a script file; returns its exit status and output (stdout and stderr).
-local function run(code)
+local function run(code, env)
   local path = os.tmpname() .. ".lua"
   local f = assert(io.open(path, "w"))
   f:write(code)
   f:close()
-  local p = io.popen(bin .. " --threads 1 " .. path .. " 2>&1; echo \"status=$?\"")
+  local p = io.popen((env or "") .. " " .. bin .. " --threads 1 " .. path .. " 2>&1; echo \"status=$?\"")
   local out = p:read("*a")
   p:close()
   os.remove(path)
@@ -53,6 +53,28 @@ test("an error object that is not a string is described, with a traceback", func
   status, out = run('error(setmetatable({}, { __tostring = function() return "custom error" end }))\n')
   has(out, "partrain: custom error", "its __tostring")
   has(out, "stack traceback:", "traceback for an object with __tostring")
+end)
+
+-- The first optimizer step calls partrain.plan's hook when a plan is involved; a hook that raises
+-- must come back through the protected call as the script's own error, one it can catch.
+local raising_hook = 'local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+  .. 'local opt = pt.optim.sgd(m, { lr = 0.1 })\n'
+  .. 'require("partrain.plan").at_first_step = function() error("the hook failed") end\n'
+local plan_env = "PARTRAIN_PLAN=" .. os.tmpname() .. "-plan PARTRAIN_PLAN_MODE=override"
+
+test("a callback the optimizer step runs that raises is the user's error, and can be caught", function()
+  local status, out, path = run(raising_hook .. 'local ok, err = pcall(opt.step, opt)\nprint("caught", ok, err)\n'
+    .. 'opt:step()\nprint("the next step ran")\n', plan_env)
+  ok(status == 0, "exit status 0, got " .. tostring(status) .. ":\n" .. out)
+  has(out, "caught\tfalse\t" .. path .. ":4: the hook failed", "caught with the hook's line")
+  has(out, "the next step ran", "the script goes on")
+end)
+
+test("a callback the optimizer step runs that raises, uncaught, ends the script cleanly", function()
+  local status, out, path = run(raising_hook .. 'opt:step()\n', plan_env)
+  ok(status == 1, "exit status 1, got " .. tostring(status) .. ":\n" .. out)
+  has(out, "partrain: " .. path .. ":4: the hook failed", "the hook's line")
+  ok(not out:find("Exception raised from", 1, true) and not out:find("terminate", 1, true), "no C++ trace:\n" .. out)
 end)
 
 H.run()

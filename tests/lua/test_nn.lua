@@ -260,4 +260,30 @@ test("losses: cross_entropy and mse", function()
   raises(function() pt.nn.mse(pt.ones(2), pt.ones(3)) end, "equal shapes")
 end)
 
+test("pt.models holds one constructor a registered family, and names a model's family", function()
+  local names = {}
+  for name in pairs(pt.models) do names[#names + 1] = name end
+  table.sort(names)
+  eq(table.concat(names, ","), "gpt2,mlp", "the families")
+  local f = pt.model_family(pt.models.gpt2 { vocab = 8, seq = 4, dim = 4, heads = 2, layers = 1 })
+  eq(f and f.name, "gpt2", "gpt2's family")
+  eq(f.type, "GPT2", "its root type")
+  eq(f.policy, "policies.gpt2", "its default policy")
+  eq(pt.model_family(pt.models.mlp { sizes = { 2, 2 } }).policy, "policies.mlp", "mlp's default policy")
+  eq(pt.model_family(pt.nn.Linear(2, 2)), nil, "a layer is no family's model")
+  raises(function() pt.models.mlp { sizes = { 2, 2 }, width = 3 } end, "unknown option 'width' for mlp")
+end)
+
+test("pt shows its documented functions and keeps the library's internals inside", function()
+  for _, name in ipairs { "tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
+                          "linspace", "eye", "zeros_like", "ones_like", "randn_like", "cat", "stack", "where",
+                          "is_tensor", "manual_seed", "no_grad", "grad_enabled", "get_threads", "set_threads",
+                          "cuda_available", "device", "time", "cpu_time", "memory" } do
+    eq(type(pt[name]), "function", "pt." .. name)
+  end
+  for _, name in ipairs { "_where", "now", "repl_readline", "repl_start", "string_to_tensor", "reset_peak" } do
+    eq(pt[name], nil, "pt." .. name .. " is internal")
+  end
+end)
+
 H.run()

@@ -34,9 +34,15 @@ end
 --- The file whose chunk `fn` runs, when `fn` is the function partrain's loader made for it.
 function pt.loading_file(fn) return loading[fn] end
 
--- Tensors: pt.zeros, pt.tensor, pt.cat, pt.no_grad, ... (dims and indices count from 0).
-for name, fn in pairs(core) do
-  if type(fn) == "function" then pt[name] = fn end
+-- Tensors: pt.zeros, pt.tensor, pt.cat, pt.no_grad, ... (dims and indices count from 0), and
+-- where this rank computes. A list, not a copy of core: the REPL's functions and the `_` names
+-- stay inside the library.
+for _, name in ipairs {
+  "tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye",
+  "zeros_like", "ones_like", "randn_like", "cat", "stack", "where", "is_tensor",
+  "manual_seed", "no_grad", "grad_enabled", "get_threads", "set_threads", "cuda_available", "device",
+} do
+  pt[name] = assert(core[name], name)
 end
 pt.Tensor = core.Tensor   -- the tensor method table: add a method here and every tensor has it
 do  -- methods first, then the fields that are not methods (shape, dtype, device, grad, ...)
@@ -58,8 +64,12 @@ pt.nn = nn
 for name, fn in pairs(core.nn) do
   if name:sub(1, 1) ~= "_" then nn[name] = fn end
 end
-pt.models = { mlp = core.nn.mlp, gpt2 = core.nn.gpt2 }
-nn.mlp, nn.gpt2 = nil, nil
+-- The built-in model families (engine/models/registry.cpp): pt.models.mlp, pt.models.gpt2, ...
+pt.models = {}
+for name, build in pairs(core.models) do pt.models[name] = build end
+--- The family `model` is the root of, as { name, type, policy } (policy: the module of its default
+--- sharding policy, e.g. "policies.gpt2"), or nil.
+pt.model_family = core.model_families.family_of
 
 function nn.ReLU() return core.nn.activation "ReLU" end
 function nn.Tanh() return core.nn.activation "Tanh" end

@@ -1,0 +1,63 @@
+// The planner's hooks and a run's check against a saved plan in Lua (core.plan, used by
+// partrain/plan.lua at the first optimizer step).
+#include "bindings/lua.hpp"
+#include "engine/dist/world.hpp"
+#include "engine/optim/optim.hpp"
+#include "engine/plan/plan.hpp"
+
+namespace partrain::lua {
+
+namespace {
+
+dist::World& world() {
+  auto& w = dist::World::instance();
+  if (!w.initialized()) w.init(dist::world_options_from_env());
+  return w;
+}
+
+// The model, its optimizers (a table) and its mesh (or nil) at 1, 2, 3, as this rank's plan.
+plan::RankPlan rank_plan(const Args& a, const dist::Mesh** mesh_out) {
+  auto& model = a.module(1);
+  std::vector<const optim::Optimizer*> optimizers;
+  if (!a.none(2)) {
+    if (!a.is_table(2)) a.expected(2, "table of optimizers");
+    for (int i = 1;; ++i) {
+      lua_rawgeti(a.L, 2, i);
+      if (lua_isnil(a.L, -1)) { lua_pop(a.L, 1); break; }
+      auto* o = ud_test<std::shared_ptr<optim::Optimizer>>(a.L, -1, PT_OPTIMIZER_MT);
+      lua_pop(a.L, 1);
+      if (!o) a.fail(2, "table of optimizers expected");
+      optimizers.push_back(o->get());
+    }
+  }
+  const dist::Mesh* m = a.none(3) ? nullptr : mesh_at(a.L, 3);
+  if (!a.none(3) && !m) a.expected(3, "mesh");
+  *mesh_out = m;
+  return plan::describe(world().rank(), *model, optimizers, m);
+}
+
+const Function kPlan[] = {
+    {"planning", [](Args& a) { return a.ret(plan::planning()); }},
+    {"record", [](Args& a) {  // record(model, optimizers, mesh|nil): this virtual rank's plan
+       const dist::Mesh* m = nullptr;
+       auto r = rank_plan(a, &m);
+       plan::record(std::move(r), plan::layout_of(m));
+       return a.ret(); }},
+    {"check", [](Args& a) {  // check(model, optimizers, mesh|nil, path, mode) -> what it did
+       const dist::Mesh* m = nullptr;
+       auto r = rank_plan(a, &m);
+       return a.ret(plan::check(r, plan::layout_of(m), a.string(4), a.string(5))); }},
+    {"first_step", [](Args& a) {  // { begun, forward_done, activations }
+       const auto& f = plan::first_step();
+       lua_createtable(a.L, 0, 3);
+       lua_pushboolean(a.L, f.begun); lua_setfield(a.L, -2, "begun");
+       lua_pushboolean(a.L, f.forward_done); lua_setfield(a.L, -2, "forward_done");
+       if (f.activations >= 0) { lua_pushnumber(a.L, double(f.activations)); lua_setfield(a.L, -2, "activations"); }
+       return 1; }},
+    {nullptr, nullptr}};
+
+}  // namespace
+
+void open_plan(lua_State* L, int core) { set_library(L, core, "plan", kPlan); }
+
+}  // namespace partrain::lua

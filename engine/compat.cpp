@@ -1,0 +1,106 @@
+// The bodies behind compat.hpp: what differs between the LibTorch versions partrain builds
+// against, in one file.
+#include <cstdlib>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#define PARTRAIN_COMPAT_C10D  // make_c10d_group is defined here
+#include "engine/compat.hpp"
+
+#ifdef PARTRAIN_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace partrain::compat {
+
+std::string torch_version() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
+}
+
+torch::Tensor gelu_tanh(const torch::Tensor& x) { return at::gelu(x, "tanh"); }
+
+torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     double dropout) {
+#if PARTRAIN_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, {}, dropout, /*is_causal=*/true);
+#else
+  (void)q, (void)k, (void)v, (void)dropout;
+  TORCH_CHECK(false, "fused attention needs LibTorch 2.0 or later; this is ", torch_version());
+#endif
+}
+
+bool cuda_available() { return torch::cuda::is_available(); }
+
+int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
+
+void use_device(const torch::Device& device) {
+  if (!device.is_cuda()) return;
+#ifdef PARTRAIN_WITH_NCCL  // a CUDA LibTorch (the one that carries NCCL)
+  c10::cuda::set_device(device.index());
+#else
+  TORCH_CHECK(false, "device ", device.str(), " needs a CUDA build of partrain");
+#endif
+}
+
+std::string message_of(const std::exception& e) {
+  if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
+// ---- Autograd hooks ------------------------------------------------------------------------
+
+namespace {
+struct LambdaPostHook : torch::autograd::FunctionPostHook {
+  explicit LambdaPostHook(std::function<void()> fn) : fn(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fn();
+    return outputs;
+  }
+  std::function<void()> fn;
+};
+}  // namespace
+
+std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const torch::Tensor& param, std::function<void()> fn) {
+  auto accumulator = torch::autograd::impl::grad_accumulator(param);
+  TORCH_CHECK(accumulator, "a gradient hook needs a leaf tensor that requires grad");
+  accumulator->add_post_hook(std::make_unique<LambdaPostHook>(std::move(fn)));
+  return accumulator;
+}
+
+void at_end_of_backward(std::function<void()> fn) {
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
+}
+
+// ---- c10d ----------------------------------------------------------------------------------
+
+c10::intrusive_ptr<C10dGroup> make_c10d_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size, std::chrono::milliseconds timeout) {
+  if (backend == "nccl") {
+#ifdef PARTRAIN_WITH_NCCL
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+    TORCH_CHECK(false, "this partrain was built without NCCL (a CPU LibTorch): use the gloo backend");
+#endif
+  }
+  TORCH_CHECK(backend == "gloo", "unknown backend '", backend, "' (expected gloo or nccl)");
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  const char* master = std::getenv("MASTER_ADDR");
+  std::string addr = master ? master : "127.0.0.1";
+  bool loopback = addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
+  if (ifname && *ifname)
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  else if (loopback)
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  else
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  options->threads = 1;  // one worker a group: ranks already share few cores
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+}  // namespace partrain::compat

@@ -1,0 +1,96 @@
+// GoogleTest for the model-family registry: the built-in families are found by name and by their
+// root's type, build from options, map their tensor names to Hugging Face's and back, and an
+// unknown family is refused with the known ones named.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+
+#include "engine/models/registry.hpp"
+
+using namespace partrain;
+
+namespace {
+
+// Options from a map; records which keys the builder asked for.
+class MapOptions final : public models::OptionReader {
+ public:
+  std::map<std::string, double> numbers;
+  std::map<std::string, std::vector<int64_t>> lists;
+  std::vector<std::string> read;
+  int64_t integer(const char* key, int64_t fallback) override {
+    read.push_back(key);
+    return numbers.count(key) ? static_cast<int64_t>(numbers[key]) : fallback;
+  }
+  double number(const char* key, double fallback) override {
+    read.push_back(key);
+    return numbers.count(key) ? numbers[key] : fallback;
+  }
+  bool boolean(const char* key, bool fallback) override {
+    read.push_back(key);
+    return fallback;
+  }
+  std::string string(const char* key, const std::string& fallback) override {
+    read.push_back(key);
+    return fallback;
+  }
+  std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback) override {
+    read.push_back(key);
+    return lists.count(key) ? lists[key] : fallback;
+  }
+};
+
+}  // namespace
+
+TEST(ModelRegistry, FindsGpt2AndMlpByNameAndByType) {
+  const auto& gpt2 = models::family("gpt2");
+  EXPECT_EQ(gpt2.type, "GPT2");
+  EXPECT_EQ(gpt2.default_policy, "policies.gpt2");
+  EXPECT_TRUE(gpt2.has_hf()) << "GPT-2 has a Hugging Face layout";
+  const auto& mlp = models::family("mlp");
+  EXPECT_EQ(mlp.type, "MLP");
+  EXPECT_EQ(mlp.default_policy, "policies.mlp");
+  EXPECT_FALSE(mlp.has_hf()) << "the MLP has no Hugging Face layout";
+  EXPECT_EQ(models::family_of_type("GPT2"), &gpt2);
+  EXPECT_EQ(models::family_of_type("MLP"), &mlp);
+  EXPECT_EQ(models::family_of_type("Linear"), nullptr) << "a layer is no family's root";
+}
+
+TEST(ModelRegistry, BuildsEachFamilyFromItsOptions) {
+  MapOptions g;
+  g.numbers = {{"vocab", 16}, {"seq", 8}, {"dim", 8}, {"heads", 2}, {"layers", 3}};
+  auto model = models::family("gpt2").build(g);
+  EXPECT_EQ(model->type(), "GPT2");
+  EXPECT_TRUE(model->find("h.2.attn.c_attn")) << "three blocks";
+  EXPECT_EQ(model->find("wte")->own_tensor("weight").size(0), 16) << "the vocab option reached the model";
+  MapOptions m;
+  m.lists["sizes"] = {4, 3, 2};
+  auto mlp = models::family("mlp").build(m);
+  EXPECT_EQ(mlp->type(), "MLP");
+  EXPECT_NE(std::find(m.read.begin(), m.read.end(), "sizes"), m.read.end()) << "the builder read 'sizes'";
+}
+
+TEST(ModelRegistry, MapsGpt2NamesToHuggingFaceAndBack) {
+  const auto& hf = models::family("gpt2").hf;
+  for (std::string name : {"wte.weight", "h.0.attn.c_attn.weight", "h.11.mlp.c_proj.bias", "ln_f.weight"}) {
+    EXPECT_EQ(hf.from_hf(hf.to_hf(name)), name) << "round trip of " << name;
+    EXPECT_EQ(hf.from_hf("transformer." + hf.to_hf(name)), name) << "GPT2LMHeadModel's prefix on " << name;
+  }
+  EXPECT_TRUE(hf.transposed("h.3.attn.c_attn.weight")) << "Conv1D weights are [in, out] there";
+  EXPECT_TRUE(hf.transposed("h.3.mlp.c_fc.weight"));
+  EXPECT_FALSE(hf.transposed("h.3.attn.c_attn.bias")) << "biases are not transposed";
+  EXPECT_FALSE(hf.transposed("wte.weight")) << "embeddings are not Conv1D";
+  EXPECT_TRUE(hf.ignored("h.0.attn.bias")) << "the causal-mask buffer is computed, not imported";
+  EXPECT_FALSE(hf.ignored("h.0.attn.c_attn.bias"));
+  ASSERT_EQ(hf.tied.size(), 1u);
+  EXPECT_EQ(hf.tied[0], std::make_pair(std::string("lm_head.weight"), std::string("wte.weight")));
+}
+
+TEST(ModelRegistry, RefusesAnUnknownFamilyNamingTheKnownOnes) {
+  try {
+    models::family("llama");
+    FAIL() << "an unknown family was found";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()), "unknown model family 'llama' (known: mlp, gpt2)");
+  }
+}
