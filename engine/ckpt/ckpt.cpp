@@ -37,9 +37,27 @@ template <class Archive>
 void serialize(Archive& ar, Piece& p) {
   ar(p.file, p.offset, p.bytes, p.start, p.size, p.crc32);
 }
+// The format version a manifest being read was written in: format 2 stored a count of equal
+// parts where format 3 stores their sizes. Set only around reading one manifest (manifest()).
+thread_local uint32_t reading_format = kFormatVersion;
+
 template <class Archive>
 void serialize(Archive& ar, TensorEntry& e) {
-  ar(e.name, e.dtype, e.shape, e.dim, e.fused, e.pieces);
+  ar(e.name, e.dtype, e.shape, e.dim);
+  if (Archive::is_loading::value && reading_format == 2) {
+    int64_t fused = 1;
+    ar(fused);
+    e.parts.clear();
+    // Equal parts of the split dimension; validate() refuses a count that does not divide it.
+    if (e.dim >= 0 && static_cast<size_t>(e.dim) < e.shape.size() && fused > 1 && fused <= 4096 &&
+        e.shape[e.dim] % fused == 0)
+      e.parts.assign(static_cast<size_t>(fused), e.shape[e.dim] / fused);
+    else if (fused != 1)
+      e.parts.assign(1, 0);  // no such part: refused by validate(), naming the tensor
+  } else {
+    ar(e.parts);
+  }
+  ar(e.pieces);
 }
 template <class Archive>
 void serialize(Archive& ar, FileEntry& f) {
@@ -222,30 +240,6 @@ void crash_point(const char* point) {
   if (at && std::strcmp(at, point) == 0) std::raise(SIGKILL);
 }
 
-// Creates `path`, which must not exist (a link planted there is not followed), with `bytes`,
-// flushed to disk.
-void write_new(const std::string& path, const std::string& bytes) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", std::strerror(errno));
-  const char* p = bytes.data();
-  size_t left = bytes.size();
-  while (left > 0) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int err = errno;
-      ::close(fd);
-      TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(err));
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
-  bool synced = ::fsync(fd) == 0;
-  int err = errno;
-  ::close(fd);
-  TORCH_CHECK(synced, "flushing '", path, "' to disk failed: ", std::strerror(err));
-}
-
 // Reads exactly `n` bytes at `offset` of an open file.
 bool read_at(int fd, char* out, uint64_t n, uint64_t offset) {
   uint64_t done = 0;
@@ -342,7 +336,7 @@ TensorEntry entry_for(const std::string& name, const torch::Tensor& t, const par
   e.shape = s ? s->shape : t.sizes().vec();
   if (s) {
     e.dim = static_cast<int32_t>(s->dim);
-    e.fused = s->equal_parts();
+    if (s->parts.size() > 1) e.parts = s->parts;
   }
   return e;
 }
@@ -426,7 +420,7 @@ std::string manifest_bytes(const Manifest& m) {
     cereal::BinaryOutputArchive ar(out);
     uint64_t length = body.size();
     uint32_t crc = crc_of(body.data(), body.size());
-    ar(std::string(kMagic), m.version, length, crc);
+    ar(std::string(kMagic), kFormatVersion, length, crc);  // always the current layout
   }
   std::string head = out.str();
   TORCH_CHECK(head.size() == kHeaderBytes, "internal: manifest header of ", head.size(), " bytes");
@@ -434,8 +428,8 @@ std::string manifest_bytes(const Manifest& m) {
 }
 
 void write_manifest(const std::string& tag_dir, const Manifest& m) {
-  write_new(join(tag_dir, "manifest.bin"), manifest_bytes(m));
-  write_new(join(tag_dir, "summary.txt"), describe(m));
+  util::write_new(join(tag_dir, "manifest.bin"), manifest_bytes(m));
+  util::write_new(join(tag_dir, "summary.txt"), describe(m));
   util::fsync_path(tag_dir);
 }
 
@@ -675,9 +669,15 @@ void validate(const Manifest& m, const std::string& path) {
     if (e.shape.size() > static_cast<size_t>(kMaxRank)) fail("with " + std::to_string(e.shape.size()) + " dimensions");
     const int64_t total = volume(e.shape);
     if (total < 0) fail("of shape " + shape_text(e.shape) + " (negative or too large)");
-    if (e.dim < -1 || e.dim >= static_cast<int32_t>(e.shape.size()) || e.fused < 1 || e.fused > 4096 ||
-        (e.dim < 0 && e.fused != 1) || (e.dim >= 0 && e.shape[e.dim] % e.fused != 0))
-      fail("split on dimension " + std::to_string(e.dim) + " in " + std::to_string(e.fused) + " parts, which its shape " +
+    bool parts_fit = e.parts.size() <= 4096 && (e.parts.empty() || e.dim >= 0);
+    int64_t parts_total = 0;
+    for (int64_t n : e.parts) {
+      parts_fit = parts_fit && n >= 1 && n <= (int64_t(1) << 40);
+      if (parts_fit) parts_total += n;
+    }
+    if (e.dim < -1 || e.dim >= static_cast<int32_t>(e.shape.size()) || !parts_fit ||
+        (!e.parts.empty() && parts_total != e.shape[e.dim]))
+      fail("split on dimension " + std::to_string(e.dim) + " in parts " + shape_text(e.parts) + ", which its shape " +
            shape_text(e.shape) + " does not allow");
     int64_t covered = 0;
     for (const auto& p : e.pieces) {
@@ -779,11 +779,12 @@ Manifest read_manifest(const std::string& tag_dir) {
   uint32_t version = 0;
   std::memcpy(&version, bytes.data() + 8 + kMagicLength, 4);
   if (version == 1)
-    bad("has format version 1, which has no checksum of its own; this partrain reads version " +
-        std::to_string(kFormatVersion) + " only (load it with the partrain that saved it and save it again)");
-  if (version != kFormatVersion)
-    bad("has format version " + std::to_string(version) + "; this partrain reads version " +
-        std::to_string(kFormatVersion));
+    bad("has format version 1, which has no checksum of its own; this partrain reads versions " +
+        std::to_string(kOldestReadableFormat) + " to " + std::to_string(kFormatVersion) +
+        " (load it with the partrain that saved it and save it again)");
+  if (version < kOldestReadableFormat || version > kFormatVersion)
+    bad("has format version " + std::to_string(version) + "; this partrain reads versions " +
+        std::to_string(kOldestReadableFormat) + " to " + std::to_string(kFormatVersion));
   if (bytes.size() < kHeaderBytes) bad("is truncated (" + std::to_string(bytes.size()) + " bytes)");
   uint64_t length = 0;
   uint32_t crc = 0;
@@ -796,6 +797,10 @@ Manifest read_manifest(const std::string& tag_dir) {
   Manifest m;
   try {
     util::BoundedInputArchive ar(bytes.data() + kHeaderBytes, length);
+    struct Format {  // the layout of this manifest's entries, for serialize(TensorEntry)
+      explicit Format(uint32_t v) { reading_format = v; }
+      ~Format() { reading_format = kFormatVersion; }
+    } format(version);
     ar(m);
     if (ar.left() != 0) bad("has " + std::to_string(ar.left()) + " bytes after its contents");
   } catch (const cereal::Exception& e) {
@@ -913,6 +918,11 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
     auto store = [&](const std::string& key, const torch::Tensor& t, const c10::optional<parallel::Sharding>& s) {
       torch::Tensor value = t;
       const parallel::Sharding* split = s ? &*s : nullptr;
+      // Who writes a split tensor's slices is read from the mesh (data rank 0 of each tensor
+      // group): without one, a rank would be taken for a data-parallel copy and its slices lost.
+      TORCH_CHECK(!split || split->ranks == 1 || state.mesh, "'", key, "' is split over tensor=", split ? split->ranks : 1,
+                  " but the save was given no mesh: pass mesh = <the mesh it was split over> (pt.parallelize's "
+                  "models carry theirs)");
       bool writer = split ? coord.data == 0 && coord.pipeline == 0
                           : coord.data == 0 && coord.tensor == 0 && coord.pipeline == 0;
       if (options.full) {
@@ -1211,7 +1221,14 @@ std::string describe(const Manifest& m) {
     uint64_t bytes = 0;
     for (const auto& p : e.pieces) bytes += p.bytes;
     s << "  " << e.name << "  " << e.dtype << " " << shape(e.shape);
-    if (e.dim >= 0) s << "  split on " << e.dim << (e.fused > 1 ? " (" + std::to_string(e.fused) + " fused parts)" : "");
+    if (e.dim >= 0) {
+      s << "  split on " << e.dim;
+      if (!e.parts.empty()) {
+        s << " (parts ";
+        for (size_t i = 0; i < e.parts.size(); ++i) s << (i ? "+" : "") << e.parts[i];
+        s << ")";
+      }
+    }
     s << "  " << e.pieces.size() << " piece(s), " << bytes << " bytes:";
     for (const auto& p : e.pieces) {
       s << " [" << (p.file >= 0 && p.file < static_cast<int32_t>(m.files.size()) ? m.files[p.file].name : "?");

@@ -36,9 +36,13 @@ struct HfNames;
 
 namespace partrain::ckpt {
 
-/// 2: the manifest file is a header (magic, version, payload length, CRC-32 of the payload) and
-/// the payload. Version 1 (no checksum of the manifest) is refused.
-constexpr uint32_t kFormatVersion = 2;
+/// 3: the manifest file is a header (magic, version, payload length, CRC-32 of the payload) and
+/// the payload; a split tensor records the sizes of the parts its dimension is made of. Version 2
+/// (the same with a count of equal parts) is read; version 1 (no checksum of the manifest) is
+/// refused.
+constexpr uint32_t kFormatVersion = 3;
+/// The oldest format this partrain reads.
+constexpr uint32_t kOldestReadableFormat = 2;
 
 /// A box of a logical tensor stored in one data file.
 struct Piece {
@@ -53,7 +57,9 @@ struct TensorEntry {
   std::string name, dtype;
   std::vector<int64_t> shape;  ///< logical
   int32_t dim = -1;            ///< the dimension it was split on when saved (-1: whole)
-  int64_t fused = 1;           ///< fused parts of that dimension (q, k, v: 3)
+  /// The sizes the split dimension is made of, each split across the group on its own (q, k and
+  /// v: 3 parts, of unequal sizes under grouped-query attention); empty: one part.
+  std::vector<int64_t> parts;
   std::vector<Piece> pieces;
 };
 

@@ -6,6 +6,7 @@
 
 #include "engine/ckpt/ckpt.hpp"
 #include "engine/ckpt/internal.hpp"
+#include "engine/parallel/sharding.hpp"
 
 namespace partrain::ckpt {
 
@@ -48,18 +49,18 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
       add_pieces(file(0), e, full, nullptr, 0);
       continue;
     }
+    // The new layout's split, from the sizes the checkpoint recorded: a dimension of one part that
+    // the new tensor size does not divide is padded (as a vocabulary is); parts must divide.
     const int64_t logical = e.shape[e.dim];
+    const int64_t padded = e.parts.empty() && logical % tensor != 0 ? (logical + tensor - 1) / tensor * tensor : 0;
+    parallel::Sharding split;
+    try {
+      split = parallel::Sharding::split(nullptr, tensor, e.dim, e.shape, e.parts, padded);
+    } catch (const c10::Error& err) {
+      TORCH_CHECK(false, "convert: ", e.name, " cannot be split over tensor ", tensor, ": ", err.what_without_backtrace());
+    }
     for (int r = 0; r < tensor; ++r) {
-      std::vector<std::pair<int64_t, int64_t>> slices;
-      if (e.fused > 1) {
-        const int64_t part = logical / e.fused, each = part / tensor;
-        TORCH_CHECK(part % tensor == 0, "convert: tensor ", tensor, " does not divide the ", e.fused, " fused parts of ",
-                    e.name, " (", part, " each)");
-        for (int64_t j = 0; j < e.fused; ++j) slices.emplace_back(j * part + r * each, each);
-      } else {
-        const int64_t each = (logical + tensor - 1) / tensor, start = r * each, end = std::min(start + each, logical);
-        if (end > start) slices.emplace_back(start, end - start);
-      }
+      const auto slices = split.slices(r);
       for (const auto& [start, length] : slices) {
         std::vector<int64_t> at(e.shape.size(), 0), size = e.shape;
         at[e.dim] = start;

@@ -104,6 +104,43 @@ void fsync_path(const std::string& path) {
   ::close(fd);
 }
 
+namespace {
+
+// Writes all of `bytes` to `fd`, flushes it to disk and closes it; an error names `path`. The
+// caller removes the file on error.
+void write_sync_close(int fd, const std::string& path, const std::string& bytes) {
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int err = errno;
+      ::close(fd);
+      TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(err));
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  bool synced = ::fsync(fd) == 0;
+  int err = errno;
+  ::close(fd);
+  TORCH_CHECK(synced, "flushing '", path, "' to disk failed: ", std::strerror(err));
+}
+
+}  // namespace
+
+void write_new(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", std::strerror(errno));
+  try {
+    write_sync_close(fd, path, bytes);
+  } catch (...) {
+    ::unlink(path.c_str());
+    throw;
+  }
+}
+
 void write_atomic(const std::string& path, const std::string& bytes) {
   static thread_local std::mt19937_64 random{std::random_device{}()};
   std::string dir = dir_of(path), name = path.substr(path.find_last_of('/') + 1);
@@ -117,29 +154,14 @@ void write_atomic(const std::string& path, const std::string& bytes) {
     if (fd < 0 && errno != EEXIST) break;
   }
   TORCH_CHECK(fd >= 0, "cannot write '", path, "' (its temporary '", tmp, "'): ", std::strerror(errno));
-  const char* p = bytes.data();
-  size_t left = bytes.size();
-  while (left > 0) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(err));
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
-  bool synced = ::fsync(fd) == 0;
-  int err = errno;
-  ::close(fd);
-  if (!synced) {
+  try {
+    write_sync_close(fd, path, bytes);
+  } catch (...) {
     ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "flushing '", path, "' to disk failed: ", std::strerror(err));
+    throw;
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    err = errno;
+    int err = errno;
     ::unlink(tmp.c_str());
     TORCH_CHECK(false, "cannot rename '", tmp, "' to '", path, "': ", std::strerror(err));
   }

@@ -33,6 +33,10 @@ std::string read_regular(const std::string& path, const std::string& what, uint6
 /// starting with '.' or '-' (so never ".", "..", a hidden scratch name or an option).
 bool safe_name(const std::string& name);
 
+/// Creates `path`, which must not exist (a link planted there is not followed), with `bytes`,
+/// flushed to disk; a file left part-written by an error is removed.
+void write_new(const std::string& path, const std::string& bytes);
+
 /// Writes `bytes` to `path` so that a reader sees the old file or the new one, never a part:
 /// a temporary beside it, created with O_EXCL | O_NOFOLLOW (a link planted there is not
 /// followed), flushed to disk, renamed over `path`, and the folder flushed.

@@ -148,7 +148,7 @@ try:
     check("ckpt inspect shows the step, mesh, data position and tensors with their slices",
           r.returncode == 0 and "step 10; saved by 4 rank(s): tensor 2 x data 2" in r.stdout
           and "data position: 80 samples" in r.stdout
-          and "model/h.0.attn.c_attn.weight  Float 192x64  split on 0 (3 fused parts)" in r.stdout
+          and "model/h.0.attn.c_attn.weight  Float 192x64  split on 0 (parts 64+64+64)" in r.stdout
           and "model/wte.weight  Float 255x64" in r.stdout, r.stdout)
     kept = os.path.join(work, "kept")
     train(2, "--tensor", "2", "--ckpt", kept, "--save-every", "2", "--stop-after", "10", "--num-kept", "2")

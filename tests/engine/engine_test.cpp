@@ -5,6 +5,14 @@
 #include <cstdio>
 #include <fstream>
 
+#include <sys/stat.h>
+
+#include <cereal/archives/binary.hpp>
+#include <cereal/types/string.hpp>
+#include <cereal/types/vector.hpp>
+#include <sstream>
+
+#include "engine/ckpt/ckpt.hpp"
 #include "engine/data/data.hpp"
 #include "engine/models/gpt2.hpp"
 #include "engine/models/models.hpp"
@@ -300,4 +308,54 @@ TEST(Models, MlpLearnsFashionMnist) {
     if (step >= 180) last += loss.item<double>() / 20;
   }
   EXPECT_LT(last, 0.6 * first) << "mean loss of the last 20 steps vs the first 20";
+}
+
+// A manifest of format 2, written here byte by byte as that format laid it out (a count of equal
+// parts where format 3 stores their sizes): read as that many equal sizes; a count that does not
+// divide the dimension is refused naming the tensor.
+namespace {
+std::string manifest_v2(int64_t fused) {
+  std::ostringstream payload(std::ios::binary);
+  {
+    cereal::BinaryOutputArchive ar(payload);
+    ar(int64_t{1}, int32_t{2}, int32_t{2}, int32_t{1}, int32_t{1}, int32_t{1});  // step, world, tensor, data, pipeline, zero
+    ar(std::string("Sequential"), std::string(""), std::string(""), int64_t{0}, int64_t{-1}, std::string("{}"), false);
+    ar(cereal::make_size_tag(uint64_t{1}));  // one tensor
+    ar(std::string("model/0.weight"), std::string("Float"), std::vector<int64_t>{6, 2}, int32_t{0}, fused);
+    ar(cereal::make_size_tag(uint64_t{1}));  // one piece: all of it, in file 0
+    ar(int32_t{0}, uint64_t{0}, uint64_t{48}, std::vector<int64_t>{0, 0}, std::vector<int64_t>{6, 2}, uint32_t{0});
+    ar(cereal::make_size_tag(uint64_t{1}));  // one file
+    ar(std::string("rank-00000.bin"), uint64_t{48}, uint32_t{0});
+    ar(std::vector<std::string>{});
+  }
+  std::string body = payload.str();
+  std::ostringstream out(std::ios::binary);
+  {
+    cereal::BinaryOutputArchive ar(out);
+    ar(std::string("partrain-checkpoint"), uint32_t{2}, uint64_t(body.size()),
+       uint32_t(crc32(0L, reinterpret_cast<const Bytef*>(body.data()), static_cast<uInt>(body.size()))));
+  }
+  return out.str() + body;
+}
+}  // namespace
+
+TEST(Ckpt, FormatTwoManifestsReadAsEqualParts) {
+  std::string tag = temp_path("_tag");
+  ::mkdir(tag.c_str(), 0755);
+  auto write = [&](int64_t fused) {
+    std::string bytes = manifest_v2(fused);
+    std::ofstream(tag + "/manifest.bin", std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size());
+  };
+  write(3);
+  auto m = ckpt::read_manifest(tag);
+  EXPECT_EQ(m.version, 2u);
+  ASSERT_EQ(m.tensors.size(), 1u);
+  EXPECT_EQ(m.tensors[0].parts, (std::vector<int64_t>{2, 2, 2}));
+  write(1);
+  EXPECT_TRUE(ckpt::read_manifest(tag).tensors[0].parts.empty());
+  write(4);  // 6 rows are not 4 equal parts
+  EXPECT_NE(error_of([&] { ckpt::read_manifest(tag); }).find("has tensor 'model/0.weight' split on dimension 0"),
+            std::string::npos);
+  std::remove((tag + "/manifest.bin").c_str());
+  ::rmdir(tag.c_str());
 }
