@@ -18,14 +18,8 @@ using WorkPtr = std::shared_ptr<dist::Work>;
 
 namespace {
 
-template <class T>
-T& check(const Args& a, int i, const char* mt, const char* what) {
-  auto* p = ud_test<T>(a.L, i, mt);
-  if (!p) a.expected(i, what);
-  return *p;
-}
-GroupPtr& group(const Args& a, int i) { return check<GroupPtr>(a, i, PT_GROUP_MT, "process group"); }
-MeshPtr& mesh(const Args& a, int i) { return check<MeshPtr>(a, i, PT_MESH_MT, "mesh"); }
+GroupPtr& group(const Args& a, int i) { return ud_check<GroupPtr>(a, i, PT_GROUP_MT, "process group"); }
+MeshPtr& mesh(const Args& a, int i) { return ud_check<MeshPtr>(a, i, PT_MESH_MT, "mesh"); }
 int push_group(const Args& a, const GroupPtr& g) { return lua::push_group(a.L, g); }
 
 
@@ -103,8 +97,8 @@ const Function kGroupMethods[] = {
     {nullptr, nullptr}};
 
 const Function kWorkMethods[] = {
-    {"wait", [](Args& a) { check<WorkPtr>(a, 1, PT_WORK_MT, "work")->wait(); return a.ret(); }},
-    {"done", [](Args& a) { return a.ret(check<WorkPtr>(a, 1, PT_WORK_MT, "work")->done()); }},
+    {"wait", [](Args& a) { ud_check<WorkPtr>(a, 1, PT_WORK_MT, "work")->wait(); return a.ret(); }},
+    {"done", [](Args& a) { return a.ret(ud_check<WorkPtr>(a, 1, PT_WORK_MT, "work")->done()); }},
     {nullptr, nullptr}};
 
 const Function kMeshMethods[] = {

@@ -43,7 +43,7 @@ std::string message_of(const std::exception& e);
 
 // ---- The userdata pattern ------------------------------------------------------------------
 // A userdata holds a T by value (placement new); __gc runs ~T. `test` returns nullptr when the
-// value at idx is not a T; `check` throws a Lua-style "bad argument" message.
+// value at idx is not a T; ud_check (after Args, below) throws a Lua-style "bad argument" message.
 
 template <class T>
 T* ud_test(lua_State* L, int idx, const char* mt) {
@@ -129,6 +129,14 @@ class Args {
  private:
   const char* name_;
 };
+
+/// The T in the userdata at argument `i` of metatable `mt`, or a "bad argument" error naming `what`.
+template <class T>
+T& ud_check(const Args& a, int i, const char* mt, const char* what) {
+  auto* p = ud_test<T>(a.L, i, mt);
+  if (!p) a.expected(i, what);
+  return *p;
+}
 
 /// Reads an options table field by field; finish() rejects keys nobody read, listing the ones
 /// that exist: "unknown option 'biass' for Linear (expected: bias)".

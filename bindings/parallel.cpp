@@ -24,15 +24,9 @@ using ParallelModelPtr = std::shared_ptr<parallel::ParallelModel>;
 
 namespace {
 
-template <class T>
-T& check(const Args& a, int i, const char* mt, const char* what) {
-  auto* p = ud_test<T>(a.L, i, mt);
-  if (!p) a.expected(i, what);
-  return *p;
-}
-GroupPtr& group(const Args& a, int i) { return check<GroupPtr>(a, i, PT_GROUP_MT, "process group"); }
+GroupPtr& group(const Args& a, int i) { return ud_check<GroupPtr>(a, i, PT_GROUP_MT, "process group"); }
 DataParallelPtr& data_parallel(const Args& a, int i) {
-  return check<DataParallelPtr>(a, i, PT_DP_MT, "data-parallel handle");
+  return ud_check<DataParallelPtr>(a, i, PT_DP_MT, "data-parallel handle");
 }
 int push_group(const Args& a, const GroupPtr& g) { return lua::push_group(a.L, g); }
 

@@ -18,31 +18,13 @@
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "tests/engine/testing.hpp"
 
 using namespace partrain;
 using torch::Tensor;
 
-namespace {
-
-// The message of the exception `fn` throws, or "" when it throws none.
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
-
-std::string temp_path(const char* suffix) {
-  return std::string(testing::TempDir()) + "partrain_" +
-         testing::UnitTest::GetInstance()->current_test_info()->name() + suffix;
-}
-
-}  // namespace
+using testing_util::error_of;
+using testing_util::temp_path;
 
 TEST(ModuleTree, DottedNamesFindAndReplace) {
   auto inner = std::make_shared<nn::Sequential>(

@@ -12,6 +12,7 @@
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/sharding.hpp"
+#include "tests/engine/testing.hpp"
 
 using namespace partrain;
 using parallel::Sharding;
@@ -20,17 +21,7 @@ using torch::Tensor;
 
 namespace {
 
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing_util::error_of;
 
 // A logical tensor whose every element differs: (rows, cols) of 0, 1, 2, ...
 Tensor numbered(int64_t rows, int64_t cols) { return torch::arange(rows * cols, torch::kFloat64).view({rows, cols}); }
