@@ -2,6 +2,7 @@
 #include "engine/parallel/pipeline.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -182,7 +183,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
     const auto& h = holders[t.unsafeGetTensorImpl()];
     if (h.size() < 2) continue;
     bool mine = std::find(h.begin(), h.end(), p.rank_) != h.end();
-    p.ties_.push_back({mine ? t : torch::Tensor(), t.sizes().vec(), t.scalar_type()});
+    p.ties_.push_back({mine ? t : torch::Tensor(), h.front() == p.rank_, t.sizes().vec(), t.scalar_type()});
   }
 
   // Keep this rank's modules; the others' become placeholders.
@@ -203,6 +204,18 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   }
   p.options_ = std::move(options);
   return pipe;
+}
+
+double Pipeline::grad_norm(const std::vector<torch::Tensor>& params) const {
+  auto sum = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  for (const auto& p : params) {
+    if (!p.grad().defined()) continue;
+    auto tie = std::find_if(ties_.begin(), ties_.end(), [&](const Tie& t) { return t.param.is_same(p); });
+    if (tie != ties_.end() && !tie->counted) continue;  // its other holder counts it
+    sum += p.grad().detach().to(torch::kFloat64).pow(2).sum();
+  }
+  group_->all_reduce(sum);
+  return std::sqrt(sum.item<double>());
 }
 
 // ---- The executor -----------------------------------------------------------------------------

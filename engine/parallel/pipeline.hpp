@@ -71,6 +71,11 @@ class Pipeline {
                            const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
                            DataParallel* dp);
 
+  /// The global L2 norm of `params`' gradients over the whole pipeline (what clipping needs):
+  /// squares summed here, then over the pipeline group; a parameter tied across stages counts
+  /// once (on the first rank holding it). Every pipeline rank must call it.
+  double grad_norm(const std::vector<torch::Tensor>& params) const;
+
   int stages() const { return pp_ * options_.chunks; }
   const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
   const PipelineOptions& options() const { return options_; }
@@ -79,6 +84,7 @@ class Pipeline {
  private:
   struct Tie {
     torch::Tensor param;  ///< undefined on a rank that does not hold it
+    bool counted;         ///< whether this rank counts it in grad_norm (the first rank holding it)
     std::vector<int64_t> shape;
     torch::ScalarType dtype;
   };

@@ -2,7 +2,7 @@
 -- uniform, by-parameter and explicit stage splits, at pipeline 2 (2 ranks) or pipeline 2 x data 2
 -- (4 ranks); losses every step and every parameter a rank holds at the end within 1e-5 (float32)
 -- and 1e-10 (float64) relative to max(|x|, 1), every serial parameter held by some stage, each rank
--- holding only its stages' blocks. Also: options that cannot run are refused at the caller's line.
+-- holding only its stages' blocks; clipping's global norm spans every stage. Also: options that cannot run are refused at the caller's line.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_pipeline.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -23,14 +23,14 @@ local function batches(mesh)
 end
 
 -- Trains GPT-2 serially and through the pipeline from the same seed; returns the pipelined model.
-local function equal_to_serial(what, mesh, opts, dtype, steps)
+local function equal_to_serial(what, mesh, opts, dtype, steps, optim)
   local tol = TOL[dtype]
   pt.manual_seed(5)
   local serial = pt.models.gpt2(gpt):to(dtype)
   pt.manual_seed(5)
   local model = pt.parallelize(pt.models.gpt2(gpt):to(dtype), "policies.gpt2", mesh, opts)
-  local so = pt.optim.adamw(serial, { lr = 1e-2 })
-  local po = pt.optim.adamw(model, { lr = 1e-2 })
+  local so = pt.optim.adamw(serial, optim or { lr = 1e-2 })
+  local po = pt.optim.adamw(model, optim or { lr = 1e-2 })
   for step = 1, steps or 5 do
     local gx, gy, x, y = batches(mesh)
     local out = serial(gx)
@@ -108,6 +108,23 @@ test("explicit and by-parameter stage splits equal serial training (float64)", f
   -- The tied embedding and head weigh on both ends: with 2 stages they stay balanced.
   model = equal_to_serial("parameters", mesh, { microbatches = 2, balance = "parameters" }, "float64", 3)
   eq(blocks_held(model), stage == 0 and "0,1" or "2,3", "by parameters: the ends weigh alike")
+end)
+
+test("clipping by global norm spans every stage, the tied embedding once (float64)", function()
+  -- A norm far below the gradients' clips every step: the updates equal serial ones only if the
+  -- norm is the whole model's.
+  equal_to_serial("clipped", mesh, { microbatches = 2 }, "float64", 3, { lr = 1e-2, clip_grad_norm = 0.05 })
+  pt.manual_seed(5)
+  local serial = pt.models.gpt2(gpt):to("float64")
+  pt.manual_seed(5)
+  local model = pt.parallelize(pt.models.gpt2(gpt):to("float64"), "policies.gpt2", mesh, { microbatches = 2 })
+  local gx, gy, x, y = batches(mesh)
+  local out = serial(gx)
+  pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1)):backward()
+  model:train_step(x, y)
+  local want = pt.nn.clip_grad_norm(serial, 1e9)
+  local got = pt.nn.clip_grad_norm(model, 1e9)
+  ok(math.abs(got - want) <= 1e-10 * math.max(want, 1), ("pt.nn.clip_grad_norm: %.15g, serial %.15g"):format(got, want))
 end)
 
 test("pipeline options that cannot run are refused at the caller's line", function()
