@@ -31,7 +31,7 @@ std::vector<int64_t> split_stages(const std::vector<int64_t>& block_params, int6
                 n);
     return bounds;
   }
-  TORCH_CHECK(n >= stages, "pipeline: ", n, " blocks cannot fill ", stages,
+  TORCH_CHECK(n >= stages, "pipeline: ", n, n == 1 ? " block" : " blocks", " cannot fill ", stages,
               " stages (pipeline x chunks; each stage needs at least one block)");
   if (balance.method == "uniform") {
     for (int64_t s = 0; s < stages; ++s) bounds.push_back(bounds.back() + n / stages + (s < n % stages ? 1 : 0));
@@ -119,6 +119,8 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   p.group_ = mesh.group("pipeline");
   p.pp_ = p.group_->size();
   p.rank_ = p.group_->rank();
+  TORCH_CHECK(!p.group_->planned(), "pipeline: partrain plan does not plan pipeline parallelism yet (its transfers "
+              "and stages are not modelled)");
   TORCH_CHECK(options.chunks >= 1 && options.microbatches >= 1, "pipeline: chunks=", options.chunks,
               " and microbatches=", options.microbatches, " must be at least 1");
   TORCH_CHECK(static_cast<int>(options.plan.size()) == p.pp_, "pipeline: the schedule has ", options.plan.size(),

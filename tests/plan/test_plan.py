@@ -165,5 +165,14 @@ with tempfile.TemporaryDirectory() as d:
         r = run(["plan", "--world", "4", script])
         check(f"partrain plan refuses {option} at the script's line",
               r.returncode != 0 and words in r.stderr and "unbuilt.lua:3" in r.stderr, r.stderr)
+    script = os.path.join(d, "pipelined.lua")
+    with open(script, "w") as f:
+        f.write('local pt = require "partrain"\nlocal mesh = pt.mesh { pipeline = 2 }\n'
+                'pt.parallelize(pt.models.gpt2 { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }, '
+                '"policies.gpt2", mesh)\n')
+    r = run(["plan", "--world", "2", script])
+    check("partrain plan refuses a pipelined model at the script's line",
+          r.returncode != 0 and "partrain plan does not plan pipeline parallelism yet" in r.stderr
+          and "pipelined.lua:3" in r.stderr, r.stderr)
 
 finish("plan")
