@@ -1,8 +1,9 @@
 -- Pipeline-parallel GPT-2 trains exactly as serial training: gpipe, 1f1b and interleaved schedules,
--- uniform, by-parameter and explicit stage splits, at pipeline 2 (2 ranks) or pipeline 2 x data 2
--- (4 ranks); losses every step and every parameter a rank holds at the end within 1e-5 (float32)
--- and 1e-10 (float64) relative to max(|x|, 1), every serial parameter held by some stage, each rank
--- holding only its stages' blocks; clipping's global norm spans every stage. Also: options that cannot run are refused at the caller's line.
+-- uniform, by-parameter and explicit stage splits, at pipeline 2 (2 ranks), and pipeline 2 x data 2
+-- and pipeline 4 (4 ranks); losses every step and every parameter a rank holds at the end within
+-- 1e-5 (float32) and 1e-10 (float64) relative to max(|x|, 1), every serial parameter held by some
+-- stage, each rank holding only its stages' blocks; clipping's global norm spans every stage.
+-- Also: options that cannot run are refused at the caller's line.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_pipeline.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -98,6 +99,16 @@ else
   test("an interleaved pipeline with data parallelism is refused", function()
     raises(function() pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { schedule = "interleaved",
       microbatches = 4, chunks = 2 }) end, "interleaved pipeline (chunks=2) with data parallelism")
+  end)
+end
+
+if pt.dist.world_size() == 4 then
+  test("1f1b and gpipe over pipeline 4 (middle stages, the tie across them) equal serial training (float64)", function()
+    local deep = pt.mesh { pipeline = 4 }
+    local r = deep:coord().pipeline
+    local model = equal_to_serial("1f1b pp4", deep, { schedule = "1f1b", microbatches = 4 }, "float64")
+    eq(blocks_held(model), tostring(r), "one block a stage")
+    equal_to_serial("gpipe pp4", deep, { schedule = "gpipe", microbatches = 2 }, "float64", 2)
   end)
 end
 
