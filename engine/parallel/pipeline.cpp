@@ -170,6 +170,8 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
       auto rest = name.substr(prefix.size());
       auto idx = rest.substr(0, rest.find('.'));
       auto it = std::find_if(block_list.begin(), block_list.end(), [&](const auto& b) { return b.first == idx; });
+      TORCH_CHECK(it != block_list.end(), "pipeline: parameter '", name, "' sits in the blocks' container '",
+                  options.blocks, "' but in none of its blocks");
       stage = stage_of_block(it - block_list.begin());
     } else {
       stage = stage_of_child(top);
