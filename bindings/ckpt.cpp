@@ -14,6 +14,7 @@
 #include "engine/dist/world.hpp"
 #include "engine/models/registry.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::lua {
@@ -95,6 +96,9 @@ ckpt::State state_of(Args& a, Options& t) {
   if (!t.push("model")) throw std::invalid_argument("'model' is required (the module to save or load)");
   auto* m = ud_test<nn::ModulePtr>(L, -1, PT_MODULE_MT);
   if (!m) throw std::invalid_argument("'model' must be a module");
+  if (auto pm = parallel::ParallelModel::of(**m); pm && pm->pipeline())
+    throw std::invalid_argument("checkpoints of a pipeline-parallel model are not implemented yet (each rank holds "
+                                "only its stages)");
   s.model = m->get();
   lua_pop(L, 1);
   if (t.push("optim")) {

@@ -478,8 +478,11 @@ const Function kConstructors[] = {
        if (max_norm <= 0) a.fail(2, "max_norm must be > 0");
        // Given the model, its split parameters are found in its tree; a list of tensors counts whole.
        auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
-       double norm = parallel::global_grad_norm(params, model ? parallel::split_groups(**model, params)
-                                                              : std::vector<dist::GroupPtr>{});
+       auto owner = model ? parallel::ParallelModel::of(**model) : nullptr;
+       double norm = owner && owner->pipeline()
+                         ? owner->pipeline()->grad_norm(params)  // over every stage, a tied tensor once
+                         : parallel::global_grad_norm(params, model ? parallel::split_groups(**model, params)
+                                                                    : std::vector<dist::GroupPtr>{});
        double scale = max_norm / (norm + 1e-6);
        if (scale < 1)
          for (auto& p : params)

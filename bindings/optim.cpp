@@ -77,6 +77,15 @@ int make_optimizer(Args& a, const std::string& kind) {
       opt->set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
         return parallel::global_grad_norm(params, groups);
       });
+    // Pipeline stages: the norm spans every stage (the pipeline group), a tied tensor once.
+    if (auto pm = parallel::ParallelModel::of(**m); pm && pm->pipeline()) {
+      std::weak_ptr<parallel::Pipeline> pipeline = pm->pipeline();
+      opt->set_grad_norm([pipeline](const std::vector<torch::Tensor>& params) {
+        auto p = pipeline.lock();
+        TORCH_CHECK(p, "clipping: the pipelined model this optimizer was made for is gone");
+        return p->grad_norm(params);
+      });
+    }
   }
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
     auto& entry = optimizers_of()[m->get()];

@@ -223,11 +223,7 @@ const Function kTensorParallel[] = {
 parallel::DataParallelOptions data_parallel_options(const Args& a, int idx) {
   Options o(a, idx, "parallelize");
   // Options of what is not built yet are refused by name rather than taken for typos or ignored.
-  for (const char* key : {"schedule", "microbatches", "pipeline", "zero"})
-    if (o.has(key))
-      throw std::invalid_argument(std::string("parallelize option '") + key + "' asks for " +
-                                  (std::string(key) == "zero" ? "ZeRO" : "pipeline parallelism") +
-                                  ", which is not implemented yet");
+  if (o.has("zero")) throw std::invalid_argument("parallelize option 'zero' asks for ZeRO, which is not implemented yet");
   parallel::DataParallelOptions d;
   d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
   d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
@@ -235,6 +231,65 @@ parallel::DataParallelOptions data_parallel_options(const Args& a, int idx) {
   d.broadcast_buffers = o.boolean("broadcast_buffers", d.broadcast_buffers);
   o.finish();
   return d;
+}
+
+// The strings of the array at the top of the stack.
+std::vector<std::string> string_list(lua_State* L, const char* what) {
+  if (!lua_istable(L, -1)) throw std::invalid_argument(std::string("pipeline: ") + what + " must be a list of names");
+  std::vector<std::string> out;
+  for (int i = 1;; ++i) {
+    lua_rawgeti(L, -1, i);
+    if (lua_isnil(L, -1)) { lua_pop(L, 1); break; }
+    if (lua_type(L, -1) != LUA_TSTRING) throw std::invalid_argument(std::string("pipeline: ") + what + " must be a list of names");
+    out.emplace_back(lua_tostring(L, -1));
+    lua_pop(L, 1);
+  }
+  return out;
+}
+
+// The pipeline description init.lua's pt.parallelize makes from the policy and the options: the
+// policy's blocks, first and last, the balance, and the lowered plan: one flat list a rank of
+// (op, mb, chunk, peer) quadruples (peer -1 for compute).
+c10::optional<parallel::PipelineOptions> pipeline_options(const Args& a, int idx) {
+  if (a.none(idx)) return c10::nullopt;
+  Options o(a, idx, "pipeline");
+  parallel::PipelineOptions p;
+  p.blocks = o.string("blocks", "");
+  p.schedule = o.string("schedule", "");
+  p.chunks = static_cast<int>(o.integer("chunks", 1));
+  p.microbatches = static_cast<int>(o.integer("microbatches", 1));
+  p.balance.method = o.string("balance", "uniform");
+  p.balance.sizes = o.ints("sizes", {});
+  lua_State* L = a.L;
+  if (o.push("first")) { p.first = string_list(L, "first"); lua_pop(L, 1); }
+  if (o.push("last")) { p.last = string_list(L, "last"); lua_pop(L, 1); }
+  if (!o.push("plan")) throw std::invalid_argument("pipeline: no plan");
+  for (int r = 1;; ++r) {
+    lua_rawgeti(L, -1, r);
+    if (lua_isnil(L, -1)) { lua_pop(L, 1); break; }
+    std::vector<parallel::PipeAction> list;
+    for (int i = 1;; i += 4) {
+      lua_rawgeti(L, -1, i);
+      if (lua_isnil(L, -1)) { lua_pop(L, 1); break; }
+      if (lua_type(L, -1) != LUA_TSTRING) throw std::invalid_argument("pipeline: a plan's action must start with its op");
+      parallel::PipeAction action;
+      action.op = parallel::parse_pipe_op(lua_tostring(L, -1));
+      lua_pop(L, 1);
+      int* fields[] = {&action.mb, &action.chunk, &action.peer};
+      for (int k = 0; k < 3; ++k) {
+        lua_rawgeti(L, -1, i + 1 + k);
+        if (lua_type(L, -1) != LUA_TNUMBER) throw std::invalid_argument("pipeline: a plan's action needs mb, chunk, peer");
+        *fields[k] = static_cast<int>(lua_tointeger(L, -1));
+        lua_pop(L, 1);
+      }
+      list.push_back(action);
+    }
+    p.plan.push_back(std::move(list));
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1);
+  o.finish();
+  return p;
 }
 
 // model:train_step's options.
@@ -249,13 +304,14 @@ parallel::TrainStepOptions train_step_options(const Args& a, int idx) {
 }
 
 const Function kParallel[] = {
-    {"parallelize", [](Args& a) {  // parallelize(model, mesh, policy name|nil, dp options, apply|nil): model
+    {"parallelize", [](Args& a) {  // parallelize(model, mesh, policy name|nil, dp options, apply|nil, pipeline|nil): model
        auto root = a.module(1);
        auto* mesh = mesh_test(a.L, 2);
        if (!mesh) a.expected(2, "mesh");
        parallel::ParallelizeOptions options;
        options.policy = a.string(3, "");
        options.data_parallel = data_parallel_options(a, 4);
+       options.pipeline = pipeline_options(a, 6);
        if (!a.none(5)) {
          if (lua_type(a.L, 5) != LUA_TFUNCTION) a.expected(5, "function");
          lua_State* L = a.L;

@@ -488,24 +488,24 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
   return done;
 }
 
-Work ProcessGroup::send(const Tensor& t, int dst, bool async) const {
+Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
   if (impl_ || recorded_only()) record("send", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
   verify(0, "send to group rank " + std::to_string(dst), t, /*collective=*/false);
   std::vector<Tensor> ts{t};
-  return run("send", [&] { return impl_->group->send(ts, dst, 0); }, async);
+  return run("send", [&] { return impl_->group->send(ts, dst, tag); }, async);
 }
 
-Work ProcessGroup::recv(Tensor& t, int src, bool async) const {
+Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
   if (impl_ || recorded_only()) record("recv", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
   verify(0, "recv from group rank " + std::to_string(src), t, /*collective=*/false);
   std::vector<Tensor> ts{t};
-  return run("recv", [&] { return impl_->group->recv(ts, src, 0); }, async);
+  return run("recv", [&] { return impl_->group->recv(ts, src, tag); }, async);
 }
 
 Work ProcessGroup::barrier(bool async) const {
@@ -779,8 +779,8 @@ std::vector<std::vector<int>> Layout::groups(const std::string& kind) const {
 namespace {
 // What the mesh can describe but nothing runs yet is refused, never silently ignored.
 const MeshOptions& buildable(const MeshOptions& o) {
-  TORCH_CHECK(o.pipeline == 1, "pipeline=", o.pipeline, ": pipeline parallelism is not implemented yet "
-              "(leave pipeline unset, or 1)");
+  TORCH_CHECK(o.pipeline == 1 || o.tensor == 1, "pipeline=", o.pipeline, " with tensor=", o.tensor, ": pipeline "
+              "parallelism combined with tensor parallelism is not implemented yet (use one of them)");
   TORCH_CHECK(o.zero <= 1, "zero=", o.zero, ": ZeRO (optimizer state split over the data group) is not implemented "
               "yet (leave zero unset, or 1)");
   return o;

@@ -111,8 +111,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// rank r in `output`.
   Work reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op = ReduceOp::Sum,
                       bool async = false) const;
-  Work send(const Tensor& t, int dst, bool async = false) const;
-  Work recv(Tensor& t, int src, bool async = false) const;
+  /// Point to point, to or from group rank `dst`/`src`. Messages between two ranks with the same
+  /// `tag` arrive in the order they were sent; different tags are separate channels (a pipeline's
+  /// activations and gradients).
+  Work send(const Tensor& t, int dst, bool async = false, int tag = 0) const;
+  Work recv(Tensor& t, int src, bool async = false, int tag = 0) const;
   Work barrier(bool async = false) const;
 
   /// What this group's collectives moved since creation (or reset_traffic): calls and bytes by

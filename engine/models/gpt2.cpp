@@ -201,15 +201,19 @@ Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
   set_child("lm_head", linear(o.dim, o.vocab, /*bias=*/false));
 }
 
-Tensor Gpt2::forward(const Tensor& ids) {
+Tensor Gpt2::forward(const Tensor& ids) { return head(child("h")->forward({embed(ids)})); }
+
+Tensor Gpt2::embed(const Tensor& ids) {
   TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
               " ", ids.dtype());
   const int64_t T = ids.size(1);
   TORCH_CHECK(T <= options.seq, "GPT2: sequence of ", T, " tokens is longer than seq=", options.seq);
   auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
   auto x = child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
-  x = at::dropout(x, options.dropout, is_training());
-  x = child("h")->forward({x});
+  return at::dropout(x, options.dropout, is_training());
+}
+
+Tensor Gpt2::head(const Tensor& x) {
   return child("lm_head")->forward({child("ln_f")->forward({x})});  // (B, T, vocab)
 }
 

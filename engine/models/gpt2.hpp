@@ -73,6 +73,11 @@ class Gpt2 : public nn::Unary {
  public:
   explicit Gpt2(const Gpt2Options& o);
   Tensor forward(const Tensor& ids) override;
+  /// The two ends of forward, for a pipeline's first and last stages: the embeddings' sum (with
+  /// dropout) of the ids (B, T) -> (B, T, dim), and ln_f then lm_head -> (B, T, vocab).
+  /// forward(ids) is head(h(embed(ids))).
+  Tensor embed(const Tensor& ids);
+  Tensor head(const Tensor& x);
   std::string extra_repr() const override;
   /// Read-only: "dropout" (on the embeddings' sum) and "seq" (the context length), for a
   /// replaced forward to behave as this one does.

@@ -117,8 +117,17 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   // 1. Tensor and sequence parallelism, by the policy: layers are replaced by their parallel
   //    forms, cut from the serial weights. Everything after sees the split tree.
   if (options.tensor_parallel) options.tensor_parallel(tree, *model->mesh_);
-  // 2. (Pipeline parallelism will cut the split tree into stages here, before anything keeps a
-  //    list of parameters; the mesh refuses pipeline > 1 until it is built.)
+  // 2. Pipeline parallelism cuts the tree into stages, before anything keeps a list of
+  //    parameters: this rank keeps its stages' modules only.
+  const int pp = model->mesh_->size("pipeline");
+  TORCH_CHECK(pp == 1 || options.pipeline, "parallelize: the mesh has pipeline=", pp, ", but no pipeline schedule "
+              "was given");
+  if (pp > 1) {
+    TORCH_CHECK(options.pipeline->chunks == 1 || model->mesh_->size("data") == 1, "parallelize: an interleaved "
+                "pipeline (chunks=", options.pipeline->chunks, ") with data parallelism (data=",
+                model->mesh_->size("data"), ") is not implemented yet");
+    model->pipeline_ = Pipeline::cut(tree, *model->mesh_, std::move(*options.pipeline));
+  }
   // 3. The records: one per parameter, from the tree as the policy left it. A tie between tensors
   //    split differently is refused here.
   model->records_ = parameter_records(tree);
@@ -177,6 +186,13 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
+  if (pipeline_) {
+    TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "
+                "microbatches=", pipeline_->options().microbatches);
+    return pipeline_->train_step(
+        x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options); },
+        data_parallel_.get());
+  }
   root_->train();
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
   torch::Tensor total;

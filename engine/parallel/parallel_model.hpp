@@ -15,6 +15,7 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/nn/module.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/sharding.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
@@ -71,12 +72,14 @@ struct ParallelizeOptions {
   std::function<void(nn::Module& root, const dist::Mesh& mesh)> tensor_parallel;
   std::string policy;            ///< the applied policy's name, for checkpoints and the REPL
   DataParallelOptions data_parallel;
+  /// The stages and schedule when the mesh's pipeline group has more than one rank.
+  c10::optional<PipelineOptions> pipeline;
 };
 
 class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
  public:
   /// The composer: makes `root` parallel over `mesh` and returns its owner. `root` must not be
-  /// parallelized already. Pipeline and ZeRO are refused by the mesh until they are built.
+  /// parallelized already. ZeRO is refused by the mesh until it is built.
   static std::shared_ptr<ParallelModel> parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
                                                     ParallelizeOptions options);
   ~ParallelModel();
@@ -91,6 +94,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   const std::shared_ptr<dist::Mesh>& mesh() const { return mesh_; }
   const std::string& policy() const { return policy_; }
   const std::shared_ptr<DataParallel>& data_parallel() const { return data_parallel_; }
+  /// This rank's stages and their schedule (null without pipeline parallelism).
+  const std::shared_ptr<Pipeline>& pipeline() const { return pipeline_; }
   const std::vector<ParameterRecord>& records() const { return records_; }
   /// The record of the parameter called `name` (or one of its aliases), or nullptr.
   const ParameterRecord* record(const std::string& name) const;
@@ -100,6 +105,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   /// One training step: forward on `x`, the loss against `y`, backward, and the data-parallel
   /// gradient sync. With accumulate = n the batch is split into n micro-batches along dim 0,
   /// each run forward and backward, one sync at the end; the mean of their losses is returned.
+  /// Under pipeline parallelism the pipeline's schedule runs over its micro-batches instead, and
+  /// every pipeline rank returns the mean loss.
   /// The optimizer steps after (the caller's opt:step()).
   torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y, const TrainStepOptions& options = {});
 
@@ -113,6 +120,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   std::shared_ptr<dist::Mesh> mesh_;
   std::string policy_;
   std::shared_ptr<DataParallel> data_parallel_;
+  std::shared_ptr<Pipeline> pipeline_;
   std::vector<ParameterRecord> records_;
   static std::atomic<int64_t> live_;
 };

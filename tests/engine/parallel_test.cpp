@@ -1,7 +1,7 @@
 // GoogleTest for the parallel engine without processes: sharding arithmetic (slices, padding,
 // unequal parts, re-cutting along another dimension), the mesh layout for every size that
 // divides 8, the data-parallel bucket layout, and the parallelized model's records, lifetime,
-// thread-bound hooks and train_step on a world of one.
+// thread-bound hooks and train_step on a world of one, and the split of blocks into pipeline stages.
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -11,6 +11,7 @@
 #include "engine/nn/layers.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
+#include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/sharding.hpp"
 #include "tests/engine/testing.hpp"
 
@@ -173,9 +174,10 @@ TEST(MeshLayout, EverySizeThatDividesEightLaysOutAndGroupsAgree) {
   EXPECT_EQ(dist::Layout({2, 1, 0, 0}, 8).zero, 1) << "unset: ZeRO off";
 }
 
-TEST(Mesh, PipelineAndZeroAreRefusedUntilBuilt) {
+TEST(Mesh, PipelineWithTensorAndZeroAreRefusedUntilBuilt) {
   auto& w = world_of_one();
-  EXPECT_NE(error_of([&] { dist::Mesh({1, 2, 0, 0}, w); }).find("pipeline=2: pipeline parallelism is not implemented yet"),
+  EXPECT_NE(error_of([&] { dist::Mesh({2, 2, 0, 0}, w); }).find("pipeline=2 with tensor=2: pipeline parallelism "
+                                                                   "combined with tensor parallelism is not implemented"),
             std::string::npos);
   EXPECT_NE(error_of([&] { dist::Mesh({1, 1, 0, 2}, w); }).find("zero=2: ZeRO"), std::string::npos);
   dist::Mesh mesh({}, w);
@@ -309,4 +311,68 @@ TEST(DataParallel, ThreadBoundHooksRunOnlyOnTheirThread) {
   nn::cross_entropy(pm->module().forward(std::vector<Tensor>{x}), y).backward();
   EXPECT_EQ(dp.passes_since_sync(), 0);
   EXPECT_EQ(ran.size(), dp.buckets().size());
+}
+
+// ---- Pipeline stages --------------------------------------------------------------------------
+
+TEST(PipelineSplit, UniformGivesTheRemainderToTheFirstStages) {
+  parallel::StageBalance uniform;
+  std::vector<int64_t> twelve(12, 1), ten(10, 1);
+  EXPECT_EQ(parallel::split_stages(twelve, 2, uniform), (std::vector<int64_t>{0, 6, 12}));
+  EXPECT_EQ(parallel::split_stages(ten, 4, uniform), (std::vector<int64_t>{0, 3, 6, 8, 10})) << "uneven: 3 3 2 2";
+  // pipeline 2 x chunks 2: four virtual stages, chunk c of rank r is stage c*2 + r.
+  EXPECT_EQ(parallel::split_stages(ten, 2 * 2, uniform), (std::vector<int64_t>{0, 3, 6, 8, 10}));
+  EXPECT_EQ(parallel::split_stages(twelve, 12, uniform).size(), 13u) << "one block a stage";
+  EXPECT_NE(error_of([&] { parallel::split_stages(ten, 11, uniform); }).find("10 blocks cannot fill 11 stages"),
+            std::string::npos);
+}
+
+TEST(PipelineSplit, ParametersMinimizeTheLargestStageCountingTheEnds) {
+  parallel::StageBalance by;
+  by.method = "parameters";
+  // Equal blocks, but a heavy first stage (embeddings): it takes fewer blocks.
+  std::vector<int64_t> six(6, 10);
+  EXPECT_EQ(parallel::split_stages(six, 2, by, /*first=*/40, /*last=*/0), (std::vector<int64_t>{0, 1, 6}));
+  // Both ends heavy (a tied embedding and head counted on both): the middle stage takes more.
+  EXPECT_EQ(parallel::split_stages(six, 3, by, 25, 25), (std::vector<int64_t>{0, 1, 5, 6}));
+  // Uneven blocks: the split whose largest stage is smallest (30 | 10 10 10 | 5 5 20 -> max 30).
+  std::vector<int64_t> blocks{30, 10, 10, 10, 5, 5, 20};
+  auto b = parallel::split_stages(blocks, 3, by);
+  int64_t largest = 0;
+  for (size_t s = 0; s + 1 < b.size(); ++s) {
+    int64_t sum = 0;
+    for (auto i = b[s]; i < b[s + 1]; ++i) sum += blocks[i];
+    EXPECT_GE(b[s + 1], b[s] + 1) << "every stage holds a block";
+    largest = std::max(largest, sum);
+  }
+  EXPECT_EQ(largest, 30);
+  EXPECT_EQ(b.front(), 0);
+  EXPECT_EQ(b.back(), 7);
+}
+
+TEST(PipelineSplit, ExplicitSizesAreCheckedAgainstTheModel) {
+  parallel::StageBalance sizes;
+  sizes.method = "explicit";
+  sizes.sizes = {5, 1};
+  std::vector<int64_t> six(6, 1);
+  EXPECT_EQ(parallel::split_stages(six, 2, sizes), (std::vector<int64_t>{0, 5, 6}));
+  EXPECT_NE(error_of([&] { parallel::split_stages(six, 3, sizes); }).find("gives 2 stage sizes for 3 stages"),
+            std::string::npos);
+  sizes.sizes = {4, 1};
+  EXPECT_NE(error_of([&] { parallel::split_stages(six, 2, sizes); }).find("gives 5 blocks in all, the model has 6"),
+            std::string::npos);
+  sizes.sizes = {6, 0};
+  EXPECT_NE(error_of([&] { parallel::split_stages(six, 2, sizes); }).find("a stage of 0 blocks"), std::string::npos);
+  parallel::StageBalance odd;
+  odd.method = "by_flops";
+  EXPECT_NE(error_of([&] { parallel::split_stages(six, 2, odd); }).find("unknown balance 'by_flops'"),
+            std::string::npos);
+}
+
+TEST(PipelineSplit, ActionsParseAndPrintAsTheScheduleWritesThem) {
+  EXPECT_EQ(parallel::parse_pipe_op("RECV_B"), parallel::PipeOp::RecvBackward);
+  EXPECT_EQ(parallel::describe({parallel::PipeOp::SendForward, 3, 0, 1}), "SEND_F3.c0->1");
+  EXPECT_EQ(parallel::describe({parallel::PipeOp::RecvForward, 3, 1, 0}), "RECV_F3.c1<-0");
+  EXPECT_EQ(parallel::describe({parallel::PipeOp::Backward, 2, 0, -1}), "B2.c0");
+  EXPECT_NE(error_of([] { parallel::parse_pipe_op("SEND"); }).find("unknown action 'SEND'"), std::string::npos);
 }

@@ -156,7 +156,8 @@ r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
 check("a plan prints no zero groups while ZeRO is not built",
       r.returncode == 0 and "zero" not in r.stdout.split("\n")[0], r.stdout[:400])
 with tempfile.TemporaryDirectory() as d:
-    for option, words in (("pipeline = 2", "pipeline=2: pipeline parallelism is not implemented yet"),
+    for option, words in (("pipeline = 2, tensor = 2", "pipeline=2 with tensor=2: pipeline parallelism combined with "
+                           "tensor parallelism is not implemented yet"),
                           ("zero = 2", "zero=2: ZeRO (optimizer state split over the data group) is not implemented yet")):
         script = os.path.join(d, "unbuilt.lua")
         with open(script, "w") as f:
@@ -164,5 +165,14 @@ with tempfile.TemporaryDirectory() as d:
         r = run(["plan", "--world", "4", script])
         check(f"partrain plan refuses {option} at the script's line",
               r.returncode != 0 and words in r.stderr and "unbuilt.lua:3" in r.stderr, r.stderr)
+    script = os.path.join(d, "pipelined.lua")
+    with open(script, "w") as f:
+        f.write('local pt = require "partrain"\nlocal mesh = pt.mesh { pipeline = 2 }\n'
+                'pt.parallelize(pt.models.gpt2 { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }, '
+                '"policies.gpt2", mesh)\n')
+    r = run(["plan", "--world", "2", script])
+    check("partrain plan refuses a pipelined model at the script's line",
+          r.returncode != 0 and "partrain plan does not plan pipeline parallelism yet" in r.stderr
+          and "pipelined.lua:3" in r.stderr, r.stderr)
 
 finish("plan")

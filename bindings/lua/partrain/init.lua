@@ -197,6 +197,53 @@ function pt.last_mesh() return last_mesh[1] end
 --- tensor_parallel, probe, policy_timeout: see partrain.policy) and the data-parallel ones
 --- (bucket_cap_mb, reduce ("mean", "sum", "min", "max"), grad_accumulation, broadcast_buffers).
 --- All or nothing: when anything is refused, the model is left exactly as it was.
+-- The engine's pipeline description (engine/parallel/pipeline.hpp) from the policy's `pipeline`
+-- table and parallelize's schedule, microbatches, chunks and balance options; nil when the mesh
+-- has no pipeline (where those options are refused).
+local function pipeline_description(model, policy, mesh, opts)
+  local pp = mesh:size("pipeline")
+  if pp == 1 then
+    local k = next(opts)
+    if k then error(("parallelize option '%s' needs a mesh with pipeline > 1"):format(k), 0) end
+    return nil
+  end
+  local stages = type(policy) == "table" and policy.pipeline
+  if not stages then
+    error(("pipeline=%d: the policy for %s has no pipeline description (blocks, first, last)"):format(pp, model:type()), 0)
+  end
+  local schedule = opts.schedule or "1f1b"
+  if type(schedule) ~= "string" and type(schedule) ~= "function" then
+    error("parallelize: schedule must be a schedule's name or function, got " .. type(schedule), 0)
+  end
+  local function count(name, v, default)
+    v = v == nil and default or v
+    if type(v) ~= "number" or v < 1 or v ~= math.floor(v) then
+      error(("parallelize: %s must be a positive integer, got %s"):format(name, tostring(v)), 0)
+    end
+    return v
+  end
+  local microbatches = count("microbatches", opts.microbatches, pp)
+  local chunks = count("chunks", opts.chunks, 1)
+  local balance, sizes = opts.balance or "uniform", nil
+  if type(balance) == "table" then balance, sizes = "explicit", balance
+  elseif balance ~= "uniform" and balance ~= "parameters" then
+    error(("parallelize: balance must be 'uniform', 'parameters' or a list of blocks a stage, got %s"):format(tostring(balance)), 0)
+  end
+  local pipeline = require "partrain.pipeline"
+  local plan = pipeline.build(schedule, pp, microbatches, chunks)
+  local flat = {}
+  for r = 0, pp - 1 do
+    local list = {}
+    for _, a in ipairs(plan[r]) do
+      list[#list + 1] = a.op; list[#list + 1] = a.mb; list[#list + 1] = a.chunk; list[#list + 1] = a.peer or -1
+    end
+    flat[r + 1] = list
+  end
+  return { blocks = stages.blocks, first = stages.first or {}, last = stages.last or {}, balance = balance,
+           sizes = sizes, schedule = plan.name or tostring(schedule), chunks = chunks,
+           microbatches = microbatches, plan = flat }
+end
+
 function pt.parallelize(model, policy, mesh, opts)
   if not core.nn.is_module(model) then error("parallelize: argument #1 must be a module, got " .. type(model), 2) end
   if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
@@ -205,9 +252,11 @@ function pt.parallelize(model, policy, mesh, opts)
   if opts ~= nil and type(opts) ~= "table" then error("parallelize: bad argument #4 (options table expected, got " .. type(opts) .. ")", 2) end
   local ok, err = pcall(function()
     local P = require "partrain.policy"
-    local shard, dp = {}, {}
+    local shard, dp, pipe = {}, {}, {}
+    local pipeline_keys = { schedule = true, microbatches = true, chunks = true, balance = true }
     for k, v in pairs(opts or {}) do
-      if P.config_keys[k] ~= nil then shard[k] = v else dp[k] = v end
+      if pipeline_keys[k] then pipe[k] = v
+      elseif P.config_keys[k] ~= nil then shard[k] = v else dp[k] = v end
     end
     local tensor = mesh:size("tensor")
     if policy == nil and tensor > 1 then  -- at tensor 1 only a policy passed in is checked
@@ -223,13 +272,14 @@ function pt.parallelize(model, policy, mesh, opts)
     end
     if policy ~= nil and type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
     local cfg = P.config(shard, 3)
+    local staged = pipeline_description(model, policy, mesh, pipe)
     -- The engine composes the parallelisms in its order (engine/parallel/parallel_model.cpp);
     -- tensor parallelism is this policy, applied by the sharder when the engine calls for it.
     -- (`undo` is kept only until the composer returns; the model is not kept anywhere by Lua:
     -- a global `_` here once held every parallelized model alive.)
     local undo
     local apply = policy and function() undo = select(2, P.apply(model, policy, mesh, cfg)) end
-    local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply)
+    local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged)
     if not made then
       if undo then undo() end
       error(result, 0)

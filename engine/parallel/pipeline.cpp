@@ -1,0 +1,345 @@
+// This file splits a model into pipeline stages and runs a rank's schedule (see pipeline.hpp).
+#include "engine/parallel/pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "engine/models/gpt2.hpp"
+#include "engine/parallel/data_parallel.hpp"
+
+namespace partrain::parallel {
+
+// ---- The split --------------------------------------------------------------------------------
+
+std::vector<int64_t> split_stages(const std::vector<int64_t>& block_params, int64_t stages,
+                                  const StageBalance& balance, int64_t first_params, int64_t last_params) {
+  const auto n = static_cast<int64_t>(block_params.size());
+  TORCH_CHECK(stages >= 1, "pipeline: ", stages, " stages (expected at least 1)");
+  std::vector<int64_t> bounds{0};
+  if (balance.method == "explicit") {
+    TORCH_CHECK(static_cast<int64_t>(balance.sizes.size()) == stages, "pipeline: explicit balance gives ",
+                balance.sizes.size(), " stage sizes for ", stages, " stages (pipeline x chunks)");
+    for (auto s : balance.sizes) {
+      TORCH_CHECK(s >= 1, "pipeline: explicit balance: a stage of ", s, " blocks (each stage needs at least one)");
+      bounds.push_back(bounds.back() + s);
+    }
+    TORCH_CHECK(bounds.back() == n, "pipeline: explicit balance gives ", bounds.back(), " blocks in all, the model has ",
+                n);
+    return bounds;
+  }
+  TORCH_CHECK(n >= stages, "pipeline: ", n, n == 1 ? " block" : " blocks", " cannot fill ", stages,
+              " stages (pipeline x chunks; each stage needs at least one block)");
+  if (balance.method == "uniform") {
+    for (int64_t s = 0; s < stages; ++s) bounds.push_back(bounds.back() + n / stages + (s < n % stages ? 1 : 0));
+    return bounds;
+  }
+  TORCH_CHECK(balance.method == "parameters", "pipeline: unknown balance '", balance.method,
+              "' (expected uniform, parameters, or a list of stage sizes)");
+  // The smallest largest stage over contiguous splits: cost[s][i] is the best largest stage when
+  // stages 0..s hold the blocks [0, i); `from` remembers where stage s starts.
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + block_params[i];
+  auto weight = [&](int64_t s, int64_t a, int64_t b) {
+    return prefix[b] - prefix[a] + (s == 0 ? first_params : 0) + (s == stages - 1 ? last_params : 0);
+  };
+  const int64_t inf = std::numeric_limits<int64_t>::max();
+  std::vector<std::vector<int64_t>> cost(stages, std::vector<int64_t>(n + 1, inf)), from = cost;
+  for (int64_t i = 1; i <= n; ++i) cost[0][i] = weight(0, 0, i);
+  for (int64_t s = 1; s < stages; ++s)
+    for (int64_t i = s + 1; i <= n; ++i)
+      for (int64_t j = s; j < i; ++j) {
+        if (cost[s - 1][j] == inf) continue;
+        auto c = std::max(cost[s - 1][j], weight(s, j, i));
+        if (c < cost[s][i]) cost[s][i] = c, from[s][i] = j;
+      }
+  bounds.assign(stages + 1, 0);
+  bounds[stages] = n;
+  for (int64_t s = stages - 1; s >= 1; --s) bounds[s] = from[s][bounds[s + 1]];
+  return bounds;
+}
+
+// ---- Actions ----------------------------------------------------------------------------------
+
+PipeOp parse_pipe_op(const std::string& op) {
+  static const std::map<std::string, PipeOp> ops{{"F", PipeOp::Forward},         {"B", PipeOp::Backward},
+                                                 {"SEND_F", PipeOp::SendForward}, {"RECV_F", PipeOp::RecvForward},
+                                                 {"SEND_B", PipeOp::SendBackward}, {"RECV_B", PipeOp::RecvBackward}};
+  auto it = ops.find(op);
+  TORCH_CHECK(it != ops.end(), "pipeline: unknown action '", op, "' (expected F, B, SEND_F, RECV_F, SEND_B or RECV_B)");
+  return it->second;
+}
+
+std::string describe(const PipeAction& a) {
+  static const char* names[] = {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"};
+  std::ostringstream s;
+  s << names[static_cast<int>(a.op)] << a.mb << ".c" << a.chunk;
+  if (a.op == PipeOp::SendForward || a.op == PipeOp::SendBackward) s << "->" << a.peer;
+  if (a.op == PipeOp::RecvForward || a.op == PipeOp::RecvBackward) s << "<-" << a.peer;
+  return s.str();
+}
+
+// ---- The cut ----------------------------------------------------------------------------------
+
+namespace {
+
+// What stands in a rank's tree for a module another stage holds: no parameters, no forward.
+class Elsewhere : public nn::Module {
+ public:
+  explicit Elsewhere(int stage) : nn::Module("PipelineElsewhere"), stage(stage) {}
+  torch::Tensor forward(const std::vector<torch::Tensor>&) override {
+    TORCH_CHECK(false, "this module lives on pipeline stage ", stage, ": run the model with model:train_step");
+  }
+  std::string extra_repr() const override { return "stage=" + std::to_string(stage); }
+  int stage;
+};
+
+int64_t parameter_count(nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters(/*recurse=*/true)) n += p.numel();
+  return n;
+}
+
+bool contains(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+constexpr int kActivationTag = 1, kGradientTag = 2;  // the two channels between a pair of ranks
+constexpr int64_t kHeader = 10;                      // dtype, dims, up to 8 sizes
+
+}  // namespace
+
+std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options) {
+  auto pipe = std::shared_ptr<Pipeline>(new Pipeline());
+  auto& p = *pipe;
+  p.root_ = &root;
+  p.group_ = mesh.group("pipeline");
+  p.pp_ = p.group_->size();
+  p.rank_ = p.group_->rank();
+  TORCH_CHECK(!p.group_->planned(), "pipeline: partrain plan does not plan pipeline parallelism yet (its transfers "
+              "and stages are not modelled)");
+  TORCH_CHECK(options.chunks >= 1 && options.microbatches >= 1, "pipeline: chunks=", options.chunks,
+              " and microbatches=", options.microbatches, " must be at least 1");
+  TORCH_CHECK(static_cast<int>(options.plan.size()) == p.pp_, "pipeline: the schedule has ", options.plan.size(),
+              " rank lists for pipeline=", p.pp_);
+  // The stage ends are the model's own: only GPT-2 says how its forward divides yet.
+  auto* gpt2 = dynamic_cast<models::Gpt2*>(&root);
+  TORCH_CHECK(gpt2, "pipeline: ", root.type(), " cannot be cut into stages yet (only GPT2 names its first and last "
+              "stages' forward)");
+  TORCH_CHECK(!root.forward_replaced(), "pipeline: ", root.type(), "'s forward is replaced (sequence parallelism?): "
+              "the stages run its own parts, so a replaced forward cannot be cut into stages");
+  auto blocks = root.find(options.blocks);
+  TORCH_CHECK(blocks && !options.blocks.empty(), "pipeline: the policy's blocks '", options.blocks, "' is not a module "
+              "of ", root.type());
+  for (const auto& name : options.first)
+    TORCH_CHECK(root.child(name), "pipeline: the policy's first module '", name, "' is not a child of ", root.type());
+  for (const auto& name : options.last)
+    TORCH_CHECK(root.child(name), "pipeline: the policy's last module '", name, "' is not a child of ", root.type());
+
+  auto block_list = blocks->children_named();
+  std::vector<int64_t> weights;
+  for (auto& [name, b] : block_list) weights.push_back(parameter_count(*b));
+  int64_t first = 0, last = 0;
+  for (const auto& name : options.first) first += parameter_count(*root.child(name));
+  for (const auto& name : options.last) last += parameter_count(*root.child(name));
+  const int stages = p.pp_ * options.chunks;
+  p.bounds_ = split_stages(weights, stages, options.balance, first, last);
+
+  // Which virtual stage holds each parameter name; a tensor held by more than one rank is a tie.
+  auto stage_of_child = [&](const std::string& child) -> int {
+    if (child == options.blocks) return -1;  // per block
+    if (contains(options.first, child)) return 0;
+    if (contains(options.last, child)) return stages - 1;
+    return -2;  // not placed
+  };
+  auto stage_of_block = [&](int64_t i) {
+    return static_cast<int>(std::upper_bound(p.bounds_.begin(), p.bounds_.end(), i) - p.bounds_.begin() - 1);
+  };
+  auto rank_of_stage = [&](int s) { return s % p.pp_; };
+  std::unordered_map<const c10::TensorImpl*, std::vector<int>> holders;  // ranks, in name order
+  std::vector<torch::Tensor> order;
+  const std::string prefix = options.blocks + ".";
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    const auto& name = item.key();
+    auto top = name.substr(0, name.find('.'));
+    int stage;
+    if (name.rfind(prefix, 0) == 0) {
+      auto rest = name.substr(prefix.size());
+      auto idx = rest.substr(0, rest.find('.'));
+      auto it = std::find_if(block_list.begin(), block_list.end(), [&](const auto& b) { return b.first == idx; });
+      TORCH_CHECK(it != block_list.end(), "pipeline: parameter '", name, "' sits in the blocks' container '",
+                  options.blocks, "' but in none of its blocks");
+      stage = stage_of_block(it - block_list.begin());
+    } else {
+      stage = stage_of_child(top);
+      TORCH_CHECK(stage != -2, "pipeline: parameter '", name, "' belongs to '", top, "', which the policy's pipeline "
+                  "places nowhere (blocks '", options.blocks, "', first and last modules)");
+    }
+    auto& h = holders[item.value().unsafeGetTensorImpl()];
+    if (h.empty()) order.push_back(item.value());
+    if (std::find(h.begin(), h.end(), rank_of_stage(stage)) == h.end())
+      h.push_back(rank_of_stage(stage));
+  }
+  for (const auto& t : order) {
+    const auto& h = holders[t.unsafeGetTensorImpl()];
+    if (h.size() < 2) continue;
+    bool mine = std::find(h.begin(), h.end(), p.rank_) != h.end();
+    p.ties_.push_back({mine ? t : torch::Tensor(), h.front() == p.rank_, t.sizes().vec(), t.scalar_type()});
+  }
+
+  // Keep this rank's modules; the others' become placeholders.
+  for (auto& [name, child] : root.children_named()) {
+    int s = stage_of_child(name);
+    if (s >= 0 && rank_of_stage(s) != p.rank_) root.set_child(name, std::make_shared<Elsewhere>(s));
+  }
+  p.chunk_blocks_.assign(options.chunks, {});
+  for (int64_t i = 0; i < static_cast<int64_t>(block_list.size()); ++i) {
+    int s = stage_of_block(i);
+    if (rank_of_stage(s) == p.rank_) p.chunk_blocks_[s / p.pp_].push_back(block_list[i].second);
+    else blocks->set_child(block_list[i].first, std::make_shared<Elsewhere>(s));
+  }
+  for (const auto& t : root.parameters(/*recurse=*/true)) {
+    p.device_ = t.device();
+    p.dtype_ = t.scalar_type();
+    break;
+  }
+  p.options_ = std::move(options);
+  return pipe;
+}
+
+double Pipeline::grad_norm(const std::vector<torch::Tensor>& params) const {
+  auto sum = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  for (const auto& p : params) {
+    if (!p.grad().defined()) continue;
+    auto tie = std::find_if(ties_.begin(), ties_.end(), [&](const Tie& t) { return t.param.is_same(p); });
+    if (tie != ties_.end() && !tie->counted) continue;  // its other holder counts it
+    sum += p.grad().detach().to(torch::kFloat64).pow(2).sum();
+  }
+  group_->all_reduce(sum);
+  return std::sqrt(sum.item<double>());
+}
+
+// ---- The executor -----------------------------------------------------------------------------
+
+torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
+  const int v = chunk * pp_ + rank_;
+  auto& model = static_cast<models::Gpt2&>(*root_);
+  auto x = v == 0 ? model.embed(in) : in;
+  for (auto& b : chunk_blocks_[chunk]) x = b->forward({x});
+  return v == stages() - 1 ? model.head(x) : x;
+}
+
+// A message is a header (dtype, dims, sizes) then the tensor, on one channel: the receiver
+// learns every shape from the sender, so micro-batches of any shape flow.
+void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
+  TORCH_CHECK(t.dim() <= kHeader - 2, "pipeline: cannot send a tensor of ", t.dim(), " dimensions");
+  auto header = torch::zeros({kHeader}, torch::kInt64);
+  header[0] = static_cast<int64_t>(t.scalar_type());
+  header[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
+  auto body = t.detach().contiguous();
+  auto h = header.to(device_);
+  sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h, body});
+  sends_.emplace_back(group_->send(body, peer, /*async=*/true, tag), std::vector<torch::Tensor>{body});
+}
+
+torch::Tensor Pipeline::receive(int peer, int tag) {
+  auto header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
+  group_->recv(header, peer, /*async=*/false, tag);
+  header = header.cpu();
+  auto* h = header.data_ptr<int64_t>();
+  TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 &&
+                  h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+              "pipeline: a malformed message header from pipeline rank ", peer);
+  std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
+  for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
+  auto t = torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device_));
+  group_->recv(t, peer, /*async=*/false, tag);
+  return t;
+}
+
+torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
+                                   const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
+                                   DataParallel* dp) {
+  const int m = options_.microbatches, chunks = options_.chunks, last = stages() - 1;
+  TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
+              "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
+              y.sizes());
+  TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
+  root_->train();
+  auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
+  struct Slot {
+    torch::Tensor input, output, grad, input_grad;
+  };
+  std::vector<Slot> slots(static_cast<size_t>(m) * chunks);
+  const auto& actions = options_.plan[rank_];
+  size_t last_backward = 0;
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].op == PipeOp::Backward) last_backward = i;
+  torch::Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  struct SyncGuard {  // the data-parallel sync runs in the rank's last backward only, whatever happens
+    DataParallel* dp;
+    ~SyncGuard() {
+      if (dp) dp->set_sync(true);
+    }
+  } guard{dp};
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const auto& a = actions[i];
+    auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
+    const int v = a.chunk * pp_ + rank_;
+    switch (a.op) {
+      case PipeOp::RecvForward:
+        s.input = receive(a.peer, kActivationTag).requires_grad_(true);
+        break;
+      case PipeOp::Forward: {
+        auto out = run_chunk(a.chunk, v == 0 ? xs[a.mb] : s.input);
+        if (v == last) {
+          auto l = loss(out, ys[a.mb]);
+          total += l.detach().to(torch::kFloat64);
+          s.output = m > 1 ? l / m : l;
+        } else {
+          s.output = out;
+        }
+        break;
+      }
+      case PipeOp::SendForward:
+        send(s.output, a.peer, kActivationTag);
+        break;
+      case PipeOp::RecvBackward:
+        s.grad = receive(a.peer, kGradientTag);
+        break;
+      case PipeOp::Backward:
+        if (dp) dp->set_sync(i == last_backward);
+        if (v == last) s.output.backward();
+        else torch::autograd::backward({s.output}, {s.grad});
+        if (s.input.defined()) s.input_grad = s.input.grad();
+        s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
+        break;
+      case PipeOp::SendBackward:
+        TORCH_CHECK(s.input_grad.defined(), "pipeline: ", describe(a), " has no gradient to send");
+        send(s.input_grad, a.peer, kGradientTag);
+        s.input_grad = torch::Tensor();
+        break;
+    }
+  }
+  for (auto& [work, keep] : sends_) work.wait();
+  sends_.clear();
+  // The tied parameters' gradients, summed over the ranks holding them (the others add zeros).
+  for (auto& tie : ties_) {
+    auto g = tie.param.defined() && tie.param.grad().defined()
+                 ? tie.param.grad().detach().clone()
+                 : torch::zeros(tie.shape, torch::TensorOptions().dtype(tie.dtype).device(device_));
+    group_->all_reduce(g);
+    if (tie.param.defined()) tie.param.mutable_grad() = g;
+  }
+  if (dp) dp->complete();
+  // The mean loss from the last stage's rank, on every rank.
+  auto mean = (total / m).reshape({1}).contiguous();
+  group_->broadcast(mean, last % pp_);
+  return mean.squeeze(0).to(dtype_);
+}
+
+}  // namespace partrain::parallel

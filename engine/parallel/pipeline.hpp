@@ -1,0 +1,107 @@
+// Pipeline parallelism: the split of a model's blocks into stages, the cut that leaves each rank
+// only its stages' modules, and the executor that runs a rank's lowered schedule (from
+// bindings/lua/partrain/pipeline: forwards, backwards and asynchronous point-to-point transfers)
+// every training step without going back to Lua. docs/pipeline.md describes what runs.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/dist/mesh.hpp"
+#include "engine/nn/module.hpp"
+
+namespace partrain::parallel {
+
+class DataParallel;
+
+/// How the blocks are divided among the stages.
+struct StageBalance {
+  /// "uniform": by block count (the first `blocks % stages` stages take one more); "parameters":
+  /// contiguous stages whose largest parameter count (the first and last modules counted on the
+  /// first and last stages) is the smallest possible; "explicit": `sizes` blocks a stage.
+  std::string method = "uniform";
+  std::vector<int64_t> sizes;
+};
+
+/// Stage boundaries: `stages + 1` block indices, from 0 to block_params.size(); stage s holds the
+/// blocks [b[s], b[s+1]). Every stage holds at least one block (an error says how many there are
+/// for how many stages). `first_params`/`last_params` are what the first and last stages hold
+/// besides their blocks (the "parameters" method counts them).
+std::vector<int64_t> split_stages(const std::vector<int64_t>& block_params, int64_t stages,
+                                  const StageBalance& balance, int64_t first_params = 0, int64_t last_params = 0);
+
+/// One action of a lowered schedule (docs/pipeline.md), as plain data.
+enum class PipeOp { Forward, Backward, SendForward, RecvForward, SendBackward, RecvBackward };
+struct PipeAction {
+  PipeOp op = PipeOp::Forward;
+  int mb = 0, chunk = 0;
+  int peer = -1;  ///< the pipeline rank a transfer goes to or comes from; -1 for compute
+};
+/// "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B" (an error names anything else).
+PipeOp parse_pipe_op(const std::string& op);
+std::string describe(const PipeAction& a);  ///< "SEND_F3.c0->1"
+
+struct PipelineOptions {
+  std::string blocks;                     ///< the container of the blocks ("h")
+  std::vector<std::string> first, last;   ///< the root's children before and after the blocks
+  StageBalance balance;
+  std::string schedule;                   ///< its name, for messages
+  int chunks = 1, microbatches = 1;
+  /// The lowered, checked plan: one action list a pipeline rank (pipeline.build's result).
+  std::vector<std::vector<PipeAction>> plan;
+};
+
+/// This rank's stages of a model and the schedule that runs them.
+class Pipeline {
+ public:
+  /// Cuts `root` (the whole serial model, the same on every pipeline rank) into
+  /// pipeline x chunks stages and keeps only this rank's: the other stages' modules are replaced
+  /// by empty placeholders (names and the tree's shape stay), so that what the rank holds has
+  /// the serial model's initial weights. Parameters tied across stages (GPT-2's wte and lm_head)
+  /// are noted: their gradients are summed over the ranks holding them after every step.
+  static std::shared_ptr<Pipeline> cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options);
+
+  /// Runs the schedule over options.microbatches micro-batches of (x, y) (split along dim 0):
+  /// forwards, `loss` on the last stage, backwards, the transfers; then sums the tied
+  /// parameters' gradients and completes `dp`'s sync (it syncs during the rank's last backward).
+  /// Returns the mean of the micro-batches' losses on every pipeline rank.
+  torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y,
+                           const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
+                           DataParallel* dp);
+
+  /// The global L2 norm of `params`' gradients over the whole pipeline (what clipping needs):
+  /// squares summed here, then over the pipeline group; a parameter tied across stages counts
+  /// once (on the first rank holding it). Every pipeline rank must call it.
+  double grad_norm(const std::vector<torch::Tensor>& params) const;
+
+  int stages() const { return pp_ * options_.chunks; }
+  const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
+  const PipelineOptions& options() const { return options_; }
+  const dist::GroupPtr& group() const { return group_; }
+
+ private:
+  struct Tie {
+    torch::Tensor param;  ///< undefined on a rank that does not hold it
+    bool counted;         ///< whether this rank counts it in grad_norm (the first rank holding it)
+    std::vector<int64_t> shape;
+    torch::ScalarType dtype;
+  };
+  torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
+  void send(const torch::Tensor& t, int peer, int tag);
+  torch::Tensor receive(int peer, int tag);
+
+  nn::Module* root_ = nullptr;
+  PipelineOptions options_;
+  dist::GroupPtr group_;
+  int pp_ = 1, rank_ = 0;
+  std::vector<int64_t> bounds_;
+  std::vector<std::vector<nn::ModulePtr>> chunk_blocks_;  // this rank's blocks, by chunk
+  std::vector<Tie> ties_;
+  std::vector<std::pair<dist::Work, std::vector<torch::Tensor>>> sends_;  // in flight, kept alive
+  torch::Device device_ = torch::kCPU;
+  torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
+};
+
+}  // namespace partrain::parallel

@@ -1,0 +1,167 @@
+-- Pipeline-parallel GPT-2 trains exactly as serial training: gpipe, 1f1b and interleaved schedules,
+-- uniform, by-parameter and explicit stage splits, at pipeline 2 (2 ranks), and pipeline 2 x data 2
+-- and pipeline 4 (4 ranks); losses every step and every parameter a rank holds at the end within
+-- 1e-5 (float32) and 1e-10 (float64) relative to max(|x|, 1), every serial parameter held by some
+-- stage, each rank holding only its stages' blocks; clipping's global norm spans every stage.
+-- Also: options that cannot run are refused at the caller's line.
+--   partrain --nproc-per-node 2 --threads 1 tests/dist/test_pipeline.lua
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, near, eq, ok, raises = H.test, H.near, H.eq, H.ok, H.raises
+
+local TOL = { float32 = 1e-5, float64 = 1e-10 }
+local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 4 }
+local BATCH = 8  -- a data rank's batch: 8 / data rows
+
+-- The global batch (the same on every rank) and this rank's data slice of it.
+local function batches(mesh)
+  local x, y = pt.randint(0, gpt.vocab, { BATCH, gpt.seq }), pt.randint(0, gpt.vocab, { BATCH, gpt.seq })
+  mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+  local d, n = mesh:coord().data, mesh:size("data")
+  local b = BATCH / n
+  return x, y, x:narrow(0, d * b, b), y:narrow(0, d * b, b)
+end
+
+-- Trains GPT-2 serially and through the pipeline from the same seed; returns the pipelined model.
+local function equal_to_serial(what, mesh, opts, dtype, steps, optim)
+  local tol = TOL[dtype]
+  pt.manual_seed(5)
+  local serial = pt.models.gpt2(gpt):to(dtype)
+  pt.manual_seed(5)
+  local model = pt.parallelize(pt.models.gpt2(gpt):to(dtype), "policies.gpt2", mesh, opts)
+  local so = pt.optim.adamw(serial, optim or { lr = 1e-2 })
+  local po = pt.optim.adamw(model, optim or { lr = 1e-2 })
+  for step = 1, steps or 5 do
+    local gx, gy, x, y = batches(mesh)
+    local out = serial(gx)
+    local ls = pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1))
+    ls:backward()
+    local lp = model:train_step(x, y)
+    local global = lp:detach():clone()
+    mesh:group("data"):all_reduce(global, "mean")
+    near(global, ls, tol, ("%s (%s): loss at step %d"):format(what, dtype, step))
+    so:step(); po:step()
+    so:zero_grad(); po:zero_grad()
+  end
+  -- Every parameter this rank holds equals the serial one; every serial one is held somewhere.
+  local mine, want = model:state_dict(), serial:state_dict()
+  local names = {}
+  for name in pairs(want) do names[#names + 1] = name end
+  table.sort(names)
+  local flags = {}
+  for i, name in ipairs(names) do
+    flags[i] = mine[name] and 1 or 0
+    if mine[name] then
+      near(mine[name], want[name], tol, ("%s (%s): parameter %s"):format(what, dtype, name))
+    end
+  end
+  for name in pairs(mine) do ok(want[name] ~= nil, what .. ": an unknown parameter " .. name) end
+  local held = pt.tensor(flags)
+  mesh:group("pipeline"):all_reduce(held)
+  for i, name in ipairs(names) do ok(held:select(0, i - 1):item() >= 1, ("%s: %s is held by no stage"):format(what, name)) end
+  return model
+end
+
+-- The blocks (h.N) whose parameters this rank holds.
+local function blocks_held(model)
+  local set, list = {}, {}
+  for name in pairs(model:state_dict()) do
+    local n = name:match("^h%.(%d+)%.")
+    if n and not set[n] then set[n] = true; list[#list + 1] = tonumber(n) end
+  end
+  table.sort(list)
+  return table.concat(list, ",")
+end
+
+local mesh = pt.mesh { pipeline = 2 }
+local stage = mesh:coord().pipeline
+
+for _, dtype in ipairs { "float32", "float64" } do
+  for _, schedule in ipairs { "gpipe", "1f1b" } do
+    test(("%s over pipeline 2 equals serial training (%s)"):format(schedule, dtype), function()
+      local model = equal_to_serial(schedule, mesh, { schedule = schedule, microbatches = 4 }, dtype)
+      eq(blocks_held(model), stage == 0 and "0,1" or "2,3", "uniform: two blocks a stage")
+      local sd = model:state_dict()
+      eq(sd["wte.weight"] ~= nil, stage == 0, "the embeddings live on the first stage")
+      eq(sd["lm_head.weight"] ~= nil, stage == 1, "the head lives on the last stage")
+    end)
+  end
+end
+
+if mesh:size("data") == 1 then
+  test("interleaved, 2 chunks a rank, equals serial training (float64)", function()
+    local model = equal_to_serial("interleaved", mesh, { schedule = "interleaved", microbatches = 4, chunks = 2 },
+      "float64")
+    eq(blocks_held(model), stage == 0 and "0,2" or "1,3", "chunk c of rank r is virtual stage 2c + r")
+  end)
+else
+  test("an interleaved pipeline with data parallelism is refused", function()
+    raises(function() pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { schedule = "interleaved",
+      microbatches = 4, chunks = 2 }) end, "interleaved pipeline (chunks=2) with data parallelism")
+  end)
+end
+
+if pt.dist.world_size() == 4 then
+  test("1f1b and gpipe over pipeline 4 (middle stages, the tie across them) equal serial training (float64)", function()
+    local deep = pt.mesh { pipeline = 4 }
+    local r = deep:coord().pipeline
+    local model = equal_to_serial("1f1b pp4", deep, { schedule = "1f1b", microbatches = 4 }, "float64")
+    eq(blocks_held(model), tostring(r), "one block a stage")
+    equal_to_serial("gpipe pp4", deep, { schedule = "gpipe", microbatches = 2 }, "float64", 2)
+  end)
+end
+
+test("explicit and by-parameter stage splits equal serial training (float64)", function()
+  local model = equal_to_serial("explicit", mesh, { schedule = "1f1b", microbatches = 2, balance = { 3, 1 } },
+    "float64", 3)
+  eq(blocks_held(model), stage == 0 and "0,1,2" or "3", "explicit: 3 blocks, then 1")
+  -- The tied embedding and head weigh on both ends: with 2 stages they stay balanced.
+  model = equal_to_serial("parameters", mesh, { microbatches = 2, balance = "parameters" }, "float64", 3)
+  eq(blocks_held(model), stage == 0 and "0,1" or "2,3", "by parameters: the ends weigh alike")
+end)
+
+test("clipping by global norm spans every stage, the tied embedding once (float64)", function()
+  -- A norm far below the gradients' clips every step: the updates equal serial ones only if the
+  -- norm is the whole model's.
+  equal_to_serial("clipped", mesh, { microbatches = 2 }, "float64", 3, { lr = 1e-2, clip_grad_norm = 0.05 })
+  pt.manual_seed(5)
+  local serial = pt.models.gpt2(gpt):to("float64")
+  pt.manual_seed(5)
+  local model = pt.parallelize(pt.models.gpt2(gpt):to("float64"), "policies.gpt2", mesh, { microbatches = 2 })
+  local gx, gy, x, y = batches(mesh)
+  local out = serial(gx)
+  pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1)):backward()
+  model:train_step(x, y)
+  local want = pt.nn.clip_grad_norm(serial, 1e9)
+  local got = pt.nn.clip_grad_norm(model, 1e9)
+  ok(math.abs(got - want) <= 1e-10 * math.max(want, 1), ("pt.nn.clip_grad_norm: %.15g, serial %.15g"):format(got, want))
+end)
+
+test("pipeline options that cannot run are refused at the caller's line", function()
+  local function refused(opts, pattern, m)
+    local err = raises(function() pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", m or mesh, opts) end, pattern)
+    ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)
+  end
+  refused({ schedule = "interleaved", microbatches = 3, chunks = 2 }, "multiple")
+  refused({ balance = "by_flops" }, "balance must be 'uniform', 'parameters' or a list")
+  refused({ balance = { 2, 1 } }, "gives 3 blocks in all, the model has 4")
+  if mesh:size("data") == 1 then
+    refused({ chunks = 4, schedule = "interleaved", microbatches = 4 }, "4 blocks cannot fill 8 stages")
+  end
+  local one = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 1 }
+  raises(function() pt.parallelize(pt.models.gpt2(one), "policies.gpt2", mesh, {}) end, "1 block cannot fill 2 stages")
+  raises(function() pt.parallelize(pt.models.mlp { sizes = { 4, 4 } }, nil, mesh, {}) end,
+    "the policy for MLP has no pipeline description")
+  refused({ microbatches = 0 }, "microbatches must be a positive integer")
+  refused({ schedule = "gpipe" }, "needs a mesh with pipeline > 1", pt.mesh {})
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { microbatches = 2 })
+  raises(function() model:train_step(pt.zeros({ 3, gpt.seq }, { dtype = "int64" }),
+    pt.zeros({ 3, gpt.seq }, { dtype = "int64" })) end, "microbatches=2 does not divide the batch of 3")
+  raises(function() pt.ckpt.save("build/pipeline_ckpt_refused", { model = model }) end,
+    "checkpoints of a pipeline-parallel model are not implemented yet")
+  raises(function() model:train_step(pt.zeros({ 2, gpt.seq }, { dtype = "int64" }),
+    pt.zeros({ 2, gpt.seq }, { dtype = "int64" }), { accumulate = 2 }) end, "accumulate=2 on a pipeline")
+end)
+
+H.run()
