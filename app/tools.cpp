@@ -269,11 +269,11 @@ int run_ckpt(int argc, char** argv, int first) {
   CLI::App app{"partrain ckpt: look after checkpoints without starting ranks.\n\n"
                "  partrain ckpt inspect DIR [--tag T]           tensors, shapes, shards, sizes, mesh, step\n"
                "  partrain ckpt verify DIR                      check every tag, file and newest (exit 1 on any damage)\n"
-               "  partrain ckpt convert SRC DST --tensor N --data M [--tag T]   reshard offline\n"
+               "  partrain ckpt convert SRC DST --tensor N --data M --pipeline P [--tag T]   reshard offline\n"
                "  partrain ckpt export DIR out.safetensors [--tag T]            weights for the PyTorch/HF world\n",
                "partrain ckpt"};
   app.require_subcommand(1);
-  std::string dir, dst, out, tag, tensor_text, data_text;
+  std::string dir, dst, out, tag, tensor_text, data_text, pipeline_text;
   auto* inspect = app.add_subcommand("inspect", "describe a checkpoint (the newest, or --tag)");
   inspect->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
   inspect->add_option("--tag", tag, "which tag (default: newest)");
@@ -284,6 +284,8 @@ int run_ckpt(int argc, char** argv, int first) {
   convert->add_option("dst", dst, "the checkpoint folder to write (the tag keeps its name)")->required();
   convert->add_option("--tensor", tensor_text, "tensor-parallel size of the new layout, 1-65536 (default 1)");
   convert->add_option("--data", data_text, "data-parallel size of the new layout, 1-65536 (default 1)");
+  convert->add_option("--pipeline", pipeline_text,
+                      "pipeline-parallel size of the new layout, 1-65536 and at most the model's blocks (default 1)");
   convert->add_option("--tag", tag, "which tag (default: newest)");
   auto* exp = app.add_subcommand("export", "write the model's logical weights as .safetensors");
   exp->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
@@ -303,10 +305,11 @@ int run_ckpt(int argc, char** argv, int first) {
   }
   // The arguments, before anything is read: sizes in range, a tag that is a plain name, folders
   // that exist, and outputs that are files in an existing folder.
-  int tensor = 1, data = 1;
+  int tensor = 1, data = 1, pipeline = 1;
   std::string bad;
   if (convert->count("--tensor")) bad = parse_count("--tensor", tensor_text, 1, 1 << 16, tensor);
   if (bad.empty() && convert->count("--data")) bad = parse_count("--data", data_text, 1, 1 << 16, data);
+  if (bad.empty() && convert->count("--pipeline")) bad = parse_count("--pipeline", pipeline_text, 1, 1 << 16, pipeline);
   if (bad.empty() && !tag.empty() && !util::safe_name(tag))
     bad = "--tag '" + tag.substr(0, 80) + "' is not a tag name (letters, digits, '.', '_', '-'; not starting with '.' or '-')";
   struct stat st;
@@ -325,9 +328,9 @@ int run_ckpt(int argc, char** argv, int first) {
     if (*verify) return ckpt_verify(dir);
     if (*exp) return ckpt_export(dir, tag, out);
     std::string folder = tag_folder(dir, tag);
-    ckpt::convert(folder, dst, tensor, data);
+    ckpt::convert(folder, dst, tensor, data, pipeline);
     std::cout << "wrote " << folder.substr(folder.find_last_of('/') + 1) << " to " << dst << " as tensor " << tensor
-              << " x data " << data << std::endl;
+              << " x data " << data << " x pipeline " << pipeline << std::endl;
     return 0;
   } catch (const std::exception& e) {
     return fail("ckpt: " + compat::message_of(e));

@@ -88,6 +88,13 @@ void push_json(lua_State* L, const json& j) {
   }
 }
 
+// safetensors files hold the whole model, which no pipeline stage has.
+void refuse_pipeline(const nn::Module& m, const char* what) {
+  if (auto pm = parallel::ParallelModel::of(m); pm && pm->pipeline())
+    throw std::invalid_argument(std::string(what) + " of a pipeline-parallel model is not built yet (each rank holds "
+                                "only its stages): save a checkpoint and run 'partrain ckpt export' on it");
+}
+
 // { model =, optim =, data =, mesh = } at `idx` into a State (the table's other keys are the
 // caller's to read).
 ckpt::State state_of(Args& a, Options& t) {
@@ -96,9 +103,6 @@ ckpt::State state_of(Args& a, Options& t) {
   if (!t.push("model")) throw std::invalid_argument("'model' is required (the module to save or load)");
   auto* m = ud_test<nn::ModulePtr>(L, -1, PT_MODULE_MT);
   if (!m) throw std::invalid_argument("'model' must be a module");
-  if (auto pm = parallel::ParallelModel::of(**m); pm && pm->pipeline())
-    throw std::invalid_argument("checkpoints of a pipeline-parallel model are not implemented yet (each rank holds "
-                                "only its stages)");
   s.model = m->get();
   lua_pop(L, 1);
   if (t.push("optim")) {
@@ -212,6 +216,7 @@ const Function kCkpt[] = {
     {"export_safetensors", [](Args& a) {
        auto& m = a.module(1);
        std::string path = a.string(2);
+       refuse_pipeline(*m, "export_safetensors");
        auto full = parallel::full_state_dict(*m);
        std::map<std::string, torch::Tensor> tensors(full.begin(), full.end());
        const auto* hf = hf_names(*m);
@@ -224,6 +229,7 @@ const Function kCkpt[] = {
     {"import_safetensors", [](Args& a) {
        auto& m = a.module(1);
        std::string path = a.string(2);
+       refuse_pipeline(*m, "import_safetensors");
        const auto* hf = hf_names(*m);
        auto tensors = ckpt::read_safetensors(path, hf);
        nn::TensorMap state(tensors.begin(), tensors.end());

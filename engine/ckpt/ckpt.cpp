@@ -27,6 +27,7 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/nn/module.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
@@ -64,9 +65,14 @@ void serialize(Archive& ar, FileEntry& f) {
   ar(f.name, f.bytes, f.crc32);
 }
 template <class Archive>
+void serialize(Archive& ar, PipelineLayout& p) {
+  ar(p.schedule, p.chunks, p.blocks, p.first, p.last, p.bounds);
+}
+template <class Archive>
 void serialize(Archive& ar, Manifest& m) {
   ar(m.step, m.world, m.tensor, m.data, m.pipeline, m.zero, m.model_type, m.policy, m.optimizer, m.optimizer_steps,
      m.samples_seen, m.user_json, m.full, m.tensors, m.files, m.rng);
+  if (!Archive::is_loading::value || reading_format >= 4) ar(m.stages);
 }
 
 const TensorEntry* Manifest::find(const std::string& name) const {
@@ -348,6 +354,26 @@ std::vector<std::pair<std::string, torch::Tensor>> unique_named(const nn::Module
   for (const auto& item : model.named_parameters(true))
     if (item.value().defined() && seen.insert(item.value().unsafeGetTensorImpl()).second)
       out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+// This rank's parameters with their logical names (what checkpoints key them by), each once, in
+// module order. On a pipeline rank a tensor tied across stages takes the serial model's first
+// name (GPT-2's last stage holds wte.weight as lm_head.weight); `first` says whether this rank
+// is the first pipeline rank holding it (the one that saves it).
+struct Held {
+  std::string logical, local;
+  torch::Tensor param;
+  bool first = true;
+};
+std::vector<Held> held(const nn::Module& model) {
+  auto owner = parallel::ParallelModel::of(model);
+  const parallel::Pipeline* pipe = owner ? owner->pipeline().get() : nullptr;
+  std::vector<Held> out;
+  for (auto& [name, p] : unique_named(model)) {
+    if (!pipe) out.push_back({name, name, p, true});
+    else out.push_back({pipe->logical_name(name), name, p, pipe->first_holder(p)});
+  }
   return out;
 }
 
@@ -642,6 +668,33 @@ void validate(const Manifest& m, const std::string& path) {
   } catch (const std::exception&) {
     bad("has a user table that is not JSON (nested at most " + std::to_string(kMaxJsonDepth) + " deep)");
   }
+  // The pipeline layout: for information only, but shaped as a pipeline of this size has it.
+  const auto& st = m.stages;
+  auto names_ok = [](const std::vector<std::string>& list) {
+    if (list.size() > 64) return false;
+    for (const auto& n : list)
+      if (n.empty() || !printable(n, 256)) return false;
+    return true;
+  };
+  if (!printable(st.schedule, 256) || !printable(st.blocks, 256) || !names_ok(st.first) || !names_ok(st.last))
+    bad("has a pipeline layout whose schedule or module names are not names");
+  if (st.chunks < 1 || st.chunks > 64)
+    bad("has a pipeline layout of " + std::to_string(st.chunks) + " chunks a rank (expected 1 to 64)");
+  if (m.pipeline == 1 || st.bounds.empty()) {
+    if (!st.bounds.empty() || st.chunks != 1 || !st.blocks.empty() || !st.schedule.empty() || !st.first.empty() ||
+        !st.last.empty() || (m.pipeline > 1 && m.version >= 4))
+      bad("has a pipeline layout (" + std::to_string(st.bounds.size()) + " stage bounds, " +
+          std::to_string(st.chunks) + " chunks) that does not fit pipeline " + std::to_string(m.pipeline));
+  } else {
+    bool ok = st.bounds.size() == static_cast<size_t>(m.pipeline) * st.chunks + 1 && st.bounds.front() == 0 &&
+              !st.blocks.empty();
+    for (size_t i = 1; ok && i < st.bounds.size(); ++i)
+      ok = st.bounds[i] > st.bounds[i - 1] && st.bounds[i] <= kMaxWorld;
+    if (!ok)
+      bad("has pipeline stage bounds " + (st.bounds.size() <= 64 ? shape_text(st.bounds) : std::string("(too many)")) +
+          " that are not " + std::to_string(m.pipeline) + " x " + std::to_string(st.chunks) +
+          " stages of at least one block each, from block 0, in the blocks of a named container");
+  }
   if (m.rng.size() > static_cast<size_t>(m.world)) bad("has more generator states than ranks");
   for (const auto& r : m.rng)
     if (r.size() > (1u << 20)) bad("has a generator state of " + std::to_string(r.size()) + " bytes");
@@ -907,15 +960,21 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
   });  // together() has synchronized the ranks: the folder exists for all of them
 
   // Each rank writes what it alone holds: split tensors from data rank 0 of each tensor group,
-  // whole ones from rank (tensor 0, data 0). `full`: rank 0 writes every tensor gathered whole.
-  dist::Coord coord = state.mesh ? state.mesh->coord() : dist::Coord{0, rank, 0};
+  // whole ones from rank (tensor 0, data 0), of the first pipeline stage holding them (every
+  // stage saves its own). `full`: every tensor gathered whole, written by rank 0 (by tensor 0,
+  // data 0 of each stage under a pipeline).
+  auto owner = parallel::ParallelModel::of(*state.model);
+  const parallel::Pipeline* pipe = owner ? owner->pipeline().get() : nullptr;
+  const dist::Mesh* mesh = pipe ? owner->mesh().get() : state.mesh;  // a pipeline's stages are its mesh's
+  dist::Coord coord = mesh ? mesh->coord() : dist::Coord{0, rank, 0};
   std::string mine;
   together(group, "writing the checkpoint's data", [&] {
     RankPart part;
     char name[32];
     std::snprintf(name, sizeof name, "rank-%05d.bin", rank);
     std::unique_ptr<DataFile> file;
-    auto store = [&](const std::string& key, const torch::Tensor& t, const c10::optional<parallel::Sharding>& s) {
+    auto store = [&](const std::string& key, const torch::Tensor& t, const c10::optional<parallel::Sharding>& s,
+                     bool first) {
       torch::Tensor value = t;
       const parallel::Sharding* split = s ? &*s : nullptr;
       // Who writes a split tensor's slices is read from the mesh (data rank 0 of each tensor
@@ -923,23 +982,24 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
       TORCH_CHECK(!split || split->ranks == 1 || state.mesh, "'", key, "' is split over tensor=", split ? split->ranks : 1,
                   " but the save was given no mesh: pass mesh = <the mesh it was split over> (pt.parallelize's "
                   "models carry theirs)");
-      bool writer = split ? coord.data == 0 && coord.pipeline == 0
-                          : coord.data == 0 && coord.tensor == 0 && coord.pipeline == 0;
+      const bool stage = pipe ? first : coord.pipeline == 0;
+      bool writer = stage && coord.data == 0 && (split || coord.tensor == 0);
       if (options.full) {
         if (split) value = parallel::gather_full(t, *split);  // collective: every rank, same order
         split = nullptr;
-        writer = rank == 0;
+        writer = pipe ? stage && coord.data == 0 && coord.tensor == 0 : rank == 0;
       }
       if (!writer) return;
       if (!file) file = std::make_unique<DataFile>(join(tmp, name));
       part.tensors.push_back(entry_for(key, value, split));  // full: value is already logical
       add_pieces(*file, part.tensors.back(), value, split, -1);
     };
-    for (const auto& [pname, p] : unique_named(*state.model)) {
-      auto s = parallel::sharding_of(*state.model, pname);
-      store("model/" + pname, p, s);
+    for (const auto& h : held(*state.model)) {
+      auto s = parallel::sharding_of(*state.model, h.local);
+      store("model/" + h.logical, h.param, s, h.first);
       if (state.optimizer)
-        for (const auto& [slot, t] : state.optimizer->param_state(p)) store("optim/" + pname + "/" + slot, t, s);
+        for (const auto& [slot, t] : state.optimizer->param_state(h.param))
+          store("optim/" + h.logical + "/" + slot, t, s, h.first);
     }
     if (file) part.file = file->finish(name);
     part.rng = rng_state();
@@ -959,6 +1019,10 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
       m.data = state.mesh->layout().data;
       m.pipeline = state.mesh->layout().pipeline;
       m.zero = state.mesh->layout().zero;
+      if (pipe && m.pipeline > 1) {
+        const auto& o = pipe->options();
+        m.stages = {o.schedule, o.chunks, o.blocks, o.first, o.last, pipe->bounds()};
+      }
     } else {
       m.data = m.zero = m.world;
     }
@@ -1209,6 +1273,23 @@ std::string describe(const Manifest& m) {
     << " x pipeline " << m.pipeline << ", zero " << m.zero << (m.full ? "; full (consolidated)" : "; partial (per-rank shards)")
     << "\nmodel " << m.model_type << (m.policy.empty() ? "" : ", policy " + m.policy);
   if (!m.optimizer.empty()) s << "; optimizer " << m.optimizer << " after " << m.optimizer_steps << " step(s)";
+  if (!m.stages.bounds.empty()) {
+    // Virtual stage v (chunk v / pipeline of pipeline rank v % pipeline) holds blocks [b[v], b[v+1]).
+    const auto& st = m.stages;
+    auto list = [](const std::vector<std::string>& v) {
+      std::string t;
+      for (const auto& n : v) t += (t.empty() ? "" : ",") + n;
+      return t;
+    };
+    s << "\npipeline: " << (st.schedule.empty() ? std::string("schedule not recorded") : "schedule " + st.schedule)
+      << ", " << st.chunks << " chunk(s) a rank";
+    for (size_t v = 0; v + 1 < st.bounds.size(); ++v) {
+      s << "\n  stage " << v << " (pipeline rank " << v % m.pipeline << "): " << st.blocks << "." << st.bounds[v];
+      if (st.bounds[v + 1] - 1 > st.bounds[v]) s << "-" << st.blocks << "." << st.bounds[v + 1] - 1;
+      if (v == 0 && !st.first.empty()) s << " + " << list(st.first);
+      if (v + 2 == st.bounds.size() && !st.last.empty()) s << " + " << list(st.last);
+    }
+  }
   s << "\ndata position: " << (m.samples_seen < 0 ? std::string("none") : std::to_string(m.samples_seen) + " samples")
     << "\nuser: " << m.user_json << "\n\nfiles:\n";
   uint64_t total = 0;
@@ -1247,8 +1328,26 @@ namespace {
 
 // Loads one tag. Everything is read and checked before anything in `state` changes; Damaged
 // when the checkpoint is damaged, another error when it does not fit what is being loaded.
+// The logical names of every parameter of the model, on every rank: this rank's own, and under a
+// pipeline every stage's (gathered over the world), so that a tensor of the checkpoint no stage
+// holds is refused. Collective when the model is pipelined.
+std::set<std::string> model_names(const State& state, const dist::GroupPtr& group) {
+  std::set<std::string> names;
+  for (const auto& h : held(*state.model)) names.insert(h.logical);
+  auto owner = parallel::ParallelModel::of(*state.model);
+  if (!owner || !owner->pipeline() || !group) return names;
+  std::string mine;
+  for (const auto& n : names) mine += n + "\n";
+  for (const auto& all : dist::all_gather_strings(group, mine)) {
+    std::istringstream lines(all);
+    for (std::string n; std::getline(lines, n);) names.insert(n);
+  }
+  return names;
+}
+
 Loaded load_tag(const std::string& dir, const std::string& tag, State& state, const dist::GroupPtr& group, int rank) {
   Loaded loaded;
+  const auto every_name = model_names(state, group);
   together(group, "loading the checkpoint", [&] {
     check_tag(tag);
     const std::string tag_dir = join(dir, tag);
@@ -1260,18 +1359,17 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       m = read_manifest(tag_dir);
       for (const auto& f : m.files) ::close(open_data_file(tag_dir, f));  // sizes first: a truncated file names itself
     });
-    auto params = unique_named(*state.model);
-    std::set<std::string> wanted;
-    for (const auto& [name, p] : params) wanted.insert("model/" + name);
+    // This rank's parameters only: on a pipeline stage, what the stage holds.
+    auto params = held(*state.model);
     for (const auto& e : m.tensors)
-      TORCH_CHECK(e.name.rfind("model/", 0) != 0 || wanted.count(e.name), "the checkpoint '", tag_dir,
+      TORCH_CHECK(e.name.rfind("model/", 0) != 0 || every_name.count(e.name.substr(6)), "the checkpoint '", tag_dir,
                   "' holds tensor '", e.name.substr(6), "', which the model has no parameter for");
     const bool with_optimizer = state.optimizer && !m.optimizer.empty();
     if (with_optimizer)
       TORCH_CHECK(m.optimizer == state.optimizer->options().kind, "the checkpoint '", tag_dir, "' holds ",
                   m.optimizer, " state; the optimizer given is ", state.optimizer->options().kind);
-    for (const auto& [name, p] : params) {
-      auto s = parallel::sharding_of(*state.model, name);
+    for (const auto& [name, local, p, first] : params) {
+      auto s = parallel::sharding_of(*state.model, local);
       const TensorEntry* e = m.find("model/" + name);
       TORCH_CHECK(e, "the checkpoint '", tag_dir, "' has no tensor '", name, "' (a parameter of the model)");
       auto logical = s ? s->shape : p.sizes().vec();
@@ -1284,8 +1382,8 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     std::vector<std::map<std::string, torch::Tensor>> slots(params.size());
     as_damage([&] {
       for (size_t i = 0; i < params.size(); ++i) {
-        const auto& [name, p] = params[i];
-        auto s = parallel::sharding_of(*state.model, name);
+        const auto& [name, local, p, first] = params[i];
+        auto s = parallel::sharding_of(*state.model, local);
         auto read = [&](const TensorEntry& t) {
           auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
                         : read_tensor(tag_dir, m, t);
@@ -1304,8 +1402,8 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     if (state.data && m.samples_seen >= 0) state.data->seek(m.samples_seen);
     if (with_optimizer) state.optimizer->set_steps_taken(m.optimizer_steps);
     for (size_t i = 0; i < params.size(); ++i) {
-      params[i].second.copy_(values[i]);
-      if (with_optimizer) state.optimizer->set_param_state(params[i].second, slots[i]);  // none: cleared
+      params[i].param.copy_(values[i]);
+      if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i]);  // none: cleared
     }
     if (rank < static_cast<int>(m.rng.size()) && !m.rng[rank].empty()) {
       auto bytes = torch::empty({static_cast<int64_t>(m.rng[rank].size())}, torch::kUInt8);

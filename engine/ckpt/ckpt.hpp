@@ -36,11 +36,12 @@ struct HfNames;
 
 namespace partrain::ckpt {
 
-/// 3: the manifest file is a header (magic, version, payload length, CRC-32 of the payload) and
-/// the payload; a split tensor records the sizes of the parts its dimension is made of. Version 2
-/// (the same with a count of equal parts) is read; version 1 (no checksum of the manifest) is
-/// refused.
-constexpr uint32_t kFormatVersion = 3;
+/// 4: the manifest file is a header (magic, version, payload length, CRC-32 of the payload) and
+/// the payload; a split tensor records the sizes of the parts its dimension is made of; the
+/// pipeline that saved it is recorded (PipelineLayout). Versions 3 (no pipeline layout) and 2
+/// (a count of equal parts instead of their sizes) are read; version 1 (no checksum of the
+/// manifest) is refused.
+constexpr uint32_t kFormatVersion = 4;
 /// The oldest format this partrain reads.
 constexpr uint32_t kOldestReadableFormat = 2;
 
@@ -69,6 +70,18 @@ struct FileEntry {
   uint32_t crc32 = 0;  ///< zlib's CRC-32 of the whole file
 };
 
+/// The pipeline stages a checkpoint was saved from, for information (inspect, convert): a load
+/// finds every tensor by its logical name, whatever stages saved it or hold it now.
+struct PipelineLayout {
+  std::string schedule;                  ///< its name ("1f1b"); "" when not known (convert)
+  int32_t chunks = 1;                    ///< model chunks a rank
+  std::string blocks;                    ///< the container of the blocks ("h")
+  std::vector<std::string> first, last;  ///< the root's children on the first and last stages
+  /// pipeline x chunks + 1 block indices: virtual stage s holds blocks [bounds[s], bounds[s+1]);
+  /// empty without a pipeline.
+  std::vector<int64_t> bounds;
+};
+
 struct Manifest {
   uint32_t version = kFormatVersion;
   int64_t step = 0;
@@ -81,6 +94,7 @@ struct Manifest {
   std::vector<TensorEntry> tensors;
   std::vector<FileEntry> files;
   std::vector<std::string> rng;  ///< each saving rank's CPU generator state
+  PipelineLayout stages;         ///< format 4 on; empty bounds: saved without a pipeline
   const TensorEntry* find(const std::string& name) const;
 };
 
@@ -169,8 +183,12 @@ torch::Tensor read_tensor(const std::string& tag_dir, const Manifest& manifest, 
 torch::Tensor read_part(const std::string& tag_dir, const Manifest& manifest, const TensorEntry& entry,
                         const std::vector<int64_t>& local_shape, int64_t dim,
                         const std::vector<std::pair<int64_t, int64_t>>& slices);
-/// Rewrites a checkpoint as a run at tensor x data would have saved it (offline resharding).
-void convert(const std::string& src_tag_dir, const std::string& dst_dir, int tensor, int data);
+/// Rewrites a checkpoint as a run at tensor x data x pipeline would have saved it (offline
+/// resharding). The stages split the blocks uniformly (one chunk a rank); the blocks' container
+/// and the first and last stages' modules come from the pipeline the checkpoint records, else
+/// from its tensor names (the one top-level name followed by block numbers; what comes before it
+/// in the manifest is first, what comes after is last).
+void convert(const std::string& src_tag_dir, const std::string& dst_dir, int tensor, int data, int pipeline = 1);
 
 // ---- safetensors (Hugging Face) ------------------------------------------------------------
 

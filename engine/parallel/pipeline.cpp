@@ -160,6 +160,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   };
   auto rank_of_stage = [&](int s) { return s % p.pp_; };
   std::unordered_map<const c10::TensorImpl*, std::vector<int>> holders;  // ranks, in name order
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names;  // in tree order
   std::vector<torch::Tensor> order;
   const std::string prefix = options.blocks + ".";
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
@@ -180,6 +181,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
     }
     auto& h = holders[item.value().unsafeGetTensorImpl()];
     if (h.empty()) order.push_back(item.value());
+    names[item.value().unsafeGetTensorImpl()].push_back(name);
     if (std::find(h.begin(), h.end(), rank_of_stage(stage)) == h.end())
       h.push_back(rank_of_stage(stage));
   }
@@ -187,7 +189,8 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
     const auto& h = holders[t.unsafeGetTensorImpl()];
     if (h.size() < 2) continue;
     bool mine = std::find(h.begin(), h.end(), p.rank_) != h.end();
-    p.ties_.push_back({mine ? t : torch::Tensor(), h.front() == p.rank_, t.sizes().vec(), t.scalar_type()});
+    p.ties_.push_back({mine ? t : torch::Tensor(), h.front() == p.rank_, t.sizes().vec(), t.scalar_type(),
+                       names[t.unsafeGetTensorImpl()]});
   }
 
   // Keep this rank's modules; the others' become placeholders.
@@ -220,6 +223,24 @@ double Pipeline::grad_norm(const std::vector<torch::Tensor>& params) const {
   }
   group_->all_reduce(sum);
   return std::sqrt(sum.item<double>());
+}
+
+std::vector<int> Pipeline::own_stages() const {
+  std::vector<int> out;
+  for (int c = 0; c < options_.chunks; ++c) out.push_back(c * pp_ + rank_);
+  return out;
+}
+
+std::string Pipeline::logical_name(const std::string& name) const {
+  for (const auto& tie : ties_)
+    if (std::find(tie.names.begin(), tie.names.end(), name) != tie.names.end()) return tie.names.front();
+  return name;
+}
+
+bool Pipeline::first_holder(const torch::Tensor& param) const {
+  for (const auto& tie : ties_)
+    if (tie.param.defined() && tie.param.is_same(param)) return tie.counted;
+  return true;
 }
 
 // ---- The executor -----------------------------------------------------------------------------

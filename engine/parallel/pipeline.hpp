@@ -87,6 +87,7 @@ class Pipeline {
     bool counted;         ///< whether this rank counts it in grad_norm (the first rank holding it)
     std::vector<int64_t> shape;
     torch::ScalarType dtype;
+    std::vector<std::string> names;  ///< every name of the tensor in the serial tree, in tree order
   };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
   void send(const torch::Tensor& t, int peer, int tag);
@@ -102,6 +103,20 @@ class Pipeline {
   std::vector<std::pair<dist::Work, std::vector<torch::Tensor>>> sends_;  // in flight, kept alive
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
+
+  // ---- What checkpoints and the REPL ask of the stages ----------------------------------------
+ public:
+  int size() const { return pp_; }  ///< the pipeline group's size
+  int rank() const { return rank_; }  ///< this rank's place in it
+  /// This rank's virtual stages, by chunk: chunk c is stage c * size() + rank().
+  std::vector<int> own_stages() const;
+  /// The name the serial model gives this rank's parameter `name`: a tensor tied across stages
+  /// goes by its first name in the serial tree (GPT-2's lm_head.weight is wte.weight) on every
+  /// stage holding it, so checkpoints find it by one name; any other name is its own.
+  std::string logical_name(const std::string& name) const;
+  /// Whether this rank is the first pipeline rank holding `param` (true for all but a tensor tied
+  /// across stages, held first by another rank): the one that writes it in a checkpoint.
+  bool first_holder(const torch::Tensor& param) const;
 };
 
 }  // namespace partrain::parallel
