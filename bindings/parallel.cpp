@@ -385,6 +385,31 @@ const Function kParallel[] = {
        lua_pushnumber(a.L, double(head->logical_out)); lua_setfield(a.L, -2, "vocab");
        a.ret(path); lua_setfield(a.L, -2, "path");
        return 1; }},
+    // pipeline(model): nil without pipeline parallelism, else this rank's stages:
+    // { size, rank, schedule, chunks, microbatches, blocks, first, last, bounds, stages }
+    // (stages: this rank's virtual stages, by chunk; bounds: split_stages' block boundaries).
+    {"pipeline", [](Args& a) {
+       auto pm = owner_of(a, 1);
+       if (!pm || !pm->pipeline()) { lua_pushnil(a.L); return 1; }
+       const auto& p = *pm->pipeline();
+       const auto& o = p.options();
+       auto names = [&](const std::vector<std::string>& list) {
+         lua_createtable(a.L, static_cast<int>(list.size()), 0);
+         for (size_t i = 0; i < list.size(); ++i) { a.ret(list[i]); lua_rawseti(a.L, -2, static_cast<int>(i + 1)); }
+       };
+       lua_createtable(a.L, 0, 10);
+       lua_pushinteger(a.L, p.size()); lua_setfield(a.L, -2, "size");
+       lua_pushinteger(a.L, p.rank()); lua_setfield(a.L, -2, "rank");
+       a.ret(o.schedule); lua_setfield(a.L, -2, "schedule");
+       lua_pushinteger(a.L, o.chunks); lua_setfield(a.L, -2, "chunks");
+       lua_pushinteger(a.L, o.microbatches); lua_setfield(a.L, -2, "microbatches");
+       a.ret(o.blocks); lua_setfield(a.L, -2, "blocks");
+       names(o.first); lua_setfield(a.L, -2, "first");
+       names(o.last); lua_setfield(a.L, -2, "last");
+       push_ints(a.L, p.bounds()); lua_setfield(a.L, -2, "bounds");
+       auto own = p.own_stages();
+       push_ints(a.L, std::vector<int64_t>(own.begin(), own.end())); lua_setfield(a.L, -2, "stages");
+       return 1; }},
     {"live", [](Args& a) { return a.ret(double(parallel::ParallelModel::live())); }},
     {"last", [](Args& a) {  // last(): the model pt.parallelize made last, while it lives, or nil
        auto pm = last_parallelized().lock();

@@ -93,6 +93,7 @@ class Session:
 
 
 every = f"[ranks 0-{RANKS - 1}]" if RANKS > 2 else "[ranks 0,1]"
+R_ALL = f"0-{RANKS - 1}" if RANKS > 2 else "0,1"
 last = RANKS - 1
 
 with tempfile.TemporaryDirectory() as home:
@@ -146,6 +147,26 @@ with tempfile.TemporaryDirectory() as home:
     out = s.chunk(f"=on({last}, function() return 'only here' end)")
     check("on(rank, fn) runs on one rank only",
           f"[rank {last}] \"only here\"" in out and out.count("only here") == 1, repr(out))
+
+    # A pipeline over every rank: each shows its own stage; on() reaches a stage's own parameter.
+    # (Lines kept short: the echo of a line wider than the terminal comes back scrolled.)
+    s.chunk(f"cfg = {{ vocab = 64, seq = 8, dim = 16, heads = 4, layers = {RANKS} }}")
+    s.chunk(f"pm = pt.mesh {{ pipeline = {RANKS} }}")
+    out = s.chunk("pmodel = pt.parallelize(pt.models.gpt2(cfg), 'policies.gpt2', pm)")
+    check("a pipeline over every rank is made at the prompt", out == "", out)
+    out = s.chunk("shards('ln_f')")
+    check("shards() on a pipeline shows each rank's stage, its blocks and who holds a stage's whole parameter",
+          f"pipeline rank 0 of {RANKS} (1f1b, {RANKS} micro-batches), stage 0: h.0 + wte, wpe" in out
+          and f"stage {last}: h.{last} + ln_f, lm_head" in out
+          and f"ln_f.weight" in out and f"ranks {last} (whole)" in out, out)
+    out = s.chunk("mesh()")
+    check("mesh() shows the pipeline group and this rank's stage",
+          f"pipeline group {R_ALL}" in out and "| pipeline rank 1 of" in out and "stage 1: h.1" in out, out)
+    out = s.chunk(f"=on({last}, function() return pmodel.ln_f.weight:sum():item() end)")
+    check("on(rank, fn) reaches a parameter only the last stage holds", out == f"[rank {last}] 16\n", repr(out))
+    out = s.chunk("=on(0, function() return pmodel.wte.weight.shape[1] end)")
+    check("on(rank, fn) reaches a parameter only the first stage holds", out == "[rank 0] 64\n", repr(out))
+    s.chunk("pmodel = nil; collectgarbage()")
 
     s.send("while true do end\n")
     time.sleep(1.5)
@@ -266,7 +287,11 @@ with tempfile.TemporaryDirectory() as home:
     # ---- a breakpoint only rank 0 reaches: an error naming the others, not a wait -------------
     lonely = os.path.join(home, "lonely.lua")
     with open(lonely, "w") as f:
-        f.write("local pt = require \"partrain\"\nif pt.dist.rank() == 0 then pt.breakpoint() else os.execute('sleep 60') end\n")
+        # The others sleep in the process (not in a child, which would hold the launcher's output
+        # pipes open after the rank is stopped, and so the run, for the rest of its sleep).
+        f.write("local pt = require \"partrain\"\nif pt.dist.rank() == 0 then pt.breakpoint() else\n"
+                "  local ffi = require 'ffi'; ffi.cdef 'int usleep(unsigned int)'\n"
+                "  for _ = 1, 600 do ffi.C.usleep(100000) end\nend\n")
     s = Session("--timeout", "3", "-i", lonely, home=home)
     s.read_until(r"\n> $")
     s.send("=1\n")

@@ -262,12 +262,41 @@ function R.helpers(stop)
     return last
   end
 
+  --- "stage 0: h.0-h.1 + wte, wpe": the blocks (and first and last modules) of this rank's
+  --- pipeline stages, one "stage" a chunk; nil when the model is not pipelined.
+  local function stages_text(model)
+    local p = model and core.parallel.pipeline(model)
+    if not p then return nil end
+    local total = #p.bounds - 1
+    local parts = {}
+    for _, v in ipairs(p.stages) do
+      local lo, hi = p.bounds[v + 1], p.bounds[v + 2] - 1
+      local text = ("stage %d: %s.%d"):format(v, p.blocks, lo) .. (hi > lo and ("-%s.%d"):format(p.blocks, hi) or "")
+      if v == 0 and #p.first > 0 then text = text .. " + " .. table.concat(p.first, ", ") end
+      if v == total - 1 and #p.last > 0 then text = text .. " + " .. table.concat(p.last, ", ") end
+      parts[#parts + 1] = text
+    end
+    return ("pipeline rank %d of %d (%s, %d micro-batches), %s"):format(p.rank, p.size, p.schedule, p.microbatches,
+      table.concat(parts, "; "))
+  end
+
   --- A table of the model's parameters matching `pattern` (a Lua pattern over names): logical
   --- shape, local shape, split dimension, which ranks hold which slice, bytes a rank.
   function H.shards(pattern, model)
     if type(pattern) == "userdata" then pattern, model = nil, pattern end
     model = model_of(model)
     local mesh = pt.mesh_of(model)
+    local staged = stages_text(model)
+    -- Whole parameters are held by every rank of this rank's stage (all ranks without a pipeline).
+    local whole = "all (whole)"
+    if staged then
+      local members = {}
+      for _, r in ipairs(mesh:ranks("data")) do
+        for _, t in ipairs(mesh:ranks("tensor", r)) do members[#members + 1] = t end
+      end
+      table.sort(members)
+      whole = ("ranks %s (whole)"):format(rank_list(members))
+    end
     local lines = { ("%-32s %-14s %-14s %-5s %-10s %s"):format("parameter", "shape", "local", "split", "bytes/rank", "held by") }
     local total = 0
     for _, row in ipairs(pt.tp.shards(model)) do
@@ -285,22 +314,33 @@ function R.helpers(stop)
           end
           held = table.concat(parts, "; ")
         else
-          held = "all (whole)"
+          held = whole
         end
         lines[#lines + 1] = ("%-32s %-14s %-14s %-5s %-10s %s"):format(row.name, shape_text(row.shape),
           shape_text(row.local_shape), row.dim and tostring(row.dim) or "-", mb(row.bytes), held)
       end
     end
     lines[#lines + 1] = ("total on this rank: %s"):format(mb(total))
+    if staged then lines[#lines + 1] = staged .. " (the other stages' parameters are not here)" end
     print(table.concat(lines, "\n"))
   end
 
   --- The layout: this rank's coordinates and the members of its groups.
+  --- With a pipeline, also its group and the stages this rank holds (of the model pt.parallelize
+  --- made last over this mesh).
   function H.mesh(m)
-    m = m or pt.mesh_of(pt.parallelized()) or pt.mesh {}
+    local model = pt.parallelized()
+    m = m or pt.mesh_of(model) or pt.mesh {}
     local c = m:coord()
-    print(("%s | rank %d: tensor %d, data %d, pipeline %d | tensor group %s, data group %s"):format(
-      tostring(m):match("^[^\n;]*"), rank, c.tensor, c.data, c.pipeline, rank_list(m:ranks("tensor")), rank_list(m:ranks("data"))))
+    local text = ("%s | rank %d: tensor %d, data %d, pipeline %d | tensor group %s, data group %s"):format(
+      tostring(m):match("^[^\n;]*"), rank, c.tensor, c.data, c.pipeline, rank_list(m:ranks("tensor")), rank_list(m:ranks("data")))
+    if m:size("pipeline") > 1 then
+      text = text .. (", pipeline group %s"):format(rank_list(m:ranks("pipeline")))
+      local mine = model and pt.mesh_of(model)
+      local staged = mine and tostring(mine) == tostring(m) and stages_text(model)
+      if staged then text = text .. " | " .. staged end
+    end
+    print(text)
   end
 
   --- This rank's memory: parameters, gradients and optimizer state in bytes, the bytes tensors
