@@ -5,6 +5,7 @@
 --
 --   partrain --nproc-per-node 2 ckpt_batch.lua make WORK          pristine checkpoints and files
 --   partrain ckpt_batch.lua ckpt WORK LIST RESULTS                 damaged checkpoint folders
+--   partrain ckpt_batch.lua staged WORK LIST RESULTS               the same, of a pipeline-2 save
 --   partrain ckpt_batch.lua safetensors WORK LIST RESULTS          malformed .safetensors files
 --
 -- LIST holds "<index>\t<path>" lines. A checkpoint case is a folder holding step-00000002,
@@ -23,6 +24,24 @@ local function setup(seed, tensor)
   local data = pt.data.text { path = work .. "/corpus.txt", seq = 8, batch = 4, seed = 7, mesh = mesh }
   local optim = pt.optim.adamw(model, { lr = 3e-3, schedule = { kind = "cosine", warmup = 1, total = 10 } })
   return { model = model, optim = optim, data = data }
+end
+
+-- A GPT-2 of two blocks at `pipeline` (the pipelined checkpoints' model; 1: one process).
+local function setup_staged(seed, pipeline)
+  pt.manual_seed(seed)
+  local mesh = pt.mesh { pipeline = pipeline }
+  local model = pt.models.gpt2 { vocab = 255, seq = 8, dim = 8, heads = 2, layers = 2 }
+  model = pt.parallelize(model, "policies.gpt2", mesh, pipeline > 1 and { microbatches = 2 } or nil)
+  local data = pt.data.text { path = work .. "/corpus.txt", seq = 8, batch = 4, seed = 7, mesh = mesh }
+  local optim = pt.optim.adamw(model, { lr = 3e-3, schedule = { kind = "cosine", warmup = 1, total = 10 } })
+  return { model = model, optim = optim, data = data }
+end
+
+local function staged_step(s)
+  local x, y = s.data:next()
+  s.model:train_step(x, y)
+  s.optim:step()
+  s.optim:zero_grad()
 end
 
 local function train_step(s)
@@ -51,6 +70,15 @@ if mode == "make" then
   save(work .. "/decoy", d, 3)
   pt.ckpt.export_safetensors(s.model, work .. "/base.safetensors")
   pt.ckpt.export_safetensors(d.model, work .. "/decoy.safetensors")
+  -- At pipeline 2: the same two tags, each stage writing its own data file, and a decoy.
+  s = setup_staged(1, 2)
+  for step = 1, 4 do
+    staged_step(s)
+    if step % 2 == 0 then save(work .. "/staged", s, step) end
+  end
+  d = setup_staged(2, 2)
+  for step = 1, 3 do staged_step(d) end
+  save(work .. "/staged-decoy", d, 3)
   return
 end
 
@@ -90,9 +118,11 @@ end
 local scratch = work .. "/scratch-" .. cases[1].index
 local serial = 0
 
-if mode == "ckpt" then
-  local s = setup(9)
-  local decoy = work .. "/decoy"
+if mode == "ckpt" or mode == "staged" then
+  -- A pipelined checkpoint loads into one process: tensors are found by logical name.
+  local s = mode == "ckpt" and setup(9) or setup_staged(9, 1)
+  local pristine = work .. (mode == "ckpt" and "/pristine" or "/staged")
+  local decoy = work .. (mode == "ckpt" and "/decoy" or "/staged-decoy")
   -- A state as bytes: saved again under one tag, its manifest and data file.
   local function state_bytes(loaded)
     serial = serial + 1
@@ -102,7 +132,7 @@ if mode == "ckpt" then
   end
   local want = {}
   for _, tag in ipairs { "step-00000002", "step-00000004" } do
-    want[tag] = state_bytes(pt.ckpt.load(work .. "/pristine", tag, s))
+    want[tag] = state_bytes(pt.ckpt.load(pristine, tag, s))
   end
   local decoy_bytes = state_bytes(pt.ckpt.load(decoy, s))
   assert(decoy_bytes ~= want["step-00000004"], "the decoy must differ from what it hides")
@@ -175,6 +205,6 @@ elseif mode == "safetensors" then
     record(r)
   end
 else
-  error("usage: ckpt_batch.lua make|ckpt|safetensors WORK [LIST RESULTS]")
+  error("usage: ckpt_batch.lua make|ckpt|staged|safetensors WORK [LIST RESULTS]")
 end
 out:close()

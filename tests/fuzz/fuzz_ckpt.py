@@ -3,7 +3,11 @@ region of the manifest (magic, version, length, checksum, payload), of `newest` 
 files, and structural damage (deleted or swapped files, FIFOs, links, a tag folder that is a
 link, a newest escaping the folder), on the newest tag and the older one.
 
-The pristine folder is a tensor-2 run's step-00000002 and step-00000004. Each damaged copy goes
+The pristine folder is a tensor-2 run's step-00000002 and step-00000004; a second one, saved at
+pipeline 2 (each stage writing its own data file, the manifest recording the stages), takes its
+own cases: manifest and data damage, and the pipeline layout at the manifest's end flipped or
+rewritten with the checksum made to match again (a load never depends on the layout, so such a
+case is refused naming the manifest or loads exactly). Each damaged copy goes
 through one partrain process (tests/fuzz/ckpt_batch.lua, restarted after a case that kills it)
 that runs pt.ckpt.verify, pt.ckpt.load of step 4 and pt.ckpt.resume, and saves what each loaded
 again so that its bytes can be compared with the pristine state's. A case passes when:
@@ -21,16 +25,18 @@ Classes: refused (load refused, resume fine), fallback (resume took step 2, loud
 (harmless: everything as pristine); failures: wrong (accepted with other numbers, or the wrong
 tag), unclear (a refusal without its file, or verify and load disagreeing), crash, hang.
 
-Usage: fuzz_ckpt.py PARTRAIN [--seed N] [--cases N]
+Usage: fuzz_ckpt.py PARTRAIN [--seed N] [--cases N] [--staged-cases N]
 """
 import json
 import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -38,6 +44,7 @@ import common  # noqa: E402
 BIN = os.path.abspath(sys.argv[1])
 SEED = common.seed_from_argv()
 CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
+STAGED_CASES = int(sys.argv[sys.argv.index("--staged-cases") + 1]) if "--staged-cases" in sys.argv else 50
 BATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_batch.lua")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T2, T4 = "step-00000002", "step-00000004"
@@ -162,6 +169,71 @@ CLASSES = ["manifest magic", "manifest version", "manifest length", "manifest ch
            "newest extended", "newest garbage", "newest escaping", "data flipped", "data truncated", "data extended",
            "older tag flipped", "file deleted", "tag deleted", "FIFO or device", "file swapped", "tag is a link",
            "harmless"]
+
+
+# ---- the pipelined checkpoint --------------------------------------------------------------
+
+def cereal_string(text):
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(data)) + data
+
+
+def layout_bytes(schedule, chunks, blocks, first, last, bounds):
+    """The manifest's pipeline layout as cereal's binary archive writes it (its last field)."""
+    return (cereal_string(schedule) + struct.pack("<i", chunks) + cereal_string(blocks)
+            + struct.pack("<Q", len(first)) + b"".join(map(cereal_string, first))
+            + struct.pack("<Q", len(last)) + b"".join(map(cereal_string, last))
+            + struct.pack("<Q", len(bounds)) + b"".join(struct.pack("<q", b) for b in bounds))
+
+
+# What the pristine pipeline-2 save records: 1f1b, 1 chunk, blocks h.0 | h.1.
+PRISTINE_LAYOUT = layout_bytes("1f1b", 1, "h", ["wte", "wpe"], ["ln_f", "lm_head"], [0, 1, 2])
+
+
+def rechecksum(manifest, payload):
+    header = bytearray(open(manifest, "rb").read()[:HEADER])
+    header[31:39] = struct.pack("<Q", len(payload))
+    header[39:43] = struct.pack("<I", zlib.crc32(payload))
+    open(manifest, "wb").write(bytes(header) + payload)
+
+
+def staged_damage(case, cls, rng):
+    """Damage of class `cls` to a copy of the pipelined folder; returns what was done."""
+    t4 = os.path.join(case, T4)
+    manifest = os.path.join(t4, "manifest.bin")
+    payload = open(manifest, "rb").read()[HEADER:]
+    if not payload.endswith(PRISTINE_LAYOUT):
+        raise SystemExit("the pipelined manifest does not end with the layout this driver expects")
+    body = payload[: len(payload) - len(PRISTINE_LAYOUT)]
+    if cls == "layout flipped, re-checksummed":
+        layout = bytearray(PRISTINE_LAYOUT)
+        at = rng.randrange(len(layout))
+        layout[at] ^= rng.randrange(1, 256)
+        rechecksum(manifest, body + bytes(layout))
+        return f"layout byte {at}"
+    if cls == "layout rewritten, re-checksummed" and rng.random() < 0.5:
+        # Another layout that a pipeline 2 could have had: the load must not notice.
+        layout = rng.choice([("gpipe", 1, "h", ["wte"], ["ln_f"], [0, 1, 2]),
+                             ("", 2, "blocks", [], [], [0, 1, 2, 3, 4]),
+                             ("interleaved", 1, "h", ["wte", "wpe"], ["ln_f", "lm_head"], [0, 5, 9])])
+        rechecksum(manifest, body + layout_bytes(*layout))
+        return f"another valid layout {layout}"
+    if cls == "layout rewritten, re-checksummed":
+        schedule = rng.choice(["1f1b", "gpipe", "", "x" * 300, "a\nb"])
+        chunks = rng.choice([1, 2, 0, -1, 65, 2 ** 31 - 1])
+        blocks = rng.choice(["h", "", "h\x01"])
+        names = lambda: rng.choice([[], ["wte"], ["ln_f", "lm_head"], [""], ["n"] * 65])  # noqa: E731
+        bounds = rng.choice([[], [0, 1, 2], [0, 1, 2, 3, 4], [0, 1], [1, 2, 3], [0, 2, 1], [0, 1, 2 ** 40],
+                             [0, -1, 2], [0, 0, 2]])
+        first, last = names(), names()
+        rechecksum(manifest, body + layout_bytes(schedule, chunks, blocks, first, last, bounds))
+        return f"schedule {schedule[:8]!r}, chunks {chunks}, blocks {blocks!r}, first {first[:2]}, last {last[:2]}, " \
+               f"bounds {bounds}"
+    return damage(case, cls, rng)
+
+
+STAGED_CLASSES = ["manifest payload", "layout flipped, re-checksummed", "layout rewritten, re-checksummed",
+                  "data flipped", "file deleted"]
 
 
 def judge(case, cls, r):
@@ -295,6 +367,23 @@ def main():
             tally.add(cls, kind, ok, f"case {i} ({what}): {detail}")
         # The command line on the first case of some classes: verify agrees, inspect neither
         # crashes nor hangs.
+        # The pipelined checkpoint's cases, loaded into one process.
+        staged = {}
+        for k in range(STAGED_CASES):
+            i = CASES + k
+            cls = STAGED_CLASSES[k % len(STAGED_CLASSES)]
+            case = os.path.join(cases_dir, str(i))
+            shutil.copytree(os.path.join(work, "staged"), case, symlinks=True)
+            staged[i] = meta[i] = (case, "pipeline 2: " + cls, staged_damage(case, cls, rng))
+        batch_start = time.monotonic()
+        results.update(run_batch("staged", work, [(i, staged[i][0]) for i in sorted(staged)], crashed))
+        print(f"{STAGED_CASES} damaged pipelined folders run in {time.monotonic() - batch_start:.0f} s", flush=True)
+        for i in sorted(staged):
+            if i in classes:
+                continue
+            case, cls, what = meta[i]
+            kind, ok, detail = judge(case, cls, results[i])
+            tally.add(cls, kind, ok, f"case {i} ({what}): {detail}")
         for sample in ("FIFO or device", "tag is a link", "data flipped", "newest escaping"):
             i = CLASSES.index(sample)
             if i >= CASES or i not in results:
