@@ -296,14 +296,18 @@ TEST(Models, MlpLearnsFashionMnist) {
 // parts where format 3 stores their sizes): read as that many equal sizes; a count that does not
 // divide the dimension is refused naming the tensor.
 namespace {
-std::string manifest_v2(int64_t fused) {
+// Format 2 (`fused`: a count of equal parts) or, with `version` 3, format 3 (the parts' sizes,
+// no pipeline layout); one 6x2 float tensor in one piece.
+std::string manifest_v2(int64_t fused, uint32_t version = 2) {
   std::ostringstream payload(std::ios::binary);
   {
     cereal::BinaryOutputArchive ar(payload);
     ar(int64_t{1}, int32_t{2}, int32_t{2}, int32_t{1}, int32_t{1}, int32_t{1});  // step, world, tensor, data, pipeline, zero
     ar(std::string("Sequential"), std::string(""), std::string(""), int64_t{0}, int64_t{-1}, std::string("{}"), false);
     ar(cereal::make_size_tag(uint64_t{1}));  // one tensor
-    ar(std::string("model/0.weight"), std::string("Float"), std::vector<int64_t>{6, 2}, int32_t{0}, fused);
+    ar(std::string("model/0.weight"), std::string("Float"), std::vector<int64_t>{6, 2}, int32_t{0});
+    if (version == 2) ar(fused);
+    else ar(std::vector<int64_t>{});
     ar(cereal::make_size_tag(uint64_t{1}));  // one piece: all of it, in file 0
     ar(int32_t{0}, uint64_t{0}, uint64_t{48}, std::vector<int64_t>{0, 0}, std::vector<int64_t>{6, 2}, uint32_t{0});
     ar(cereal::make_size_tag(uint64_t{1}));  // one file
@@ -314,7 +318,7 @@ std::string manifest_v2(int64_t fused) {
   std::ostringstream out(std::ios::binary);
   {
     cereal::BinaryOutputArchive ar(out);
-    ar(std::string("partrain-checkpoint"), uint32_t{2}, uint64_t(body.size()),
+    ar(std::string("partrain-checkpoint"), version, uint64_t(body.size()),
        uint32_t(crc32(0L, reinterpret_cast<const Bytef*>(body.data()), static_cast<uInt>(body.size()))));
   }
   return out.str() + body;
@@ -338,6 +342,29 @@ TEST(Ckpt, FormatTwoManifestsReadAsEqualParts) {
   write(4);  // 6 rows are not 4 equal parts
   EXPECT_NE(error_of([&] { ckpt::read_manifest(tag); }).find("has tensor 'model/0.weight' split on dimension 0"),
             std::string::npos);
+  std::remove((tag + "/manifest.bin").c_str());
+  ::rmdir(tag.c_str());
+}
+
+// Format 3 (before the pipeline layout) reads with an empty layout; format 4 writes one.
+TEST(Ckpt, FormatThreeManifestsReadWithoutPipelineLayout) {
+  std::string tag = temp_path("_tag3");
+  ::mkdir(tag.c_str(), 0755);
+  std::string bytes = manifest_v2(1, 3);
+  std::ofstream(tag + "/manifest.bin", std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size());
+  auto m = ckpt::read_manifest(tag);
+  EXPECT_EQ(m.version, 3u);
+  EXPECT_TRUE(m.stages.bounds.empty() && m.stages.blocks.empty() && m.stages.chunks == 1) << "format 3 has no layout";
+  ASSERT_EQ(m.tensors.size(), 1u);
+  EXPECT_TRUE(m.tensors[0].parts.empty());
+  // A layout that does not fit the pipeline size is refused, naming it.
+  m.pipeline = 2;  // world 2: tensor 1 x data 1 x pipeline 2
+  m.tensor = 1;
+  m.version = ckpt::kFormatVersion;
+  m.stages = {"1f1b", 1, "h", {"wte"}, {"ln_f"}, {0, 2, 1}};
+  EXPECT_NE(error_of([&] { ckpt::validate(m, "m"); }).find("has pipeline stage bounds [0, 2, 1]"), std::string::npos);
+  m.stages.bounds = {0, 1, 2};
+  EXPECT_NO_THROW(ckpt::validate(m, "m")) << "1f1b, blocks h.0 | h.1";
   std::remove((tag + "/manifest.bin").c_str());
   ::rmdir(tag.c_str());
 }
