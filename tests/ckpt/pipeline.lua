@@ -1,7 +1,8 @@
 -- Checkpoints of a pipelined GPT-2 saved and resumed under other layouts: driven by
 -- test_pipeline_ckpt.py, which reads the LOSS lines rank 0 prints.
---   straight DIR LAYOUT STEPS SAVE_AT   trains STEPS steps, saving DIR at step SAVE_AT, and
---                                       prints every step's loss (the uninterrupted run)
+--   straight DIR LAYOUT STEPS SAVE_AT   trains STEPS steps, saving DIR (and DIR-full, a full
+--                                       save) at step SAVE_AT, and prints every step's loss (the
+--                                       uninterrupted run)
 --   resume DIRS LAYOUT STEPS [SAVE_TO]  for each of the comma-separated DIRS, a fresh model
 --                                       resumed from it (its newest tag) and trained to step
 --                                       STEPS, printing the losses as LOSS <k> (k from 1), then
@@ -57,6 +58,8 @@ if mode == "straight" then
     step(model, mesh, opt, n)
     if n == save_at then
       pt.ckpt.save(dir, { model = model, optim = opt, step = n, user = { layout = layout } })
+      -- And consolidated: each tensor whole, from tensor 0, data 0 of its stage.
+      pt.ckpt.save(dir .. "-full", { model = model, optim = opt, step = n, user = { layout = layout }, full = true })
     end
   end
 elseif mode == "resume" then
