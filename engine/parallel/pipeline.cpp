@@ -293,8 +293,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   } guard{dp};
   auto& trace = StepTrace::instance();  // --trace: each action's span, when this step is recorded
   trace.begin_step();
-  static const TraceKind kinds[] = {TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
-                                    TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
+  static const TraceKind kinds[] = {  // in PipeOp's order
+      TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
+      TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
