@@ -20,6 +20,7 @@
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/nn/layers.hpp"
+#include "engine/parallel/trace.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
 
@@ -88,6 +89,10 @@ int main(int argc, char** argv) {
                  "optimizer step");
   app.add_option("--plan-mode", plan_mode, "with --plan: match (fail on any difference), override (write this "
                  "run's plan over it) or moo (match if it agrees, otherwise override)");
+  std::string trace_file, trace_steps_text;
+  app.add_option("--trace", trace_file, "write the first training steps' timeline (forwards, backwards, sends, "
+                 "receives, every rank) to this file as Chrome trace JSON (Perfetto, chrome://tracing)");
+  app.add_option("--trace-steps", trace_steps_text, "with --trace: how many steps from the first, 1-1000 (default 3)");
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's.
@@ -134,6 +139,10 @@ int main(int argc, char** argv) {
     bad = parse_count("--node-rank", node_rank_text, 0, launch.nnodes - 1, launch.node_rank);
   if (bad.empty() && app.count("--master-port")) bad = parse_count("--master-port", port_text, 1, 65535, launch.master_port);
   if (bad.empty() && app.count("--master-addr") && launch.master_addr.empty()) bad = "--master-addr is empty";
+  int trace_steps = 3;
+  if (bad.empty() && app.count("--trace-steps")) bad = parse_count("--trace-steps", trace_steps_text, 1, 1000, trace_steps);
+  if (bad.empty() && app.count("--trace-steps") && trace_file.empty()) bad = "--trace-steps needs --trace FILE";
+  if (bad.empty() && app.count("--trace") && trace_file.empty()) bad = "--trace is empty (expected a file to write)";
   if (!bad.empty()) return fail(bad);
   if (plan_mode != "match" && plan_mode != "override" && plan_mode != "moo")
     return fail("--plan-mode '" + plan_mode + "' is not one of match, override, moo");
@@ -162,6 +171,20 @@ int main(int argc, char** argv) {
       } else if (!partrain::app::writable_beside(plan_file)) {
         return fail("--plan '" + plan_file + "': its folder does not exist");
       }
+    }
+    // --trace: a file rank 0 can replace (never a folder, a device or a FIFO), in a folder that exists.
+    if (!trace_file.empty()) {
+      if (partrain::util::is_plain_dir(trace_file))
+        return fail("--trace '" + trace_file + "' is a folder (expected the JSON file to write)");
+      if (access(trace_file.c_str(), F_OK) == 0 && !partrain::util::is_regular(trace_file))
+        return fail("--trace '" + trace_file + "' is not a regular file (expected the JSON file to write)");
+      if (!partrain::app::writable_beside(trace_file))
+        return fail("--trace '" + trace_file + "': its folder does not exist");
+      auto slash = trace_file.find_last_of('/');
+      auto dir = slash == std::string::npos ? std::string(".") : slash == 0 ? std::string("/") : trace_file.substr(0, slash);
+      if (access(dir.c_str(), W_OK) != 0) return fail("--trace '" + trace_file + "': its folder is not writable");
+      setenv("PARTRAIN_TRACE", trace_file.c_str(), 1);  // every rank inherits it
+      setenv("PARTRAIN_TRACE_STEPS", std::to_string(trace_steps).c_str(), 1);
     }
   } catch (const std::exception& e) {
     return fail(partrain::compat::message_of(e));
@@ -252,6 +275,11 @@ int main(int argc, char** argv) {
         return rank_fail(where + error);
       if (why != "nil") return rank_fail(where + "the REPL cannot start: " + why);
     }
+    // --trace records model:train_step; a script that never calls it leaves no file: say so.
+    auto& trace = partrain::parallel::StepTrace::instance();
+    if (!trace.options().path.empty() && trace.recorded() == 0 && partrain::dist::World::instance().rank() == 0)
+      std::cerr << "partrain: --trace: the script ran no model:train_step, so no trace was written to '"
+                << trace.options().path << "'" << std::endl;
     std::fflush(stdout);
     partrain::dist::World::instance().shutdown();  // wait for the others before leaving
   } catch (const std::exception& e) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "engine/parallel/trace.hpp"
 #include "engine/plan/plan.hpp"
 
 namespace partrain::parallel {
@@ -196,17 +197,30 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   root_->train();
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
   torch::Tensor total;
+  auto& trace = StepTrace::instance();  // --trace: forwards, backwards and the sync, when recorded
+  trace.begin_step();
   for (int i = 0; i < n; ++i) {
     // Only the last micro-batch's backward syncs: the others accumulate into .grad locally.
     SyncOnlyIf sync(data_parallel_.get(), i == n - 1);
     plan::step_begins();  // the planner's first step: its forward begins (once)
-    auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
-    auto l = loss(out, ys[i], options);
+    torch::Tensor l;
+    {
+      TraceSpan span(TraceKind::Forward, i);
+      auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
+      l = loss(out, ys[i], options);
+    }
     plan::forward_ends();  // ... and what the forward left allocated is measured (once)
-    (n > 1 ? l / n : l).backward();
+    {
+      TraceSpan span(TraceKind::Backward, i);
+      (n > 1 ? l / n : l).backward();
+    }
     total = total.defined() ? total + l.detach() : l.detach();
   }
-  if (data_parallel_) data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks)
+  if (data_parallel_) {
+    TraceSpan span(TraceKind::Sync);
+    data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks)
+  }
+  trace.end_step("rank " + std::to_string(dist::World::instance().rank()));
   return n > 1 ? total / n : total;
 }
 

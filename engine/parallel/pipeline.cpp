@@ -5,11 +5,13 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
 #include "engine/models/gpt2.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/trace.hpp"
 
 namespace partrain::parallel {
 
@@ -269,7 +271,10 @@ void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
 
 torch::Tensor Pipeline::receive(int peer, int tag) {
   auto header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
-  group_->recv(header, peer, /*async=*/false, tag);
+  {
+    TraceSpan wait(TraceKind::Wait, -1, -1, peer);  // until the sender's message arrives: the bubble
+    group_->recv(header, peer, /*async=*/false, tag);
+  }
   header = header.cpu();
   auto* h = header.data_ptr<int64_t>();
   TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 &&
@@ -307,10 +312,16 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       if (dp) dp->set_sync(true);
     }
   } guard{dp};
+  auto& trace = StepTrace::instance();  // --trace: each action's span, when this step is recorded
+  trace.begin_step();
+  static const TraceKind kinds[] = {  // in PipeOp's order
+      TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
+      TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
     const int v = a.chunk * pp_ + rank_;
+    TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
       case PipeOp::RecvForward:
         s.input = receive(a.peer, kActivationTag).requires_grad_(true);
@@ -346,6 +357,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         break;
     }
   }
+  std::optional<TraceSpan> sync(std::in_place, TraceKind::Sync);  // sends, tied gradients, data parallel, loss
   for (auto& [work, keep] : sends_) work.wait();
   sends_.clear();
   // The tied parameters' gradients, summed over the ranks holding them (the others add zeros).
@@ -360,6 +372,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   // The mean loss from the last stage's rank, on every rank.
   auto mean = (total / m).reshape({1}).contiguous();
   group_->broadcast(mean, last % pp_);
+  sync.reset();
+  trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
+                 std::to_string(rank_));
   return mean.squeeze(0).to(dtype_);
 }
 

@@ -1,8 +1,11 @@
 -- Trains a byte-level GPT-2 on the King James Bible and prints a sample of what it learned.
--- Split over --tensor ranks by policies/gpt2.lua, data-parallel over the rest.
+-- Split over --tensor ranks or cut into --pipeline stages by policies/gpt2.lua, data-parallel
+-- over the rest.
 --   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --tensor 2      (tensor 2 x data 2)
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --tensor 2 --sequence-parallel
+--   partrain --nproc-per-node 2 examples/gpt/train.lua --pipeline 2 --microbatches 4 --schedule 1f1b
+--   partrain --nproc-per-node 2 --trace trace.json examples/gpt/train.lua --pipeline 2 --schedule interleaved --chunks 2
 --   partrain examples/gpt/train.lua --ckpt ckpt/ --save-every 50   (resumes from ckpt/ when it has one)
 local pt = require "partrain"
 
@@ -24,6 +27,10 @@ local cfg = pt.args {
   threads = 0,
   tensor = 1,               -- tensor-parallel size (data = ranks / tensor)
   sequence_parallel = false, -- keep activations split along the sequence between TP regions
+  pipeline = 1,             -- pipeline stages (ranks); each runs its blocks through model:train_step
+  microbatches = 0,         -- with --pipeline: micro-batches a batch is split into (0: the pipeline size)
+  schedule = "1f1b",        -- with --pipeline: gpipe, 1f1b or interleaved (docs/pipeline.md)
+  chunks = 1,               -- with --pipeline: model chunks a rank (interleaved)
   ckpt = "",                -- checkpoint folder: resume from its newest checkpoint, save into it
   save_every = 0,           -- with --ckpt: save every this many steps (and at the end)
 }
@@ -31,17 +38,23 @@ if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
 pt.manual_seed(cfg.seed)
 
-local mesh = pt.mesh { tensor = cfg.tensor }
+local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline }
 local model = pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                                layers = cfg.layers, dropout = cfg.dropout }
-model = pt.parallelize(model, nil, mesh,   -- policies/gpt2.lua when tensor > 1
-  { sequence_parallel = cfg.sequence_parallel })
+local pipelined = cfg.pipeline > 1
+local options = { sequence_parallel = cfg.sequence_parallel }
+if pipelined then
+  options.schedule, options.chunks = cfg.schedule, cfg.chunks
+  options.microbatches = cfg.microbatches > 0 and cfg.microbatches or cfg.pipeline
+end
+model = pt.parallelize(model, pipelined and "policies.gpt2" or nil, mesh, options)  -- policies/gpt2.lua when split
 local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when they are split
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 } })
-print(("gpt2: %d layers of width %d, %d parameters a rank; %s; tensor %d x data %d"):format(
-  cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("tensor"), mesh:size("data")))
+print(("gpt2: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d"):format(
+  cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
+  mesh:size("data")))
 
 -- Resuming: from the newest checkpoint in --ckpt, whatever mesh saved it.
 local first = 1
@@ -56,9 +69,14 @@ end
 local start = pt.time()
 for step = first, cfg.steps do
   local x, y = data:next()
-  local loss = loss_of(model(x), y)
+  local loss
   opt:zero_grad()
-  loss:backward()
+  if pipelined then
+    loss = model:train_step(x, y)          -- the schedule's forwards and backwards; the mean loss on every rank
+  else
+    loss = loss_of(model(x), y)
+    loss:backward()
+  end
   opt:step()
   if step % cfg.log_every == 0 or step == 1 then
     local global = loss:detach():clone()
@@ -73,7 +91,9 @@ end
 -- Sampling: feed the prompt, then draw each next byte from the softmax of the last position.
 -- Every rank takes part (a split model needs its whole tensor group); the same seed makes them
 -- draw the same bytes, and rank 0 prints them.
-if cfg.sample > 0 then
+if cfg.sample > 0 and pipelined then
+  if pt.dist.rank() == 0 then print("sample: none (a pipelined model runs only through train_step)") end
+elseif cfg.sample > 0 then
   model:eval()
   pt.manual_seed(cfg.seed)
   local tokens = pt.data.encode(cfg.prompt):view(1, -1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The examples, parallel, equal their serial runs: the same global batch at 1, 2 and 4 ranks
-# (data-parallel; GPT-2 also tensor=2 (with and without sequence parallelism) and tensor=2 x data=2 through policies/gpt2.lua, with
-# gradient clipping) gives the same loss at every one of 20 steps (within 1e-5 relative)
+# (data-parallel; GPT-2 also tensor=2 (with and without sequence parallelism), tensor=2 x data=2 and
+# pipeline=2 (1F1B, 4 micro-batches) through policies/gpt2.lua, with gradient clipping) gives the same loss at every one of 20 steps (within 1e-5 relative)
 # through the real launcher. Usage: test_examples_dp.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
@@ -40,6 +40,8 @@ losses 4 "${gpt[@]}" --tensor 2 >"$tmp/gpt.t2d2"
 compare "examples/gpt at tensor=2 x data=2 equals 1 rank" "$tmp/gpt.t2d2" "$tmp/gpt.1"
 losses 2 "${gpt[@]}" --tensor 2 --sequence-parallel >"$tmp/gpt.t2sp"
 compare "examples/gpt at tensor=2 with sequence parallelism equals 1 rank" "$tmp/gpt.t2sp" "$tmp/gpt.1"
+losses 2 "${gpt[@]}" --pipeline 2 --microbatches 4 --schedule 1f1b >"$tmp/gpt.p2"
+compare "examples/gpt at pipeline=2 (1f1b, 4 micro-batches) equals 1 rank" "$tmp/gpt.p2" "$tmp/gpt.1"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -46,12 +46,13 @@ NUMBER_FLAGS = {  # flag: (lowest, highest) valid
     "--nproc-per-node": (1, 1024),
     "--nnodes": (1, 1024),
     "--master-port": (1, 65535),
+    "--trace-steps": (1, 1000),
 }
 LAUNCHER_ONLY = {"--nnodes", "--master-port", "--node-rank", "--master-addr", "--tee"}
 BAD_NUMBERS = ["0", "-1", "-7", "1000000", "2147483648", "9223372036854775808", "99999999999999999999999999",
                "1.5", "1e3", "0x10", "abc", "", " 3", "3 ", "+-1", "--", "NaN", "inf", "٣", "1_000"]
 VALUE_FLAGS = ["-e", "--execute", "--threads", "--timeout", "--nproc-per-node", "--nnodes", "--node-rank",
-               "--master-addr", "--master-port", "--plan", "--plan-mode"]
+               "--master-addr", "--master-port", "--plan", "--plan-mode", "--trace", "--trace-steps"]
 BAD_DEVICES = ["tpu", "mps", "cuda:x", "cuda:", "cuda:-1", "cuda:1.5", "cuda:0:1", "cuda0", "cpu:0", "CPU", "Cuda",
                "cpu ", " cpu", "cuda:99999", "", "cuda:00000", "gpu", "cpu\tcpu"]
 UNKNOWN = ["--bogus", "--thread", "--threads-per-rank", "---threads", "-x", "-Z", "--nproc", "--world",
