@@ -10,6 +10,8 @@
 
 #include "engine/models/gpt2.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/plan/memory.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::parallel {
 
@@ -82,6 +84,24 @@ std::string describe(const PipeAction& a) {
   return s.str();
 }
 
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const std::vector<int64_t>& activations,
+                              const std::vector<int64_t>& gradients) {
+  std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
+  int64_t now = 0, peak = 0;
+  auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
+  for (const auto& a : actions) {
+    int64_t add = a.op == PipeOp::Forward ? at(activations, a.chunk) : a.op == PipeOp::RecvBackward ? at(gradients, a.chunk) : 0;
+    held[{a.mb, a.chunk}] += add;
+    now += add;
+    if (a.op == PipeOp::Backward) {
+      now -= held[{a.mb, a.chunk}];
+      held.erase({a.mb, a.chunk});
+    }
+    peak = std::max(peak, now);
+  }
+  return peak;
+}
+
 // ---- The cut ----------------------------------------------------------------------------------
 
 namespace {
@@ -119,8 +139,6 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   p.group_ = mesh.group("pipeline");
   p.pp_ = p.group_->size();
   p.rank_ = p.group_->rank();
-  TORCH_CHECK(!p.group_->planned(), "pipeline: partrain plan does not plan pipeline parallelism yet (its transfers "
-              "and stages are not modelled)");
   TORCH_CHECK(options.chunks >= 1 && options.microbatches >= 1, "pipeline: chunks=", options.chunks,
               " and microbatches=", options.microbatches, " must be at least 1");
   TORCH_CHECK(static_cast<int>(options.plan.size()) == p.pp_, "pipeline: the schedule has ", options.plan.size(),
@@ -244,11 +262,29 @@ void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
   auto h = header.to(device_);
   sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h, body});
   sends_.emplace_back(group_->send(body, peer, /*async=*/true, tag), std::vector<torch::Tensor>{body});
+  if (!measured_.done) {
+    auto& q = measured_.peers[peer];
+    ++q.sends;
+    q.send_bytes += static_cast<int64_t>(h.nbytes() + body.nbytes());
+  }
 }
 
-torch::Tensor Pipeline::receive(int peer, int tag) {
+torch::Tensor Pipeline::receive(int peer, int tag, const std::vector<int64_t>& expected) {
   auto header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   group_->recv(header, peer, /*async=*/false, tag);
+  auto noted = [&](torch::Tensor t) {
+    if (!measured_.done) {
+      auto& q = measured_.peers[peer];
+      ++q.recvs;
+      q.recv_bytes += static_cast<int64_t>(header.nbytes() + t.nbytes());
+    }
+    return t;
+  };
+  if (group_->planned()) {  // partrain plan: nothing arrives; both receives are recorded as a run's
+    auto t = torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_));
+    group_->recv(t, peer, /*async=*/false, tag);
+    return noted(t);
+  }
   header = header.cpu();
   auto* h = header.data_ptr<int64_t>();
   TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 &&
@@ -258,7 +294,7 @@ torch::Tensor Pipeline::receive(int peer, int tag) {
   for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
   auto t = torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device_));
   group_->recv(t, peer, /*async=*/false, tag);
-  return t;
+  return noted(t);
 }
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -270,7 +306,14 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
               y.sizes());
   TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
   root_->train();
+  plan::step_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
+  // The first step measures what each chunk's forward leaves alive (the counting allocators'
+  // bytes; not on other devices) and the gradients it receives.
+  const bool measure = !measured_.done;
+  const c10::DeviceType counted = device_.type();
+  const bool countable = counted == c10::kCPU || counted == c10::kMeta;
+  if (measure) measured_.activations.assign(chunks, -1), measured_.gradients.assign(chunks, 0);
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
   };
@@ -291,10 +334,15 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
     const int v = a.chunk * pp_ + rank_;
     switch (a.op) {
-      case PipeOp::RecvForward:
-        s.input = receive(a.peer, kActivationTag).requires_grad_(true);
+      case PipeOp::RecvForward: {
+        // (B/m, T, dim): what every stage hands the next (the planner's expected shape).
+        const auto& ids = xs[a.mb];
+        const int64_t dim = static_cast<models::Gpt2&>(*root_).options.dim;
+        s.input = receive(a.peer, kActivationTag, {ids.size(0), ids.dim() > 1 ? ids.size(1) : 1, dim}).requires_grad_(true);
         break;
+      }
       case PipeOp::Forward: {
+        const int64_t before = measure && countable ? plan::memory(counted).allocated : 0;
         auto out = run_chunk(a.chunk, v == 0 ? xs[a.mb] : s.input);
         if (v == last) {
           auto l = loss(out, ys[a.mb]);
@@ -303,13 +351,17 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         } else {
           s.output = out;
         }
+        if (measure && countable && measured_.activations[a.chunk] < 0)
+          measured_.activations[a.chunk] = plan::memory(counted).allocated - before +
+                                           (s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0);
         break;
       }
       case PipeOp::SendForward:
         send(s.output, a.peer, kActivationTag);
         break;
       case PipeOp::RecvBackward:
-        s.grad = receive(a.peer, kGradientTag);
+        s.grad = receive(a.peer, kGradientTag, s.output.sizes().vec());
+        if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
         break;
       case PipeOp::Backward:
         if (dp) dp->set_sync(i == last_backward);
@@ -339,6 +391,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   // The mean loss from the last stage's rank, on every rank.
   auto mean = (total / m).reshape({1}).contiguous();
   group_->broadcast(mean, last % pp_);
+  if (measure) {
+    measured_.done = true;
+    measured_.peak = countable ? peak_activation_bytes(actions, measured_.activations, measured_.gradients) : -1;
+  }
   return mean.squeeze(0).to(dtype_);
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,7 +52,36 @@ struct PipelineOptions {
   int chunks = 1, microbatches = 1;
   /// The lowered, checked plan: one action list a pipeline rank (pipeline.build's result).
   std::vector<std::vector<PipeAction>> plan;
+  /// The pre-flight check's predictions, which partrain plan shows: the bubble fraction (-1:
+  /// not given) and each pipeline rank's peak in-flight chunk activations.
+  double bubble = -1;
+  std::vector<int64_t> peak_in_flight;
 };
+
+/// What a rank's first train_step measured of its stages (partrain plan shows it; a real run
+/// measures the same way). Bytes are those of the counting allocators (engine/plan/memory.hpp)
+/// on the CPU or the meta device; -1 on other devices.
+struct PipelineMeasure {
+  bool done = false;  ///< a train_step has run
+  /// Per chunk: the bytes one micro-batch's forward leaves alive for its backward (saved
+  /// tensors and output, the received input included), and the gradient it receives (0 on the
+  /// last virtual stage).
+  std::vector<int64_t> activations, gradients;
+  /// The most of those bytes alive at once along this rank's action list: each forward adds
+  /// its chunk's activations, each received gradient its bytes, each backward frees both.
+  int64_t peak = -1;
+  /// Point-to-point messages of a step by peer (pipeline rank); bytes include the headers.
+  struct Peer {
+    int64_t sends = 0, send_bytes = 0, recvs = 0, recv_bytes = 0;
+  };
+  std::map<int, Peer> peers;
+};
+
+/// The schedule's peak of activation bytes on one rank (PipelineMeasure::peak): `actions` walked
+/// with `activations[chunk]` held from each forward and `gradients[chunk]` from each gradient
+/// received, both until the micro-batch's backward.
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const std::vector<int64_t>& activations,
+                              const std::vector<int64_t>& gradients);
 
 /// This rank's stages of a model and the schedule that runs them.
 class Pipeline {
@@ -80,6 +110,8 @@ class Pipeline {
   const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
   const PipelineOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
+  int rank() const { return rank_; }  ///< this rank's place in the pipeline group
+  const PipelineMeasure& measured() const { return measured_; }
 
  private:
   struct Tie {
@@ -90,7 +122,8 @@ class Pipeline {
   };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
   void send(const torch::Tensor& t, int peer, int tag);
-  torch::Tensor receive(int peer, int tag);
+  /// `expected`: the shape a planned group's message would have (nothing arrives there).
+  torch::Tensor receive(int peer, int tag, const std::vector<int64_t>& expected);
 
   nn::Module* root_ = nullptr;
   PipelineOptions options_;
@@ -102,6 +135,7 @@ class Pipeline {
   std::vector<std::pair<dist::Work, std::vector<torch::Tensor>>> sends_;  // in flight, kept alive
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
+  PipelineMeasure measured_;                   // filled by the first train_step
 };
 
 }  // namespace partrain::parallel
