@@ -84,19 +84,26 @@ std::string describe(const PipeAction& a) {
   return s.str();
 }
 
-int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const std::vector<int64_t>& activations,
-                              const std::vector<int64_t>& gradients) {
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m) {
   std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
   int64_t now = 0, peak = 0;
   auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
   for (const auto& a : actions) {
-    int64_t add = a.op == PipeOp::Forward ? at(activations, a.chunk) : a.op == PipeOp::RecvBackward ? at(gradients, a.chunk) : 0;
+    int64_t add = 0;
+    switch (a.op) {
+      case PipeOp::Forward: add = at(m.activations, a.chunk); break;
+      case PipeOp::RecvBackward: add = at(m.gradients, a.chunk); break;
+      case PipeOp::SendForward: now += at(m.gradients, a.chunk); break;  // the output: the gradient's shape
+      case PipeOp::SendBackward: now += at(m.inputs, a.chunk); break;    // the input's gradient
+      case PipeOp::Backward:
+        peak = std::max(peak, now + at(m.backward, a.chunk));
+        now -= held[{a.mb, a.chunk}];
+        held.erase({a.mb, a.chunk});
+        break;
+      case PipeOp::RecvForward: break;  // counted in the forward's activations
+    }
     held[{a.mb, a.chunk}] += add;
     now += add;
-    if (a.op == PipeOp::Backward) {
-      now -= held[{a.mb, a.chunk}];
-      held.erase({a.mb, a.chunk});
-    }
     peak = std::max(peak, now);
   }
   return peak;
@@ -313,7 +320,12 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   const bool measure = !measured_.done;
   const c10::DeviceType counted = device_.type();
   const bool countable = counted == c10::kCPU || counted == c10::kMeta;
-  if (measure) measured_.activations.assign(chunks, -1), measured_.gradients.assign(chunks, 0);
+  if (measure) {
+    measured_.activations.assign(chunks, -1);
+    measured_.backward.assign(chunks, -1);
+    measured_.inputs.assign(chunks, 0);
+    measured_.gradients.assign(chunks, 0);
+  }
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
   };
@@ -351,9 +363,11 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         } else {
           s.output = out;
         }
-        if (measure && countable && measured_.activations[a.chunk] < 0)
-          measured_.activations[a.chunk] = plan::memory(counted).allocated - before +
-                                           (s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0);
+        out = torch::Tensor();  // what the backward does not need goes now (the head's logits)
+        if (measure && countable && measured_.activations[a.chunk] < 0) {
+          measured_.inputs[a.chunk] = s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0;
+          measured_.activations[a.chunk] = plan::memory(counted).allocated - before + measured_.inputs[a.chunk];
+        }
         break;
       }
       case PipeOp::SendForward:
@@ -363,13 +377,32 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         s.grad = receive(a.peer, kGradientTag, s.output.sizes().vec());
         if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
         break;
-      case PipeOp::Backward:
+      case PipeOp::Backward: {
         if (dp) dp->set_sync(i == last_backward);
+        // The first step's backwards are weighed: the most one allocates while it runs, less the
+        // parameters' gradients it leaves (model state). The first of a chunk makes them; later
+        // ones add into them, as every later step does, with their temporaries counted.
+        const bool weigh = measure && countable;
+        int64_t before = 0, new_grads = 0;
+        std::vector<torch::Tensor> gradless;
+        if (weigh) {
+          for (const auto& p : root_->parameters(/*recurse=*/true))
+            if (!p.grad().defined()) gradless.push_back(p);
+          before = plan::memory(counted).allocated;
+          plan::start_mark(counted);
+        }
         if (v == last) s.output.backward();
         else torch::autograd::backward({s.output}, {s.grad});
+        if (weigh) {
+          for (const auto& p : gradless)
+            if (p.grad().defined()) new_grads += static_cast<int64_t>(p.grad().nbytes());
+          measured_.backward[a.chunk] =
+              std::max<int64_t>(measured_.backward[a.chunk], std::max<int64_t>(0, plan::mark(counted) - before - new_grads));
+        }
         if (s.input.defined()) s.input_grad = s.input.grad();
         s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
         break;
+      }
       case PipeOp::SendBackward:
         TORCH_CHECK(s.input_grad.defined(), "pipeline: ", describe(a), " has no gradient to send");
         send(s.input_grad, a.peer, kGradientTag);
@@ -393,7 +426,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   group_->broadcast(mean, last % pp_);
   if (measure) {
     measured_.done = true;
-    measured_.peak = countable ? peak_activation_bytes(actions, measured_.activations, measured_.gradients) : -1;
+    measured_.peak = countable ? peak_activation_bytes(actions, measured_) : -1;
   }
   return mean.squeeze(0).to(dtype_);
 }

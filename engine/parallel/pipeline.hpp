@@ -64,11 +64,11 @@ struct PipelineOptions {
 struct PipelineMeasure {
   bool done = false;  ///< a train_step has run
   /// Per chunk: the bytes one micro-batch's forward leaves alive for its backward (saved
-  /// tensors and output, the received input included), and the gradient it receives (0 on the
-  /// last virtual stage).
-  std::vector<int64_t> activations, gradients;
-  /// The most of those bytes alive at once along this rank's action list: each forward adds
-  /// its chunk's activations, each received gradient its bytes, each backward frees both.
+  /// tensors and output, the received input included), the input it receives (0 on the first
+  /// virtual stage), the gradient it receives (0 on the last), and the most its backward
+  /// allocates above what it began with, the parameters' new gradients left out.
+  std::vector<int64_t> activations, inputs, gradients, backward;
+  /// The most bytes alive at once along this rank's action list (peak_activation_bytes).
   int64_t peak = -1;
   /// Point-to-point messages of a step by peer (pipeline rank); bytes include the headers.
   struct Peer {
@@ -77,11 +77,12 @@ struct PipelineMeasure {
   std::map<int, Peer> peers;
 };
 
-/// The schedule's peak of activation bytes on one rank (PipelineMeasure::peak): `actions` walked
-/// with `activations[chunk]` held from each forward and `gradients[chunk]` from each gradient
-/// received, both until the micro-batch's backward.
-int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const std::vector<int64_t>& activations,
-                              const std::vector<int64_t>& gradients);
+/// The schedule's peak of activation bytes on one rank (PipelineMeasure::peak): `m`'s action
+/// list walked with a forward's activations and a received gradient held until the micro-batch's
+/// backward, which needs its `backward` bytes more while it runs; and every tensor sent (an
+/// output, a gradient of the input) held until the step ends, as the executor keeps it until
+/// its send completes.
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m);
 
 /// This rank's stages of a model and the schedule that runs them.
 class Pipeline {

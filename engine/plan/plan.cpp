@@ -266,6 +266,7 @@ StagePlan stage_plan(const parallel::Pipeline& pipe) {
     if (measured.done) {
       ch.activation_bytes = measured.activations[c];
       ch.gradient_bytes = measured.gradients[c];
+      ch.backward_bytes = measured.backward[c];
     }
     st.chunks.push_back(ch);
   }
@@ -321,7 +322,7 @@ void serialize(Archive& ar, Collective& c) {
 }
 template <class Archive>
 void serialize(Archive& ar, StageChunk& c) {
-  ar(c.stage, c.first_block, c.end_block, c.first, c.last, c.activation_bytes, c.gradient_bytes);
+  ar(c.stage, c.first_block, c.end_block, c.first, c.last, c.activation_bytes, c.gradient_bytes, c.backward_bytes);
 }
 template <class Archive>
 void serialize(Archive& ar, PeerTraffic& t) {
@@ -787,7 +788,8 @@ std::string to_json(const Plan& plan) {
       for (const auto& c : st.chunks)
         chunks.push_back({{"stage", c.stage}, {"blocks", {c.first_block, c.end_block}}, {"first", c.first},
                           {"last", c.last}, {"activation_bytes", c.activation_bytes < 0 ? json(nullptr) : json(c.activation_bytes)},
-                          {"gradient_bytes", c.gradient_bytes}});
+                          {"gradient_bytes", c.gradient_bytes},
+                          {"backward_bytes", c.backward_bytes < 0 ? json(nullptr) : json(c.backward_bytes)}});
       for (const auto& t : st.peers)
         peers.push_back({{"peer", t.peer}, {"pipeline_peer", t.pipeline_peer}, {"sends", t.sends},
                          {"send_bytes", t.send_bytes}, {"recvs", t.recvs}, {"recv_bytes", t.recv_bytes}});

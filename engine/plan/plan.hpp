@@ -88,6 +88,7 @@ struct StageChunk {
   bool first = false, last = false;      ///< holds the policy's first (embeddings) / last (head) modules
   int64_t activation_bytes = -1;         ///< one micro-batch's forward leaves alive for backward (-1: not measured)
   int64_t gradient_bytes = 0;            ///< the gradient it receives a micro-batch (0 on the last stage)
+  int64_t backward_bytes = -1;           ///< what a micro-batch's backward needs while it runs, above that
 };
 
 /// Point-to-point traffic of one step with one peer (a global rank); bytes include headers.
