@@ -220,18 +220,26 @@ for schedule in ("1f1b", "gpipe"):
           "each)", ops.get(("pipeline", "send"), {}).get("calls") == 16
           and ops.get(("pipeline", "recv"), {}).get("bytes") == 8 * msg, planned["ranks"][1]["collectives"])
 
-# Growing the micro-batches (of the same size): GPipe holds every one, 1F1B at most p - rank.
-peaks = {}
+# Growing the micro-batches (of the same size) from 4 to 8: GPipe holds every one, so its peak
+# grows by at least 4 micro-batches' activations; 1F1B holds at most p - rank, so its peak grows
+# only by the tensors the executor keeps until the step's sends complete (4 more outputs and 4
+# more input gradients at most, 2 x 64 x 128 floats each).
+grown = {}
 for schedule in ("1f1b", "gpipe"):
     for m in (4, 8):
-        p = plan(4, "--pipeline", "4", "--layers", "4", "--batch", str(2 * m), "--microbatches", str(m),
-                 "--schedule", schedule)
-        peaks[schedule, m] = [r["activation_bytes"] for r in p["ranks"]]
-grow = {s: [b / a for a, b in zip(peaks[s, 4], peaks[s, 8])] for s in ("1f1b", "gpipe")}
-check(f"1F1B's planned peak activations stay flat from 4 to 8 micro-batches (ratios {grow['1f1b']})",
-      all(abs(g - 1) < 0.02 for g in grow["1f1b"]), peaks)
-check(f"GPipe's planned peak activations double from 4 to 8 micro-batches (ratios {grow['gpipe']})",
-      all(1.9 < g < 2.1 for g in grow["gpipe"]), peaks)
+        grown[schedule, m] = plan(4, "--pipeline", "4", "--layers", "4", "--batch", str(2 * m), "--microbatches",
+                                  str(m), "--schedule", schedule)["ranks"]
+kept = 8 * 2 * 64 * 128 * 4
+growth = {s: [b["activation_bytes"] - a["activation_bytes"] for a, b in zip(grown[s, 4], grown[s, 8])]
+          for s in ("1f1b", "gpipe")}
+check(f"GPipe's planned peak grows with the micro-batches by at least 4 micro-batches' activations "
+      f"({growth['gpipe']}), its in-flight count with them",
+      all(g >= 4 * r["pipeline"]["chunks"][0]["activation_bytes"] for g, r in zip(growth["gpipe"], grown["gpipe", 4]))
+      and [r["pipeline"]["in_flight"] for r in grown["gpipe", 8]] == [8] * 4, growth)
+check(f"1F1B's in-flight micro-batches stay p - rank and its planned peak grows only by the kept sends "
+      f"({growth['1f1b']} <= {kept})",
+      all(0 <= g <= kept for g in growth["1f1b"])
+      and [r["pipeline"]["in_flight"] for r in grown["1f1b", 8]] == [4, 3, 2, 1], growth)
 
 # The text form, and a saved pipelined plan that a real run matches.
 r = run(["plan", "--world", "4", SCRIPT, *PIPE])
