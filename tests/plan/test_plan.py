@@ -18,12 +18,15 @@
   GPipe's activations double with twice the micro-batches while 1F1B's stay flat; a saved
   pipelined plan matches a real run; 64 ranks of GPT-2 small at pipeline 4 plan in seconds; a
   world the pipeline does not divide and chunks that do not fit the blocks are refused.
+- A plan saved in format version 1 (before pipeline stages) still loads; a later version is
+  refused by name.
 
 Usage: test_plan.py PARTRAIN
 """
 import json
 import os
 import resource
+import struct
 import subprocess
 import sys
 import tempfile
@@ -254,6 +257,32 @@ with tempfile.TemporaryDirectory() as d:
     r = run(["--nproc-per-node", "4", "--threads", "1", "--plan", path, SCRIPT, *PIPE, "--steps", "2"])
     check("a real pipelined run matches its saved plan (stages' shards, bytes, the step's transfers)",
           r.returncode == 0 and "matches the plan" in r.stderr, r.stderr)
+
+# A plan saved in format version 1 (before pipeline stages) still loads: a one-rank plan that
+# holds no tensor, written here byte by byte as cereal's binary archive lays it out, is read and
+# compared (every tensor of the run is "not in the plan"), not refused as damaged.
+def cereal_string(text):
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def old_plan(version):
+    ranks = struct.pack("<Q", 1) + struct.pack("<4i", 0, 0, 0, 0) + struct.pack("<Q", 0) \
+        + struct.pack("<4q", 0, 0, 0, -1) + struct.pack("<Q", 0)
+    return cereal_string("partrain-plan") + struct.pack("<I", version) + cereal_string(SCRIPT) \
+        + struct.pack("<6i", 1, 1, 1, 1, 1, 1) + struct.pack("<qd", 0, 0.0) + ranks
+
+
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "v1.bin")
+    open(path, "wb").write(old_plan(1))
+    r = run(["--threads", "1", "--plan", path, SCRIPT])
+    check("a version 1 plan still loads and is compared with the run",
+          r.returncode != 0 and "does not match the plan" in r.stderr and "h.0.attn.c_attn.weight: not in the plan" in r.stderr,
+          r.stderr)
+    open(path, "wb").write(old_plan(3))
+    r = run(["--threads", "1", "--plan", path, SCRIPT])
+    check("a plan of a later format version is refused, naming the versions read",
+          r.returncode != 0 and "format version 3; this partrain reads 1 to 2" in r.stderr, r.stderr)
 
 # 64 ranks of GPT-2 small (124 M) as data 16 x pipeline 4 (pipeline with tensor parallelism is not
 # built yet): quick, and four stages of three blocks.
