@@ -1,6 +1,6 @@
 // Planning without processes: the meta kernels LibTorch lacks, the first step's marks, and the
-// plan itself (built, saved, compared and shown). See plan.hpp; the counting allocators are in
-// memory.cpp.
+// plan itself (built, saved, compared and shown, pipeline stages included). See plan.hpp; the
+// counting allocators are in memory.cpp.
 #include "engine/plan/plan.hpp"
 
 #include <fcntl.h>

@@ -5,6 +5,9 @@
 // the meta device (shapes, no memory), and the first optimizer step stops the script. What the
 // rank then holds is a RankPlan; all ranks' make a Plan. A real run builds the same RankPlan at
 // its first optimizer step, so a saved plan can be checked against it (Cube's ReuseType).
+// Under pipeline parallelism each virtual rank runs its own stage's schedule on meta tensors
+// (what it would receive is made from the known activation shape), and its StagePlan says what
+// the pipeline's first step measured and what the schedule predicts.
 #pragma once
 
 #include <cstdint>
