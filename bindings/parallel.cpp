@@ -249,7 +249,7 @@ std::vector<std::string> string_list(lua_State* L, const char* what) {
 
 // The pipeline description init.lua's pt.parallelize makes from the policy and the options: the
 // policy's blocks, first and last, the balance, and the lowered plan: one flat list a rank of
-// (op, mb, chunk, peer) quadruples (peer -1 for compute).
+// (op, mb, chunk, peer) quadruples (peer -1 for compute), and the check's bubble and peaks a rank.
 c10::optional<parallel::PipelineOptions> pipeline_options(const Args& a, int idx) {
   if (a.none(idx)) return c10::nullopt;
   Options o(a, idx, "pipeline");
@@ -260,6 +260,8 @@ c10::optional<parallel::PipelineOptions> pipeline_options(const Args& a, int idx
   p.microbatches = static_cast<int>(o.integer("microbatches", 1));
   p.balance.method = o.string("balance", "uniform");
   p.balance.sizes = o.ints("sizes", {});
+  p.bubble = o.number("bubble", -1);           // the pre-flight check's predictions (for the planner)
+  p.peak_in_flight = o.ints("peaks", {});
   lua_State* L = a.L;
   if (o.push("first")) { p.first = string_list(L, "first"); lua_pop(L, 1); }
   if (o.push("last")) { p.last = string_list(L, "last"); lua_pop(L, 1); }

@@ -12,6 +12,8 @@
 #include "engine/models/gpt2.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/trace.hpp"
+#include "engine/plan/memory.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::parallel {
 
@@ -84,6 +86,31 @@ std::string describe(const PipeAction& a) {
   return s.str();
 }
 
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m) {
+  std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
+  int64_t now = 0, peak = 0;
+  auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
+  for (const auto& a : actions) {
+    int64_t add = 0;
+    switch (a.op) {
+      case PipeOp::Forward: add = at(m.activations, a.chunk); break;
+      case PipeOp::RecvBackward: add = at(m.gradients, a.chunk); break;
+      case PipeOp::SendForward: now += at(m.gradients, a.chunk); break;  // the output: the gradient's shape
+      case PipeOp::SendBackward: now += at(m.inputs, a.chunk); break;    // the input's gradient
+      case PipeOp::Backward:
+        peak = std::max(peak, now + at(m.backward, a.chunk));
+        now -= held[{a.mb, a.chunk}];
+        held.erase({a.mb, a.chunk});
+        break;
+      case PipeOp::RecvForward: break;  // counted in the forward's activations
+    }
+    held[{a.mb, a.chunk}] += add;
+    now += add;
+    peak = std::max(peak, now);
+  }
+  return peak;
+}
+
 // ---- The cut ----------------------------------------------------------------------------------
 
 namespace {
@@ -121,8 +148,6 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   p.group_ = mesh.group("pipeline");
   p.pp_ = p.group_->size();
   p.rank_ = p.group_->rank();
-  TORCH_CHECK(!p.group_->planned(), "pipeline: partrain plan does not plan pipeline parallelism yet (its transfers "
-              "and stages are not modelled)");
   TORCH_CHECK(options.chunks >= 1 && options.microbatches >= 1, "pipeline: chunks=", options.chunks,
               " and microbatches=", options.microbatches, " must be at least 1");
   TORCH_CHECK(static_cast<int>(options.plan.size()) == p.pp_, "pipeline: the schedule has ", options.plan.size(),
@@ -267,13 +292,31 @@ void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
   auto h = header.to(device_);
   sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h, body});
   sends_.emplace_back(group_->send(body, peer, /*async=*/true, tag), std::vector<torch::Tensor>{body});
+  if (!measured_.done) {
+    auto& q = measured_.peers[peer];
+    ++q.sends;
+    q.send_bytes += static_cast<int64_t>(h.nbytes() + body.nbytes());
+  }
 }
 
-torch::Tensor Pipeline::receive(int peer, int tag) {
+torch::Tensor Pipeline::receive(int peer, int tag, const std::vector<int64_t>& expected) {
   auto header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   {
     TraceSpan wait(TraceKind::Wait, -1, -1, peer);  // until the sender's message arrives: the bubble
     group_->recv(header, peer, /*async=*/false, tag);
+  }
+  auto noted = [&](torch::Tensor t) {
+    if (!measured_.done) {
+      auto& q = measured_.peers[peer];
+      ++q.recvs;
+      q.recv_bytes += static_cast<int64_t>(header.nbytes() + t.nbytes());
+    }
+    return t;
+  };
+  if (group_->planned()) {  // partrain plan: nothing arrives; both receives are recorded as a run's
+    auto t = torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_));
+    group_->recv(t, peer, /*async=*/false, tag);
+    return noted(t);
   }
   header = header.cpu();
   auto* h = header.data_ptr<int64_t>();
@@ -284,7 +327,7 @@ torch::Tensor Pipeline::receive(int peer, int tag) {
   for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
   auto t = torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device_));
   group_->recv(t, peer, /*async=*/false, tag);
-  return t;
+  return noted(t);
 }
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -296,7 +339,19 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
               y.sizes());
   TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
   root_->train();
+  plan::step_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
+  // The first step measures what each chunk's forward leaves alive (the counting allocators'
+  // bytes; not on other devices) and the gradients it receives.
+  const bool measure = !measured_.done;
+  const c10::DeviceType counted = device_.type();
+  const bool countable = counted == c10::kCPU || counted == c10::kMeta;
+  if (measure) {
+    measured_.activations.assign(chunks, -1);
+    measured_.backward.assign(chunks, -1);
+    measured_.inputs.assign(chunks, 0);
+    measured_.gradients.assign(chunks, 0);
+  }
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
   };
@@ -323,10 +378,15 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
     const int v = a.chunk * pp_ + rank_;
     TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
-      case PipeOp::RecvForward:
-        s.input = receive(a.peer, kActivationTag).requires_grad_(true);
+      case PipeOp::RecvForward: {
+        // (B/m, T, dim): what every stage hands the next (the planner's expected shape).
+        const auto& ids = xs[a.mb];
+        const int64_t dim = static_cast<models::Gpt2&>(*root_).options.dim;
+        s.input = receive(a.peer, kActivationTag, {ids.size(0), ids.dim() > 1 ? ids.size(1) : 1, dim}).requires_grad_(true);
         break;
+      }
       case PipeOp::Forward: {
+        const int64_t before = measure && countable ? plan::memory(counted).allocated : 0;
         auto out = run_chunk(a.chunk, v == 0 ? xs[a.mb] : s.input);
         if (v == last) {
           auto l = loss(out, ys[a.mb]);
@@ -335,21 +395,46 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         } else {
           s.output = out;
         }
+        out = torch::Tensor();  // what the backward does not need goes now (the head's logits)
+        if (measure && countable && measured_.activations[a.chunk] < 0) {
+          measured_.inputs[a.chunk] = s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0;
+          measured_.activations[a.chunk] = plan::memory(counted).allocated - before + measured_.inputs[a.chunk];
+        }
         break;
       }
       case PipeOp::SendForward:
         send(s.output, a.peer, kActivationTag);
         break;
       case PipeOp::RecvBackward:
-        s.grad = receive(a.peer, kGradientTag);
+        s.grad = receive(a.peer, kGradientTag, s.output.sizes().vec());
+        if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
         break;
-      case PipeOp::Backward:
+      case PipeOp::Backward: {
         if (dp) dp->set_sync(i == last_backward);
+        // The first step's backwards are weighed: the most one allocates while it runs, less the
+        // parameters' gradients it leaves (model state). The first of a chunk makes them; later
+        // ones add into them, as every later step does, with their temporaries counted.
+        const bool weigh = measure && countable;
+        int64_t before = 0, new_grads = 0;
+        std::vector<torch::Tensor> gradless;
+        if (weigh) {
+          for (const auto& p : root_->parameters(/*recurse=*/true))
+            if (!p.grad().defined()) gradless.push_back(p);
+          before = plan::memory(counted).allocated;
+          plan::start_mark(counted);
+        }
         if (v == last) s.output.backward();
         else torch::autograd::backward({s.output}, {s.grad});
+        if (weigh) {
+          for (const auto& p : gradless)
+            if (p.grad().defined()) new_grads += static_cast<int64_t>(p.grad().nbytes());
+          measured_.backward[a.chunk] =
+              std::max<int64_t>(measured_.backward[a.chunk], std::max<int64_t>(0, plan::mark(counted) - before - new_grads));
+        }
         if (s.input.defined()) s.input_grad = s.input.grad();
         s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
         break;
+      }
       case PipeOp::SendBackward:
         TORCH_CHECK(s.input_grad.defined(), "pipeline: ", describe(a), " has no gradient to send");
         send(s.input_grad, a.peer, kGradientTag);
@@ -372,6 +457,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   // The mean loss from the last stage's rank, on every rank.
   auto mean = (total / m).reshape({1}).contiguous();
   group_->broadcast(mean, last % pp_);
+  if (measure) {
+    measured_.done = true;
+    measured_.peak = countable ? peak_activation_bytes(actions, measured_) : -1;
+  }
   sync.reset();
   trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
                  std::to_string(rank_));

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,7 +52,37 @@ struct PipelineOptions {
   int chunks = 1, microbatches = 1;
   /// The lowered, checked plan: one action list a pipeline rank (pipeline.build's result).
   std::vector<std::vector<PipeAction>> plan;
+  /// The pre-flight check's predictions, which partrain plan shows: the bubble fraction (-1:
+  /// not given) and each pipeline rank's peak in-flight chunk activations.
+  double bubble = -1;
+  std::vector<int64_t> peak_in_flight;
 };
+
+/// What a rank's first train_step measured of its stages (partrain plan shows it; a real run
+/// measures the same way). Bytes are those of the counting allocators (engine/plan/memory.hpp)
+/// on the CPU or the meta device; -1 on other devices.
+struct PipelineMeasure {
+  bool done = false;  ///< a train_step has run
+  /// Per chunk: the bytes one micro-batch's forward leaves alive for its backward (saved
+  /// tensors and output, the received input included), the input it receives (0 on the first
+  /// virtual stage), the gradient it receives (0 on the last), and the most its backward
+  /// allocates above what it began with, the parameters' new gradients left out.
+  std::vector<int64_t> activations, inputs, gradients, backward;
+  /// The most bytes alive at once along this rank's action list (peak_activation_bytes).
+  int64_t peak = -1;
+  /// Point-to-point messages of a step by peer (pipeline rank); bytes include the headers.
+  struct Peer {
+    int64_t sends = 0, send_bytes = 0, recvs = 0, recv_bytes = 0;
+  };
+  std::map<int, Peer> peers;
+};
+
+/// The schedule's peak of activation bytes on one rank (PipelineMeasure::peak): `m`'s action
+/// list walked with a forward's activations and a received gradient held until the micro-batch's
+/// backward, which needs its `backward` bytes more while it runs; and every tensor sent (an
+/// output, a gradient of the input) held until the step ends, as the executor keeps it until
+/// its send completes.
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m);
 
 /// This rank's stages of a model and the schedule that runs them.
 class Pipeline {
@@ -80,6 +111,8 @@ class Pipeline {
   const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
   const PipelineOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
+  int rank() const { return rank_; }  ///< this rank's place in the pipeline group
+  const PipelineMeasure& measured() const { return measured_; }
 
  private:
   struct Tie {
@@ -91,7 +124,8 @@ class Pipeline {
   };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
   void send(const torch::Tensor& t, int peer, int tag);
-  torch::Tensor receive(int peer, int tag);
+  /// `expected`: the shape a planned group's message would have (nothing arrives there).
+  torch::Tensor receive(int peer, int tag, const std::vector<int64_t>& expected);
 
   nn::Module* root_ = nullptr;
   PipelineOptions options_;
@@ -103,6 +137,7 @@ class Pipeline {
   std::vector<std::pair<dist::Work, std::vector<torch::Tensor>>> sends_;  // in flight, kept alive
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
+  PipelineMeasure measured_;                   // filled by the first train_step
 
   // ---- What checkpoints and the REPL ask of the stages ----------------------------------------
  public:

@@ -14,12 +14,16 @@ namespace partrain::plan {
 namespace {
 
 struct Counter {
-  std::atomic<int64_t> allocated{0}, peak{0};
+  std::atomic<int64_t> allocated{0}, peak{0}, mark{0};
+  static void raise(std::atomic<int64_t>& high, int64_t now) {
+    int64_t seen = high.load();
+    while (now > seen && !high.compare_exchange_weak(seen, now)) {
+    }
+  }
   void add(int64_t n) {
     int64_t now = allocated.fetch_add(n) + n;
-    int64_t seen = peak.load();
-    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
-    }
+    raise(peak, now);
+    raise(mark, now);
   }
   void sub(int64_t n) { allocated.fetch_sub(n); }
 };
@@ -102,5 +106,12 @@ void reset_peak(c10::DeviceType device) {
   auto& c = counter(device);
   c.peak.store(c.allocated.load());
 }
+
+void start_mark(c10::DeviceType device) {
+  auto& c = counter(device);
+  c.mark.store(c.allocated.load());
+}
+
+int64_t mark(c10::DeviceType device) { return counter(device).mark.load(); }
 
 }  // namespace partrain::plan

@@ -18,5 +18,10 @@ struct Memory {
 void install_allocators();
 Memory memory(c10::DeviceType device = c10::kCPU);
 void reset_peak(c10::DeviceType device = c10::kCPU);
+/// A high-water mark kept apart from the peak (which a script may reset): start_mark() sets it
+/// to the bytes allocated now, mark() is the most allocated since. The pipeline's first step
+/// weighs its backwards with it.
+void start_mark(c10::DeviceType device = c10::kCPU);
+int64_t mark(c10::DeviceType device = c10::kCPU);
 
 }  // namespace partrain::plan

@@ -1,6 +1,6 @@
 // Planning without processes: the meta kernels LibTorch lacks, the first step's marks, and the
-// plan itself (built, saved, compared and shown). See plan.hpp; the counting allocators are in
-// memory.cpp.
+// plan itself (built, saved, compared and shown, pipeline stages included). See plan.hpp; the
+// counting allocators are in memory.cpp.
 #include "engine/plan/plan.hpp"
 
 #include <fcntl.h>
@@ -27,6 +27,8 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/parallel_model.hpp"
+#include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
@@ -237,7 +239,43 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
   }
   std::sort(r.collectives.begin(), r.collectives.end(),
             [](const Collective& a, const Collective& b) { return std::tie(a.group, a.op) < std::tie(b.group, b.op); });
+  if (auto owner = parallel::ParallelModel::of(model); owner && owner->pipeline()) r.stage = stage_plan(*owner->pipeline());
+  if (r.stage.present) r.activation_bytes = r.stage.activation_peak;
   return r;
+}
+
+StagePlan stage_plan(const parallel::Pipeline& pipe) {
+  StagePlan st;
+  const auto& o = pipe.options();
+  const auto& measured = pipe.measured();
+  const int pp = pipe.group()->size();
+  st.present = true;
+  st.schedule = o.schedule;
+  st.blocks = o.blocks;
+  st.first = o.first;
+  st.last = o.last;
+  st.microbatches = o.microbatches;
+  st.stages = pipe.stages();
+  for (int c = 0; c < o.chunks; ++c) {
+    StageChunk ch;
+    ch.stage = c * pp + pipe.rank();
+    ch.first_block = pipe.bounds()[ch.stage];
+    ch.end_block = pipe.bounds()[ch.stage + 1];
+    ch.first = ch.stage == 0;
+    ch.last = ch.stage == st.stages - 1;
+    if (measured.done) {
+      ch.activation_bytes = measured.activations[c];
+      ch.gradient_bytes = measured.gradients[c];
+      ch.backward_bytes = measured.backward[c];
+    }
+    st.chunks.push_back(ch);
+  }
+  if (pipe.rank() < static_cast<int>(o.peak_in_flight.size())) st.in_flight = o.peak_in_flight[pipe.rank()];
+  st.activation_peak = measured.done ? measured.peak : -1;
+  st.bubble = o.bubble;
+  for (const auto& [peer, t] : measured.peers)
+    st.peers.push_back({pipe.group()->ranks()[peer], peer, t.sends, t.send_bytes, t.recvs, t.recv_bytes});
+  return st;
 }
 
 Plan layout_of(const dist::Mesh* mesh) {
@@ -283,9 +321,29 @@ void serialize(Archive& ar, Collective& c) {
   ar(c.group, c.op, c.calls, c.bytes);
 }
 template <class Archive>
+void serialize(Archive& ar, StageChunk& c) {
+  ar(c.stage, c.first_block, c.end_block, c.first, c.last, c.activation_bytes, c.gradient_bytes, c.backward_bytes);
+}
+template <class Archive>
+void serialize(Archive& ar, PeerTraffic& t) {
+  ar(t.peer, t.pipeline_peer, t.sends, t.send_bytes, t.recvs, t.recv_bytes);
+}
+template <class Archive>
+void serialize(Archive& ar, StagePlan& st) {
+  ar(st.present, st.schedule, st.blocks, st.first, st.last, st.microbatches, st.stages, st.chunks, st.in_flight, st.activation_peak,
+     st.bubble, st.peers);
+}
+
+namespace {
+// The format version being read: version 1 plans (before pipeline stages) have no StagePlan.
+uint32_t reading_version = 2;
+}  // namespace
+
+template <class Archive>
 void serialize(Archive& ar, RankPlan& r) {
   ar(r.rank, r.tensor, r.data, r.pipeline, r.shards, r.param_bytes, r.grad_bytes, r.optimizer_bytes,
      r.activation_bytes, r.collectives);
+  if (reading_version >= 2) ar(r.stage);
 }
 template <class Archive>
 void serialize(Archive& ar, Plan& p) {
@@ -294,7 +352,7 @@ void serialize(Archive& ar, Plan& p) {
 
 namespace {
 const char kMagic[] = "partrain-plan";
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: pipeline stages (1 still reads)
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 
@@ -331,8 +389,12 @@ Plan load(const std::string& path) {
     ar(magic);
     TORCH_CHECK(magic == kMagic, "'", path, "' is not a partrain plan (made by partrain plan --save)");
     ar(version);
-    TORCH_CHECK(version == kVersion, "the plan '", path, "' has format version ", version, "; this partrain reads ",
-                kVersion);
+    TORCH_CHECK(version >= 1 && version <= kVersion, "the plan '", path, "' has format version ", version,
+                "; this partrain reads 1 to ", kVersion);
+    struct Reading {  // the version's fields, back to the current one whatever happens
+      explicit Reading(uint32_t v) { reading_version = v; }
+      ~Reading() { reading_version = kVersion; }
+    } reading(version);
     ar(plan);
     if (ar.left() != 0) throw cereal::Exception(std::to_string(ar.left()) + " bytes follow the end of the plan");
   } catch (const cereal::Exception& e) {
@@ -547,6 +609,74 @@ struct Grouped {
 
 std::string kind_of(const std::string& group) { return group.substr(0, group.find('[')); }
 
+std::string join(const std::vector<std::string>& v, const char* sep = ",") {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+// "h.0-2 + wte,wpe": a chunk's blocks and the first or last modules it holds.
+std::string chunk_text(const StagePlan& st, const StageChunk& c) {
+  std::string t = st.blocks + "." + std::to_string(c.first_block);
+  if (c.end_block - c.first_block > 1) t += "-" + std::to_string(c.end_block - 1);
+  if (c.first && !st.first.empty()) t = join(st.first) + " + " + t;
+  if (c.last && !st.last.empty()) t += " + " + join(st.last);
+  return "stage " + std::to_string(c.stage) + ": " + t;
+}
+
+// The pipeline's stages, activations under the schedule and point-to-point traffic, by rank.
+std::string stages_text(const Plan& plan) {
+  std::ostringstream out;
+  const StagePlan* any = nullptr;
+  for (const auto& r : plan.ranks)
+    if (r.stage.present) any = &r.stage;
+  if (!any) return "";
+  char line[512], bubble[32];
+  std::snprintf(bubble, sizeof bubble, "%.4f", any->bubble);
+  out << "\npipeline stages: schedule " << any->schedule << ", " << any->microbatches << " micro-batches, "
+      << any->stages << " stages; predicted bubble " << (any->bubble < 0 ? std::string("-") : bubble)
+      << " (a forward 1 unit, a backward 2, transfers free)\n";
+  std::snprintf(line, sizeof line, "  %-14s %-6s %-11s %-11s %-9s %-12s %s\n", "ranks", "stage", "act./mb", "grad in/mb",
+                "in flight", "peak act.", "chunks");
+  out << line;
+  Grouped stages;
+  for (const auto& r : plan.ranks) {
+    if (!r.stage.present) continue;
+    std::string acts, grads, chunks;
+    for (const auto& c : r.stage.chunks) {
+      acts += (acts.empty() ? "" : ",") + human(c.activation_bytes);
+      grads += (grads.empty() ? "" : ",") + human(c.gradient_bytes);
+      chunks += (chunks.empty() ? "" : "; ") + chunk_text(r.stage, c);
+    }
+    std::snprintf(line, sizeof line, "%-6d %-11s %-11s %-9s %-12s %s", r.pipeline, acts.c_str(), grads.c_str(),
+                  r.stage.in_flight < 0 ? "-" : std::to_string(r.stage.in_flight).c_str(),
+                  human(r.stage.activation_peak).c_str(), chunks.c_str());
+    stages.add(line, r.rank);
+  }
+  for (const auto& text : stages.order) {
+    std::snprintf(line, sizeof line, "  %-14s ", rank_list(stages.ranks[text]).c_str());
+    out << line << text << "\n";
+  }
+  out << "\npoint-to-point per training step (messages to and from pipeline ranks; bytes include headers)\n";
+  Grouped p2p;
+  for (const auto& r : plan.ranks) {
+    if (!r.stage.present) continue;
+    std::string text;
+    for (const auto& t : r.stage.peers) {
+      std::string part = "pipeline rank " + std::to_string(t.pipeline_peer) + ":";
+      if (t.sends) part += " send x" + std::to_string(t.sends) + " " + human(t.send_bytes);
+      if (t.recvs) part += std::string(t.sends ? "," : "") + " recv x" + std::to_string(t.recvs) + " " + human(t.recv_bytes);
+      text += (text.empty() ? "" : "; ") + part;
+    }
+    p2p.add(text.empty() ? "none" : text, r.rank);
+  }
+  for (const auto& text : p2p.order) {
+    std::snprintf(line, sizeof line, "  %-14s ", rank_list(p2p.ranks[text]).c_str());
+    out << line << text << "\n";
+  }
+  return out.str();
+}
+
 }  // namespace
 
 std::string to_text(const Plan& plan) {
@@ -596,8 +726,9 @@ std::string to_text(const Plan& plan) {
 
   // Memory per rank, ranks with the same figures together.
   out << "\nmemory per rank (model state = parameters + gradients + optimizer state)\n";
+  const bool staged = plan.pipeline > 1;
   std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters", "gradients",
-                "optimizer", "model state", "activations (first step)");
+                "optimizer", "model state", staged ? "activations (peak under the schedule)" : "activations (first step)");
   out << line;
   Grouped memory;
   for (const auto& r : plan.ranks) {
@@ -610,6 +741,8 @@ std::string to_text(const Plan& plan) {
     std::snprintf(line, sizeof line, "  %-14s ", rank_list(memory.ranks[text]).c_str());
     out << line << text << "\n";
   }
+
+  if (staged) out << stages_text(plan);
 
   // Collectives in a step, by group kind.
   out << "\ncollectives per training step (bytes: whole messages)\n";
@@ -648,6 +781,24 @@ std::string to_json(const Plan& plan) {
     json comms = json::array();
     for (const auto& c : r.collectives)
       comms.push_back({{"group", c.group}, {"op", c.op}, {"calls", c.calls}, {"bytes", c.bytes}});
+    json stage = nullptr;
+    if (r.stage.present) {
+      const auto& st = r.stage;
+      json chunks = json::array(), peers = json::array();
+      for (const auto& c : st.chunks)
+        chunks.push_back({{"stage", c.stage}, {"blocks", {c.first_block, c.end_block}}, {"first", c.first},
+                          {"last", c.last}, {"activation_bytes", c.activation_bytes < 0 ? json(nullptr) : json(c.activation_bytes)},
+                          {"gradient_bytes", c.gradient_bytes},
+                          {"backward_bytes", c.backward_bytes < 0 ? json(nullptr) : json(c.backward_bytes)}});
+      for (const auto& t : st.peers)
+        peers.push_back({{"peer", t.peer}, {"pipeline_peer", t.pipeline_peer}, {"sends", t.sends},
+                         {"send_bytes", t.send_bytes}, {"recvs", t.recvs}, {"recv_bytes", t.recv_bytes}});
+      stage = {{"pipeline_rank", r.pipeline}, {"schedule", st.schedule}, {"microbatches", st.microbatches},
+               {"stages", st.stages}, {"blocks", st.blocks}, {"first", st.first}, {"last", st.last},
+               {"chunks", chunks}, {"in_flight", st.in_flight < 0 ? json(nullptr) : json(st.in_flight)},
+               {"activation_peak_bytes", st.activation_peak < 0 ? json(nullptr) : json(st.activation_peak)},
+               {"bubble", st.bubble < 0 ? json(nullptr) : json(st.bubble)}, {"p2p", peers}};
+    }
     ranks.push_back({{"rank", r.rank},
                      {"coord", {{"tensor", r.tensor}, {"data", r.data}, {"pipeline", r.pipeline}}},
                      {"param_bytes", r.param_bytes},
@@ -656,6 +807,7 @@ std::string to_json(const Plan& plan) {
                      {"model_state_bytes", r.model_state_bytes()},
                      {"activation_bytes", r.activation_bytes < 0 ? json(nullptr) : json(r.activation_bytes)},
                      {"collectives", comms},
+                     {"pipeline", stage},
                      {"shards", shards}});
   }
   json j = {{"script", plan.script},

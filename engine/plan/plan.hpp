@@ -5,6 +5,9 @@
 // the meta device (shapes, no memory), and the first optimizer step stops the script. What the
 // rank then holds is a RankPlan; all ranks' make a Plan. A real run builds the same RankPlan at
 // its first optimizer step, so a saved plan can be checked against it (Cube's ReuseType).
+// Under pipeline parallelism each virtual rank runs its own stage's schedule on meta tensors
+// (what it would receive is made from the known activation shape), and its StagePlan says what
+// the pipeline's first step measured and what the schedule predicts.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +27,9 @@ class Optimizer;
 }
 namespace partrain::dist {
 class Mesh;
+}
+namespace partrain::parallel {
+class Pipeline;
 }
 
 namespace partrain::plan {
@@ -78,13 +84,45 @@ struct Collective {
   bool operator==(const Collective& o) const;
 };
 
+/// One model chunk a pipeline rank holds: its virtual stage and blocks.
+struct StageChunk {
+  int stage = 0;                         ///< virtual stage (chunk c of pipeline rank r: c * pipeline + r)
+  int64_t first_block = 0, end_block = 0;  ///< the blocks [first_block, end_block)
+  bool first = false, last = false;      ///< holds the policy's first (embeddings) / last (head) modules
+  int64_t activation_bytes = -1;         ///< one micro-batch's forward leaves alive for backward (-1: not measured)
+  int64_t gradient_bytes = 0;            ///< the gradient it receives a micro-batch (0 on the last stage)
+  int64_t backward_bytes = -1;           ///< what a micro-batch's backward needs while it runs, above that
+};
+
+/// Point-to-point traffic of one step with one peer (a global rank); bytes include headers.
+struct PeerTraffic {
+  int peer = 0, pipeline_peer = 0;  ///< the peer's global rank and its pipeline rank
+  int64_t sends = 0, send_bytes = 0, recvs = 0, recv_bytes = 0;
+};
+
+/// A pipeline rank's stages and what its schedule predicts (absent without a pipeline).
+struct StagePlan {
+  bool present = false;
+  std::string schedule, blocks;  ///< the schedule's name; the blocks' container ("h")
+  std::vector<std::string> first, last;  ///< the modules before and after the blocks (policy's pipeline)
+  int microbatches = 0, stages = 0;
+  std::vector<StageChunk> chunks;
+  int64_t in_flight = -1;        ///< the pre-flight check's peak in-flight chunk activations on this rank
+  int64_t activation_peak = -1;  ///< peak activation bytes under the schedule (see PipelineMeasure::peak)
+  double bubble = -1;            ///< the schedule's predicted bubble fraction
+  std::vector<PeerTraffic> peers;
+};
+
 struct RankPlan {
   int rank = 0;
   int tensor = 0, data = 0, pipeline = 0;  ///< coordinates in the mesh
   std::vector<Shard> shards;
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
-  int64_t activation_bytes = -1;  ///< -1: no forward and backward ran before the first step
+  /// -1: no forward and backward ran before the first step. Under a pipeline: the schedule's
+  /// peak (stage.activation_peak).
+  int64_t activation_bytes = -1;
   std::vector<Collective> collectives;
+  StagePlan stage;  ///< under pipeline parallelism
   int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes; }
 };
 
@@ -102,6 +140,9 @@ struct Plan {
 /// activations and collectives as noted so far.
 RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
                   const dist::Mesh* mesh);
+
+/// A pipeline rank's stages, the check's predictions and what its first train_step measured.
+StagePlan stage_plan(const parallel::Pipeline& pipe);
 
 /// A plan with the layout's fields (world, mesh sizes) filled from `mesh`, and no ranks.
 Plan layout_of(const dist::Mesh* mesh);

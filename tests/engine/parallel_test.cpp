@@ -1,9 +1,11 @@
 // GoogleTest for the parallel engine without processes: sharding arithmetic (slices, padding,
 // unequal parts, re-cutting along another dimension), the mesh layout for every size that
 // divides 8, the data-parallel bucket layout, and the parallelized model's records, lifetime,
-// thread-bound hooks and train_step on a world of one, and the split of blocks into pipeline stages.
+// thread-bound hooks and train_step on a world of one, the split of blocks into pipeline stages, and
+// the peak activation bytes a rank's pipeline schedule holds.
 #include <gtest/gtest.h>
 
+#include <sstream>
 #include <thread>
 
 #include "engine/dist/mesh.hpp"
@@ -375,4 +377,41 @@ TEST(PipelineSplit, ActionsParseAndPrintAsTheScheduleWritesThem) {
   EXPECT_EQ(parallel::describe({parallel::PipeOp::RecvForward, 3, 1, 0}), "RECV_F3.c1<-0");
   EXPECT_EQ(parallel::describe({parallel::PipeOp::Backward, 2, 0, -1}), "B2.c0");
   EXPECT_NE(error_of([] { parallel::parse_pipe_op("SEND"); }).find("unknown action 'SEND'"), std::string::npos);
+}
+
+// A rank's action list from "F0 SEND_F0 RECV_B0 B0 ..." (chunk 0; peers do not matter here).
+static std::vector<parallel::PipeAction> pipe_actions(const std::string& text) {
+  std::vector<parallel::PipeAction> out;
+  std::istringstream words(text);
+  for (std::string w; words >> w;) {
+    auto digit = w.find_first_of("0123456789");
+    out.push_back({parallel::parse_pipe_op(w.substr(0, digit)), std::stoi(w.substr(digit)), 0, -1});
+  }
+  return out;
+}
+
+TEST(PipelinePeak, OneFOneBHoldsItsWarmUpGPipeEveryMicroBatchSendsUntilTheEnd) {
+  // A forward leaves 100 bytes, a received gradient 10 (the output sent has its shape), a
+  // backward needs 5 more while it runs; the first stage receives no input.
+  parallel::PipelineMeasure m;
+  m.activations = {100};
+  m.gradients = {10};
+  m.inputs = {0};
+  m.backward = {5};
+  // 1F1B, rank 0 of 2, 4 micro-batches: at B2, two in flight, B2's gradient, the four outputs
+  // sent so far and the backward's working memory.
+  auto one_f_one_b = pipe_actions("F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 F2 SEND_F2 RECV_B1 B1 F3 SEND_F3 RECV_B2 B2 "
+                                  "RECV_B3 B3");
+  EXPECT_EQ(parallel::peak_activation_bytes(one_f_one_b, m), 2 * 100 + 10 + 4 * 10 + 5);
+  // GPipe: all four in flight, their outputs sent, then the first gradient and backward.
+  auto gpipe = pipe_actions("F0 SEND_F0 F1 SEND_F1 F2 SEND_F2 F3 SEND_F3 RECV_B0 B0 RECV_B1 B1 RECV_B2 B2 RECV_B3 B3");
+  EXPECT_EQ(parallel::peak_activation_bytes(gpipe, m), 4 * 100 + 4 * 10 + 10 + 5);
+  // The last stage: its input arrives and its gradient is sent back (and kept) after each backward.
+  parallel::PipelineMeasure last;
+  last.activations = {120};
+  last.inputs = {10};
+  last.gradients = {0};
+  last.backward = {7};
+  auto tail = pipe_actions("RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1");
+  EXPECT_EQ(parallel::peak_activation_bytes(tail, last), 10 + 120 + 7) << "the second backward, one gradient kept";
 }

@@ -3,12 +3,20 @@
 --   partrain --nproc-per-node 4 tests/plan/gpt2_step.lua --tensor 2 --report DIR   (a real run)
 -- A real run writes DIR/rank<N>.json: what pt.memory_report() says after the first step, and
 -- the bytes the first forward left allocated (measured here, around the forward).
+-- With --pipeline P the model is cut into P stages and model:train_step runs the schedule
+-- (--schedule, --microbatches); the activations a real run reports are then the peak of the
+-- CPU allocator's count during the second step above what that step began with (parameters,
+-- gradients, kept from the first step, and optimizer state are all allocated by then).
 local pt = require "partrain"
 
 local cfg = pt.args {
   vocab = 256, seq = 64, dim = 128, heads = 4, layers = 2,
   batch = 8,                 -- the global batch, in sequences
   tensor = 1,
+  pipeline = 1,
+  schedule = "1f1b",
+  microbatches = 0,          -- 0: the pipeline size
+  chunks = 1,
   sequence_parallel = false,
   steps = 1,
   report = "",               -- a folder for the real run's measurements
@@ -16,15 +24,30 @@ local cfg = pt.args {
 }
 pt.set_threads(cfg.threads)
 pt.manual_seed(1)
-local mesh = pt.mesh { tensor = cfg.tensor }
+local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline }
 local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }
-model = pt.parallelize(model, nil, mesh, { sequence_parallel = cfg.sequence_parallel })
-local loss_of = pt.loss_fn(model)
+local pipelined = cfg.pipeline > 1
+local options = { sequence_parallel = cfg.sequence_parallel }
+if pipelined then
+  options.schedule, options.chunks = cfg.schedule, cfg.chunks
+  options.microbatches = cfg.microbatches > 0 and cfg.microbatches or cfg.pipeline
+end
+model = pt.parallelize(model, pipelined and "policies.gpt2" or nil, mesh, options)
+local loss_of = not pipelined and pt.loss_fn(model)  -- a pipeline computes its loss in train_step
 local opt = pt.optim.adamw(model, { lr = 1e-3, clip_grad_norm = 1.0 })
 local local_batch = math.floor(cfg.batch / mesh:size("data"))
 
 local activations
-for _ = 1, cfg.steps do
+for step = 1, pipelined and cfg.steps or 0 do
+  local tokens = pt.randint(0, cfg.vocab, { local_batch, cfg.seq + 1 })
+  local x, y = tokens:narrow(1, 0, cfg.seq):contiguous(), tokens:narrow(1, 1, cfg.seq):contiguous()
+  local before = pt.memory().allocated
+  pt.reset_peak_memory()
+  model:train_step(x, y)
+  if step == 2 then activations = pt.memory().allocated_peak - before end
+  opt:step()  -- no zero_grad: the gradients stay allocated, so the second step adds only its own
+end
+for _ = 1, pipelined and 0 or cfg.steps do
   local tokens = pt.randint(0, cfg.vocab, { local_batch, cfg.seq + 1 })
   local x, y = tokens:narrow(1, 0, cfg.seq):contiguous(), tokens:narrow(1, 1, cfg.seq):contiguous()
   local before = pt.memory().allocated
@@ -36,6 +59,7 @@ for _ = 1, cfg.steps do
 end
 
 if cfg.report ~= "" then
+  assert(activations, "--report needs --steps 2 or more with --pipeline")
   local r = pt.memory_report(model)
   local f = assert(io.open(("%s/rank%d.json"):format(cfg.report, pt.dist.rank()), "w"))
   f:write(('{"params": %d, "grads": %d, "optimizer": %d, "activations": %d, "engine_activations": %d}\n'):format(

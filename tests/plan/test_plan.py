@@ -9,14 +9,24 @@
 - A 64-rank plan of a GPT-2 with 1.5 B parameters (GPT-2 XL's sizes) takes seconds and
   allocates no tensor memory.
 - Bad input: a layout the script cannot take, a --nproc-per-node that does not divide --world.
-- What is not built yet (pipeline, ZeRO) is refused at the script's line, and no zero groups are
-  printed.
+- What is not built yet (pipeline with tensor parallelism, ZeRO) is refused at the script's line,
+  and no zero groups are printed.
+- Pipeline 4 (1F1B and GPipe): each rank's planned model-state bytes match a real 4-rank run's
+  within 2 % and its planned peak activations (a micro-batch's activations times the schedule's
+  peak in flight, plus a received gradient) the CPU allocator's peak during a real step within
+  25 %; the stages, bubble, in-flight counts and point-to-point traffic are as the schedule says;
+  GPipe's activations double with twice the micro-batches while 1F1B's stay flat; a saved
+  pipelined plan matches a real run; 64 ranks of GPT-2 small at pipeline 4 plan in seconds; a
+  world the pipeline does not divide and chunks that do not fit the blocks are refused.
+- A plan saved in format version 1 (before pipeline stages) still loads; a later version is
+  refused by name.
 
 Usage: test_plan.py PARTRAIN
 """
 import json
 import os
 import resource
+import struct
 import subprocess
 import sys
 import tempfile
@@ -165,14 +175,135 @@ with tempfile.TemporaryDirectory() as d:
         r = run(["plan", "--world", "4", script])
         check(f"partrain plan refuses {option} at the script's line",
               r.returncode != 0 and words in r.stderr and "unbuilt.lua:3" in r.stderr, r.stderr)
-    script = os.path.join(d, "pipelined.lua")
-    with open(script, "w") as f:
-        f.write('local pt = require "partrain"\nlocal mesh = pt.mesh { pipeline = 2 }\n'
-                'pt.parallelize(pt.models.gpt2 { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }, '
-                '"policies.gpt2", mesh)\n')
-    r = run(["plan", "--world", "2", script])
-    check("partrain plan refuses a pipelined model at the script's line",
-          r.returncode != 0 and "partrain plan does not plan pipeline parallelism yet" in r.stderr
-          and "pipelined.lua:3" in r.stderr, r.stderr)
+
+# ---- Pipeline parallelism ---------------------------------------------------------------------
+# Pipeline 4 of a 4-layer GPT-2 (one block a stage), 4 micro-batches of 2 sequences.
+PIPE = ["--pipeline", "4", "--layers", "4", "--batch", "8", "--microbatches", "4"]
+for schedule in ("1f1b", "gpipe"):
+    layout = [*PIPE, "--schedule", schedule]
+    planned = plan(4, *layout)
+    measured = real(4, *layout, "--steps", "2")
+    worst_state, worst_act = 0.0, 0.0
+    for r, m in zip(planned["ranks"], measured):
+        state = m["params"] + m["grads"] + m["optimizer"]
+        worst_state = max(worst_state, abs(r["model_state_bytes"] - state) / state)
+        worst_act = max(worst_act, abs(r["activation_bytes"] - m["activations"]) / m["activations"])
+    check(f"pipeline 4, {schedule}: planned model-state bytes match the real run's stages within 2 % "
+          f"(worst {worst_state:.4%})", worst_state <= 0.02,
+          [(r["model_state_bytes"], m["params"] + m["grads"] + m["optimizer"]) for r, m in zip(planned["ranks"], measured)])
+    check(f"pipeline 4, {schedule}: planned peak activations match the real step's allocator peak within 25 % "
+          f"(worst {worst_act:.4%})", worst_act <= 0.25,
+          [(r["activation_bytes"], m["activations"]) for r, m in zip(planned["ranks"], measured)])
+    stages = [r["pipeline"] for r in planned["ranks"]]
+    check(f"pipeline 4, {schedule}: every rank shows its stage, one block each, embeddings first, head last",
+          [s["pipeline_rank"] for s in stages] == [0, 1, 2, 3]
+          and [s["chunks"][0]["blocks"] for s in stages] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+          and stages[0]["chunks"][0]["first"] and stages[3]["chunks"][0]["last"]
+          and not stages[1]["chunks"][0]["first"] and not stages[1]["chunks"][0]["last"], stages)
+    names = [{s["name"] for s in r["shards"]} for r in planned["ranks"]]
+    check(f"pipeline 4, {schedule}: a rank's shards are its stage's, the tied embedding on the first and the last",
+          "wte.weight" in names[0] and "h.0.attn.c_attn.weight" in names[0] and "h.1.attn.c_attn.weight" not in names[0]
+          and "lm_head.weight" in names[3] and "h.3.mlp.c_fc.weight" in names[3] and "wpe.weight" not in names[3]
+          and all("ln_f.weight" not in n for n in names[:3]), names)
+    check(f"pipeline 4, {schedule}: the predicted bubble is (p-1)/(m+p-1) = 3/7",
+          all(abs(s["bubble"] - 3 / 7) < 1e-9 for s in stages), [s["bubble"] for s in stages])
+    in_flight = [s["in_flight"] for s in stages]
+    check(f"pipeline 4, {schedule}: peak in-flight micro-batches per rank ({in_flight})",
+          in_flight == ([4, 3, 2, 1] if schedule == "1f1b" else [4, 4, 4, 4]), in_flight)
+    # Each micro-batch's activation (2 x 64 x 128 floats) goes forward and its gradient back,
+    # each message an 80-byte header and the tensor.
+    msg = 80 + 2 * 64 * 128 * 4
+    p2p = [{p["pipeline_peer"]: p for p in s["p2p"]} for s in stages]
+    check(f"pipeline 4, {schedule}: point-to-point traffic per peer: 4 messages each way of {msg} bytes",
+          sorted(p2p[0]) == [1] and sorted(p2p[1]) == [0, 2] and sorted(p2p[3]) == [2]
+          and all(t["sends"] == 4 and t["recvs"] == 4 and t["send_bytes"] == 4 * msg and t["recv_bytes"] == 4 * msg
+                  for peers in p2p for t in peers.values()), p2p)
+    ops = {(c["group"].split("[")[0], c["op"]): c for c in planned["ranks"][1]["collectives"]}
+    check(f"pipeline 4, {schedule}: the collectives list the pipeline's sends and receives (a header and a tensor "
+          "each)", ops.get(("pipeline", "send"), {}).get("calls") == 16
+          and ops.get(("pipeline", "recv"), {}).get("bytes") == 8 * msg, planned["ranks"][1]["collectives"])
+
+# Growing the micro-batches (of the same size) from 4 to 8: GPipe holds every one, so its peak
+# grows by at least 4 micro-batches' activations; 1F1B holds at most p - rank, so its peak grows
+# only by the tensors the executor keeps until the step's sends complete (4 more outputs and 4
+# more input gradients at most, 2 x 64 x 128 floats each).
+grown = {}
+for schedule in ("1f1b", "gpipe"):
+    for m in (4, 8):
+        grown[schedule, m] = plan(4, "--pipeline", "4", "--layers", "4", "--batch", str(2 * m), "--microbatches",
+                                  str(m), "--schedule", schedule)["ranks"]
+kept = 8 * 2 * 64 * 128 * 4
+growth = {s: [b["activation_bytes"] - a["activation_bytes"] for a, b in zip(grown[s, 4], grown[s, 8])]
+          for s in ("1f1b", "gpipe")}
+check(f"GPipe's planned peak grows with the micro-batches by at least 4 micro-batches' activations "
+      f"({growth['gpipe']}), its in-flight count with them",
+      all(g >= 4 * r["pipeline"]["chunks"][0]["activation_bytes"] for g, r in zip(growth["gpipe"], grown["gpipe", 4]))
+      and [r["pipeline"]["in_flight"] for r in grown["gpipe", 8]] == [8] * 4, growth)
+check(f"1F1B's in-flight micro-batches stay p - rank and its planned peak grows only by the kept sends "
+      f"({growth['1f1b']} <= {kept})",
+      all(0 <= g <= kept for g in growth["1f1b"])
+      and [r["pipeline"]["in_flight"] for r in grown["1f1b", 8]] == [4, 3, 2, 1], growth)
+
+# The text form, and a saved pipelined plan that a real run matches.
+r = run(["plan", "--world", "4", SCRIPT, *PIPE])
+check("the text plan shows the stages, the bubble, peak activations and point-to-point traffic",
+      r.returncode == 0 and "predicted bubble 0.4286" in r.stdout and "stage 0: wte,wpe + h.0" in r.stdout
+      and "stage 3: h.3 + ln_f,lm_head" in r.stdout and "pipeline rank 1: send x4" in r.stdout
+      and "pipeline send x16" in r.stdout and "activations (peak under the schedule)" in r.stdout, r.stdout + r.stderr)
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "pipe.bin")
+    r = run(["plan", "--world", "4", "--save", path, SCRIPT, *PIPE])
+    check("plan --save writes a pipelined plan", r.returncode == 0 and os.path.getsize(path) > 0, r.stderr)
+    r = run(["--nproc-per-node", "4", "--threads", "1", "--plan", path, SCRIPT, *PIPE, "--steps", "2"])
+    check("a real pipelined run matches its saved plan (stages' shards, bytes, the step's transfers)",
+          r.returncode == 0 and "matches the plan" in r.stderr, r.stderr)
+
+# A plan saved in format version 1 (before pipeline stages) still loads: a one-rank plan that
+# holds no tensor, written here byte by byte as cereal's binary archive lays it out, is read and
+# compared (every tensor of the run is "not in the plan"), not refused as damaged.
+def cereal_string(text):
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def old_plan(version):
+    ranks = struct.pack("<Q", 1) + struct.pack("<4i", 0, 0, 0, 0) + struct.pack("<Q", 0) \
+        + struct.pack("<4q", 0, 0, 0, -1) + struct.pack("<Q", 0)
+    return cereal_string("partrain-plan") + struct.pack("<I", version) + cereal_string(SCRIPT) \
+        + struct.pack("<6i", 1, 1, 1, 1, 1, 1) + struct.pack("<qd", 0, 0.0) + ranks
+
+
+with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "v1.bin")
+    open(path, "wb").write(old_plan(1))
+    r = run(["--threads", "1", "--plan", path, SCRIPT])
+    check("a version 1 plan still loads and is compared with the run",
+          r.returncode != 0 and "does not match the plan" in r.stderr and "h.0.attn.c_attn.weight: not in the plan" in r.stderr,
+          r.stderr)
+    open(path, "wb").write(old_plan(3))
+    r = run(["--threads", "1", "--plan", path, SCRIPT])
+    check("a plan of a later format version is refused, naming the versions read",
+          r.returncode != 0 and "format version 3; this partrain reads 1 to 2" in r.stderr, r.stderr)
+
+# 64 ranks of GPT-2 small (124 M) as data 16 x pipeline 4 (pipeline with tensor parallelism is not
+# built yet): quick, and four stages of three blocks.
+start = time.time()
+small = plan(64, "--vocab", "50257", "--seq", "1024", "--dim", "768", "--heads", "12", "--layers", "12",
+             "--batch", "64", "--pipeline", "4", "--microbatches", "4")
+seconds = time.time() - start
+stages = {r["pipeline"]["pipeline_rank"]: r["pipeline"]["chunks"][0]["blocks"] for r in small["ranks"]}
+check(f"a 64-rank plan of GPT-2 small at data 16 x pipeline 4 takes seconds ({seconds:.1f} s) and shows 4 stages",
+      seconds < 60 and len(small["ranks"]) == 64 and stages == {0: [0, 3], 1: [3, 6], 2: [6, 9], 3: [9, 12]}
+      and small["mesh"]["data"] == 16 and small["ranks"][17]["pipeline"]["pipeline_rank"] == 1, stages)
+check("... rank 0 and rank 48 each count the tied embedding (each stage holds a copy)",
+      small["ranks"][0]["param_bytes"] > 50257 * 768 * 4 and small["ranks"][48]["param_bytes"] > 50257 * 768 * 4
+      and small["ranks"][16]["param_bytes"] < 50257 * 768 * 4, [small["ranks"][i]["param_bytes"] for i in (0, 16, 48)])
+
+# Bad combinations, refused at the script's line.
+r = run(["plan", "--world", "6", SCRIPT, *PIPE])
+check("a world the pipeline does not divide is refused, naming both",
+      r.returncode != 0 and "6" in r.stderr and "pipeline" in r.stderr and "gpt2_step.lua:" in r.stderr, r.stderr)
+r = run(["plan", "--world", "4", SCRIPT, *PIPE, "--schedule", "interleaved", "--chunks", "2"])
+check("chunks that do not fit the blocks are refused at the script's line",
+      r.returncode != 0 and "4 blocks cannot fill 8 stages" in r.stderr and "gpt2_step.lua:" in r.stderr, r.stderr)
 
 finish("plan")

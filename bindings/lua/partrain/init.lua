@@ -230,9 +230,10 @@ local function pipeline_description(model, policy, mesh, opts)
     error(("parallelize: balance must be 'uniform', 'parameters' or a list of blocks a stage, got %s"):format(tostring(balance)), 0)
   end
   local pipeline = require "partrain.pipeline"
-  local plan = pipeline.build(schedule, pp, microbatches, chunks)
-  local flat = {}
+  local plan, report = pipeline.build(schedule, pp, microbatches, chunks)
+  local flat, peaks = {}, {}
   for r = 0, pp - 1 do
+    peaks[r + 1] = report.ranks[r].peak
     local list = {}
     for _, a in ipairs(plan[r]) do
       list[#list + 1] = a.op; list[#list + 1] = a.mb; list[#list + 1] = a.chunk; list[#list + 1] = a.peer or -1
@@ -241,7 +242,7 @@ local function pipeline_description(model, policy, mesh, opts)
   end
   return { blocks = stages.blocks, first = stages.first or {}, last = stages.last or {}, balance = balance,
            sizes = sizes, schedule = plan.name or tostring(schedule), chunks = chunks,
-           microbatches = microbatches, plan = flat }
+           microbatches = microbatches, plan = flat, bubble = report.bubble, peaks = peaks }
 end
 
 function pt.parallelize(model, policy, mesh, opts)
