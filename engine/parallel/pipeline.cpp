@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "engine/dist/world.hpp"
+#include "engine/nn/layers.hpp"
 #include "engine/parallel/data_parallel.hpp"
 
 namespace partrain::parallel {
@@ -147,6 +148,25 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   for (const auto& name : options.last)
     TORCH_CHECK(root.child(name), "pipeline: the policy's last module '", name, "' is not a child of ", root.type());
 
+  if (!root.has_stage_ends()) {
+    // A chain only when the root runs its children in order: a Sequential of exactly the first
+    // modules, the blocks' container and the last modules. Any other forward could differ from
+    // the chain without an error, so it is refused.
+    std::vector<std::string> want(options.first), have;
+    want.push_back(options.blocks);
+    want.insert(want.end(), options.last.begin(), options.last.end());
+    for (const auto& [name, child] : root.children_named()) have.push_back(name);
+    auto list = [](const std::vector<std::string>& names) {
+      std::string out;
+      for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+      return out;
+    };
+    TORCH_CHECK(dynamic_cast<nn::Sequential*>(&root) && have == want, "pipeline: ", root.type(), " has no stage ends of "
+                "its own (stage_in, stage_out), so its stages run as a chain: it must be a Sequential whose children "
+                "are the policy's first modules, its blocks' container and its last modules, in that order (",
+                list(want), "), but it ", dynamic_cast<nn::Sequential*>(&root) ? "has " + list(have)
+                                                                                    : std::string("is not a Sequential"));
+  }
   auto block_list = blocks->children_named();
   std::vector<int64_t> weights;
   for (auto& [name, b] : block_list) weights.push_back(parameter_count(*b));

@@ -181,6 +181,18 @@ test("a chain model (no stage ends of its own) over pipeline 2 equals serial tra
   eq(mine["out.weight"] ~= nil, stage == 1, "the last module lives on the last stage")
   eq(mine["h.0.0.weight"] ~= nil, stage == 0, "uneven split {1, 2}: block 0 on the first stage")
   eq(mine["h.2.0.weight"] ~= nil, stage == 1, "and blocks 1, 2 on the last")
+  -- A model whose forward is not that chain (children out of order, or not a Sequential) is refused.
+  local swapped = pt.nn.Sequential()
+  swapped:add("h", chain().h); swapped:add("inp", pt.nn.Linear(8, 12)); swapped:add("out", pt.nn.Linear(12, 5))
+  raises(function() pt.parallelize(swapped, chain_policy, mesh, {}) end,
+    "must be a Sequential whose children are the policy's first modules, its blocks' container and its last "
+    .. "modules, in that order (inp, h, out), but it has h, inp, out")
+  local Residual = pt.nn.Module("Residual")
+  function Residual:__init() self.inp = pt.nn.Linear(8, 12); self.h = chain().h; self.out = pt.nn.Linear(12, 5) end
+  function Residual:forward(x) local y = self.inp(x); return self.out(y + self.h(y)) end
+  local residual_policy = P.policy { name = "residual", targets = { "Residual" }, modules = {},
+                                     pipeline = { blocks = "h", first = { "inp" }, last = { "out" } } }
+  raises(function() pt.parallelize(Residual(), residual_policy, mesh, {}) end, "but it is not a Sequential")
 end)
 
 test("clipping by global norm spans every stage, the tied embedding once (float64)", function()
