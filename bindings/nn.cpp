@@ -5,6 +5,8 @@
 
 #include "bindings/lua.hpp"
 #include "engine/models/registry.hpp"
+#include "engine/dist/world.hpp"
+#include "engine/nn/init.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/parallel_model.hpp"
@@ -305,6 +307,15 @@ const Function kMethods[] = {
        lua_settop(a.L, 1);
        return 1; }},
     {"zero_grad", [](Args& a) { for (auto& p : a.module(1)->parameters()) p.mutable_grad() = Tensor(); return a.ret(); }},
+    {"materialize", [](Args& a) {  // a deferred (meta) model's tensors allocated and initialized by name
+       auto& m = a.module(1);
+       if (parallel::ParallelModel::of(*m))
+         a.fail(1, "a parallelized model was materialized by pt.parallelize (each rank its own part)");
+       auto device = a.none(2) ? dist::World::instance().device() : torch::Device(a.string(2));
+       nn::materialize(*m, device);
+       lua_settop(a.L, 1);
+       return 1; }},
+    {"is_meta", [](Args& a) { return a.ret(nn::has_meta(*a.module(1))); }},
     {"num_parameters", [](Args& a) {
        int64_t n = 0;
        for (const auto& p : nn::unique_parameters(*a.module(1))) n += p.numel();
@@ -435,6 +446,14 @@ const Function kConstructors[] = {
        std::string type = a.string(1);
        if (!a.is_table(2)) a.expected(2, "class table");
        return a.ret(ModulePtr(std::make_shared<LuaModule>(a.L, type, 2))); }},
+    {"_defer", [](Args& a) {  // on: new layers' parameters on the meta device; returns whether they were
+       bool was = nn::parameter_options().device().is_meta();
+       if (!plan::planning())
+         nn::set_parameter_options(a.boolean(1) ? nn::parameter_options().device(torch::kMeta) : torch::TensorOptions());
+       return a.ret(was); }},
+    {"_seed_if_unset", [](Args& a) {  // a deferred model's base seed (a built-in family drew its own)
+       if (!a.module(1)->init_seed()) nn::draw_init_seed(*a.module(1));
+       return a.ret(); }},
     {"is_module", [](Args& a) { return a.ret(ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT) != nullptr); }},
     {"_check", [](Args& a) {  // every module's invariants, and ties between tensors split alike
        nn::check_tree(*a.module(1));
@@ -479,10 +498,10 @@ const Function kConstructors[] = {
        // Given the model, its split parameters are found in its tree; a list of tensors counts whole.
        auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
        auto owner = model ? parallel::ParallelModel::of(**model) : nullptr;
+       auto groups = model ? parallel::split_groups(**model, params) : std::vector<dist::GroupPtr>{};
        double norm = owner && owner->pipeline()
-                         ? owner->pipeline()->grad_norm(params)  // over every stage, a tied tensor once
-                         : parallel::global_grad_norm(params, model ? parallel::split_groups(**model, params)
-                                                                    : std::vector<dist::GroupPtr>{});
+                         ? owner->pipeline()->grad_norm(params, groups)  // over every stage, a tied tensor once
+                         : parallel::global_grad_norm(params, groups);
        double scale = max_norm / (norm + 1e-6);
        if (scale < 1)
          for (auto& p : params)

@@ -77,13 +77,14 @@ int make_optimizer(Args& a, const std::string& kind) {
       opt->set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
         return parallel::global_grad_norm(params, groups);
       });
-    // Pipeline stages: the norm spans every stage (the pipeline group), a tied tensor once.
+    // Pipeline stages: the norm spans every stage (the pipeline group), a tied tensor once, split
+    // parameters over their tensor group.
     if (auto pm = parallel::ParallelModel::of(**m); pm && pm->pipeline()) {
       std::weak_ptr<parallel::Pipeline> pipeline = pm->pipeline();
-      opt->set_grad_norm([pipeline](const std::vector<torch::Tensor>& params) {
+      opt->set_grad_norm([pipeline, groups](const std::vector<torch::Tensor>& params) {
         auto p = pipeline.lock();
         TORCH_CHECK(p, "clipping: the pipelined model this optimizer was made for is gone");
-        return p->grad_norm(params);
+        return p->grad_norm(params, groups);  // split parameters over their tensor group too
       });
     }
   }

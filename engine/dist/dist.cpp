@@ -779,8 +779,6 @@ std::vector<std::vector<int>> Layout::groups(const std::string& kind) const {
 namespace {
 // What the mesh can describe but nothing runs yet is refused, never silently ignored.
 const MeshOptions& buildable(const MeshOptions& o) {
-  TORCH_CHECK(o.pipeline == 1 || o.tensor == 1, "pipeline=", o.pipeline, " with tensor=", o.tensor, ": pipeline "
-              "parallelism combined with tensor parallelism is not implemented yet (use one of them)");
   TORCH_CHECK(o.zero <= 1, "zero=", o.zero, ": ZeRO (optimizer state split over the data group) is not implemented "
               "yet (leave zero unset, or 1)");
   return o;

@@ -18,7 +18,7 @@ struct MeshOptions {
   int pipeline = 1;   ///< pipeline-parallel size
   int data = 0;       ///< data-parallel size; 0: world / (tensor * pipeline)
   int zero = 0;       ///< ranks that split optimizer state: <= 0 or 1 off, n groups of n (a live Mesh
-                      ///< refuses zero > 1, and pipeline > 1 with tensor > 1, until they are built)
+                      ///< refuses zero > 1 until it is built)
 };
 
 struct Coord {
@@ -48,7 +48,7 @@ class Layout {
 class Mesh {
  public:
   /// Lays out the world and makes every group (collectively: all ranks call this together).
-  /// zero > 1, and pipeline > 1 with tensor > 1, are refused: neither is implemented yet.
+  /// zero > 1 is refused: it is not implemented yet.
   Mesh(const MeshOptions& options, World& world);
 
   const Layout& layout() const { return layout_; }

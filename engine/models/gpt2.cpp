@@ -7,6 +7,7 @@
 
 #include "engine/compat.hpp"
 #include "engine/models/registry.hpp"
+#include "engine/nn/init.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::models {
@@ -213,6 +214,24 @@ Tensor Gpt2::embed(const Tensor& ids) {
   return at::dropout(x, options.dropout, is_training());
 }
 
+Tensor Gpt2::stage_in(const Tensor& ids) {
+  // Sequence parallelism: the group of a LayerNorm that sees this rank's part of the sequence.
+  dist::GroupPtr group;
+  for (const auto& [path, m] : modules())
+    if (auto* ln = dynamic_cast<const parallel::ParallelLayerNorm*>(m.get()); ln && ln->sequence_parallel) {
+      group = ln->group;
+      break;
+    }
+  if (!group) return embed(ids);
+  TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
+              " ", ids.dtype());
+  const int64_t T = ids.size(1);
+  TORCH_CHECK(T <= options.seq, "GPT2: sequence of ", T, " tokens is longer than seq=", options.seq);
+  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
+  auto x = child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
+  return at::dropout(parallel::split_sequence(x, group), options.dropout, is_training());  // (B, T/t, dim)
+}
+
 Tensor Gpt2::head(const Tensor& x) {
   return child("lm_head")->forward({child("ln_f")->forward({x})});  // (B, T, vocab)
 }
@@ -230,22 +249,27 @@ std::string Gpt2::extra_repr() const {
   return s.str();
 }
 
+bool Gpt2::init_tensor(const std::string& path, Tensor& t, at::Generator& gen) const {
+  auto ends = [&](const std::string& end) {
+    return path.size() >= end.size() && path.compare(path.size() - end.size(), end.size(), end) == 0;
+  };
+  const double std = 0.02, residual = 0.02 / std::sqrt(2.0 * static_cast<double>(options.layers));
+  if (path == "wpe.weight") t.normal_(0, 0.01, gen);
+  else if (path.find("ln_") != std::string::npos) t.fill_(ends(".weight") ? 1.0 : 0.0);  // LayerNorm at (1, 0)
+  else if (ends(".bias")) t.zero_();
+  else if (ends("c_proj.weight")) t.normal_(0, residual, gen);
+  else if (ends(".weight")) t.normal_(0, std, gen);  // wte (and lm_head, tied to it), c_attn, c_fc
+  else return false;
+  return true;
+}
+
 nn::ModulePtr gpt2(const Gpt2Options& o) {
-  auto model = std::make_shared<Gpt2>(o);
-  torch::NoGradGuard no_grad;
-  const double std = 0.02, residual = 0.02 / std::sqrt(2.0 * static_cast<double>(o.layers));
-  for (auto& [path, m] : model->modules()) {
-    if (m->type() == "Linear") {
-      bool projection = path.size() >= 6 && path.compare(path.size() - 6, 6, "c_proj") == 0;
-      m->param("weight").normal_(0, projection ? residual : std);
-      if (m->param("bias").defined()) m->param("bias").zero_();
-    } else if (m->type() == "Embedding") {
-      m->param("weight").normal_(0, path == "wpe" ? 0.01 : std);
-    }
-  }
-  // lm_head shares wte's weight (both [vocab, dim]).
-  model->child("lm_head")->set_parameter("weight", model->child("wte")->param("weight"));
-  return model;
+  return nn::build_initialized([&] {
+    auto model = std::make_shared<Gpt2>(o);
+    // lm_head shares wte's weight (both [vocab, dim]).
+    model->child("lm_head")->set_parameter("weight", model->child("wte")->param("weight"));
+    return nn::ModulePtr(model);
+  });
 }
 
 // ---- The family's descriptor ---------------------------------------------------------------

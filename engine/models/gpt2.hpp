@@ -78,7 +78,17 @@ class Gpt2 : public nn::Unary {
   /// forward(ids) is head(h(embed(ids))).
   Tensor embed(const Tensor& ids);
   Tensor head(const Tensor& x);
+  /// A pipeline's stage ends: embed and head, and under sequence parallelism (its layers split
+  /// the sequence; the forward policies/gpt2.lua installs) the embeddings' sum split along the
+  /// sequence before dropout, as that forward does: its blocks and ln_f then see T/t positions
+  /// and lm_head gathers them.
+  bool has_stage_ends() const override { return true; }
+  Tensor stage_in(const Tensor& ids) override;
+  Tensor stage_out(const Tensor& x) override { return head(x); }
   std::string extra_repr() const override;
+  /// GPT-2's initialization by name: N(0, 0.02) weights, N(0, 0.02/sqrt(2 layers)) for the
+  /// residual projections (c_proj), N(0, 0.01) for wpe, zero biases, LayerNorm at (1, 0).
+  bool init_tensor(const std::string& path, Tensor& t, at::Generator& gen) const override;
   /// Read-only: "dropout" (on the embeddings' sum) and "seq" (the context length), for a
   /// replaced forward to behave as this one does.
   c10::optional<double> attribute(const std::string& name) const override;
@@ -89,8 +99,8 @@ class Gpt2 : public nn::Unary {
   Gpt2Options options;
 };
 
-/// Builds GPT-2 and initializes it as GPT-2 does: N(0, 0.02) weights, N(0, 0.02/sqrt(2 layers))
-/// for the residual projections (attn.c_proj, mlp.c_proj), zero biases, LayerNorm at (1, 0).
+/// Builds GPT-2 and initializes it as GPT-2 does (Gpt2::init_tensor), each tensor by its name
+/// (nn::build_initialized): on the meta device when parameter_options() say so, for pt.deferred.
 nn::ModulePtr gpt2(const Gpt2Options& options);
 
 }  // namespace partrain::models

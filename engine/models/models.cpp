@@ -2,6 +2,7 @@
 #include "engine/models/models.hpp"
 
 #include "engine/models/registry.hpp"
+#include "engine/nn/init.hpp"
 #include "engine/plan/plan.hpp"
 
 namespace partrain::models {
@@ -17,17 +18,19 @@ class Mlp : public nn::Sequential {
 nn::ModulePtr mlp(const MlpOptions& o) {
   TORCH_CHECK(o.sizes.size() >= 2, "mlp needs at least two sizes (input and output), got ",
               o.sizes.size());
-  auto model = std::make_shared<Mlp>();
-  for (size_t i = 0; i + 1 < o.sizes.size(); ++i) {
-    nn::LinearOptions linear(o.sizes[i], o.sizes[i + 1]);
-    linear.bias = o.bias;
-    model->append(std::make_shared<nn::Linear>(linear));
-    if (i + 2 < o.sizes.size()) {
-      model->append(nn::make_activation(o.activation));
-      if (o.dropout > 0) model->append(std::make_shared<nn::Dropout>(o.dropout));
+  return nn::build_initialized([&] {  // each weight by its name, as a deferred build has it
+    auto model = std::make_shared<Mlp>();
+    for (size_t i = 0; i + 1 < o.sizes.size(); ++i) {
+      nn::LinearOptions linear(o.sizes[i], o.sizes[i + 1]);
+      linear.bias = o.bias;
+      model->append(std::make_shared<nn::Linear>(linear));
+      if (i + 2 < o.sizes.size()) {
+        model->append(nn::make_activation(o.activation));
+        if (o.dropout > 0) model->append(std::make_shared<nn::Dropout>(o.dropout));
+      }
     }
-  }
-  return model;
+    return nn::ModulePtr(model);
+  });
 }
 
 Family mlp_family() {

@@ -24,6 +24,8 @@ struct LinearOptions {
 class Linear : public Unary {
  public:
   explicit Linear(const LinearOptions& options);
+  /// weight and bias: U(-1/sqrt(in), 1/sqrt(in)), as the constructor (LibTorch's default)
+  void reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const override;
   Tensor forward(const Tensor& x) override;  // (..., in) -> (..., out)
   std::string extra_repr() const override;
   void check(const std::string& path) const override;  // weight [out, in], bias [out]
@@ -45,6 +47,8 @@ struct EmbeddingOptions {
 class Embedding : public Unary {
  public:
   explicit Embedding(const EmbeddingOptions& options);
+  /// weight: N(0, 1), as the constructor
+  void reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const override;
   Tensor forward(const Tensor& ids) override;
   std::string extra_repr() const override;
   void check(const std::string& path) const override;  // weight [count, dim]
@@ -64,6 +68,8 @@ struct LayerNormOptions {
 class LayerNorm : public Unary {
  public:
   explicit LayerNorm(const LayerNormOptions& options);
+  /// weight 1, bias 0
+  void reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const override;
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
   void check(const std::string& path) const override;  // weight and bias [dim] when affine

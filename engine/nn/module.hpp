@@ -72,6 +72,30 @@ class Module : public torch::nn::Module {
   /// split it (a tensor-parallel layer); nullptr for a whole parameter. The module tree is where
   /// every consumer (checkpoints, planner, clipping, the REPL) finds it: parallel::sharding_of.
   virtual const parallel::Sharding* sharding_of(const std::string& name) const { return nullptr; }
+  /// Initializes `t`, the logical (serial) tensor of this module's own parameter or buffer `name`
+  /// (float32 on the CPU), from `gen`, as this layer type initializes it: what its constructor
+  /// does, in distribution. The base class knows no parameters and says so, naming the module.
+  virtual void reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const;
+  /// A model's say over its whole tree, asked of the root before the owning layer: fills `t`
+  /// (the logical tensor at dotted `path`, float32 on the CPU) from `gen` and returns true, or
+  /// returns false to leave it to the layer (GPT-2's family initialization answers here).
+  virtual bool init_tensor(const std::string& path, Tensor& t, at::Generator& gen) const { return false; }
+  /// The base seed that initialization by name (nn::initial_tensor) mixes with each tensor's
+  /// name: drawn once from the global generator when the model is built; nullopt until then.
+  c10::optional<uint64_t> init_seed() const { return init_seed_; }
+  void set_init_seed(uint64_t seed) { init_seed_ = seed; }
+  /// Puts `value` in this module's own parameter slot `name` (a new tensor object, not new data
+  /// in the old one: a meta tensor's data cannot be swapped for real data), or in its buffer
+  /// `name` (new data: a meta buffer is refused, naming it).
+  void replace_tensor(const std::string& name, const Tensor& value);
+  /// Whether this model provides its pipeline stage ends (stage_in, stage_out). Without them, a
+  /// pipeline's first stage applies the policy's `first` modules in order before its blocks, and
+  /// the last stage its `last` modules after them: the model is taken to be a chain.
+  virtual bool has_stage_ends() const { return false; }
+  /// The first stage's forward before its blocks (GPT-2: the embeddings' sum) and the last
+  /// stage's after them (GPT-2: ln_f, lm_head). forward(x) is stage_out(blocks(stage_in(x))).
+  virtual Tensor stage_in(const Tensor& x);
+  virtual Tensor stage_out(const Tensor& x);
   /// The parallelized model this module is the root of (parallel::ParallelModel), or nullptr.
   /// Held weakly: the parallelized model owns the tree, not the other way round.
   std::shared_ptr<parallel::ParallelModel> parallel_owner() const { return owner_.lock(); }
@@ -152,6 +176,7 @@ class Module : public torch::nn::Module {
   ForwardFn replaced_;
   bool bypass_ = false;  // inside own_forward
   std::weak_ptr<parallel::ParallelModel> owner_;
+  c10::optional<uint64_t> init_seed_;
   // child()'s index, name -> child: built from LibTorch's children dict (which only hands out
   // copies) at the first lookup, and dropped whenever this module's children change (set_child,
   // restore_slots: the only ways partrain changes them). Like the rest of the tree, it is not

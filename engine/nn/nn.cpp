@@ -269,6 +269,28 @@ void Module::set_parameter(const std::string& name, const Tensor& value) {
   else register_parameter(name, p, /*requires_grad=*/true);
 }
 
+void Module::reset_tensor(const std::string& name, Tensor&, at::Generator&) const {
+  TORCH_CHECK(false, type_, " cannot initialize its tensor '", name, "' by itself (a module written in Lua, or one "
+              "whose tensors only its model knows): build it normally rather than deferred");
+}
+
+Tensor Module::stage_in(const Tensor&) { TORCH_CHECK(false, type_, " has no stage ends of its own"); }
+Tensor Module::stage_out(const Tensor&) { TORCH_CHECK(false, type_, " has no stage ends of its own"); }
+
+void Module::replace_tensor(const std::string& name, const Tensor& value) {
+  if (auto* p = parameters_.find(name)) {
+    *p = value;
+    return;
+  }
+  // LibTorch keeps buffers to itself: their data can be swapped (set_buffer), their objects not,
+  // and a meta tensor's data cannot become real data.
+  auto buffers = named_buffers(/*recurse=*/false);
+  TORCH_CHECK(buffers.find(name), type_, " has no parameter or buffer called '", name, "'");
+  TORCH_CHECK(!buffers[name].is_meta(), type_, "'s buffer '", name, "' is on the meta device: a buffer cannot be "
+              "materialized (make it with a real tensor, pt.zeros(...), even inside pt.deferred)");
+  set_buffer(name, value);
+}
+
 void Module::set_buffer(const std::string& name, const Tensor& value) {
   TORCH_CHECK(!parameters_.find(name), type_, " already has a parameter called '", name, "'");
   auto buffers = named_buffers(false);
@@ -341,6 +363,13 @@ Linear::Linear(const LinearOptions& o) : Unary("Linear"), options(o) {
   }
 }
 
+void Linear::reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const {
+  // kaiming_uniform_(a = sqrt(5)) and the bias's bound are both U(-1/sqrt(in), 1/sqrt(in)).
+  TORCH_CHECK(name == "weight" || name == "bias", "Linear has no tensor '", name, "'");
+  double bound = 1.0 / std::sqrt(static_cast<double>(options.in));
+  t.uniform_(-bound, bound, gen);
+}
+
 Tensor Linear::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.in, "Linear(", options.in, ", ", options.out,
               ") expects input (..., ", options.in, "), got ", x.sizes());
@@ -376,6 +405,11 @@ Embedding::Embedding(const EmbeddingOptions& o) : Unary("Embedding"), options(o)
   register_parameter("weight", torch::randn({o.count, o.dim}, parameter_options()));
 }
 
+void Embedding::reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const {
+  TORCH_CHECK(name == "weight", "Embedding has no tensor '", name, "'");
+  t.normal_(0, 1, gen);
+}
+
 Tensor Embedding::forward(const Tensor& ids) {
   TORCH_CHECK(!ids.is_floating_point(), "Embedding expects integer ids, got ", ids.dtype());
   return F::embedding(ids, weight());
@@ -400,6 +434,11 @@ LayerNorm::LayerNorm(const LayerNormOptions& o) : Unary("LayerNorm"), options(o)
     register_parameter("weight", Tensor(), false);
     register_parameter("bias", Tensor(), false);
   }
+}
+
+void LayerNorm::reset_tensor(const std::string& name, Tensor& t, at::Generator&) const {
+  TORCH_CHECK(name == "weight" || name == "bias", "LayerNorm has no tensor '", name, "'");
+  t.fill_(name == "weight" ? 1.0 : 0.0);
 }
 
 Tensor LayerNorm::forward(const Tensor& x) {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "engine/dist/world.hpp"
+#include "engine/nn/init.hpp"
 #include "engine/parallel/trace.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -101,6 +103,15 @@ struct SyncOnlyIf {
 
 // ---- The composer ----------------------------------------------------------------------------
 
+void materialize_local(nn::Module& root, const std::unordered_map<std::string, std::string>& canonical) {
+  const auto device = dist::World::instance().device();
+  nn::materialize(root, device, [&](const nn::MetaTensor& t) {
+    const auto* s = t.owner->sharding_of(t.local);
+    auto full = nn::initial_tensor(root, t.name, s ? c10::IntArrayRef(s->shape) : t.meta.sizes(), *t.owner, t.local);
+    return (s ? local_part(full, *s, s->group->rank()) : full).to(device, t.meta.scalar_type());
+  }, canonical);
+}
+
 std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
                                                           ParallelizeOptions options) {
   TORCH_CHECK(root, "parallelize: no model");
@@ -123,21 +134,25 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   const int pp = model->mesh_->size("pipeline");
   TORCH_CHECK(pp == 1 || options.pipeline, "parallelize: the mesh has pipeline=", pp, ", but no pipeline schedule "
               "was given");
-  if (pp > 1) {
-    TORCH_CHECK(options.pipeline->chunks == 1 || model->mesh_->size("data") == 1, "parallelize: an interleaved "
-                "pipeline (chunks=", options.pipeline->chunks, ") with data parallelism (data=",
-                model->mesh_->size("data"), ") is not implemented yet");
-    model->pipeline_ = Pipeline::cut(tree, *model->mesh_, std::move(*options.pipeline));
+  //    A tied tensor keeps the name it had before the cut (its first in tree order) for 3.
+  auto canonical = nn::canonical_names(tree);
+  if (pp > 1) model->pipeline_ = Pipeline::cut(tree, *model->mesh_, std::move(*options.pipeline));
+  // 3. A model built deferred (on the meta device) gets its tensors now, only those this rank
+  //    holds: each initialized by name as the serial model (the logical tensor, then this rank's
+  //    slice of a split one), one at a time. The planner keeps them on the meta device.
+  if (!plan::planning() && nn::has_meta(tree)) {
+    materialize_local(tree, canonical);
+    if (model->pipeline_) model->pipeline_->rebind(tree);  // its ties held the meta tensors
   }
-  // 3. The records: one per parameter, from the tree as the policy left it. A tie between tensors
+  // 4. The records: one per parameter, from the tree as the policy left it. A tie between tensors
   //    split differently is refused here.
   model->records_ = parameter_records(tree);
-  // 4. Data parallelism over the data group: parameters broadcast from data rank 0, gradient hooks
+  // 5. Data parallelism over the data group: parameters broadcast from data rank 0, gradient hooks
   //    over the unit's parameters as they now are (split or whole). It comes after the split so
   //    that its buckets hold this rank's parts. (ZeRO will shard the optimizer state over the zero
   //    group after this; the mesh refuses zero > 1 until it is built.)
   model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), options.data_parallel);
-  // 5. Only once everything succeeded does the tree know its owner.
+  // 6. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
   return model;
 }

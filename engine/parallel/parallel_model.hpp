@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/dist/mesh.hpp"
@@ -53,6 +54,12 @@ std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<tor
 /// group of more than one rank, whose split logits losses read without gathering them; nullptr
 /// when the tree has none. `path` (if given) receives its dotted path.
 const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path = nullptr);
+
+/// Allocates every meta parameter and buffer `root` holds on this rank's device, initialized by
+/// name as the serial model is (nn::initial_tensor): a split tensor's logical tensor is made, then
+/// this rank's slice of it kept, one tensor at a time. `canonical`: the names that seed tied
+/// tensors (nn::canonical_names before a pipeline cut dropped a tie's other names).
+void materialize_local(nn::Module& root, const std::unordered_map<std::string, std::string>& canonical = {});
 
 /// What a training step computes (model:train_step's options).
 struct TrainStepOptions {

@@ -9,7 +9,8 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "engine/models/gpt2.hpp"
+#include "engine/dist/world.hpp"
+#include "engine/nn/layers.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/trace.hpp"
 #include "engine/plan/memory.hpp"
@@ -152,12 +153,20 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
               " and microbatches=", options.microbatches, " must be at least 1");
   TORCH_CHECK(static_cast<int>(options.plan.size()) == p.pp_, "pipeline: the schedule has ", options.plan.size(),
               " rank lists for pipeline=", p.pp_);
-  // The stage ends are the model's own: only GPT-2 says how its forward divides yet.
-  auto* gpt2 = dynamic_cast<models::Gpt2*>(&root);
-  TORCH_CHECK(gpt2, "pipeline: ", root.type(), " cannot be cut into stages yet (only GPT2 names its first and last "
-              "stages' forward)");
-  TORCH_CHECK(!root.forward_replaced(), "pipeline: ", root.type(), "'s forward is replaced (sequence parallelism?): "
-              "the stages run its own parts, so a replaced forward cannot be cut into stages");
+  // The stage ends: the model's own (stage_in/stage_out), or else the policy's first and last
+  // modules applied in order around the blocks (a chain). A replaced forward cannot be cut,
+  // except sequence parallelism's, whose equivalent the model's stage ends compute.
+  bool sequence_split = false;
+  for (const auto& [path, m] : root.modules())
+    if (auto split = m->sequence_split(); split && *split) sequence_split = true;
+  TORCH_CHECK(!root.forward_replaced() || (root.has_stage_ends() && sequence_split), "pipeline: ", root.type(),
+              "'s forward is replaced",
+              root.has_stage_ends() ? "" : " and it has no stage ends of its own (stage_in, stage_out)",
+              ": the stages run its parts (the policy's first modules, the blocks, its last modules), so a replaced "
+              "forward cannot be cut into stages");
+  TORCH_CHECK(!sequence_split || root.has_stage_ends(), "pipeline: ", root.type(), " is sequence-parallel but has no "
+              "stage ends of its own to split and gather the sequence (sequence_parallel = false, or a model with "
+              "stage_in/stage_out such as GPT-2)");
   auto blocks = root.find(options.blocks);
   TORCH_CHECK(blocks && !options.blocks.empty(), "pipeline: the policy's blocks '", options.blocks, "' is not a module "
               "of ", root.type());
@@ -166,6 +175,25 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   for (const auto& name : options.last)
     TORCH_CHECK(root.child(name), "pipeline: the policy's last module '", name, "' is not a child of ", root.type());
 
+  if (!root.has_stage_ends()) {
+    // A chain only when the root runs its children in order: a Sequential of exactly the first
+    // modules, the blocks' container and the last modules. Any other forward could differ from
+    // the chain without an error, so it is refused.
+    std::vector<std::string> want(options.first), have;
+    want.push_back(options.blocks);
+    want.insert(want.end(), options.last.begin(), options.last.end());
+    for (const auto& [name, child] : root.children_named()) have.push_back(name);
+    auto list = [](const std::vector<std::string>& names) {
+      std::string out;
+      for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+      return out;
+    };
+    TORCH_CHECK(dynamic_cast<nn::Sequential*>(&root) && have == want, "pipeline: ", root.type(), " has no stage ends of "
+                "its own (stage_in, stage_out), so its stages run as a chain: it must be a Sequential whose children "
+                "are the policy's first modules, its blocks' container and its last modules, in that order (",
+                list(want), "), but it ", dynamic_cast<nn::Sequential*>(&root) ? "has " + list(have)
+                                                                                    : std::string("is not a Sequential"));
+  }
   auto block_list = blocks->children_named();
   std::vector<int64_t> weights;
   for (auto& [name, b] : block_list) weights.push_back(parameter_count(*b));
@@ -187,7 +215,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   };
   auto rank_of_stage = [&](int s) { return s % p.pp_; };
   std::unordered_map<const c10::TensorImpl*, std::vector<int>> holders;  // ranks, in name order
-  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names;  // in tree order
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names;
   std::vector<torch::Tensor> order;
   const std::string prefix = options.blocks + ".";
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
@@ -206,9 +234,9 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
       TORCH_CHECK(stage != -2, "pipeline: parameter '", name, "' belongs to '", top, "', which the policy's pipeline "
                   "places nowhere (blocks '", options.blocks, "', first and last modules)");
     }
+    names[item.value().unsafeGetTensorImpl()].push_back(name);
     auto& h = holders[item.value().unsafeGetTensorImpl()];
     if (h.empty()) order.push_back(item.value());
-    names[item.value().unsafeGetTensorImpl()].push_back(name);
     if (std::find(h.begin(), h.end(), rank_of_stage(stage)) == h.end())
       h.push_back(rank_of_stage(stage));
   }
@@ -216,14 +244,20 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
     const auto& h = holders[t.unsafeGetTensorImpl()];
     if (h.size() < 2) continue;
     bool mine = std::find(h.begin(), h.end(), p.rank_) != h.end();
-    p.ties_.push_back({mine ? t : torch::Tensor(), h.front() == p.rank_, t.sizes().vec(), t.scalar_type(),
-                       names[t.unsafeGetTensorImpl()]});
+    p.ties_.push_back({names[t.unsafeGetTensorImpl()], mine ? t : torch::Tensor(), h.front() == p.rank_,
+                       t.sizes().vec(), t.scalar_type()});
   }
 
   // Keep this rank's modules; the others' become placeholders.
   for (auto& [name, child] : root.children_named()) {
     int s = stage_of_child(name);
     if (s >= 0 && rank_of_stage(s) != p.rank_) root.set_child(name, std::make_shared<Elsewhere>(s));
+  }
+  if (!root.has_stage_ends()) {  // a chain: the first stage's modules, then the last's
+    if (p.rank_ == 0)
+      for (const auto& name : options.first) p.first_.push_back(root.child(name));
+    if (p.rank_ == rank_of_stage(stages - 1))
+      for (const auto& name : options.last) p.last_.push_back(root.child(name));
   }
   p.chunk_blocks_.assign(options.chunks, {});
   for (int64_t i = 0; i < static_cast<int64_t>(block_list.size()); ++i) {
@@ -232,7 +266,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
     else blocks->set_child(block_list[i].first, std::make_shared<Elsewhere>(s));
   }
   for (const auto& t : root.parameters(/*recurse=*/true)) {
-    p.device_ = t.device();
+    p.device_ = t.is_meta() ? dist::World::instance().device() : t.device();  // a deferred model's: the rank's
     p.dtype_ = t.scalar_type();
     break;
   }
@@ -240,13 +274,44 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   return pipe;
 }
 
-double Pipeline::grad_norm(const std::vector<torch::Tensor>& params) const {
-  auto sum = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
-  for (const auto& p : params) {
+void Pipeline::rebind(nn::Module& root) {
+  auto params = root.named_parameters(/*recurse=*/true);
+  for (auto& tie : ties_) {
+    if (!tie.param.defined()) continue;  // held elsewhere
+    for (const auto& name : tie.names)
+      if (const auto* t = params.find(name)) {
+        tie.param = *t;
+        break;
+      }
+  }
+}
+
+double Pipeline::grad_norm(const std::vector<torch::Tensor>& params, const std::vector<dist::GroupPtr>& groups) const {
+  TORCH_CHECK(groups.empty() || groups.size() == params.size(), "pipeline grad_norm: ", groups.size(), " groups for ",
+              params.size(), " parameters");
+  // Whole parameters summed here; split ones per tensor group (in first-seen order, the same on
+  // every rank of a stage), then added: this rank's stage's share, summed over the pipeline.
+  auto options = torch::TensorOptions().dtype(torch::kFloat64).device(device_);
+  auto sum = torch::zeros({1}, options);
+  std::vector<std::pair<dist::GroupPtr, torch::Tensor>> split;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
     if (!p.grad().defined()) continue;
     auto tie = std::find_if(ties_.begin(), ties_.end(), [&](const Tie& t) { return t.param.is_same(p); });
     if (tie != ties_.end() && !tie->counted) continue;  // its other holder counts it
-    sum += p.grad().detach().to(torch::kFloat64).pow(2).sum();
+    auto sq = p.grad().detach().to(torch::kFloat64).pow(2).sum().reshape({1});
+    auto g = groups.empty() ? nullptr : groups[i];
+    if (!g) {
+      sum += sq;
+      continue;
+    }
+    auto it = std::find_if(split.begin(), split.end(), [&](const auto& e) { return e.first == g; });
+    if (it == split.end()) split.emplace_back(g, sq);
+    else it->second += sq;
+  }
+  for (auto& [g, sq] : split) {
+    g->all_reduce(sq);
+    sum += sq;
   }
   group_->all_reduce(sum);
   return std::sqrt(sum.item<double>());
@@ -274,10 +339,20 @@ bool Pipeline::first_holder(const torch::Tensor& param) const {
 
 torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
   const int v = chunk * pp_ + rank_;
-  auto& model = static_cast<models::Gpt2&>(*root_);
-  auto x = v == 0 ? model.embed(in) : in;
+  const bool ends = root_->has_stage_ends();
+  auto x = in;
+  if (v == 0) {
+    if (ends) x = root_->stage_in(x);
+    else
+      for (auto& m : first_) x = m->forward({x});
+  }
   for (auto& b : chunk_blocks_[chunk]) x = b->forward({x});
-  return v == stages() - 1 ? model.head(x) : x;
+  if (v == stages() - 1) {
+    if (ends) x = root_->stage_out(x);
+    else
+      for (auto& m : last_) x = m->forward({x});
+  }
+  return x;
 }
 
 // A message is a header (dtype, dims, sizes) then the tensor, on one channel: the receiver

@@ -87,10 +87,12 @@ int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const Pipe
 /// This rank's stages of a model and the schedule that runs them.
 class Pipeline {
  public:
-  /// Cuts `root` (the whole serial model, the same on every pipeline rank) into
-  /// pipeline x chunks stages and keeps only this rank's: the other stages' modules are replaced
-  /// by empty placeholders (names and the tree's shape stay), so that what the rank holds has
-  /// the serial model's initial weights. Parameters tied across stages (GPT-2's wte and lm_head)
+  /// Cuts `root` (the whole serial model, built deferred on the meta device or normally, the
+  /// same on every pipeline rank) into pipeline x chunks stages and keeps only this rank's: the
+  /// other stages' modules are replaced by empty placeholders (names and the tree's shape stay),
+  /// so that what the rank holds, once materialized, has the serial model's initial weights.
+  /// The stage ends are the model's stage_in/stage_out, or else the policy's first and last
+  /// modules applied in order (a chain). Parameters tied across stages (GPT-2's wte and lm_head)
   /// are noted: their gradients are summed over the ranks holding them after every step.
   static std::shared_ptr<Pipeline> cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options);
 
@@ -103,9 +105,11 @@ class Pipeline {
                            DataParallel* dp);
 
   /// The global L2 norm of `params`' gradients over the whole pipeline (what clipping needs):
-  /// squares summed here, then over the pipeline group; a parameter tied across stages counts
-  /// once (on the first rank holding it). Every pipeline rank must call it.
-  double grad_norm(const std::vector<torch::Tensor>& params) const;
+  /// squares summed here (a split parameter's over its tensor group in `groups`, as
+  /// global_grad_norm: split_groups gives them; empty: all whole), then over the pipeline group;
+  /// a parameter tied across stages counts once (on the first rank holding it). Every rank of
+  /// the pipeline and tensor groups must call it.
+  double grad_norm(const std::vector<torch::Tensor>& params, const std::vector<dist::GroupPtr>& groups = {}) const;
 
   int stages() const { return pp_ * options_.chunks; }
   const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
@@ -114,13 +118,17 @@ class Pipeline {
   int rank() const { return rank_; }  ///< this rank's place in the pipeline group
   const PipelineMeasure& measured() const { return measured_; }
 
+  /// Finds the tied parameters again by name in `root`, whose tensors were replaced since the
+  /// cut (a deferred model materialized: its meta tensors gave way to real ones).
+  void rebind(nn::Module& root);
+
  private:
   struct Tie {
+    std::vector<std::string> names;  ///< every name of the tensor in the serial tree, in tree order
     torch::Tensor param;  ///< undefined on a rank that does not hold it
     bool counted;         ///< whether this rank counts it in grad_norm (the first rank holding it)
     std::vector<int64_t> shape;
     torch::ScalarType dtype;
-    std::vector<std::string> names;  ///< every name of the tensor in the serial tree, in tree order
   };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
   void send(const torch::Tensor& t, int peer, int tag);
@@ -133,6 +141,7 @@ class Pipeline {
   int pp_ = 1, rank_ = 0;
   std::vector<int64_t> bounds_;
   std::vector<std::vector<nn::ModulePtr>> chunk_blocks_;  // this rank's blocks, by chunk
+  std::vector<nn::ModulePtr> first_, last_;  // a chain's stage ends, on the ranks holding them
   std::vector<Tie> ties_;
   std::vector<std::pair<dist::Work, std::vector<torch::Tensor>>> sends_;  // in flight, kept alive
   torch::Device device_ = torch::kCPU;

@@ -2,7 +2,9 @@
 -- uniform, by-parameter and explicit stage splits, at pipeline 2 (2 ranks), and pipeline 2 x data 2
 -- and pipeline 4 (4 ranks); losses every step and every parameter a rank holds at the end within
 -- 1e-5 (float32) and 1e-10 (float64) relative to max(|x|, 1), every serial parameter held by some
--- stage, each rank holding only its stages' blocks; clipping's global norm spans every stage.
+-- stage, each rank holding only its stages' blocks; the pipelined model is built deferred (on the
+-- meta device) and each rank allocates only its stage's parameters; clipping's global norm spans
+-- every stage.
 -- Also: options that cannot run are refused at the caller's line.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_pipeline.lua
 package.path = "tests/lua/?.lua;" .. package.path
@@ -23,13 +25,15 @@ local function batches(mesh)
   return x, y, x:narrow(0, d * b, b), y:narrow(0, d * b, b)
 end
 
--- Trains GPT-2 serially and through the pipeline from the same seed; returns the pipelined model.
+-- Trains GPT-2 serially (built normally) and through the pipeline (built deferred: each rank
+-- materializes only its stages) from the same seed; returns the pipelined model.
 local function equal_to_serial(what, mesh, opts, dtype, steps, optim)
   local tol = TOL[dtype]
   pt.manual_seed(5)
   local serial = pt.models.gpt2(gpt):to(dtype)
   pt.manual_seed(5)
-  local model = pt.parallelize(pt.models.gpt2(gpt):to(dtype), "policies.gpt2", mesh, opts)
+  local deferred = pt.deferred(function() return pt.models.gpt2(gpt):to(dtype) end)
+  local model = pt.parallelize(deferred, "policies.gpt2", mesh, opts)
   local so = pt.optim.adamw(serial, optim or { lr = 1e-2 })
   local po = pt.optim.adamw(model, optim or { lr = 1e-2 })
   for step = 1, steps or 5 do
@@ -89,6 +93,21 @@ for _, dtype in ipairs { "float32", "float64" } do
   end
 end
 
+test("a deferred model's ranks allocate only their own stage's parameters", function()
+  -- GPT-2 at dim 16: a block holds 3280 parameters, wte 1024, wpe 128, ln_f 32, lm_head (tied to
+  -- wte: its own tensor on the last stage) 1024; serially 14304.
+  pt.manual_seed(5)
+  local deferred = pt.deferred(function() return pt.models.gpt2(gpt) end)
+  ok(deferred:is_meta(), "built on the meta device")
+  eq(deferred:num_parameters(), 14304, "the serial model's parameter count")
+  local model = pt.parallelize(deferred, "policies.gpt2", mesh, { microbatches = 2 })
+  ok(not model:is_meta(), "every tensor this rank holds is allocated")
+  local bytes = 0
+  for _, p in ipairs(model:parameters()) do bytes = bytes + p:numel() * 4 end
+  eq(model:num_parameters(), stage == 0 and 7712 or 7616, "stage " .. stage .. "'s parameters only")
+  eq(bytes, model:num_parameters() * 4, "no tensor held twice")
+end)
+
 if mesh:size("data") == 1 then
   test("interleaved, 2 chunks a rank, equals serial training (float64)", function()
     local model = equal_to_serial("interleaved", mesh, { schedule = "interleaved", microbatches = 4, chunks = 2 },
@@ -96,9 +115,11 @@ if mesh:size("data") == 1 then
     eq(blocks_held(model), stage == 0 and "0,2" or "1,3", "chunk c of rank r is virtual stage 2c + r")
   end)
 else
-  test("an interleaved pipeline with data parallelism is refused", function()
-    raises(function() pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { schedule = "interleaved",
-      microbatches = 4, chunks = 2 }) end, "interleaved pipeline (chunks=2) with data parallelism")
+  test("interleaved, 2 chunks a rank, with data parallelism (pipeline 2 x data 2) equals serial training", function()
+    local model = equal_to_serial("interleaved x data", mesh, { schedule = "interleaved", microbatches = 4,
+      chunks = 2 }, "float64")
+    eq(blocks_held(model), stage == 0 and "0,2" or "1,3", "chunk c of rank r is virtual stage 2c + r")
+    equal_to_serial("interleaved x data", mesh, { schedule = "interleaved", microbatches = 2, chunks = 2 }, "float32", 5)
   end)
 end
 
@@ -119,6 +140,59 @@ test("explicit and by-parameter stage splits equal serial training (float64)", f
   -- The tied embedding and head weigh on both ends: with 2 stages they stay balanced.
   model = equal_to_serial("parameters", mesh, { microbatches = 2, balance = "parameters" }, "float64", 3)
   eq(blocks_held(model), stage == 0 and "0,1" or "2,3", "by parameters: the ends weigh alike")
+end)
+
+-- A model with no stage ends of its own: a chain (the policy's first modules, the blocks, its last
+-- modules, applied in order), built in Lua from pt.nn layers.
+local function chain()
+  local root = pt.nn.Sequential()
+  root:add("inp", pt.nn.Linear(8, 12))
+  local h = pt.nn.Sequential()
+  for _ = 1, 3 do h:add(pt.nn.Sequential(pt.nn.Linear(12, 12), pt.nn.Tanh())) end
+  root:add("h", h)
+  root:add("out", pt.nn.Linear(12, 5))
+  return root:to("float64")
+end
+local P = require "partrain.policy"
+local chain_policy = P.policy { name = "chain", targets = { "Sequential" }, modules = {},
+                                pipeline = { blocks = "h", first = { "inp" }, last = { "out" } } }
+
+test("a chain model (no stage ends of its own) over pipeline 2 equals serial training (float64)", function()
+  pt.manual_seed(9)
+  local serial = pt.deferred(chain):materialize()
+  pt.manual_seed(9)
+  local model = pt.parallelize(pt.deferred(chain), chain_policy, mesh, { microbatches = 2, balance = { 1, 2 } })
+  local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(model, { lr = 0.1 })
+  local d, n = mesh:coord().data, mesh:size("data")
+  for step = 1, 5 do
+    local x, y = pt.randn({ BATCH, 8 }):to("float64"), pt.randint(0, 5, { BATCH })
+    mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+    local ls = pt.nn.cross_entropy(serial(x), y)
+    ls:backward()
+    local b = BATCH / n
+    local lp = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
+    mesh:group("data"):all_reduce(lp, "mean")
+    near(lp, ls, 1e-10, ("chain: loss at step %d"):format(step))
+    so:step(); po:step(); so:zero_grad(); po:zero_grad()
+  end
+  local mine, want = model:state_dict(), serial:state_dict()
+  for name, t in pairs(mine) do near(t, want[name], 1e-10, "chain: parameter " .. name) end
+  eq(mine["inp.weight"] ~= nil, stage == 0, "the first module lives on the first stage")
+  eq(mine["out.weight"] ~= nil, stage == 1, "the last module lives on the last stage")
+  eq(mine["h.0.0.weight"] ~= nil, stage == 0, "uneven split {1, 2}: block 0 on the first stage")
+  eq(mine["h.2.0.weight"] ~= nil, stage == 1, "and blocks 1, 2 on the last")
+  -- A model whose forward is not that chain (children out of order, or not a Sequential) is refused.
+  local swapped = pt.nn.Sequential()
+  swapped:add("h", chain().h); swapped:add("inp", pt.nn.Linear(8, 12)); swapped:add("out", pt.nn.Linear(12, 5))
+  raises(function() pt.parallelize(swapped, chain_policy, mesh, {}) end,
+    "must be a Sequential whose children are the policy's first modules, its blocks' container and its last "
+    .. "modules, in that order (inp, h, out), but it has h, inp, out")
+  local Residual = pt.nn.Module("Residual")
+  function Residual:__init() self.inp = pt.nn.Linear(8, 12); self.h = chain().h; self.out = pt.nn.Linear(12, 5) end
+  function Residual:forward(x) local y = self.inp(x); return self.out(y + self.h(y)) end
+  local residual_policy = P.policy { name = "residual", targets = { "Residual" }, modules = {},
+                                     pipeline = { blocks = "h", first = { "inp" }, last = { "out" } } }
+  raises(function() pt.parallelize(Residual(), residual_policy, mesh, {}) end, "but it is not a Sequential")
 end)
 
 test("clipping by global norm spans every stage, the tied embedding once (float64)", function()

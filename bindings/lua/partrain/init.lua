@@ -71,6 +71,23 @@ for name, build in pairs(core.models) do pt.models[name] = build end
 --- sharding policy, e.g. "policies.gpt2"), or nil.
 pt.model_family = core.model_families.family_of
 
+--- pt.deferred(fn): runs `fn` (which builds and returns a model) with new layers' parameters on
+--- the meta device (no memory), and gives the model its base seed: every tensor is later
+--- initialized from (that seed, its dotted name), so pt.parallelize materializes on each rank
+--- only the stage and shards it holds, and model:materialize() the whole model, with the weights
+--- of the model built normally (built-in families) or of any other deferred build after the
+--- same pt.manual_seed. docs/pipeline.md.
+function pt.deferred(fn)
+  if type(fn) ~= "function" then error("pt.deferred: a function that builds the model expected, got " .. type(fn), 2) end
+  local was = core.nn._defer(true)
+  local ok, model = pcall(fn)
+  core.nn._defer(was)
+  if not ok then error(model, 0) end
+  if not core.nn.is_module(model) then error("pt.deferred: the function returned " .. type(model) .. ", not a model", 2) end
+  core.nn._seed_if_unset(model)
+  return model
+end
+
 function nn.ReLU() return core.nn.activation "ReLU" end
 function nn.Tanh() return core.nn.activation "Tanh" end
 function nn.Sigmoid() return core.nn.activation "Sigmoid" end

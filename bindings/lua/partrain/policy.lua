@@ -314,7 +314,10 @@ local function check_policy(spec, at)
       end
     end
   end
-  if type(spec.modules) == "table" then check_modules(spec.modules, at) end
+  -- A policy that only says how the model splits into pipeline stages may replace nothing.
+  if type(spec.modules) == "table" and (next(spec.modules) ~= nil or not spec.pipeline) then
+    check_modules(spec.modules, at)
+  end
 end
 
 local declared = setmetatable({}, { __mode = "k" })  -- policy table -> where P.policy made it

@@ -1,0 +1,88 @@
+-- Deferred construction and initialization by name: a model built inside pt.deferred holds no
+-- memory (its parameters are on the meta device), and model:materialize() gives it exactly the
+-- weights the same model gets when built normally after the same pt.manual_seed (GPT-2 and the
+-- MLP family: every tensor equal, ties kept), whatever the build order; layers built in Lua get
+-- their layer type's initialization; what cannot be initialized by name is refused by name.
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, eq, ok, raises = H.test, H.eq, H.ok, H.raises
+
+local small = { vocab = 50, seq = 16, dim = 24, heads = 3, layers = 2 }
+
+-- Every tensor of `a` equals `b`'s exactly, and they have the same names.
+local function same(a, b, what)
+  local sa, sb = a:state_dict(), b:state_dict()
+  for name, t in pairs(sa) do
+    ok(sb[name] ~= nil, what .. ": " .. name .. " missing")
+    ok(t:equal(sb[name]), what .. ": " .. name .. " differs")
+  end
+  for name in pairs(sb) do ok(sa[name] ~= nil, what .. ": unexpected " .. name) end
+end
+
+test("GPT-2 built deferred and materialized equals GPT-2 built normally, tensor by tensor", function()
+  pt.manual_seed(11)
+  local serial = pt.models.gpt2(small)
+  pt.manual_seed(11)
+  local deferred = pt.deferred(function() return pt.models.gpt2(small) end)
+  ok(deferred:is_meta(), "deferred: on the meta device")
+  eq(deferred.h["0"].attn.c_attn.weight.device, "meta", "a deferred weight holds no memory")
+  deferred:materialize()
+  ok(not deferred:is_meta(), "materialized")
+  same(deferred, serial, "gpt2")
+  ok(deferred.lm_head.weight:equal(deferred.wte.weight), "lm_head still tied to wte")
+  deferred.wte.weight:detach():add_(1)
+  ok(deferred.lm_head.weight:equal(deferred.wte.weight), "one tensor, not two equal ones")
+  -- GPT-2's family init by name: the distributions of before.
+  local std = serial.h["0"].mlp.c_fc.weight:std():item()
+  ok(math.abs(std - 0.02) < 0.002, "c_fc ~ N(0, 0.02): " .. std)
+  eq(serial.h["1"].ln_2.weight:sum():item(), small.dim, "LayerNorm weight 1")
+  eq(serial.h["1"].attn.c_proj.bias:abs():sum():item(), 0, "zero biases")
+end)
+
+test("a different seed gives different weights; the same seed the same, in float64 too", function()
+  pt.manual_seed(1)
+  local a = pt.models.gpt2(small)
+  pt.manual_seed(2)
+  local b = pt.models.gpt2(small)
+  ok(not a.wte.weight:equal(b.wte.weight), "seeds 1 and 2 differ")
+  pt.manual_seed(1)
+  local c = pt.deferred(function() return pt.models.gpt2(small):to("float64") end):materialize()
+  eq(c.wte.weight.dtype, "float64")
+  ok(c.wte.weight:equal(a.wte.weight:to("float64")), "float64: the float32 draw, widened")
+end)
+
+test("the MLP family, and chains built in Lua: deferred equals normal, each layer its own init", function()
+  pt.manual_seed(3)
+  local serial = pt.models.mlp { sizes = { 8, 16, 4 } }
+  pt.manual_seed(3)
+  local deferred = pt.deferred(function() return pt.models.mlp { sizes = { 8, 16, 4 } } end):materialize()
+  same(deferred, serial, "mlp")
+  local function chain()
+    return pt.nn.Sequential(pt.nn.Embedding(10, 8), pt.nn.LayerNorm(8), pt.nn.Linear(8, 400))
+  end
+  pt.manual_seed(4)
+  local one = pt.deferred(chain):materialize()
+  pt.manual_seed(4)
+  local two = pt.deferred(chain):materialize()
+  same(one, two, "a chain built in Lua")
+  local w = one:get("2").weight
+  local bound = 1 / math.sqrt(8)
+  ok(w:abs():max():item() <= bound and w:abs():max():item() > 0.9 * bound, "Linear: U(-1/sqrt(in), 1/sqrt(in))")
+  ok(math.abs(one:get("0").weight:std():item() - 1) < 0.3, "Embedding: N(0, 1)")
+  eq(one:get("1").weight:sum():item(), 8, "LayerNorm: weight 1")
+end)
+
+test("what cannot be initialized by name is refused, naming it", function()
+  local Scale = pt.nn.Module("Scale")
+  function Scale:__init() self:register_parameter("s", pt.zeros({ 2 }):to("meta")) end
+  function Scale:forward(x) return x * self.s end
+  local m = pt.deferred(function() return pt.nn.Sequential(pt.nn.Linear(2, 2), Scale()) end)
+  raises(function() m:materialize() end, "Scale cannot initialize its tensor 's'")
+  raises(function() pt.deferred(function() return 3 end) end, "returned number, not a model")
+  raises(function() pt.deferred(function() error("broken build") end) end, "broken build")
+  -- Whatever happened inside, layers made afterwards are real again.
+  eq(pt.nn.Linear(2, 2).weight.device, "cpu", "deferral ends with pt.deferred")
+end)
+
+H.run()
