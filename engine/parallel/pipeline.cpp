@@ -137,6 +137,13 @@ bool contains(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
+// partrain plan: the shape of each (stage, micro-batch) input a planned rank sent, for the
+// receiving rank planned after it in the same process.
+std::map<std::pair<int, int>, std::vector<int64_t>>& planned_shapes() {
+  static std::map<std::pair<int, int>, std::vector<int64_t>> shapes;
+  return shapes;
+}
+
 constexpr int kActivationTag = 1, kGradientTag = 2;  // the two channels between a pair of ranks
 constexpr int64_t kHeader = 10;                      // dtype, dims, up to 8 sizes
 
@@ -266,7 +273,8 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
     else blocks->set_child(block_list[i].first, std::make_shared<Elsewhere>(s));
   }
   for (const auto& t : root.parameters(/*recurse=*/true)) {
-    p.device_ = t.is_meta() ? dist::World::instance().device() : t.device();  // a deferred model's: the rank's
+    // A deferred model's tensors are allocated on the rank's device, except under partrain plan.
+    p.device_ = t.is_meta() && !plan::planning() ? dist::World::instance().device() : t.device();
     p.dtype_ = t.scalar_type();
     break;
   }
@@ -447,6 +455,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   static const TraceKind kinds[] = {  // in PipeOp's order
       TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
       TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
+  std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
@@ -454,10 +463,15 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
     TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
       case PipeOp::RecvForward: {
-        // (B/m, T, dim): what every stage hands the next (the planner's expected shape).
-        const auto& ids = xs[a.mb];
-        const int64_t dim = static_cast<models::Gpt2&>(*root_).options.dim;
-        s.input = receive(a.peer, kActivationTag, {ids.size(0), ids.dim() > 1 ? ids.size(1) : 1, dim}).requires_grad_(true);
+        // Under partrain plan nothing arrives: the shape is what the sending stage's forward gave
+        // (virtual ranks are planned in order, so a lower pipeline rank has been planned), or,
+        // for an interleaved wrap-around not planned yet, this rank's own last activation's.
+        std::vector<int64_t> expected;
+        if (group_->planned()) {
+          auto it = planned_shapes().find({v, a.mb});
+          expected = it != planned_shapes().end() ? it->second : last_shape;
+        }
+        s.input = receive(a.peer, kActivationTag, expected).requires_grad_(true);
         break;
       }
       case PipeOp::Forward: {
@@ -469,6 +483,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           s.output = m > 1 ? l / m : l;
         } else {
           s.output = out;
+          last_shape = out.sizes().vec();
         }
         out = torch::Tensor();  // what the backward does not need goes now (the head's logits)
         if (measure && countable && measured_.activations[a.chunk] < 0) {
@@ -478,6 +493,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         break;
       }
       case PipeOp::SendForward:
+        if (group_->planned()) planned_shapes()[{v + 1, a.mb}] = s.output.sizes().vec();
         send(s.output, a.peer, kActivationTag);
         break;
       case PipeOp::RecvBackward:

@@ -122,6 +122,18 @@ class Pipeline {
   /// cut (a deferred model materialized: its meta tensors gave way to real ones).
   void rebind(nn::Module& root);
 
+  // ---- What checkpoints and the REPL ask of the stages ----------------------------------------
+  int size() const { return pp_; }  ///< the pipeline group's size
+  /// This rank's virtual stages, by chunk: chunk c is stage c * size() + rank().
+  std::vector<int> own_stages() const;
+  /// The name the serial model gives this rank's parameter `name`: a tensor tied across stages
+  /// goes by its first name in the serial tree (GPT-2's lm_head.weight is wte.weight) on every
+  /// stage holding it, so checkpoints find it by one name; any other name is its own.
+  std::string logical_name(const std::string& name) const;
+  /// Whether this rank is the first pipeline rank holding `param` (true for all but a tensor tied
+  /// across stages, held first by another rank): the one that writes it in a checkpoint.
+  bool first_holder(const torch::Tensor& param) const;
+
  private:
   struct Tie {
     std::vector<std::string> names;  ///< every name of the tensor in the serial tree, in tree order
@@ -148,19 +160,6 @@ class Pipeline {
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
   PipelineMeasure measured_;                   // filled by the first train_step
 
-  // ---- What checkpoints and the REPL ask of the stages ----------------------------------------
- public:
-  int size() const { return pp_; }  ///< the pipeline group's size
-  int rank() const { return rank_; }  ///< this rank's place in it
-  /// This rank's virtual stages, by chunk: chunk c is stage c * size() + rank().
-  std::vector<int> own_stages() const;
-  /// The name the serial model gives this rank's parameter `name`: a tensor tied across stages
-  /// goes by its first name in the serial tree (GPT-2's lm_head.weight is wte.weight) on every
-  /// stage holding it, so checkpoints find it by one name; any other name is its own.
-  std::string logical_name(const std::string& name) const;
-  /// Whether this rank is the first pipeline rank holding `param` (true for all but a tensor tied
-  /// across stages, held first by another rank): the one that writes it in a checkpoint.
-  bool first_holder(const torch::Tensor& param) const;
 };
 
 }  // namespace partrain::parallel

@@ -39,8 +39,12 @@ if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../..
 pt.manual_seed(cfg.seed)
 
 local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline }
-local model = pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
-                               layers = cfg.layers, dropout = cfg.dropout }
+-- Built deferred (on the meta device): pt.parallelize then allocates only what this rank holds
+-- (its stages, its shards), with the weights the whole model would have.
+local model = pt.deferred(function()
+  return pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
+                          layers = cfg.layers, dropout = cfg.dropout }
+end)
 local pipelined = cfg.pipeline > 1
 local options = { sequence_parallel = cfg.sequence_parallel }
 if pipelined then
