@@ -373,6 +373,15 @@ void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
   for (int64_t d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
   auto body = t.detach().contiguous();
   auto h = header.to(device_);
+  // Sends that have completed let go of their tensors now rather than at the step's end, so that
+  // 1F1B holds a bounded number of activations whatever the micro-batch count.
+  sends_.erase(std::remove_if(sends_.begin(), sends_.end(),
+                              [](auto& in_flight) {
+                                if (!in_flight.first.done()) return false;
+                                in_flight.first.wait();  // raises what the send met, if anything
+                                return true;
+                              }),
+               sends_.end());
   sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h, body});
   sends_.emplace_back(group_->send(body, peer, /*async=*/true, tag), std::vector<torch::Tensor>{body});
   if (!measured_.done) {
