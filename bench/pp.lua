@@ -9,7 +9,7 @@
 --   partrain --nproc-per-node 2 --threads 1 --trace t.json bench/pp.lua --schedule 1f1b --microbatches 4
 local pt = require "partrain"
 local cfg = pt.args {
-  schedule = "1f1b", microbatches = 4, chunks = 1, steps = 6, micro = 2, seq = 64, dim = 128, heads = 4, layers = 8,
+  schedule = "1f1b", microbatches = 4, chunks = 1, steps = 6, micro = 4, seq = 128, dim = 256, heads = 4, layers = 8,
 }
 local mesh = pt.mesh { pipeline = pt.dist.world_size() }
 pt.manual_seed(1)
