@@ -204,14 +204,15 @@ Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
 
 Tensor Gpt2::forward(const Tensor& ids) { return head(child("h")->forward({embed(ids)})); }
 
-Tensor Gpt2::embed(const Tensor& ids) {
+Tensor Gpt2::embed(const Tensor& ids) { return at::dropout(embeddings(ids), options.dropout, is_training()); }
+
+Tensor Gpt2::embeddings(const Tensor& ids) {
   TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
               " ", ids.dtype());
   const int64_t T = ids.size(1);
   TORCH_CHECK(T <= options.seq, "GPT2: sequence of ", T, " tokens is longer than seq=", options.seq);
   auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
-  auto x = child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
-  return at::dropout(x, options.dropout, is_training());
+  return child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
 }
 
 Tensor Gpt2::stage_in(const Tensor& ids) {
@@ -223,13 +224,8 @@ Tensor Gpt2::stage_in(const Tensor& ids) {
       break;
     }
   if (!group) return embed(ids);
-  TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
-              " ", ids.dtype());
-  const int64_t T = ids.size(1);
-  TORCH_CHECK(T <= options.seq, "GPT2: sequence of ", T, " tokens is longer than seq=", options.seq);
-  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
-  auto x = child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
-  return at::dropout(parallel::split_sequence(x, group), options.dropout, is_training());  // (B, T/t, dim)
+  auto x = parallel::split_sequence(embeddings(ids), group);  // (B, T/t, dim)
+  return at::dropout(x, options.dropout, is_training());
 }
 
 Tensor Gpt2::head(const Tensor& x) {

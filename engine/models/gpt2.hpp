@@ -77,6 +77,8 @@ class Gpt2 : public nn::Unary {
   /// dropout) of the ids (B, T) -> (B, T, dim), and ln_f then lm_head -> (B, T, vocab).
   /// forward(ids) is head(h(embed(ids))).
   Tensor embed(const Tensor& ids);
+  /// wte(ids) + wpe(positions), before dropout: what embed and stage_in share.
+  Tensor embeddings(const Tensor& ids);
   Tensor head(const Tensor& x);
   /// A pipeline's stage ends: embed and head, and under sequence parallelism (its layers split
   /// the sequence; the forward policies/gpt2.lua installs) the embeddings' sum split along the
