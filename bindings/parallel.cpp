@@ -263,6 +263,10 @@ c10::optional<parallel::PipelineOptions> pipeline_options(const Args& a, int idx
   p.bubble = o.number("bubble", -1);           // the pre-flight check's predictions (for the planner)
   p.peak_in_flight = o.ints("peaks", {});
   lua_State* L = a.L;
+  if (o.push("sample")) {  // balance "time": checked a tensor by init.lua
+    if (auto* t = ud_test<torch::Tensor>(L, -1, PT_TENSOR_MT)) p.sample = *t;
+    lua_pop(L, 1);
+  }
   if (o.push("first")) { p.first = string_list(L, "first"); lua_pop(L, 1); }
   if (o.push("last")) { p.last = string_list(L, "last"); lua_pop(L, 1); }
   if (!o.push("plan")) throw std::invalid_argument("pipeline: no plan");
@@ -388,8 +392,10 @@ const Function kParallel[] = {
        a.ret(path); lua_setfield(a.L, -2, "path");
        return 1; }},
     // pipeline(model): nil without pipeline parallelism, else this rank's stages:
-    // { size, rank, schedule, chunks, microbatches, blocks, first, last, bounds, stages }
-    // (stages: this rank's virtual stages, by chunk; bounds: split_stages' block boundaries).
+    // { size, rank, schedule, chunks, microbatches, blocks, first, last, bounds, balance, costs,
+    // stages } (stages: this rank's virtual stages, by chunk; bounds: split_stages' block
+    // boundaries; costs, under balance "time": the measured microseconds of the first part, each
+    // block and the last part).
     {"pipeline", [](Args& a) {
        auto pm = owner_of(a, 1);
        if (!pm || !pm->pipeline()) { lua_pushnil(a.L); return 1; }
@@ -409,6 +415,8 @@ const Function kParallel[] = {
        names(o.first); lua_setfield(a.L, -2, "first");
        names(o.last); lua_setfield(a.L, -2, "last");
        push_ints(a.L, p.bounds()); lua_setfield(a.L, -2, "bounds");
+       a.ret(o.balance.method); lua_setfield(a.L, -2, "balance");
+       if (!o.balance.costs.empty()) { push_ints(a.L, o.balance.costs); lua_setfield(a.L, -2, "costs"); }
        auto own = p.own_stages();
        push_ints(a.L, std::vector<int64_t>(own.begin(), own.end())); lua_setfield(a.L, -2, "stages");
        return 1; }},

@@ -10,6 +10,7 @@
 
 #ifdef PARTRAIN_WITH_NCCL
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace partrain::compat {
@@ -34,6 +35,16 @@ torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor
 bool cuda_available() { return torch::cuda::is_available(); }
 
 int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
+
+void synchronize(const torch::Device& device) {
+  if (!device.is_cuda()) return;
+#ifdef PARTRAIN_WITH_NCCL
+  c10::cuda::CUDAGuard guard(device);
+  c10::cuda::device_synchronize();
+#else
+  TORCH_CHECK(false, "device ", device.str(), " needs a CUDA build of partrain");
+#endif
+}
 
 void use_device(const torch::Device& device) {
   if (!device.is_cuda()) return;

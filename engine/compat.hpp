@@ -55,6 +55,10 @@ int cuda_device_count();
 /// NCCL and kernels launched without a device use the rank's. Nothing for a CPU device.
 void use_device(const torch::Device& device);
 
+/// Waits until every kernel queued on `device` has finished (CUDA), so a host clock read after it
+/// times them; nothing for a CPU device.
+void synchronize(const torch::Device& device);
+
 /// An exception's message without LibTorch's C++ backtrace.
 std::string message_of(const std::exception& e);
 

@@ -3,10 +3,12 @@
 #include "engine/parallel/parallel_model.hpp"
 
 #include <algorithm>
+#include <iostream>
 #include <unordered_map>
 
 #include "engine/dist/world.hpp"
 #include "engine/nn/init.hpp"
+#include "engine/parallel/stage_timing.hpp"
 #include "engine/parallel/trace.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -126,6 +128,26 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
 
   // The order follows torchtitan's parallelize: the parallelisms that change what a rank holds
   // come first, the ones that only move gradients last.
+  // 0. Stages balanced by measured time are timed on the serial tree, before anything splits it:
+  //    one unit at a time (a deferred model allocates one unit for its run), averaged over the
+  //    ranks so that every rank cuts alike. The planner cannot time meta tensors: it splits by
+  //    parameter count and says so.
+  if (options.pipeline && options.pipeline->balance.method == "time" && model->mesh_->size("pipeline") > 1) {
+    auto& p = *options.pipeline;
+    if (plan::planning()) {
+      p.balance.method = "parameters";
+      if (model->mesh_->rank() == 0)
+        std::cerr << "partrain plan: balance 'time' is measured when the run starts; this plan splits the stages by "
+                     "parameter count\n";
+    } else {
+      TORCH_CHECK(p.sample.defined() && p.sample.dim() >= 1 && p.sample.size(0) >= p.microbatches,
+                  "parallelize: balance 'time' times the blocks on a sample: give sample = one step's input batch "
+                  "(at least microbatches=", p.microbatches, " rows)", p.sample.defined() ? ", got one of shape " : "",
+                  p.sample.defined() ? c10::str(p.sample.sizes()) : "");
+      p.balance.costs = time_pipeline_units(tree, p, p.sample.chunk(p.microbatches, 0)[0], model->mesh_->group("world"));
+      p.sample = torch::Tensor();  // the user's batch is not kept
+    }
+  }
   // 1. Tensor and sequence parallelism, by the policy: layers are replaced by their parallel
   //    forms, cut from the serial weights. Everything after sees the split tree.
   if (options.tensor_parallel) options.tensor_parallel(tree, *model->mesh_);

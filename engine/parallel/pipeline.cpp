@@ -42,12 +42,17 @@ std::vector<int64_t> split_stages(const std::vector<int64_t>& block_params, int6
     for (int64_t s = 0; s < stages; ++s) bounds.push_back(bounds.back() + n / stages + (s < n % stages ? 1 : 0));
     return bounds;
   }
-  TORCH_CHECK(balance.method == "parameters", "pipeline: unknown balance '", balance.method,
-              "' (expected uniform, parameters, or a list of stage sizes)");
+  TORCH_CHECK(balance.method == "parameters" || balance.method == "time", "pipeline: unknown balance '",
+              balance.method, "' (expected uniform, parameters, time, or a list of stage sizes)");
+  const bool timed = balance.method == "time";
+  TORCH_CHECK(!timed || static_cast<int64_t>(balance.costs.size()) == n + 2, "pipeline: balance 'time' has ",
+              balance.costs.size(), " measured times for ", n, " blocks (expected one for the first part, one a "
+              "block, one for the last part)");
+  if (timed) first_params = balance.costs.front(), last_params = balance.costs.back();
   // The smallest largest stage over contiguous splits: cost[s][i] is the best largest stage when
   // stages 0..s hold the blocks [0, i); `from` remembers where stage s starts.
   std::vector<int64_t> prefix(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + block_params[i];
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + (timed ? balance.costs[i + 1] : block_params[i]);
   auto weight = [&](int64_t s, int64_t a, int64_t b) {
     return prefix[b] - prefix[a] + (s == 0 ? first_params : 0) + (s == stages - 1 ? last_params : 0);
   };

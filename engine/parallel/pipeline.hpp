@@ -21,9 +21,12 @@ class DataParallel;
 struct StageBalance {
   /// "uniform": by block count (the first `blocks % stages` stages take one more); "parameters":
   /// contiguous stages whose largest parameter count (the first and last modules counted on the
-  /// first and last stages) is the smallest possible; "explicit": `sizes` blocks a stage.
+  /// first and last stages) is the smallest possible; "explicit": `sizes` blocks a stage;
+  /// "time": as "parameters", with `costs` (measured forward + backward microseconds: the first
+  /// part, every block, the last part) in place of the parameter counts.
   std::string method = "uniform";
   std::vector<int64_t> sizes;
+  std::vector<int64_t> costs;
 };
 
 /// Stage boundaries: `stages + 1` block indices, from 0 to block_params.size(); stage s holds the
@@ -56,6 +59,8 @@ struct PipelineOptions {
   /// not given) and each pipeline rank's peak in-flight chunk activations.
   double bubble = -1;
   std::vector<int64_t> peak_in_flight;
+  /// balance "time": one step's input batch; its first micro-batch is what the blocks are timed on.
+  torch::Tensor sample;
 };
 
 /// What a rank's first train_step measured of its stages (partrain plan shows it; a real run

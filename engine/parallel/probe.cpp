@@ -11,30 +11,24 @@
 
 namespace partrain::parallel {
 
+RngGuard::RngGuard(const std::vector<torch::Device>& devices) {
+  for (const auto& d : devices) {
+    auto gen = d.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    saved_.emplace_back(gen, gen.get_state());
+  }
+}
+
+RngGuard::~RngGuard() {
+  for (auto& [gen, state] : saved_) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+}
+
 namespace {
 
 constexpr uint64_t kSeed = 0x5eed;
-
-// The default generators of the devices in use, put back as they were when this goes.
-class RngGuard {
- public:
-  explicit RngGuard(const std::vector<torch::Device>& devices) {
-    for (const auto& d : devices) {
-      auto gen = d.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(d);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      saved_.emplace_back(gen, gen.get_state());
-    }
-  }
-  ~RngGuard() {
-    for (auto& [gen, state] : saved_) {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(state);
-    }
-  }
-
- private:
-  std::vector<std::pair<at::Generator, Tensor>> saved_;
-};
 
 // Every module's training flag, put back when this goes (the probe runs in eval mode).
 class EvalGuard {

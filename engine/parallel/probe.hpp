@@ -14,6 +14,19 @@ namespace partrain::parallel {
 
 using torch::Tensor;
 
+/// The default generators of `devices`, put back as they were when this goes: work that must
+/// leave no trace on the training's random numbers (the probe, the stage timing) runs under one.
+class RngGuard {
+ public:
+  explicit RngGuard(const std::vector<torch::Device>& devices);
+  ~RngGuard();
+  RngGuard(const RngGuard&) = delete;
+  RngGuard& operator=(const RngGuard&) = delete;
+
+ private:
+  std::vector<std::pair<at::Generator, Tensor>> saved_;
+};
+
 /// What a model computed on the probe batch, at logical shapes.
 struct ProbeRecord {
   Tensor output;              ///< the output, vocabulary-split logits gathered whole

@@ -195,6 +195,70 @@ test("a chain model (no stage ends of its own) over pipeline 2 equals serial tra
   raises(function() pt.parallelize(Residual(), residual_policy, mesh, {}) end, "but it is not a Sequential")
 end)
 
+-- A chain whose first block costs far more time than its parameters say (one Linear applied 48
+-- times): by parameters the blocks weigh alike, by measured time the first one outweighs the rest.
+local Heavy = pt.nn.Module("Heavy")
+function Heavy:__init() self.lin = pt.nn.Linear(12, 12) end
+function Heavy:forward(x)
+  for _ = 1, 48 do x = self.lin(x):tanh() end
+  return x
+end
+local function lopsided(dropout)
+  local root = pt.nn.Sequential()
+  root:add("inp", pt.nn.Linear(8, 12))
+  local h = pt.nn.Sequential()
+  h:add("0", Heavy())
+  for i = 1, 3 do
+    h:add(tostring(i), dropout and pt.nn.Sequential(pt.nn.Linear(12, 12), pt.nn.Dropout(0.5))
+      or pt.nn.Sequential(pt.nn.Linear(12, 12), pt.nn.Tanh()))
+  end
+  root:add("h", h)
+  root:add("out", pt.nn.Linear(12, 5))
+  return root:to("float64")
+end
+
+test("balance by measured time gives the costly block a stage of its own and equals serial training", function()
+  pt.manual_seed(11)
+  local serial = pt.deferred(lopsided):materialize()
+  local x0 = pt.randn({ BATCH, 8 }):to("float64")
+  pt.manual_seed(11)
+  local model = pt.parallelize(pt.deferred(lopsided), chain_policy, mesh,
+    { microbatches = 2, balance = "time", sample = x0 })
+  local info = model:pipeline()
+  eq(info.balance, "time", "the balance used")
+  eq(#info.costs, 6, "a time for the first part, each of the 4 blocks, the last part")
+  ok(info.costs[2] > 5 * math.max(info.costs[3], info.costs[4], info.costs[5]),
+    "the heavy block measured costlier than any light one: " .. table.concat(info.costs, ", "))
+  eq(table.concat(info.bounds, ","), "0,1,4", "the heavy block alone on stage 0 (uniform and parameters give 2, 2)")
+  local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(model, { lr = 0.1 })
+  local d, n = mesh:coord().data, mesh:size("data")
+  for step = 1, 3 do
+    local x, y = pt.randn({ BATCH, 8 }):to("float64"), pt.randint(0, 5, { BATCH })
+    mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+    local ls = pt.nn.cross_entropy(serial(x), y)
+    ls:backward()
+    local b = BATCH / n
+    local lp = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
+    mesh:group("data"):all_reduce(lp, "mean")
+    near(lp, ls, 1e-10, ("time-balanced: loss at step %d"):format(step))
+    so:step(); po:step(); so:zero_grad(); po:zero_grad()
+  end
+  local mine, want = model:state_dict(), serial:state_dict()
+  for name, t in pairs(mine) do near(t, want[name], 1e-10, "time-balanced: parameter " .. name) end
+  -- The timing runs (dropout included) leave the random numbers where they were.
+  pt.manual_seed(12)
+  pt.parallelize(pt.deferred(function() return lopsided(true) end), chain_policy, mesh,
+    { microbatches = 2, balance = "time", sample = x0 })
+  local after_timing = pt.randn({ 8 })
+  pt.manual_seed(12)
+  pt.parallelize(pt.deferred(function() return lopsided(true) end), chain_policy, mesh, { microbatches = 2 })
+  near(after_timing, pt.randn({ 8 }), 0, "the generator is where an untimed build leaves it")
+  raises(function() pt.parallelize(lopsided(), chain_policy, mesh, { balance = "time" }) end,
+    "balance = 'time' times the blocks on a sample input: give sample = one step's input batch, got nil")
+  raises(function() pt.parallelize(lopsided(), chain_policy, mesh, { sample = x0 }) end,
+    "sample is what balance = 'time' times the blocks on; balance is uniform")
+end)
+
 test("clipping by global norm spans every stage, the tied embedding once (float64)", function()
   -- A norm far below the gradients' clips every step: the updates equal serial ones only if the
   -- norm is the whole model's.
@@ -218,7 +282,7 @@ test("pipeline options that cannot run are refused at the caller's line", functi
     ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)
   end
   refused({ schedule = "interleaved", microbatches = 3, chunks = 2 }, "multiple")
-  refused({ balance = "by_flops" }, "balance must be 'uniform', 'parameters' or a list")
+  refused({ balance = "by_flops" }, "balance must be 'uniform', 'parameters', 'time' or a list")
   refused({ balance = { 2, 1 } }, "gives 3 blocks in all, the model has 4")
   if mesh:size("data") == 1 then
     refused({ chunks = 4, schedule = "interleaved", microbatches = 4 }, "4 blocks cannot fill 8 stages")

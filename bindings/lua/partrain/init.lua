@@ -243,8 +243,14 @@ local function pipeline_description(model, policy, mesh, opts)
   local chunks = count("chunks", opts.chunks, 1)
   local balance, sizes = opts.balance or "uniform", nil
   if type(balance) == "table" then balance, sizes = "explicit", balance
-  elseif balance ~= "uniform" and balance ~= "parameters" then
-    error(("parallelize: balance must be 'uniform', 'parameters' or a list of blocks a stage, got %s"):format(tostring(balance)), 0)
+  elseif balance ~= "uniform" and balance ~= "parameters" and balance ~= "time" then
+    error(("parallelize: balance must be 'uniform', 'parameters', 'time' or a list of blocks a stage, got %s"):format(tostring(balance)), 0)
+  end
+  local sample = opts.sample
+  if balance == "time" and not pt.is_tensor(sample) then
+    error(("parallelize: balance = 'time' times the blocks on a sample input: give sample = one step's input batch, got %s"):format(type(sample)), 0)
+  elseif balance ~= "time" and sample ~= nil then
+    error("parallelize: sample is what balance = 'time' times the blocks on; balance is " .. tostring(opts.balance or "uniform"), 0)
   end
   local pipeline = require "partrain.pipeline"
   local plan, report = pipeline.build(schedule, pp, microbatches, chunks)
@@ -259,7 +265,7 @@ local function pipeline_description(model, policy, mesh, opts)
   end
   return { blocks = stages.blocks, first = stages.first or {}, last = stages.last or {}, balance = balance,
            sizes = sizes, schedule = plan.name or tostring(schedule), chunks = chunks,
-           microbatches = microbatches, plan = flat, bubble = report.bubble, peaks = peaks }
+           microbatches = microbatches, plan = flat, bubble = report.bubble, peaks = peaks, sample = sample }
 end
 
 function pt.parallelize(model, policy, mesh, opts)
@@ -271,7 +277,7 @@ function pt.parallelize(model, policy, mesh, opts)
   local ok, err = pcall(function()
     local P = require "partrain.policy"
     local shard, dp, pipe = {}, {}, {}
-    local pipeline_keys = { schedule = true, microbatches = true, chunks = true, balance = true }
+    local pipeline_keys = { schedule = true, microbatches = true, chunks = true, balance = true, sample = true }
     for k, v in pairs(opts or {}) do
       if pipeline_keys[k] then pipe[k] = v
       elseif P.config_keys[k] ~= nil then shard[k] = v else dp[k] = v end
@@ -314,6 +320,9 @@ end
 function Module:mesh() return core.parallel.mesh(self) end
 function Module:policy() return core.parallel.policy(self) end
 function Module:data_parallel() return core.parallel.data_parallel(self) end
+--- model:pipeline(): nil without pipeline parallelism, else this rank's part of it: { size, rank,
+--- schedule, chunks, microbatches, blocks, first, last, bounds, balance, costs, stages }.
+function Module:pipeline() return core.parallel.pipeline(self) end
 function Module:records()
   need_module(self, "records", 2)
   local ok, records = pcall(core.parallel.records, self)
