@@ -215,6 +215,15 @@ void validate(const LaunchOptions& o) {
   if (o.nnodes > 1 && o.master_port == 0) bad("--nnodes " + std::to_string(o.nnodes) + " needs --master-port (all nodes must agree on it)");
   if (o.timeout < 1 || o.timeout > kMaxTimeout)
     bad("--timeout " + std::to_string(o.timeout) + " is out of range: 1 to " + std::to_string(kMaxTimeout) + " seconds");
+  if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
+    bad("--max-restarts " + std::to_string(o.max_restarts) + " is out of range: 0 to " + std::to_string(kMaxRestarts));
+  if (o.max_restarts > 0 && o.nnodes > 1)
+    bad("--max-restarts " + std::to_string(o.max_restarts) + " with --nnodes " + std::to_string(o.nnodes) +
+        ": restarts are for one machine for now (the nodes' launchers do not yet agree on a restart)");
+  if (o.max_restarts > 0 && o.interactive) bad("--max-restarts is for scripts, not the REPL (-i)");
+  if (!(o.restart_backoff >= 0 && o.restart_backoff <= kMaxBackoff))
+    bad("--restart-backoff " + std::to_string(o.restart_backoff) + " is out of range: 0 to " +
+        std::to_string(int(kMaxBackoff)) + " seconds");
   if (!o.master_addr.empty()) {
     addrinfo hints{}, *found = nullptr;
     hints.ai_family = AF_UNSPEC;
@@ -225,13 +234,18 @@ void validate(const LaunchOptions& o) {
   }
 }
 
-int launch(const LaunchOptions& options, const std::vector<std::string>& child_args) {
-  validate(options);
-  LaunchOptions o = options;
-  if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
-  if (o.master_port == 0) o.master_port = free_port(o.master_addr);
-  int cores = static_cast<int>(std::thread::hardware_concurrency());
-  if (o.threads <= 0) o.threads = std::max(1, cores / o.nproc_per_node);
+namespace {
+
+// How one start of the ranks ended: the launcher's exit status, the failure in one line (empty
+// on success), and whether the user interrupted it (never restarted).
+struct Outcome {
+  int status = 0;
+  std::string cause;
+  bool interrupted = false;
+};
+
+// Starts every local rank once (`attempt`: how many restarts came before) and waits for them.
+Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_args, int attempt) {
   const int world = o.nnodes * o.nproc_per_node;
   const std::string exe = exe_path();
 
@@ -292,6 +306,9 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
       setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
       setenv("PARTRAIN_TIMEOUT", std::to_string(o.timeout).c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(o.threads).c_str(), 1);
+      setenv("PARTRAIN_RESTART_COUNT", std::to_string(attempt).c_str(), 1);  // and torchrun's names
+      setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
+      setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts).c_str(), 1);
       execv(exe.c_str(), argv.data());
       std::fprintf(stderr, "partrain: cannot start rank %d: %s\n", r.rank, std::strerror(errno));
       _exit(127);
@@ -464,7 +481,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
       if (state == 'T' || state == 't') std::cerr << " (rank " << ranks[i].rank << " was stopped: SIGSTOP, Ctrl-Z or a debugger)";
     std::cerr << "; all ranks were stopped. The first timeout, on rank " << waited.rank << ":\n"
               << indented(waited.report->message, 6);
-    return 1;
+    return {1, name(ranks[missing.front().first]) + " stopped making progress (the others timed out waiting for it)"};
   }
   if (culprit < 0) culprit = first_collective;
   if (culprit >= 0) {
@@ -481,7 +498,12 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     } else {
       std::cerr << " (it wrote nothing to stderr)\n";
     }
-    return 1;
+    std::string why = describe_status(r.status);
+    if (r.report) {
+      auto line = r.report->message.substr(0, r.report->message.find('\n'));
+      why = "failed: " + (line.size() > 200 ? line.substr(0, 200) + "..." : line);
+    }
+    return {1, name(r) + " " + why};
   }
   bool sigint = std::any_of(ranks.begin(), ranks.end(), [&](const Rank& r) {
     return o.interactive && WIFSIGNALED(r.status) && WTERMSIG(r.status) == SIGINT;
@@ -490,9 +512,45 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     int sig = interrupted ? int(interrupted) : SIGINT;
     std::cerr << "partrain: interrupted (" << (sig == SIGINT ? "Ctrl-C" : "signal " + std::to_string(sig))
               << "); stopped all ranks\n";
-    return 128 + sig;
+    return {128 + sig, "interrupted", true};
   }
-  return 0;
+  return {};
+}
+
+}  // namespace
+
+int launch(const LaunchOptions& options, const std::vector<std::string>& child_args) {
+  validate(options);
+  LaunchOptions o = options;
+  if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (o.threads <= 0) o.threads = std::max(1, cores / o.nproc_per_node);
+  // torchrun's --max-restarts: a failed start stops every rank, waits the back-off and starts
+  // them all again; scripts that resume from their checkpoints continue from the newest. The
+  // status is the last start's.
+  for (int attempt = 0;; ++attempt) {
+    if (options.master_port == 0) o.master_port = free_port(o.master_addr);  // a fresh store each start
+    Outcome out = run_ranks(o, child_args, attempt);
+    if (out.status == 0) {
+      if (attempt > 0)
+        std::cerr << "partrain: finished after " << attempt << (attempt == 1 ? " restart" : " restarts") << "\n";
+      return 0;
+    }
+    if (out.interrupted || interrupted || attempt >= o.max_restarts) {
+      if (attempt > 0 && !out.interrupted)
+        std::cerr << "partrain: giving up after " << attempt << (attempt == 1 ? " restart" : " restarts")
+                  << " (--max-restarts " << o.max_restarts << ")\n";
+      return out.status;
+    }
+    std::cerr << "partrain: restart " << attempt + 1 << " of " << o.max_restarts << ": " << out.cause
+              << "; starting all ranks again in " << o.restart_backoff << " s\n";
+    auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.restart_backoff * 1000));
+    while (Clock::now() < until && !interrupted) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (interrupted) {
+      std::cerr << "partrain: interrupted during the restart back-off; not restarting\n";
+      return 128 + int(interrupted);
+    }
+  }
 }
 
 }  // namespace partrain::app

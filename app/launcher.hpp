@@ -24,12 +24,19 @@ struct LaunchOptions {
   /// The REPL: rank 0 keeps the terminal (stdin, stdout, stderr, and the foreground process
   /// group, so Ctrl-C reaches every rank and the launcher ignores it).
   bool interactive = false;
+  /// torchrun's --max-restarts: when a rank fails, stop the others and start every rank again,
+  /// up to this many times (0: never); ranks see PARTRAIN_RESTART_COUNT (and torchrun's
+  /// TORCHELASTIC_RESTART_COUNT). One machine only, for now.
+  int max_restarts = 0;
+  double restart_backoff = 1.0;  ///< seconds between stopping the ranks and starting them again
 };
 
 /// The bounds of the launcher's numbers, shared with the command line's checks.
 constexpr int kMaxLocalRanks = 1024;  ///< --nproc-per-node
 constexpr int kMaxNodes = 1024;       ///< --nnodes
 constexpr int kMaxTimeout = 7 * 24 * 3600;  ///< --timeout, seconds (as PARTRAIN_TIMEOUT)
+constexpr int kMaxRestarts = 1000;          ///< --max-restarts
+constexpr double kMaxBackoff = 3600;        ///< --restart-backoff, seconds
 
 /// Checks the options; a bad value is an error naming the flag.
 void validate(const LaunchOptions& options);

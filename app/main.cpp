@@ -76,6 +76,12 @@ int main(int argc, char** argv) {
                  "(default 127.0.0.1)");
   app.add_option("--master-port", port_text, "its port, 1-65535 (default: a free one; required with --nnodes > 1)");
   app.add_flag("--tee", launch.tee, "show every rank's stdout, each line prefixed with its rank");
+  std::string restarts_text, backoff_text;
+  app.add_option("--max-restarts", restarts_text, "with --nproc-per-node: when a rank fails, stop the others and "
+                 "start every rank again, up to this many times, 0-1000 (default 0); a script resuming from its "
+                 "checkpoints continues from the newest");
+  app.add_option("--restart-backoff", backoff_text, "with --max-restarts: seconds to wait before starting again, "
+                 "0-3600 (default 1)");
   app.add_option("--timeout", timeout_text, "seconds a collective or the rendezvous may wait before "
                  "failing, 1-604800 (default 300)");
   std::string device;
@@ -138,6 +144,19 @@ int main(int argc, char** argv) {
   if (bad.empty() && app.count("--node-rank"))
     bad = parse_count("--node-rank", node_rank_text, 0, launch.nnodes - 1, launch.node_rank);
   if (bad.empty() && app.count("--master-port")) bad = parse_count("--master-port", port_text, 1, 65535, launch.master_port);
+  if (bad.empty() && app.count("--max-restarts"))
+    bad = parse_count("--max-restarts", restarts_text, 0, partrain::app::kMaxRestarts, launch.max_restarts);
+  if (bad.empty() && app.count("--restart-backoff")) {
+    char* end = nullptr;
+    double v = std::strtod(backoff_text.c_str(), &end);
+    if (backoff_text.empty() || !end || *end || !(v >= 0 && v <= partrain::app::kMaxBackoff))
+      bad = "--restart-backoff '" + backoff_text + "' is not a number of seconds from 0 to 3600";
+    else
+      launch.restart_backoff = v;
+  }
+  if (bad.empty() && (app.count("--max-restarts") || app.count("--restart-backoff")) && !app.count("--nproc-per-node"))
+    bad = std::string(app.count("--max-restarts") ? "--max-restarts" : "--restart-backoff") +
+          " needs the launcher: partrain --nproc-per-node N --max-restarts K script.lua";
   if (bad.empty() && app.count("--master-addr") && launch.master_addr.empty()) bad = "--master-addr is empty";
   int trace_steps = 3;
   if (bad.empty() && app.count("--trace-steps")) bad = parse_count("--trace-steps", trace_steps_text, 1, 1000, trace_steps);

@@ -10,10 +10,12 @@ local cfg = pt.args {
   export = "",             -- write the final weights here (.safetensors)
   import = "",             -- start from these weights (.safetensors) instead of the seed's
   corpus = "data/kjv.txt",
+  die_at = 0, die_rank = 0, -- on the first start only, this rank kills itself (kill -9) at this step
 }
 pt.set_threads(1)
 pt.manual_seed(1)
 local mesh = pt.mesh { tensor = cfg.tensor }
+if pt.dist.rank() == 0 then print(("start %d"):format(pt.dist.restart_count())) end
 local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }
 model = pt.parallelize(model, nil, mesh)
 if cfg.import ~= "" then pt.ckpt.import_safetensors(model, cfg.import) end
@@ -31,6 +33,9 @@ if cfg.ckpt ~= "" then
   end
 end
 for step = first, cfg.steps do
+  if step == cfg.die_at and pt.dist.rank() == cfg.die_rank and pt.dist.restart_count() == 0 then
+    os.execute("kill -9 $PPID")  -- the shell's parent: this rank
+  end
   local x, y = data:next()
   local loss = loss_of(model(x), y)
   opt:zero_grad()

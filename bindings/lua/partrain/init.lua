@@ -199,6 +199,8 @@ function pt.mesh(...)
   return mesh
 end
 pt.dist.mesh = pt.mesh
+--- How many times the launcher has restarted this job (--max-restarts): 0 on the first start.
+function pt.dist.restart_count() return tonumber(os.getenv("PARTRAIN_RESTART_COUNT") or "") or 0 end
 --- The mesh made last (while it lives).
 function pt.last_mesh() return last_mesh[1] end
 
@@ -432,6 +434,12 @@ function pt.ckpt.resume(dir, what)
   -- A plan describes the layout, which a resume does not change: no need to read the files.
   if core.plan.planning() then return nil end
   local loaded = load_at(2, "resume", dir, nil, what)
+  -- After a launcher restart (--max-restarts), say where the run picked up.
+  local restart = pt.dist.restart_count()
+  if restart > 0 and pt.dist.rank() == 0 then
+    io.stderr:write(loaded and ("partrain: restart %d: resumed from %s/%s at step %d\n"):format(restart, dir, loaded.tag, loaded.step)
+      or ("partrain: restart %d: no checkpoint in %s yet: starting over\n"):format(restart, dir))
+  end
   return loaded
 end
 
