@@ -565,7 +565,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   sync.reset();
   trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
                  std::to_string(rank_));
-  return mean.squeeze(0).to(dtype_);
+  // The loss in the parameters' dtype, but float32 for bfloat16 and float16 ones (as their losses are computed).
+  const bool low = dtype_ == torch::kBFloat16 || dtype_ == torch::kHalf;
+  return mean.squeeze(0).to(low ? torch::kFloat32 : dtype_);
 }
 
 }  // namespace partrain::parallel

@@ -1,7 +1,9 @@
 -- Loss scaling and master weights across 2 ranks: model:train_step backpropagates the scaled loss
 -- (a static power-of-two scale trains bit for bit as no scale, plain data parallel and pipeline 2
 -- with 1F1B), an overflow only one rank sees makes both ranks skip the step and back off alike,
--- and a bfloat16 model's parameter records point at the optimizer's float32 masters.
+-- a bfloat16 model trains data-parallel and pipelined like serial bfloat16 (Gloo reduces its
+-- gradients as float32), and a bfloat16 model's parameter records point at the optimizer's float32
+-- masters.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_precision.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -101,6 +103,50 @@ end)
 
 test("an overflow only the first stage sees makes both pipeline ranks skip", function()
   one_rank_overflows(pipe_mesh, "policies.gpt2", { schedule = "1f1b", microbatches = 2 }, 0)
+end)
+
+-- bfloat16 serial equivalence: the same bfloat16 model trained serially (whole batch) and split,
+-- SGD with float32 masters. The split run's gradients are sums of bfloat16 parts (reduced as
+-- float32 on Gloo, rounded once), so they differ from the serial ones by bfloat16 rounding:
+-- losses within BF16_LOSS, parameters within BF16_PARAM (measured here: 9e-5 and 4e-4 at most).
+local BF16_LOSS, BF16_PARAM = 1e-3, 4e-3
+local function bf16_equals_serial(what, mesh, policy, popts)
+  local cfg = { vocab = gpt.vocab, seq = gpt.seq, dim = gpt.dim, heads = gpt.heads, layers = gpt.layers,
+                dtype = "bfloat16" }
+  pt.manual_seed(24)
+  local serial = pt.models.gpt2(cfg)
+  pt.manual_seed(24)
+  local m = pt.parallelize(pt.deferred(function() return pt.models.gpt2(cfg) end), policy, mesh, popts)
+  local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(m, { lr = 0.1 })
+  local worst_loss = 0
+  for step = 1, 5 do
+    pt.manual_seed(600 + step)
+    local gx, gy = pt.randint(0, gpt.vocab, { 4, gpt.seq }), pt.randint(0, gpt.vocab, { 4, gpt.seq })
+    local ls = pt.nn.cross_entropy(serial(gx):reshape(-1, gpt.vocab), gy:reshape(-1))
+    so:zero_grad(); ls:backward(); so:step()
+    local x, y = batch(mesh, 600 + step)
+    local lp = m:train_step(x, y):detach():clone()
+    eq(lp:type(), "float32", what .. ": train_step's loss")
+    mesh:group("data"):all_reduce(lp, "mean")
+    po:step(); po:zero_grad()
+    worst_loss = math.max(worst_loss, math.abs(lp:item() - ls:item()))
+  end
+  local sp, worst = params(serial), 0
+  for name, p in pairs(params(m)) do
+    eq(p:type(), "bfloat16", name)
+    worst = math.max(worst, (p:double() - sp[name]:double()):abs():max():item())
+  end
+  print(("%s: bfloat16 split vs serial over 5 steps: max |dloss| %.2e, max |dparam| %.2e"):format(what, worst_loss, worst))
+  ok(worst_loss < BF16_LOSS, ("%s: loss differs by %.2e (bound %.0e)"):format(what, worst_loss, BF16_LOSS))
+  ok(worst < BF16_PARAM, ("%s: a parameter differs by %.2e (bound %.0e)"):format(what, worst, BF16_PARAM))
+end
+
+test("a bfloat16 model trains data-parallel (data 2) like serial bfloat16", function()
+  bf16_equals_serial("data 2", data_mesh, nil, {})
+end)
+
+test("a bfloat16 model trains pipelined (pipeline 2, 1f1b) like serial bfloat16", function()
+  bf16_equals_serial("pipeline 2", pipe_mesh, "policies.gpt2", { schedule = "1f1b", microbatches = 2 })
 end)
 
 test("a bfloat16 model's records point at the optimizer's float32 masters", function()
