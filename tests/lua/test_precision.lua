@@ -1,6 +1,7 @@
 -- Mixed precision in one process: models built in a dtype (equal to the float32 model cast, built
 -- deferred too), float16 refused on the CPU by name, float32 master weights (a bfloat16 model with
--- AdamW equals a hand-written float32-master loop bit for bit), checkpoints of masters and of the
+-- AdamW equals a hand-written float32-master loop bit for bit; a parameter changed in place is
+-- noticed), checkpoints of masters and of the
 -- loss scaler resuming bit-identically, and loss scaling: a static power-of-two scale changes no
 -- bit of training, an injected overflow skips the step (parameters unchanged bit for bit, one
 -- report line, the scale halved), training recovers and the scale grows after scale_window good
@@ -132,6 +133,19 @@ test("a bfloat16 model with AdamW equals a hand-written float32-master loop bit 
   local m = opt:master(auto:get("wte").weight)
   eq(m:type(), "float32")
   ok(opt:state_bytes() >= 3 * 4 * n, "state_bytes counts two moments and the master: " .. opt:state_bytes())
+end)
+
+test("a parameter changed in place between steps gives its master its new value", function()
+  pt.manual_seed(8)
+  local m = pt.models.mlp { sizes = { 3, 2 }, dtype = "bfloat16" }
+  local opt = pt.optim.sgd(m, { lr = 0.5 })
+  local w = m:get("0").weight
+  pt.no_grad(function() w:fill_(0.25) end)   -- after the optimizer was made: its master is stale
+  w.grad = pt.full({ 2, 3 }, 0.5):bfloat16()
+  m:get("0").bias.grad = pt.zeros(2):bfloat16()
+  opt:step()
+  eq(opt:master(w):equal(pt.full({ 2, 3 }, 0.25 - 0.5 * 0.5)), true, "the update starts from the new value")
+  eq(w:equal(pt.full({ 2, 3 }, 0.0):bfloat16()), true, "and is cast back")
 end)
 
 local dir = os.tmpname()
