@@ -50,8 +50,9 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
   // Mixed precision: a float32 master a low-precision parameter, the one the update runs on.
   for (const auto& p : params_) {
     torch::NoGradGuard no_grad;
+    index_[p.unsafeGetTensorImpl()] = work_.size();
     work_.push_back(needs_master(p.scalar_type()) && !p.is_meta()
-                        ? p.detach().to(torch::kFloat32).clone().requires_grad_(true)
+                        ? p.detach().to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true)
                         : p);
     versions_.push_back(p._version());
   }
@@ -103,9 +104,8 @@ void Optimizer::zero_grad() {
 }
 
 int64_t Optimizer::index_of(const torch::Tensor& param) const {
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].is_same(param)) return static_cast<int64_t>(i);
-  return -1;
+  auto it = param.defined() ? index_.find(param.unsafeGetTensorImpl()) : index_.end();
+  return it == index_.end() ? -1 : static_cast<int64_t>(it->second);
 }
 
 torch::Tensor Optimizer::master(const torch::Tensor& param) const {
@@ -178,33 +178,32 @@ std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor&
 }
 
 void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& given) {
-  const auto i = index_of(param);
-  TORCH_CHECK(i >= 0, options_.kind, ": set_param_state of a tensor this optimizer does not update");
+  const auto i = index_of(param);  // -1: a tensor this optimizer does not update (frozen): state kept as given
   auto slots = given;
-  const auto& work = work_[i];
-  {
+  if (i >= 0) {
     // The master: the saved one, else the parameter's value; a float32 parameter takes a saved
     // master (the full-precision value of a low-precision run).
     torch::NoGradGuard no_grad;
+    const auto& work = work_[i];
     auto m = slots.find("master");
     if (m != slots.end()) {
       TORCH_CHECK(m->second.sizes().equals(param.sizes()), options_.kind, ": a master of shape ", m->second.sizes(),
                   " for a parameter of shape ", param.sizes());
       work.copy_(m->second);
       if (!work.is_same(param)) params_[i].copy_(work);
-      slots.erase(m);
     } else if (!work.is_same(param)) {
       work.copy_(param);
     }
     versions_[i] = params_[i]._version();
   }
+  slots.erase("master");
   for (auto& [name, t] : slots) t = t.to(state_options(param));
   auto slot = [&](const char* name) {
     auto it = slots.find(name);
     TORCH_CHECK(it != slots.end(), options_.kind, " state needs '", name, "'");
     return it->second;
   };
-  auto key = compat::optimizer_state_key(work);
+  auto key = compat::optimizer_state_key(i >= 0 ? work_[i] : param);
   if (slots.empty()) {
     impl_->state().erase(key);
     return;

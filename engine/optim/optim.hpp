@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/torch.h>
@@ -127,6 +128,7 @@ class Optimizer {
   std::vector<torch::Tensor> params_;
   // What impl_ updates, one for each of params_: the parameter itself, or its float32 master.
   std::vector<torch::Tensor> work_;
+  std::unordered_map<const c10::TensorImpl*, size_t> index_;  // params_[i] -> i
   std::vector<int64_t> versions_;  // each parameter's version counter when its master was last written
   std::shared_ptr<LossScaler> scaler_;
   dist::GroupPtr overflow_group_;

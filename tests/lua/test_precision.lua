@@ -1,11 +1,10 @@
 -- Mixed precision in one process: models built in a dtype (equal to the float32 model cast, built
 -- deferred too), float16 refused on the CPU by name, float32 master weights (a bfloat16 model with
 -- AdamW equals a hand-written float32-master loop bit for bit; a parameter changed in place is
--- noticed), checkpoints of masters and of the
--- loss scaler resuming bit-identically, and loss scaling: a static power-of-two scale changes no
--- bit of training, an injected overflow skips the step (parameters unchanged bit for bit, one
--- report line, the scale halved), training recovers and the scale grows after scale_window good
--- steps; bad options are refused at the caller's line.
+-- noticed), checkpoints of masters and of the loss scaler resuming bit-identically, and loss
+-- scaling: a static power-of-two scale changes no bit of training, an injected overflow skips the
+-- step (parameters unchanged bit for bit, one report line, the scale halved), training recovers
+-- and the scale grows after scale_window good steps; bad options are refused at the caller's line.
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
 local H = require "harness"
