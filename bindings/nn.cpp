@@ -303,7 +303,17 @@ const Function kMethods[] = {
     {"to", [](Args& a) {
        auto& m = a.module(1);
        std::string s = a.string(2);
-       if (is_dtype_name(s)) m->to(parse_dtype(s)); else m->to(torch::Device(s));
+       if (is_dtype_name(s)) {
+         auto dtype = parse_dtype(s);
+         for (const auto& p : m->parameters())  // float16 where LibTorch has no kernels for it: refused here
+           if (p.defined() && p.is_floating_point() && at::isFloatingType(dtype)) {
+             nn::check_compute_dtype(dtype, p.device());
+             break;
+           }
+         m->to(dtype);
+       } else {
+         m->to(torch::Device(s));
+       }
        lua_settop(a.L, 1);
        return 1; }},
     {"zero_grad", [](Args& a) { for (auto& p : a.module(1)->parameters()) p.mutable_grad() = Tensor(); return a.ret(); }},

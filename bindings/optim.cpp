@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "bindings/lua.hpp"
+#include "engine/compat.hpp"
 #include "engine/models/models.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
@@ -18,6 +19,46 @@ namespace partrain::lua {
 using OptimizerPtr = std::shared_ptr<optim::Optimizer>;
 
 namespace {
+
+// loss_scale = <number> | "dynamic", loss_scale_options = { init_scale, scale_factor, scale_window,
+// min_scale, delayed_shift, consecutive_hysteresis } (smp's DistributedOptimizer's names).
+optim::LossScaleOptions read_loss_scale(Args& a, Options& t, const std::string& kind) {
+  optim::LossScaleOptions o;
+  if (t.push("loss_scale")) {
+    int type = lua_type(a.L, -1);
+    if (type == LUA_TNUMBER) {
+      o.kind = "static";
+      o.scale = lua_tonumber(a.L, -1);
+    } else if (type == LUA_TSTRING && std::string(lua_tostring(a.L, -1)) == "dynamic") {
+      o.kind = "dynamic";
+    } else {
+      std::string got = type == LUA_TSTRING ? "'" + std::string(lua_tostring(a.L, -1)) + "'" : luaL_typename(a.L, -1);
+      lua_pop(a.L, 1);
+      throw std::invalid_argument("option 'loss_scale' for " + kind + " must be a number (a static scale) or "
+                                  "\"dynamic\", got " + got);
+    }
+    lua_pop(a.L, 1);
+  }
+  if (t.has("loss_scale_options")) {
+    if (o.kind != "dynamic")
+      throw std::invalid_argument("option 'loss_scale_options' for " + kind + " configures a dynamic scale: it needs "
+                                  "loss_scale = \"dynamic\"");
+    Options d = t.table("loss_scale_options");
+    o.init_scale = d.number("init_scale", o.init_scale);
+    o.scale_factor = d.number("scale_factor", o.scale_factor);
+    o.scale_window = d.integer("scale_window", o.scale_window);
+    o.min_scale = d.number("min_scale", o.min_scale);
+    o.delayed_shift = d.integer("delayed_shift", o.delayed_shift);
+    o.consecutive_hysteresis = d.boolean("consecutive_hysteresis", o.consecutive_hysteresis);
+    d.finish();
+  }
+  try {
+    optim::validate(o);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(kind + ": " + compat::message_of(e));
+  }
+  return o;
+}
 
 optim::ScheduleOptions read_schedule(Options& t) {
   optim::ScheduleOptions s;
@@ -68,8 +109,21 @@ int make_optimizer(Args& a, const std::string& kind) {
     Options s = t.table("schedule");
     o.schedule = read_schedule(s);
   }
+  o.loss_scale = read_loss_scale(a, t, kind);
   t.finish();
   auto opt = std::make_shared<optim::Optimizer>(params, o);
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+    // Mixed precision and loss scaling on a parallelized model: its records point at the masters,
+    // its train_step scales the loss, and every rank of its mesh agrees on an overflow.
+    if (auto pm = parallel::ParallelModel::of(**m)) {
+      for (const auto& p : opt->params())
+        if (auto master = opt->master(p); master.defined()) pm->set_master(p, master);
+      if (opt->loss_scaler()) {
+        pm->set_loss_scaler(opt->loss_scaler());
+        opt->set_overflow_group(pm->mesh()->group("world"));
+      }
+    }
+  }
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
     // Split parameters (found through the model's tree): the norm for clipping spans their group.
     auto groups = parallel::split_groups(**m, opt->params());
@@ -139,11 +193,29 @@ OptimizerPtr& optimizer(const Args& a, int i) {
 }
 
 const Function kOptimizerMethods[] = {
-    {"step", [](Args& a) {
+    {"step", [](Args& a) {  // the norm before clipping (nil without clipping); nil, "skipped" for a skipped step
        at_first_step(a.L, 1);
-       double norm = optimizer(a, 1)->step();
+       auto& opt = optimizer(a, 1);
+       double norm = opt->step();
+       if (opt->last_step_skipped()) { lua_pushnil(a.L); lua_pushstring(a.L, "skipped"); return 2; }
        if (norm < 0) { lua_pushnil(a.L); return 1; }
        return a.ret(norm); }},
+    {"scale_loss", [](Args& a) {  // loss x the loss scale (the loss itself without loss scaling)
+       auto& opt = optimizer(a, 1);
+       const auto& loss = a.tensor(2);
+       return a.ret(opt->loss_scaler() ? opt->loss_scaler()->scale_loss(loss) : loss); }},
+    {"loss_scale", [](Args& a) {  // the scale the next backward uses; nil without loss scaling
+       auto& opt = optimizer(a, 1);
+       if (!opt->loss_scaler()) { lua_pushnil(a.L); return 1; }
+       return a.ret(opt->loss_scaler()->scale()); }},
+    {"skipped_steps", [](Args& a) {
+       auto& opt = optimizer(a, 1);
+       return a.ret(double(opt->loss_scaler() ? opt->loss_scaler()->skipped() : 0)); }},
+    {"master_bytes", [](Args& a) { return a.ret(double(optimizer(a, 1)->master_bytes())); }},
+    {"master", [](Args& a) {  // the float32 master of a parameter, or nil
+       auto m = optimizer(a, 1)->master(a.tensor(2));
+       if (!m.defined()) { lua_pushnil(a.L); return 1; }
+       return a.ret(m); }},
     {"zero_grad", [](Args& a) { optimizer(a, 1)->zero_grad(); return a.ret(); }},
     // opt:classification_step(model, inputs, targets): forward, cross-entropy, backward and the
     // update in one C++ call; returns the loss.

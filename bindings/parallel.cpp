@@ -368,6 +368,7 @@ const Function kParallel[] = {
          a.ret(r.device.str()); lua_setfield(a.L, -2, "device");
          a.ret(dtype_name(r.dtype)); lua_setfield(a.L, -2, "dtype");
          a.ret(r.trainable); lua_setfield(a.L, -2, "trainable");
+         if (r.master.defined()) { a.ret(dtype_name(r.master.scalar_type())); lua_setfield(a.L, -2, "master_dtype"); }
          lua_rawseti(a.L, -2, static_cast<int>(i + 1));
        }
        return 1; }},

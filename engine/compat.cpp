@@ -1,6 +1,8 @@
 // The bodies behind compat.hpp: what differs between the LibTorch versions partrain builds
 // against, in one file.
 #include <cstdlib>
+#include <map>
+#include <mutex>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -21,6 +23,35 @@ std::string torch_version() {
 }
 
 torch::Tensor gelu_tanh(const torch::Tensor& x) { return at::gelu(x, "tanh"); }
+
+std::string missing_kernels(torch::ScalarType dtype, const torch::Device& device) {
+  if (device.is_meta() || !at::isFloatingType(dtype)) return "";
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, std::string> probed;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto key = std::make_pair(static_cast<int>(dtype), static_cast<int>(device.type()));
+  if (auto it = probed.find(key); it != probed.end()) return it->second;
+  torch::AutoGradMode grad(true);
+  auto o = torch::TensorOptions().dtype(dtype).device(device);
+  std::string missing;
+  auto probe = [&](const char* name, const std::function<torch::Tensor(const torch::Tensor&)>& fn) {
+    try {
+      auto x = torch::ones({2, 4}, o).requires_grad_(true);
+      fn(x).sum().backward();
+    } catch (const std::exception&) {
+      missing += (missing.empty() ? "" : ", ") + std::string(name);
+    }
+  };
+  probe("matmul (addmm)", [&](const torch::Tensor& x) { return at::addmm(torch::ones({2, 2}, o), x, x.t()); });
+  probe("layer_norm", [](const torch::Tensor& x) { return at::layer_norm(x, {4}); });
+  probe("softmax", [](const torch::Tensor& x) { return x.softmax(-1); });
+  probe("log_softmax", [](const torch::Tensor& x) { return x.log_softmax(-1); });
+  probe("gelu", [](const torch::Tensor& x) { return gelu_tanh(x); });
+  probe("relu", [](const torch::Tensor& x) { return x.relu(); });
+  probe("tanh", [](const torch::Tensor& x) { return x.tanh(); });
+  probe("dropout", [](const torch::Tensor& x) { return at::dropout(x, 0.5, true); });
+  return probed[key] = missing;
+}
 
 torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                      double dropout) {

@@ -45,6 +45,12 @@ inline auto optimizer_state_key(const T& param) {
   }
 }
 
+/// The kernels a model computing in `dtype` on `device` needs (matmul, layer_norm, softmax,
+/// log_softmax, gelu, relu, tanh, dropout, forward and backward) that this LibTorch lacks there,
+/// as a comma-separated list; empty when all are present. Probed once per (dtype, device type) on
+/// tiny tensors: LibTorch 1.13's CPU kernels lack most of them in float16 (2.x added some).
+std::string missing_kernels(torch::ScalarType dtype, const torch::Device& device);
+
 /// Whether this LibTorch can reach a CUDA device at run time.
 bool cuda_available();
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -73,6 +74,7 @@ void serialize(Archive& ar, Manifest& m) {
   ar(m.step, m.world, m.tensor, m.data, m.pipeline, m.zero, m.model_type, m.policy, m.optimizer, m.optimizer_steps,
      m.samples_seen, m.user_json, m.full, m.tensors, m.files, m.rng);
   if (!Archive::is_loading::value || reading_format >= 4) ar(m.stages);
+  if (!Archive::is_loading::value || reading_format >= 5) ar(m.loss_scale);
 }
 
 const TensorEntry* Manifest::find(const std::string& name) const {
@@ -415,6 +417,8 @@ const std::map<std::string, std::set<std::string>>& optimizer_slots() {
       {"sgd", {"momentum_buffer"}}, {"adam", {"exp_avg", "exp_avg_sq"}}, {"adamw", {"exp_avg", "exp_avg_sq"}}};
   return slots;
 }
+// A low-precision parameter's float32 master copy: a slot of any optimizer, saved when it has one.
+const char kMasterSlot[] = "master";
 
 bool printable(const std::string& s, size_t max_length) {
   if (s.size() > max_length) return false;
@@ -661,6 +665,13 @@ void validate(const Manifest& m, const std::string& path) {
   if (m.optimizer_steps < 0 || m.optimizer_steps > kMaxCount || (m.optimizer.empty() && m.optimizer_steps != 0))
     bad("has optimizer step count " + std::to_string(m.optimizer_steps));
   if (m.samples_seen < -1 || m.samples_seen > kMaxCount) bad("has data position " + std::to_string(m.samples_seen));
+  if (!m.loss_scale.empty()) {
+    const auto& ls = m.loss_scale;
+    auto count = [](double v) { return std::isfinite(v) && v >= 0 && v <= double(kMaxCount) && v == std::floor(v); };
+    if (m.optimizer.empty() || ls.size() != 4 || !std::isfinite(ls[0]) || ls[0] <= 0 || !count(ls[1]) ||
+        !count(ls[2]) || ls[2] < 1 || !count(ls[3]))
+      bad("has a loss scaler state that is not (scale > 0, good steps, hysteresis >= 1, skipped steps)");
+  }
   try {
     if (json_depth(m.user_json) > kMaxJsonDepth) throw std::invalid_argument("too deep");
     auto user = nlohmann::json::parse(m.user_json);
@@ -787,12 +798,12 @@ void validate(const Manifest& m, const std::string& path) {
     std::string param = e.name.substr(6, slash - 6), slot = e.name.substr(slash + 1);
     const TensorEntry* owner = slash > 6 ? m.find("model/" + param) : nullptr;
     if (!owner) bad("has optimizer state '" + e.name + "' for no tensor of the model");
-    if (m.optimizer.empty() || !optimizer_slots().at(m.optimizer).count(slot))
+    if (m.optimizer.empty() || (!optimizer_slots().at(m.optimizer).count(slot) && slot != kMasterSlot))
       bad("has optimizer state '" + e.name + "' that " + (m.optimizer.empty() ? "no" : m.optimizer) +
           " optimizer keeps");
     if (owner->shape != e.shape) bad("has optimizer state '" + e.name + "' of shape " + shape_text(e.shape) +
                                      " for a tensor of shape " + shape_text(owner->shape));
-    slots_of[param].insert(slot);
+    if (slot != kMasterSlot) slots_of[param].insert(slot);  // a master alone (before the first step) is whole
   }
   for (const auto& [param, slots] : slots_of)
     if (slots != optimizer_slots().at(m.optimizer))
@@ -1031,6 +1042,10 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
     if (state.optimizer) {
       m.optimizer = state.optimizer->options().kind;
       m.optimizer_steps = state.optimizer->steps_taken();
+    }
+    if (state.optimizer && state.optimizer->loss_scaler()) {
+      const auto& ls = state.optimizer->loss_scaler()->state();
+      m.loss_scale = {ls.scale, double(ls.good_steps), double(ls.hysteresis), double(ls.skipped)};
     }
     m.samples_seen = state.data ? state.data->samples_seen() : -1;
     m.user_json = state.user_json;
@@ -1273,6 +1288,9 @@ std::string describe(const Manifest& m) {
     << " x pipeline " << m.pipeline << ", zero " << m.zero << (m.full ? "; full (consolidated)" : "; partial (per-rank shards)")
     << "\nmodel " << m.model_type << (m.policy.empty() ? "" : ", policy " + m.policy);
   if (!m.optimizer.empty()) s << "; optimizer " << m.optimizer << " after " << m.optimizer_steps << " step(s)";
+  if (m.loss_scale.size() == 4)
+    s << "\nloss scale " << m.loss_scale[0] << " (" << int64_t(m.loss_scale[1]) << " good step(s) since the last change, "
+      << int64_t(m.loss_scale[3]) << " step(s) skipped)";
   if (!m.stages.bounds.empty()) {
     // Virtual stage v (chunk v / pipeline of pipeline rank v % pipeline) holds blocks [b[v], b[v+1]).
     const auto& st = m.stages;
@@ -1384,16 +1402,18 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       for (size_t i = 0; i < params.size(); ++i) {
         const auto& [name, local, p, first] = params[i];
         auto s = parallel::sharding_of(*state.model, local);
-        auto read = [&](const TensorEntry& t) {
+        auto read = [&](const TensorEntry& t, const torch::TensorOptions& options) {
           auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
                         : read_tensor(tag_dir, m, t);
-          return part.to(p.options().requires_grad(false));
+          return part.to(options);
         };
-        values[i] = read(*m.find("model/" + name));
+        values[i] = read(*m.find("model/" + name), p.options().requires_grad(false));
         if (with_optimizer) {
+          // The state in the optimizer's dtype (float32 for a low-precision parameter's), masters too.
           std::string prefix = "optim/" + name + "/";
           for (const auto& t : m.tensors)
-            if (t.name.rfind(prefix, 0) == 0) slots[i][t.name.substr(prefix.size())] = read(t);
+            if (t.name.rfind(prefix, 0) == 0)
+              slots[i][t.name.substr(prefix.size())] = read(t, state.optimizer->state_options(p));
         }
       }
     });
@@ -1401,6 +1421,10 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     // count before the parameters' states (Adam's bias correction reads it).
     if (state.data && m.samples_seen >= 0) state.data->seek(m.samples_seen);
     if (with_optimizer) state.optimizer->set_steps_taken(m.optimizer_steps);
+    if (with_optimizer && state.optimizer->loss_scaler() && m.loss_scale.size() == 4) {
+      const auto& ls = m.loss_scale;  // a checkpoint without it leaves the scaler as it is
+      state.optimizer->loss_scaler()->set_state({ls[0], int64_t(ls[1]), int64_t(ls[2]), int64_t(ls[3])});
+    }
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].param.copy_(values[i]);
       if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i]);  // none: cleared

@@ -40,8 +40,8 @@ namespace partrain::ckpt {
 /// the payload; a split tensor records the sizes of the parts its dimension is made of; the
 /// pipeline that saved it is recorded (PipelineLayout). Versions 3 (no pipeline layout) and 2
 /// (a count of equal parts instead of their sizes) are read; version 1 (no checksum of the
-/// manifest) is refused.
-constexpr uint32_t kFormatVersion = 4;
+/// manifest) is refused. Version 5 adds the optimizer's loss-scaler state (version 4 has none).
+constexpr uint32_t kFormatVersion = 5;
 /// The oldest format this partrain reads.
 constexpr uint32_t kOldestReadableFormat = 2;
 
@@ -95,6 +95,9 @@ struct Manifest {
   std::vector<FileEntry> files;
   std::vector<std::string> rng;  ///< each saving rank's CPU generator state
   PipelineLayout stages;         ///< format 4 on; empty bounds: saved without a pipeline
+  /// Format 5 on: the optimizer's loss scaler (scale, good steps, hysteresis, skipped steps);
+  /// empty when it had none.
+  std::vector<double> loss_scale;
   const TensorEntry* find(const std::string& name) const;
 };
 

@@ -300,6 +300,13 @@ void ProcessGroup::fail(const std::string& op, const std::string& why) const {
   TORCH_CHECK(false, op, " on ", describe(), " failed on rank ", options_.ranks[rank_], ": ", why);
 }
 
+namespace {
+// Whether `t` cannot travel as it is on `backend` (bfloat16 on Gloo): it goes as float32.
+bool lacks_bfloat16(const Tensor& t, const std::string& backend) {
+  return t.scalar_type() == torch::kBFloat16 && backend == "gloo";
+}
+}  // namespace
+
 void ProcessGroup::check(const Tensor& t, const std::string& op) const {
   TORCH_CHECK(t.defined(), op, " on ", describe(), ": the tensor is undefined");
   TORCH_CHECK(t.is_contiguous(), op, " on ", describe(), ": the tensor must be contiguous");
@@ -416,12 +423,20 @@ Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
 Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) const {
   check(t, name);
   verify(1 + static_cast<int>(op), name, t);
+  // What travels: Gloo has no bfloat16 reductions (LibTorch 1.13), so a bfloat16 tensor is summed
+  // as float32 and rounded once, written back when the collective completes.
+  Tensor wire = lacks_bfloat16(t, options_.backend) ? t.to(torch::kFloat32) : t;
   std::function<void()> after;
-  if (op == ReduceOp::Mean && size() > 1) after = [t, n = size()]() mutable { t.div_(n); };
+  const bool mean = op == ReduceOp::Mean && size() > 1;
+  if (mean || !wire.is_same(t))
+    after = [t, wire, mean, n = size()]() mutable {
+      if (mean) wire.div_(n);
+      if (!wire.is_same(t)) t.copy_(wire);
+    };
   if (recorded_only()) record(name, static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record(name, static_cast<int64_t>(t.nbytes()));
-  std::vector<Tensor> ts{t};
+  std::vector<Tensor> ts{wire};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d_op(op);
   o.timeout = options_.timeout;
@@ -436,11 +451,14 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   if (recorded_only()) record("broadcast", static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record("broadcast", static_cast<int64_t>(t.nbytes()));
-  std::vector<Tensor> ts{t};
+  Tensor wire = lacks_bfloat16(t, options_.backend) ? t.to(torch::kFloat32) : t;  // exact both ways
+  std::vector<Tensor> ts{wire};
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = options_.timeout;
-  return run("broadcast", [&] { return impl_->group->broadcast(ts, o); }, async);
+  std::function<void()> after;
+  if (!wire.is_same(t)) after = [t, wire]() mutable { t.copy_(wire); };
+  return run("broadcast", [&] { return impl_->group->broadcast(ts, o); }, async, after);
 }
 
 Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool async) const {

@@ -265,7 +265,7 @@ nn::ModulePtr gpt2(const Gpt2Options& o) {
     // lm_head shares wte's weight (both [vocab, dim]).
     model->child("lm_head")->set_parameter("weight", model->child("wte")->param("weight"));
     return nn::ModulePtr(model);
-  });
+  }, o.dtype);
 }
 
 // ---- The family's descriptor ---------------------------------------------------------------
@@ -296,6 +296,7 @@ Family gpt2_family() {
     o.dropout = r.number("dropout", o.dropout);
     o.eps = r.number("eps", o.eps);
     o.flash_attention = r.boolean("flash_attention", o.flash_attention);
+    o.dtype = nn::model_dtype(r.string("dtype", "float32"));
     return gpt2(o);
   };
   // GPT2Model's names are these; GPT2LMHeadModel puts "transformer." before them. lm_head is

@@ -20,6 +20,7 @@ struct Gpt2Options {
   double dropout = 0.0;    ///< on embeddings, attention probabilities and residual branches
   double eps = 1e-5;       ///< LayerNorm epsilon
   bool flash_attention = false;  ///< fused attention kernel where LibTorch has one (2.x)
+  torch::ScalarType dtype = torch::kFloat32;  ///< parameters and compute (initialized in float32, then cast)
 };
 
 /// Causal self-attention: c_attn makes q, k, v (fused, [3*dim, dim]); c_proj mixes the heads.

@@ -30,7 +30,7 @@ nn::ModulePtr mlp(const MlpOptions& o) {
       }
     }
     return nn::ModulePtr(model);
-  });
+  }, o.dtype);
 }
 
 Family mlp_family() {
@@ -44,6 +44,7 @@ Family mlp_family() {
     o.activation = r.string("activation", o.activation);
     o.dropout = r.number("dropout", o.dropout);
     o.bias = r.boolean("bias", o.bias);
+    o.dtype = nn::model_dtype(r.string("dtype", "float32"));
     return mlp(o);
   };
   return f;  // no Hugging Face layout

@@ -15,6 +15,7 @@ struct MlpOptions {
   std::string activation = "ReLU";   ///< between layers (not after the last)
   double dropout = 0.0;              ///< after each activation; 0: none
   bool bias = true;                  ///< biases on the Linear layers
+  torch::ScalarType dtype = torch::kFloat32;  ///< parameters and compute (initialized in float32, then cast)
 };
 
 /// Linear, activation, [dropout], ..., Linear as a Sequential of type "MLP".

@@ -3,6 +3,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "engine/compat.hpp"
+
 #include <limits>
 #include <unordered_set>
 
@@ -32,8 +34,24 @@ void draw_init_seed(Module& root) {
   root.set_init_seed(static_cast<uint64_t>(drawn));
 }
 
-ModulePtr build_initialized(const std::function<ModulePtr()>& build) {
-  const auto options = parameter_options();
+torch::ScalarType model_dtype(const std::string& name) {
+  if (name == "float32") return torch::kFloat32;
+  if (name == "float64") return torch::kFloat64;
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16") return torch::kFloat16;
+  TORCH_CHECK(false, "dtype '", name, "' is not a model dtype (expected float32, float64, bfloat16 or float16)");
+}
+
+void check_compute_dtype(torch::ScalarType dtype, const torch::Device& device) {
+  auto missing = compat::missing_kernels(dtype, device);
+  TORCH_CHECK(missing.empty(), "a ", c10::toString(dtype), " model cannot compute on ", device.str(), ": LibTorch ",
+              compat::torch_version(), " has no ", c10::toString(dtype), " kernels there for ", missing,
+              device.is_cpu() ? " (on the CPU use bfloat16 or float32; float16 needs a CUDA device)" : "");
+}
+
+ModulePtr build_initialized(const std::function<ModulePtr()>& build, c10::optional<torch::ScalarType> dtype) {
+  auto options = parameter_options();
+  if (dtype) options = options.dtype(*dtype);
   const bool deferred = options.device().is_meta();
   ModulePtr root;
   {
@@ -96,7 +114,10 @@ void materialize(Module& root, torch::Device device, const std::function<Tensor(
                             : initial_tensor(root, name, t.sizes(), *m, local).to(device, t.scalar_type());
         TORCH_CHECK(value.sizes().equals(t.sizes()), "materialize: '", name, "' came out ", value.sizes(),
                     ", the model holds ", t.sizes());
-        if (parameter) value = value.detach().requires_grad_(t.requires_grad());
+        if (parameter) {
+          if (value.is_floating_point()) check_compute_dtype(value.scalar_type(), value.device());
+          value = value.detach().requires_grad_(t.requires_grad());
+        }
         it = done.emplace(t.unsafeGetTensorImpl(), value).first;
       }
       m->replace_tensor(local, it->second);

@@ -15,7 +15,17 @@ namespace partrain::nn {
 /// generator, then (unless parameter_options() are already on the meta device: a deferred build
 /// or the planner) materializes it where parameter_options() say. What the built-in families use,
 /// so that their serial models equal their deferred ones.
-ModulePtr build_initialized(const std::function<ModulePtr()>& build);
+/// `dtype`: the parameters' dtype (initialized in float32, then cast); default: parameter_options()'s.
+ModulePtr build_initialized(const std::function<ModulePtr()>& build,
+                            c10::optional<torch::ScalarType> dtype = c10::nullopt);
+
+/// The dtype a model's `dtype` option names: "float32", "float64", "bfloat16" or "float16";
+/// anything else is an error naming the value.
+torch::ScalarType model_dtype(const std::string& name);
+
+/// Refuses a model whose parameters and compute are in `dtype` on `device` where this LibTorch
+/// lacks kernels its layers need (float16 on LibTorch 1.13's CPU), naming the missing kernels.
+void check_compute_dtype(torch::ScalarType dtype, const torch::Device& device);
 
 /// Draws a base seed from the global generator (pt.manual_seed fixes it) and gives it to `root`.
 void draw_init_seed(Module& root);

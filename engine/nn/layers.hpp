@@ -125,9 +125,10 @@ class Activation : public Unary {
 ModulePtr make_activation(const std::string& name, int64_t dim = -1);
 
 /// Mean cross-entropy of logits (N, C) or (..., C) against class ids (N) or (...).
-/// Targets equal to `ignore_index` do not count.
+/// Targets equal to `ignore_index` do not count. bfloat16 and float16 logits are computed in float32
+/// (the loss comes back float32).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
-/// Mean squared error.
+/// Mean squared error (in float32 for bfloat16 and float16 inputs).
 Tensor mse(const Tensor& prediction, const Tensor& target);
 
 }  // namespace partrain::nn

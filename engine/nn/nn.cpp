@@ -520,6 +520,12 @@ ModulePtr make_activation(const std::string& name, int64_t dim) {
 
 // ---- Losses ---------------------------------------------------------------------------------
 
+namespace {
+bool is_low_precision(const Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+}
+}  // namespace
+
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
   TORCH_CHECK(logits.dim() >= 1 && logits.dim() == targets.dim() + 1,
               "cross_entropy expects logits (..., C) and targets (...), got ", logits.sizes(),
@@ -527,6 +533,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   TORCH_CHECK(!targets.is_floating_point(), "cross_entropy expects integer class ids, got ",
               targets.dtype());
   auto flat = logits.reshape({-1, logits.size(-1)});  // (N, C)
+  if (is_low_precision(flat)) flat = flat.to(torch::kFloat32);  // the softmax and the loss in float32
   return F::cross_entropy(flat, targets.reshape({-1}),
                           F::CrossEntropyFuncOptions().ignore_index(ignore_index));
 }
@@ -534,6 +541,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
 Tensor mse(const Tensor& prediction, const Tensor& target) {
   TORCH_CHECK(prediction.sizes().equals(target.sizes()), "mse expects equal shapes, got ",
               prediction.sizes(), " and ", target.sizes());
+  if (is_low_precision(prediction) || is_low_precision(target))  // LibTorch 1.13's CPU has no bfloat16 mse
+    return F::mse_loss(prediction.to(torch::kFloat32), target.to(torch::kFloat32));
   return F::mse_loss(prediction, target);
 }
 

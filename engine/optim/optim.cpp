@@ -4,7 +4,10 @@
 #include "engine/compat.hpp"
 
 #include <cmath>
+#include <iostream>
 #include <unordered_set>
+
+#include "engine/dist/world.hpp"
 
 namespace partrain::optim {
 
@@ -32,6 +35,8 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm)
   return torch::nn::utils::clip_grad_norm_(params, max_norm);
 }
 
+bool needs_master(torch::ScalarType dtype) { return dtype == torch::kBFloat16 || dtype == torch::kHalf; }
+
 Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : options_(std::move(o)) {
   // Each parameter once: a tied weight listed twice would be updated twice.
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -42,6 +47,21 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
   for (const auto& p : params_)
     TORCH_CHECK(p.requires_grad() && p.is_leaf(), k, " optimizer: every parameter must be a leaf "
                 "tensor that requires grad");
+  // Mixed precision: a float32 master a low-precision parameter, the one the update runs on.
+  for (const auto& p : params_) {
+    torch::NoGradGuard no_grad;
+    index_[p.unsafeGetTensorImpl()] = work_.size();
+    work_.push_back(needs_master(p.scalar_type()) && !p.is_meta()
+                        ? p.detach().to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true)
+                        : p);
+    versions_.push_back(p._version());
+  }
+  if (options_.loss_scale.kind != "none") {
+    for (const auto& p : params_)
+      TORCH_CHECK(p.scalar_type() != torch::kFloat64, k, ": loss scaling is for float16 (and bfloat16 or float32) "
+                  "models; a float64 parameter's gradients do not underflow: drop loss_scale");
+    scaler_ = std::make_shared<LossScaler>(options_.loss_scale);
+  }
   TORCH_CHECK(options_.lr >= 0, k, ": lr must be >= 0, got ", options_.lr);
   TORCH_CHECK(options_.weight_decay >= 0, k, ": weight_decay must be >= 0, got ",
               options_.weight_decay);
@@ -53,7 +73,7 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
     TORCH_CHECK(!options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
                 "sgd: nesterov needs momentum > 0 and dampening = 0");
     impl_ = std::make_unique<torch::optim::SGD>(
-        params_, torch::optim::SGDOptions(options_.lr)
+        work_, torch::optim::SGDOptions(options_.lr)
                      .momentum(options_.momentum)
                      .dampening(options_.dampening)
                      .weight_decay(options_.weight_decay)
@@ -65,11 +85,11 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
     auto betas = std::make_tuple(options_.beta1, options_.beta2);
     if (k == "adam")
       impl_ = std::make_unique<torch::optim::Adam>(
-          params_, torch::optim::AdamOptions(options_.lr).betas(betas).eps(options_.eps)
+          work_, torch::optim::AdamOptions(options_.lr).betas(betas).eps(options_.eps)
                        .weight_decay(options_.weight_decay));
     else
       impl_ = std::make_unique<torch::optim::AdamW>(
-          params_, torch::optim::AdamWOptions(options_.lr).betas(betas).eps(options_.eps)
+          work_, torch::optim::AdamWOptions(options_.lr).betas(betas).eps(options_.eps)
                        .weight_decay(options_.weight_decay));
   } else {
     TORCH_CHECK(false, "unknown optimizer '", k, "' (expected sgd, adam or adamw)");
@@ -77,12 +97,70 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
 }
 
 void Optimizer::zero_grad() {
-  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].mutable_grad() = torch::Tensor();
+    work_[i].mutable_grad() = torch::Tensor();
+  }
+}
+
+int64_t Optimizer::index_of(const torch::Tensor& param) const {
+  auto it = param.defined() ? index_.find(param.unsafeGetTensorImpl()) : index_.end();
+  return it == index_.end() ? -1 : static_cast<int64_t>(it->second);
+}
+
+torch::Tensor Optimizer::master(const torch::Tensor& param) const {
+  auto i = index_of(param);
+  return i >= 0 && !work_[i].is_same(params_[i]) ? work_[i] : torch::Tensor();
+}
+
+int64_t Optimizer::master_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!work_[i].is_same(params_[i])) bytes += static_cast<int64_t>(work_[i].nbytes());
+  return bytes;
+}
+
+torch::TensorOptions Optimizer::state_options(const torch::Tensor& param) const {
+  auto i = index_of(param);
+  const auto& t = i >= 0 ? work_[i] : param;
+  return t.options().requires_grad(false);
+}
+
+void Optimizer::refresh_masters() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!work_[i].is_same(params_[i]) && params_[i]._version() != versions_[i]) {
+      work_[i].copy_(params_[i]);
+      versions_[i] = params_[i]._version();
+    }
+}
+
+void Optimizer::grads_to_masters() {
+  refresh_masters();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (work_[i].is_same(params_[i])) continue;
+    const auto& g = params_[i].grad();
+    work_[i].mutable_grad() = g.defined() ? g.detach().to(torch::kFloat32) : torch::Tensor();
+  }
+}
+
+void Optimizer::masters_to_params() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (work_[i].is_same(params_[i])) continue;
+    params_[i].copy_(work_[i]);
+    versions_[i] = params_[i]._version();
+  }
 }
 
 std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor& param) const {
   std::map<std::string, torch::Tensor> out;
-  auto it = impl_->state().find(compat::optimizer_state_key(param));
+  const auto i = index_of(param);
+  if (i >= 0 && !work_[i].is_same(params_[i])) {
+    const_cast<Optimizer*>(this)->refresh_masters();
+    out["master"] = work_[i].detach();
+  }
+  auto it = impl_->state().find(compat::optimizer_state_key(i >= 0 ? work_[i] : param));
   if (it == impl_->state().end()) return out;
   auto keep = [&](const char* slot, const torch::Tensor& t) {
     if (t.defined()) out[slot] = t;
@@ -99,13 +177,33 @@ std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor&
   return out;
 }
 
-void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
+void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& given) {
+  const auto i = index_of(param);  // -1: a tensor this optimizer does not update (frozen): state kept as given
+  auto slots = given;
+  if (i >= 0) {
+    // The master: the saved one, else the parameter's value; a float32 parameter takes a saved
+    // master (the full-precision value of a low-precision run).
+    torch::NoGradGuard no_grad;
+    const auto& work = work_[i];
+    auto m = slots.find("master");
+    if (m != slots.end()) {
+      TORCH_CHECK(m->second.sizes().equals(param.sizes()), options_.kind, ": a master of shape ", m->second.sizes(),
+                  " for a parameter of shape ", param.sizes());
+      work.copy_(m->second);
+      if (!work.is_same(param)) params_[i].copy_(work);
+    } else if (!work.is_same(param)) {
+      work.copy_(param);
+    }
+    versions_[i] = params_[i]._version();
+  }
+  slots.erase("master");
+  for (auto& [name, t] : slots) t = t.to(state_options(param));
   auto slot = [&](const char* name) {
     auto it = slots.find(name);
     TORCH_CHECK(it != slots.end(), options_.kind, " state needs '", name, "'");
     return it->second;
   };
-  auto key = compat::optimizer_state_key(param);
+  auto key = compat::optimizer_state_key(i >= 0 ? work_[i] : param);
   if (slots.empty()) {
     impl_->state().erase(key);
     return;
@@ -132,8 +230,11 @@ void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::
 int64_t Optimizer::planned_state_bytes() const {
   int slots = options_.kind == "sgd" ? (options_.momentum != 0.0 ? 1 : 0) : 2;  // adam, adamw: two moments
   int64_t bytes = 0;
-  for (const auto& p : params_)
-    if (p.requires_grad()) bytes += slots * static_cast<int64_t>(p.nbytes());
+  for (const auto& p : params_) {
+    if (!p.requires_grad()) continue;
+    const int64_t element = needs_master(p.scalar_type()) ? 4 : static_cast<int64_t>(p.element_size());
+    bytes += (slots + (needs_master(p.scalar_type()) ? 1 : 0)) * element * p.numel();  // state, and the master
+  }
   return bytes;
 }
 
@@ -151,7 +252,7 @@ int64_t Optimizer::state_bytes() const {
       add(s->momentum_buffer());
     }
   }
-  return bytes;
+  return bytes + master_bytes();
 }
 
 double Optimizer::lr() const { return scheduled_lr(options_.schedule, options_.lr, steps_); }
@@ -169,6 +270,28 @@ void Optimizer::apply_lr(double lr) {
 
 double Optimizer::step() {
   for (const auto& check : checks_) check();
+  last_skipped_ = false;
+  grads_to_masters();  // float32 gradients for the masters (nothing without low-precision parameters)
+  if (scaler_) {
+    std::vector<torch::Tensor> grads;
+    for (const auto& w : work_) grads.push_back(w.grad());
+    const bool overflow = scaler_->unscale_and_check(grads, overflow_group_);
+    const double before = scaler_->update(overflow);
+    if (overflow) {  // nothing changes but the scale; the gradients stay as they are, unscaled
+      last_skipped_ = true;
+      if (dist::World::instance().rank() == 0)
+        std::cerr << "partrain: optimizer step " << steps_ + 1 << " skipped: gradients overflowed (inf or nan); "
+                  << (scaler_->dynamic() ? "loss scale " : "static loss scale ") << before << " -> "
+                  << scaler_->scale() << " (" << scaler_->skipped() << " skipped so far)" << std::endl;
+      return -1;
+    }
+    // The norm below reads the parameters' gradients: a low-precision one gets its unscaled value.
+    if (options_.clip_grad_norm > 0 && norm_ && before != 1.0) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (!work_[i].is_same(params_[i]) && params_[i].grad().defined()) params_[i].mutable_grad().copy_(work_[i].grad());
+    }
+  }
   apply_lr(lr());
   double norm = -1;
   if (options_.clip_grad_norm > 0) {
@@ -176,13 +299,14 @@ double Optimizer::step() {
       norm = norm_(params_);
       double scale = options_.clip_grad_norm / (norm + 1e-6);
       if (scale < 1)
-        for (auto& p : params_)
-          if (p.grad().defined()) p.mutable_grad().mul_(scale);
+        for (auto& w : work_)
+          if (w.grad().defined()) w.mutable_grad().mul_(scale);
     } else {
-      norm = clip_grad_norm(params_, options_.clip_grad_norm);
+      norm = clip_grad_norm(work_, options_.clip_grad_norm);
     }
   }
   impl_->step();
+  masters_to_params();
   ++steps_;
   return norm;
 }

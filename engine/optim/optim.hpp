@@ -6,9 +6,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/torch.h>
+
+#include "engine/dist/process_group.hpp"
+#include "engine/optim/loss_scale.hpp"
 
 namespace partrain::optim {
 
@@ -36,21 +40,52 @@ struct OptimizerOptions {
   double eps = 1e-8;             ///< adam, adamw
   double clip_grad_norm = 0.0;   ///< clip gradients to this global L2 norm before a step; 0: off
   ScheduleOptions schedule;      ///< how lr changes with the step count
+  LossScaleOptions loss_scale;   ///< kind "none": no loss scaling
 };
+
+/// Whether a parameter of `dtype` gets a float32 master copy (bfloat16, float16).
+bool needs_master(torch::ScalarType dtype);
 
 /// Scales the gradients of `params` so their global L2 norm is at most `max_norm`; returns the
 /// norm before clipping.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 
+/// The optimizer. A bfloat16 or float16 parameter gets a float32 master copy that the update runs
+/// on, with float32 state (mixed precision): step() casts the parameter's gradient into the
+/// master's, updates the master and casts the result back into the parameter. A parameter changed
+/// in place since the last step (a load, a user's copy_) is noticed by its version counter and
+/// its master taken from it again.
 class Optimizer {
  public:
   Optimizer(std::vector<torch::Tensor> params, OptimizerOptions options);
 
-  /// Clears every parameter's gradient.
+  /// Clears every parameter's gradient (and its master's).
   void zero_grad();
   /// Sets the scheduled lr, clips, and updates the parameters. Returns the gradient norm before
-  /// clipping when clipping is on, otherwise -1.
+  /// clipping when clipping is on, otherwise -1. With loss scaling the gradients are unscaled and
+  /// checked first: on inf/nan anywhere in the overflow group the step is skipped (nothing
+  /// updated, the step count unchanged, the scale backed off, one line on rank 0's stderr) and
+  /// last_step_skipped() says so.
   double step();
+  bool last_step_skipped() const { return last_skipped_; }
+
+  /// The loss scaler (null without loss scaling).
+  const std::shared_ptr<LossScaler>& loss_scaler() const { return scaler_; }
+  /// The ranks that must agree on an overflow (every rank holding a part of the model); null:
+  /// this rank alone. step() runs a collective over it when loss scaling is on.
+  void set_overflow_group(dist::GroupPtr group) { overflow_group_ = std::move(group); }
+
+  /// Mixed precision's two halves of step(), for another optimizer path (a sharded one) to call:
+  /// each low-precision parameter's gradient cast into its master's (float32), and the updated
+  /// masters cast back into the parameters.
+  void grads_to_masters();
+  void masters_to_params();
+  /// The master copy of `param` (undefined when it has none).
+  torch::Tensor master(const torch::Tensor& param) const;
+  /// Bytes of the master copies.
+  int64_t master_bytes() const;
+  /// The tensor options the optimizer's state of `param` has (float32 for a low-precision one).
+  torch::TensorOptions state_options(const torch::Tensor& param) const;
 
   /// The lr the next step will use.
   double lr() const;
@@ -60,16 +95,20 @@ class Optimizer {
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   const OptimizerOptions& options() const { return options_; }
   const std::vector<torch::Tensor>& params() const { return params_; }
-  /// Bytes of the optimizer's state (momentum buffers, Adam's moments), as allocated so far.
+  /// Bytes of the optimizer's state (momentum buffers, Adam's moments, master copies), as
+  /// allocated so far.
   int64_t state_bytes() const;
-  /// Bytes of the state once every parameter has stepped (Adam's two moments, SGD's momentum),
-  /// computed from the parameters without allocating it: what the planner reports.
+  /// Bytes of the state once every parameter has stepped (Adam's two moments, SGD's momentum, in
+  /// float32 for a low-precision parameter, and its master), computed from the parameters without
+  /// allocating it: what the planner reports.
   int64_t planned_state_bytes() const;
   torch::optim::Optimizer& impl() { return *impl_; }
-  /// A parameter's state by slot ("exp_avg", "exp_avg_sq", "momentum_buffer"); empty before its
-  /// first step.
+  /// A parameter's state by slot ("exp_avg", "exp_avg_sq", "momentum_buffer", and "master" for a
+  /// low-precision parameter); empty before its first step but for the master.
   std::map<std::string, torch::Tensor> param_state(const torch::Tensor& param) const;
-  /// Replaces a parameter's state (slots as param_state gives them), as of steps_taken().
+  /// Replaces a parameter's state (slots as param_state gives them), as of steps_taken(). Without
+  /// "master" a low-precision parameter's master takes the parameter's value; with one, a float32
+  /// parameter takes the master's (full precision back from a bfloat16 run's checkpoint).
   void set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots);
   /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
   /// it to refuse steps on gradients not yet synced).
@@ -80,8 +119,20 @@ class Optimizer {
 
  private:
   void apply_lr(double lr);
+  // The index in params_ of `param`, or -1.
+  int64_t index_of(const torch::Tensor& param) const;
+  // Takes each master from its parameter where the parameter changed since the masters were
+  // last written into it (its version counter moved).
+  void refresh_masters();
 
   std::vector<torch::Tensor> params_;
+  // What impl_ updates, one for each of params_: the parameter itself, or its float32 master.
+  std::vector<torch::Tensor> work_;
+  std::unordered_map<const c10::TensorImpl*, size_t> index_;  // params_[i] -> i
+  std::vector<int64_t> versions_;  // each parameter's version counter when its master was last written
+  std::shared_ptr<LossScaler> scaler_;
+  dist::GroupPtr overflow_group_;
+  bool last_skipped_ = false;
   OptimizerOptions options_;
   std::unique_ptr<torch::optim::Optimizer> impl_;
   int64_t steps_ = 0;

@@ -190,6 +190,11 @@ const ParameterRecord* ParallelModel::record(const std::string& name) const {
   return nullptr;
 }
 
+void ParallelModel::set_master(const torch::Tensor& param, const torch::Tensor& master) {
+  for (auto& r : records_)
+    if (r.param.is_same(param)) r.master = master;
+}
+
 // ---- The training step -----------------------------------------------------------------------
 
 torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tensor& targets,
@@ -224,12 +229,14 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
+  auto scaler = loss_scaler();
+  const double scale = scaler ? scaler->scale() : 1.0;  // loss scaling: backward from loss x scale
   if (pipeline_) {
     TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "
                 "microbatches=", pipeline_->options().microbatches);
     return pipeline_->train_step(
         x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options); },
-        data_parallel_.get());
+        data_parallel_.get(), scale);
   }
   root_->train();
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
@@ -249,7 +256,8 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     plan::forward_ends();  // ... and what the forward left allocated is measured (once)
     {
       TraceSpan span(TraceKind::Backward, i);
-      (n > 1 ? l / n : l).backward();
+      auto from = n > 1 ? l / n : l;
+      (scale != 1.0 ? from * scale : from).backward();
     }
     total = total.defined() ? total + l.detach() : l.detach();
   }

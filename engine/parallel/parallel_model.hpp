@@ -15,6 +15,7 @@
 
 #include "engine/dist/mesh.hpp"
 #include "engine/nn/module.hpp"
+#include "engine/optim/loss_scale.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/sharding.hpp"
@@ -32,8 +33,8 @@ struct ParameterRecord {
   torch::ScalarType dtype = torch::kFloat32;
   bool trainable = true;  ///< requires_grad
   torch::Tensor param;    ///< this rank's tensor, the one the module holds
-  /// Reserved, empty for now: the full-precision master copy that mixed precision will keep
-  /// beside a low-precision parameter (filled by the issue that brings mixed precision).
+  /// The float32 master copy the optimizer made for the model keeps of a bfloat16 or float16
+  /// parameter (set when that optimizer is made; empty otherwise).
   torch::Tensor master;
   /// Reserved, -1 for now: where the parameter's gradient (and, under ZeRO, its optimizer state)
   /// sits in a flat buffer: the buffer's index and the offset in it (filled by ZeRO).
@@ -108,12 +109,20 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   const ParameterRecord* record(const std::string& name) const;
   /// Builds the records again from the tree (after a tie or a replacement made since).
   void refresh_records() { records_ = parameter_records(*root_); }
+  /// Notes the master copy of the parameter `param` in its record (the optimizer's).
+  void set_master(const torch::Tensor& param, const torch::Tensor& master);
+
+  /// The loss scaler of the optimizer made for this model (held weakly): train_step's backward
+  /// starts from the loss times its scale.
+  void set_loss_scaler(const std::shared_ptr<optim::LossScaler>& scaler) { loss_scaler_ = scaler; }
+  std::shared_ptr<optim::LossScaler> loss_scaler() const { return loss_scaler_.lock(); }
 
   /// One training step: forward on `x`, the loss against `y`, backward, and the data-parallel
   /// gradient sync. With accumulate = n the batch is split into n micro-batches along dim 0,
   /// each run forward and backward, one sync at the end; the mean of their losses is returned.
   /// Under pipeline parallelism the pipeline's schedule runs over its micro-batches instead, and
-  /// every pipeline rank returns the mean loss.
+  /// every pipeline rank returns the mean loss. With a loss scaler (loss_scaler()) backward runs
+  /// on the loss times its scale; the loss returned is unscaled.
   /// The optimizer steps after (the caller's opt:step()).
   torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y, const TrainStepOptions& options = {});
 
@@ -129,6 +138,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   std::shared_ptr<DataParallel> data_parallel_;
   std::shared_ptr<Pipeline> pipeline_;
   std::vector<ParameterRecord> records_;
+  std::weak_ptr<optim::LossScaler> loss_scaler_;
   static std::atomic<int64_t> live_;
 };
 

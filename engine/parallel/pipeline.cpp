@@ -429,7 +429,7 @@ torch::Tensor Pipeline::receive(int peer, int tag, const std::vector<int64_t>& e
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                                   DataParallel* dp) {
+                                   DataParallel* dp, double loss_scale) {
   const int m = options_.microbatches, chunks = options_.chunks, last = stages() - 1;
   TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
               "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
@@ -495,6 +495,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           auto l = loss(out, ys[a.mb]);
           total += l.detach().to(torch::kFloat64);
           s.output = m > 1 ? l / m : l;
+          if (loss_scale != 1.0) s.output = s.output * loss_scale;  // backward starts from the scaled loss
         } else {
           s.output = out;
           last_shape = out.sizes().vec();
@@ -569,7 +570,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   sync.reset();
   trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
                  std::to_string(rank_));
-  return mean.squeeze(0).to(dtype_);
+  // The loss in the parameters' dtype, but float32 for bfloat16 and float16 ones (as their losses are computed).
+  const bool low = dtype_ == torch::kBFloat16 || dtype_ == torch::kHalf;
+  return mean.squeeze(0).to(low ? torch::kFloat32 : dtype_);
 }
 
 }  // namespace partrain::parallel

@@ -104,10 +104,11 @@ class Pipeline {
   /// Runs the schedule over options.microbatches micro-batches of (x, y) (split along dim 0):
   /// forwards, `loss` on the last stage, backwards, the transfers; then sums the tied
   /// parameters' gradients and completes `dp`'s sync (it syncs during the rank's last backward).
-  /// Returns the mean of the micro-batches' losses on every pipeline rank.
+  /// Returns the mean of the micro-batches' losses on every pipeline rank. `loss_scale`
+  /// multiplies the loss that backward starts from (loss scaling), not the one returned.
   torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y,
                            const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                           DataParallel* dp);
+                           DataParallel* dp, double loss_scale = 1.0);
 
   /// The global L2 norm of `params`' gradients over the whole pipeline (what clipping needs):
   /// squares summed here (a split parameter's over its tensor group in `groups`, as

@@ -577,6 +577,8 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
                   " is outside the vocabulary [0, ", vocab, ")");
   }
   auto flat = local_logits.reshape({-1, part});
+  // bfloat16 and float16 logits: the softmax and the loss in float32, as the serial loss does.
+  if (flat.scalar_type() == torch::kBFloat16 || flat.scalar_type() == torch::kHalf) flat = flat.to(torch::kFloat32);
   auto flat_targets = targets.reshape({-1});
   auto losses = VocabParallelCrossEntropy::apply(flat, flat_targets, key_of(group), vocab, ignore_index);
   auto counted = flat_targets.ne(ignore_index).sum().to(losses.scalar_type());

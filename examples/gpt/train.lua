@@ -7,6 +7,7 @@
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --pipeline 2 --microbatches 4 --schedule 1f1b
 --   partrain --nproc-per-node 2 --trace trace.json examples/gpt/train.lua --pipeline 2 --schedule interleaved --chunks 2
 --   partrain examples/gpt/train.lua --ckpt ckpt/ --save-every 50   (resumes from ckpt/ when it has one)
+--   partrain examples/gpt/train.lua --dtype bfloat16               (float32 master weights in the optimizer)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -33,6 +34,8 @@ local cfg = pt.args {
   chunks = 1,               -- with --pipeline: model chunks a rank (interleaved)
   ckpt = "",                -- checkpoint folder: resume from its newest checkpoint, save into it
   save_every = 0,           -- with --ckpt: save every this many steps (and at the end)
+  dtype = "float32",        -- parameters and compute: float32, bfloat16 (float32 masters kept by the optimizer)
+                            -- or float16 (CUDA only: LibTorch 1.13's CPU lacks its kernels)
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
@@ -43,7 +46,7 @@ local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline }
 -- (its stages, its shards), with the weights the whole model would have.
 local model = pt.deferred(function()
   return pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
-                          layers = cfg.layers, dropout = cfg.dropout }
+                          layers = cfg.layers, dropout = cfg.dropout, dtype = cfg.dtype }
 end)
 local pipelined = cfg.pipeline > 1
 local options = { sequence_parallel = cfg.sequence_parallel }
@@ -55,7 +58,8 @@ model = pt.parallelize(model, pipelined and "policies.gpt2" or nil, mesh, option
 local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when they are split
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
-  schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 } })
+  schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 },
+  loss_scale = cfg.dtype == "float16" and "dynamic" or nil })   -- float16's small gradients need loss scaling
 print(("gpt2: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d"):format(
   cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
   mesh:size("data")))
@@ -79,7 +83,7 @@ for step = first, cfg.steps do
     loss = model:train_step(x, y)          -- the schedule's forwards and backwards; the mean loss on every rank
   else
     loss = loss_of(model(x), y)
-    loss:backward()
+    opt:scale_loss(loss):backward()        -- loss x the loss scale (float16); the loss itself otherwise
   end
   opt:step()
   if step % cfg.log_every == 0 or step == 1 then
@@ -104,7 +108,7 @@ elseif cfg.sample > 0 then
   pt.no_grad(function()
     for _ = 1, cfg.sample do
       local context = tokens:narrow(1, math.max(0, tokens:size(1) - cfg.seq), math.min(tokens:size(1), cfg.seq))
-      local logits = model(context):select(1, -1)          -- (1, 256 / tensor) at the last position
+      local logits = model(context):select(1, -1):float()  -- (1, 256 / tensor) at the last position
       logits = pt.tp.gather_from(logits, mesh:group("tensor"))  -- the whole vocabulary
       local next_byte = (logits / 0.8):softmax(-1):multinomial(1)
       tokens = pt.cat({ tokens, next_byte }, 1)

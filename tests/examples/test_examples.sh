@@ -28,6 +28,14 @@ first=$(echo "$out" | awk -F'loss ' '/^step 1 \|/ { split($2, a, " "); print a[1
 last=$(echo "$out" | awk -F'loss ' '/^step 10 \|/ { split($2, a, " "); print a[1] }')
 report "$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (b < a - 1) ? 0 : 1 }')" "examples/gpt's loss falls in 10 steps ($first -> $last)"
 
+# --dtype bfloat16: float32 masters kept by the optimizer; the loss falls as in float32.
+out=$("$bin" --threads 1 examples/gpt/train.lua --steps 10 --log-every 5 --sample 5 --dtype bfloat16 2>&1)
+status=$?
+report $(( status != 0 )) "examples/gpt --dtype bfloat16 runs"
+first=$(echo "$out" | awk -F'loss ' '/^step 1 \|/ { split($2, a, " "); print a[1] }')
+last=$(echo "$out" | awk -F'loss ' '/^step 10 \|/ { split($2, a, " "); print a[1] }')
+report "$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (b < a - 1) ? 0 : 1 }')" "examples/gpt --dtype bfloat16's loss falls in 10 steps ($first -> $last)"
+
 # --ckpt/--save-every: a run that stops saves; the next one resumes from its newest checkpoint.
 ck=$(mktemp -d)
 trap 'rm -rf "$ck"' EXIT

@@ -318,7 +318,7 @@ end
 --- What the model knows of its parallel form (nil on a model pt.parallelize did not make parallel):
 --- model:mesh(), model:policy() (the applied policy's name), model:data_parallel() (the handle:
 --- hooks, synced(), stats()), model:records() (a table a parameter: name, aliases, shape (logical),
---- local_shape, sharding, device, dtype, trainable).
+--- local_shape, sharding, device, dtype, trainable, master_dtype: "float32" when the optimizer keeps a master).
 function Module:mesh() return core.parallel.mesh(self) end
 function Module:policy() return core.parallel.policy(self) end
 function Module:data_parallel() return core.parallel.data_parallel(self) end
