@@ -409,12 +409,28 @@ void ProcessGroup::reset_traffic() const {
   traffic_.clear();
 }
 
+Tensor ProcessGroup::bytes_for_gloo(const Tensor& t) const {
+  // Gloo moves no bfloat16; float16 has its size, and a broadcast or gather copies bits unchanged.
+  return options_.backend == "gloo" && t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+}
+
 Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
   return reduce(t, op, async, "all_reduce");
 }
 
 Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) const {
   check(t, name);
+  if (impl_ && options_.backend == "gloo" && t.scalar_type() == torch::kBFloat16) {
+    // Gloo reduces no bfloat16: the ring reduce-scatter then all-gather over a padded flat copy
+    // (synchronous; its own collectives are noted and checked).
+    const int64_t p = size(), n = t.numel();
+    Tensor flat = torch::zeros({(n + p - 1) / p * p}, t.options());
+    flat.narrow(0, 0, n).copy_(t.reshape({-1}));
+    reduce_scatter_flat(flat, op);
+    all_gather_flat(flat);
+    t.copy_(flat.narrow(0, 0, n).view(t.sizes()));
+    return Work();
+  }
   verify(1 + static_cast<int>(op), name, t);
   std::function<void()> after;
   if (op == ReduceOp::Mean && size() > 1) after = [t, n = size()]() mutable { t.div_(n); };
@@ -436,7 +452,7 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   if (recorded_only()) record("broadcast", static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record("broadcast", static_cast<int64_t>(t.nbytes()));
-  std::vector<Tensor> ts{t};
+  std::vector<Tensor> ts{bytes_for_gloo(t)};
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = options_.timeout;
@@ -458,9 +474,11 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
   }
   record("all_gather", static_cast<int64_t>(t.nbytes()) * size());
   std::vector<std::vector<Tensor>> outputs(1);
-  for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
-  out = outputs[0];  // the same tensors: filled when the work completes
-  std::vector<Tensor> inputs{t};
+  for (int i = 0; i < size(); ++i) {
+    out.push_back(torch::empty_like(t));
+    outputs[0].push_back(bytes_for_gloo(out.back()));  // views of `out`: filled when the work completes
+  }
+  std::vector<Tensor> inputs{bytes_for_gloo(t)};
   return run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); }, async);
 }
 

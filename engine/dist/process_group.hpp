@@ -154,6 +154,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // An all-reduce recorded under `op` (reduce_scatter on Gloo is one).
   Work reduce(Tensor& t, ReduceOp op, bool async, const char* name) const;
   void record(const char* op, int64_t bytes) const;
+  // `t` as Gloo can move it unchanged (bfloat16 viewed as float16: the same bytes).
+  Tensor bytes_for_gloo(const Tensor& t) const;
   bool recorded_only() const { return !impl_ && options_.planned && size() > 1; }  // a planned group's collective
   mutable std::mutex traffic_mutex_;
   mutable std::map<std::string, Traffic> traffic_;

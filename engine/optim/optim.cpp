@@ -77,10 +77,20 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
 }
 
 void Optimizer::zero_grad() {
+  if (distributed_) distributed_->zero_grad();
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
 }
 
 std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor& param) const {
+  return distributed_ ? distributed_->param_state(*this, param) : local_state(param);
+}
+
+void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
+  if (distributed_) distributed_->set_param_state(*this, param, slots);
+  else set_local_state(param, slots);
+}
+
+std::map<std::string, torch::Tensor> Optimizer::local_state(const torch::Tensor& param) const {
   std::map<std::string, torch::Tensor> out;
   auto it = impl_->state().find(compat::optimizer_state_key(param));
   if (it == impl_->state().end()) return out;
@@ -99,7 +109,7 @@ std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor&
   return out;
 }
 
-void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
+void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
   auto slot = [&](const char* name) {
     auto it = slots.find(name);
     TORCH_CHECK(it != slots.end(), options_.kind, " state needs '", name, "'");
@@ -171,6 +181,13 @@ double Optimizer::step() {
   for (const auto& check : checks_) check();
   apply_lr(lr());
   double norm = -1;
+  if (distributed_) {
+    norm = distributed_->prepare(options_.clip_grad_norm);
+    impl_->step();
+    distributed_->publish();
+    ++steps_;
+    return norm;
+  }
   if (options_.clip_grad_norm > 0) {
     if (norm_) {
       norm = norm_(params_);

@@ -75,8 +75,11 @@ test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", func
           pt.manual_seed(100 + rank + n)
           local flat = pt.zeros(padded):to(dtype)
           flat:narrow(0, 0, n):copy_(pt.randn(n):to(dtype))
-          local whole = flat:to("float64")  -- the reference (Gloo's all-reduce has no bfloat16)
+          local whole = flat:to("float64"):clone()  -- the reference
           g:all_reduce(whole, op)
+          local direct = flat:clone()  -- bfloat16 on Gloo: reduced by the rings
+          g:all_reduce(direct, op)
+          near(direct:to("float64"), whole, dtype == "bfloat16" and 2e-2 or 1e-6, "all_reduce " .. dtype)
           local part = g:reduce_scatter_flat(flat, op)
           eq(part.shape[1], padded / p, "part length")
           local want = whole:narrow(0, r * padded / p, padded / p)
@@ -87,6 +90,11 @@ test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", func
           local mine = flat:narrow(0, r * padded / p, padded / p)
           ok(mine:equal(part), "own part kept")
           local ref = g:all_gather(part:to("float64"))
+          local same = g:all_gather(part:clone())  -- bfloat16 moved as its bytes
+          for q = 0, p - 1 do ok(same[q + 1]:to("float64"):equal(ref[q + 1]), "all_gather " .. dtype) end
+          local b = part:clone()
+          g:broadcast(b, p - 1)
+          ok(b:to("float64"):equal(ref[p]), "broadcast " .. dtype)
           for q = 0, p - 1 do
             ok(flat:narrow(0, q * padded / p, padded / p):to("float64"):equal(ref[q + 1]), "part " .. q .. " gathered")
           end
