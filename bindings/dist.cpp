@@ -73,6 +73,13 @@ const Function kGroupMethods[] = {
        auto op = dist::parse_reduce_op(a.is_string(4) ? a.string(4) : "sum");
        bool async = async_option(a, a.is_string(4) ? 5 : 4, "reduce_scatter");
        return finish(a, group(a, 1)->reduce_scatter(a.tensor(2), a.tensors(3), op, async), async, 2); }},
+    {"reduce_scatter_flat", [](Args& a) {  // reduce_scatter_flat(flat [, op]): this rank's part (a view)
+       auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");
+       return a.ret(group(a, 1)->reduce_scatter_flat(a.tensor(2), op)); }},
+    {"all_gather_flat", [](Args& a) {  // all_gather_flat(flat): in place, returns it
+       group(a, 1)->all_gather_flat(a.tensor(2));
+       lua_pushvalue(a.L, 2);
+       return 1; }},
     {"send", [](Args& a) {
        bool async = async_option(a, 4, "send");
        return finish(a, group(a, 1)->send(a.tensor(2), static_cast<int>(a.integer(3)), async), async, 0); }},

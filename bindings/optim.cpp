@@ -12,6 +12,7 @@
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/parallel/zero.hpp"
 #include "engine/plan/plan.hpp"
 
 namespace partrain::lua {
@@ -111,20 +112,27 @@ int make_optimizer(Args& a, const std::string& kind) {
   }
   o.loss_scale = read_loss_scale(a, t, kind);
   t.finish();
-  auto opt = std::make_shared<optim::Optimizer>(params, o);
+  // A model parallelized with a zero stage gets the distributed optimizer: its shard of master
+  // weights and state, clipping by the global norm over the shards (engine/parallel/zero.hpp).
+  std::shared_ptr<parallel::ParallelModel> zero_model;
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT))
+    if (auto pm = parallel::ParallelModel::of(**m); pm && pm->zero_stage() > 0) zero_model = pm;
+  auto opt = zero_model ? parallel::make_zero_optimizer(zero_model, o) : std::make_shared<optim::Optimizer>(params, o);
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
-    // Mixed precision and loss scaling on a parallelized model: its records point at the masters,
-    // its train_step scales the loss, and every rank of its mesh agrees on an overflow.
+    // Mixed precision and loss scaling on a parallelized model: its records point at the masters
+    // (a plain optimizer's: ZeRO's are shards), its train_step scales the loss, and every rank of
+    // its mesh agrees on an overflow.
     if (auto pm = parallel::ParallelModel::of(**m)) {
-      for (const auto& p : opt->params())
-        if (auto master = opt->master(p); master.defined()) pm->set_master(p, master);
+      if (!zero_model)
+        for (const auto& p : opt->params())
+          if (auto master = opt->master(p); master.defined()) pm->set_master(p, master);
       if (opt->loss_scaler()) {
         pm->set_loss_scaler(opt->loss_scaler());
         opt->set_overflow_group(pm->mesh()->group("world"));
       }
     }
   }
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT); m && !zero_model) {
     // Split parameters (found through the model's tree): the norm for clipping spans their group.
     auto groups = parallel::split_groups(**m, opt->params());
     if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
@@ -234,6 +242,20 @@ const Function kOptimizerMethods[] = {
     {"steps", [](Args& a) { return a.ret(double(optimizer(a, 1)->steps_taken())); }},
     {"kind", [](Args& a) { return a.ret(optimizer(a, 1)->options().kind); }},
     {"state_bytes", [](Args& a) { return a.ret(double(optimizer(a, 1)->state_bytes())); }},
+    // opt:sync_shard_grad(): under ZeRO-2, every .grad made whole (the reduced shards gathered
+    // over the zero group) before it is read; a no-op otherwise.
+    {"sync_shard_grad", [](Args& a) { parallel::sync_shard_grad(*optimizer(a, 1)); return a.ret(); }},
+    // opt:zero(): nil without ZeRO, else { stage, group, master_bytes, state_bytes,
+    // shard_grad_bytes, grad_buffer_bytes } of this rank.
+    {"zero", [](Args& a) {
+       auto z = parallel::zero_bytes(*optimizer(a, 1));
+       if (!z) { lua_pushnil(a.L); return 1; }
+       lua_createtable(a.L, 0, 6);
+       auto set = [&](const char* k, double v) { lua_pushnumber(a.L, v); lua_setfield(a.L, -2, k); };
+       set("stage", z->stage); set("group", z->group); set("master_bytes", double(z->master));
+       set("state_bytes", double(z->state)); set("shard_grad_bytes", double(z->shard_grad));
+       set("grad_buffer_bytes", double(z->grad_buffer));
+       return 1; }},
     {"__tostring", [](Args& a) {
        auto& o = optimizer(a, 1);
        return a.ret(o->options().kind + "(lr=" + std::to_string(o->lr()) + ", " +

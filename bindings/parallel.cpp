@@ -219,18 +219,39 @@ const Function kTensorParallel[] = {
     {nullptr, nullptr}};
 
 
-// The data-parallel options of pt.parallelize (unknown keys are an error).
-parallel::DataParallelOptions data_parallel_options(const Args& a, int idx) {
+// The data-parallel and ZeRO options of pt.parallelize (unknown keys are an error).
+void data_parallel_options(const Args& a, int idx, parallel::ParallelizeOptions& out) {
   Options o(a, idx, "parallelize");
-  // Options of what is not built yet are refused by name rather than taken for typos or ignored.
-  if (o.has("zero")) throw std::invalid_argument("parallelize option 'zero' asks for ZeRO, which is not implemented yet");
   parallel::DataParallelOptions d;
   d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
   d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
   d.grad_accumulation = static_cast<int>(o.integer("grad_accumulation", d.grad_accumulation));
   d.broadcast_buffers = o.boolean("broadcast_buffers", d.broadcast_buffers);
+  if (o.has("reduce_dtype")) {
+    auto name = o.string("reduce_dtype", "");
+    if (name != "float32" && name != "bfloat16" && name != "float64")
+      throw std::invalid_argument("parallelize option 'reduce_dtype' must be 'float32', 'bfloat16' or 'float64', got '" +
+                                  name + "'");
+    d.reduce_dtype = parse_dtype(name);
+  }
+  if (o.has("zero")) {
+    Options z = o.table("zero");
+    parallel::ZeroOptions zero;
+    zero.stage = static_cast<int>(z.integer("stage", 1));
+    if (zero.stage < 0 || zero.stage > 2)
+      throw std::invalid_argument("zero stage=" + std::to_string(zero.stage) + " is not supported: stages 0, 1, 2");
+    if (z.has("reduce_bucket_size")) {
+      zero.reduce_bucket_size = z.number("reduce_bucket_size", 0);
+      if (!(zero.reduce_bucket_size > 0))
+        throw std::invalid_argument("zero: reduce_bucket_size must be > 0 (MiB), got " +
+                                    std::to_string(zero.reduce_bucket_size));
+    }
+    zero.overlap_sync_param = z.boolean("overlap_sync_param", zero.overlap_sync_param);
+    z.finish();
+    out.zero = zero;
+  }
   o.finish();
-  return d;
+  out.data_parallel = d;
 }
 
 // The strings of the array at the top of the stack.
@@ -316,7 +337,7 @@ const Function kParallel[] = {
        if (!mesh) a.expected(2, "mesh");
        parallel::ParallelizeOptions options;
        options.policy = a.string(3, "");
-       options.data_parallel = data_parallel_options(a, 4);
+       data_parallel_options(a, 4, options);
        options.pipeline = pipeline_options(a, 6);
        if (!a.none(5)) {
          if (lua_type(a.L, 5) != LUA_TFUNCTION) a.expected(5, "function");

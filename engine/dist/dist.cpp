@@ -416,6 +416,11 @@ void ProcessGroup::reset_traffic() const {
   traffic_.clear();
 }
 
+Tensor ProcessGroup::bytes_for_gloo(const Tensor& t) const {
+  // Gloo moves no bfloat16; float16 has its size, and a broadcast or gather copies bits unchanged.
+  return options_.backend == "gloo" && t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+}
+
 Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
   return reduce(t, op, async, "all_reduce");
 }
@@ -476,9 +481,11 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
   }
   record("all_gather", static_cast<int64_t>(t.nbytes()) * size());
   std::vector<std::vector<Tensor>> outputs(1);
-  for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(t));
-  out = outputs[0];  // the same tensors: filled when the work completes
-  std::vector<Tensor> inputs{t};
+  for (int i = 0; i < size(); ++i) {
+    out.push_back(torch::empty_like(t));
+    outputs[0].push_back(bytes_for_gloo(out.back()));  // views of `out`: filled when the work completes
+  }
+  std::vector<Tensor> inputs{bytes_for_gloo(t)};
   return run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); }, async);
 }
 
@@ -504,6 +511,84 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
   });
   if (!async) done.wait();
   return done;
+}
+
+namespace {
+// The channel the rings' sends use, apart from any tag a caller gives its own point-to-point.
+constexpr int kRingTag = 0x7a00;
+
+// acc = op(acc, other), in place, for a ring step's partial reduction (Mean sums, divided at the end).
+void combine(Tensor& acc, const Tensor& other, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Mean: acc.add_(other); break;
+    case ReduceOp::Min: torch::minimum_out(acc, acc, other); break;
+    case ReduceOp::Max: torch::maximum_out(acc, acc, other); break;
+    case ReduceOp::Product: acc.mul_(other); break;
+  }
+}
+}  // namespace
+
+Tensor ProcessGroup::reduce_scatter_flat(Tensor& flat, ReduceOp op) const {
+  check(flat, "reduce_scatter");
+  const int p = size();
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "reduce_scatter on ", describe(), ": needs a flat tensor whose ",
+              "length is a multiple of ", p, ", got shape ", flat.sizes());
+  const int64_t part = flat.numel() / p;
+  auto part_of = [&](int r) { return flat.narrow(0, ((r % p) + p) % p * part, part); };
+  Tensor mine = part_of(rank_);
+  if (p == 1) return mine;
+  verify(9, "reduce_scatter(" + to_string(op) + ")", flat);
+  if (options_.backend == "nccl" && impl_) {  // the backend's own
+    record("reduce_scatter", static_cast<int64_t>(flat.nbytes()));
+    std::vector<Tensor> out{torch::empty_like(mine)};
+    std::vector<std::vector<Tensor>> in{flat.chunk(p)};
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d_op(op == ReduceOp::Mean ? ReduceOp::Sum : op);
+    o.timeout = options_.timeout;
+    run("reduce_scatter", [&] { return impl_->group->reduce_scatter(out, in, o); }, /*async=*/false);
+    mine.copy_(out[0]);
+  } else {
+    // The ring: at step s rank r sends part r-s-1 to r+1 and combines part r-s-2 from r-1 into
+    // its own copy; after p-1 steps part r has passed through every rank and ends on rank r.
+    const int next = (rank_ + 1) % p, prev = (rank_ + p - 1) % p;
+    Tensor incoming = torch::empty_like(mine);
+    for (int s = 0; s < p - 1; ++s) {
+      Work sent = send(part_of(rank_ - s - 1), next, /*async=*/true, kRingTag);
+      recv(incoming, prev, /*async=*/false, kRingTag);
+      auto acc = part_of(rank_ - s - 2);
+      combine(acc, incoming, op);
+      sent.wait();
+    }
+  }
+  if (op == ReduceOp::Mean) mine.div_(p);
+  return mine;
+}
+
+void ProcessGroup::all_gather_flat(Tensor& flat) const {
+  check(flat, "all_gather");
+  const int p = size();
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "all_gather on ", describe(), ": needs a flat tensor whose ",
+              "length is a multiple of ", p, ", got shape ", flat.sizes());
+  if (p == 1) return;
+  const int64_t part = flat.numel() / p;
+  auto part_of = [&](int r) { return flat.narrow(0, ((r % p) + p) % p * part, part); };
+  verify(10, "all_gather(flat)", flat);
+  if (options_.backend == "nccl" && impl_) {
+    record("all_gather", static_cast<int64_t>(flat.nbytes()));
+    std::vector<std::vector<Tensor>> out{flat.chunk(p)};
+    std::vector<Tensor> in{part_of(rank_).clone()};
+    run("all_gather", [&] { return impl_->group->allgather(out, in); }, /*async=*/false);
+    return;
+  }
+  // The ring: at step s rank r passes on part r-s (its own first, then the one it just got).
+  const int next = (rank_ + 1) % p, prev = (rank_ + p - 1) % p;
+  for (int s = 0; s < p - 1; ++s) {
+    Work sent = send(part_of(rank_ - s), next, /*async=*/true, kRingTag);
+    Tensor into = part_of(rank_ - s - 1);
+    recv(into, prev, /*async=*/false, kRingTag);
+    sent.wait();
+  }
 }
 
 Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag) const {
@@ -746,7 +831,7 @@ Layout::Layout(const MeshOptions& o, int world) : tensor(o.tensor), data(o.data)
   }
   TORCH_CHECK(unit * data == world, "mesh: tensor=", o.tensor, " x data=", data, " x pipeline=", o.pipeline, " = ",
               unit * data, " ranks, but the world has ", world);
-  zero = o.zero <= 0 ? 1 : o.zero;  // unset: off (ZeRO is not built yet, so nothing splits by default)
+  zero = o.zero <= 0 ? data : o.zero;  // <= 0: the whole data group (InternLM's zero1); unset (1): off
   TORCH_CHECK(zero <= data && data % zero == 0, "mesh: zero=", o.zero, " does not divide the data size ", data,
               " (zero <= 0: the whole data group; 1: off; n: groups of n data ranks)");
 }
@@ -778,6 +863,8 @@ std::vector<int> Layout::group_of(const std::string& kind, int rank) const {
   } else if (kind == "zero") {
     int first = c.data / zero * zero;
     for (int d = first; d < first + zero; ++d) out.push_back(rank_of({c.tensor, d, c.pipeline}));
+  } else if (kind == "zero_across") {
+    for (int d = c.data % zero; d < data; d += zero) out.push_back(rank_of({c.tensor, d, c.pipeline}));
   } else {
     TORCH_CHECK(false, "unknown group kind '", kind, "' (expected world, tensor, data, pipeline, unit or zero)");
   }
@@ -794,17 +881,8 @@ std::vector<std::vector<int>> Layout::groups(const std::string& kind) const {
   return out;
 }
 
-namespace {
-// What the mesh can describe but nothing runs yet is refused, never silently ignored.
-const MeshOptions& buildable(const MeshOptions& o) {
-  TORCH_CHECK(o.zero <= 1, "zero=", o.zero, ": ZeRO (optimizer state split over the data group) is not implemented "
-              "yet (leave zero unset, or 1)");
-  return o;
-}
-}  // namespace
-
 Mesh::Mesh(const MeshOptions& options, World& world)
-    : layout_(buildable(options), world.size()), rank_(world.rank()), coord_(layout_.coord(world.rank())) {
+    : layout_(options, world.size()), rank_(world.rank()), coord_(layout_.coord(world.rank())) {
   // Every rank makes every group of every kind in the same order; it keeps the ones it is in.
   for (const auto& kind : Layout::kinds()) {
     if (kind == "world") {
@@ -816,6 +894,12 @@ Mesh::Mesh(const MeshOptions& options, World& world)
       if (auto g = world.new_group(name, ranks)) groups_[kind] = g;
     }
   }
+  // Hierarchical ZeRO only: shards all-reduced across the zero groups.
+  if (layout_.zero > 1 && layout_.zero < layout_.data)
+    for (const auto& ranks : layout_.groups("zero_across")) {
+      std::string name = "zero_across[" + join(ranks) + "]";
+      if (auto g = world.new_group(name, ranks)) zero_across_ = g;
+    }
 }
 
 const GroupPtr& Mesh::group(const std::string& kind) const {

@@ -17,8 +17,8 @@ struct MeshOptions {
   int tensor = 1;     ///< tensor-parallel size
   int pipeline = 1;   ///< pipeline-parallel size
   int data = 0;       ///< data-parallel size; 0: world / (tensor * pipeline)
-  int zero = 0;       ///< ranks that split optimizer state: <= 0 or 1 off, n groups of n (a live Mesh
-                      ///< refuses zero > 1 until it is built)
+  int zero = 1;       ///< ranks that split optimizer state (InternLM's zero1): 1 off; n > 1: groups of
+                      ///< n consecutive data ranks (n divides data); <= 0: the whole data group
 };
 
 struct Coord {
@@ -35,7 +35,8 @@ class Layout {
   Coord coord(int rank) const;
   int rank_of(const Coord& c) const { return c.tensor + tensor * (c.data + data * c.pipeline); }
   /// The members of `rank`'s group of `kind` ("world", "tensor", "data", "pipeline", "unit",
-  /// "zero"), in group-rank order.
+  /// "zero"), in group-rank order. Also "zero_across": the data ranks holding the same shard in
+  /// every zero group (what hierarchical ZeRO all-reduces over), not one of kinds().
   std::vector<int> group_of(const std::string& kind, int rank) const;
   /// Every group of `kind`, in a fixed order all ranks agree on.
   std::vector<std::vector<int>> groups(const std::string& kind) const;
@@ -48,7 +49,6 @@ class Layout {
 class Mesh {
  public:
   /// Lays out the world and makes every group (collectively: all ranks call this together).
-  /// zero > 1 is refused: it is not implemented yet.
   Mesh(const MeshOptions& options, World& world);
 
   const Layout& layout() const { return layout_; }
@@ -57,6 +57,9 @@ class Mesh {
   int size(const std::string& kind) const { return group(kind)->size(); }
   /// This rank's group of `kind`; an unknown kind is an error listing the kinds.
   const GroupPtr& group(const std::string& kind) const;
+  /// The data ranks at this rank's place in the other zero groups (hierarchical ZeRO: zero groups
+  /// smaller than the data group); null when the zero group is the whole data group or off.
+  const GroupPtr& zero_across() const { return zero_across_; }
   /// The layout as text: sizes, this rank's coordinates, and its groups' ranks.
   std::string describe() const;
 
@@ -65,6 +68,7 @@ class Mesh {
   int rank_;
   Coord coord_;
   std::map<std::string, GroupPtr> groups_;
+  GroupPtr zero_across_;
 };
 
 }  // namespace partrain::dist

@@ -111,6 +111,16 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// rank r in `output`.
   Work reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp op = ReduceOp::Sum,
                       bool async = false) const;
+  /// Reduce-scatter over a flat tensor in place: `flat` (n,), n a multiple of size(), is read as
+  /// size() contiguous parts; rank r's part r ends as the reduction of everyone's part r (the other
+  /// parts are left as scratch). Returns that part, a view of `flat`. NCCL runs its native one;
+  /// Gloo, which has none, a ring: size() - 1 steps, each sending one part to the next rank and
+  /// combining the part received from the previous one, so every rank moves (size()-1)/size() of
+  /// `flat` once.
+  Tensor reduce_scatter_flat(Tensor& flat, ReduceOp op = ReduceOp::Sum) const;
+  /// All-gather over a flat tensor in place: rank r's part r of `flat` (read as above) ends on
+  /// every rank. NCCL: native; Gloo: a ring of size() - 1 steps of one part each.
+  void all_gather_flat(Tensor& flat) const;
   /// Point to point, to or from group rank `dst`/`src`. Messages between two ranks with the same
   /// `tag` arrive in the order they were sent; different tags are separate channels (a pipeline's
   /// activations and gradients).
@@ -144,6 +154,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // An all-reduce recorded under `op` (reduce_scatter on Gloo is one).
   Work reduce(Tensor& t, ReduceOp op, bool async, const char* name) const;
   void record(const char* op, int64_t bytes) const;
+  // `t` as Gloo can move it unchanged (bfloat16 viewed as float16: the same bytes).
+  Tensor bytes_for_gloo(const Tensor& t) const;
   bool recorded_only() const { return !impl_ && options_.planned && size() > 1; }  // a planned group's collective
   mutable std::mutex traffic_mutex_;
   mutable std::map<std::string, Traffic> traffic_;

@@ -97,6 +97,7 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
 }
 
 void Optimizer::zero_grad() {
+  if (distributed_) distributed_->zero_grad();
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].mutable_grad() = torch::Tensor();
     work_[i].mutable_grad() = torch::Tensor();
@@ -121,6 +122,9 @@ int64_t Optimizer::master_bytes() const {
 }
 
 torch::TensorOptions Optimizer::state_options(const torch::Tensor& param) const {
+  // A distributed optimizer keeps a model parameter's state in its masters' dtype.
+  if (distributed_ && !params_.empty())
+    return param.options().dtype(params_.front().scalar_type()).requires_grad(false);
   auto i = index_of(param);
   const auto& t = i >= 0 ? work_[i] : param;
   return t.options().requires_grad(false);
@@ -154,6 +158,15 @@ void Optimizer::masters_to_params() {
 }
 
 std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor& param) const {
+  return distributed_ ? distributed_->param_state(*this, param) : local_state(param);
+}
+
+void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
+  if (distributed_) distributed_->set_param_state(*this, param, slots);
+  else set_local_state(param, slots);
+}
+
+std::map<std::string, torch::Tensor> Optimizer::local_state(const torch::Tensor& param) const {
   std::map<std::string, torch::Tensor> out;
   const auto i = index_of(param);
   if (i >= 0 && !work_[i].is_same(params_[i])) {
@@ -177,7 +190,7 @@ std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor&
   return out;
 }
 
-void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& given) {
+void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& given) {
   const auto i = index_of(param);  // -1: a tensor this optimizer does not update (frozen): state kept as given
   auto slots = given;
   if (i >= 0) {
@@ -271,7 +284,10 @@ void Optimizer::apply_lr(double lr) {
 double Optimizer::step() {
   for (const auto& check : checks_) check();
   last_skipped_ = false;
-  grads_to_masters();  // float32 gradients for the masters (nothing without low-precision parameters)
+  // The gradients of what is updated: a distributed optimizer's shard of the reduced gradients
+  // into its masters; else float32 gradients for the masters of low-precision parameters.
+  if (distributed_) distributed_->prepare();
+  else grads_to_masters();
   if (scaler_) {
     std::vector<torch::Tensor> grads;
     for (const auto& w : work_) grads.push_back(w.grad());
@@ -286,7 +302,7 @@ double Optimizer::step() {
       return -1;
     }
     // The norm below reads the parameters' gradients: a low-precision one gets its unscaled value.
-    if (options_.clip_grad_norm > 0 && norm_ && before != 1.0) {
+    if (!distributed_ && options_.clip_grad_norm > 0 && norm_ && before != 1.0) {
       torch::NoGradGuard no_grad;
       for (size_t i = 0; i < params_.size(); ++i)
         if (!work_[i].is_same(params_[i]) && params_[i].grad().defined()) params_[i].mutable_grad().copy_(work_[i].grad());
@@ -294,6 +310,13 @@ double Optimizer::step() {
   }
   apply_lr(lr());
   double norm = -1;
+  if (distributed_) {
+    norm = distributed_->clip(options_.clip_grad_norm);
+    impl_->step();
+    distributed_->publish();
+    ++steps_;
+    return norm;
+  }
   if (options_.clip_grad_norm > 0) {
     if (norm_) {
       norm = norm_(params_);

@@ -50,6 +50,33 @@ bool needs_master(torch::ScalarType dtype);
 /// norm before clipping.
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 
+class Optimizer;
+
+/// What a distributed optimizer (ZeRO: engine/parallel/zero.hpp) adds around the update: the
+/// Optimizer then steps the tensors it was made with (this rank's shard of master weights), and
+/// this moves the gradient shard in before, the updated shard out into the model's parameters
+/// after, and maps a model parameter's state for checkpoints.
+class Distributed {
+ public:
+  virtual ~Distributed() = default;
+  /// Before the update: the gradient shard into the masters' .grad (still scaled by a loss
+  /// scale: the Optimizer unscales and checks them after this).
+  virtual void prepare() = 0;
+  /// Clips the masters' gradients to the global norm `max_norm` (0: no clipping). Returns the
+  /// norm before clipping, or -1 when not clipping.
+  virtual double clip(double max_norm) = 0;
+  /// After the update: the parameters take the updated masters.
+  virtual void publish() = 0;
+  /// Clears the model parameters' gradients (the masters' too).
+  virtual void zero_grad() = 0;
+  /// A model parameter's state, shaped as the parameter (a collective over the shard's group:
+  /// every member calls it for the same parameters in the same order).
+  virtual std::map<std::string, torch::Tensor> param_state(const Optimizer& opt, const torch::Tensor& param) const = 0;
+  /// Replaces a model parameter's part of the shard's state from slots shaped as the parameter.
+  virtual void set_param_state(Optimizer& opt, const torch::Tensor& param,
+                               const std::map<std::string, torch::Tensor>& slots) = 0;
+};
+
 /// The optimizer. A bfloat16 or float16 parameter gets a float32 master copy that the update runs
 /// on, with float32 state (mixed precision): step() casts the parameter's gradient into the
 /// master's, updates the master and casts the result back into the parameter. A parameter changed
@@ -110,6 +137,13 @@ class Optimizer {
   /// "master" a low-precision parameter's master takes the parameter's value; with one, a float32
   /// parameter takes the master's (full precision back from a bfloat16 run's checkpoint).
   void set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots);
+  /// The state of one of the tensors this optimizer steps (under ZeRO: a master shard), by slot;
+  /// and its replacement. param_state/set_param_state are these unless a Distributed maps them.
+  std::map<std::string, torch::Tensor> local_state(const torch::Tensor& tensor) const;
+  void set_local_state(const torch::Tensor& tensor, const std::map<std::string, torch::Tensor>& slots);
+  /// Makes this a distributed optimizer (see Distributed); null: a plain one.
+  void set_distributed(std::shared_ptr<Distributed> d) { distributed_ = std::move(d); }
+  const std::shared_ptr<Distributed>& distributed() const { return distributed_; }
   /// Adds a check that step() runs first; it throws to refuse the step (data parallelism uses
   /// it to refuse steps on gradients not yet synced).
   void add_step_check(std::function<void()> check) { checks_.push_back(std::move(check)); }
@@ -138,6 +172,7 @@ class Optimizer {
   int64_t steps_ = 0;
   std::vector<std::function<void()>> checks_;
   std::function<double(const std::vector<torch::Tensor>&)> norm_;
+  std::shared_ptr<Distributed> distributed_;
 };
 
 }  // namespace partrain::optim

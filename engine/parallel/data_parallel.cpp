@@ -1,6 +1,8 @@
 // Data parallelism with bucketed, overlapped gradient all-reduce (see data_parallel.hpp).
 #include "engine/parallel/data_parallel.hpp"
 
+#include <algorithm>
+
 #include "engine/compat.hpp"
 
 namespace partrain::parallel {
@@ -15,7 +17,7 @@ std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& p
     bool fresh = buckets.empty() || bytes >= cap_bytes;
     if (!fresh) {
       const auto& first = params[buckets.back().front()];
-      fresh = first.dtype != p.dtype || first.device != p.device;
+      fresh = first.dtype != p.dtype || first.device != p.device || first.whole != p.whole;
     }
     if (fresh) {
       buckets.emplace_back();
@@ -33,6 +35,11 @@ DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& opti
   TORCH_CHECK(options.bucket_cap_mb > 0, "bucket_cap_mb must be positive, got ", options.bucket_cap_mb);
   TORCH_CHECK(options.grad_accumulation >= 1, "grad_accumulation must be >= 1, got ", options.grad_accumulation);
   TORCH_CHECK(options.reduce != dist::ReduceOp::Product, "reduce 'product' makes no sense for gradients");
+  TORCH_CHECK(options.zero_stage >= 0 && options.zero_stage <= 2, "ZeRO stage ", options.zero_stage,
+              " is not supported: stages 0, 1, 2");
+  TORCH_CHECK(options.zero_stage != 2 || options.reduce == dist::ReduceOp::Mean ||
+                  options.reduce == dist::ReduceOp::Sum,
+              "ZeRO-2 reduce-scatters gradients: reduce must be 'mean' or 'sum', got '", to_string(options.reduce), "'");
 }
 
 std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::GroupPtr group,
@@ -55,12 +62,14 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
 
   std::vector<BucketParam> sizes;
   for (const auto& p : dp->params_)
-    sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device()});
+    sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device(),
+                     std::any_of(options.whole.begin(), options.whole.end(), [&](const auto& w) { return w.is_same(p); })});
   const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
   dp->bucket_of_.resize(dp->params_.size());
   dp->slot_of_.resize(dp->params_.size());
   for (const auto& members : bucket_layout(sizes, cap)) {
     auto& b = dp->buckets_.emplace_back();
+    b.whole = sizes[members.front()].whole;
     for (size_t k : members) {
       dp->bucket_of_[k] = dp->buckets_.size() - 1;
       dp->slot_of_[k] = b.params.size();
@@ -68,9 +77,31 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
       b.params.push_back(k);
     }
   }
+  // One flat buffer per (dtype, device), the buckets laid end to end in it, each padded to a
+  // multiple of the zero group's size so that it splits into equal parts.
+  const int64_t parts = dp->zero_size();
+  std::vector<std::pair<torch::ScalarType, torch::Device>> keys;
+  std::vector<int64_t> lengths;
   for (auto& b : dp->buckets_) {
     const auto& last = dp->params_[b.params.back()];
-    b.flat = torch::zeros({b.offsets.back() + last.numel()}, last.options().requires_grad(false));
+    b.numel = b.offsets.back() + last.numel();
+    // Under ZeRO gradients are reduced in float32 by default (float64 ones stay float64).
+    auto own = last.scalar_type();
+    auto fallback = options.zero_stage > 0 && own != torch::kFloat64 ? torch::kFloat32 : own;
+    std::pair<torch::ScalarType, torch::Device> key{options.reduce_dtype.value_or(fallback), last.device()};
+    auto it = std::find(keys.begin(), keys.end(), key);
+    b.buffer = static_cast<size_t>(it - keys.begin());
+    if (it == keys.end()) {
+      keys.push_back(key);
+      lengths.push_back(0);
+    }
+    b.start = lengths[b.buffer];
+    lengths[b.buffer] += (b.numel + parts - 1) / parts * parts;
+  }
+  for (size_t i = 0; i < keys.size(); ++i)
+    dp->buffers_.push_back(torch::zeros({lengths[i]}, torch::TensorOptions().dtype(keys[i].first).device(keys[i].second)));
+  for (auto& b : dp->buckets_) {
+    b.flat = dp->buffers_[b.buffer].narrow(0, b.start, (b.numel + parts - 1) / parts * parts);
     dp->stats_.bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
   }
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
@@ -147,7 +178,15 @@ void DataParallel::launch_ready() {
       b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
     if (pre_hook_) pre_hook_(index, b.flat);
     auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
-    b.work = group_->all_reduce(b.flat, op, /*async=*/true);
+    if (options_.zero_stage == 2 && zero_size() > 1 && !b.whole) {
+      // ZeRO-2: this rank's part of the bucket is reduced over the zero group (a ring on Gloo,
+      // run here: it completes before backward goes on), then over the other zero groups.
+      auto shard = options_.zero_group->reduce_scatter_flat(b.flat, op);
+      if (options_.zero_across) b.work = options_.zero_across->all_reduce(shard, op, /*async=*/true);
+      else b.work = dist::Work();
+    } else {
+      b.work = group_->all_reduce(b.flat, op, /*async=*/true);
+    }
   }
 }
 
@@ -199,10 +238,23 @@ void DataParallel::finish_here() {
   // steps changes with it.
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];
-    params_[k].mutable_grad() =
-        b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
+    auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
+    if (slice.scalar_type() == params_[k].scalar_type()) params_[k].mutable_grad() = slice;
+    else if (params_[k].grad().defined()) params_[k].mutable_grad().copy_(slice);  // a reduce dtype of its own
+    else params_[k].mutable_grad() = slice.to(params_[k].scalar_type());
   }
   passes_ = 0;
+}
+
+void DataParallel::gather_shards() {
+  if (options_.zero_stage != 2 || zero_size() == 1) return;
+  for (auto& b : buckets_)
+    if (!b.whole) options_.zero_group->all_gather_flat(b.flat);
+  for (size_t k = 0; k < params_.size(); ++k) {  // gradients kept in a dtype of their own take theirs
+    auto& b = buckets_[bucket_of_[k]];
+    if (b.flat.scalar_type() != params_[k].scalar_type() && params_[k].grad().defined())
+      params_[k].mutable_grad().copy_(b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes()));
+  }
 }
 
 }  // namespace partrain::parallel

@@ -171,15 +171,49 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   model->records_ = parameter_records(tree);
   // 5. Data parallelism over the data group: parameters broadcast from data rank 0, gradient hooks
   //    over the unit's parameters as they now are (split or whole). It comes after the split so
-  //    that its buckets hold this rank's parts. (ZeRO will shard the optimizer state over the zero
-  //    group after this; the mesh refuses zero > 1 until it is built.)
-  model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), options.data_parallel);
+  //    that its buckets hold this rank's parts. ZeRO rides on it: its buckets split into the zero
+  //    group's parts (ZeRO-2 reduce-scatters them); the optimizer made for the model keeps its
+  //    parts only (make_zero_optimizer).
+  auto dp = options.data_parallel;
+  const int zsize = model->mesh_->size("zero");
+  const int stage = options.zero ? options.zero->stage : (zsize > 1 ? 1 : 0);
+  TORCH_CHECK(stage >= 0 && stage <= 2, "zero stage=", stage, " is not supported: stages 0, 1, 2");
+  TORCH_CHECK(stage == 0 || zsize > 1, "zero = { stage = ", stage, " } needs zero groups of more than one rank, but "
+              "the mesh has zero=", zsize, " (pt.mesh { zero = n }: n > 1 data ranks a group, or <= 0 for the whole "
+              "data group)");
+  if (stage > 0) {
+    TORCH_CHECK(!options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true is not "
+                "supported: the updated shards are all-gathered when the step ends (set it false)");
+    TORCH_CHECK(!options.zero || options.zero->reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), "
+                "got ", options.zero->reduce_bucket_size);
+    // A tensor tied across stages has its gradient summed over the pipeline after the sync, which
+    // needs it whole: its buckets are all-reduced under ZeRO-2 too.
+    if (model->pipeline_) dp.whole = model->pipeline_->tied_params();
+    dp.zero_stage = stage;
+    dp.zero_group = model->mesh_->group("zero");
+    dp.zero_across = model->mesh_->zero_across();
+    if (options.zero && options.zero->reduce_bucket_size > 0) dp.bucket_cap_mb = options.zero->reduce_bucket_size;
+  }
+  model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), dp);
+  model->note_flat_slots();
   // 6. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
   return model;
 }
 
 ParallelModel::~ParallelModel() { --live_; }
+
+void ParallelModel::note_flat_slots() {
+  if (!data_parallel_) return;
+  const auto& params = data_parallel_->params();
+  for (auto& r : records_)
+    for (size_t k = 0; k < params.size(); ++k)
+      if (params[k].is_same(r.param)) {
+        auto [buffer, offset] = data_parallel_->flat_slot(k);
+        r.flat_buffer = static_cast<int64_t>(buffer);
+        r.flat_offset = offset;
+      }
+}
 
 const ParameterRecord* ParallelModel::record(const std::string& name) const {
   for (const auto& r : records_) {

@@ -20,6 +20,7 @@
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/sharding.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/parallel/zero.hpp"
 
 namespace partrain::parallel {
 
@@ -36,8 +37,9 @@ struct ParameterRecord {
   /// The float32 master copy the optimizer made for the model keeps of a bfloat16 or float16
   /// parameter (set when that optimizer is made; empty otherwise).
   torch::Tensor master;
-  /// Reserved, -1 for now: where the parameter's gradient (and, under ZeRO, its optimizer state)
-  /// sits in a flat buffer: the buffer's index and the offset in it (filled by ZeRO).
+  /// Where the parameter's gradient sits in data parallelism's flat gradient buffers
+  /// (DataParallel::buffers()): the buffer's index and the element offset in it; -1 when it has
+  /// none (not trainable). Under ZeRO each rank's shard is a contiguous part of every bucket.
   int64_t flat_buffer = -1, flat_offset = -1;
 };
 
@@ -82,12 +84,15 @@ struct ParallelizeOptions {
   DataParallelOptions data_parallel;
   /// The stages and schedule when the mesh's pipeline group has more than one rank.
   c10::optional<PipelineOptions> pipeline;
+  /// ZeRO over the mesh's zero groups; nullopt: stage 1 when the mesh has zero groups of more than
+  /// one rank, else off. A stage above 0 on a mesh whose zero groups are of one rank is refused.
+  c10::optional<ZeroOptions> zero;
 };
 
 class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
  public:
   /// The composer: makes `root` parallel over `mesh` and returns its owner. `root` must not be
-  /// parallelized already. ZeRO is refused by the mesh until it is built.
+  /// parallelized already.
   static std::shared_ptr<ParallelModel> parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
                                                     ParallelizeOptions options);
   ~ParallelModel();
@@ -102,13 +107,19 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   const std::shared_ptr<dist::Mesh>& mesh() const { return mesh_; }
   const std::string& policy() const { return policy_; }
   const std::shared_ptr<DataParallel>& data_parallel() const { return data_parallel_; }
+  /// The ZeRO stage the model was parallelized with (0: off); its zero group is
+  /// data_parallel()->options().zero_group, and make_zero_optimizer makes its optimizer.
+  int zero_stage() const { return data_parallel_ ? data_parallel_->options().zero_stage : 0; }
   /// This rank's stages and their schedule (null without pipeline parallelism).
   const std::shared_ptr<Pipeline>& pipeline() const { return pipeline_; }
   const std::vector<ParameterRecord>& records() const { return records_; }
   /// The record of the parameter called `name` (or one of its aliases), or nullptr.
   const ParameterRecord* record(const std::string& name) const;
   /// Builds the records again from the tree (after a tie or a replacement made since).
-  void refresh_records() { records_ = parameter_records(*root_); }
+  void refresh_records() {
+    records_ = parameter_records(*root_);
+    note_flat_slots();
+  }
   /// Notes the master copy of the parameter `param` in its record (the optimizer's).
   void set_master(const torch::Tensor& param, const torch::Tensor& master);
 
@@ -131,6 +142,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
  private:
   ParallelModel() { ++live_; }
+  void note_flat_slots();  // fills the records' flat_buffer / flat_offset from the data parallelism
 
   nn::ModulePtr root_;
   std::shared_ptr<dist::Mesh> mesh_;

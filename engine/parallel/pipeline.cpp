@@ -557,7 +557,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
                  ? tie.param.grad().detach().clone()
                  : torch::zeros(tie.shape, torch::TensorOptions().dtype(tie.dtype).device(device_));
     group_->all_reduce(g);
-    if (tie.param.defined()) tie.param.mutable_grad() = g;
+    // Into the gradient in place where there is one: data parallelism's flat buffer holds it.
+    if (tie.param.defined() && tie.param.grad().defined()) tie.param.mutable_grad().copy_(g);
+    else if (tie.param.defined()) tie.param.mutable_grad() = g;
   }
   if (dp) dp->complete();
   // The mean loss from the last stage's rank, on every rank.

@@ -139,6 +139,15 @@ class Pipeline {
   /// Whether this rank is the first pipeline rank holding `param` (true for all but a tensor tied
   /// across stages, held first by another rank): the one that writes it in a checkpoint.
   bool first_holder(const torch::Tensor& param) const;
+  /// Whether any parameter is tied across stages (its gradient summed over the pipeline group).
+  bool has_ties() const { return !ties_.empty(); }
+  /// This rank's parameters tied across stages.
+  std::vector<torch::Tensor> tied_params() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& t : ties_)
+      if (t.param.defined()) out.push_back(t.param);
+    return out;
+  }
 
  private:
   struct Tie {

@@ -61,6 +61,51 @@ test("broadcast, all_gather, reduce_scatter, send/recv, barrier", function()
   raises(function() W:send(b, rank) end, "bad destination")
 end)
 
+-- The flat reduce-scatter and all-gather (a ring on Gloo) against all-reduce-then-slice and
+-- all_gather, on the world (4 ranks) and on groups of 2, for sum and mean, three dtypes, and
+-- lengths that are not a multiple of the group (padded, as ZeRO pads its buckets).
+test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", function()
+  local pairs_group = pt.mesh { tensor = 2 }:group("tensor")
+  for _, g in ipairs { W, pairs_group } do
+    local p, r = g:size(), g:rank()
+    for _, dtype in ipairs { "float32", "float64", "bfloat16" } do
+      for _, n in ipairs { 1, 7, 13 } do
+        local padded = math.ceil(n / p) * p
+        for _, op in ipairs { "sum", "mean" } do
+          pt.manual_seed(100 + rank + n)
+          local flat = pt.zeros(padded):to(dtype)
+          flat:narrow(0, 0, n):copy_(pt.randn(n):to(dtype))
+          local whole = flat:to("float64"):clone()  -- the reference
+          g:all_reduce(whole, op)
+          local direct = flat:clone()  -- bfloat16 on Gloo: reduced by the rings
+          g:all_reduce(direct, op)
+          near(direct:to("float64"), whole, dtype == "bfloat16" and 2e-2 or 1e-6, "all_reduce " .. dtype)
+          local part = g:reduce_scatter_flat(flat, op)
+          eq(part.shape[1], padded / p, "part length")
+          local want = whole:narrow(0, r * padded / p, padded / p)
+          local tol = dtype == "bfloat16" and 2e-2 or (dtype == "float32" and 1e-6 or 1e-12)
+          near(part:to("float64"), want:to("float64"), tol, g:name() .. " " .. dtype .. " n=" .. n .. " " .. op)
+          -- All-gather the parts back: every rank ends with the whole reduction's own parts.
+          g:all_gather_flat(flat)
+          local mine = flat:narrow(0, r * padded / p, padded / p)
+          ok(mine:equal(part), "own part kept")
+          local ref = g:all_gather(part:to("float64"))
+          local same = g:all_gather(part:clone())  -- bfloat16 moved as its bytes
+          for q = 0, p - 1 do ok(same[q + 1]:to("float64"):equal(ref[q + 1]), "all_gather " .. dtype) end
+          local b = part:clone()
+          g:broadcast(b, p - 1)
+          ok(b:to("float64"):equal(ref[p]), "broadcast " .. dtype)
+          for q = 0, p - 1 do
+            ok(flat:narrow(0, q * padded / p, padded / p):to("float64"):equal(ref[q + 1]), "part " .. q .. " gathered")
+          end
+        end
+      end
+    end
+  end
+  raises(function() W:reduce_scatter_flat(pt.zeros(world + 1)) end, "length is a multiple of " .. world)
+  raises(function() W:all_gather_flat(pt.zeros(2, world)) end, "needs a flat tensor")
+end)
+
 test("the mesh follows Megatron's layout and its groups agree with it", function()
   local mesh = pt.mesh { tensor = 2 }
   local c = mesh:coord()
@@ -75,13 +120,14 @@ test("the mesh follows Megatron's layout and its groups agree with it", function
   mesh:group("tensor"):all_reduce(t)
   local first = rank - rank % 2
   near(t, { first + first + 1 }, 0, "tensor-group sum")
-  eq(mesh:size("zero"), 1, "ZeRO is off (not built yet): zero groups of one")
+  eq(mesh:size("zero"), 1, "zero unset: off, zero groups of one")
   raises(function() pt.mesh { tensor = 3 } end, "tensor=3 x pipeline=1 = 3 does not divide the world of " .. world)
-  -- What nothing runs yet is refused, at the caller's line.
-  local e = raises(function() pt.mesh { zero = 2 } end,
-    "zero=2: ZeRO (optimizer state split over the data group) is not implemented yet")
+  -- Zero groups: n consecutive data ranks; <= 0 the whole data group; one not dividing data is refused.
+  local z = pt.mesh { zero = 0 }
+  eq(z:size("zero"), world, "zero = 0: the whole data group")
+  eq(table.concat(pt.mesh { tensor = 2, zero = 2 }:ranks("zero", 1), ","), "1,3", "zero groups follow the data groups")
+  local e = raises(function() pt.mesh { zero = 3 } end, "zero=3 does not divide the data size " .. world)
   ok(e:find("test_collectives.lua:%d+"), "the refusal names the script's line: " .. e)
-  raises(function() pt.mesh { zero = 3 } end, "zero=3: ZeRO")
   raises(function() pt.mesh { tensr = 2 } end, "unknown option 'tensr' for mesh")
   raises(function() mesh:group("expert") end, "unknown group kind 'expert'")
 end)

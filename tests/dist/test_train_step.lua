@@ -175,7 +175,7 @@ test("bad train_step options are refused at the caller's line", function()
     "parallelize option 'microbatches' needs a mesh with pipeline > 1")
   ok(pipelined:find("test_train_step.lua:%d+"), "names the script's line: " .. pipelined)
   raises(function() pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh, { zero = 2 }) end,
-    "parallelize option 'zero' asks for ZeRO, which is not implemented yet")
+    "option 'zero' for parallelize must be a table, got number 2")
   local twice = pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh, { grad_accumulation = 2 })
   raises(function() twice:train_step(x, y, { accumulate = 2 }) end, "both split the batch")
 end)

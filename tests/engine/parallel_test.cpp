@@ -173,14 +173,21 @@ TEST(MeshLayout, EverySizeThatDividesEightLaysOutAndGroupsAgree) {
             std::string::npos);
   EXPECT_NE(error_of([] { dist::Layout({2, 1, 0, 3}, 8); }).find("zero=3 does not divide the data size 4"),
             std::string::npos);
-  EXPECT_EQ(dist::Layout({2, 1, 0, 0}, 8).zero, 1) << "unset: ZeRO off";
+  EXPECT_EQ(dist::Layout({2, 1, 0}, 8).zero, 1) << "unset: ZeRO off";
+  EXPECT_EQ(dist::Layout({2, 1, 0, 0}, 8).zero, 4) << "zero <= 0: the whole data group (InternLM's zero1)";
+  // zero_across: the ranks at one place of every zero group (hierarchical ZeRO's all-reduce).
+  dist::Layout groups_of_two({1, 1, 0, 2}, 8);
+  EXPECT_EQ(groups_of_two.group_of("zero", 5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(groups_of_two.group_of("zero_across", 5), (std::vector<int>{1, 3, 5, 7}));
 }
 
-TEST(Mesh, ZeroIsRefusedUntilBuilt) {
+TEST(Mesh, ZeroGroupsMustFitTheDataGroup) {
   auto& w = world_of_one();
-  EXPECT_NE(error_of([&] { dist::Mesh({1, 1, 0, 2}, w); }).find("zero=2: ZeRO"), std::string::npos);
+  EXPECT_NE(error_of([&] { dist::Mesh({1, 1, 0, 2}, w); }).find("zero=2 does not divide the data size 1"),
+            std::string::npos);
   dist::Mesh mesh({}, w);
   EXPECT_EQ(mesh.describe().find("zero:"), std::string::npos) << "no zero group printed while ZeRO is off";
+  EXPECT_EQ(mesh.zero_across(), nullptr) << "no hierarchical groups without ZeRO";
 }
 
 TEST(DataParallel, BucketsInReverseOrderUnderTheCapEveryParameterOnce) {
@@ -223,7 +230,7 @@ TEST(ParallelModel, ShardingIsAskedOfTheHolderAndTiesMustAgree) {
   ASSERT_EQ(records.size(), 2u);
   EXPECT_EQ(records[0].name, "a.weight");
   EXPECT_EQ(records[0].shape, (std::vector<int64_t>{8, 3})) << "the logical shape";
-  EXPECT_EQ(records[0].flat_buffer, -1) << "reserved for ZeRO";
+  EXPECT_EQ(records[0].flat_buffer, -1) << "filled by the composer's data parallelism, not here";
   EXPECT_FALSE(records[0].master.defined()) << "reserved for mixed precision";
   // The same tensor held whole by another module: refused, naming both names.
   auto whole = std::make_shared<SplitHolder>(a->named_parameters()["weight"], c10::nullopt);

@@ -9,8 +9,8 @@
 - A 64-rank plan of a GPT-2 with 1.5 B parameters (GPT-2 XL's sizes) takes seconds and
   allocates no tensor memory.
 - Bad input: a layout the script cannot take, a --nproc-per-node that does not divide --world.
-- What is not built yet (pipeline with tensor parallelism, ZeRO) is refused at the script's line,
-  and no zero groups are printed.
+- Zero groups that do not fit the data group are refused at the script's line,
+  and none are printed without ZeRO.
 - Pipeline 4 (1F1B and GPipe): each rank's planned model-state bytes match a real 4-rank run's
   within 2 % and its planned peak activations (a micro-batch's activations times the schedule's
   peak in flight, plus a received gradient) the CPU allocator's peak during a real step within
@@ -161,18 +161,18 @@ check("--world is required", r.returncode != 0 and "--world" in r.stderr, r.stde
 r = run(["--plan-mode", "moo", SCRIPT])
 check("--plan-mode needs --plan", r.returncode != 0 and "--plan-mode needs --plan" in r.stderr, r.stderr)
 
-# ---- What is not built yet is refused, not planned -----------------------------------------------
+# ---- Zero groups ------------------------------------------------------------------------------
 r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
-check("a plan prints no zero groups while ZeRO is not built",
+check("a plan prints no zero groups without ZeRO",
       r.returncode == 0 and "zero" not in r.stdout.split("\n")[0], r.stdout[:400])
 with tempfile.TemporaryDirectory() as d:
-    for option, words in (("zero = 2", "zero=2: ZeRO (optimizer state split over the data group) is not implemented yet"),):
-        script = os.path.join(d, "unbuilt.lua")
-        with open(script, "w") as f:
-            f.write('local pt = require "partrain"\n\nlocal mesh = pt.mesh { %s }\n' % option)
-        r = run(["plan", "--world", "4", script])
-        check(f"partrain plan refuses {option} at the script's line",
-              r.returncode != 0 and words in r.stderr and "unbuilt.lua:3" in r.stderr, r.stderr)
+    script = os.path.join(d, "zero.lua")
+    with open(script, "w") as f:
+        f.write('local pt = require "partrain"\n\nlocal mesh = pt.mesh { zero = 3 }\n')
+    r = run(["plan", "--world", "4", script])
+    check("partrain plan refuses zero groups that do not divide data at the script's line",
+          r.returncode != 0 and "zero=3 does not divide the data size 4" in r.stderr and "zero.lua:3" in r.stderr,
+          r.stderr)
 
 # ---- Pipeline parallelism ---------------------------------------------------------------------
 # Pipeline 4 of a 4-layer GPT-2 (one block a stage), 4 micro-batches of 2 sequences.

@@ -1,0 +1,273 @@
+// ZeRO's distributed optimizer over data parallelism's flat gradient buffers (see zero.hpp).
+#include "engine/parallel/zero.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <unordered_map>
+
+#include "engine/parallel/parallel_model.hpp"
+
+namespace partrain::parallel {
+
+namespace {
+
+// Where one parameter's elements meet this rank's shard of a bucket.
+struct Segment {
+  size_t param;           // index into DataParallel::params()
+  int64_t param_offset;   // first element, in the flattened parameter
+  size_t master;          // which master (one per flat buffer)
+  int64_t master_offset;  // where it sits in that master
+  int64_t length;
+};
+
+class ZeroShards : public optim::Distributed {
+ public:
+  ZeroShards(const std::shared_ptr<ParallelModel>& model) : model_(model), dp_(model->data_parallel()) {
+    const auto& o = dp_->options();
+    zero_ = o.zero_group;
+    stage_ = o.zero_stage;
+    const int z = zero_->size(), r = zero_->rank();
+    const auto& params = dp_->params();
+    // One master per flat buffer: the buffer's buckets' parts r laid end to end, in float32 (or
+    // float64 for float64 gradients).
+    std::vector<int64_t> length(dp_->buffers().size(), 0);
+    for (const auto& b : dp_->buckets()) {
+      const int64_t part = b.flat.numel() / z, begin = r * part;
+      bucket_master_.push_back(length[b.buffer]);
+      for (size_t s = 0; s < b.params.size(); ++s) {
+        const int64_t lo = std::max(b.offsets[s], begin);
+        const int64_t hi = std::min(b.offsets[s] + params[b.params[s]].numel(), begin + part);
+        if (lo < hi) segments_.push_back({b.params[s], lo - b.offsets[s], b.buffer, length[b.buffer] + lo - begin, hi - lo});
+      }
+      length[b.buffer] += part;
+    }
+    for (size_t i = 0; i < length.size(); ++i) {
+      const auto& buffer = dp_->buffers()[i];
+      auto dtype = buffer.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+      auto options = torch::TensorOptions().dtype(dtype).device(buffer.device());
+      masters_.push_back(torch::zeros({length[i]}, options).requires_grad_(true));
+      grads_.push_back(torch::zeros({length[i]}, options));
+    }
+    torch::NoGradGuard no_grad;
+    for (const auto& s : segments_) master_part(s).copy_(param_part(s));
+    groups_ = split_groups(model->module(), params);
+  }
+
+  const std::vector<torch::Tensor>& masters() const { return masters_; }
+
+  void prepare() override {
+    torch::NoGradGuard no_grad;
+    auto model = model_.lock();
+    TORCH_CHECK(model, "ZeRO: the model this optimizer was made for is gone");
+    // A parameter of the master's dtype is its exact copy: take it again (a checkpoint or the user
+    // may have written the parameter since). Lower-precision ones keep their masters.
+    for (const auto& s : segments_)
+      if (dp_->params()[s.param].scalar_type() == masters_[s.master].scalar_type()) master_part(s).copy_(param_part(s));
+    // The gradient shard: this rank's reduced part of each bucket of the flat buffers.
+    const int z = zero_->size(), r = zero_->rank();
+    const auto& buckets = dp_->buckets();
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      const auto& b = buckets[i];
+      const int64_t part = b.flat.numel() / z;
+      grads_[b.buffer].narrow(0, bucket_master_[i], part).copy_(b.flat.narrow(0, r * part, part));
+    }
+    for (size_t i = 0; i < masters_.size(); ++i) masters_[i].mutable_grad() = grads_[i];
+  }
+
+  double clip(double max_norm) override {
+    torch::NoGradGuard no_grad;
+    if (max_norm <= 0) return -1;
+    auto model = model_.lock();
+    TORCH_CHECK(model, "ZeRO: the model this optimizer was made for is gone");
+    double norm = grad_norm(*model);
+    double scale = max_norm / (norm + 1e-6);  // torch.nn.utils.clip_grad_norm_'s coefficient
+    if (scale < 1)
+      for (auto& g : grads_) g.mul_(scale);
+    return norm;
+  }
+
+  void publish() override {
+    torch::NoGradGuard no_grad;
+    const int z = zero_->size(), r = zero_->rank();
+    const auto& params = dp_->params();
+    const auto& buckets = dp_->buckets();
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      const auto& b = buckets[i];
+      const int64_t part = b.flat.numel() / z;
+      // (padded,) in the parameters' dtype: this rank's updated part, then everyone's.
+      auto& scratch = scratch_[params[b.params.front()].scalar_type()];
+      if (!scratch.defined() || scratch.numel() < b.flat.numel())
+        scratch = torch::empty({b.flat.numel()}, params[b.params.front()].options().requires_grad(false));
+      auto flat = scratch.narrow(0, 0, b.flat.numel());
+      flat.narrow(0, r * part, part).copy_(masters_[b.buffer].detach().narrow(0, bucket_master_[i], part));
+      zero_->all_gather_flat(flat);
+      for (size_t s = 0; s < b.params.size(); ++s) {
+        auto p = params[b.params[s]].detach();
+        p.view({-1}).copy_(flat.narrow(0, b.offsets[s], p.numel()));
+      }
+    }
+  }
+
+  void zero_grad() override {
+    for (const auto& p : dp_->params()) {
+      auto q = p;
+      q.mutable_grad() = torch::Tensor();
+    }
+  }
+
+  std::map<std::string, torch::Tensor> param_state(const optim::Optimizer& opt,
+                                                   const torch::Tensor& param) const override {
+    std::map<std::string, torch::Tensor> out;
+    const auto k = index_of(param);
+    if (k < 0) return out;
+    std::vector<std::map<std::string, torch::Tensor>> states;
+    for (const auto& m : masters_) states.push_back(opt.local_state(m));
+    if (states.front().empty()) return out;  // before the first step: no state on any rank
+    const auto& p = dp_->params()[k];
+    auto gather = [&](const std::function<torch::Tensor(size_t)>& source) {
+      // (numel,) zeros but for this rank's segments, summed over the zero group: the whole.
+      auto full = torch::zeros({p.numel()}, masters_.front().options().requires_grad(false));
+      for (const auto& s : segments_)
+        if (static_cast<int64_t>(s.param) == k)
+          full.narrow(0, s.param_offset, s.length).copy_(source(s.master).narrow(0, s.master_offset, s.length));
+      zero_->all_reduce(full);
+      return full.view(p.sizes());
+    };
+    for (const auto& [slot, t] : states.front()) out[slot] = gather([&, name = slot](size_t m) { return states[m].at(name); });
+    if (p.scalar_type() != masters_.front().scalar_type())
+      out["master"] = gather([&](size_t m) { return masters_[m].detach(); });
+    return out;
+  }
+
+  void set_param_state(optim::Optimizer& opt, const torch::Tensor& param,
+                       const std::map<std::string, torch::Tensor>& slots) override {
+    torch::NoGradGuard no_grad;
+    const auto k = index_of(param);
+    if (k < 0) return;
+    if (slots.empty()) {  // a checkpoint without state: the optimizer starts afresh
+      for (const auto& m : masters_) opt.set_local_state(m, {});
+      return;
+    }
+    const auto& p = dp_->params()[k];
+    for (const auto& [slot, t] : slots)
+      TORCH_CHECK(t.numel() == p.numel(), "ZeRO: state '", slot, "' of a parameter of ", p.numel(), " elements has ",
+                  t.numel());
+    for (size_t m = 0; m < masters_.size(); ++m) {
+      auto state = opt.local_state(masters_[m]);
+      bool touched = false;
+      for (const auto& s : segments_) {
+        if (static_cast<int64_t>(s.param) != k || s.master != m) continue;
+        touched = true;
+        for (const auto& [slot, t] : slots) {
+          if (slot == "master") continue;
+          auto& into = state[slot];
+          if (!into.defined()) into = torch::zeros_like(masters_[m].detach());
+          into.narrow(0, s.master_offset, s.length).copy_(t.reshape({-1}).narrow(0, s.param_offset, s.length));
+        }
+        auto master = slots.count("master") ? slots.at("master") : p.detach();
+        master_part(s).copy_(master.reshape({-1}).narrow(0, s.param_offset, s.length));
+      }
+      if (touched) opt.set_local_state(masters_[m], state);
+    }
+  }
+
+  ZeroBytes bytes(const optim::Optimizer& opt) const {
+    ZeroBytes b;
+    b.stage = stage_;
+    b.group = zero_->size();
+    for (const auto& m : masters_) b.master += static_cast<int64_t>(m.nbytes());
+    for (const auto& g : grads_) b.shard_grad += static_cast<int64_t>(g.nbytes());
+    for (const auto& f : dp_->buffers()) b.grad_buffer += static_cast<int64_t>(f.nbytes());
+    b.state = opt.state_bytes();
+    return b;
+  }
+
+  void sync_grad() const { dp_->gather_shards(); }
+
+ private:
+  torch::Tensor master_part(const Segment& s) const {
+    return masters_[s.master].detach().narrow(0, s.master_offset, s.length);
+  }
+  torch::Tensor param_part(const Segment& s) const {
+    return dp_->params()[s.param].detach().reshape({-1}).narrow(0, s.param_offset, s.length);
+  }
+  int64_t index_of(const torch::Tensor& param) const {
+    const auto& params = dp_->params();
+    for (size_t k = 0; k < params.size(); ++k)
+      if (params[k].is_same(param)) return static_cast<int64_t>(k);
+    return -1;
+  }
+
+  // The global L2 norm of the gradients: squares per parameter from this rank's segments, summed
+  // over the zero group (each element is in one rank's shard); then as global_grad_norm and
+  // Pipeline::grad_norm: whole parameters as they are, split ones over their tensor group, the
+  // stages over the pipeline group, a tensor tied across stages once.
+  double grad_norm(ParallelModel& model) const {
+    const auto& params = dp_->params();
+    auto options = torch::TensorOptions().dtype(torch::kFloat64).device(masters_.front().device());
+    auto sq = torch::zeros({static_cast<int64_t>(params.size())}, options);
+    for (const auto& s : segments_)
+      sq[static_cast<int64_t>(s.param)] += grads_[s.master].narrow(0, s.master_offset, s.length).to(torch::kFloat64).pow(2).sum();
+    zero_->all_reduce(sq);
+    const auto& pipeline = model.pipeline();
+    auto whole = torch::zeros({1}, options);
+    std::vector<std::pair<dist::GroupPtr, torch::Tensor>> split;
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (pipeline && !pipeline->first_holder(params[k])) continue;  // its other holder counts it
+      auto v = sq.narrow(0, static_cast<int64_t>(k), 1);
+      const auto& g = groups_[k];
+      if (!g) {
+        whole += v;
+        continue;
+      }
+      auto it = std::find_if(split.begin(), split.end(), [&](const auto& e) { return e.first == g; });
+      if (it == split.end()) split.emplace_back(g, v.clone());
+      else it->second += v;
+    }
+    for (auto& [g, v] : split) {
+      g->all_reduce(v);
+      whole += v;
+    }
+    if (pipeline) pipeline->group()->all_reduce(whole);
+    return std::sqrt(whole.item<double>());
+  }
+
+  std::weak_ptr<ParallelModel> model_;
+  std::shared_ptr<DataParallel> dp_;
+  dist::GroupPtr zero_;
+  int stage_ = 0;
+  std::vector<Segment> segments_;
+  std::vector<int64_t> bucket_master_;  // where each bucket's part starts in its master
+  std::vector<torch::Tensor> masters_;  // (shard,) one per flat buffer: what the optimizer steps
+  std::vector<torch::Tensor> grads_;    // (shard,) their gradients
+  std::vector<dist::GroupPtr> groups_;  // each parameter's tensor group when split, else null
+  std::map<torch::ScalarType, torch::Tensor> scratch_;  // the all-gather's buffer, by parameter dtype
+};
+
+}  // namespace
+
+std::shared_ptr<optim::Optimizer> make_zero_optimizer(const std::shared_ptr<ParallelModel>& model,
+                                                      const optim::OptimizerOptions& options) {
+  TORCH_CHECK(model && model->data_parallel(), "ZeRO: the model is not parallelized");
+  const auto& o = model->data_parallel()->options();
+  TORCH_CHECK(o.zero_stage >= 1 && o.zero_group && o.zero_group->size() > 1,
+              "ZeRO: the model was parallelized without a zero stage over zero groups of more than one rank");
+  auto shards = std::make_shared<ZeroShards>(model);
+  auto opt = std::make_shared<optim::Optimizer>(shards->masters(), options);
+  opt->set_distributed(shards);
+  return opt;
+}
+
+c10::optional<ZeroBytes> zero_bytes(const optim::Optimizer& opt) {
+  auto* z = dynamic_cast<const ZeroShards*>(opt.distributed().get());
+  if (!z) return c10::nullopt;
+  return z->bytes(opt);
+}
+
+void sync_shard_grad(const optim::Optimizer& opt) {
+  if (auto* z = dynamic_cast<const ZeroShards*>(opt.distributed().get())) z->sync_grad();
+}
+
+}  // namespace partrain::parallel

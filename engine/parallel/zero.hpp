@@ -1,0 +1,48 @@
+// ZeRO stages 1 and 2: the distributed optimizer. Each rank of a zero group keeps master weights
+// and optimizer state for its part of every data-parallel bucket only (the flat gradient buffer
+// split into zero-group-size contiguous parts), steps them with the ordinary optimizer, and
+// all-gathers the updated parts into the parameters over the zero group after each step.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/optim/optim.hpp"
+#include "engine/parallel/data_parallel.hpp"
+
+namespace partrain::parallel {
+
+class ParallelModel;
+
+struct ZeroOptions {
+  int stage = 0;                    ///< 0 off; 1 optimizer state and master weights sharded; 2 gradients too
+  double reduce_bucket_size = 0;    ///< MiB of gradient a bucket reduce-scatters (0: data parallelism's bucket_cap_mb)
+  bool overlap_sync_param = false;  ///< overlap the parameters' all-gather with the next forward (not built: refused)
+};
+
+/// What ZeRO keeps on this rank, in bytes, for the planner and the REPL.
+struct ZeroBytes {
+  int stage = 0;               ///< the zero stage
+  int group = 1;               ///< the zero group's size
+  int64_t master = 0;          ///< master weights of this rank's shard
+  int64_t state = 0;           ///< optimizer state of the shard (as allocated so far)
+  int64_t shard_grad = 0;      ///< the gradient shard the update reads (the masters' .grad)
+  int64_t grad_buffer = 0;     ///< the flat gradient buffers (whole: backward accumulates into them)
+};
+
+/// Makes the distributed optimizer for `model` (parallelized with a zero stage of 1 or 2): an
+/// Optimizer over this rank's master shards (float32, or float64 for float64 parameters) with
+/// `options`, whose step moves the gradient shard in, clips by the global norm (every element of
+/// every parameter once: across the zero group, tensor-split parameters over their group, the
+/// pipeline's stages, a tied tensor once), and all-gathers the updated shards into the parameters.
+std::shared_ptr<optim::Optimizer> make_zero_optimizer(const std::shared_ptr<ParallelModel>& model,
+                                                      const optim::OptimizerOptions& options);
+
+/// ZeRO's bytes on this rank for an optimizer make_zero_optimizer made; nullopt for any other.
+c10::optional<ZeroBytes> zero_bytes(const optim::Optimizer& opt);
+
+/// Cube's sync_shard_grad: under ZeRO-2, the reduced gradient shards are gathered so that every
+/// parameter's .grad is whole before the user reads it (a norm, a histogram). A no-op otherwise.
+void sync_shard_grad(const optim::Optimizer& opt);
+
+}  // namespace partrain::parallel

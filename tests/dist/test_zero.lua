@@ -1,0 +1,294 @@
+-- ZeRO stages 1 and 2 train exactly as unsharded AdamW: at 4 ranks, data 4 with the whole data
+-- group as zero group and with zero groups of 2 (hierarchical), tensor 2 x data 2, pipeline 2
+-- (1F1B) x data 2, and train_step's accumulation; 20 steps each, the loss every step and every
+-- logical parameter at the end within 1e-5 (float32) or 1e-10 (float64) relative to max(|x|, 1),
+-- clipping's global norm equal to the serial norm; optimizer state and master bytes per rank are
+-- the shard's (total / zero group, within padding); bf16 parameters under ZeRO-1 track float32;
+-- sync_shard_grad makes ZeRO-2's gradients whole; and what cannot run is refused at the
+-- caller's line.
+--   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero.lua
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local P = require "partrain.policy"
+local test, near, eq, ok, raises = H.test, H.near, H.eq, H.ok, H.raises
+
+local TOL = { float32 = 1e-5, float64 = 1e-10 }
+local BATCH, STEPS = 8, 20
+
+local function mlp(dtype)
+  return function() return pt.models.mlp { sizes = { 12, 24, 24, 6 } }:to(dtype) end
+end
+
+-- A chain for the pipeline: its first module, three blocks, its last module.
+local function chain(dtype)
+  return function()
+    local root = pt.nn.Sequential()
+    root:add("inp", pt.nn.Linear(12, 16))
+    local h = pt.nn.Sequential()
+    for _ = 1, 3 do h:add(pt.nn.Sequential(pt.nn.Linear(16, 16), pt.nn.Tanh())) end
+    root:add("h", h)
+    root:add("out", pt.nn.Linear(16, 6))
+    return root:to(dtype)
+  end
+end
+local chain_policy = P.policy { name = "chain", targets = { "Sequential" }, modules = {},
+                                pipeline = { blocks = "h", first = { "inp" }, last = { "out" } } }
+
+-- Trains a serial model and a parallel one (ZeRO in `opts`) from the same seed on the same global
+-- batches; returns the parallel model and its optimizer.
+local function equal_to_serial(c)
+  local dtype = c.dtype or "float32"
+  local tol = TOL[dtype]
+  local what = c.what .. " (" .. dtype .. ")"
+  local mesh = pt.mesh(c.mesh)
+  pt.manual_seed(21)
+  -- A deferred model is initialized by name: its serial twin is materialized whole the same way.
+  local serial = c.deferred and pt.deferred(c.make(dtype)):materialize() or c.make(dtype)()
+  pt.manual_seed(21)
+  local model = pt.parallelize(c.deferred and pt.deferred(c.make(dtype)) or c.make(dtype)(), c.policy, mesh, c.opts)
+  local optim = c.optim or { lr = 1e-2, weight_decay = 0.1 }
+  local so, po = pt.optim.adamw(serial, optim), pt.optim.adamw(model, optim)
+  local d, n = mesh:coord().data, mesh:size("data")
+  local b = BATCH / n
+  for step = 1, c.steps or STEPS do
+    local x, y = pt.randn({ BATCH, 12 }):to(dtype), pt.randint(0, 6, { BATCH })
+    mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+    local ls = pt.nn.cross_entropy(serial(x), y)
+    ls:backward()
+    local lp = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b), { accumulate = c.accumulate })
+    lp = lp:detach():clone()
+    mesh:group("data"):all_reduce(lp, "mean")
+    near(lp, ls, tol, ("%s: loss at step %d"):format(what, step))
+    local ns, np = so:step(), po:step()
+    if optim.clip_grad_norm then near(np, ns, tol, ("%s: clipping's global norm at step %d"):format(what, step)) end
+    so:zero_grad(); po:zero_grad()
+  end
+  local mine, want = model:full_state_dict(), serial:state_dict()
+  local held = 0
+  for name, t in pairs(mine) do
+    near(t, want[name], tol, ("%s: parameter %s"):format(what, name))
+    held = held + 1
+  end
+  ok(held > 0, what .. ": holds parameters")
+  return model, po, mesh
+end
+
+test("ZeRO-1 and ZeRO-2 over data 4 equal unsharded AdamW (clipping on)", function()
+  for _, stage in ipairs { 1, 2 } do
+    local _, opt = equal_to_serial { what = "zero-" .. stage .. " data 4", mesh = { zero = 0 }, make = mlp,
+                                     opts = { zero = { stage = stage } },
+                                     optim = { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 } }
+    local z = opt:zero()
+    eq(z.stage, stage); eq(z.group, 4)
+  end
+  equal_to_serial { what = "zero-2 data 4", mesh = { zero = 0 }, make = mlp, dtype = "float64",
+                    opts = { zero = { stage = 2, reduce_bucket_size = 0.001 } },
+                    optim = { lr = 1e-2, clip_grad_norm = 0.05 } }
+end)
+
+test("zero groups of 2 inside data 4 (hierarchical) equal unsharded AdamW", function()
+  equal_to_serial { what = "zero-1 groups of 2", mesh = { zero = 2 }, make = mlp }
+  equal_to_serial { what = "zero-2 groups of 2", mesh = { zero = 2 }, make = mlp, opts = { zero = { stage = 2 } },
+                    optim = { lr = 1e-2, clip_grad_norm = 0.05 } }
+end)
+
+test("ZeRO-2 with train_step's accumulation equals unsharded AdamW", function()
+  equal_to_serial { what = "zero-2 accumulate 2", mesh = { zero = 0 }, make = mlp, accumulate = 2,
+                    opts = { zero = { stage = 2, reduce_bucket_size = 0.001 } } }
+end)
+
+test("ZeRO-1 with tensor 2 x data 2 equals unsharded AdamW (clipping counts split parameters once)", function()
+  equal_to_serial { what = "zero-1 tensor 2", mesh = { tensor = 2, zero = 2 }, make = mlp, policy = "policies.mlp",
+                    optim = { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 } }
+  equal_to_serial { what = "zero-2 tensor 2", mesh = { tensor = 2, zero = 2 }, make = mlp, policy = "policies.mlp",
+                    dtype = "float64", opts = { zero = { stage = 2 } }, optim = { lr = 1e-2, clip_grad_norm = 0.05 } }
+end)
+
+test("ZeRO-2 with pipeline 2 (1F1B, 2 micro-batches) x data 2 equals unsharded AdamW", function()
+  for _, dtype in ipairs { "float32", "float64" } do
+    equal_to_serial { what = "zero-2 pipeline 2", mesh = { pipeline = 2, zero = 2 }, make = chain, dtype = dtype,
+                      deferred = true, policy = chain_policy,
+                      opts = { zero = { stage = 2 }, schedule = "1f1b", microbatches = 2 },
+                      optim = { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 } }
+  end
+end)
+
+-- GPT-2's wte and lm_head are one tensor held by both stages: its buckets are all-reduced whole
+-- (its gradient is summed over the pipeline after the sync), the rest reduce-scattered.
+test("ZeRO-2 with GPT-2 (a tensor tied across stages) over pipeline 2 x data 2 equals AdamW (float64)", function()
+  local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }
+  local mesh = pt.mesh { pipeline = 2, zero = 2 }
+  local make = function() return pt.models.gpt2(gpt):to("float64") end
+  pt.manual_seed(7)
+  local serial = pt.deferred(make):materialize()
+  pt.manual_seed(7)
+  local model = pt.parallelize(pt.deferred(make), "policies.gpt2", mesh,
+                               { zero = { stage = 2 }, schedule = "1f1b", microbatches = 2 })
+  local optim = { lr = 1e-2, clip_grad_norm = 0.5 }
+  local so, po = pt.optim.adamw(serial, optim), pt.optim.adamw(model, optim)
+  local d, b = mesh:coord().data, BATCH / 2
+  for step = 1, 5 do
+    local x, y = pt.randint(0, gpt.vocab, { BATCH, gpt.seq }), pt.randint(0, gpt.vocab, { BATCH, gpt.seq })
+    mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+    local out = serial(x)
+    local ls = pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), y:reshape(-1))
+    ls:backward()
+    local lp = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
+    mesh:group("data"):all_reduce(lp, "mean")
+    near(lp, ls, 1e-10, ("gpt-2 zero-2 pipeline: loss at step %d"):format(step))
+    local ns, np = so:step(), po:step()
+    near(np, ns, 1e-10, ("gpt-2 zero-2 pipeline: clipping's norm at step %d"):format(step))
+    so:zero_grad(); po:zero_grad()
+  end
+  local want = serial:state_dict()
+  for name, t in pairs(model:full_state_dict()) do near(t, want[name], 1e-10, "gpt-2 zero-2 pipeline: " .. name) end
+end)
+
+test("optimizer state and master weights per rank are the shard's: total / zero, within padding", function()
+  local mesh = pt.mesh { zero = 0 }
+  pt.manual_seed(1)
+  local plain_model = pt.parallelize(mlp("float32")(), nil, pt.mesh {}, {})
+  local plain = pt.optim.adamw(plain_model, {})
+  pt.manual_seed(1)
+  local model = pt.parallelize(mlp("float32")(), nil, mesh, { zero = { stage = 2, reduce_bucket_size = 0.001 } })
+  local opt = pt.optim.adamw(model, {})
+  local x, y = pt.randn({ 2, 12 }), pt.randint(0, 6, { 2 })
+  plain_model:train_step(x, y); plain:step()
+  model:train_step(x, y); opt:step()
+  local total = 0
+  for _, p in ipairs(model:parameters()) do total = total + p:numel() end
+  local z = opt:zero()
+  local buckets = model:data_parallel():buckets()
+  eq(plain:state_bytes(), 2 * 4 * total, "unsharded AdamW: two float32 moments an element")
+  eq(opt:state_bytes(), z.state_bytes)
+  eq(opt:state_bytes(), 2 * z.master_bytes, "two moments a master element")
+  local elements = z.master_bytes / 4
+  ok(elements * 4 >= total and elements * 4 < total + 4 * buckets,
+     ("master elements %d x 4 ranks covers the %d parameters within a bucket's padding"):format(elements, total))
+  eq(z.shard_grad_bytes, z.master_bytes, "the gradient shard is the master's size")
+end)
+
+test("bf16 parameters under ZeRO-1: float32 masters and state, the loss tracks float32", function()
+  local mesh = pt.mesh { zero = 0 }
+  pt.manual_seed(4)
+  local serial = mlp("float32")()
+  pt.manual_seed(4)
+  local model = pt.parallelize(mlp("bfloat16")(), nil, mesh, {})
+  local so, po = pt.optim.adamw(serial, { lr = 1e-2 }), pt.optim.adamw(model, { lr = 1e-2 })
+  local d, b = mesh:coord().data, BATCH / 4
+  local worst = 0
+  for step = 1, STEPS do
+    local x, y = pt.randn({ BATCH, 12 }), pt.randint(0, 6, { BATCH })
+    mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+    local ls = pt.nn.cross_entropy(serial(x), y)
+    ls:backward()
+    local lp = model:train_step(x:narrow(0, d * b, b):to("bfloat16"), y:narrow(0, d * b, b)):detach():to("float32")
+    mesh:group("data"):all_reduce(lp, "mean")
+    worst = math.max(worst, math.abs(lp:item() - ls:item()) / ls:item())
+    so:step(); po:step(); so:zero_grad(); po:zero_grad()
+  end
+  ok(worst < 0.05, ("bf16 loss within 5%% of float32's at every step (worst %.4f)"):format(worst))
+  if pt.dist.rank() == 0 then print(("bf16 under ZeRO-1: worst relative loss difference to float32 %.4f"):format(worst)) end
+  eq(model:parameters()[1].dtype, "bfloat16", "the parameters stay bf16")
+  local total = 0
+  for _, p in ipairs(model:parameters()) do total = total + p:numel() end
+  local z = po:zero()
+  ok(z.master_bytes * 4 >= 4 * total, "float32 masters: 4 bytes an element, over the 4 ranks")
+  eq(po:state_bytes(), 2 * z.master_bytes, "float32 moments")
+end)
+
+test("sync_shard_grad makes ZeRO-2's gradients whole", function()
+  local mesh = pt.mesh { zero = 0 }
+  pt.manual_seed(8)
+  local serial = pt.models.mlp { sizes = { 12, 24, 6 } }
+  pt.manual_seed(8)
+  local model = pt.parallelize(pt.models.mlp { sizes = { 12, 24, 6 } }, nil, mesh, { zero = { stage = 2 } })
+  local opt = pt.optim.adamw(model, {})
+  local x, y = pt.randn({ BATCH, 12 }), pt.randint(0, 6, { BATCH })
+  mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+  pt.nn.cross_entropy(serial(x), y):backward()
+  local d, b = mesh:coord().data, BATCH / 4
+  model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b))
+  opt:sync_shard_grad()
+  local sp = serial:parameters()
+  for i, p in ipairs(model:parameters()) do near(p.grad, sp[i].grad, 1e-5, "gradient " .. i) end
+end)
+
+-- Checkpoints: ZeRO-sharded state is saved gathered (one parameter at a time) and sliced at load,
+-- so a ZeRO-2 data-4 run resumes at pipeline 2 x data 2 without ZeRO, and a plain data-4 run
+-- under ZeRO-1 at pipeline 2 x data 2, each continuing exactly as the run that saved it (losses
+-- and parameters within 1e-5: AdamW's moments and step count came back too).
+test("ZeRO checkpoints load without ZeRO and into a pipeline, and plain ones under ZeRO", function()
+  local dir = "/tmp/partrain-test-zero-" .. (os.getenv("MASTER_PORT") or "0")
+  local function build(mesh_opts, opts)
+    local mesh = pt.mesh(mesh_opts)
+    pt.manual_seed(21)
+    local model = pt.parallelize(pt.deferred(chain("float32")), chain_policy, mesh, opts)
+    return model, mesh, pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1 })
+  end
+  local function train(model, mesh, opt, from, to)
+    local losses = {}
+    local d, b = mesh:coord().data, BATCH / mesh:size("data")
+    for n = from, to do
+      pt.manual_seed(500 + n)
+      local x, y = pt.randn({ BATCH, 12 }), pt.randint(0, 6, { BATCH })
+      local loss = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
+      mesh:group("data"):all_reduce(loss, "mean")
+      opt:step(); opt:zero_grad()
+      losses[n] = loss:item()
+    end
+    return losses
+  end
+  local function same(what, model, losses, want_losses, want_params)
+    for n, l in pairs(want_losses) do near(losses[n], l, 1e-5, ("%s: loss at step %d"):format(what, n)) end
+    for name, t in pairs(model:full_state_dict()) do near(t, want_params[name], 1e-5, what .. ": parameter " .. name) end
+  end
+  local pipe = { schedule = "1f1b", microbatches = 2 }
+  for _, c in ipairs {
+    { what = "zero-2 data 4 -> pipeline 2 x data 2", save = { { zero = 0 }, { zero = { stage = 2 } } },
+      load = { { pipeline = 2 }, pipe } },
+    { what = "plain data 4 -> zero-1 pipeline 2 x data 2", save = { {}, {} },
+      load = { { pipeline = 2, zero = 2 }, { schedule = "1f1b", microbatches = 2, zero = { stage = 1 } } } },
+  } do
+    local a, am, ao = build(c.save[1], c.save[2])
+    train(a, am, ao, 1, 3)
+    pt.ckpt.save(dir, { model = a, optim = ao, step = 3, overwrite = true })
+    local want = train(a, am, ao, 4, 6)
+    local want_params = a:full_state_dict()
+    local b, bm, bo = build(c.load[1], c.load[2])
+    pt.ckpt.load(dir, { model = b, optim = bo })
+    eq(bo:steps(), 3, c.what .. ": the step count")
+    same(c.what, b, train(b, bm, bo, 4, 6), want, want_params)
+  end
+  pt.dist.barrier()
+  if pt.dist.rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
+end)
+
+test("what cannot run is refused at the caller's line", function()
+  local here = "test_zero.lua:%d+"
+  local e = raises(function() pt.mesh { zero = 3 } end, "zero=3 does not divide the data size 4")
+  ok(e:find(here), e)
+  eq(pt.mesh { zero = 0 }:size("zero"), 4, "zero <= 0: the whole data group")
+  eq(pt.mesh {}:size("zero"), 1, "unset: off")
+  local m = pt.mesh { zero = 2 }
+  eq(m:size("zero"), 2)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 3 } }) end,
+             "zero stage=3 is not supported: stages 0, 1, 2")
+  ok(e:find(here), e)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, pt.mesh {}, { zero = { stage = 1 } }) end,
+             "needs zero groups of more than one rank, but the mesh has zero=1")
+  ok(e:find(here), e)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 2, reduce_bucket_size = 0 } }) end,
+             "reduce_bucket_size must be > 0")
+  ok(e:find(here), e)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { overlap_sync_param = true } }) end,
+             "overlap_sync_param = true is not supported")
+  ok(e:find(here), e)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { reduce_dtype = "int8" }) end,
+             "reduce_dtype' must be 'float32', 'bfloat16' or 'float64', got 'int8'")
+  ok(e:find(here), e)
+  raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stag = 1 } }) end, "stag")
+end)
+
+H.run()
