@@ -3,7 +3,7 @@
 -- with 1F1B), an overflow only one rank sees makes both ranks skip the step and back off alike,
 -- a bfloat16 model trains data-parallel and pipelined like serial bfloat16 (Gloo reduces its
 -- gradients as float32), and a bfloat16 model's parameter records point at the optimizer's float32
--- masters.
+-- masters; under ZeRO-1 and ZeRO-2 the scale and the skip work on each rank's shard.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_precision.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -104,6 +104,32 @@ end)
 test("an overflow only the first stage sees makes both pipeline ranks skip", function()
   one_rank_overflows(pipe_mesh, "policies.gpt2", { schedule = "1f1b", microbatches = 2 }, 0)
 end)
+
+-- Under ZeRO the scaled gradients are unscaled and checked on each rank's shard of the masters.
+local zero_mesh = pt.mesh { zero = 0 }  -- the whole data group (2 ranks)
+for _, stage in ipairs { 1, 2 } do
+  test(("ZeRO-%d: a static 2^10 trains bit for bit as none, and an overflow on one rank skips everywhere"):format(stage), function()
+    local popts = { zero = { stage = stage } }
+    local plain = train(zero_mesh, nil, popts, { lr = 1e-2 })
+    local scaled, opt = train(zero_mesh, nil, popts, { lr = 1e-2, loss_scale = 1024 })
+    eq(opt:zero().stage, stage, "the distributed optimizer")
+    same_params(scaled, plain, "ZeRO-" .. stage)
+    -- Rank 1's gradients overflow (all of them, so its own shard sees it): both ranks skip.
+    local x, y = batch(zero_mesh, 410)
+    local before = snapshot(scaled)
+    opt:zero_grad()
+    scaled:train_step(x, y)
+    if rank == 1 then for _, p in pairs(params(scaled)) do p.grad:fill_(1 / 0) end end
+    local _, skipped = opt:step()
+    eq(skipped, "skipped", "rank " .. rank .. " skips")
+    eq(opt:loss_scale(), 1024, "a static scale stays")
+    for name, p in pairs(params(scaled)) do eq(p:equal(before[name]), true, name .. " unchanged") end
+    opt:zero_grad()
+    scaled:train_step(x, y)
+    local _, again = opt:step()
+    eq(again, nil, "the next step is taken")
+  end)
+end
 
 -- bfloat16 serial equivalence: the same bfloat16 model trained serially (whole batch) and split,
 -- SGD with float32 masters. The split run's gradients are sums of bfloat16 parts (reduced as
