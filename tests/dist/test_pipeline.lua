@@ -157,14 +157,12 @@ local P = require "partrain.policy"
 local chain_policy = P.policy { name = "chain", targets = { "Sequential" }, modules = {},
                                 pipeline = { blocks = "h", first = { "inp" }, last = { "out" } } }
 
-test("a chain model (no stage ends of its own) over pipeline 2 equals serial training (float64)", function()
-  pt.manual_seed(9)
-  local serial = pt.deferred(chain):materialize()
-  pt.manual_seed(9)
-  local model = pt.parallelize(pt.deferred(chain), chain_policy, mesh, { microbatches = 2, balance = { 1, 2 } })
+-- Trains a float64 chain serially and pipelined (SGD, `steps` steps of the same batches): the losses
+-- every step and the parameters the rank holds at the end within 1e-10. Returns its state dict.
+local function chain_equals_serial(what, serial, model, steps)
   local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(model, { lr = 0.1 })
   local d, n = mesh:coord().data, mesh:size("data")
-  for step = 1, 5 do
+  for step = 1, steps do
     local x, y = pt.randn({ BATCH, 8 }):to("float64"), pt.randint(0, 5, { BATCH })
     mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
     local ls = pt.nn.cross_entropy(serial(x), y)
@@ -172,11 +170,20 @@ test("a chain model (no stage ends of its own) over pipeline 2 equals serial tra
     local b = BATCH / n
     local lp = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
     mesh:group("data"):all_reduce(lp, "mean")
-    near(lp, ls, 1e-10, ("chain: loss at step %d"):format(step))
+    near(lp, ls, 1e-10, ("%s: loss at step %d"):format(what, step))
     so:step(); po:step(); so:zero_grad(); po:zero_grad()
   end
   local mine, want = model:state_dict(), serial:state_dict()
-  for name, t in pairs(mine) do near(t, want[name], 1e-10, "chain: parameter " .. name) end
+  for name, t in pairs(mine) do near(t, want[name], 1e-10, what .. ": parameter " .. name) end
+  return mine
+end
+
+test("a chain model (no stage ends of its own) over pipeline 2 equals serial training (float64)", function()
+  pt.manual_seed(9)
+  local serial = pt.deferred(chain):materialize()
+  pt.manual_seed(9)
+  local model = pt.parallelize(pt.deferred(chain), chain_policy, mesh, { microbatches = 2, balance = { 1, 2 } })
+  local mine = chain_equals_serial("chain", serial, model, 5)
   eq(mine["inp.weight"] ~= nil, stage == 0, "the first module lives on the first stage")
   eq(mine["out.weight"] ~= nil, stage == 1, "the last module lives on the last stage")
   eq(mine["h.0.0.weight"] ~= nil, stage == 0, "uneven split {1, 2}: block 0 on the first stage")
@@ -230,21 +237,7 @@ test("balance by measured time gives the costly block a stage of its own and equ
   ok(info.costs[2] > 5 * math.max(info.costs[3], info.costs[4], info.costs[5]),
     "the heavy block measured costlier than any light one: " .. table.concat(info.costs, ", "))
   eq(table.concat(info.bounds, ","), "0,1,4", "the heavy block alone on stage 0 (uniform and parameters give 2, 2)")
-  local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(model, { lr = 0.1 })
-  local d, n = mesh:coord().data, mesh:size("data")
-  for step = 1, 3 do
-    local x, y = pt.randn({ BATCH, 8 }):to("float64"), pt.randint(0, 5, { BATCH })
-    mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
-    local ls = pt.nn.cross_entropy(serial(x), y)
-    ls:backward()
-    local b = BATCH / n
-    local lp = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
-    mesh:group("data"):all_reduce(lp, "mean")
-    near(lp, ls, 1e-10, ("time-balanced: loss at step %d"):format(step))
-    so:step(); po:step(); so:zero_grad(); po:zero_grad()
-  end
-  local mine, want = model:state_dict(), serial:state_dict()
-  for name, t in pairs(mine) do near(t, want[name], 1e-10, "time-balanced: parameter " .. name) end
+  chain_equals_serial("time-balanced", serial, model, 3)
   -- The timing runs (dropout included) leave the random numbers where they were.
   pt.manual_seed(12)
   pt.parallelize(pt.deferred(function() return lopsided(true) end), chain_policy, mesh,

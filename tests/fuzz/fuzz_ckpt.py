@@ -188,6 +188,8 @@ def layout_bytes(schedule, chunks, blocks, first, last, bounds):
 
 # What the pristine pipeline-2 save records: 1f1b, 1 chunk, blocks h.0 | h.1.
 PRISTINE_LAYOUT = layout_bytes("1f1b", 1, "h", ["wte", "wpe"], ["ln_f", "lm_head"], [0, 1, 2])
+# After the layout, format 5's loss-scale state: empty (no scaler) in the pristine save.
+NO_LOSS_SCALE = struct.pack("<Q", 0)
 
 
 def rechecksum(manifest, payload):
@@ -202,21 +204,21 @@ def staged_damage(case, cls, rng):
     t4 = os.path.join(case, T4)
     manifest = os.path.join(t4, "manifest.bin")
     payload = open(manifest, "rb").read()[HEADER:]
-    if not payload.endswith(PRISTINE_LAYOUT):
+    if not payload.endswith(PRISTINE_LAYOUT + NO_LOSS_SCALE):
         raise SystemExit("the pipelined manifest does not end with the layout this driver expects")
-    body = payload[: len(payload) - len(PRISTINE_LAYOUT)]
+    body = payload[: len(payload) - len(PRISTINE_LAYOUT + NO_LOSS_SCALE)]
     if cls == "layout flipped, re-checksummed":
         layout = bytearray(PRISTINE_LAYOUT)
         at = rng.randrange(len(layout))
         layout[at] ^= rng.randrange(1, 256)
-        rechecksum(manifest, body + bytes(layout))
+        rechecksum(manifest, body + bytes(layout) + NO_LOSS_SCALE)
         return f"layout byte {at}"
     if cls == "layout rewritten, re-checksummed" and rng.random() < 0.5:
         # Another layout that a pipeline 2 could have had: the load must not notice.
         layout = rng.choice([("gpipe", 1, "h", ["wte"], ["ln_f"], [0, 1, 2]),
                              ("", 2, "blocks", [], [], [0, 1, 2, 3, 4]),
                              ("interleaved", 1, "h", ["wte", "wpe"], ["ln_f", "lm_head"], [0, 5, 9])])
-        rechecksum(manifest, body + layout_bytes(*layout))
+        rechecksum(manifest, body + layout_bytes(*layout) + NO_LOSS_SCALE)
         return f"another valid layout {layout}"
     if cls == "layout rewritten, re-checksummed":
         schedule = rng.choice(["1f1b", "gpipe", "", "x" * 300, "a\nb"])
@@ -226,7 +228,7 @@ def staged_damage(case, cls, rng):
         bounds = rng.choice([[], [0, 1, 2], [0, 1, 2, 3, 4], [0, 1], [1, 2, 3], [0, 2, 1], [0, 1, 2 ** 40],
                              [0, -1, 2], [0, 0, 2]])
         first, last = names(), names()
-        rechecksum(manifest, body + layout_bytes(schedule, chunks, blocks, first, last, bounds))
+        rechecksum(manifest, body + layout_bytes(schedule, chunks, blocks, first, last, bounds) + NO_LOSS_SCALE)
         return f"schedule {schedule[:8]!r}, chunks {chunks}, blocks {blocks!r}, first {first[:2]}, last {last[:2]}, " \
                f"bounds {bounds}"
     return damage(case, cls, rng)
