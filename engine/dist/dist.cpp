@@ -753,13 +753,40 @@ void World::init(const WorldOptions& options) {
     so.port = static_cast<uint16_t>(options.master_port);
     so.isServer = options.rank == 0;
     so.numWorkers = options.world_size;
-    so.waitWorkers = true;
+    so.waitWorkers = false;  // the arrivals below name who is missing, within one timeout
     so.timeout = options.timeout;
+    const auto where = options.master_addr + ":" + std::to_string(options.master_port);
     try {
       store_ = c10::make_intrusive<c10d::TCPStore>(options.master_addr, so);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "rank ", options.rank, ": rendezvous at ", options.master_addr, ":", options.master_port,
-                  (options.rank == 0 ? " (serving it)" : ""), " failed: ", compat::message_of(e));
+      TORCH_CHECK(false, "rendezvous at ", where, (options.rank == 0 ? " (serving it)" : ""),
+                  " failed: ", compat::message_of(e),
+                  options.rank == 0 ? std::string()
+                                    : " (rank 0 serves the rendezvous: it never started serving it within the timeout, "
+                                      "or the address is wrong)");
+    }
+    // Every rank says it has arrived and waits for the others: a rank that never comes is named.
+    std::vector<std::string> arrivals;
+    for (int r = 0; r < options.world_size; ++r) arrivals.push_back("partrain/arrived/" + std::to_string(r));
+    try {
+      store_->set(arrivals[options.rank], std::vector<uint8_t>{1});
+      store_->wait(arrivals, options.timeout);
+    } catch (const std::exception& e) {
+      std::string missing;
+      int count = 0;
+      try {
+        for (int r = 0; r < options.world_size; ++r)
+          if (!store_->check({arrivals[r]})) missing += (count++ ? ", " : "") + std::to_string(r);
+      } catch (const std::exception&) {
+        missing.clear();  // the store itself is gone (rank 0 ended): say what failed
+      }
+      TORCH_CHECK(false, "rendezvous at ", where, " failed: ",
+                  missing.empty() ? compat::message_of(e) + (options.rank == 0 ? "" : " (rank 0, which serves the "
+                                                             "rendezvous, is gone: its error says which ranks never arrived)")
+                                  : (count == 1 ? "rank " : "ranks ") + missing + (count == 1 ? " has" : " have") +
+                                        " not arrived within the timeout of " +
+                                        std::to_string(options.timeout.count() / 1000) + " s (world of " +
+                                        std::to_string(options.world_size) + "; raise it with --timeout)");
     }
   }
   std::vector<int> all(options.world_size);

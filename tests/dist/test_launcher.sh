@@ -4,7 +4,8 @@
 # and operation, and the rank the others waited for (one that sleeps, loops or is stopped) is the
 # one named; a rank that raises while the others wait is named with its error in 10 runs of 10;
 # pt.breakpoint() without -i says how to stop there; bad sizes, ports and environments are clear
-# errors; torchrun-style environments run a single rank. Usage: test_launcher.sh PATH/TO/partrain
+# errors; torchrun-style environments run a single rank; a rank that never arrives at the rendezvous
+# is named within one timeout. Usage: test_launcher.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 worker="$(realpath tests/dist/worker.lua)"
@@ -117,6 +118,26 @@ done
 wait
 has "$(cat "$tmp/env.0")" "rank 0 of 2: sum 3"; report $? "RANK/WORLD_SIZE/MASTER_* from the environment: rank 0 joins" "$(cat "$tmp/env.0")"
 has "$(cat "$tmp/env.1")" "rank 1 of 2: sum 3"; report $? "and rank 1 joins" "$(cat "$tmp/env.1")"
+
+# --- a rank that never arrives is named, within one timeout --------------------------------------
+port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+start=$(date +%s)
+for r in 0 1; do  # rank 2 of 3 never starts
+  RANK=$r WORLD_SIZE=3 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port PARTRAIN_TIMEOUT=3 \
+    "$bin" --threads 1 -e '' >"$tmp/absent.$r" 2>&1 &
+done
+wait
+took=$(( $(date +%s) - start ))
+out=$(cat "$tmp/absent.0")
+has "$out" "rendezvous at 127.0.0.1:$port failed: rank 2 has not arrived within the timeout of 3 s (world of 3"
+report $? "rank 0 names the rank that never arrived" "$out"
+has "$(cat "$tmp/absent.1")" "rank 0, which serves the rendezvous, is gone"; report $? "rank 1 says where to look" "$(cat "$tmp/absent.1")"
+report $(( took > 5 )) "they end within one timeout (3 s), not two (took ${took} s)" "$out"
+start=$(date +%s)
+out=$(RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port PARTRAIN_TIMEOUT=2 "$bin" --threads 1 -e '' 2>&1)
+took=$(( $(date +%s) - start ))
+has "$out" "rank 0 serves the rendezvous: it never started serving it"; report $? "a lone rank names rank 0 as the one missing" "$out"
+report $(( took > 4 )) "a lone rank waits one timeout (2 s), not two (took ${took} s)" "$out"
 
 # --- output ----------------------------------------------------------------------------------
 out=$("$bin" --nproc-per-node 2 --threads 1 "$worker" --mode sum 2>&1)
