@@ -224,8 +224,18 @@ void DataParallel::finish_here() {
   for (auto& b : buckets_)
     if (b.work.done()) ++stats_.buckets_done_early;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    buckets_[i].work.wait();
-    if (post_hook_) post_hook_(static_cast<int>(i), buckets_[i].flat);
+    auto& b = buckets_[i];
+    b.work.wait();
+    if (!post_hook_) continue;
+    // Under ZeRO-2 only this rank's part of a reduce-scattered bucket holds reduced gradients:
+    // the hook gets that part (a view; the rest of the bucket is scratch until gather_shards).
+    if (options_.zero_stage == 2 && zero_size() > 1 && !b.whole) {
+      const int64_t part = b.flat.numel() / zero_size();
+      auto shard = b.flat.narrow(0, options_.zero_group->rank() * part, part);
+      post_hook_(static_cast<int>(i), shard);
+    } else {
+      post_hook_(static_cast<int>(i), b.flat);
+    }
   }
   auto done = Clock::now();
   stats_.syncs += 1;
