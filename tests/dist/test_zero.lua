@@ -220,7 +220,7 @@ test("reducer hooks fire under ZeRO-1 and ZeRO-2 and their changes reach the gra
   for stage = 1, 2 do
     local mesh = pt.mesh { zero = 0 }
     local model = pt.parallelize(pt.models.mlp { sizes = { 12, 24, 6 } }, nil, mesh,
-                                 { zero = { stage = stage, reduce_bucket_size = 1e-3 } })
+                                 { zero = { stage = stage, reduce_bucket_size = 1e-4 } })
     local opt = pt.optim.adamw(model, {})
     local handle = pt.data_parallel(model)
     local pre, post = {}, {}
