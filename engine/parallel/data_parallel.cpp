@@ -56,8 +56,12 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     if (options.broadcast_buffers)
       for (auto& b : model.buffers()) g.broadcast(b, 0);
   }
+  // A tied tensor (GPT-2's wte = lm_head) once: one slot in the buffers, one gradient hook. Two
+  // slots would reduce it twice and, under ZeRO, step two masters of it that need not agree.
   for (auto& p : model.parameters())
-    if (p.requires_grad()) dp->params_.push_back(p);
+    if (p.requires_grad() &&
+        std::none_of(dp->params_.begin(), dp->params_.end(), [&](const torch::Tensor& q) { return q.is_same(p); }))
+      dp->params_.push_back(p);
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
   std::vector<BucketParam> sizes;
