@@ -9,8 +9,8 @@ local cfg = pt.args {
   vocab = 256, seq = 64, dim = 256, heads = 4, layers = 4,
   batch = 8,          -- the global batch, in sequences
   dtype = "float32",
-  steps = 5,          -- steps a round, per variant
-  rounds = 4,         -- rounds; the first step of each variant is warm-up, not timed
+  steps = 4,          -- steps a round, per variant
+  rounds = 3,         -- rounds; the first step of each variant is warm-up, not timed
 }
 local rank, world = pt.dist.rank(), pt.dist.world_size()
 local variants = { { name = "plain", stage = 0 }, { name = "zero1", stage = 1 }, { name = "zero2", stage = 2 } }
