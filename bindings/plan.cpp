@@ -15,9 +15,8 @@ dist::World& world() {
   return w;
 }
 
-// The model, its optimizers (a table) and its mesh (or nil) at 1, 2, 3, as this rank's plan.
-plan::RankPlan rank_plan(const Args& a, const dist::Mesh** mesh_out) {
-  auto& model = a.module(1);
+// The table of optimizers at 2 (or nothing).
+std::vector<const optim::Optimizer*> optimizers_at(const Args& a) {
   std::vector<const optim::Optimizer*> optimizers;
   if (!a.none(2)) {
     if (!a.is_table(2)) a.expected(2, "table of optimizers");
@@ -30,6 +29,13 @@ plan::RankPlan rank_plan(const Args& a, const dist::Mesh** mesh_out) {
       optimizers.push_back(o->get());
     }
   }
+  return optimizers;
+}
+
+// The model, its optimizers (a table) and its mesh (or nil) at 1, 2, 3, as this rank's plan.
+plan::RankPlan rank_plan(const Args& a, const dist::Mesh** mesh_out) {
+  auto& model = a.module(1);
+  const auto optimizers = optimizers_at(a);
   const dist::Mesh* m = a.none(3) ? nullptr : mesh_at(a.L, 3);
   if (!a.none(3) && !m) a.expected(3, "mesh");
   *mesh_out = m;
@@ -47,6 +53,16 @@ const Function kPlan[] = {
        const dist::Mesh* m = nullptr;
        auto r = rank_plan(a, &m);
        return a.ret(plan::check(r, plan::layout_of(m), a.string(4), a.string(5))); }},
+    {"held", [](Args& a) {  // held(model, optimizers) -> { params, grads, optimizer, master, zero_stage, zero_group }
+       auto h = plan::held(*a.module(1), optimizers_at(a));
+       lua_createtable(a.L, 0, 6);
+       lua_pushnumber(a.L, double(h.params)); lua_setfield(a.L, -2, "params");
+       lua_pushnumber(a.L, double(h.grads)); lua_setfield(a.L, -2, "grads");
+       lua_pushnumber(a.L, double(h.optimizer)); lua_setfield(a.L, -2, "optimizer");
+       lua_pushnumber(a.L, double(h.master)); lua_setfield(a.L, -2, "master");
+       lua_pushnumber(a.L, h.zero_stage); lua_setfield(a.L, -2, "zero_stage");
+       lua_pushnumber(a.L, h.zero_group); lua_setfield(a.L, -2, "zero_group");
+       return 1; }},
     {"first_step", [](Args& a) {  // { begun, forward_done, activations }
        const auto& f = plan::first_step();
        lua_createtable(a.L, 0, 3);

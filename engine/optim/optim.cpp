@@ -246,8 +246,15 @@ int64_t Optimizer::planned_state_bytes() const {
   for (const auto& p : params_) {
     if (!p.requires_grad()) continue;
     const int64_t element = needs_master(p.scalar_type()) ? 4 : static_cast<int64_t>(p.element_size());
-    bytes += (slots + (needs_master(p.scalar_type()) ? 1 : 0)) * element * p.numel();  // state, and the master
+    bytes += slots * element * p.numel();
   }
+  return bytes;
+}
+
+int64_t Optimizer::planned_master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : params_)
+    if (p.requires_grad() && needs_master(p.scalar_type())) bytes += 4 * p.numel();
   return bytes;
 }
 

@@ -126,9 +126,13 @@ class Optimizer {
   /// allocated so far.
   int64_t state_bytes() const;
   /// Bytes of the state once every parameter has stepped (Adam's two moments, SGD's momentum, in
-  /// float32 for a low-precision parameter, and its master), computed from the parameters without
-  /// allocating it: what the planner reports.
+  /// float32 for a low-precision parameter; masters not included), computed from the parameters
+  /// without allocating it: what the planner reports.
   int64_t planned_state_bytes() const;
+  /// Bytes of the float32 masters of the low-precision parameters (made on the first step where
+  /// the parameters are on the meta device): what the planner reports beside the state. Their
+  /// gradients, cast from the parameters' by step(), take as many again.
+  int64_t planned_master_bytes() const;
   torch::optim::Optimizer& impl() { return *impl_; }
   /// A parameter's state by slot ("exp_avg", "exp_avg_sq", "momentum_buffer", and "master" for a
   /// low-precision parameter); empty before its first step but for the master.

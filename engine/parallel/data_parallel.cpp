@@ -56,8 +56,12 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     if (options.broadcast_buffers)
       for (auto& b : model.buffers()) g.broadcast(b, 0);
   }
+  // A tied tensor (GPT-2's wte = lm_head) once: one slot in the buffers, one gradient hook. Two
+  // slots would reduce it twice and, under ZeRO, step two masters of it that need not agree.
   for (auto& p : model.parameters())
-    if (p.requires_grad()) dp->params_.push_back(p);
+    if (p.requires_grad() &&
+        std::none_of(dp->params_.begin(), dp->params_.end(), [&](const torch::Tensor& q) { return q.is_same(p); }))
+      dp->params_.push_back(p);
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
   std::vector<BucketParam> sizes;
@@ -224,8 +228,18 @@ void DataParallel::finish_here() {
   for (auto& b : buckets_)
     if (b.work.done()) ++stats_.buckets_done_early;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    buckets_[i].work.wait();
-    if (post_hook_) post_hook_(static_cast<int>(i), buckets_[i].flat);
+    auto& b = buckets_[i];
+    b.work.wait();
+    if (!post_hook_) continue;
+    // Under ZeRO-2 only this rank's part of a reduce-scattered bucket holds reduced gradients:
+    // the hook gets that part (a view; the rest of the bucket is scratch until gather_shards).
+    if (options_.zero_stage == 2 && zero_size() > 1 && !b.whole) {
+      const int64_t part = b.flat.numel() / zero_size();
+      auto shard = b.flat.narrow(0, options_.zero_group->rank() * part, part);
+      post_hook_(static_cast<int>(i), shard);
+    } else {
+      post_hook_(static_cast<int>(i), b.flat);
+    }
   }
   auto done = Clock::now();
   stats_.syncs += 1;

@@ -85,6 +85,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
 
   /// Called with (bucket index, flat gradients) before a bucket's all-reduce and after the sync
   /// has finished (Cube's register_reducer_pre_hook / post_hook). Either may change the tensor.
+  /// Under ZeRO-2 a reduce-scattered bucket's post-hook gets this rank's part of it only.
   using Hook = std::function<void(int, torch::Tensor&)>;
   /// A `thread_bound` hook (one written in Lua) runs only on the thread that set it: while one is
   /// set, buckets are not launched from the gradient hooks (autograd may run them on its own

@@ -30,6 +30,7 @@
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/parallel/zero.hpp"
 #include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
 
@@ -225,7 +226,31 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     if (p.requires_grad()) r.grad_bytes += s.bytes;
     r.shards.push_back(std::move(s));
   }
-  for (const auto* o : optimizers) r.optimizer_bytes += o->planned_state_bytes();
+  auto owner = parallel::ParallelModel::of(model);
+  // Under data parallelism gradients live in its flat buffers (padded to the zero group); a
+  // parameter whose dtype the buffer does not have (reduce_dtype) keeps its own .grad as well.
+  // ZeRO-2 reduce-scatters the buffer but does not shrink it: backward accumulates into it whole.
+  if (const auto dp = owner ? owner->data_parallel() : nullptr) {
+    r.grad_bytes = 0;
+    for (const auto& b : dp->buffers()) r.grad_bytes += static_cast<int64_t>(b.nbytes());
+    std::set<const c10::TensorImpl*> own;  // a tied parameter has a slot per name, one .grad
+    for (size_t k = 0; k < dp->params().size(); ++k)
+      if (dp->buffers()[dp->flat_slot(k).first].scalar_type() != dp->params()[k].scalar_type() &&
+          own.insert(dp->params()[k].unsafeGetTensorImpl()).second)
+        r.grad_bytes += static_cast<int64_t>(dp->params()[k].nbytes());
+  }
+  for (const auto* o : optimizers) {
+    r.optimizer_bytes += o->planned_state_bytes();
+    if (auto z = parallel::zero_bytes(*o)) {  // the optimizer steps this rank's master shards
+      r.master_bytes += z->master;
+      r.grad_bytes += z->shard_grad;
+      r.zero_stage = z->stage;
+      r.zero_group = z->group;
+    } else {  // float32 masters of low-precision parameters, and the float32 gradients step() casts for them
+      r.master_bytes += o->planned_master_bytes();
+      r.grad_bytes += o->planned_master_bytes();
+    }
+  }
   r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
   // What the groups moved since the first step began.
   for (const auto& g : dist::World::instance().groups()) {
@@ -242,6 +267,40 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
   if (auto owner = parallel::ParallelModel::of(model); owner && owner->pipeline()) r.stage = stage_plan(*owner->pipeline());
   if (r.stage.present) r.activation_bytes = r.stage.activation_peak;
   return r;
+}
+
+Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers) {
+  Held h;
+  std::set<const c10::TensorImpl*> seen;
+  std::set<const void*> grads;  // storages counted as gradients
+  auto grad = [&](const torch::Tensor& g) {
+    if (g.defined() && g.has_storage() && grads.insert(g.storage().unsafeGetStorageImpl()).second)
+      h.grads += static_cast<int64_t>(g.storage().nbytes());
+  };
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    h.params += static_cast<int64_t>(p.nbytes());
+    grad(p.grad());
+  }
+  auto owner = parallel::ParallelModel::of(model);
+  if (const auto dp = owner ? owner->data_parallel() : nullptr)
+    for (const auto& b : dp->buffers()) grad(b);  // held whether or not a .grad views it now
+  for (const auto* o : optimizers) {
+    const int64_t masters = o->master_bytes();  // a plain optimizer's copies (none under ZeRO)
+    h.optimizer += o->state_bytes() - masters;
+    h.master += masters;
+    for (const auto& p : o->params()) {  // the masters' float32 gradients
+      grad(p.grad());
+      grad(o->master(p).defined() ? o->master(p).grad() : torch::Tensor());
+    }
+    if (auto z = parallel::zero_bytes(*o)) {
+      h.master += z->master;
+      h.zero_stage = z->stage;
+      h.zero_group = z->group;
+    }
+  }
+  return h;
 }
 
 StagePlan stage_plan(const parallel::Pipeline& pipe) {
@@ -335,8 +394,9 @@ void serialize(Archive& ar, StagePlan& st) {
 }
 
 namespace {
-// The format version being read: version 1 plans (before pipeline stages) have no StagePlan.
-uint32_t reading_version = 2;
+// The format version being read: version 1 plans (before pipeline stages) have no StagePlan,
+// version 2 ones (before ZeRO) no master bytes or zero stage.
+uint32_t reading_version = 3;
 }  // namespace
 
 template <class Archive>
@@ -344,6 +404,7 @@ void serialize(Archive& ar, RankPlan& r) {
   ar(r.rank, r.tensor, r.data, r.pipeline, r.shards, r.param_bytes, r.grad_bytes, r.optimizer_bytes,
      r.activation_bytes, r.collectives);
   if (reading_version >= 2) ar(r.stage);
+  if (reading_version >= 3) ar(r.master_bytes, r.zero_stage, r.zero_group);
 }
 template <class Archive>
 void serialize(Archive& ar, Plan& p) {
@@ -352,7 +413,7 @@ void serialize(Archive& ar, Plan& p) {
 
 namespace {
 const char kMagic[] = "partrain-plan";
-constexpr uint32_t kVersion = 2;  // 2: pipeline stages (1 still reads)
+constexpr uint32_t kVersion = 3;  // 2: pipeline stages; 3: master bytes and the zero stage (1 and 2 still read)
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 
@@ -492,6 +553,10 @@ std::string differences(const RankPlan& planned, const RankPlan& actual) {
   bytes("parameter", planned.param_bytes, actual.param_bytes);
   bytes("gradient", planned.grad_bytes, actual.grad_bytes);
   bytes("optimizer", planned.optimizer_bytes, actual.optimizer_bytes);
+  bytes("master-weight", planned.master_bytes, actual.master_bytes);
+  if (planned.zero_stage != actual.zero_stage || planned.zero_group != actual.zero_group)
+    d << "  ZeRO: planned stage " << planned.zero_stage << " over " << planned.zero_group << " rank(s); this run stage "
+      << actual.zero_stage << " over " << actual.zero_group << "\n";
   if (planned.collectives != actual.collectives) {
     auto text = [](const std::vector<Collective>& cs) {
       std::ostringstream t;
@@ -683,8 +748,10 @@ std::string to_text(const Plan& plan) {
   std::ostringstream out;
   out << "plan of " << plan.script << " on " << plan.world << " virtual rank(s) (" << plan.world / plan.nproc_per_node
       << " node(s) x " << plan.nproc_per_node << "): tensor " << plan.tensor << " x data " << plan.data
-      << " x pipeline " << plan.pipeline << (plan.zero > 1 ? ", zero groups of " + std::to_string(plan.zero) : "")
-      << "\n";
+      << " x pipeline " << plan.pipeline << (plan.zero > 1 ? ", zero groups of " + std::to_string(plan.zero) : "");
+  const int stage = plan.ranks.empty() ? 0 : plan.ranks.front().zero_stage;
+  if (stage > 0) out << ", ZeRO-" << stage << " over " << plan.ranks.front().zero_group << " rank(s)";
+  out << "\n";
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.2f", plan.seconds);
   out << "planned in " << secs << " s; tensor memory allocated on the CPU while planning: peak "
@@ -725,15 +792,20 @@ std::string to_text(const Plan& plan) {
   }
 
   // Memory per rank, ranks with the same figures together.
-  out << "\nmemory per rank (model state = parameters + gradients + optimizer state)\n";
+  out << "\nmemory per rank (model state = parameters + gradients + optimizer state + master weights)\n";
+  if (stage > 0)
+    out << "  ZeRO-" << stage << ": optimizer state and float32 master weights are this rank's shard; gradients are the "
+        << "whole flat buffer (backward accumulates into it" << (stage == 2 ? "; stage 2 reduce-scatters it, which saves "
+        "communication, not memory" : "") << ") plus the float32 shard the update reads\n";
   const bool staged = plan.pipeline > 1;
-  std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters", "gradients",
-                "optimizer", "model state", staged ? "activations (peak under the schedule)" : "activations (first step)");
+  std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters", "gradients",
+                "optimizer", "masters", "model state", staged ? "activations (peak under the schedule)" : "activations (first step)");
   out << line;
   Grouped memory;
   for (const auto& r : plan.ranks) {
-    std::snprintf(line, sizeof line, "%-12s %-12s %-12s %-12s %s", human(r.param_bytes).c_str(),
-                  human(r.grad_bytes).c_str(), human(r.optimizer_bytes).c_str(), human(r.model_state_bytes()).c_str(),
+    std::snprintf(line, sizeof line, "%-12s %-12s %-12s %-12s %-12s %s", human(r.param_bytes).c_str(),
+                  human(r.grad_bytes).c_str(), human(r.optimizer_bytes).c_str(), human(r.master_bytes).c_str(),
+                  human(r.model_state_bytes()).c_str(),
                   r.activation_bytes < 0 ? "- (no forward before the first step)" : human(r.activation_bytes).c_str());
     memory.add(line, r.rank);
   }
@@ -804,6 +876,8 @@ std::string to_json(const Plan& plan) {
                      {"param_bytes", r.param_bytes},
                      {"grad_bytes", r.grad_bytes},
                      {"optimizer_bytes", r.optimizer_bytes},
+                     {"master_bytes", r.master_bytes},
+                     {"zero", {{"stage", r.zero_stage}, {"group", r.zero_group}}},
                      {"model_state_bytes", r.model_state_bytes()},
                      {"activation_bytes", r.activation_bytes < 0 ? json(nullptr) : json(r.activation_bytes)},
                      {"collectives", comms},

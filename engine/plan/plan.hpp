@@ -117,13 +117,18 @@ struct RankPlan {
   int rank = 0;
   int tensor = 0, data = 0, pipeline = 0;  ///< coordinates in the mesh
   std::vector<Shard> shards;
-  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+  /// Parameters in their dtype; gradients as the run holds them (data parallelism's flat buffers,
+  /// a parameter's own .grad where the buffer has another dtype, and the float32 gradients the
+  /// masters read: ZeRO's shard, a plain optimizer's whole copy); optimizer state (moments) and
+  /// master weights (float32 copies of bfloat16/float16 parameters; under ZeRO this rank's shard).
+  int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, master_bytes = 0;
+  int zero_stage = 0, zero_group = 1;  ///< the optimizer's ZeRO stage and its zero group's size
   /// -1: no forward and backward ran before the first step. Under a pipeline: the schedule's
   /// peak (stage.activation_peak).
   int64_t activation_bytes = -1;
   std::vector<Collective> collectives;
   StagePlan stage;  ///< under pipeline parallelism
-  int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes; }
+  int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + master_bytes; }
 };
 
 struct Plan {
@@ -140,6 +145,15 @@ struct Plan {
 /// activations and collectives as noted so far.
 RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
                   const dist::Mesh* mesh);
+
+/// What `model` and its optimizers hold now, measured from their tensors (each storage once, a
+/// tied parameter once): the real-run counterpart of describe()'s model-state bytes. Optimizer
+/// state is what has been allocated so far (after a first step, all of it).
+struct Held {
+  int64_t params = 0, grads = 0, optimizer = 0, master = 0;
+  int zero_stage = 0, zero_group = 1;
+};
+Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers);
 
 /// A pipeline rank's stages, the check's predictions and what its first train_step measured.
 StagePlan stage_plan(const parallel::Pipeline& pipe);

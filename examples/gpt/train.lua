@@ -8,6 +8,7 @@
 --   partrain --nproc-per-node 2 --trace trace.json examples/gpt/train.lua --pipeline 2 --schedule interleaved --chunks 2
 --   partrain examples/gpt/train.lua --ckpt ckpt/ --save-every 50   (resumes from ckpt/ when it has one)
 --   partrain examples/gpt/train.lua --dtype bfloat16               (float32 master weights in the optimizer)
+--   partrain --nproc-per-node 4 examples/gpt/train.lua --pipeline 2 --zero-stage 2   (ZeRO-2 x pipeline 2)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -36,12 +37,36 @@ local cfg = pt.args {
   save_every = 0,           -- with --ckpt: save every this many steps (and at the end)
   dtype = "float32",        -- parameters and compute: float32, bfloat16 (float32 masters kept by the optimizer)
                             -- or float16 (CUDA only: LibTorch 1.13's CPU lacks its kernels)
+  zero_stage = 0,           -- ZeRO: 1 shards optimizer state and master weights over the data ranks, 2 also
+                            -- reduce-scatters the gradients (docs/parallel.md)
+  zero_groups = 0,          -- with --zero-stage: split the data ranks into this many zero groups (0: one)
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
 pt.manual_seed(cfg.seed)
 
-local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline }
+-- ZeRO's flags, checked before any group is made.
+local data_size = pt.dist.world_size() / (cfg.tensor * cfg.pipeline)
+if cfg.zero_stage ~= 0 and cfg.zero_stage ~= 1 and cfg.zero_stage ~= 2 then
+  error(("--zero-stage %s: expected 0 (off), 1 or 2"):format(cfg.zero_stage))
+end
+if cfg.zero_groups < 0 or cfg.zero_groups % 1 ~= 0 then
+  error(("--zero-groups %s: expected a whole number of groups, 0 or more"):format(cfg.zero_groups))
+end
+if cfg.zero_groups > 0 and cfg.zero_stage == 0 then
+  error(("--zero-groups %d needs --zero-stage 1 or 2"):format(cfg.zero_groups))
+end
+local zero  -- the zero group's size, as pt.mesh takes it (0: the whole data group)
+if cfg.zero_stage > 0 then
+  local groups = math.max(cfg.zero_groups, 1)
+  if data_size % 1 ~= 0 or data_size % groups ~= 0 or data_size / groups < 2 then
+    error(("--zero-stage %d --zero-groups %d: the %s data rank(s) (world %d / tensor %d / pipeline %d) must split "
+      .. "into %d group(s) of 2 or more ranks"):format(cfg.zero_stage, cfg.zero_groups, data_size,
+      pt.dist.world_size(), cfg.tensor, cfg.pipeline, groups))
+  end
+  zero = groups == 1 and 0 or data_size / groups
+end
+local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline, zero = zero }
 -- Built deferred (on the meta device): pt.parallelize then allocates only what this rank holds
 -- (its stages, its shards), with the weights the whole model would have.
 local model = pt.deferred(function()
@@ -50,6 +75,7 @@ local model = pt.deferred(function()
 end)
 local pipelined = cfg.pipeline > 1
 local options = { sequence_parallel = cfg.sequence_parallel }
+if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
 if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks
   options.microbatches = cfg.microbatches > 0 and cfg.microbatches or cfg.pipeline
@@ -60,9 +86,11 @@ local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch,
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 },
   loss_scale = cfg.dtype == "float16" and "dynamic" or nil })   -- float16's small gradients need loss scaling
-print(("gpt2: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d"):format(
+local sharded = opt:zero()  -- nil without ZeRO
+print(("gpt2: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s"):format(
   cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
-  mesh:size("data")))
+  mesh:size("data"), sharded and ("; ZeRO-%d over %d ranks (%.2f MB of master weights a rank)"):format(sharded.stage,
+  sharded.group, sharded.master_bytes / 1e6) or ""))
 
 -- Resuming: from the newest checkpoint in --ckpt, whatever mesh saved it.
 local first = 1

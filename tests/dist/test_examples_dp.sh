@@ -2,7 +2,10 @@
 # The examples, parallel, equal their serial runs: the same global batch at 1, 2 and 4 ranks
 # (data-parallel; GPT-2 also tensor=2 (with and without sequence parallelism), tensor=2 x data=2 and
 # pipeline=2 (1F1B, 4 micro-batches) through policies/gpt2.lua, with gradient clipping) gives the same loss at every one of 20 steps (within 1e-5 relative)
-# through the real launcher. Usage: test_examples_dp.sh PATH/TO/partrain
+# through the real launcher. GPT-2 with ZeRO: --zero-stage 1 at data 4 and --zero-stage 2 with
+# --zero-groups 2 equal the plain data-4 run, and --pipeline 2 --zero-stage 2 (ZeRO-2 x pipeline,
+# data 2) equals 1 rank and its loss falls; bad ZeRO flags are refused naming the flag.
+# Usage: test_examples_dp.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 passed=0 failed=0
@@ -42,6 +45,30 @@ losses 2 "${gpt[@]}" --tensor 2 --sequence-parallel >"$tmp/gpt.t2sp"
 compare "examples/gpt at tensor=2 with sequence parallelism equals 1 rank" "$tmp/gpt.t2sp" "$tmp/gpt.1"
 losses 2 "${gpt[@]}" --pipeline 2 --microbatches 4 --schedule 1f1b >"$tmp/gpt.p2"
 compare "examples/gpt at pipeline=2 (1f1b, 4 micro-batches) equals 1 rank" "$tmp/gpt.p2" "$tmp/gpt.1"
+
+# ZeRO through the example's flags.
+losses 4 "${gpt[@]}" >"$tmp/gpt.d4"
+losses 4 "${gpt[@]}" --zero-stage 1 >"$tmp/gpt.z1"
+compare "examples/gpt with --zero-stage 1 at data 4 equals the plain data-4 run" "$tmp/gpt.z1" "$tmp/gpt.d4"
+losses 4 "${gpt[@]}" --zero-stage 2 --zero-groups 2 >"$tmp/gpt.z2g2"
+compare "examples/gpt with --zero-stage 2 --zero-groups 2 at data 4 equals the plain data-4 run" "$tmp/gpt.z2g2" "$tmp/gpt.d4"
+out=$("$bin" --nproc-per-node 4 --threads 1 "${gpt[@]}" --pipeline 2 --zero-stage 2 2>&1)
+echo "$out" | awk -F'loss ' '/\| loss / { split($2, a, " "); print a[1] }' >"$tmp/gpt.p2z2"
+compare "examples/gpt with --pipeline 2 --zero-stage 2 (data 2) equals 1 rank" "$tmp/gpt.p2z2" "$tmp/gpt.1"
+falls=$(awk 'NR == 1 { first = $1 } { last = $1 } END { print (NR >= 2 && last < first - 0.5) ? 0 : 1 }' "$tmp/gpt.p2z2")
+report "$falls" "examples/gpt --pipeline 2 --zero-stage 2 runs, says so and its loss falls ($(head -1 "$tmp/gpt.p2z2") -> $(tail -1 "$tmp/gpt.p2z2"))"
+echo "$out" | grep -q "ZeRO-2 over 2 ranks" || report 1 "the ZeRO-2 x pipeline run names its stage and group: $(echo "$out" | head -3)"
+refused() {  # refused NAME EXPECTED ARGS...: the run fails, naming EXPECTED at the example's line
+  local name="$1" want="$2"; shift 2
+  local err
+  err=$("$bin" --nproc-per-node 4 --threads 1 "${gpt[@]}" --steps 1 "$@" 2>&1)
+  local rc=$?
+  if [ $rc -ne 0 ] && [[ "$err" == *"$want"* ]] && [[ "$err" == *"train.lua:"* ]]; then report 0 "$name"; else report 1 "$name (rc $rc): $err"; fi
+}
+refused "--zero-stage 3 is refused" "--zero-stage 3: expected 0 (off), 1 or 2" --zero-stage 3
+refused "--zero-groups without a stage is refused" "--zero-groups 2 needs --zero-stage 1 or 2" --zero-groups 2
+refused "zero groups that do not split the data ranks are refused" "must split into 3 group(s)" --zero-stage 1 --zero-groups 3
+refused "ZeRO where the data group has one rank is refused" "the 1 data rank(s)" --zero-stage 1 --tensor 2 --pipeline 2
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

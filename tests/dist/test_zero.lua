@@ -4,8 +4,9 @@
 -- logical parameter at the end within 1e-5 (float32) or 1e-10 (float64) relative to max(|x|, 1),
 -- clipping's global norm equal to the serial norm; optimizer state and master bytes per rank are
 -- the shard's (total / zero group, within padding); bf16 parameters under ZeRO-1 track float32;
--- sync_shard_grad makes ZeRO-2's gradients whole; and what cannot run is refused at the
--- caller's line.
+-- sync_shard_grad makes ZeRO-2's gradients whole; reducer pre/post hooks fire under ZeRO-1 and
+-- ZeRO-2 (the post-hook of a reduce-scattered bucket gets this rank's part) and what they write
+-- reaches the gradients; and what cannot run is refused at the caller's line.
 --   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -213,6 +214,36 @@ test("sync_shard_grad makes ZeRO-2's gradients whole", function()
   opt:sync_shard_grad()
   local sp = serial:parameters()
   for i, p in ipairs(model:parameters()) do near(p.grad, sp[i].grad, 1e-5, "gradient " .. i) end
+end)
+
+test("reducer hooks fire under ZeRO-1 and ZeRO-2 and their changes reach the gradients", function()
+  for stage = 1, 2 do
+    local mesh = pt.mesh { zero = 0 }
+    local model = pt.parallelize(pt.models.mlp { sizes = { 12, 24, 6 } }, nil, mesh,
+                                 { zero = { stage = stage, reduce_bucket_size = 1e-4 } })
+    local opt = pt.optim.adamw(model, {})
+    local handle = pt.data_parallel(model)
+    local pre, post = {}, {}
+    -- Each rank's bucket becomes rank + 1 everywhere: reduced (summed after the mean's pre-division,
+    -- which ran before the hook), 1 + 2 + 3 + 4 = 10.
+    handle:set_pre_hook(function(_, grads) pre[#pre + 1] = grads:numel(); return grads * 0 + (pt.dist.rank() + 1) end)
+    handle:set_post_hook(function(_, grads)
+      post[#post + 1] = { grads:numel(), grads:min():item(), grads:max():item() }
+    end)
+    model:train_step(pt.randn({ 2, 12 }), pt.randint(0, 6, { 2 }))
+    local what = ("ZeRO-%d: "):format(stage)
+    ok(handle:buckets() > 1, what .. "several buckets")
+    eq(#pre, handle:buckets(), what .. "a pre-hook call per bucket")
+    eq(#post, handle:buckets(), what .. "a post-hook call per bucket")
+    for i, seen in ipairs(post) do
+      eq(seen[1], stage == 2 and pre[i] / 4 or pre[i], what .. "the post-hook's tensor (ZeRO-2: this rank's part) " .. i)
+      ok(seen[2] == 10 and seen[3] == 10, what .. "the post-hook sees the reduced values " .. i)
+    end
+    opt:sync_shard_grad()
+    for i, p in ipairs(model:parameters()) do
+      ok(p.grad:eq(10):all():item(), what .. "the pre-hook's values reached gradient " .. i)
+    end
+  end
 end)
 
 -- Checkpoints: ZeRO-sharded state is saved gathered (one parameter at a time) and sliced at load,

@@ -3,6 +3,8 @@
 --   partrain --nproc-per-node 4 tests/plan/gpt2_step.lua --tensor 2 --report DIR   (a real run)
 -- A real run writes DIR/rank<N>.json: what pt.memory_report() says after the first step, and
 -- the bytes the first forward left allocated (measured here, around the forward).
+-- --zero-stage 1|2 shards the optimizer over zero groups of --zero data ranks (0: the whole data
+-- group); --dtype bfloat16 builds the model in bfloat16 (float32 masters).
 -- With --pipeline P the model is cut into P stages and model:train_step runs the schedule
 -- (--schedule, --microbatches); the activations a real run reports are then the peak of the
 -- CPU allocator's count during the second step above what that step began with (parameters,
@@ -18,16 +20,21 @@ local cfg = pt.args {
   microbatches = 0,          -- 0: the pipeline size
   chunks = 1,
   sequence_parallel = false,
+  zero_stage = 0,
+  zero = 0,                  -- the zero group's size when --zero-stage is given (0: the data group)
+  dtype = "float32",
   steps = 1,
   report = "",               -- a folder for the real run's measurements
   threads = 1,
 }
 pt.set_threads(cfg.threads)
 pt.manual_seed(1)
-local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline }
-local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers }
+local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline, zero = cfg.zero_stage > 0 and cfg.zero or nil }
+local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers,
+                               dtype = cfg.dtype }
 local pipelined = cfg.pipeline > 1
 local options = { sequence_parallel = cfg.sequence_parallel }
+if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
 if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks
   options.microbatches = cfg.microbatches > 0 and cfg.microbatches or cfg.pipeline
@@ -62,7 +69,8 @@ if cfg.report ~= "" then
   assert(activations, "--report needs --steps 2 or more with --pipeline")
   local r = pt.memory_report(model)
   local f = assert(io.open(("%s/rank%d.json"):format(cfg.report, pt.dist.rank()), "w"))
-  f:write(('{"params": %d, "grads": %d, "optimizer": %d, "activations": %d, "engine_activations": %d}\n'):format(
-    r.params, r.grads, r.optimizer, activations, pt.plan.first_step().activations or -1))
+  f:write(('{"params": %d, "grads": %d, "optimizer": %d, "master": %d, "zero_stage": %d, "zero_group": %d, '
+    .. '"activations": %d, "engine_activations": %d}\n'):format(r.params, r.grads, r.optimizer, r.master, r.zero_stage,
+    r.zero_group, activations, pt.plan.first_step().activations or -1))
   f:close()
 end

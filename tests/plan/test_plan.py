@@ -18,6 +18,10 @@
   GPipe's activations double with twice the micro-batches while 1F1B's stay flat; a saved
   pipelined plan matches a real run; 64 ranks of GPT-2 small at pipeline 4 plan in seconds; a
   world the pipeline does not divide and chunks that do not fit the blocks are refused.
+- ZeRO-1, ZeRO-2 (float32 and bfloat16) and a plain bfloat16 run at data 4: each rank's planned
+  optimizer-state, master-weight, gradient and parameter bytes match a real 4-rank run's tensors
+  within 2 %; the zero stage and group are in the JSON and the text; ZeRO's optimizer state is a
+  quarter of the unsharded one's (plus padding: a tied tensor has one slot in the flat buffer).
 - A plan saved in format version 1 (before pipeline stages) still loads; a later version is
   refused by name.
 
@@ -65,7 +69,7 @@ for layout in (["--tensor", "2"], ["--tensor", "4"]):
     measured = real(4, *layout)
     worst_state, worst_act = 0.0, 0.0
     for r, m in zip(planned["ranks"], measured):
-        state = m["params"] + m["grads"] + m["optimizer"]
+        state = m["params"] + m["grads"] + m["optimizer"] + m["master"]
         worst_state = max(worst_state, abs(r["model_state_bytes"] - state) / state)
         worst_act = max(worst_act, abs(r["activation_bytes"] - m["activations"]) / m["activations"])
     check(f"{name}: planned model-state bytes match the real run's within 2 % (worst {worst_state:.4%})",
@@ -79,6 +83,38 @@ for layout in (["--tensor", "2"], ["--tensor", "4"]):
     kinds = {c["group"].split("[")[0] for c in planned["ranks"][0]["collectives"]}
     check(f"{name}: the plan lists the step's collectives by group", "tensor" in kinds
           and ("data" in kinds) == (layout[1] == "2"), planned["ranks"][0]["collectives"])
+
+# ---- ZeRO and bfloat16: each column against a real run ------------------------------------------
+# At data 4, ZeRO-1 and ZeRO-2 (float32 and bfloat16) and a plain bfloat16 run: the planned
+# optimizer-state, master-weight and gradient bytes of every rank against what a real run's tensors
+# hold after its first step (pt.memory_report: each storage once), within 2 %.
+for extra in (["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "2", "--dtype", "bfloat16"],
+              ["--dtype", "bfloat16"]):
+    name = " ".join(extra)
+    planned = plan(4, *extra)
+    measured = real(4, *extra)
+    worst = {}
+    for r, m in zip(planned["ranks"], measured):
+        for column, key in (("optimizer_bytes", "optimizer"), ("master_bytes", "master"), ("grad_bytes", "grads"),
+                            ("param_bytes", "params")):
+            worst[key] = max(worst.get(key, 0.0), abs(r[column] - m[key]) / max(m[key], 1))
+    check(f"{name} at data 4: planned optimizer-state, master, gradient and parameter bytes match the real run's "
+          "within 2 % (worst " + ", ".join(f"{k} {v:.3%}" for k, v in worst.items()) + ")",
+          max(worst.values()) <= 0.02 and all(m["master"] > 0 for m in measured),
+          [(r["optimizer_bytes"], r["master_bytes"], r["grad_bytes"], m) for r, m in zip(planned["ranks"], measured)][:2])
+    stage = int(extra[1]) if extra[0] == "--zero-stage" else 0
+    check(f"{name}: the plan's JSON shows the zero stage and group",
+          all(r["zero"] == {"stage": stage, "group": 4 if stage else 1} for r in planned["ranks"])
+          and all(m["zero_stage"] == stage for m in measured), planned["ranks"][0]["zero"])
+    if stage:
+        plain = plan(4, *[a for a in extra if a not in ("--zero-stage", "1", "2")])["ranks"][0]
+        ratio = planned["ranks"][0]["optimizer_bytes"] / plain["optimizer_bytes"]
+        check(f"{name}: each rank's optimizer state is a quarter of the unsharded one's, plus padding ({ratio:.4f})",
+              0.25 <= ratio <= 0.2525, (planned["ranks"][0]["optimizer_bytes"], plain["optimizer_bytes"]))
+r = run(["plan", "--world", "4", SCRIPT, "--zero-stage", "2"])
+check("the text plan of a ZeRO-2 run names the stage, the group and the masters column, and says what stage 2 saves",
+      r.returncode == 0 and "ZeRO-2 over 4 rank(s)" in r.stdout and "masters" in r.stdout
+      and "saves communication, not memory" in r.stdout, r.stdout + r.stderr)
 
 # ---- The text form ----------------------------------------------------------------------------
 r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
@@ -183,12 +219,12 @@ for schedule in ("1f1b", "gpipe"):
     measured = real(4, *layout, "--steps", "2")
     worst_state, worst_act = 0.0, 0.0
     for r, m in zip(planned["ranks"], measured):
-        state = m["params"] + m["grads"] + m["optimizer"]
+        state = m["params"] + m["grads"] + m["optimizer"] + m["master"]
         worst_state = max(worst_state, abs(r["model_state_bytes"] - state) / state)
         worst_act = max(worst_act, abs(r["activation_bytes"] - m["activations"]) / m["activations"])
     check(f"pipeline 4, {schedule}: planned model-state bytes match the real run's stages within 2 % "
           f"(worst {worst_state:.4%})", worst_state <= 0.02,
-          [(r["model_state_bytes"], m["params"] + m["grads"] + m["optimizer"]) for r, m in zip(planned["ranks"], measured)])
+          [(r["model_state_bytes"], m["params"] + m["grads"] + m["optimizer"] + m["master"]) for r, m in zip(planned["ranks"], measured)])
     check(f"pipeline 4, {schedule}: planned peak activations match the real step's allocator peak within 25 % "
           f"(worst {worst_act:.4%})", worst_act <= 0.25,
           [(r["activation_bytes"], m["activations"]) for r, m in zip(planned["ranks"], measured)])
@@ -277,10 +313,10 @@ with tempfile.TemporaryDirectory() as d:
     check("a version 1 plan still loads and is compared with the run",
           r.returncode != 0 and "does not match the plan" in r.stderr and "h.0.attn.c_attn.weight: not in the plan" in r.stderr,
           r.stderr)
-    open(path, "wb").write(old_plan(3))
+    open(path, "wb").write(old_plan(4))
     r = run(["--threads", "1", "--plan", path, SCRIPT])
     check("a plan of a later format version is refused, naming the versions read",
-          r.returncode != 0 and "format version 3; this partrain reads 1 to 2" in r.stderr, r.stderr)
+          r.returncode != 0 and "format version 4; this partrain reads 1 to 3" in r.stderr, r.stderr)
 
 # 64 ranks of GPT-2 small (124 M) as data 16 x pipeline 4 (pipeline with tensor parallelism is not
 # built yet): quick, and four stages of three blocks.

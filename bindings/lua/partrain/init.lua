@@ -466,18 +466,15 @@ end
 --- the peak (since pt.reset_peak_memory()), and { resident, resident_peak } of the process.
 pt.memory = core.memory
 pt.reset_peak_memory = core.reset_peak
---- This rank's model-state bytes: { params, grads, optimizer } of `model` (a tied parameter once)
---- and its optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields.
+--- This rank's model-state bytes, measured from the tensors (each storage once): { params,
+--- grads, optimizer, master, zero_stage, zero_group } of `model` (a tied parameter once) and its
+--- optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields. grads counts data
+--- parallelism's flat buffers and the masters' float32 gradients; optimizer the moments; master
+--- the float32 master weights (under ZeRO this rank's shard).
 function pt.memory_report(model)
   if not core.nn.is_module(model) then error("pt.memory_report: a module expected, got " .. type(model), 2) end
   local r = pt.memory()
-  r.params, r.grads, r.optimizer = 0, 0, 0
-  for _, p in ipairs(model:parameters()) do
-    r.params = r.params + p:numel() * p:element_size()
-    local g = p.grad
-    if g then r.grads = r.grads + g:numel() * g:element_size() end
-  end
-  for _, o in ipairs(pt.optim.of(model)) do r.optimizer = r.optimizer + o:state_bytes() end
+  for k, v in pairs(core.plan.held(model, pt.optim.of(model))) do r[k] = v end
   return r
 end
 --- pt.plan.planning(): whether this script runs under `partrain plan`. pt.plan.first_step():

@@ -343,12 +343,16 @@ function R.helpers(stop)
     print(text)
   end
 
-  --- This rank's memory: parameters, gradients and optimizer state in bytes, the bytes tensors
-  --- hold on the CPU now and at their peak, and the process's resident memory.
+  --- This rank's memory: parameters, gradients, optimizer state and master weights in bytes
+  --- (pt.memory_report), the ZeRO stage and zero group when the optimizer is sharded, the bytes
+  --- tensors hold on the CPU now and at their peak, and the process's resident memory.
   function H.mem(model)
     local r = pt.memory_report(model_of(model))
-    print(("params %s | grads %s | optimizer %s | tensors %s (peak %s) | resident %s (peak %s)"):format(mb(r.params),
-      mb(r.grads), mb(r.optimizer), mb(r.allocated), mb(r.allocated_peak), mb(r.resident), mb(r.resident_peak)))
+    local zero = r.zero_stage > 0 and (" | ZeRO-%d over %d ranks (optimizer and masters: this rank's shard)"):format(
+      r.zero_stage, r.zero_group) or ""
+    print(("params %s | grads %s | optimizer %s | masters %s%s | tensors %s (peak %s) | resident %s (peak %s)"):format(
+      mb(r.params), mb(r.grads), mb(r.optimizer), mb(r.master), zero, mb(r.allocated), mb(r.allocated_peak),
+      mb(r.resident), mb(r.resident_peak)))
   end
   return H
 end

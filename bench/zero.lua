@@ -1,0 +1,78 @@
+-- ZeRO against plain data parallelism in one run, for bench/zero: the same GPT-2 from the same
+-- weights, trained plain, with ZeRO-1 and with ZeRO-2 over the whole data group, the three taking
+-- turns (a round of steps each, several rounds) so that the machine's noise falls on all alike.
+-- Prints, per variant, the median step time and each rank's optimizer-state, master-weight and
+-- gradient bytes (pt.memory_report: what the tensors hold) beside ZeRO's theory.
+--   partrain --nproc-per-node 4 --threads 1 bench/zero.lua --dim 256 --layers 4
+local pt = require "partrain"
+local cfg = pt.args {
+  vocab = 256, seq = 64, dim = 256, heads = 4, layers = 4,
+  batch = 8,          -- the global batch, in sequences
+  dtype = "float32",
+  steps = 4,          -- steps a round, per variant
+  rounds = 3,         -- rounds; the first step of each variant is warm-up, not timed
+}
+local rank, world = pt.dist.rank(), pt.dist.world_size()
+local variants = { { name = "plain", stage = 0 }, { name = "zero1", stage = 1 }, { name = "zero2", stage = 2 } }
+local local_batch = math.floor(cfg.batch / world)
+for _, v in ipairs(variants) do
+  pt.manual_seed(1)
+  local mesh = v.stage > 0 and pt.mesh { zero = 0 } or pt.mesh {}
+  local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers,
+                                 dtype = cfg.dtype }
+  v.model = pt.parallelize(model, nil, mesh, v.stage > 0 and { zero = { stage = v.stage } } or {})
+  v.opt = pt.optim.adamw(v.model, { lr = 1e-3, clip_grad_norm = 1.0 })
+  v.loss_of = pt.loss_fn(v.model)
+  v.times = {}
+end
+pt.manual_seed(2)
+local batches = {}
+for i = 1, cfg.steps do batches[i] = pt.randint(0, cfg.vocab, { local_batch, cfg.seq + 1 }) end
+
+local function step(v, tokens)
+  local x, y = tokens:narrow(1, 0, cfg.seq):contiguous(), tokens:narrow(1, 1, cfg.seq):contiguous()
+  v.opt:zero_grad()
+  v.loss_of(v.model(x), y):backward()
+  v.opt:step()
+end
+local group = pt.dist.world()
+for round = 1, cfg.rounds do
+  for _, v in ipairs(variants) do
+    for i = 1, cfg.steps do
+      pt.dist.barrier()
+      local t0 = pt.time()
+      step(v, batches[i])
+      local seconds = pt.tensor({ pt.time() - t0 }, { dtype = "float64" })
+      group:all_reduce(seconds, "max")  -- a step lasts until its slowest rank is done
+      if round > 1 or i > 1 then v.times[#v.times + 1] = seconds:item() end
+    end
+  end
+end
+
+local function median(xs)
+  table.sort(xs)
+  return xs[math.floor((#xs + 1) / 2)]
+end
+-- Theory (ZeRO paper, per rank, N parameters, z ranks a zero group, P bytes a parameter):
+-- Adam's moments 8N/z; float32 masters 4N/z (unsharded: 4N for a low-precision model, none in
+-- float32); gradients P*N, and P*N/z under ZeRO-2.
+local n = 0
+for _, p in ipairs(variants[1].model:parameters()) do n = n + p:numel() end
+local pbytes = variants[1].model:parameters()[1]:element_size()
+local base = median(variants[1].times)
+for _, v in ipairs(variants) do
+  local r = pt.memory_report(v.model)
+  local z = v.stage > 0 and world or 1
+  local theory = { optimizer = 8 * n / z, master = (v.stage > 0 or pbytes < 4) and 4 * n / z or 0,
+                   grads = v.stage == 2 and pbytes * n / z or pbytes * n }
+  local function col(key)
+    local t = theory[key]
+    return ("%s_mb=%.3f theory_mb=%.3f ratio=%s"):format(key, r[key] / 1e6, t / 1e6,
+      t > 0 and ("%.3f"):format(r[key] / t) or (r[key] == 0 and "-" or "inf"))
+  end
+  local ms = 1000 * median(v.times)
+  if rank == 0 then
+    print(("%s world=%d dtype=%s params=%d step_ms=%.2f vs_plain=%.3f timed_steps=%d | %s | %s | %s"):format(v.name, world,
+      cfg.dtype, n, ms, ms / (1000 * base), #v.times, col("optimizer"), col("master"), col("grads")))
+  end
+end
