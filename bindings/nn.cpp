@@ -316,7 +316,11 @@ const Function kMethods[] = {
        }
        lua_settop(a.L, 1);
        return 1; }},
-    {"zero_grad", [](Args& a) { for (auto& p : a.module(1)->parameters()) p.mutable_grad() = Tensor(); return a.ret(); }},
+    {"zero_grad", [](Args& a) {
+       for (auto& p : a.module(1)->parameters()) p.mutable_grad() = Tensor();
+       // Under ZeRO-2 the gradients live in data parallelism's shard: zeroed too.
+       if (auto pm = parallel::ParallelModel::of(*a.module(1)); pm && pm->data_parallel()) pm->data_parallel()->zero_grad();
+       return a.ret(); }},
     {"materialize", [](Args& a) {  // a deferred (meta) model's tensors allocated and initialized by name
        auto& m = a.module(1);
        if (parallel::ParallelModel::of(*m))

@@ -17,7 +17,7 @@ std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& p
     bool fresh = buckets.empty() || bytes >= cap_bytes;
     if (!fresh) {
       const auto& first = params[buckets.back().front()];
-      fresh = first.dtype != p.dtype || first.device != p.device || first.whole != p.whole;
+      fresh = first.dtype != p.dtype || first.device != p.device || first.whole != p.whole || first.chunk != p.chunk;
     }
     if (fresh) {
       buckets.emplace_back();
@@ -64,16 +64,24 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
       dp->params_.push_back(p);
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
+  auto holds = [](const std::vector<torch::Tensor>& list, const torch::Tensor& p) {
+    return std::any_of(list.begin(), list.end(), [&](const auto& t) { return t.is_same(p); });
+  };
   std::vector<BucketParam> sizes;
-  for (const auto& p : dp->params_)
+  for (const auto& p : dp->params_) {
+    int chunk = 0;
+    for (size_t c = 0; c < options.chunks.size(); ++c)
+      if (holds(options.chunks[c], p)) chunk = static_cast<int>(c);
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device(),
-                     std::any_of(options.whole.begin(), options.whole.end(), [&](const auto& w) { return w.is_same(p); })});
+                     holds(options.whole, p), chunk});
+  }
   const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
   dp->bucket_of_.resize(dp->params_.size());
   dp->slot_of_.resize(dp->params_.size());
   for (const auto& members : bucket_layout(sizes, cap)) {
     auto& b = dp->buckets_.emplace_back();
     b.whole = sizes[members.front()].whole;
+    b.chunk = sizes[members.front()].chunk;
     for (size_t k : members) {
       dp->bucket_of_[k] = dp->buckets_.size() - 1;
       dp->slot_of_[k] = b.params.size();
@@ -89,6 +97,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   for (auto& b : dp->buckets_) {
     const auto& last = dp->params_[b.params.back()];
     b.numel = b.offsets.back() + last.numel();
+    b.padded = (b.numel + parts - 1) / parts * parts;
     // Under ZeRO gradients are reduced in float32 by default (float64 ones stay float64).
     auto own = last.scalar_type();
     auto fallback = options.zero_stage > 0 && own != torch::kFloat64 ? torch::kFloat32 : own;
@@ -100,14 +109,30 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
       lengths.push_back(0);
     }
     b.start = lengths[b.buffer];
-    lengths[b.buffer] += (b.numel + parts - 1) / parts * parts;
+    b.shard_start = b.start / parts;  // every bucket before it gave its part of the same length
+    lengths[b.buffer] += b.padded;
   }
-  for (size_t i = 0; i < keys.size(); ++i)
-    dp->buffers_.push_back(torch::zeros({lengths[i]}, torch::TensorOptions().dtype(keys[i].first).device(keys[i].second)));
-  for (auto& b : dp->buckets_) {
-    b.flat = dp->buffers_[b.buffer].narrow(0, b.start, (b.numel + parts - 1) / parts * parts);
-    dp->stats_.bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
+  for (const auto& [dtype, device] : keys)
+    dp->buffer_options_.push_back(torch::TensorOptions().dtype(dtype).device(device));
+  if (dp->sharded()) {
+    // ZeRO-2: the shards (1/n of each buffer), the tied buckets whole, and no scratch until the
+    // first backward takes some.
+    dp->scratch_length_.assign(keys.size(), 0);
+    dp->pool_.resize(keys.size());
+    dp->free_.resize(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i)
+      dp->shards_.push_back(torch::zeros({lengths[i] / parts}, dp->buffer_options_[i]));
+    for (auto& b : dp->buckets_) {
+      if (b.whole) b.flat = torch::zeros({b.padded}, dp->buffer_options_[b.buffer]);
+      else dp->scratch_length_[b.buffer] = std::max(dp->scratch_length_[b.buffer], b.padded);
+    }
+  } else {
+    for (size_t i = 0; i < keys.size(); ++i) dp->buffers_.push_back(torch::zeros({lengths[i]}, dp->buffer_options_[i]));
+    for (auto& b : dp->buckets_) b.flat = dp->buffers_[b.buffer].narrow(0, b.start, b.padded);
   }
+  for (auto& b : dp->buckets_)
+    dp->stats_.bytes += b.padded * static_cast<int64_t>(c10::elementSize(keys[b.buffer].first));
+  dp->filled_.assign(dp->params_.size(), 0);
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
@@ -117,35 +142,117 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   return dp;
 }
 
-void DataParallel::on_grad_ready(size_t index) {
-  if (!in_backward_) {  // the first gradient of a backward pass
-    in_backward_ = true;
-    ++passes_;
-    syncing_ = sync_enabled_ && passes_ % options_.grad_accumulation == 0;
-    if (syncing_) {
-      for (auto& b : buckets_) {
-        b.pending = static_cast<int>(b.params.size());
-        b.ready = false;
-      }
-      next_launch_ = 0;
-      launched_any_ = false;
-    }
-    std::weak_ptr<DataParallel> weak = shared_from_this();
-    compat::at_end_of_backward([weak] {
-      if (auto self = weak.lock()) self->finish();
-    });
+void DataParallel::begin_pass() {
+  TORCH_CHECK(!pending_finish_, "data parallelism: a backward pass began before the last one's gradient reduction "
+              "finished; with bucket hooks written in Lua that runs on the script's thread: call "
+              "pt.data_parallel(model):synced() between backward passes (model:train_step does)");
+  in_backward_ = true;
+  ++passes_;
+  syncing_ = sync_enabled_ && passes_ % options_.grad_accumulation == 0;
+  // The buckets this pass reduces: all of them on a sync; under ZeRO-2 every pass reduces those
+  // of its chunk into the shard (nothing stays behind in .grad), and the tied buckets, whose
+  // gradients do accumulate in .grad, on a sync only.
+  pass_.clear();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    auto& b = buckets_[i];
+    b.in_pass = sharded() && !b.whole ? chunk_ < 0 || b.chunk == chunk_ : syncing_;
+    if (!b.in_pass) continue;
+    b.pending = static_cast<int>(b.params.size());
+    b.ready = false;
+    for (size_t k : b.params) filled_[k] = 0;
+    pass_.push_back(i);
   }
-  if (!syncing_) return;
+  next_launch_ = 0;
+  launched_any_ = false;
+  std::weak_ptr<DataParallel> weak = shared_from_this();
+  compat::at_end_of_backward([weak] {
+    if (auto self = weak.lock()) self->finish();
+  });
+}
+
+void DataParallel::on_grad_ready(size_t index) {
+  if (!in_backward_) begin_pass();  // the first gradient of a backward pass
   auto& b = buckets_[bucket_of_[index]];
-  const auto& p = params_[index];
-  auto slice = b.flat.narrow(0, b.offsets[slot_of_[index]], p.numel());
-  const auto& grad = p.grad();
-  if (!grad.defined()) slice.zero_();
-  else if (grad.data_ptr() != slice.data_ptr()) slice.copy_(grad.reshape({-1}));  // not already in place
+  // A bucket this pass does not reduce keeps accumulating in .grad (a parameter outside the
+  // pass's chunk is taken in by its own chunk's next pass).
+  if (!b.in_pass || b.ready || filled_[index]) return;
+  fill(b, slot_of_[index]);
   if (--b.pending == 0) {
     b.ready = true;
     if (!thread_bound()) launch_ready();  // thread-bound hooks: launched at the end, on their thread
   }
+}
+
+void DataParallel::fill(Bucket& b, size_t slot) {
+  const size_t k = b.params[slot];
+  if (!b.flat.defined()) take_scratch(b);
+  auto& p = params_[k];
+  auto slice = b.flat.narrow(0, b.offsets[slot], p.numel());
+  const auto& grad = p.grad();
+  if (!grad.defined()) slice.zero_();  // no gradient this pass counts as zeros (every rank sends every bucket)
+  else if (grad.data_ptr() != slice.data_ptr()) slice.copy_(grad.reshape({-1}));  // not already in place
+  // ZeRO-2: the gradient is in the bucket now; autograd's tensor goes.
+  if (sharded() && !b.whole && grad.defined()) p.mutable_grad() = torch::Tensor();
+  filled_[k] = 1;
+}
+
+void DataParallel::take_scratch(Bucket& b) {
+  auto& spare = free_[b.buffer];
+  if (spare.empty()) {
+    pool_[b.buffer].push_back(torch::empty({scratch_length_[b.buffer]}, buffer_options_[b.buffer]));
+    spare.push_back(static_cast<int>(pool_[b.buffer].size()) - 1);
+  }
+  b.scratch = spare.back();
+  spare.pop_back();
+  b.flat = pool_[b.buffer][b.scratch].narrow(0, 0, b.padded);
+  b.flat.narrow(0, b.numel, b.padded - b.numel).zero_();  // the padding sums to zeros
+}
+
+void DataParallel::give_back_scratch(Bucket& b) {
+  free_[b.buffer].push_back(b.scratch);
+  b.scratch = -1;
+  b.flat = torch::Tensor();
+}
+
+torch::Tensor DataParallel::shard_of(size_t i) const {
+  const auto& b = buckets_[i];
+  TORCH_CHECK(sharded(), "data parallelism: bucket ", i, " has no shard without ZeRO-2");
+  return shards_[b.buffer].narrow(0, b.shard_start, b.padded / zero_size());
+}
+
+std::vector<torch::Tensor> DataParallel::held() const {
+  std::vector<torch::Tensor> out(buffers_.begin(), buffers_.end());
+  out.insert(out.end(), shards_.begin(), shards_.end());
+  for (const auto& b : buckets_)
+    if (sharded() && b.whole) out.push_back(b.flat);
+  for (const auto& pool : pool_) out.insert(out.end(), pool.begin(), pool.end());
+  return out;
+}
+
+int64_t DataParallel::held_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& t : held()) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
+int64_t DataParallel::scratch_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& pool : pool_)
+    for (const auto& t : pool) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
+int64_t DataParallel::planned_scratch_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < scratch_length_.size(); ++i)
+    bytes += scratch_length_[i] * static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(buffer_options_[i].dtype())));
+  return bytes;
+}
+
+void DataParallel::zero_grad() {
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  torch::NoGradGuard no_grad;
+  for (auto& s : shards_) s.zero_();
 }
 
 void DataParallel::set_pre_hook(Hook hook, bool bound) {
@@ -167,12 +274,13 @@ void DataParallel::complete() {
   }
 }
 
-// Launches ready buckets strictly in bucket order, so every rank issues the same collectives in
-// the same order even if gradients arrive in a different one.
+// Launches the pass's ready buckets strictly in bucket order, so every rank issues the same
+// collectives in the same order even if gradients arrive in a different one.
 void DataParallel::launch_ready() {
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready) {
-    auto& b = buckets_[next_launch_];
-    int index = static_cast<int>(next_launch_++);
+  while (next_launch_ < pass_.size() && buckets_[pass_[next_launch_]].ready) {
+    const size_t i = pass_[next_launch_++];
+    auto& b = buckets_[i];
+    const int index = static_cast<int>(i);
     if (!launched_any_) {
       first_launch_ = Clock::now();
       launched_any_ = true;
@@ -182,12 +290,15 @@ void DataParallel::launch_ready() {
       b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
     if (pre_hook_) pre_hook_(index, b.flat);
     auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
-    if (options_.zero_stage == 2 && zero_size() > 1 && !b.whole) {
+    if (sharded() && !b.whole) {
       // ZeRO-2: this rank's part of the bucket is reduced over the zero group (a ring on Gloo,
-      // run here: it completes before backward goes on), then over the other zero groups.
-      auto shard = options_.zero_group->reduce_scatter_flat(b.flat, op);
-      if (options_.zero_across) b.work = options_.zero_across->all_reduce(shard, op, /*async=*/true);
-      else b.work = dist::Work();
+      // run here: it completes before backward goes on), then over the other zero groups; it is
+      // added into the shard, and the scratch goes back to the pool for the next bucket.
+      auto part = options_.zero_group->reduce_scatter_flat(b.flat, op);
+      if (options_.zero_across) options_.zero_across->all_reduce(part, op);
+      shard_of(i).add_(part);
+      give_back_scratch(b);
+      b.work = dist::Work();
     } else {
       b.work = group_->all_reduce(b.flat, op, /*async=*/true);
     }
@@ -196,8 +307,7 @@ void DataParallel::launch_ready() {
 
 void DataParallel::finish() {
   in_backward_ = false;
-  if (!syncing_) return;
-  syncing_ = false;
+  if (!syncing_ && pass_.empty()) return;
   if (thread_bound() && std::this_thread::get_id() != hook_thread_) {
     pending_finish_ = true;  // backward ran on another thread: complete() finishes on the hooks' thread
     return;
@@ -206,24 +316,19 @@ void DataParallel::finish() {
 }
 
 void DataParallel::finish_here() {
-  // Parameters that got no gradient this pass count as zeros (every rank must send every bucket).
-  for (size_t k = 0; k < params_.size(); ++k) {
-    auto& b = buckets_[bucket_of_[k]];
+  // Gradients that did arrive were copied by their hooks; the parameters that got none this pass
+  // count as zeros, and the rest of the pass's buckets launch.
+  for (size_t i : pass_) {
+    auto& b = buckets_[i];
     if (b.ready) continue;
-    if (!params_[k].grad().defined())
-      b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).zero_();
+    for (size_t s = 0; s < b.params.size(); ++s)
+      if (!filled_[b.params[s]]) fill(b, s);
+    b.ready = true;
   }
-  for (auto& b : buckets_)
-    if (!b.ready) {
-      // Gradients that did arrive were copied by their hooks; fill the rest and launch.
-      for (size_t s = 0; s < b.params.size(); ++s) {
-        const auto& p = params_[b.params[s]];
-        auto slice = b.flat.narrow(0, b.offsets[s], p.numel());
-        if (p.grad().defined() && p.grad().data_ptr() != slice.data_ptr()) slice.copy_(p.grad().reshape({-1}));
-      }
-      b.ready = true;
-    }
   launch_ready();
+  pass_.clear();
+  if (!syncing_) return;  // ZeRO-2's passes before the sync's: reduced into the shard, no more
+  syncing_ = false;
   auto backward_end = Clock::now();
   for (auto& b : buckets_)
     if (b.work.done()) ++stats_.buckets_done_early;
@@ -232,26 +337,23 @@ void DataParallel::finish_here() {
     b.work.wait();
     if (!post_hook_) continue;
     // Under ZeRO-2 only this rank's part of a reduce-scattered bucket holds reduced gradients:
-    // the hook gets that part (a view; the rest of the bucket is scratch until gather_shards).
-    if (options_.zero_stage == 2 && zero_size() > 1 && !b.whole) {
-      const int64_t part = b.flat.numel() / zero_size();
-      auto shard = b.flat.narrow(0, options_.zero_group->rank() * part, part);
-      post_hook_(static_cast<int>(i), shard);
-    } else {
-      post_hook_(static_cast<int>(i), b.flat);
-    }
+    // the hook gets that part of the shard (a view).
+    auto reduced = sharded() && !b.whole ? shard_of(i) : b.flat;
+    post_hook_(static_cast<int>(i), reduced);
   }
   auto done = Clock::now();
   stats_.syncs += 1;
-  stats_.last_sync_seconds = std::chrono::duration<double>(done - first_launch_).count();
+  stats_.last_sync_seconds = launched_any_ ? std::chrono::duration<double>(done - first_launch_).count() : 0;
   stats_.last_exposed_seconds = std::chrono::duration<double>(done - backward_end).count();
   stats_.sync_seconds += stats_.last_sync_seconds;
   stats_.exposed_seconds += stats_.last_exposed_seconds;
   // Each .grad becomes a view of its bucket: no copy back, and no new gradient memory a step
   // (DDP's gradient_as_bucket_view). The next sync overwrites the bucket, so a .grad kept across
-  // steps changes with it.
+  // steps changes with it. Under ZeRO-2 a reduce-scattered bucket's parameters have no .grad
+  // (sync_shard_grad gathers them).
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];
+    if (sharded() && !b.whole) continue;
     auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
     if (slice.scalar_type() == params_[k].scalar_type()) params_[k].mutable_grad() = slice;
     else if (params_[k].grad().defined()) params_[k].mutable_grad().copy_(slice);  // a reduce dtype of its own
@@ -261,13 +363,22 @@ void DataParallel::finish_here() {
 }
 
 void DataParallel::gather_shards() {
-  if (options_.zero_stage != 2 || zero_size() == 1) return;
-  for (auto& b : buckets_)
-    if (!b.whole) options_.zero_group->all_gather_flat(b.flat);
-  for (size_t k = 0; k < params_.size(); ++k) {  // gradients kept in a dtype of their own take theirs
-    auto& b = buckets_[bucket_of_[k]];
-    if (b.flat.scalar_type() != params_[k].scalar_type() && params_[k].grad().defined())
-      params_[k].mutable_grad().copy_(b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes()));
+  if (!sharded()) return;
+  torch::NoGradGuard no_grad;
+  const int64_t z = zero_size(), r = options_.zero_group->rank();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    auto& b = buckets_[i];
+    if (b.whole) continue;  // whole already: .grad views it
+    take_scratch(b);
+    const int64_t part = b.padded / z;
+    b.flat.narrow(0, r * part, part).copy_(shard_of(i));
+    options_.zero_group->all_gather_flat(b.flat);
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      auto& p = params_[b.params[s]];
+      auto slice = b.flat.narrow(0, b.offsets[s], p.numel()).view(p.sizes());
+      p.mutable_grad() = slice.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    }
+    give_back_scratch(b);
   }
 }
 

@@ -2,9 +2,13 @@
 // the) model and a slice of the batch; gradients are averaged (or summed, ...) across the group.
 // Gradients are packed into buckets in reverse parameter order; each bucket's all-reduce starts
 // the moment its last gradient is accumulated, so communication overlaps the rest of backward.
-// The buckets are views of one flat gradient buffer per (dtype, device), each padded to a multiple
-// of the zero group's size: under ZeRO a rank's shard of a bucket is its part r of the bucket, and
-// with ZeRO-2 a bucket is reduce-scattered over the zero group instead of all-reduced.
+// The buckets are laid out in one flat gradient buffer per (dtype, device), each padded to a
+// multiple of the zero group's size: under ZeRO a rank's shard of a bucket is its part r of the
+// bucket. Without ZeRO-2 the buffers are allocated whole and the buckets are views of them. Under
+// ZeRO-2 they are not: a rank keeps one shard buffer per (dtype, device), its parts r of the
+// buckets laid end to end, and a bucket's full length is scratch taken from a small pool when its
+// first gradient of a backward pass arrives, reduce-scattered over the zero group when it is
+// complete, added into the shard and given back; each parameter's .grad is released once copied.
 //
 // Why not c10d's Reducer: its constructor and hooks differ between LibTorch 1.13 and 2.x, its
 // comm hooks are C++-only (partrain's bucket hooks are Lua functions), and ZeRO needs a
@@ -36,8 +40,13 @@ struct DataParallelOptions {
   /// The gradient buffer's dtype; undefined: each parameter's own.
   c10::optional<torch::ScalarType> reduce_dtype;
   /// Parameters whose buckets are all-reduced whole over the data group even under ZeRO-2: those
-  /// tied across pipeline stages, whose gradients are summed over the pipeline after the sync.
+  /// tied across pipeline stages, whose gradients are summed over the pipeline after the sync,
+  /// and those two pipeline chunks of this rank share.
   std::vector<torch::Tensor> whole;
+  /// A pipeline's parameters by chunk of this rank (empty: one chunk holds everything). Buckets
+  /// never span two chunks, and under ZeRO-2 a backward pass reduces the buckets of the chunk
+  /// set_chunk names only (one micro-batch of one chunk runs backward at a time).
+  std::vector<std::vector<torch::Tensor>> chunks;
 };
 
 /// What the bucket layout needs to know of a parameter.
@@ -46,23 +55,33 @@ struct BucketParam {
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
   bool whole = false;  ///< reduced whole even under ZeRO-2 (kept in buckets of its own)
+  int chunk = 0;       ///< the pipeline chunk of this rank it belongs to
 };
 /// The buckets for `params` (in parameter order): lists of parameter indices, in reverse parameter
 /// order (roughly the order backward produces gradients), a bucket closed once it holds at least
-/// `cap_bytes` and wherever dtype, device or `whole` changes. Every parameter is in exactly one bucket.
+/// `cap_bytes` and wherever dtype, device, `whole` or chunk changes. Every parameter is in exactly
+/// one bucket.
 std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& params, int64_t cap_bytes);
 
 /// A bucket: some parameters' gradients laid end to end in one flat tensor.
 struct Bucket {
   std::vector<size_t> params;    ///< indices into DataParallel::params(), in the order laid out
   std::vector<int64_t> offsets;  ///< where each starts in `flat`
-  torch::Tensor flat;            ///< (padded,) the bucket's gradients: a view of its flat buffer
+  /// (padded,) the bucket's gradients: a view of its flat buffer. Under ZeRO-2 (sharded()) a view
+  /// of pooled scratch while a backward pass fills and reduces it, undefined otherwise; a `whole`
+  /// bucket's is a tensor of its own there.
+  torch::Tensor flat;
   int64_t numel = 0;             ///< the gradients' length, before padding to the zero group
-  size_t buffer = 0;             ///< which flat buffer (DataParallel::buffers())
-  int64_t start = 0;             ///< where `flat` starts in it
+  int64_t padded = 0;            ///< its length padded to a multiple of the zero group's size
+  size_t buffer = 0;             ///< which flat buffer (DataParallel::buffer_options())
+  int64_t start = 0;             ///< where the bucket starts in its flat buffer's layout
+  int64_t shard_start = 0;       ///< where this rank's part r of it starts in the shard buffer
   bool whole = false;            ///< all-reduced whole under ZeRO-2 too (DataParallelOptions::whole)
+  int chunk = 0;                 ///< the pipeline chunk its parameters belong to
   int pending = 0;               ///< gradients still to arrive this pass
   bool ready = false;
+  bool in_pass = false;          ///< reduced by the backward pass running now
+  int scratch = -1;              ///< ZeRO-2: which pooled scratch tensor `flat` views (-1: none)
   dist::Work work;
 };
 
@@ -104,14 +123,40 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// nothing when none is pending or when called on another thread.
   void complete();
   /// Whether the next backward passes sync (true) or only accumulate into .grad (false; train_step
-  /// turns it off for all but the last micro-batch, as DDP's no_sync).
+  /// turns it off for all but the last micro-batch, as DDP's no_sync). Under ZeRO-2 every pass
+  /// reduces its buckets into the shard all the same (nothing is left in .grad to accumulate);
+  /// off, the pass does not finish the sync (post-hooks, synced()).
   void set_sync(bool on) { sync_enabled_ = on; }
+  /// Pipelines: the next backward passes cover this rank's chunk `chunk` (-1: every chunk). Under
+  /// ZeRO-2 a pass reduces that chunk's buckets only, the same on every rank of the zero group.
+  void set_chunk(int chunk) { chunk_ = chunk; }
+  /// ZeRO-2 over more than one rank: gradients are kept as this rank's shard only.
+  bool sharded() const { return options_.zero_stage == 2 && zero_size() > 1; }
+  /// Clears every parameter's .grad and, under ZeRO-2, zeroes the shards (what backward passes
+  /// have added up since).
+  void zero_grad();
   int passes_since_sync() const { return passes_; }
   const DataParallelOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  /// The flat gradient buffers, one per (dtype, device): every bucket is a view of one.
+  /// The flat gradient buffers, one per (dtype, device): every bucket is a view of one. Empty
+  /// under ZeRO-2, where no rank holds them whole (shards()).
   const std::vector<torch::Tensor>& buffers() const { return buffers_; }
+  /// Each flat buffer's dtype and device (allocated or not).
+  const std::vector<torch::TensorOptions>& buffer_options() const { return buffer_options_; }
+  /// ZeRO-2: one shard buffer per flat buffer, this rank's parts of its buckets end to end
+  /// (Bucket::shard_start); the reductions of backward passes add up in it. Empty otherwise.
+  const std::vector<torch::Tensor>& shards() const { return shards_; }
+  /// ZeRO-2: bucket `i`'s part in the shard buffer (a view).
+  torch::Tensor shard_of(size_t i) const;
+  /// Every gradient tensor this object holds now: the flat buffers, or under ZeRO-2 the shards,
+  /// the whole buckets and the scratch pool (its high-water mark: the pool never shrinks).
+  std::vector<torch::Tensor> held() const;
+  /// Bytes of held(), and of the scratch pool alone.
+  int64_t held_bytes() const;
+  int64_t scratch_bytes() const;
+  /// ZeRO-2: the scratch of one bucket, the longest, per flat buffer: the least a backward takes.
+  int64_t planned_scratch_bytes() const;
   /// Where parameter k's gradient sits: (buffer, offset in it).
   std::pair<size_t, int64_t> flat_slot(size_t k) const {
     const auto& b = buckets_[bucket_of_[k]];
@@ -119,8 +164,9 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   }
   /// The zero group's size (1 without ZeRO): how many parts each bucket splits into.
   int zero_size() const { return options_.zero_group ? options_.zero_group->size() : 1; }
-  /// ZeRO-2: gathers every bucket's reduced shards over the zero group, so that each .grad is the
-  /// whole reduced gradient (Cube's sync_shard_grad). Does nothing otherwise.
+  /// ZeRO-2: gathers every bucket's reduced shards over the zero group into newly allocated
+  /// .grad tensors, so that each .grad is the whole reduced gradient (Cube's sync_shard_grad).
+  /// Does nothing otherwise.
   void gather_shards();
   const std::vector<torch::Tensor>& params() const { return params_; }
   const DataParallelStats& stats() const { return stats_; }
@@ -133,6 +179,10 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
  private:
   DataParallel(dist::GroupPtr group, const DataParallelOptions& options);
   void on_grad_ready(size_t index);
+  void begin_pass();
+  void fill(Bucket& b, size_t slot);  // parameter b.params[slot]'s gradient into the bucket
+  void take_scratch(Bucket& b);
+  void give_back_scratch(Bucket& b);
   void launch_ready();
   void finish();
   void finish_here();
@@ -145,7 +195,15 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<size_t> bucket_of_, slot_of_;  // parameter -> bucket, position in it
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> buffers_;
-  size_t next_launch_ = 0;
+  std::vector<torch::TensorOptions> buffer_options_;
+  std::vector<torch::Tensor> shards_;             // ZeRO-2: one per flat buffer
+  std::vector<int64_t> scratch_length_;           // ZeRO-2: the longest bucket, per flat buffer
+  std::vector<std::vector<torch::Tensor>> pool_;  // ZeRO-2: scratch tensors, per flat buffer
+  std::vector<std::vector<int>> free_;            // ... and those not in use
+  std::vector<char> filled_;                      // parameter -> its gradient is in its bucket this pass
+  std::vector<size_t> pass_;                      // the buckets this backward pass reduces, in order
+  int chunk_ = -1;
+  size_t next_launch_ = 0;  // into pass_
   bool in_backward_ = false, syncing_ = false;
   int passes_ = 0;
   std::chrono::steady_clock::time_point first_launch_;

@@ -188,7 +188,20 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
                 "got ", options.zero->reduce_bucket_size);
     // A tensor tied across stages has its gradient summed over the pipeline after the sync, which
     // needs it whole: its buckets are all-reduced under ZeRO-2 too.
-    if (model->pipeline_) dp.whole = model->pipeline_->tied_params();
+    if (model->pipeline_) {
+      dp.whole = model->pipeline_->tied_params();
+      // ZeRO-2 reduces one chunk's buckets a backward pass: buckets never span two chunks, and a
+      // tensor two of this rank's chunks hold gets gradients in both chunks' passes, so it
+      // accumulates in .grad and is reduced whole on the sync like a tie across stages.
+      dp.chunks = model->pipeline_->chunk_params();
+      std::unordered_map<const c10::TensorImpl*, int> held;
+      for (const auto& chunk : dp.chunks) {
+        std::unordered_map<const c10::TensorImpl*, bool> seen;
+        for (const auto& p : chunk)
+          if (!seen[p.unsafeGetTensorImpl()] && ++held[p.unsafeGetTensorImpl()] == 2) dp.whole.push_back(p);
+        for (const auto& p : chunk) seen[p.unsafeGetTensorImpl()] = true;
+      }
+    }
     dp.zero_stage = stage;
     dp.zero_group = model->mesh_->group("zero");
     dp.zero_across = model->mesh_->zero_across();
@@ -293,6 +306,8 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
       auto from = n > 1 ? l / n : l;
       (scale != 1.0 ? from * scale : from).backward();
     }
+    // ZeRO-2 reduces every micro-batch: a pass that backward left to this thread ends here.
+    if (data_parallel_) data_parallel_->complete();
     total = total.defined() ? total + l.detach() : l.detach();
   }
   if (data_parallel_) {

@@ -336,6 +336,24 @@ std::vector<int> Pipeline::own_stages() const {
   return out;
 }
 
+std::vector<std::vector<torch::Tensor>> Pipeline::chunk_params() const {
+  const int chunks = options_.chunks, last = stages() - 1;
+  std::vector<std::vector<torch::Tensor>> out(chunks);
+  auto add = [&](int chunk, const nn::Module& m) {
+    for (const auto& p : m.parameters(/*recurse=*/true)) out[chunk].push_back(p);
+  };
+  for (int c = 0; c < chunks; ++c)
+    for (const auto& b : chunk_blocks_[c]) add(c, *b);
+  // The stage ends' modules, by name: a model with stage ends of its own has no first_/last_.
+  if (rank_ == 0)
+    for (const auto& name : options_.first)
+      if (auto m = root_->child(name)) add(0, *m);
+  if (rank_ == last % pp_)
+    for (const auto& name : options_.last)
+      if (auto m = root_->child(name)) add(last / pp_, *m);
+  return out;
+}
+
 std::string Pipeline::logical_name(const std::string& name) const {
   for (const auto& tie : ties_)
     if (std::find(tie.names.begin(), tie.names.end(), name) != tie.names.end()) return tie.names.front();
@@ -461,7 +479,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   struct SyncGuard {  // the data-parallel sync runs in the rank's last backward only, whatever happens
     DataParallel* dp;
     ~SyncGuard() {
-      if (dp) dp->set_sync(true);
+      if (dp) {
+        dp->set_sync(true);
+        dp->set_chunk(-1);
+      }
     }
   } guard{dp};
   auto& trace = StepTrace::instance();  // --trace: each action's span, when this step is recorded
@@ -516,7 +537,12 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
         break;
       case PipeOp::Backward: {
-        if (dp) dp->set_sync(i == last_backward);
+        // Under ZeRO-2 each backward reduces its chunk's buckets (the same on every data rank:
+        // they run the same schedule).
+        if (dp) {
+          dp->set_sync(i == last_backward);
+          dp->set_chunk(a.chunk);
+        }
         // The first step's backwards are weighed: the most one allocates while it runs, less the
         // parameters' gradients it leaves (model state). The first of a chunk makes them; later
         // ones add into them, as every later step does, with their temporaries counted.
@@ -537,6 +563,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           measured_.backward[a.chunk] =
               std::max<int64_t>(measured_.backward[a.chunk], std::max<int64_t>(0, plan::mark(counted) - before - new_grads));
         }
+        if (dp) dp->complete();  // a pass that backward left to this thread (thread-bound hooks)
         if (s.input.defined()) s.input_grad = s.input.grad();
         s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
         break;

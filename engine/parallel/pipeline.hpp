@@ -141,6 +141,10 @@ class Pipeline {
   bool first_holder(const torch::Tensor& param) const;
   /// Whether any parameter is tied across stages (its gradient summed over the pipeline group).
   bool has_ties() const { return !ties_.empty(); }
+  /// This rank's parameters by its chunk (chunk c runs virtual stage c * size() + rank()): the
+  /// blocks' and, on the first and last virtual stages, the policy's first and last modules'. A
+  /// tensor two chunks hold is listed under both.
+  std::vector<std::vector<torch::Tensor>> chunk_params() const;
   /// This rank's parameters tied across stages.
   std::vector<torch::Tensor> tied_params() const {
     std::vector<torch::Tensor> out;

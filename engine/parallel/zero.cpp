@@ -31,10 +31,10 @@ class ZeroShards : public optim::Distributed {
     const int z = zero_->size(), r = zero_->rank();
     const auto& params = dp_->params();
     // One master per flat buffer: the buffer's buckets' parts r laid end to end, in float32 (or
-    // float64 for float64 gradients).
-    std::vector<int64_t> length(dp_->buffers().size(), 0);
+    // float64 for float64 gradients): the layout of data parallelism's ZeRO-2 shards.
+    std::vector<int64_t> length(dp_->buffer_options().size(), 0);
     for (const auto& b : dp_->buckets()) {
-      const int64_t part = b.flat.numel() / z, begin = r * part;
+      const int64_t part = b.padded / z, begin = r * part;
       bucket_master_.push_back(length[b.buffer]);
       for (size_t s = 0; s < b.params.size(); ++s) {
         const int64_t lo = std::max(b.offsets[s], begin);
@@ -44,11 +44,15 @@ class ZeroShards : public optim::Distributed {
       length[b.buffer] += part;
     }
     for (size_t i = 0; i < length.size(); ++i) {
-      const auto& buffer = dp_->buffers()[i];
-      auto dtype = buffer.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+      const auto& buffer = dp_->buffer_options()[i];
+      auto dtype = buffer.dtype() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
       auto options = torch::TensorOptions().dtype(dtype).device(buffer.device());
       masters_.push_back(torch::zeros({length[i]}, options).requires_grad_(true));
-      grads_.push_back(torch::zeros({length[i]}, options));
+      // ZeRO-2: the gradient shard IS data parallelism's shard buffer where the dtypes agree (no
+      // copy a step); a buffer of another dtype (reduce_dtype bfloat16) is cast into one of ours.
+      const bool shared = dp_->sharded() && dp_->shards()[i].scalar_type() == dtype;
+      grads_.push_back(shared ? dp_->shards()[i] : torch::zeros({length[i]}, options));
+      shared_.push_back(shared);
     }
     torch::NoGradGuard no_grad;
     for (const auto& s : segments_) master_part(s).copy_(param_part(s));
@@ -65,13 +69,20 @@ class ZeroShards : public optim::Distributed {
     // may have written the parameter since). Lower-precision ones keep their masters.
     for (const auto& s : segments_)
       if (dp_->params()[s.param].scalar_type() == masters_[s.master].scalar_type()) master_part(s).copy_(param_part(s));
-    // The gradient shard: this rank's reduced part of each bucket of the flat buffers.
+    // The gradient shard: this rank's reduced part of each bucket. Under ZeRO-2 backward added
+    // the reduce-scattered parts into the shard already (grads_ is it, or takes a cast copy);
+    // buckets reduced whole (stage 1, ties across stages) give their part r.
     const int z = zero_->size(), r = zero_->rank();
     const auto& buckets = dp_->buckets();
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
-      const int64_t part = b.flat.numel() / z;
-      grads_[b.buffer].narrow(0, bucket_master_[i], part).copy_(b.flat.narrow(0, r * part, part));
+      const int64_t part = b.padded / z;
+      auto into = grads_[b.buffer].narrow(0, bucket_master_[i], part);
+      if (dp_->sharded() && !b.whole) {
+        if (!shared_[b.buffer]) into.copy_(dp_->shard_of(i));
+      } else {
+        into.copy_(b.flat.narrow(0, r * part, part));
+      }
     }
     for (size_t i = 0; i < masters_.size(); ++i) masters_[i].mutable_grad() = grads_[i];
   }
@@ -95,12 +106,12 @@ class ZeroShards : public optim::Distributed {
     const auto& buckets = dp_->buckets();
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
-      const int64_t part = b.flat.numel() / z;
+      const int64_t part = b.padded / z;
       // (padded,) in the parameters' dtype: this rank's updated part, then everyone's.
       auto& scratch = scratch_[params[b.params.front()].scalar_type()];
-      if (!scratch.defined() || scratch.numel() < b.flat.numel())
-        scratch = torch::empty({b.flat.numel()}, params[b.params.front()].options().requires_grad(false));
-      auto flat = scratch.narrow(0, 0, b.flat.numel());
+      if (!scratch.defined() || scratch.numel() < b.padded)
+        scratch = torch::empty({b.padded}, params[b.params.front()].options().requires_grad(false));
+      auto flat = scratch.narrow(0, 0, b.padded);
       flat.narrow(0, r * part, part).copy_(masters_[b.buffer].detach().narrow(0, bucket_master_[i], part));
       zero_->all_gather_flat(flat);
       for (size_t s = 0; s < b.params.size(); ++s) {
@@ -110,11 +121,12 @@ class ZeroShards : public optim::Distributed {
     }
   }
 
+  // The parameters' .grad go; under ZeRO-2 the shard (what backward passes added up) is zeroed.
   void zero_grad() override {
-    for (const auto& p : dp_->params()) {
-      auto q = p;
-      q.mutable_grad() = torch::Tensor();
-    }
+    dp_->zero_grad();
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < grads_.size(); ++i)
+      if (!shared_[i]) grads_[i].zero_();
   }
 
   std::map<std::string, torch::Tensor> param_state(const optim::Optimizer& opt,
@@ -179,7 +191,10 @@ class ZeroShards : public optim::Distributed {
     b.group = zero_->size();
     for (const auto& m : masters_) b.master += static_cast<int64_t>(m.nbytes());
     for (const auto& g : grads_) b.shard_grad += static_cast<int64_t>(g.nbytes());
-    for (const auto& f : dp_->buffers()) b.grad_buffer += static_cast<int64_t>(f.nbytes());
+    b.grad_buffer = dp_->held_bytes();
+    b.scratch = dp_->scratch_bytes();
+    for (size_t i = 0; i < grads_.size(); ++i)
+      if (shared_[i]) b.shared_grad += static_cast<int64_t>(grads_[i].nbytes());
     b.state = opt.state_bytes();
     return b;
   }
@@ -242,6 +257,7 @@ class ZeroShards : public optim::Distributed {
   std::vector<int64_t> bucket_master_;  // where each bucket's part starts in its master
   std::vector<torch::Tensor> masters_;  // (shard,) one per flat buffer: what the optimizer steps
   std::vector<torch::Tensor> grads_;    // (shard,) their gradients
+  std::vector<bool> shared_;            // grads_[i] is data parallelism's shard buffer i itself
   std::vector<dist::GroupPtr> groups_;  // each parameter's tensor group when split, else null
   std::map<torch::ScalarType, torch::Tensor> scratch_;  // the all-gather's buffer, by parameter dtype
 };

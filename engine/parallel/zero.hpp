@@ -27,7 +27,12 @@ struct ZeroBytes {
   int64_t master = 0;          ///< master weights of this rank's shard
   int64_t state = 0;           ///< optimizer state of the shard (as allocated so far)
   int64_t shard_grad = 0;      ///< the gradient shard the update reads (the masters' .grad)
-  int64_t grad_buffer = 0;     ///< the flat gradient buffers (whole: backward accumulates into them)
+  /// What data parallelism holds for gradients: stage 1 the whole flat buffers; stage 2 the shard
+  /// buffers, the buckets reduced whole (ties across pipeline stages) and the scratch pool.
+  int64_t grad_buffer = 0;
+  int64_t scratch = 0;         ///< stage 2: the scratch pool (its high-water mark), part of grad_buffer
+  /// Stage 2: bytes of shard_grad that are grad_buffer's shard itself (one tensor, not two).
+  int64_t shared_grad = 0;
 };
 
 /// Makes the distributed optimizer for `model` (parallelized with a zero stage of 1 or 2): an

@@ -229,21 +229,26 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
   auto owner = parallel::ParallelModel::of(model);
   // Under data parallelism gradients live in its flat buffers (padded to the zero group); a
   // parameter whose dtype the buffer does not have (reduce_dtype) keeps its own .grad as well.
-  // ZeRO-2 reduce-scatters the buffer but does not shrink it: backward accumulates into it whole.
+  // ZeRO-2 holds 1/n of the buffers (its shard), the buckets of ties across pipeline stages whole,
+  // and scratch for the buckets backward is filling: what its first backward took, or one bucket
+  // (the most it takes when the buckets are reduced in the order their gradients arrive).
   if (const auto dp = owner ? owner->data_parallel() : nullptr) {
-    r.grad_bytes = 0;
-    for (const auto& b : dp->buffers()) r.grad_bytes += static_cast<int64_t>(b.nbytes());
+    r.grad_bytes = dp->held_bytes();
+    if (dp->sharded()) r.grad_bytes += std::max<int64_t>(0, dp->planned_scratch_bytes() - dp->scratch_bytes());
     std::set<const c10::TensorImpl*> own;  // a tied parameter has a slot per name, one .grad
-    for (size_t k = 0; k < dp->params().size(); ++k)
-      if (dp->buffers()[dp->flat_slot(k).first].scalar_type() != dp->params()[k].scalar_type() &&
-          own.insert(dp->params()[k].unsafeGetTensorImpl()).second)
-        r.grad_bytes += static_cast<int64_t>(dp->params()[k].nbytes());
+    for (const auto& b : dp->buckets()) {
+      if (dp->sharded() && !b.whole) continue;  // their .grad is released once in the bucket
+      for (size_t k : b.params)
+        if (dp->buffer_options()[b.buffer].dtype() != dp->params()[k].scalar_type() &&
+            own.insert(dp->params()[k].unsafeGetTensorImpl()).second)
+          r.grad_bytes += static_cast<int64_t>(dp->params()[k].nbytes());
+    }
   }
   for (const auto* o : optimizers) {
     r.optimizer_bytes += o->planned_state_bytes();
     if (auto z = parallel::zero_bytes(*o)) {  // the optimizer steps this rank's master shards
       r.master_bytes += z->master;
-      r.grad_bytes += z->shard_grad;
+      r.grad_bytes += z->shard_grad - z->shared_grad;  // ZeRO-2's shard is counted above
       r.zero_stage = z->stage;
       r.zero_group = z->group;
     } else {  // float32 masters of low-precision parameters, and the float32 gradients step() casts for them
@@ -285,7 +290,7 @@ Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& o
   }
   auto owner = parallel::ParallelModel::of(model);
   if (const auto dp = owner ? owner->data_parallel() : nullptr)
-    for (const auto& b : dp->buffers()) grad(b);  // held whether or not a .grad views it now
+    for (const auto& b : dp->held()) grad(b);  // held whether or not a .grad views it now
   for (const auto* o : optimizers) {
     const int64_t masters = o->master_bytes();  // a plain optimizer's copies (none under ZeRO)
     h.optimizer += o->state_bytes() - masters;
@@ -793,10 +798,13 @@ std::string to_text(const Plan& plan) {
 
   // Memory per rank, ranks with the same figures together.
   out << "\nmemory per rank (model state = parameters + gradients + optimizer state + master weights)\n";
-  if (stage > 0)
-    out << "  ZeRO-" << stage << ": optimizer state and float32 master weights are this rank's shard; gradients are the "
-        << "whole flat buffer (backward accumulates into it" << (stage == 2 ? "; stage 2 reduce-scatters it, which saves "
-        "communication, not memory" : "") << ") plus the float32 shard the update reads\n";
+  if (stage == 1)
+    out << "  ZeRO-1: optimizer state and float32 master weights are this rank's shard; gradients are the whole flat "
+           "buffer (backward accumulates into it) plus the float32 shard the update reads\n";
+  if (stage == 2)
+    out << "  ZeRO-2: optimizer state, float32 master weights and gradients are this rank's shard; gradients are the "
+           "shard (what the update reads) plus the scratch of the buckets backward is reducing (and any tie across "
+           "pipeline stages, reduced whole)\n";
   const bool staged = plan.pipeline > 1;
   std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters", "gradients",
                 "optimizer", "masters", "model state", staged ? "activations (peak under the schedule)" : "activations (first step)");

@@ -112,9 +112,9 @@ for extra in (["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "2"
         check(f"{name}: each rank's optimizer state is a quarter of the unsharded one's, plus padding ({ratio:.4f})",
               0.25 <= ratio <= 0.2525, (planned["ranks"][0]["optimizer_bytes"], plain["optimizer_bytes"]))
 r = run(["plan", "--world", "4", SCRIPT, "--zero-stage", "2"])
-check("the text plan of a ZeRO-2 run names the stage, the group and the masters column, and says what stage 2 saves",
+check("the text plan of a ZeRO-2 run names the stage, the group and the masters column, and says what stage 2 holds",
       r.returncode == 0 and "ZeRO-2 over 4 rank(s)" in r.stdout and "masters" in r.stdout
-      and "saves communication, not memory" in r.stdout, r.stdout + r.stderr)
+      and "gradients are the shard (what the update reads) plus the scratch" in r.stdout, r.stdout + r.stderr)
 
 # ---- The text form ----------------------------------------------------------------------------
 r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
