@@ -114,6 +114,21 @@ const Function kDataParallelMethods[] = {
     {"set_post_hook", [](Args& a) { data_parallel(a, 1)->set_post_hook(lua_hook(a.L, 2), true); return a.ret(); }},
     {"synced", [](Args& a) { return a.ret(data_parallel(a, 1)->synced()); }},
     {"buckets", [](Args& a) { return a.ret(double(data_parallel(a, 1)->buckets().size())); }},
+    // handle:bucket_bytes(): a table a bucket, in bucket order: { bytes (its padded length in the
+    // gradient dtype), whole (all-reduced whole under ZeRO-2: a tie across pipeline stages) }.
+    {"bucket_bytes", [](Args& a) {
+       const auto& dp = data_parallel(a, 1);
+       const auto& buckets = dp->buckets();
+       lua_createtable(a.L, static_cast<int>(buckets.size()), 0);
+       for (size_t i = 0; i < buckets.size(); ++i) {
+         const auto& b = buckets[i];
+         lua_createtable(a.L, 0, 2);
+         const auto element = c10::elementSize(c10::typeMetaToScalarType(dp->buffer_options()[b.buffer].dtype()));
+         lua_pushnumber(a.L, double(b.padded * static_cast<int64_t>(element))); lua_setfield(a.L, -2, "bytes");
+         lua_pushboolean(a.L, b.whole); lua_setfield(a.L, -2, "whole");
+         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+       }
+       return 1; }},
     {"stats", [](Args& a) {
        const auto& s = data_parallel(a, 1)->stats();
        lua_createtable(a.L, 0, 5);

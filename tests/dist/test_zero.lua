@@ -21,13 +21,13 @@ local function mlp(dtype)
   return function() return pt.models.mlp { sizes = { 12, 24, 24, 6 } }:to(dtype) end
 end
 
--- A chain for the pipeline: its first module, three blocks, its last module.
-local function chain(dtype)
+-- A chain for the pipeline: its first module, three blocks (or `blocks`), its last module.
+local function chain(dtype, blocks)
   return function()
     local root = pt.nn.Sequential()
     root:add("inp", pt.nn.Linear(12, 16))
     local h = pt.nn.Sequential()
-    for _ = 1, 3 do h:add(pt.nn.Sequential(pt.nn.Linear(16, 16), pt.nn.Tanh())) end
+    for _ = 1, blocks or 3 do h:add(pt.nn.Sequential(pt.nn.Linear(16, 16), pt.nn.Tanh())) end
     root:add("h", h)
     root:add("out", pt.nn.Linear(16, 6))
     return root:to(dtype)
@@ -144,6 +144,107 @@ test("ZeRO-2 with GPT-2 (a tensor tied across stages) over pipeline 2 x data 2 e
   end
   local want = serial:state_dict()
   for name, t in pairs(model:full_state_dict()) do near(t, want[name], 1e-10, "gpt-2 zero-2 pipeline: " .. name) end
+end)
+
+-- Trains plain data parallelism (c.mesh) and ZeRO-2 (c.zero_mesh, small buckets) from the same
+-- initial weights on the same batches: each pass's loss, clipping's norm and every logical parameter
+-- at the end agree within TOL; before the last step the gradients opt:sync_shard_grad() gathers
+-- equal plain's .grad; after every other step no parameter holds a .grad (but views of the
+-- buckets reduced whole: ties across pipeline stages) and the gradient bytes alive on this rank
+-- (pt.memory_report: each storage once) are at most the shard, the buckets reduced whole and two
+-- buckets of scratch.
+local function zero2_equals_plain(c)
+  local dtype = c.dtype or "float32"
+  local tol = TOL[dtype]
+  local what = c.what .. " (" .. dtype .. ")"
+  local function build(mesh_opts, zero)
+    local mesh = pt.mesh(mesh_opts)
+    local opts = {}
+    for k, v in pairs(c.opts or {}) do opts[k] = v end
+    if zero then opts.zero = { stage = 2, reduce_bucket_size = c.bucket or 0.001 } end
+    pt.manual_seed(31)
+    local model = pt.parallelize(c.deferred and pt.deferred(c.make(dtype)) or c.make(dtype)(), c.policy, mesh, opts)
+    return model, mesh, pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 })
+  end
+  local plain, _, popt = build(c.mesh, false)
+  local zero, mesh, zopt = build(c.zero_mesh, true)
+  local d, b = mesh:coord().data, BATCH / mesh:size("data")
+  local steps, worst = c.steps or 4, 0
+  for step = 1, steps do
+    for pass = 1, c.passes or 1 do
+      pt.manual_seed(1000 + 10 * step + pass)  -- the same global batch on every rank
+      local x, y = c.batch(dtype)
+      x, y = x:narrow(0, d * b, b), y:narrow(0, d * b, b)
+      local lp, lz = plain:train_step(x, y), zero:train_step(x, y)
+      near(lz, lp, tol, ("%s: loss at step %d, pass %d"):format(what, step, pass))
+    end
+    if step == steps then
+      zopt:sync_shard_grad()
+      local pp = plain:parameters()
+      for i, p in ipairs(zero:parameters()) do
+        near(p.grad, pp[i].grad, tol, ("%s: sync_shard_grad's gradient %d equals plain data parallelism's"):format(what, i))
+      end
+    end
+    near(zopt:step(), popt:step(), tol, ("%s: clipping's norm at step %d"):format(what, step))
+    if step < steps then
+      local z = zopt:zero()
+      local whole, largest = 0, 0
+      for _, bucket in ipairs(pt.data_parallel(zero):bucket_bytes()) do
+        if bucket.whole then whole = whole + bucket.bytes else largest = math.max(largest, bucket.bytes) end
+      end
+      -- Only a bucket reduced whole (a tie across stages) leaves .grad views of itself.
+      local viewed = 0
+      for _, p in ipairs(zero:parameters()) do
+        if p.grad ~= nil then viewed = viewed + p.grad:numel() * (dtype == "float64" and 8 or 4) end
+      end
+      ok(viewed <= whole, ("%s: after step %d no parameter holds a .grad (%d bytes of them) but views of buckets "
+         .. "reduced whole (%d bytes)"):format(what, step, viewed, whole))
+      local grads, bound = pt.memory_report(zero).grads, z.shard_grad_bytes + whole + 2 * largest
+      ok(grads <= bound, ("%s: gradient bytes alive %d <= shard %d + whole buckets %d + 2 x bucket %d"):format(
+         what, grads, z.shard_grad_bytes, whole, largest))
+      eq(z.grad_buffer_bytes, grads, what .. ": opt:zero()'s grad_buffer_bytes are the bytes alive")
+      worst = math.max(worst, grads - z.shard_grad_bytes - whole)
+    end
+    popt:zero_grad(); zopt:zero_grad()
+  end
+  local want = plain:full_state_dict()
+  for name, t in pairs(zero:full_state_dict()) do near(t, want[name], tol, ("%s: parameter %s"):format(what, name)) end
+  return worst
+end
+
+local function rows(dtype) return pt.randn({ BATCH, 12 }):to(dtype), pt.randint(0, 6, { BATCH }) end
+local function deep(dtype) return function() return pt.models.mlp { sizes = { 12, 32, 32, 32, 32, 32, 6 } }:to(dtype) end end
+
+test("ZeRO-2 at data 4 with grad_accumulation 2 equals plain data parallelism and holds only its shard", function()
+  for _, dtype in ipairs { "float32", "float64" } do
+    local scratch = zero2_equals_plain { what = "zero-2 data 4, grad_accumulation 2", mesh = {}, zero_mesh = { zero = 0 },
+                                         make = deep, batch = rows, dtype = dtype, passes = 2, bucket = 0.004,
+                                         opts = { grad_accumulation = 2 } }
+    if pt.dist.rank() == 0 then print(("zero-2 data 4 (%s): scratch alive after a step %d bytes"):format(dtype, scratch)) end
+  end
+end)
+
+test("ZeRO-2 with pipeline 2 x data 2 (gpipe, 1f1b, interleaved 2 chunks) equals plain data parallelism", function()
+  for _, c in ipairs {
+    { schedule = "gpipe", microbatches = 2 }, { schedule = "1f1b", microbatches = 2 },
+    { schedule = "interleaved", microbatches = 2, chunks = 2, blocks = 4, dtype = "float64" },
+  } do
+    zero2_equals_plain { what = "zero-2 pipeline 2 " .. c.schedule, mesh = { pipeline = 2 },
+                         zero_mesh = { pipeline = 2, zero = 2 }, dtype = c.dtype, deferred = true, policy = chain_policy,
+                         make = function(dtype) return chain(dtype, c.blocks) end, batch = rows,
+                         opts = { schedule = c.schedule, microbatches = c.microbatches, chunks = c.chunks } }
+  end
+end)
+
+test("ZeRO-2 with GPT-2's tied wte = lm_head equals plain data parallelism (data 4; pipeline 2 x data 2, float64)", function()
+  local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }
+  local make = function(dtype) return function() return pt.models.gpt2(gpt):to(dtype) end end
+  local tokens = function() return pt.randint(0, gpt.vocab, { BATCH, gpt.seq }), pt.randint(0, gpt.vocab, { BATCH, gpt.seq }) end
+  zero2_equals_plain { what = "gpt-2 zero-2 data 4", mesh = {}, zero_mesh = { zero = 0 }, make = make, batch = tokens,
+                       dtype = "float64", steps = 3, bucket = 0.01 }
+  zero2_equals_plain { what = "gpt-2 zero-2 pipeline 2", mesh = { pipeline = 2 }, zero_mesh = { pipeline = 2, zero = 2 },
+                       make = make, batch = tokens, dtype = "float64", steps = 3, deferred = true,
+                       policy = "policies.gpt2", opts = { schedule = "1f1b", microbatches = 2 } }
 end)
 
 test("optimizer state and master weights per rank are the shard's: total / zero, within padding", function()
