@@ -11,6 +11,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
@@ -136,6 +137,9 @@ std::vector<torch::Tensor> Args::tensors(int i) const {
 std::shared_ptr<nn::Module>& Args::module(int i) const {
   auto* m = ud_test<nn::ModulePtr>(L, i, PT_MODULE_MT);
   if (!m) expected(i, "module");
+  // overlap_sync_param: a parallelized model's parameters are complete before Lua touches it.
+  if (*m)
+    if (auto owner = (*m)->parallel_owner()) owner->sync_params();
   return *m;
 }
 

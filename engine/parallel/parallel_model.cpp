@@ -181,9 +181,10 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   TORCH_CHECK(stage == 0 || zsize > 1, "zero = { stage = ", stage, " } needs zero groups of more than one rank, but "
               "the mesh has zero=", zsize, " (pt.mesh { zero = n }: n > 1 data ranks a group, or <= 0 for the whole "
               "data group)");
+  TORCH_CHECK(stage > 0 || !options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true "
+              "overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0 (no ZeRO)");
+  model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
   if (stage > 0) {
-    TORCH_CHECK(!options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true is not "
-                "supported: the updated shards are all-gathered when the step ends (set it false)");
     TORCH_CHECK(!options.zero || options.zero->reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), "
                 "got ", options.zero->reduce_bucket_size);
     // A tensor tied across stages has its gradient summed over the pipeline after the sync, which
@@ -276,6 +277,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
+  sync_params();  // overlap_sync_param: the last step's parameters, before the forward reads them
   auto scaler = loss_scaler();
   const double scale = scaler ? scaler->scale() : 1.0;  // loss scaling: backward from loss x scale
   if (pipeline_) {

@@ -123,6 +123,16 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   /// Notes the master copy of the parameter `param` in its record (the optimizer's).
   void set_master(const torch::Tensor& param, const torch::Tensor& master);
 
+  /// zero = { overlap_sync_param = true }: the distributed optimizer leaves the updated
+  /// parameters' all-gathers in flight after its step, and installs here the wait for them.
+  bool overlap_sync_param() const { return overlap_sync_param_; }
+  void set_param_wait(std::function<void()> wait) { param_wait_ = std::move(wait); }
+  /// Completes the parameters' all-gathers a step left in flight (overlap_sync_param): train_step,
+  /// the Lua boundary (any method of the model) and the optimizer's next step call it first.
+  void sync_params() {
+    if (param_wait_) param_wait_();
+  }
+
   /// The loss scaler of the optimizer made for this model (held weakly): train_step's backward
   /// starts from the loss times its scale.
   void set_loss_scaler(const std::shared_ptr<optim::LossScaler>& scaler) { loss_scaler_ = scaler; }
@@ -151,6 +161,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   std::shared_ptr<Pipeline> pipeline_;
   std::vector<ParameterRecord> records_;
   std::weak_ptr<optim::LossScaler> loss_scaler_;
+  bool overlap_sync_param_ = false;
+  std::function<void()> param_wait_;
   static std::atomic<int64_t> live_;
 };
 

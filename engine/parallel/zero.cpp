@@ -62,6 +62,7 @@ class ZeroShards : public optim::Distributed {
   const std::vector<torch::Tensor>& masters() const { return masters_; }
 
   void prepare() override {
+    wait_params();  // overlap_sync_param: the last step's gathers, before the parameters are read
     torch::NoGradGuard no_grad;
     auto model = model_.lock();
     TORCH_CHECK(model, "ZeRO: the model this optimizer was made for is gone");
@@ -104,6 +105,20 @@ class ZeroShards : public optim::Distributed {
     const int z = zero_->size(), r = zero_->rank();
     const auto& params = dp_->params();
     const auto& buckets = dp_->buckets();
+    if (overlap_) {
+      // Each bucket's updated part, cast to the parameters' dtype, all-gathered asynchronously
+      // (in bucket order on every rank); wait_params() copies the parts into the parameters.
+      for (size_t i = 0; i < buckets.size(); ++i) {
+        const auto& b = buckets[i];
+        InFlight f;
+        f.bucket = i;
+        f.mine = masters_[b.buffer].detach().narrow(0, bucket_master_[i], b.padded / z)
+                     .to(params[b.params.front()].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+        f.work = zero_->all_gather(f.mine, f.parts, /*async=*/true);
+        in_flight_.push_back(std::move(f));
+      }
+      return;
+    }
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
       const int64_t part = b.padded / z;
@@ -121,6 +136,26 @@ class ZeroShards : public optim::Distributed {
     }
   }
 
+  // overlap_sync_param: completes the all-gathers publish() left in flight, bucket by bucket,
+  // copying the gathered parts into the parameters. Nothing to do when none are.
+  void wait_params() {
+    if (in_flight_.empty()) return;
+    torch::NoGradGuard no_grad;
+    const auto& params = dp_->params();
+    auto pending = std::move(in_flight_);
+    in_flight_.clear();
+    for (auto& f : pending) {
+      f.work.wait();
+      const auto& b = dp_->buckets()[f.bucket];
+      auto flat = torch::cat(f.parts);  // (padded,) every rank's part in group-rank order
+      for (size_t s = 0; s < b.params.size(); ++s) {
+        auto p = params[b.params[s]].detach();
+        p.view({-1}).copy_(flat.narrow(0, b.offsets[s], p.numel()));
+      }
+    }
+  }
+  void set_overlap(bool on) { overlap_ = on; }
+
   // The parameters' .grad go; under ZeRO-2 the shard (what backward passes added up) is zeroed.
   void zero_grad() override {
     dp_->zero_grad();
@@ -131,6 +166,7 @@ class ZeroShards : public optim::Distributed {
 
   std::map<std::string, torch::Tensor> param_state(const optim::Optimizer& opt,
                                                    const torch::Tensor& param) const override {
+    const_cast<ZeroShards*>(this)->wait_params();
     std::map<std::string, torch::Tensor> out;
     const auto k = index_of(param);
     if (k < 0) return out;
@@ -155,6 +191,7 @@ class ZeroShards : public optim::Distributed {
 
   void set_param_state(optim::Optimizer& opt, const torch::Tensor& param,
                        const std::map<std::string, torch::Tensor>& slots) override {
+    wait_params();  // a gather still in flight would overwrite what this loads
     torch::NoGradGuard no_grad;
     const auto k = index_of(param);
     if (k < 0) return;
@@ -191,6 +228,7 @@ class ZeroShards : public optim::Distributed {
     b.group = zero_->size();
     for (const auto& m : masters_) b.master += static_cast<int64_t>(m.nbytes());
     for (const auto& g : grads_) b.shard_grad += static_cast<int64_t>(g.nbytes());
+    b.gathers_in_flight = static_cast<int>(in_flight_.size());
     b.grad_buffer = dp_->held_bytes();
     b.scratch = dp_->scratch_bytes();
     for (size_t i = 0; i < grads_.size(); ++i)
@@ -260,6 +298,15 @@ class ZeroShards : public optim::Distributed {
   std::vector<bool> shared_;            // grads_[i] is data parallelism's shard buffer i itself
   std::vector<dist::GroupPtr> groups_;  // each parameter's tensor group when split, else null
   std::map<torch::ScalarType, torch::Tensor> scratch_;  // the all-gather's buffer, by parameter dtype
+  // overlap_sync_param: the buckets' all-gathers publish() started and nothing has waited for yet.
+  struct InFlight {
+    size_t bucket = 0;
+    torch::Tensor mine;               // (part,) this rank's updated part, kept alive while it is sent
+    std::vector<torch::Tensor> parts; // (part,) each rank's, filled when the work completes
+    dist::Work work;
+  };
+  bool overlap_ = false;
+  std::vector<InFlight> in_flight_;
 };
 
 }  // namespace
@@ -273,6 +320,13 @@ std::shared_ptr<optim::Optimizer> make_zero_optimizer(const std::shared_ptr<Para
   auto shards = std::make_shared<ZeroShards>(model);
   auto opt = std::make_shared<optim::Optimizer>(shards->masters(), options);
   opt->set_distributed(shards);
+  if (model->overlap_sync_param()) {
+    shards->set_overlap(true);
+    std::weak_ptr<ZeroShards> weak = shards;
+    model->set_param_wait([weak] {
+      if (auto s = weak.lock()) s->wait_params();
+    });
+  }
   return opt;
 }
 

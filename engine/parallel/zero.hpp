@@ -17,7 +17,10 @@ class ParallelModel;
 struct ZeroOptions {
   int stage = 0;                    ///< 0 off; 1 optimizer state and master weights sharded; 2 gradients too
   double reduce_bucket_size = 0;    ///< MiB of gradient a bucket reduce-scatters (0: data parallelism's bucket_cap_mb)
-  bool overlap_sync_param = false;  ///< overlap the parameters' all-gather with the next forward (not built: refused)
+  /// After the step, start each bucket's all-gather of the updated parameters and return; they
+  /// are waited for when the model is next used (ParallelModel::sync_params), so the gathers
+  /// overlap whatever the script does in between (InternLM's overlap_sync_param).
+  bool overlap_sync_param = false;
 };
 
 /// What ZeRO keeps on this rank, in bytes, for the planner and the REPL.
@@ -33,6 +36,8 @@ struct ZeroBytes {
   int64_t scratch = 0;         ///< stage 2: the scratch pool (its high-water mark), part of grad_buffer
   /// Stage 2: bytes of shard_grad that are grad_buffer's shard itself (one tensor, not two).
   int64_t shared_grad = 0;
+  /// overlap_sync_param: buckets whose all-gather of updated parameters is in flight now.
+  int gathers_in_flight = 0;
 };
 
 /// Makes the distributed optimizer for `model` (parallelized with a zero stage of 1 or 2): an

@@ -247,6 +247,53 @@ test("ZeRO-2 with GPT-2's tied wte = lm_head equals plain data parallelism (data
                        policy = "policies.gpt2", opts = { schedule = "1f1b", microbatches = 2 } }
 end)
 
+-- overlap_sync_param leaves the step's all-gathers in flight (one a bucket, counted by opt:zero()),
+-- waited for when the model is next used: training with it is bit for bit training without it
+-- (float64), at ZeRO-1 and ZeRO-2 over data 4 and at ZeRO-2 over pipeline 2 x data 2; the
+-- parameters read right after a step (through the model) are already the updated ones.
+test("overlap_sync_param = true trains bit for bit as false (float64)", function()
+  for _, c in ipairs {
+    { what = "zero-1 data 4", mesh = { zero = 0 }, stage = 1, make = mlp },
+    { what = "zero-2 data 4", mesh = { zero = 0 }, stage = 2, make = mlp },
+    { what = "zero-2 pipeline 2", mesh = { pipeline = 2, zero = 2 }, stage = 2, make = chain, deferred = true,
+      policy = chain_policy, opts = { schedule = "1f1b", microbatches = 2 } },
+  } do
+    local runs = {}
+    for _, overlap in ipairs { false, true } do
+      local mesh = pt.mesh(c.mesh)
+      local opts = { zero = { stage = c.stage, reduce_bucket_size = 0.001, overlap_sync_param = overlap } }
+      for k, v in pairs(c.opts or {}) do opts[k] = v end
+      pt.manual_seed(41)
+      local model = pt.parallelize(c.deferred and pt.deferred(c.make("float64")) or c.make("float64")(), c.policy, mesh, opts)
+      local opt = pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 })
+      local d, b = mesh:coord().data, BATCH / mesh:size("data")
+      local run = { losses = {}, after = {} }
+      for step = 1, 3 do
+        pt.manual_seed(700 + step)
+        local x, y = rows("float64")
+        run.losses[step] = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):item()
+        opt:step(); opt:zero_grad()
+        local in_flight = opt:zero().gathers_in_flight
+        ok(overlap and in_flight == #pt.data_parallel(model):bucket_bytes() or not overlap and in_flight == 0,
+           ("%s: %d all-gathers in flight after step %d (overlap_sync_param %s)"):format(c.what, in_flight, step, overlap))
+        run.after[step] = model:parameters()[1]:clone()
+        eq(opt:zero().gathers_in_flight, 0, c.what .. ": using the model waits for them")
+      end
+      run.params = model:full_state_dict()
+      runs[#runs + 1] = run
+    end
+    local plain, overlapped = runs[1], runs[2]
+    for step, l in ipairs(plain.losses) do
+      eq(overlapped.losses[step], l, ("%s: overlap_sync_param's loss at step %d is bitwise the same"):format(c.what, step))
+      ok(overlapped.after[step]:equal(plain.after[step]),
+         ("%s: a parameter read right after step %d is the updated one"):format(c.what, step))
+    end
+    for name, t in pairs(plain.params) do
+      ok(overlapped.params[name]:equal(t), ("%s: overlap_sync_param's parameter %s is bitwise the same"):format(c.what, name))
+    end
+  end
+end)
+
 test("optimizer state and master weights per rank are the shard's: total / zero, within padding", function()
   local mesh = pt.mesh { zero = 0 }
   pt.manual_seed(1)
@@ -414,8 +461,8 @@ test("what cannot run is refused at the caller's line", function()
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 2, reduce_bucket_size = 0 } }) end,
              "reduce_bucket_size must be > 0")
   ok(e:find(here), e)
-  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { overlap_sync_param = true } }) end,
-             "overlap_sync_param = true is not supported")
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 0, overlap_sync_param = true } }) end,
+             "overlap_sync_param = true overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0")
   ok(e:find(here), e)
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { reduce_dtype = "int8" }) end,
              "reduce_dtype' must be 'float32', 'bfloat16' or 'float64', got 'int8'")
