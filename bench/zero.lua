@@ -2,13 +2,16 @@
 -- weights, trained plain, with ZeRO-1 and with ZeRO-2 over the whole data group, the three taking
 -- turns (a round of steps each, several rounds) so that the machine's noise falls on all alike.
 -- Prints, per variant, the median step time and each rank's optimizer-state, master-weight and
--- gradient bytes (pt.memory_report: what the tensors hold) beside ZeRO's theory.
+-- gradient bytes (pt.memory_report: what the tensors hold) beside ZeRO's theory; under ZeRO-2
+-- the gradients are split into the shard and the scratch of the buckets backward reduces (the
+-- pool's high-water mark), stated apart. Every variant uses buckets of --bucket MiB.
 --   partrain --nproc-per-node 4 --threads 1 bench/zero.lua --dim 256 --layers 4
 local pt = require "partrain"
 local cfg = pt.args {
   vocab = 256, seq = 64, dim = 256, heads = 4, layers = 4,
   batch = 8,          -- the global batch, in sequences
   dtype = "float32",
+  bucket = 1,         -- MiB of gradient a bucket (bucket_cap_mb; ZeRO's reduce_bucket_size)
   steps = 4,          -- steps a round, per variant
   rounds = 3,         -- rounds; the first step of each variant is warm-up, not timed
 }
@@ -20,7 +23,8 @@ for _, v in ipairs(variants) do
   local mesh = v.stage > 0 and pt.mesh { zero = 0 } or pt.mesh {}
   local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers,
                                  dtype = cfg.dtype }
-  v.model = pt.parallelize(model, nil, mesh, v.stage > 0 and { zero = { stage = v.stage } } or {})
+  v.model = pt.parallelize(model, nil, mesh, v.stage > 0 and { zero = { stage = v.stage, reduce_bucket_size = cfg.bucket } }
+                                             or { bucket_cap_mb = cfg.bucket })
   v.opt = pt.optim.adamw(v.model, { lr = 1e-3, clip_grad_norm = 1.0 })
   v.loss_of = pt.loss_fn(v.model)
   v.times = {}
@@ -71,8 +75,15 @@ for _, v in ipairs(variants) do
       t > 0 and ("%.3f"):format(r[key] / t) or (r[key] == 0 and "-" or "inf"))
   end
   local ms = 1000 * median(v.times)
+  local scratch = ""
+  if v.stage == 2 then  -- the shard against theory, the scratch apart
+    local s = v.opt:zero().scratch_bytes
+    local shard = r.grads - s
+    scratch = (" | shard_mb=%.3f theory_mb=%.3f ratio=%.3f scratch_mb=%.3f"):format(shard / 1e6, theory.grads / 1e6,
+      shard / theory.grads, s / 1e6)
+  end
   if rank == 0 then
-    print(("%s world=%d dtype=%s params=%d step_ms=%.2f vs_plain=%.3f timed_steps=%d | %s | %s | %s"):format(v.name, world,
-      cfg.dtype, n, ms, ms / (1000 * base), #v.times, col("optimizer"), col("master"), col("grads")))
+    print(("%s world=%d dtype=%s params=%d step_ms=%.2f vs_plain=%.3f timed_steps=%d | %s | %s | %s%s"):format(v.name, world,
+      cfg.dtype, n, ms, ms / (1000 * base), #v.times, col("optimizer"), col("master"), col("grads"), scratch))
   end
 end
