@@ -4,6 +4,11 @@
 -- logical parameter at the end within 1e-5 (float32) or 1e-10 (float64) relative to max(|x|, 1),
 -- clipping's global norm equal to the serial norm; optimizer state and master bytes per rank are
 -- the shard's (total / zero group, within padding); bf16 parameters under ZeRO-1 track float32;
+-- ZeRO-2 equals plain data parallelism (losses, clipping's norm, every parameter; sync_shard_grad's
+-- .grad equal to plain's) with grad_accumulation 2 at data 4, under pipeline 2 x data 2 with
+-- gpipe, 1f1b and interleaved chunks, and with GPT-2's tied embedding, while each rank holds no
+-- .grad after the step and at most its shard, the buckets reduced whole and two buckets of
+-- scratch; overlap_sync_param trains bit for bit as without it;
 -- sync_shard_grad makes ZeRO-2's gradients whole; reducer pre/post hooks fire under ZeRO-1 and
 -- ZeRO-2 (the post-hook of a reduce-scattered bucket gets this rank's part) and what they write
 -- reaches the gradients; and what cannot run is refused at the caller's line.
