@@ -174,7 +174,7 @@ local function zero2_equals_plain(c)
   local plain, _, popt = build(c.mesh, false)
   local zero, mesh, zopt = build(c.zero_mesh, true)
   local d, b = mesh:coord().data, BATCH / mesh:size("data")
-  local steps, worst = c.steps or 4, 0
+  local steps, worst, dloss, dparam = c.steps or 3, 0, 0, 0
   for step = 1, steps do
     for pass = 1, c.passes or 1 do
       pt.manual_seed(1000 + 10 * step + pass)  -- the same global batch on every rank
@@ -182,6 +182,7 @@ local function zero2_equals_plain(c)
       x, y = x:narrow(0, d * b, b), y:narrow(0, d * b, b)
       local lp, lz = plain:train_step(x, y), zero:train_step(x, y)
       near(lz, lp, tol, ("%s: loss at step %d, pass %d"):format(what, step, pass))
+      dloss = math.max(dloss, math.abs(lz:item() - lp:item()) / math.max(1, math.abs(lp:item())))
     end
     if step == steps then
       zopt:sync_shard_grad()
@@ -213,7 +214,14 @@ local function zero2_equals_plain(c)
     popt:zero_grad(); zopt:zero_grad()
   end
   local want = plain:full_state_dict()
-  for name, t in pairs(zero:full_state_dict()) do near(t, want[name], tol, ("%s: parameter %s"):format(what, name)) end
+  for name, t in pairs(zero:full_state_dict()) do
+    near(t, want[name], tol, ("%s: parameter %s"):format(what, name))
+    dparam = math.max(dparam, (t - want[name]):abs():max():item() / math.max(1, want[name]:abs():max():item()))
+  end
+  if pt.dist.rank() == 0 then
+    print(("%s: largest relative difference to plain: loss %.2e, parameter %.2e (tolerance %.0e)"):format(
+      what, dloss, dparam, tol))
+  end
   return worst
 end
 
@@ -273,7 +281,7 @@ test("overlap_sync_param = true trains bit for bit as false (float64)", function
       local opt = pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 })
       local d, b = mesh:coord().data, BATCH / mesh:size("data")
       local run = { losses = {}, after = {} }
-      for step = 1, 3 do
+      for step = 1, 2 do
         pt.manual_seed(700 + step)
         local x, y = rows("float64")
         run.losses[step] = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):item()
