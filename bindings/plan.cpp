@@ -53,11 +53,12 @@ const Function kPlan[] = {
        const dist::Mesh* m = nullptr;
        auto r = rank_plan(a, &m);
        return a.ret(plan::check(r, plan::layout_of(m), a.string(4), a.string(5))); }},
-    {"held", [](Args& a) {  // held(model, optimizers) -> { params, grads, optimizer, master, zero_stage, zero_group }
+    {"held", [](Args& a) {  // held(model, optimizers) -> { params, grads, scratch, optimizer, master, zero_stage, zero_group }
        auto h = plan::held(*a.module(1), optimizers_at(a));
-       lua_createtable(a.L, 0, 6);
+       lua_createtable(a.L, 0, 7);
        lua_pushnumber(a.L, double(h.params)); lua_setfield(a.L, -2, "params");
        lua_pushnumber(a.L, double(h.grads)); lua_setfield(a.L, -2, "grads");
+       lua_pushnumber(a.L, double(h.scratch)); lua_setfield(a.L, -2, "scratch");
        lua_pushnumber(a.L, double(h.optimizer)); lua_setfield(a.L, -2, "optimizer");
        lua_pushnumber(a.L, double(h.master)); lua_setfield(a.L, -2, "master");
        lua_pushnumber(a.L, h.zero_stage); lua_setfield(a.L, -2, "zero_stage");

@@ -289,8 +289,10 @@ Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& o
     grad(p.grad());
   }
   auto owner = parallel::ParallelModel::of(model);
-  if (const auto dp = owner ? owner->data_parallel() : nullptr)
+  if (const auto dp = owner ? owner->data_parallel() : nullptr) {
     for (const auto& b : dp->held()) grad(b);  // held whether or not a .grad views it now
+    h.scratch = dp->scratch_bytes();
+  }
   for (const auto* o : optimizers) {
     const int64_t masters = o->master_bytes();  // a plain optimizer's copies (none under ZeRO)
     h.optimizer += o->state_bytes() - masters;

@@ -151,6 +151,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
 /// state is what has been allocated so far (after a first step, all of it).
 struct Held {
   int64_t params = 0, grads = 0, optimizer = 0, master = 0;
+  int64_t scratch = 0;  ///< ZeRO-2: the gradient scratch pool's part of grads
   int zero_stage = 0, zero_group = 1;
 };
 Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers);

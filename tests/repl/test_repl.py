@@ -144,15 +144,17 @@ with tempfile.TemporaryDirectory() as home:
           re.search(r"params [0-9.]+ MB \| grads [0-9.]+ MB \| optimizer [0-9.]+ MB \| masters 0.00 MB \| "
                     r"tensors [0-9.]+ MB \(peak [0-9.]+ MB\) \| resident", out) is not None
           and "optimizer 0.00 MB" not in out and "tensors 0.00 MB" not in out and "ZeRO" not in out, out)
-    # ZeRO-2 over every rank: mem() names the stage and group, and the shard's float32 masters.
+    # ZeRO-2 over every rank: mem() names the stage and group, the shard's float32 masters and the
+    # gradients' scratch.
     s.chunk("zm = pt.models.gpt2 { vocab = 64, seq = 8, dim = 64, heads = 4, layers = 1 }")
     s.chunk("zm = pt.parallelize(zm, nil, pt.mesh { zero = 0 }, { zero = { stage = 2 } })")
     s.chunk("zo = pt.optim.adamw(zm); zx = pt.randint(0, 64, {2, 9})")
     s.chunk("pt.loss_fn(zm)(zm(zx:narrow(1, 0, 8)), zx:narrow(1, 1, 8)):backward()")
     s.chunk("zo:step()")
     out = s.chunk("mem(zm)")
-    check("mem() under ZeRO-2 names the stage and the zero group and counts the master shard",
-          out.count(f"ZeRO-2 over {RANKS} ranks") == RANKS and re.search(r"masters 0.00 MB", out) is None, out)
+    check("mem() under ZeRO-2 names the stage and the zero group, counts the master shard and the gradient scratch",
+          out.count(f"ZeRO-2 over {RANKS} ranks") == RANKS and re.search(r"masters 0.00 MB", out) is None
+          and len(re.findall(r"grads [0-9.]+ MB \(scratch [0-9.]+ MB\)", out)) == RANKS, out)
     out = s.chunk(f"=on({last}, function() return 'only here' end)")
     check("on(rank, fn) runs on one rank only",
           f"[rank {last}] \"only here\"" in out and out.count("only here") == 1, repr(out))

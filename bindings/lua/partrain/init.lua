@@ -467,10 +467,11 @@ end
 pt.memory = core.memory
 pt.reset_peak_memory = core.reset_peak
 --- This rank's model-state bytes, measured from the tensors (each storage once): { params,
---- grads, optimizer, master, zero_stage, zero_group } of `model` (a tied parameter once) and its
---- optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields. grads counts data
---- parallelism's flat buffers and the masters' float32 gradients; optimizer the moments; master
---- the float32 master weights (under ZeRO this rank's shard).
+--- grads, scratch, optimizer, master, zero_stage, zero_group } of `model` (a tied parameter once)
+--- and its optimizers (made with pt.optim.*(model)), plus pt.memory()'s fields. grads counts data
+--- parallelism's flat buffers (under ZeRO-2 its shard, buckets reduced whole and the scratch pool,
+--- whose part is scratch) and the masters' float32 gradients; optimizer the moments; master the
+--- float32 master weights (under ZeRO this rank's shard).
 function pt.memory_report(model)
   if not core.nn.is_module(model) then error("pt.memory_report: a module expected, got " .. type(model), 2) end
   local r = pt.memory()

@@ -348,10 +348,15 @@ function R.helpers(stop)
   --- tensors hold on the CPU now and at their peak, and the process's resident memory.
   function H.mem(model)
     local r = pt.memory_report(model_of(model))
-    local zero = r.zero_stage > 0 and (" | ZeRO-%d over %d ranks (optimizer and masters: this rank's shard)"):format(
-      r.zero_stage, r.zero_group) or ""
+    local zero = ""
+    if r.zero_stage == 1 then
+      zero = (" | ZeRO-1 over %d ranks (optimizer and masters: this rank's shard)"):format(r.zero_group)
+    elseif r.zero_stage == 2 then
+      zero = (" | ZeRO-2 over %d ranks (optimizer, masters and gradients: this rank's shard)"):format(r.zero_group)
+    end
+    local grads = mb(r.grads) .. (r.scratch > 0 and (" (scratch %s)"):format(mb(r.scratch)) or "")
     print(("params %s | grads %s | optimizer %s | masters %s%s | tensors %s (peak %s) | resident %s (peak %s)"):format(
-      mb(r.params), mb(r.grads), mb(r.optimizer), mb(r.master), zero, mb(r.allocated), mb(r.allocated_peak),
+      mb(r.params), grads, mb(r.optimizer), mb(r.master), zero, mb(r.allocated), mb(r.allocated_peak),
       mb(r.resident), mb(r.resident_peak)))
   end
   return H
