@@ -53,6 +53,19 @@ std::string seconds(int64_t ns) {
 
 bool stopped(const RankView& r) { return r.running && (r.state == 'T' || r.state == 't'); }
 
+// The rank's newest call (any state), and its group.
+std::pair<const GroupCopy*, const Call*> last_call(const Copy& c, bool completed_only) {
+  const GroupCopy* group = nullptr;
+  const Call* last = nullptr;
+  for (const auto& g : c.groups)
+    for (const auto& call : g.calls_kept)
+      if ((!completed_only || call.state == State::Completed) && (!last || call.started_ns > last->started_ns)) {
+        group = &g;
+        last = &call;
+      }
+  return {group, last};
+}
+
 // Where a rank is blocked: the call, its group, and for a ring step the collective it belongs to.
 struct Blocked {
   const GroupCopy* group = nullptr;
@@ -68,6 +81,12 @@ Blocked blocked_in(const Copy& c) {
         b.group = &g;
         b.call = &call;
       }
+  // Or its newest call failed: it waited there until the peer it waited for went away.
+  auto [group, last] = last_call(c, false);
+  if (!b.call && last && last->state == State::Failed) {
+    b.group = group;
+    b.call = last;
+  }
   if (b.call && !b.call->collective() && b.call->tag == dist::ledger::kRingTag) {
     // A ring step: the collective around it is the newest one of the group not yet completed.
     const Call* outer = nullptr;
@@ -79,19 +98,6 @@ Blocked blocked_in(const Copy& c) {
     }
   }
   return b;
-}
-
-// The rank's newest call (any state), and its group.
-std::pair<const GroupCopy*, const Call*> last_call(const Copy& c, bool completed_only) {
-  const GroupCopy* group = nullptr;
-  const Call* last = nullptr;
-  for (const auto& g : c.groups)
-    for (const auto& call : g.calls_kept)
-      if ((!completed_only || call.state == State::Completed) && (!last || call.started_ns > last->started_ns)) {
-        group = &g;
-        last = &call;
-      }
-  return {group, last};
 }
 
 // "all_reduce(sum) of 4 float32 (16 B) at t.lua:12 (call 2 on group 'world' (ranks 0,1))"
@@ -141,6 +147,8 @@ const Call* collective_numbered(const GroupCopy& g, int64_t seq) {
 
 }  // namespace
 
+bool in_call(const Copy& ledger) { return ledger.valid && blocked_in(ledger).call != nullptr; }
+
 Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigger, int64_t now_ns) {
   Diagnosis d;
   const int n = static_cast<int>(ranks.size());
@@ -152,7 +160,8 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
   // Waiting: blocked in a call now, or until that call timed out (the rank may have ended since).
   // A rank that ended otherwise, or is stopped, is not waiting, whatever its ledger's last entry says.
   auto waiting = [&](int i) {
-    return blocked[i].call && !stopped(ranks[i]) && (ranks[i].running || blocked[i].call->state == State::TimedOut);
+    return blocked[i].call && !stopped(ranks[i]) &&
+           (ranks[i].running || blocked[i].call->state == State::TimedOut || blocked[i].call->state == State::Failed);
   };
 
   std::vector<Edge> edges;
@@ -266,10 +275,14 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
     const Blocked& b = blocked[i];
     const bool is_culprit = std::find(d.culprits.begin(), d.culprits.end(), i) != d.culprits.end();
     if (waiting(i)) {
-      s += std::string(b.call->state == State::TimedOut ? "timed out" : "waiting") + " in " + where(*b.group, *b.call);
+      const State st = b.step ? b.step->state : b.call->state;
+      const Call& timed = b.step ? *b.step : *b.call;
+      s += std::string(st == State::TimedOut ? "timed out" : st == State::Failed ? "failed" : "waiting") + " in " +
+           where(*b.group, *b.call);
       if (b.step) s += ", at its ring step " + b.step->describe();
-      s += b.call->state == State::TimedOut ? " after " + seconds(std::max<int64_t>(0, b.call->ended_ns - b.call->started_ns))
-                                            : " for " + seconds(std::max<int64_t>(0, now_ns - b.call->started_ns));
+      s += st == State::TimedOut || st == State::Failed
+               ? " after " + seconds(std::max<int64_t>(0, timed.ended_ns - timed.started_ns))
+               : " for " + seconds(std::max<int64_t>(0, now_ns - timed.started_ns));
       std::set<int> targets_of;
       std::string whys;
       for (const auto& e : edges)
@@ -282,7 +295,7 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
     if (!r.running) s += describe_status(r.status) + "; ";
     else if (stopped(r)) s += "stopped (process state " + std::string(1, r.state) + ": SIGSTOP, Ctrl-Z or a debugger); ";
     if (!r.ledger.valid) {
-      s += "(no ledger: it shares none with the launcher)";
+      s += "(no ledger yet: it is starting, or shares none with the launcher)";
     } else {
       if (r.running && !stopped(r)) s += "running, not in any collective or send/recv; ";
       auto [g, last] = last_call(r.ledger, false);
@@ -324,7 +337,7 @@ std::string dump(const std::vector<RankView>& ranks, int64_t now_ns, size_t tail
     else if (stopped(r)) s += "stopped (process state " + std::string(1, r.state) + ")";
     else s += "running";
     if (!r.ledger.valid) {
-      s += "; no ledger\n";
+      s += "; no ledger yet (starting)\n";
       continue;
     }
     Blocked b = blocked_in(r.ledger);

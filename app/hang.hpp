@@ -34,6 +34,9 @@ struct Diagnosis {
 /// ranks timed out waiting in a collective".
 Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigger, int64_t now_ns);
 
+/// Whether the ledger shows its rank blocked in a call (waiting, or just timed out or failed in it).
+bool in_call(const dist::ledger::Copy& ledger);
+
 /// Every rank's state and its last `tail` calls per group, a line each, indented.
 std::string dump(const std::vector<RankView>& ranks, int64_t now_ns, size_t tail);
 

@@ -439,6 +439,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   std::optional<hang::Diagnosis> diagnosis;  // the ledgers' account of a hang, taken before stopping
   bool hung = false;                         // the hang timeout ended the run
   std::optional<Clock::time_point> dump_at, hang_asked_at;
+  Clock::time_point lines_asked;
   uint64_t last_progress = 0;
   Clock::time_point progress_at = Clock::now();
   const auto hang_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.hang_timeout * 1000));
@@ -537,9 +538,18 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     } else if (collective) {
       if (!settle_until) {
         settle_until = Clock::now() + settle;
+        lines_asked = Clock::now();
         ask_lines();  // the ranks not in the collective say where they are while the others report
       }
       bool all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.running || r.report; });
+      // The ledgers tell sooner: once the ranks asked have had a second to answer, ranks without a
+      // report that are in no call will not report; those in one will, within moments.
+      if (!all_heard && Clock::now() >= lines_asked + std::chrono::seconds(1))
+        all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) {
+          if (!r.running || r.report) return true;
+          auto ledger = dist::ledger::read(r.ledger);
+          return ledger.valid && !hang::in_call(ledger);
+        });
       if (all_heard || Clock::now() >= *settle_until) {
         for (size_t i = 0; i < ranks.size(); ++i)
           if (ranks[i].running && !ranks[i].report) missing.emplace_back(int(i), process_state(ranks[i].pid));

@@ -33,6 +33,8 @@ elseif cfg.mode == "send" then
   world:barrier() -- @send_barrier
 elseif cfg.mode == "healthy" then
   local t, until_ = pt.ones(8), os.time() + cfg.seconds
+  print("healthy run started")
+  io.stdout:flush()
   while os.time() < until_ do world:all_reduce(t, "mean") end -- @healthy
   print("healthy run finished")
 else

@@ -43,7 +43,7 @@ check() {
   read -r status took <"$tmp/$name.status"
   report $(( status != 1 )) "$name: the run ends with status 1 (status $status)" "$out"
   report $(( took > 40 )) "$name: within 30 s of the timeout (the run took ${took} s in all)" "$out"
-  grep -q "^partrain: rank $culprit (local rank $culprit, pid [0-9]*) $headline" <<<"$out"
+  grep -qE "^partrain: rank $culprit \(local rank $culprit, pid [0-9]+\) $headline" <<<"$out"
   report $? "$name: the summary names rank $culprit: $headline" "$out"
   for want in "$@"; do
     matches "$out" "$want"; report $? "$name: the summary says: $want" "$out"
@@ -51,6 +51,19 @@ check() {
 }
 # A regular expression for a literal text.
 re() { sed 's/[][\.*^$(){}+?|/]/\\&/g' <<<"$1"; }
+
+# Checked below, run beside the 4-rank cases: --hang-timeout ends a hang long before a 60 s
+# collective timeout; kill -USR1 shows a healthy run's ledgers, and that run goes on to finish.
+healthy_dump() {
+  (
+    "$bin" --nproc-per-node 2 --threads 1 "$script" --mode healthy --seconds 4 >"$tmp/healthy.out" 2>&1 &
+    launcher=$!
+    for _ in $(seq 600); do grep -q "healthy run started" "$tmp/healthy.out" && break; sleep 0.1; done
+    kill -USR1 "$launcher"
+    wait "$launcher"
+    echo "$? $launcher" >"$tmp/healthy.status"
+  ) &
+}
 
 for n in 2 4; do
   last=$((n - 1))
@@ -60,23 +73,23 @@ for n in 2 4; do
   if [ "$n" = 2 ]; then  # 8 ranks at once; at 4 ranks two runs at a time
     run skip$n $n 3 skip; run stop$n $n 3 stop; run spin$n $n 3 spin; run send$n $n 3 send; wait
   else
-    run skip$n $n 3 skip; run stop$n $n 3 stop; wait
-    run spin$n $n 3 spin_interpreted; run send$n $n 3 send; wait
+    run skip$n $n 3 skip; run stop$n $n 3 stop; healthy_dump; wait
+    run spin$n $n 3 spin_interpreted; run send$n $n 3 send; run hang_timeout 2 60 stop --hang-timeout 2; wait
   fi
 
   # A skipped collective: the others wait in the world all-reduce it skipped; it waits in its
   # data group's barrier, which they never reach.
   waits=()
   for r in $(seq 0 $((last - 1))); do
-    waits+=("^  rank $r: (timed out|waiting) in $(re "all_reduce(sum) of 4 float32 (16 B) at $S:$(line skipped)") \(call 1 on $world\).*it waits for rank $last, which has not reached call 1 on $world")
+    waits+=("^  rank $r: (timed out|failed|waiting) in $(re "all_reduce(sum) of 4 float32 (16 B) at $S:$(line skipped)") \(call 1 on $world\).*it waits for rank $last, which has not reached call 1 on $world")
   done
   check skip$n $last "$(re "is the rank the others waited for: it never made the call they wait in (all_reduce(sum) of 4 float32 (16 B) at $S:$(line skipped)) and waits in barrier at $S:$(line skip_barrier) instead")" \
-    "^  rank $last: (timed out|waiting) in barrier at $(re "$S:$(line skip_barrier)") \(call 0 on group 'data\[$ranks\]'" "${waits[@]}"
+    "^  rank $last: (timed out|failed|waiting) in barrier at $(re "$S:$(line skip_barrier)") \(call 0 on group 'data\[$ranks\]'" "${waits[@]}"
 
   # A stopped rank.
   waits=()
   for r in $(seq 0 $((last - 1))); do
-    waits+=("^  rank $r: (timed out|waiting) in barrier at $(re "$S:$(line stop_barrier)") \(call 1 on $world\).*it waits for rank $last, which has not reached call 1")
+    waits+=("^  rank $r: (timed out|failed|waiting) in barrier at $(re "$S:$(line stop_barrier)") \(call 1 on $world\).*it waits for rank $last, which has not reached call 1")
   done
   check stop$n $last "$(re "was still running, with no error, when the other ranks timed out waiting in a collective: it is the rank the others waited for (rank $last was stopped: SIGSTOP, Ctrl-Z or a debugger)")" \
     "^  rank $last: stopped \(process state T.*its last call: $(re "$first")" "${waits[@]}"
@@ -86,7 +99,7 @@ for n in 2 4; do
   # (the rank names its line).
   waits=()
   for r in $(seq 0 $((last - 1))); do
-    waits+=("^  rank $r: (timed out|waiting) in barrier at $(re "$S:$(line spin_barrier)") \(call 1 on $world\).*it waits for rank $last")
+    waits+=("^  rank $r: (timed out|failed|waiting) in barrier at $(re "$S:$(line spin_barrier)") \(call 1 on $world\).*it waits for rank $last")
   done
   if [ "$n" = 2 ]; then
     now="(its Lua line now: $(re "$S:$(line spin)")|its Lua line could not be read: it did not answer within a second)"
@@ -98,24 +111,17 @@ for n in 2 4; do
 
   # A send nobody receives: rank 0 waits in it, the receiver went on to the barrier, where the
   # other ranks wait for rank 0.
-  waits=("^  rank 0: (timed out|waiting) in $(re "send of 3 float32 (12 B) to rank $last (tag 0) at $S:$(line send)") \(message 0 of this channel on $world\).*it waits for rank $last, which has not posted the receive for message 0")
+  waits=("^  rank 0: (timed out|failed|waiting) in $(re "send of 3 float32 (12 B) to rank $last (tag 0) at $S:$(line send)") \(message 0 of this channel on $world\).*it waits for rank $last, which has not posted the receive for message 0")
   for r in $(seq 1 $((last - 1))); do
-    waits+=("^  rank $r: (timed out|waiting) in barrier at $(re "$S:$(line send_barrier)") \(call 1 on $world\).*it waits for rank 0, which has not reached call 1")
+    waits+=("^  rank $r: (timed out|failed|waiting) in barrier at $(re "$S:$(line send_barrier)") \(call 1 on $world\).*it waits for rank 0, which has not reached call 1")
   done
   check send$n $last "$(re "is the rank the others waited for: it never made the call they wait in (send of 3 float32 (12 B) to rank $last (tag 0) at $S:$(line send)) and waits in barrier at $S:$(line send_barrier) instead")" \
-    "^  rank $last: (timed out|waiting) in barrier at $(re "$S:$(line send_barrier)") \(call 1 on $world\)" "${waits[@]}"
+    "^  rank $last: (timed out|failed|waiting) in barrier at $(re "$S:$(line send_barrier)") \(call 1 on $world\)" "${waits[@]}"
   echo "($n ranks: $(( $(date +%s) - wave_start )) s)"
 done
 
-# --hang-timeout ends a hang long before a 60 s collective timeout; kill -USR1 shows a healthy
-# run's ledgers, and that run goes on to finish.
-run hang_timeout 2 60 stop --hang-timeout 2
-"$bin" --nproc-per-node 2 --threads 1 "$script" --mode healthy --seconds 6 >"$tmp/healthy.out" 2>&1 &
-launcher=$!
-sleep 3
-kill -USR1 "$launcher"
-wait "$launcher"
-status=$?
+
+read -r status launcher <"$tmp/healthy.status"
 out=$(cat "$tmp/healthy.out")
 report $status "a healthy run asked for its ledgers still ends with status 0 (status $status)" "$out"
 has "$out" "partrain: the ranks' collective ledgers (kill -USR1 $launcher; the run goes on):"; report $? "kill -USR1 prints the ledgers" "$out"
@@ -125,7 +131,6 @@ done
 matches "$out" "^      call [0-9]+: $(re "all_reduce(mean) of 8 float32 (32 B) at $S:$(line healthy)"), (completed|waiting|started)"
 report $? "... and its last calls with their script line" "$out"
 has "$out" "healthy run finished"; report $? "... and the run finished its work" "$out"
-wait
 check hang_timeout 1 "$(re "was still running, with no error, when no rank had made progress for 2 s (--hang-timeout): it is the rank the others waited for (rank 1 was stopped")" \
   "^  rank 0: waiting in barrier at $(re "$S:$(line stop_barrier)") \(call 1 on group 'world' \(ranks 0,1\)\) for [0-9.]+ s"
 read -r status took <"$tmp/hang_timeout.status"
