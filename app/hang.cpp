@@ -47,7 +47,8 @@ namespace {
 
 std::string seconds(int64_t ns) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f s", double(ns) / 1e9);
+  if (ns < 1000000000) std::snprintf(buf, sizeof buf, "%.1f ms", double(ns) / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.1f s", double(ns) / 1e9);
   return buf;
 }
 
@@ -283,11 +284,21 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
       s += st == State::TimedOut || st == State::Failed
                ? " after " + seconds(std::max<int64_t>(0, timed.ended_ns - timed.started_ns))
                : " for " + seconds(std::max<int64_t>(0, now_ns - timed.started_ns));
+      // Ranks it waits for that have the same reason are named together.
+      std::vector<std::pair<std::string, std::vector<int>>> reasons;
       std::set<int> targets_of;
+      for (const auto& e : edges) {
+        if (e.from != i || !targets_of.insert(e.to).second) continue;
+        auto it = std::find_if(reasons.begin(), reasons.end(), [&](const auto& r) { return r.first == e.why; });
+        if (it == reasons.end()) reasons.push_back({e.why, {ranks[e.to].rank}});
+        else it->second.push_back(ranks[e.to].rank);
+      }
       std::string whys;
-      for (const auto& e : edges)
-        if (e.from == i && targets_of.insert(e.to).second)
-          whys += std::string(whys.empty() ? "" : "; ") + "rank " + std::to_string(ranks[e.to].rank) + ", which " + e.why;
+      for (const auto& [why, who] : reasons) {
+        std::string list;
+        for (size_t k = 0; k < who.size(); ++k) list += (k ? ", " : "") + std::to_string(who[k]);
+        whys += std::string(whys.empty() ? "" : "; ") + (who.size() > 1 ? "ranks " + list + ", which each " : "rank " + list + ", which ") + why;
+      }
       if (!whys.empty()) s += "; it waits for " + whys;
       if (!r.running) s += "; then it " + describe_status(r.status);
       return s + "\n";
