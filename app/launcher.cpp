@@ -11,6 +11,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -417,7 +418,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       if (r.running && r.ledger && r.ledger->line_ready.load() == 1) {
         r.line_asked_at = r.ledger->line_answers.load();
         r.line_asked = true;
-        kill(r.pid, SIGUSR1);
+        syscall(SYS_tgkill, r.pid, r.pid, SIGUSR1);  // to its main thread, the one running Lua
       }
   };
   auto views = [&] {

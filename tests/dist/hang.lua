@@ -1,12 +1,8 @@
--- Ranks that hang, one way each, for the launcher's hang summary (tests/dist/test_hang.sh). Every
--- rank first makes one all-reduce on the world group (call 0), then, by --mode:
---   skip     the last rank skips the second world all-reduce and waits in a barrier of its data group
---   stop     the last rank stops itself (SIGSTOP); the others wait in a world barrier
---   spin     the last rank loops forever in Lua (compiled by the JIT); the others wait in a barrier
---   spin_interpreted  the same loop with the JIT off, so that the rank can say its Lua line
---   send     rank 0 sends to the last rank, which never receives and waits in the world barrier
---   healthy  every rank all-reduces for --seconds, then the run ends normally
--- The test finds the lines by the markers at their ends.
+-- Ranks that hang, one way each, for the launcher's hang summary (tests/dist/test_hang.sh). After
+-- one all-reduce on the world group (call 0), by --mode: skip (the last rank skips the next world
+-- all-reduce and waits in its data group's barrier), stop (it stops itself: SIGSTOP), spin (it loops
+-- forever, compiled by the JIT; spin_interpreted: with the JIT off), send (rank 0 sends to it; it
+-- never receives), healthy (all-reduces for --seconds). The test finds lines by their markers.
 local pt = require "partrain"
 local cfg = pt.args { mode = "healthy", seconds = 4 }
 local rank, last = pt.dist.rank(), pt.dist.world_size() - 1
@@ -14,6 +10,10 @@ local world = pt.dist.world()
 local data = pt.mesh {}:group("data")  -- the world's ranks, as a group of its own
 local pid = io.open("/proc/self/stat"):read("*n")
 
+if rank == 0 and cfg.mode ~= "healthy" then  -- the hang begins in moments: the test times the end from here
+  print("hang begins at " .. os.time())
+  io.stdout:flush()
+end
 world:all_reduce(pt.ones(4)) -- @first
 if cfg.mode == "skip" then
   if rank ~= last then world:all_reduce(pt.ones(4)) end -- @skipped

@@ -27,7 +27,7 @@ run() {
     start=$(date +%s)
     timeout 120 "$bin" --nproc-per-node "$n" --threads 1 --timeout "$timeout" "$@" "$script" --mode "$mode" \
       >"$tmp/$name.out" 2>&1
-    echo "$? $(( $(date +%s) - start ))" >"$tmp/$name.status"
+    echo "$? $(( $(date +%s) - start )) $(date +%s)" >"$tmp/$name.status"
   ) &
 }
 S="$script"
@@ -38,11 +38,15 @@ first="all_reduce(sum) of 4 float32 (16 B) at $S:$(line first) (call 0 on group 
 check() {
   local name=$1 culprit=$2 headline=$3
   shift 3
-  local out status took
+  local out status took ended begun timeout
   out=$(cat "$tmp/$name.out")
-  read -r status took <"$tmp/$name.status"
+  read -r status took ended <"$tmp/$name.status"
+  begun=$(grep -oE "^hang begins at [0-9]+" <<<"$out" | grep -oE "[0-9]+$")
+  timeout=$(grep -oE "failed on rank [0-9]+: .*\(waited [0-9]+ s" <<<"$out" | head -1 | grep -oE "[0-9]+ s$" | cut -d' ' -f1)
+  timeout=${timeout:-$(grep -oE "made progress for [0-9]+ s" <<<"$out" | grep -oE "[0-9]+ s$" | cut -d' ' -f1)}
   report $(( status != 1 )) "$name: the run ends with status 1 (status $status)" "$out"
-  report $(( took > 40 )) "$name: within 30 s of the timeout (the run took ${took} s in all)" "$out"
+  local after=$(( ended - ${begun:-0} - ${timeout:-0} ))
+  report $(( ${begun:-0} == 0 || ${timeout:-0} == 0 || after > 30 )) "$name: it ends within 30 s of the ${timeout:-?} s timeout (${after} s after it; ${took} s in all)" "$out"
   grep -qE "^partrain: rank $culprit \(local rank $culprit, pid [0-9]+\) $headline" <<<"$out"
   report $? "$name: the summary names rank $culprit: $headline" "$out"
   for want in "$@"; do
@@ -133,8 +137,10 @@ report $? "... and its last calls with their script line" "$out"
 has "$out" "healthy run finished"; report $? "... and the run finished its work" "$out"
 check hang_timeout 1 "$(re "was still running, with no error, when no rank had made progress for 2 s (--hang-timeout): it is the rank the others waited for (rank 1 was stopped")" \
   "^  rank 0: waiting in barrier at $(re "$S:$(line stop_barrier)") \(call 1 on group 'world' \(ranks 0,1\)\) for [0-9.]+ s"
-read -r status took <"$tmp/hang_timeout.status"
-report $(( took > 30 )) "--hang-timeout 2 ends the hang well before the 60 s timeout (${took} s)" "$(cat "$tmp/hang_timeout.out")"
+out=$(cat "$tmp/hang_timeout.out")
+waited=$(grep -oE "^  rank 0: waiting in barrier .* for [0-9.]+ s" <<<"$out" | grep -oE "[0-9.]+ s$" | cut -d. -f1)
+read -r status took _ <"$tmp/hang_timeout.status"
+report $(( ${waited:-99} >= 10 || took >= 60 )) "--hang-timeout 2 names the hang after rank 0 waited ${waited:-?} s, long before the 60 s timeout (the run took ${took} s)" "$out"
 
 out=$("$bin" --hang-timeout 5 -e '' 2>&1); status=$?
 has "$out" "--hang-timeout needs the launcher"; report $(( status == 0 ? 1 : $? )) "--hang-timeout without the launcher is refused" "$out"

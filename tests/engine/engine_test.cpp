@@ -436,7 +436,7 @@ TEST(Ledger, TheRingKeepsTheLastCallsAndLongSitesAreCut) {
   EXPECT_EQ(g->calls_kept.back().site.size(), size_t(ledger::kSite - 1)) << "a site longer than its field is cut";
 }
 
-TEST(Ledger, ACallCostsWellUnderAMicrosecond) {
+TEST(Ledger, ACallCostsLessThanTwoMicroseconds) {
   // What every collective adds: its entry started, then waiting, then completed (the script line
   // is asked of the Lua boundary as before the ledger existed; here it is given).
   ledger::Book book("world", "test:cost", {0, 1}, 0);
@@ -450,5 +450,5 @@ TEST(Ledger, ACallCostsWellUnderAMicrosecond) {
   }
   double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - begin).count() / n;
   std::printf("ledger: %.0f ns a call (start, waiting, completed)\n", ns);
-  EXPECT_LT(ns, 2000) << "a 2-rank Gloo all-reduce of one float takes tens of microseconds on loopback";
+  EXPECT_LT(ns, 2000) << "bookkeeping that must stay small beside a collective (milliseconds on this machine)";
 }
