@@ -361,7 +361,7 @@ int64_t ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t
   if (!impl_) return -1;
   const bool checking = collective && check_collectives();
   char site_text[ledger::kSite];
-  call_site_into(site_text, sizeof site_text);
+  ledger::fill_site(site_text);  // the script's line, or the end-of-run barrier's "(end of run)"
   const int64_t ticket =
       book_ ? book_->start(lop, reduce, t.defined() ? static_cast<int>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0,
                            t.defined() ? static_cast<int64_t>(t.nbytes()) : 0,
