@@ -7,9 +7,11 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -27,6 +29,9 @@
 #include <stdexcept>
 #include <thread>
 
+#include "app/hang.hpp"
+#include "engine/dist/ledger.hpp"
+
 namespace partrain::app {
 
 namespace {
@@ -35,6 +40,8 @@ using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: the ranks' report 
 
 volatile sig_atomic_t interrupted = 0;
 void on_signal(int sig) { interrupted = sig; }
+volatile sig_atomic_t dump_asked = 0;  // SIGUSR1: print every rank's ledger
+void on_dump(int) { dump_asked = 1; }
 void ignore_signal(int) {}  // unlike SIG_IGN, not inherited by the ranks through exec
 void on_child(int) {}       // wakes poll() when a rank ends, so its end is timed closely
 
@@ -66,6 +73,18 @@ struct Rank {
   int status = 0;
   int64_t ended_ns = 0;       // when it was reaped
   bool ended_stopping = false;  // reaped after the launcher began stopping the ranks
+  const dist::ledger::Region* ledger = nullptr;  // its collective ledger, mapped read-only
+  bool line_asked = false;      // the launcher has asked its Lua line (SIGUSR1) ...
+  uint64_t line_asked_at = 0;   // ... when its ledger's line_answers was this
+};
+
+// The ranks' ledgers stay mapped until the start ends (a dead rank's is still read).
+struct LedgerMaps {
+  std::vector<Rank>& ranks;
+  ~LedgerMaps() {
+    for (auto& r : ranks)
+      if (r.ledger) munmap(const_cast<dist::ledger::Region*>(r.ledger), sizeof(dist::ledger::Region));
+  }
 };
 
 std::string exe_path() {
@@ -92,15 +111,7 @@ int free_port(const std::string& addr) {
   return ntohs(sa.sin_port);
 }
 
-std::string describe_status(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    int sig = WTERMSIG(status);
-    const char* name = sigabbrev_np(sig);
-    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
-  }
-  return "ended with status " + std::to_string(status);
-}
+using hang::describe_status;
 
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
 
@@ -140,16 +151,16 @@ void parse_report(Rank& r) {
 }
 
 // The first `max` lines of `text`, indented, and a count of the rest.
-std::string indented(const std::string& text, size_t max) {
+std::string indented(const std::string& text, size_t max, const std::string& indent = "  ") {
   std::istringstream in(text);
   std::string line, out;
   size_t n = 0, more = 0;
   while (std::getline(in, line)) {
-    if (n < max) out += "  " + line + "\n";
+    if (n < max) out += indent + line + "\n";
     else ++more;
     ++n;
   }
-  if (more) out += "  ... (" + std::to_string(more) + " more lines above, in its stderr)\n";
+  if (more) out += indent + "... (" + std::to_string(more) + " more lines above, in its stderr)\n";
   return out;
 }
 
@@ -163,6 +174,23 @@ char process_state(pid_t pid) {
 
 int report_fd = -1;  // in a rank: the write end of its report pipe
 
+// A zero-filled block for rank `r`'s collective ledger, mapped read-only here and read-write by
+// the rank, so that the launcher reads where the rank is even when it is stopped or dead. Returns
+// the descriptor to hand the rank (-1: none; the rank then keeps its ledger to itself).
+int share_ledger(Rank& r) {
+  int fd = memfd_create("partrain-ledger", MFD_CLOEXEC);
+  if (fd < 0) return -1;
+  void* p = MAP_FAILED;
+  if (ftruncate(fd, sizeof(dist::ledger::Region)) == 0)
+    p = mmap(nullptr, sizeof(dist::ledger::Region), PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  r.ledger = static_cast<const dist::ledger::Region*>(p);
+  return fd;
+}
+
 }  // namespace
 
 void adopt_report_channel() {
@@ -175,6 +203,15 @@ void adopt_report_channel() {
   if (!end || *end || fd < 3 || fd > INT_MAX || fstat(int(fd), &st) != 0 || !S_ISFIFO(st.st_mode)) return;
   fcntl(int(fd), F_SETFD, FD_CLOEXEC);
   report_fd = int(fd);
+  if (const char* l = std::getenv("PARTRAIN_LEDGER_FD")) {
+    unsetenv("PARTRAIN_LEDGER_FD");
+    long lfd = std::strtol(l, &end, 10);
+    if (end && !*end && lfd >= 3 && lfd <= INT_MAX && fstat(int(lfd), &st) == 0 && S_ISREG(st.st_mode) &&
+        st.st_size == static_cast<off_t>(sizeof(dist::ledger::Region))) {
+      dist::ledger::attach(int(lfd));  // the mapping outlives the descriptor
+      close(int(lfd));
+    }
+  }
 }
 
 void report_failure(const std::string& message) {
@@ -221,6 +258,9 @@ void validate(const LaunchOptions& o) {
     bad("--max-restarts " + std::to_string(o.max_restarts) + " with --nnodes " + std::to_string(o.nnodes) +
         ": restarts are for one machine for now (the nodes' launchers do not yet agree on a restart)");
   if (o.max_restarts > 0 && o.interactive) bad("--max-restarts is for scripts, not the REPL (-i)");
+  if (!(o.hang_timeout >= 0 && o.hang_timeout <= kMaxHangTimeout))
+    bad("--hang-timeout " + std::to_string(o.hang_timeout) + " is out of range: 0 (off) to " +
+        std::to_string(int(kMaxHangTimeout)) + " seconds");
   if (!(o.restart_backoff >= 0 && o.restart_backoff <= kMaxBackoff))
     bad("--restart-backoff " + std::to_string(o.restart_backoff) + " is out of range: 0 to " +
         std::to_string(int(kMaxBackoff)) + " seconds");
@@ -262,6 +302,8 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   sigaction(SIGINT, &sa, nullptr);
   sa.sa_handler = on_child;  // no SA_RESTART: poll() returns as soon as a rank ends
   sigaction(SIGCHLD, &sa, nullptr);
+  sa.sa_handler = on_dump;  // also without SA_RESTART: the dump comes at once
+  sigaction(SIGUSR1, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   // Without -i no rank reads a terminal: each rank has its own process group, and reading the
@@ -270,6 +312,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
 
   const pid_t launcher = getpid();
   std::vector<Rank> ranks(o.nproc_per_node);
+  LedgerMaps maps{ranks};
   for (int local = 0; local < o.nproc_per_node; ++local) {
     Rank& r = ranks[local];
     r.local_rank = local;
@@ -277,6 +320,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     int out[2], err[2], report[2];
     if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 || pipe2(report, O_CLOEXEC) != 0)
       throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+    const int ledger_fd = share_ledger(r);
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
@@ -297,6 +341,10 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       }
       fcntl(report[1], F_SETFD, 0);  // the one pipe end the rank keeps across exec
       setenv("PARTRAIN_REPORT_FD", std::to_string(report[1]).c_str(), 1);
+      if (ledger_fd >= 0) {  // and its ledger
+        fcntl(ledger_fd, F_SETFD, 0);
+        setenv("PARTRAIN_LEDGER_FD", std::to_string(ledger_fd).c_str(), 1);
+      }
       setenv("RANK", std::to_string(r.rank).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
@@ -316,6 +364,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     close(out[1]);
     close(err[1]);
     close(report[1]);
+    if (ledger_fd >= 0) close(ledger_fd);
     r.pid = pid;
     r.out = out[0];
     r.err = err[0];
@@ -361,6 +410,40 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     return !r.ended_stopping;
   };
   auto prefix = [&](const Rank& r) { return world > 1 ? "[rank " + std::to_string(r.rank) + "] " : std::string(); };
+
+  // The ledgers: asking the running ranks for their Lua lines (SIGUSR1 to a rank whose ledger says
+  // it answers; the answer is in its ledger a moment later), and what the launcher knows of each.
+  auto ask_lines = [&] {
+    for (auto& r : ranks)
+      if (r.running && r.ledger && r.ledger->line_ready.load() == 1) {
+        r.line_asked_at = r.ledger->line_answers.load();
+        r.line_asked = true;
+        syscall(SYS_tgkill, r.pid, r.pid, SIGUSR1);  // to its main thread, the one running Lua
+      }
+  };
+  auto views = [&] {
+    std::vector<hang::RankView> v;
+    for (const auto& r : ranks) {
+      hang::RankView x;
+      x.rank = r.rank;
+      x.local_rank = r.local_rank;
+      x.pid = r.pid;
+      x.running = r.running;
+      x.status = r.status;
+      x.state = r.running ? process_state(r.pid) : '?';
+      x.ledger = dist::ledger::read(r.ledger);
+      x.line_fresh = x.ledger.valid && r.line_asked && x.ledger.line_answers > r.line_asked_at;
+      v.push_back(std::move(x));
+    }
+    return v;
+  };
+  std::optional<hang::Diagnosis> diagnosis;  // the ledgers' account of a hang, taken before stopping
+  bool hung = false;                         // the hang timeout ended the run
+  std::optional<Clock::time_point> dump_at, hang_asked_at;
+  Clock::time_point lines_asked;
+  uint64_t last_progress = 0;
+  Clock::time_point progress_at = Clock::now();
+  const auto hang_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.hang_timeout * 1000));
 
   int running = o.nproc_per_node;
   auto open_fds = [&] {
@@ -434,6 +517,17 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       }
       continue;
     }
+    // kill -USR1 <launcher>: every rank's ledger, half a second after asking for their lines.
+    if (dump_asked) {
+      dump_asked = 0;
+      ask_lines();
+      dump_at = Clock::now() + std::chrono::milliseconds(500);
+    }
+    if (dump_at && Clock::now() >= *dump_at) {
+      dump_at.reset();
+      std::cerr << "partrain: the ranks' collective ledgers (kill -USR1 " << getpid() << "; the run goes on):\n"
+                << hang::dump(views(), monotonic_ns(), 8) << std::flush;
+    }
     bool cause = false, collective = false, sigint = false;
     for (const auto& r : ranks) {
       cause = cause || is_cause(r);
@@ -443,12 +537,56 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     if (cause || interrupted || sigint) {
       begin_stopping();
     } else if (collective) {
-      if (!settle_until) settle_until = Clock::now() + settle;
+      if (!settle_until) {
+        settle_until = Clock::now() + settle;
+        lines_asked = Clock::now();
+        ask_lines();  // the ranks not in the collective say where they are while the others report
+      }
       bool all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.running || r.report; });
+      // The ledgers tell sooner: once the ranks asked have had a second to answer, ranks without a
+      // report that are in no call will not report; those in one will, within moments.
+      if (!all_heard && Clock::now() >= lines_asked + std::chrono::seconds(1))
+        all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) {
+          if (!r.running || r.report) return true;
+          auto ledger = dist::ledger::read(r.ledger);
+          return ledger.valid && !hang::in_call(ledger);
+        });
       if (all_heard || Clock::now() >= *settle_until) {
         for (size_t i = 0; i < ranks.size(); ++i)
           if (ranks[i].running && !ranks[i].report) missing.emplace_back(int(i), process_state(ranks[i].pid));
+        bool timeouts = std::any_of(ranks.begin(), ranks.end(),
+                                    [](const Rank& r) { return r.report && r.report->kind == Report::Timeout; });
+        diagnosis = hang::diagnose(views(), timeouts ? "the other ranks timed out waiting in a collective"
+                                                     : "the other ranks' collectives failed",
+                                   monotonic_ns());
         begin_stopping();
+      }
+    } else if (o.hang_timeout > 0) {
+      // No change in any ledger for --hang-timeout while a rank waits in a call: a hang. The
+      // ranks are asked for their lines, and a second later the ledgers are read.
+      uint64_t progress = 0;
+      for (const auto& r : ranks)
+        if (r.ledger) progress += r.ledger->progress.load();
+      if (progress != last_progress) {
+        last_progress = progress;
+        progress_at = Clock::now();
+        hang_asked_at.reset();
+      } else if (Clock::now() - progress_at >= hang_timeout) {
+        if (!hang_asked_at) {
+          if (!hang::diagnose(views(), "", monotonic_ns()).culprits.empty()) {
+            ask_lines();
+            hang_asked_at = Clock::now();
+          } else {
+            progress_at = Clock::now();  // nobody waits: long work without calls is no hang
+          }
+        } else if (Clock::now() - *hang_asked_at >= std::chrono::seconds(1)) {
+          std::ostringstream trigger;
+          trigger << "no rank had made progress for " << o.hang_timeout << " s (--hang-timeout)";
+          diagnosis = hang::diagnose(views(), trigger.str(), monotonic_ns());
+          hung = !diagnosis->culprits.empty();
+          if (hung) begin_stopping();
+          else diagnosis.reset();
+        }
       }
     }
   }
@@ -469,6 +607,18 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
            std::to_string(r.pid) + ")";
   };
 
+  // A hang the ledgers explain: the rank(s) the others waited for, and where every rank was.
+  if (culprit < 0 && diagnosis && !diagnosis->culprits.empty()) {
+    std::cerr << "partrain: " << diagnosis->headline << "; all ranks were stopped. Where each rank was, from the ranks' "
+              << "collective ledgers:\n" << diagnosis->details;
+    if (first_collective >= 0) {
+      const Rank& r = ranks[first_collective];
+      std::cerr << "  The first " << (r.report->kind == Report::Timeout ? "timeout" : "failure") << ", on rank " << r.rank
+                << ":\n" << indented(r.report->message, 6, "    ");
+    }
+    const Rank& c = ranks[diagnosis->culprits.front()];
+    return {1, name(c) + (hung ? " stopped making progress (--hang-timeout)" : " stopped making progress (the others timed out waiting for it)")};
+  }
   if (culprit < 0 && first_collective >= 0 && ranks[first_collective].report->kind == Report::Timeout &&
       !missing.empty()) {
     const Rank& waited = ranks[first_collective];

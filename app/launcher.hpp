@@ -2,8 +2,9 @@
 // machine with torchrun's environment, forwards their output, and when one fails stops the rest
 // and says which rank failed first and how: each rank reports its fatal error, with the time it
 // happened, through a pipe; the earliest error, or a death by a signal the launcher did not
-// send, is the cause; when the first failures are collective timeouts, the rank still running
-// without an error is the one the others waited for.
+// send, is the cause; when the first failures are collective timeouts (or, with a hang timeout,
+// no rank progresses), the ranks' collective ledgers, which the launcher maps, say which rank the
+// others wait for and where each one is. SIGUSR1 makes it print every rank's ledger.
 #pragma once
 
 #include <string>
@@ -29,6 +30,10 @@ struct LaunchOptions {
   /// TORCHELASTIC_RESTART_COUNT). One machine only, for now.
   int max_restarts = 0;
   double restart_backoff = 1.0;  ///< seconds between stopping the ranks and starting them again
+  /// Seconds without any change in any rank's collective ledger, while a rank waits in a call,
+  /// after which the launcher names the rank the others wait for and stops the run; 0: off (a
+  /// hang then ends at the collectives' --timeout).
+  double hang_timeout = 0;
 };
 
 /// The bounds of the launcher's numbers, shared with the command line's checks.
@@ -37,13 +42,15 @@ constexpr int kMaxNodes = 1024;       ///< --nnodes
 constexpr int kMaxTimeout = 7 * 24 * 3600;  ///< --timeout, seconds (as PARTRAIN_TIMEOUT)
 constexpr int kMaxRestarts = 1000;          ///< --max-restarts
 constexpr double kMaxBackoff = 3600;        ///< --restart-backoff, seconds
+constexpr double kMaxHangTimeout = kMaxTimeout;  ///< --hang-timeout, seconds
 
 /// Checks the options; a bad value is an error naming the flag.
 void validate(const LaunchOptions& options);
 
 /// In a rank the launcher started: takes the report pipe named by PARTRAIN_REPORT_FD (and
-/// makes it close-on-exec, so the script's own children do not hold it). Call once at start-up;
-/// elsewhere it does nothing.
+/// makes it close-on-exec, so the script's own children do not hold it), and maps the collective
+/// ledger the launcher shares (PARTRAIN_LEDGER_FD). Call once at start-up, before any
+/// collective; elsewhere it does nothing.
 void adopt_report_channel();
 /// In such a rank: tells the launcher this rank's fatal error, with the monotonic time of now,
 /// before the rank exits (and so before its sockets close and its peers fail). Elsewhere it

@@ -84,6 +84,11 @@ int main(int argc, char** argv) {
                  "0-3600 (default 1)");
   app.add_option("--timeout", timeout_text, "seconds a collective or the rendezvous may wait before "
                  "failing, 1-604800 (default 300)");
+  std::string hang_text;
+  app.add_option("--hang-timeout", hang_text, "with --nproc-per-node: when no rank's collective ledger changes for "
+                 "this many seconds while a rank waits in a call, name the rank the others wait for and stop the "
+                 "run, 0-604800 (default 0: off; a hang then ends at --timeout). kill -USR1 <launcher pid> prints "
+                 "every rank's ledger");
   std::string device;
   app.add_option("--device", device, "where each rank computes: cpu, cuda (cuda:<local rank>) or cuda:N "
                  "(default: cuda:<local rank> when CUDA is present, else cpu; PARTRAIN_DEVICE too)");
@@ -153,6 +158,16 @@ int main(int argc, char** argv) {
       bad = "--restart-backoff '" + backoff_text + "' is not a number of seconds from 0 to 3600";
     else
       launch.restart_backoff = v;
+  }
+  if (bad.empty() && app.count("--hang-timeout")) {
+    char* end = nullptr;
+    double v = std::strtod(hang_text.c_str(), &end);
+    if (hang_text.empty() || !end || *end || !(v >= 0 && v <= partrain::app::kMaxHangTimeout))
+      bad = "--hang-timeout '" + hang_text + "' is not a number of seconds from 0 (off) to 604800";
+    else if (!app.count("--nproc-per-node"))
+      bad = "--hang-timeout needs the launcher: partrain --nproc-per-node N --hang-timeout S script.lua";
+    else
+      launch.hang_timeout = v;
   }
   if (bad.empty() && (app.count("--max-restarts") || app.count("--restart-backoff")) && !app.count("--nproc-per-node"))
     bad = std::string(app.count("--max-restarts") ? "--max-restarts" : "--restart-backoff") +

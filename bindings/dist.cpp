@@ -187,9 +187,8 @@ bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count) {
 namespace {
 
 // The user's script line running now on this thread, if a partrain function is running on it.
-std::string lua_call_site() {
-  lua_State* L = active_state(nullptr);
-  return L ? user_location(L) : std::string();
+void lua_call_site(char* buf, size_t n) {
+  if (lua_State* L = active_state(nullptr)) user_location(L, buf, n);
 }
 
 }  // namespace

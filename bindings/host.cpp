@@ -2,15 +2,19 @@
 // exception guard and the protected call (see lua.hpp and host.hpp).
 #include "bindings/host.hpp"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
+#include "engine/dist/ledger.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
@@ -405,6 +409,24 @@ int plain_handler(lua_State* L) {
 
 lua_State* active_state(lua_State* fallback) { return active ? active : fallback; }
 
+bool user_location(lua_State* L, char* buf, size_t n, int first) {
+  if (n == 0) return false;
+  buf[0] = '\0';
+  bool fallback = false;
+  lua_Debug ar;
+  for (int level = first; level < first + 32 && lua_getstack(L, level, &ar); ++level) {
+    if (!lua_getinfo(L, "Sl", &ar) || ar.currentline <= 0) continue;  // a C function
+    if (in_library(ar)) {
+      if (!fallback) std::snprintf(buf, n, "%s:%d", ar.short_src, ar.currentline);
+      fallback = true;
+      continue;
+    }
+    std::snprintf(buf, n, "%s:%d", ar.short_src, ar.currentline);
+    return true;
+  }
+  return false;
+}
+
 std::string user_location(lua_State* L, bool* is_user) {
   if (is_user) *is_user = false;
   std::string fallback;
@@ -506,6 +528,55 @@ int open_core(lua_State* L) {
 
 }  // namespace
 
+namespace {
+
+// The launcher's question "which Lua line is this rank on?" (SIGUSR1, sent only once the ledger's
+// line_ready says this handler is in place). The handler sets a one-shot hook (lua_sethook is
+// safe in a signal handler: lua.c's Ctrl-C does the same); at the next Lua instruction the
+// interpreter runs, the hook writes the user's line into the ledger and puts back any hook the
+// script had. LuaJIT runs no hooks inside compiled traces, and none while C code runs, so a rank
+// spinning in a compiled loop, or inside a long C call, does not answer: the launcher says so.
+std::atomic<lua_State*> asked_state{nullptr};
+lua_Hook saved_hook = nullptr;
+int saved_mask = 0, saved_count = 0;
+
+void answer_line(lua_State* L, lua_Debug*) {
+  char where[dist::ledger::kSite];
+  user_location(L, where, sizeof where, /*first=*/0);
+  lua_sethook(L, saved_hook, saved_mask, saved_count);
+  dist::ledger::set_line(where[0] ? where : "(no Lua line)");
+}
+
+void on_line_request(int) {
+  lua_State* L = asked_state.load();
+  if (!L) return;
+  if (lua_gethook(L) != answer_line) {
+    saved_hook = lua_gethook(L);
+    saved_mask = lua_gethookmask(L);
+    saved_count = lua_gethookcount(L);
+  }
+  lua_sethook(L, answer_line, LUA_MASKCOUNT | LUA_MASKLINE, 1);
+}
+
+// Under the launcher (which shares the ledger), answers its SIGUSR1 with the Lua line of `L`.
+void answer_line_requests(lua_State* L) {
+  if (!dist::ledger::shared()) return;
+  struct sigaction sa {};
+  sa.sa_handler = on_line_request;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  asked_state = L;
+  if (sigaction(SIGUSR1, &sa, nullptr) == 0) dist::ledger::region()->line_ready = 1;
+}
+
+void stop_answering(lua_State* L) {
+  if (asked_state.load() != L) return;
+  dist::ledger::region()->line_ready = 0;  // the launcher stops asking; a late signal finds no state
+  asked_state = nullptr;
+}
+
+}  // namespace
+
 Paths find_paths() {
   std::vector<Paths> candidates;
   if (const char* home = std::getenv("PARTRAIN_HOME"))
@@ -546,9 +617,11 @@ Host::Host() : L_(luaL_newstate()), alive_(std::make_shared<bool>(true)) {
   lua_pushcfunction(L_, open_core);
   lua_setfield(L_, -2, "partrain.core");
   lua_pop(L_, 2);
+  answer_line_requests(L_);
 }
 
 Host::~Host() {
+  stop_answering(L_);
   *alive_ = false;
   // Finalizers run inside lua_close while the state is still usable; mark it dying after.
   lua_close(L_);

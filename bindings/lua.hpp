@@ -215,6 +215,10 @@ lua_State* active_state(lua_State* fallback);
 /// the innermost library line when every frame is the library's (then `is_user` is false); ""
 /// when none is Lua.
 std::string user_location(lua_State* L, bool* is_user = nullptr);
+/// The same into `buf` (`n` bytes, terminated), allocating nothing (every collective asks), from
+/// stack level `first` (1 above a C function; 0 in a hook, the function running). Returns
+/// whether the line is the user's.
+bool user_location(lua_State* L, char* buf, size_t n, int first = 1);
 
 /// A Lua value held in the registry for as long as an engine object needs it; released when
 /// dropped unless the state has closed first. Calls go through active_state(main()).

@@ -203,9 +203,17 @@ void wait_for(c10d::Work& work, std::chrono::milliseconds timeout) {
 
 void set_call_site_provider(CallSiteFn fn) { site_provider = fn; }
 
+void call_site_into(char* buf, size_t n) {
+  if (n == 0) return;
+  buf[0] = '\0';
+  if (CallSiteFn fn = site_provider.load()) fn(buf, n);
+  buf[n - 1] = '\0';
+}
+
 std::string call_site() {
-  CallSiteFn fn = site_provider.load();
-  return fn ? fn() : std::string();
+  char buf[ledger::kSite];
+  call_site_into(buf, sizeof buf);
+  return buf;
 }
 
 void install_terminate_handler() { std::set_terminate(on_terminate); }
@@ -216,24 +224,33 @@ void set_wait_interrupt(bool (*interrupted)()) { wait_interrupt = interrupted; }
 // ---- Work ----------------------------------------------------------------------------------
 
 Work::Work(std::shared_ptr<const ProcessGroup> group, std::string op, c10::intrusive_ptr<c10d::Work> work,
-           std::function<void()> after)
-    : group_(std::move(group)), op_(std::move(op)), work_(std::move(work)), after_(std::move(after)) {}
+           std::function<void()> after, int64_t ticket)
+    : group_(std::move(group)), op_(std::move(op)), work_(std::move(work)), after_(std::move(after)), ticket_(ticket) {}
 
-bool Work::done() const { return !work_ || work_->isCompleted(); }
+bool Work::done() const {
+  if (!work_) return true;
+  if (!work_->isCompleted()) return false;
+  if (!work_->exception()) group_->ledger_set(ticket_, ledger::State::Completed);  // a failure: wait() says so
+  return true;
+}
 
 void Work::wait() {
   if (work_) {
+    group_->ledger_set(ticket_, ledger::State::Waiting);
     try {
       wait_for(*work_, group_->timeout());
     } catch (const std::exception& e) {
       work_.reset();
       std::string why = compat::message_of(e);
-      if (why.find("timed out") != std::string::npos || why.find("Timed out") != std::string::npos)
+      const bool timed_out = why.find("timed out") != std::string::npos || why.find("Timed out") != std::string::npos;
+      group_->ledger_set(ticket_, timed_out ? ledger::State::TimedOut : ledger::State::Failed);
+      if (timed_out)
         why += " (waited " + std::to_string(group_->timeout().count() / 1000) +
                " s; a peer may be stalled or dead; raise the limit with --timeout)";
       group_->fail(op_, why);
     }
     work_.reset();
+    group_->ledger_set(ticket_, ledger::State::Completed);
   }
   if (after_) {
     auto after = std::move(after_);
@@ -271,6 +288,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const GroupOptions& options, 
     } catch (const std::exception& e) {
       group->fail("rendezvous", compat::message_of(e));
     }
+    group->book_ = std::make_unique<ledger::Book>(options.name, group->store_prefix_, options.ranks, rank);
   }
   return group;
 }
@@ -290,6 +308,7 @@ void ProcessGroup::renew() {
   retired->push_back(std::move(impl_->group));
   impl_->group = std::move(fresh);
   started_ = 0;
+  if (book_) book_->restart();
 }
 
 std::string ProcessGroup::describe() const {
@@ -313,17 +332,18 @@ void ProcessGroup::check(const Tensor& t, const std::string& op) const {
 }
 
 Work ProcessGroup::start(const std::string& op, c10::intrusive_ptr<c10d::Work> work,
-                         std::function<void()> after) const {
-  return Work(shared_from_this(), op, std::move(work), std::move(after));
+                         std::function<void()> after, int64_t ticket) const {
+  return Work(shared_from_this(), op, std::move(work), std::move(after), ticket);
 }
 
 Work ProcessGroup::run(const std::string& op, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch,
-                       bool async, std::function<void()> after) const {
+                       bool async, std::function<void()> after, int64_t ticket) const {
   Work w;
   try {
     ++started_;
-    w = start(op, launch(), std::move(after));
+    w = start(op, launch(), std::move(after), ticket);
   } catch (const std::exception& e) {
+    ledger_set(ticket, ledger::State::Failed);
     fail(op, compat::message_of(e));
   }
   if (!async) w.wait();
@@ -336,15 +356,23 @@ const char* op_names[] = {"?", "all_reduce(sum)", "all_reduce(mean)", "all_reduc
 constexpr int kRecord = 16;  // call, op, dtype, ndim, 7 dims and a fold of any more, site, root, 2 spare
 }  // namespace
 
-void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, bool collective, int64_t root) const {
-  if (!impl_) return;
+int64_t ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, ledger::Op lop, bool collective,
+                             int64_t root, int reduce, int peer, int tag) const {
+  if (!impl_) return -1;
   const bool checking = collective && check_collectives();
-  std::string site = call_site();
+  char site_text[ledger::kSite];
+  ledger::fill_site(site_text);  // the script's line, or the end-of-run barrier's "(end of run)"
+  const int64_t ticket =
+      book_ ? book_->start(lop, reduce, t.defined() ? static_cast<int>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0,
+                           t.defined() ? static_cast<int64_t>(t.nbytes()) : 0,
+                           peer >= 0 ? options_.ranks[peer] : -1, tag, site_text)
+            : -1;
+  std::string site = site_text;
   std::string mine_text = std::string(op_code >= 1 && op_code <= 8 ? op_names[op_code] : op.c_str()) +
                           (op_code == 6 ? " from group rank " + std::to_string(root) : "") +
                           (t.defined() ? " of " + describe_tensor(t) : "") + (site.empty() ? "" : " at " + site);
   note_call(mine_text + " on " + describe());
-  if (!checking) return;
+  if (!checking) return ticket;
   int64_t seq = sequence_++;
   auto mine = torch::zeros({kRecord}, torch::kInt64);
   auto* m = mine.data_ptr<int64_t>();
@@ -368,10 +396,14 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, b
     std::vector<Tensor> inputs{in};
     try {
       ++started_;
+      ledger_set(ticket, ledger::State::Waiting);
       auto w = impl_->group->allgather(outputs, inputs);
       wait_for(*w, options_.timeout);
+      ledger_set(ticket, ledger::State::Started);
     } catch (const std::exception& e) {
-      fail(op + " (checking that every rank calls it)", compat::message_of(e));
+      std::string why = compat::message_of(e);
+      ledger_set(ticket, why.find("imed out") != std::string::npos ? ledger::State::TimedOut : ledger::State::Failed);
+      fail(op + " (checking that every rank calls it)", why);
     }
     for (auto& out : outputs[0]) out = out.cpu();
     return outputs[0];
@@ -379,7 +411,7 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, b
   auto all = gather(mine);
   bool same = true;
   for (const auto& other : all) same = same && other.equal(mine);
-  if (same) return;
+  if (same) return ticket;
   // Every rank saw the same records, so every rank is here: gather each one's description (its
   // length first, then the padded bytes) and name the difference.
   mine_text += " (call " + std::to_string(seq) + " on this group)";
@@ -396,6 +428,7 @@ void ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, b
         << std::string(reinterpret_cast<const char*>(texts[r].data_ptr<uint8_t>()), lengths[r].item<int64_t>());
   msg << "\n  Every rank of a group must run the same collectives in the same order, with the same shapes and "
          "dtypes, from the same script line.";
+  ledger_set(ticket, ledger::State::Failed);
   fail(op, msg.str());
 }
 
@@ -427,7 +460,9 @@ Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
 
 Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) const {
   check(t, name);
-  verify(1 + static_cast<int>(op), name, t);
+  const bool scatter = std::strcmp(name, "reduce_scatter") == 0;
+  const int64_t ticket = verify(1 + static_cast<int>(op), name, t, scatter ? ledger::Op::ReduceScatter : ledger::Op::AllReduce,
+                                true, 0, 1 + static_cast<int>(op));
   // What travels: Gloo has no bfloat16 reductions (LibTorch 1.13), so a bfloat16 tensor is summed
   // as float32 and rounded once, written back when the collective completes.
   Tensor wire = lacks_bfloat16(t, options_.backend) ? t.to(torch::kFloat32) : t;
@@ -445,14 +480,15 @@ Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) 
   c10d::AllreduceOptions o;
   o.reduceOp = c10d_op(op);
   o.timeout = options_.timeout;
-  return run(std::string(name) + "(" + to_string(op) + ")", [&] { return impl_->group->allreduce(ts, o); }, async, after);
+  return run(std::string(name) + "(" + to_string(op) + ")", [&] { return impl_->group->allreduce(ts, o); }, async, after,
+             ticket);
 }
 
 Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   check(t, "broadcast");
   TORCH_CHECK(root >= 0 && root < size(), "broadcast on ", describe(), ": root ", root, " is not a group rank (0..",
               size() - 1, ")");
-  verify(6, "broadcast", t, true, root);
+  const int64_t ticket = verify(6, "broadcast", t, ledger::Op::Broadcast, true, root);
   if (recorded_only()) record("broadcast", static_cast<int64_t>(t.nbytes()));
   if (!impl_) return Work();
   record("broadcast", static_cast<int64_t>(t.nbytes()));
@@ -463,12 +499,12 @@ Work ProcessGroup::broadcast(Tensor& t, int root, bool async) const {
   o.timeout = options_.timeout;
   std::function<void()> after;
   if (!wire.is_same(t)) after = [t, wire]() mutable { t.copy_(wire); };
-  return run("broadcast", [&] { return impl_->group->broadcast(ts, o); }, async, after);
+  return run("broadcast", [&] { return impl_->group->broadcast(ts, o); }, async, after, ticket);
 }
 
 Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool async) const {
   check(t, "all_gather");
-  verify(7, "all_gather", t);
+  const int64_t ticket = verify(7, "all_gather", t, ledger::Op::AllGather);
   out.clear();
   if (recorded_only()) {
     record("all_gather", static_cast<int64_t>(t.nbytes()) * size());
@@ -486,7 +522,7 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
     outputs[0].push_back(bytes_for_gloo(out.back()));  // views of `out`: filled when the work completes
   }
   std::vector<Tensor> inputs{bytes_for_gloo(t)};
-  return run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); }, async);
+  return run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); }, async, {}, ticket);
 }
 
 std::vector<Tensor> ProcessGroup::all_gather(const Tensor& t) const {
@@ -515,7 +551,7 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
 
 namespace {
 // The channel the rings' sends use, apart from any tag a caller gives its own point-to-point.
-constexpr int kRingTag = 0x7a00;
+constexpr int kRingTag = ledger::kRingTag;
 
 // acc = op(acc, other), in place, for a ring step's partial reduction (Mean sums, divided at the end).
 void combine(Tensor& acc, const Tensor& other, ReduceOp op) {
@@ -538,7 +574,8 @@ Tensor ProcessGroup::reduce_scatter_flat(Tensor& flat, ReduceOp op) const {
   auto part_of = [&](int r) { return flat.narrow(0, ((r % p) + p) % p * part, part); };
   Tensor mine = part_of(rank_);
   if (p == 1) return mine;
-  verify(9, "reduce_scatter(" + to_string(op) + ")", flat);
+  const int64_t ticket =
+      verify(9, "reduce_scatter(" + to_string(op) + ")", flat, ledger::Op::ReduceScatter, true, 0, 1 + static_cast<int>(op));
   if (options_.backend == "nccl" && impl_) {  // the backend's own
     record("reduce_scatter", static_cast<int64_t>(flat.nbytes()));
     std::vector<Tensor> out{torch::empty_like(mine)};
@@ -546,20 +583,27 @@ Tensor ProcessGroup::reduce_scatter_flat(Tensor& flat, ReduceOp op) const {
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d_op(op == ReduceOp::Mean ? ReduceOp::Sum : op);
     o.timeout = options_.timeout;
-    run("reduce_scatter", [&] { return impl_->group->reduce_scatter(out, in, o); }, /*async=*/false);
+    run("reduce_scatter", [&] { return impl_->group->reduce_scatter(out, in, o); }, /*async=*/false, {}, ticket);
     mine.copy_(out[0]);
   } else {
     // The ring: at step s rank r sends part r-s-1 to r+1 and combines part r-s-2 from r-1 into
     // its own copy; after p-1 steps part r has passed through every rank and ends on rank r.
+    // The ledger has the reduce-scatter and each step's send and receive.
     const int next = (rank_ + 1) % p, prev = (rank_ + p - 1) % p;
     Tensor incoming = torch::empty_like(mine);
-    for (int s = 0; s < p - 1; ++s) {
-      Work sent = send(part_of(rank_ - s - 1), next, /*async=*/true, kRingTag);
-      recv(incoming, prev, /*async=*/false, kRingTag);
-      auto acc = part_of(rank_ - s - 2);
-      combine(acc, incoming, op);
-      sent.wait();
+    try {
+      for (int s = 0; s < p - 1; ++s) {
+        Work sent = send(part_of(rank_ - s - 1), next, /*async=*/true, kRingTag);
+        recv(incoming, prev, /*async=*/false, kRingTag);
+        auto acc = part_of(rank_ - s - 2);
+        combine(acc, incoming, op);
+        sent.wait();
+      }
+    } catch (...) {
+      ledger_set(ticket, ledger::State::Failed);
+      throw;
     }
+    ledger_set(ticket, ledger::State::Completed);
   }
   if (op == ReduceOp::Mean) mine.div_(p);
   return mine;
@@ -573,22 +617,28 @@ void ProcessGroup::all_gather_flat(Tensor& flat) const {
   if (p == 1) return;
   const int64_t part = flat.numel() / p;
   auto part_of = [&](int r) { return flat.narrow(0, ((r % p) + p) % p * part, part); };
-  verify(10, "all_gather(flat)", flat);
+  const int64_t ticket = verify(10, "all_gather(flat)", flat, ledger::Op::AllGather);
   if (options_.backend == "nccl" && impl_) {
     record("all_gather", static_cast<int64_t>(flat.nbytes()));
     std::vector<std::vector<Tensor>> out{flat.chunk(p)};
     std::vector<Tensor> in{part_of(rank_).clone()};
-    run("all_gather", [&] { return impl_->group->allgather(out, in); }, /*async=*/false);
+    run("all_gather", [&] { return impl_->group->allgather(out, in); }, /*async=*/false, {}, ticket);
     return;
   }
   // The ring: at step s rank r passes on part r-s (its own first, then the one it just got).
   const int next = (rank_ + 1) % p, prev = (rank_ + p - 1) % p;
-  for (int s = 0; s < p - 1; ++s) {
-    Work sent = send(part_of(rank_ - s), next, /*async=*/true, kRingTag);
-    Tensor into = part_of(rank_ - s - 1);
-    recv(into, prev, /*async=*/false, kRingTag);
-    sent.wait();
+  try {
+    for (int s = 0; s < p - 1; ++s) {
+      Work sent = send(part_of(rank_ - s), next, /*async=*/true, kRingTag);
+      Tensor into = part_of(rank_ - s - 1);
+      recv(into, prev, /*async=*/false, kRingTag);
+      sent.wait();
+    }
+  } catch (...) {
+    ledger_set(ticket, ledger::State::Failed);
+    throw;
   }
+  ledger_set(ticket, ledger::State::Completed);
 }
 
 Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag) const {
@@ -596,9 +646,10 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag) const {
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
   if (impl_ || recorded_only()) record("send", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
-  verify(0, "send to group rank " + std::to_string(dst), t, /*collective=*/false);
+  const int64_t ticket =
+      verify(0, "send to group rank " + std::to_string(dst), t, ledger::Op::Send, /*collective=*/false, 0, 0, dst, tag);
   std::vector<Tensor> ts{t};
-  return run("send", [&] { return impl_->group->send(ts, dst, tag); }, async);
+  return run("send", [&] { return impl_->group->send(ts, dst, tag); }, async, {}, ticket);
 }
 
 Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag) const {
@@ -606,17 +657,18 @@ Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag) const {
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
   if (impl_ || recorded_only()) record("recv", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
-  verify(0, "recv from group rank " + std::to_string(src), t, /*collective=*/false);
+  const int64_t ticket =
+      verify(0, "recv from group rank " + std::to_string(src), t, ledger::Op::Recv, /*collective=*/false, 0, 0, src, tag);
   std::vector<Tensor> ts{t};
-  return run("recv", [&] { return impl_->group->recv(ts, src, tag); }, async);
+  return run("recv", [&] { return impl_->group->recv(ts, src, tag); }, async, {}, ticket);
 }
 
 Work ProcessGroup::barrier(bool async) const {
-  verify(8, "barrier", Tensor());
+  const int64_t ticket = verify(8, "barrier", Tensor(), ledger::Op::Barrier);
   if (!impl_) return Work();
   c10d::BarrierOptions o;
   o.timeout = options_.timeout;
-  return run("barrier", [&] { return impl_->group->barrier(o); }, async);
+  return run("barrier", [&] { return impl_->group->barrier(o); }, async, {}, ticket);
 }
 
 std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine) {
@@ -838,7 +890,10 @@ std::vector<GroupPtr> World::groups() const {
 
 void World::shutdown() {
   if (!initialized_) return;
-  if (world_ && world_->size() > 1) world_->barrier();
+  if (world_ && world_->size() > 1) {
+    ledger::SiteOverride site("(end of run)");  // no script line: the script has returned
+    world_->barrier();
+  }
   world_.reset();
   store_.reset();
   groups_.clear();

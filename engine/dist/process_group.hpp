@@ -15,6 +15,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/torch.h>
 
+#include "engine/dist/ledger.hpp"
+
 namespace partrain::dist {
 
 using torch::Tensor;
@@ -32,8 +34,10 @@ class ProcessGroup;
 class Work {
  public:
   Work() = default;
+  /// `ticket`: the call's entry in the group's ledger (-1: none), moved to waiting, completed,
+  /// failed or timed out as the wait goes.
   Work(std::shared_ptr<const ProcessGroup> group, std::string op, c10::intrusive_ptr<c10d::Work> work,
-       std::function<void()> after = {});
+       std::function<void()> after = {}, int64_t ticket = -1);
   void wait();
   bool done() const;
 
@@ -42,6 +46,7 @@ class Work {
   std::string op_;
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> after_;  // runs once the collective has completed (e.g. the mean's divide)
+  int64_t ticket_ = -1;
 };
 
 /// Whether every collective first checks that all ranks of its group are calling the same one:
@@ -51,12 +56,14 @@ class Work {
 void set_check_collectives(bool on);
 bool check_collectives();
 
-/// Where a collective is called from, for messages and for the check above: a function the Lua
-/// boundary installs that names the user's script line running now ("train.lua:42"), or returns
-/// "" when it cannot tell (another thread, no script). The engine alone has none.
-using CallSiteFn = std::string (*)();
+/// Where a collective is called from, for messages, the check above and the ledger: a function the
+/// Lua boundary installs that writes the user's script line running now ("train.lua:42") into
+/// `buf` (at most `n` bytes with the terminating zero), or "" when it cannot tell (another
+/// thread, no script). It allocates nothing. The engine alone has none.
+using CallSiteFn = void (*)(char* buf, size_t n);
 void set_call_site_provider(CallSiteFn fn);
 std::string call_site();
+void call_site_into(char* buf, size_t n);
 
 /// Makes a Gloo error raised on one of its own threads (where nothing can catch it: a peer sent
 /// more bytes than this rank's tensor holds, because the ranks disagree on a collective's shape
@@ -160,16 +167,26 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   mutable std::mutex traffic_mutex_;
   mutable std::map<std::string, Traffic> traffic_;
   explicit ProcessGroup(GroupOptions options, int rank);
-  Work start(const std::string& op, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {}) const;
+  Work start(const std::string& op, c10::intrusive_ptr<c10d::Work> work, std::function<void()> after = {},
+             int64_t ticket = -1) const;
   // Launches a c10d collective, naming `op` if launching fails, and waits unless `async`.
+  // `ticket`: its ledger entry.
   Work run(const std::string& op, const std::function<c10::intrusive_ptr<c10d::Work>()>& launch, bool async,
-           std::function<void()> after = {}) const;
+           std::function<void()> after = {}, int64_t ticket = -1) const;
   [[noreturn]] void fail(const std::string& op, const std::string& why) const;
   void check(const Tensor& t, const std::string& op) const;
-  // Notes the collective about to run (for the terminate handler's message) and, with
-  // check_collectives(), all-gathers (call number, op, dtype, shape, call site) and fails on a
-  // mismatch naming each rank's call. Point-to-point calls (collective = false) are only noted.
-  void verify(int op_code, const std::string& op, const Tensor& t, bool collective = true, int64_t root = 0) const;
+  // Records the call about to run in the ledger (`lop`, `reduce` = 1 + ReduceOp or 0, and for
+  // send/recv the peer's group rank and the tag) and returns its ticket (-1 in a group of one),
+  // notes it for the terminate handler's message and, with check_collectives(), all-gathers (call
+  // number, op, dtype, shape, call site) and fails on a mismatch naming each rank's call.
+  // Point-to-point calls (collective = false) are only recorded and noted.
+  int64_t verify(int op_code, const std::string& op, const Tensor& t, ledger::Op lop, bool collective = true,
+                 int64_t root = 0, int reduce = 0, int peer = -1, int tag = 0) const;
+  // The ledger's state for a call (see Work).
+  void ledger_set(int64_t ticket, ledger::State state) const {
+    if (book_) book_->set(ticket, state);
+  }
+  std::unique_ptr<ledger::Book> book_;  // null for a group of one or a planned group
   mutable int64_t sequence_ = 0;
   mutable std::atomic<int64_t> started_{0};
   c10::intrusive_ptr<c10d::Store> store_;  // kept for renew()

@@ -1,0 +1,42 @@
+-- Ranks that hang, one way each, for the launcher's hang summary (tests/dist/test_hang.sh). After
+-- one all-reduce on the world group (call 0), by --mode: skip (the last rank skips the next world
+-- all-reduce and waits in its data group's barrier), stop (it stops itself: SIGSTOP), spin (it loops
+-- forever, compiled by the JIT; spin_interpreted: with the JIT off), send (rank 0 sends to it; it
+-- never receives), healthy (all-reduces for --seconds). The test finds lines by their markers.
+local pt = require "partrain"
+local cfg = pt.args { mode = "healthy", seconds = 4 }
+local rank, last = pt.dist.rank(), pt.dist.world_size() - 1
+local world = pt.dist.world()
+local data = pt.mesh {}:group("data")  -- the world's ranks, as a group of its own
+local pid = io.open("/proc/self/stat"):read("*n")
+
+if rank == 0 and cfg.mode ~= "healthy" then  -- the hang begins in moments: the test times the end from here
+  print("hang begins at " .. os.time())
+  io.stdout:flush()
+end
+world:all_reduce(pt.ones(4)) -- @first
+if cfg.mode == "skip" then
+  if rank ~= last then world:all_reduce(pt.ones(4)) end -- @skipped
+  data:barrier() -- @skip_barrier
+elseif cfg.mode == "stop" then
+  if rank == last then os.execute("kill -STOP " .. pid) end -- @stop
+  world:barrier() -- @stop_barrier
+elseif cfg.mode == "spin" or cfg.mode == "spin_interpreted" then
+  if rank == last then
+    if cfg.mode == "spin_interpreted" then jit.off() end
+    local x = 0
+    while true do x = x + 1 end -- @spin
+  end
+  world:barrier() -- @spin_barrier
+elseif cfg.mode == "send" then
+  if rank == 0 then world:send(pt.ones(3), last) end -- @send
+  world:barrier() -- @send_barrier
+elseif cfg.mode == "healthy" then
+  local t, until_ = pt.ones(8), os.time() + cfg.seconds
+  print("healthy run started")
+  io.stdout:flush()
+  while os.time() < until_ do world:all_reduce(t, "mean") end -- @healthy
+  print("healthy run finished")
+else
+  error("unknown --mode " .. cfg.mode)
+end
