@@ -85,7 +85,9 @@ bool startup_trace_on() {
 void startup_set_who(const std::string& who) {
   std::lock_guard<std::mutex> lock(mark_mutex);
   who_ = who;
-  first_mark = true;  // a forked rank is a new process: its first mark says when it began
+  static pid_t named = getpid();
+  if (named != getpid()) first_mark = true;  // a forked rank: its first mark says when it began
+  named = getpid();
 }
 
 void startup_mark(const std::string& phase) {
