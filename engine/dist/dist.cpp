@@ -694,7 +694,15 @@ int device_index_of(const std::string& spec, int local_rank) {
 }
 }  // namespace
 
-void check_device_spec(const std::string& spec) { device_index_of(spec, 0); }
+void check_device_spec(const std::string& spec) {
+  int index = device_index_of(spec, 0);
+#ifndef PARTRAIN_WITH_NCCL
+  // A CPU LibTorch answers without a CUDA runtime to start: a cuda device is refused now.
+  if (index >= 0) resolve_device(spec, 0);
+#else
+  (void)index;  // the ranks check the index against the devices present
+#endif
+}
 
 torch::Device resolve_device(const std::string& spec, int local_rank) {
   if (spec.empty()) return compat::cuda_available() ? torch::Device(torch::kCUDA, local_rank) : torch::Device(torch::kCPU);

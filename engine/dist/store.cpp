@@ -551,6 +551,11 @@ StoreServer::StoreServer(const StoreOptions& o) : state_(new State) {
   TORCH_CHECK(o.secret.size() <= kMaxSecret, "the rendezvous secret is longer than ", kMaxSecret, " bytes");
   const std::string where = o.host + ":" + std::to_string(o.port);
   if (o.listen_fd >= 0) {
+    int listening = 0;
+    socklen_t n = sizeof listening;
+    TORCH_CHECK(getsockopt(o.listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) == 0 && listening,
+                "PARTRAIN_RDZV_FD=", o.listen_fd, " is not a listening socket (the launcher passes rank 0 the "
+                "store's socket; do not set it by hand)");
     s.listen_fd = o.listen_fd;
     fcntl(s.listen_fd, F_SETFD, FD_CLOEXEC);
   } else {
@@ -895,8 +900,11 @@ void RendezvousStore::multiSet(const std::vector<std::string>& keys, const std::
   check_keys(keys);
   std::string b(1, char(kMultiSet));
   put_u32(b, uint32_t(keys.size()));
+  size_t total = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     check_value(values[i].size());
+    total += keys[i].size() + values[i].size();
+    check_value(total);  // the server takes one request of at most about a value's bound
     put_str(b, keys[i]);
     put_str(b, str_of(values[i]));
   }
