@@ -2,6 +2,7 @@
 #include "app/launcher.hpp"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -30,7 +31,11 @@
 #include <thread>
 
 #include "app/hang.hpp"
+#include "engine/compat.hpp"
 #include "engine/dist/ledger.hpp"
+#include "engine/dist/store.hpp"
+#include "engine/util/files.hpp"
+#include "engine/util/startup.hpp"
 
 namespace partrain::app {
 
@@ -94,24 +99,95 @@ std::string exe_path() {
   return std::string(buf, n);
 }
 
-int free_port(const std::string& addr) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::runtime_error(std::string("cannot open a socket: ") + std::strerror(errno));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = 0;
-  if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-    close(fd);
-    throw std::runtime_error("cannot find a free port on " + addr + ": " + std::strerror(errno));
+// The rendezvous store's listening socket, bound before any rank starts (so that no rank finds
+// the port closed and retries) and handed to rank 0, which serves the store on it: `addr` only
+// (loopback for one machine), on `port` (0: a free one).
+int listen_socket(const std::string& addr, int port) {
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  int err = getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (err != 0) throw std::runtime_error("cannot resolve --master-addr '" + addr + "': " + gai_strerror(err));
+  int fd = -1;
+  std::string why = "no address";
+  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
+      why = std::strerror(errno);
+      close(fd);
+      fd = -1;
+    }
   }
-  socklen_t len = sizeof(sa);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  close(fd);
-  return ntohs(sa.sin_port);
+  freeaddrinfo(found);
+  if (fd < 0)
+    throw std::runtime_error("rendezvous at " + addr + ":" + std::to_string(port) + " (serving it) failed: " + why +
+                             (why.find("in use") != std::string::npos
+                                  ? " (another process holds the port: choose another --master-port, or leave it out "
+                                    "to take a free one)"
+                                  : ""));
+  return fd;
 }
 
 using hang::describe_status;
+
+int port_of(int fd) {
+  sockaddr_storage sa{};
+  socklen_t len = sizeof sa;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  return ntohs(sa.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&sa)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&sa)->sin_port);
+}
+
+// Threads of this process (/proc/self/task): forking is safe only with one.
+int thread_count() {
+  DIR* d = opendir("/proc/self/task");
+  if (!d) return -1;
+  int n = 0;
+  while (dirent* e = readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  closedir(d);
+  return n;
+}
+
+// Why the ranks cannot be forked from this launcher, or "" when they can.
+std::string fork_unsafe(const LaunchOptions& o) {
+  if (o.exec_ranks) return "PARTRAIN_EXEC_RANKS=1";
+  if (compat::cuda_touched()) return "the launcher has initialised CUDA";
+  int threads = thread_count();
+  if (threads != 1) return "the launcher has " + std::to_string(threads) + " threads";
+  return "";
+}
+
+// In a forked rank: what exec would have done. Every descriptor marked close-on-exec is closed
+// (the other ranks' pipes, the launcher's own files); the report pipe and, in rank 0, the
+// store's socket were unmarked and stay.
+void close_cloexec_fds() {
+  std::vector<int> fds;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    int own = dirfd(d);
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      int fd = std::atoi(e->d_name);
+      if (fd > 2 && fd != own) fds.push_back(fd);
+    }
+    closedir(d);
+  }
+  for (int fd : fds) {
+    int flags = fcntl(fd, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC)) close(fd);
+  }
+}
+
+// The dispositions the launcher found, put back in each forked rank.
+struct SavedSignals {
+  struct sigaction term {}, intr {}, chld {}, pipe {};
+  sigset_t mask;
+};
+SavedSignals saved_signals;
+bool signals_saved = false;
 
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
 
@@ -284,10 +360,22 @@ struct Outcome {
   bool interrupted = false;
 };
 
+// What one start of the ranks shares: the rendezvous secret, and on node 0 the store's
+// listening socket (handed to rank 0; closed in the launcher once rank 0 has it).
+struct StartContext {
+  std::string secret;
+  int listen_fd = -1;
+};
+
 // Starts every local rank once (`attempt`: how many restarts came before) and waits for them.
-Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_args, int attempt) {
+Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_args, const RankMain& rank_main,
+                  StartContext& start, int attempt) {
   const int world = o.nnodes * o.nproc_per_node;
-  const std::string exe = exe_path();
+  const std::string unsafe = fork_unsafe(o);
+  const bool forking = unsafe.empty();
+  util::startup_mark(forking ? "starting " + std::to_string(o.nproc_per_node) + " rank(s) with fork"
+                             : "starting " + std::to_string(o.nproc_per_node) + " rank(s) with exec (" + unsafe + ")");
+  const std::string exe = forking ? std::string() : exe_path();
 
   std::vector<std::string> args{exe, "--threads", std::to_string(o.threads)};
   args.insert(args.end(), child_args.begin(), child_args.end());
@@ -295,6 +383,14 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
 
+  if (!signals_saved) {  // what the launcher was started with, for the forked ranks
+    sigaction(SIGTERM, nullptr, &saved_signals.term);
+    sigaction(SIGINT, nullptr, &saved_signals.intr);
+    sigaction(SIGCHLD, nullptr, &saved_signals.chld);
+    sigaction(SIGPIPE, nullptr, &saved_signals.pipe);
+    sigprocmask(SIG_SETMASK, nullptr, &saved_signals.mask);
+    signals_saved = true;
+  }
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, nullptr);
@@ -313,6 +409,8 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   const pid_t launcher = getpid();
   std::vector<Rank> ranks(o.nproc_per_node);
   LedgerMaps maps{ranks};
+  std::fflush(nullptr);  // nothing buffered in the launcher may be written again by a forked rank
+  std::cout.flush();
   for (int local = 0; local < o.nproc_per_node; ++local) {
     Rank& r = ranks[local];
     r.local_rank = local;
@@ -357,9 +455,32 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       setenv("PARTRAIN_RESTART_COUNT", std::to_string(attempt).c_str(), 1);  // and torchrun's names
       setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
       setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts).c_str(), 1);
-      execv(exe.c_str(), argv.data());
-      std::fprintf(stderr, "partrain: cannot start rank %d: %s\n", r.rank, std::strerror(errno));
-      _exit(127);
+      setenv("PARTRAIN_RDZV_SECRET", start.secret.c_str(), 1);
+      unsetenv("PARTRAIN_RDZV_FD");
+      if (r.rank == 0 && start.listen_fd >= 0) {  // rank 0 serves the store on the launcher's socket
+        fcntl(start.listen_fd, F_SETFD, 0);
+        setenv("PARTRAIN_RDZV_FD", std::to_string(start.listen_fd).c_str(), 1);
+      }
+      if (!forking) {
+        execv(exe.c_str(), argv.data());
+        std::fprintf(stderr, "partrain: cannot start rank %d: %s\n", r.rank, std::strerror(errno));
+        _exit(127);
+      }
+      // Forked: become what exec would have made, then run the rank's code in this process.
+      close_cloexec_fds();
+      sigaction(SIGTERM, &saved_signals.term, nullptr);
+      sigaction(SIGINT, &saved_signals.intr, nullptr);
+      sigaction(SIGCHLD, &saved_signals.chld, nullptr);
+      sigaction(SIGPIPE, &saved_signals.pipe, nullptr);
+      sigprocmask(SIG_SETMASK, &saved_signals.mask, nullptr);
+      interrupted = 0;
+      util::startup_set_who("rank " + std::to_string(r.rank));
+      util::startup_mark("forked by the launcher");
+      adopt_report_channel();
+      int status = rank_main(o.threads);  // partrain's never returns; another one's status is the rank's
+      std::cout.flush();
+      std::fflush(nullptr);
+      _exit(status);
     }
     close(out[1]);
     close(err[1]);
@@ -371,7 +492,12 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     r.report_fd = report[0];
     fcntl(r.report_fd, F_SETFL, O_NONBLOCK);  // drained after the rank ends: never a blocking read
     r.running = true;
+    if (r.rank == 0 && start.listen_fd >= 0) {  // rank 0 holds it now; a dead rank 0 must close it
+      close(start.listen_fd);
+      start.listen_fd = -1;
+    }
   }
+  util::startup_mark("every rank started");
 
   // How long, after the first collective failure, the launcher waits for the other ranks' own
   // reports before stopping them: ranks in the same collective time out together, so a rank
@@ -458,8 +584,9 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       if (ranks[i].err >= 0) { fds.push_back({ranks[i].err, POLLIN, 0}); owners.emplace_back(i, 1); }
       if (ranks[i].report_fd >= 0) { fds.push_back({ranks[i].report_fd, POLLIN, 0}); owners.emplace_back(i, 2); }
     }
-    if (!fds.empty()) poll(fds.data(), fds.size(), 100);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // SIGCHLD (no SA_RESTART) ends the wait as soon as a rank ends; the limit only bounds a
+    // signal that came between the reaping below and this call.
+    poll(fds.empty() ? nullptr : fds.data(), fds.size(), 100);
     for (size_t k = 0; k < fds.size(); ++k) {
       if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       Rank& r = ranks[owners[k].first];
@@ -498,6 +625,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         r.ended_ns = monotonic_ns();
         r.ended_stopping = stopping;
         --running;
+        util::startup_mark("rank " + std::to_string(r.rank) + " ended");
         if (r.report_fd >= 0) {  // what it reported is all in the pipe now
           ssize_t n;
           char buf[4096];
@@ -669,18 +797,84 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
 
 }  // namespace
 
-int launch(const LaunchOptions& options, const std::vector<std::string>& child_args) {
+std::string read_secret_file(const std::string& path) {
+  const std::string what = "rendezvous secret (--rdzv-secret-file)";
+  int fd = util::open_regular(path, what);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    throw std::runtime_error("--rdzv-secret-file '" + path + "': " + std::strerror(errno));
+  }
+  auto fail = [&](const std::string& why) {
+    close(fd);
+    throw std::invalid_argument("--rdzv-secret-file '" + path + "' " + why);
+  };
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+  if (st.st_mode & (S_IROTH | S_IWOTH))
+    fail(std::string("can be read or written by every user (mode ") + mode + "): chmod 600 it");
+  if (st.st_size > off_t(dist::kMaxSecret + 64))
+    fail("holds " + std::to_string(st.st_size) + " bytes; a secret is 16 to " + std::to_string(dist::kMaxSecret));
+  std::string secret(size_t(st.st_size), '\0');
+  size_t got = 0;
+  while (got < secret.size()) {
+    ssize_t n = read(fd, secret.data() + got, secret.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += size_t(n);
+  }
+  close(fd);
+  secret.resize(got);
+  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
+  if (secret.size() < dist::kMinSecret || secret.size() > dist::kMaxSecret)
+    throw std::invalid_argument("--rdzv-secret-file '" + path + "' holds a secret of " + std::to_string(secret.size()) +
+                                " bytes (expected 16 to " + std::to_string(dist::kMaxSecret) +
+                                ": 128 bits or more, e.g. head -c 32 /dev/urandom | xxd -p -c 64)");
+  if (secret.find('\0') != std::string::npos)
+    throw std::invalid_argument("--rdzv-secret-file '" + path + "' holds a NUL byte (expected text)");
+  return secret;
+}
+
+int launch(const LaunchOptions& options, const std::vector<std::string>& child_args, const RankMain& rank_main) {
   validate(options);
+  util::startup_set_who("launcher");
+  util::startup_mark("launcher starts the job");
+  if (util::startup_trace_on()) setenv("PARTRAIN_STARTUP_T0", std::to_string(util::startup_t0_ns()).c_str(), 1);
   LaunchOptions o = options;
   if (o.master_addr.empty()) o.master_addr = "127.0.0.1";
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   if (o.threads <= 0) o.threads = std::max(1, cores / o.nproc_per_node);
+  // The job's secret: the file's (every node reads the same), else one made now, else none.
+  StartContext start;
+  const char* from_env = std::getenv("PARTRAIN_RDZV_SECRET");
+  if (!o.secret_file.empty()) {
+    start.secret = read_secret_file(o.secret_file);
+  } else if (from_env && *from_env) {
+    start.secret = from_env;
+    if (start.secret.size() < dist::kMinSecret || start.secret.size() > dist::kMaxSecret)
+      throw std::invalid_argument("environment variable PARTRAIN_RDZV_SECRET holds " +
+                                  std::to_string(start.secret.size()) + " bytes (expected 16 to " +
+                                  std::to_string(dist::kMaxSecret) + ": 128 bits or more)");
+  } else if (o.nnodes > 1) {
+    throw std::invalid_argument("--nnodes " + std::to_string(o.nnodes) + " needs --rdzv-secret-file FILE: the same "
+                                "secret on every node (a file only you can read, e.g. made by head -c 32 /dev/urandom "
+                                "| xxd -p -c 64 > FILE; chmod 600 FILE)");
+  } else {
+    start.secret = dist::new_secret();
+  }
   // torchrun's --max-restarts: a failed start stops every rank, waits the back-off and starts
   // them all again; scripts that resume from their checkpoints continue from the newest. The
   // status is the last start's.
   for (int attempt = 0;; ++attempt) {
-    if (options.master_port == 0) o.master_port = free_port(o.master_addr);  // a fresh store each start
-    Outcome out = run_ranks(o, child_args, attempt);
+    if (o.node_rank == 0) {  // a fresh store each start (a free port each time unless one is given)
+      start.listen_fd = listen_socket(o.master_addr, options.master_port);
+      o.master_port = port_of(start.listen_fd);
+    }
+    Outcome out = run_ranks(o, child_args, rank_main, start, attempt);
+    if (start.listen_fd >= 0) {
+      close(start.listen_fd);
+      start.listen_fd = -1;
+    }
     if (out.status == 0) {
       if (attempt > 0)
         std::cerr << "partrain: finished after " << attempt << (attempt == 1 ? " restart" : " restarts") << "\n";
@@ -694,8 +888,13 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
     }
     std::cerr << "partrain: restart " << attempt + 1 << " of " << o.max_restarts << ": " << out.cause
               << "; starting all ranks again in " << o.restart_backoff << " s\n";
+    // The back-off: one wait that SIGTERM or Ctrl-C ends early.
     auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.restart_backoff * 1000));
-    while (Clock::now() < until && !interrupted) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    while (!interrupted) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
+      if (left <= 0) break;
+      poll(nullptr, 0, int(std::min<int64_t>(left, 1000)));
+    }
     if (interrupted) {
       std::cerr << "partrain: interrupted during the restart back-off; not restarting\n";
       return 128 + int(interrupted);

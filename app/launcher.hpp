@@ -1,5 +1,6 @@
 // The local launcher behind `partrain --nproc-per-node N script.lua`: starts N ranks of this
-// machine with torchrun's environment, forwards their output, and when one fails stops the rest
+// machine with torchrun's environment (forked from the launcher, which has LibTorch loaded
+// already; exec'd where forking is unsafe), forwards their output, and when one fails stops the rest
 // and says which rank failed first and how: each rank reports its fatal error, with the time it
 // happened, through a pipe; the earliest error, or a death by a signal the launcher did not
 // send, is the cause; when the first failures are collective timeouts (or, with a hang timeout,
@@ -7,6 +8,7 @@
 // others wait for and where each one is. SIGUSR1 makes it print every rank's ledger.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,7 +36,17 @@ struct LaunchOptions {
   /// after which the launcher names the rank the others wait for and stops the run; 0: off (a
   /// hang then ends at the collectives' --timeout).
   double hang_timeout = 0;
+  /// --rdzv-secret-file: the job's rendezvous secret, the same file on every node (needed with
+  /// --nnodes > 1); empty: one made from /dev/urandom for this job (or PARTRAIN_RDZV_SECRET).
+  std::string secret_file;
+  /// Start each rank by exec'ing partrain again rather than by fork() (PARTRAIN_EXEC_RANKS=1);
+  /// also chosen when forking is unsafe: the launcher has a thread or has asked CUDA anything.
+  bool exec_ranks = false;
 };
+
+/// What a rank runs: the rank's part of `partrain` (the script, -e chunks, the REPL) with its
+/// intra-op threads, returning its exit status. A forked rank calls it directly.
+using RankMain = std::function<int(int threads)>;
 
 /// The bounds of the launcher's numbers, shared with the command line's checks.
 constexpr int kMaxLocalRanks = 1024;  ///< --nproc-per-node
@@ -57,9 +69,15 @@ void adopt_report_channel();
 /// does nothing.
 void report_failure(const std::string& message);
 
-/// Runs `child_args` (partrain's arguments for one rank: flags, script, script arguments) as
-/// every local rank and waits for all of them. Returns the exit status for the launcher: 0 when
-/// every rank succeeded.
-int launch(const LaunchOptions& options, const std::vector<std::string>& child_args);
+/// Starts every local rank and waits for all of them. Each rank is forked from the launcher,
+/// which has LibTorch loaded already, and runs `rank_main`; with exec_ranks (or when forking is
+/// unsafe) it runs `partrain child_args` instead (partrain's arguments for one rank: flags,
+/// script, script arguments). Returns the exit status for the launcher: 0 when every rank
+/// succeeded.
+int launch(const LaunchOptions& options, const std::vector<std::string>& child_args, const RankMain& rank_main);
+
+/// The secret in `path` (--rdzv-secret-file): a regular file no other user can read, 16 to 1024
+/// bytes once its trailing white space is dropped. Anything else is an error naming the file.
+std::string read_secret_file(const std::string& path);
 
 }  // namespace partrain::app

@@ -23,6 +23,7 @@
 #include "engine/parallel/trace.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/startup.hpp"
 
 namespace {
 
@@ -40,9 +41,106 @@ int rank_fail(const std::string& message) {
 
 constexpr int kMaxThreads = 1024;  // --threads: more would only stall the machine
 
+// What one rank runs, from the command line: the same whether the rank was exec'd (main parses
+// it from argv) or forked by the launcher (the launcher's parse, inherited).
+struct RankRun {
+  int threads = 0;                      ///< intra-op threads; 0: LibTorch's default
+  int timeout = 0;                      ///< --timeout, seconds; 0: the default
+  bool interactive = false;             ///< -i: the REPL after the script
+  std::vector<std::string> chunks;      ///< -e chunks, in order
+  std::string script;                   ///< empty: none
+  std::vector<std::string> script_args;
+};
+
+// One rank (or the only process): joins the world when there are several ranks, then runs the
+// chunks, the script and the REPL. Returns the exit status.
+int run_rank(const RankRun& run) {
+  const auto& chunks = run.chunks;
+  const auto& script = run.script;
+  const bool interactive = run.interactive;
+  if (run.threads > 0) at::set_num_threads(run.threads);
+  if (run.timeout > 0) setenv("PARTRAIN_TIMEOUT", std::to_string(run.timeout).c_str(), 1);
+  partrain::lua::set_interactive(interactive);
+  std::string where;  // "rank N: " in messages once there are several ranks
+  try {
+    // One rank of several (started by the launcher, torchrun or SLURM): join the others first,
+    // so a rendezvous problem shows before the script runs.
+    auto world_options = partrain::dist::world_options_from_env();
+    unsetenv("PARTRAIN_RDZV_SECRET");  // read: the script's own children have no use for it
+    unsetenv("PARTRAIN_RDZV_FD");
+    if (world_options.world_size > 1) {
+      where = "rank " + std::to_string(world_options.rank) + ": ";
+      // With -i, Ctrl-C reaches every rank. Outside the REPL it is rank 0's to act on (it ends
+      // the run); another rank, still starting or finishing the script, must not die of it.
+      if (interactive && world_options.rank != 0) {
+        struct sigaction sa {};
+        sa.sa_handler = [](int) {};
+        sigaction(SIGINT, &sa, nullptr);
+      }
+      partrain::util::startup_mark("world init begins");
+      partrain::dist::World::instance().init(world_options);
+      partrain::util::startup_mark("world init ends");
+    }
+    // Modules built from here on (pt.nn, pt.models) put their parameters on this rank's device.
+    partrain::nn::set_parameter_options(torch::TensorOptions().device(partrain::dist::World::instance().device()));
+  } catch (const std::exception& e) {
+    return rank_fail(where + partrain::compat::message_of(e));
+  }
+
+  try {
+    partrain::lua::Host host;
+    std::string error;
+    partrain::util::startup_mark("script starts");
+    for (size_t i = 0; i < chunks.size(); ++i)
+      if (!host.run_string(chunks[i], "=(command line)", &error)) return rank_fail(where + error);
+    if (!script.empty() && !host.run_file(script, run.script_args, &error)) return rank_fail(where + error);
+    if (interactive) {
+      // The REPL returns why it could not read the terminal (a background process group), if so.
+      std::string why;
+      if (!host.eval("return require('partrain.repl').loop(_G, 'partrain ' .. require('partrain').version .. "
+                     "' REPL on ' .. require('partrain').dist.world_size() .. ' rank(s): every chunk runs on "
+                     "every rank; shards(), mesh(), mem(), on(rank, fn), exit()')",
+                     &why, &error))
+        return rank_fail(where + error);
+      if (why != "nil") return rank_fail(where + "the REPL cannot start: " + why);
+    }
+    // --trace records model:train_step; a script that never calls it leaves no file: say so.
+    auto& trace = partrain::parallel::StepTrace::instance();
+    if (!trace.options().path.empty() && trace.recorded() == 0 && partrain::dist::World::instance().rank() == 0)
+      std::cerr << "partrain: --trace: the script ran no model:train_step, so no trace was written to '"
+                << trace.options().path << "'" << std::endl;
+    std::fflush(stdout);
+    partrain::util::startup_mark("script ended");
+    partrain::dist::World::instance().shutdown();  // wait for the others before leaving
+    partrain::util::startup_mark("world shut down");
+  } catch (const std::exception& e) {
+    return rank_fail(where + partrain::compat::message_of(e));
+  }
+  return 0;
+}
+
+// Flushes what the process wrote and ends it without running static destructors: LibTorch's
+// deregister every operator it registered (~0.3 s of CPU, and several times that in a forked
+// rank, whose every page they touch is copied from the launcher's). Everything partrain writes is
+// closed or flushed by then; the world is shut down explicitly.
+[[noreturn]] void leave(int status) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  _exit(status);
+}
+
+int run_main(int argc, char** argv);
+
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) { leave(run_main(argc, argv)); }
+
+namespace {
+
+int run_main(int argc, char** argv) {
+  if (const char* rank = std::getenv("RANK")) partrain::util::startup_set_who("rank " + std::string(rank));
+  partrain::util::startup_mark("main entered");
   partrain::app::adopt_report_channel();
   partrain::dist::set_fatal_reporter(partrain::app::report_failure);  // Gloo's uncatchable errors too
   partrain::plan::install_allocators();  // before any tensor, so mem() counts them all
@@ -82,6 +180,9 @@ int main(int argc, char** argv) {
                  "checkpoints continues from the newest");
   app.add_option("--restart-backoff", backoff_text, "with --max-restarts: seconds to wait before starting again, "
                  "0-3600 (default 1)");
+  app.add_option("--rdzv-secret-file", launch.secret_file, "with --nproc-per-node: the file holding the job's "
+                 "rendezvous secret, the same on every node (needed with --nnodes > 1; readable by you alone); "
+                 "default: a new one for this job");
   app.add_option("--timeout", timeout_text, "seconds a collective or the rendezvous may wait before "
                  "failing, 1-604800 (default 300)");
   std::string hang_text;
@@ -184,9 +285,11 @@ int main(int argc, char** argv) {
   if (chunks.empty() && script.empty() && !interactive)
     return fail("nothing to run: give a script or -e CODE (partrain --help shows how)");
   bool launcher_flags = app.count("--nnodes") || app.count("--node-rank") || app.count("--master-addr") ||
-                        app.count("--master-port") || app.count("--tee");
-  if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port and --tee "
-                                                "need --nproc-per-node");
+                        app.count("--master-port") || app.count("--tee") || app.count("--rdzv-secret-file");
+  if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port, --tee and "
+                                                "--rdzv-secret-file need --nproc-per-node");
+  if (app.count("--rdzv-secret-file") && launch.secret_file.empty())
+    return fail("--rdzv-secret-file is empty (expected the file holding the job's secret)");
   // Files the command line names: regular files only (a FIFO would hang the run, a folder is
   // a mistake), checked before any rank starts.
   try {
@@ -226,7 +329,9 @@ int main(int argc, char** argv) {
   if (app.count("--device")) {  // checked once here; every rank inherits it and resolves its own
     if (device.empty()) return fail("--device is empty (expected cpu, cuda or cuda:N)");
     try {
-      partrain::dist::resolve_device(device, 0);
+      // The launcher must not touch CUDA (its ranks are forked from it): there the spelling only.
+      if (nproc > 0) partrain::dist::check_device_spec(device);
+      else partrain::dist::resolve_device(device, 0);
     } catch (const std::exception& e) {
       return fail("--device: " + partrain::compat::message_of(e));
     }
@@ -240,11 +345,21 @@ int main(int argc, char** argv) {
     return fail("--plan-mode needs --plan FILE");
   }
 
-  // Launcher mode: start the ranks, each running this same command without the launcher flags.
+  RankRun run;
+  run.threads = threads;
+  run.timeout = timeout;
+  run.interactive = interactive;
+  run.chunks = chunks;
+  run.script = script;
+  run.script_args = script_args;
+
+  // Launcher mode: start the ranks, each forked to run the rank's code (or, as a fallback,
+  // running this same command without the launcher flags).
   if (nproc > 0) {
     launch.nproc_per_node = nproc;
     launch.threads = threads;
     launch.interactive = interactive;
+    if (const char* e = std::getenv("PARTRAIN_EXEC_RANKS")) launch.exec_ranks = std::string(e) == "1";
     if (timeout > 0) launch.timeout = timeout;
     std::vector<std::string> child;
     if (interactive) child.push_back("-i");
@@ -262,62 +377,17 @@ int main(int argc, char** argv) {
     std::string error;
     if (!script.empty() && !partrain::lua::check_script(script, &error)) return fail(error);
     try {
-      return partrain::app::launch(launch, child);
+      return partrain::app::launch(launch, child, [run](int rank_threads) {
+        RankRun mine = run;
+        mine.threads = rank_threads;
+        leave(run_rank(mine));  // a forked rank never returns into the launcher's code
+        return 0;
+      });
     } catch (const std::exception& e) {
-      return fail(e.what());
+      return fail(partrain::compat::message_of(e));
     }
   }
-
-  if (threads > 0) at::set_num_threads(threads);
-  if (timeout > 0) setenv("PARTRAIN_TIMEOUT", std::to_string(timeout).c_str(), 1);
-  partrain::lua::set_interactive(interactive);
-  std::string where;  // "rank N: " in messages once there are several ranks
-  try {
-    // One rank of several (started by the launcher, torchrun or SLURM): join the others first,
-    // so a rendezvous problem shows before the script runs.
-    auto world_options = partrain::dist::world_options_from_env();
-    if (world_options.world_size > 1) {
-      where = "rank " + std::to_string(world_options.rank) + ": ";
-      // With -i, Ctrl-C reaches every rank. Outside the REPL it is rank 0's to act on (it ends
-      // the run); another rank, still starting or finishing the script, must not die of it.
-      if (interactive && world_options.rank != 0) {
-        struct sigaction sa {};
-        sa.sa_handler = [](int) {};
-        sigaction(SIGINT, &sa, nullptr);
-      }
-      partrain::dist::World::instance().init(world_options);
-    }
-    // Modules built from here on (pt.nn, pt.models) put their parameters on this rank's device.
-    partrain::nn::set_parameter_options(torch::TensorOptions().device(partrain::dist::World::instance().device()));
-  } catch (const std::exception& e) {
-    return rank_fail(where + partrain::compat::message_of(e));
-  }
-
-  try {
-    partrain::lua::Host host;
-    std::string error;
-    for (size_t i = 0; i < chunks.size(); ++i)
-      if (!host.run_string(chunks[i], "=(command line)", &error)) return rank_fail(where + error);
-    if (!script.empty() && !host.run_file(script, script_args, &error)) return rank_fail(where + error);
-    if (interactive) {
-      // The REPL returns why it could not read the terminal (a background process group), if so.
-      std::string why;
-      if (!host.eval("return require('partrain.repl').loop(_G, 'partrain ' .. require('partrain').version .. "
-                     "' REPL on ' .. require('partrain').dist.world_size() .. ' rank(s): every chunk runs on "
-                     "every rank; shards(), mesh(), mem(), on(rank, fn), exit()')",
-                     &why, &error))
-        return rank_fail(where + error);
-      if (why != "nil") return rank_fail(where + "the REPL cannot start: " + why);
-    }
-    // --trace records model:train_step; a script that never calls it leaves no file: say so.
-    auto& trace = partrain::parallel::StepTrace::instance();
-    if (!trace.options().path.empty() && trace.recorded() == 0 && partrain::dist::World::instance().rank() == 0)
-      std::cerr << "partrain: --trace: the script ran no model:train_step, so no trace was written to '"
-                << trace.options().path << "'" << std::endl;
-    std::fflush(stdout);
-    partrain::dist::World::instance().shutdown();  // wait for the others before leaving
-  } catch (const std::exception& e) {
-    return rank_fail(where + partrain::compat::message_of(e));
-  }
-  return 0;
+  return run_rank(run);
 }
+
+}  // namespace

@@ -102,15 +102,11 @@ void put(const std::string& k, const std::string& value) {
   store().set(k, std::vector<uint8_t>(value.begin(), value.end()));
 }
 
-// Waits for `k` without a deadline, sleeping 5 ms, then longer up to 100 ms, between looks.
-// A store that stops answering means rank 0 (its server) has ended.
+// Waits for `k` without a deadline: the store answers as soon as rank 0 sets it. A store that
+// stops answering means rank 0 (its server) has ended.
 std::string take(const std::string& k) {
-  auto pause = std::chrono::milliseconds(5);
   try {
-    while (!store().check({k})) {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(100));
-    }
+    store().wait({k}, c10d::Store::kNoTimeout);
     auto v = store().get(k);
     return std::string(v.begin(), v.end());
   } catch (const std::exception& e) {
@@ -353,14 +349,14 @@ const Function kRepl[] = {
        put(key(session, n, "chunk"), chunk ? "c" + a.string(3) : std::string("e"));
        if (!chunk) return a.ret();
        auto& world = dist::World::instance();
-       auto deadline = std::chrono::steady_clock::now() + world.options().timeout;
+       std::vector<std::string> took;
+       for (int r = 1; r < world.size(); ++r) took.push_back(key(session, n, "took/" + std::to_string(r)));
        std::string missing;
-       for (int r = 1; r < world.size(); ++r) {
-         while (!store().check({key(session, n, "took/" + std::to_string(r))}) &&
-                std::chrono::steady_clock::now() < deadline)
-           std::this_thread::sleep_for(std::chrono::milliseconds(10));
-         if (!store().check({key(session, n, "took/" + std::to_string(r))}))
-           missing += (missing.empty() ? "" : ",") + std::to_string(r);
+       try {
+         store().wait(took, world.options().timeout);  // answered as soon as the last rank takes it
+       } catch (const std::exception&) {
+         for (int r = 1; r < world.size(); ++r)
+           if (!store().check({took[r - 1]})) missing += (missing.empty() ? "" : ",") + std::to_string(r);
        }
        TORCH_CHECK(missing.empty(), "rank(s) ", missing, " did not reach the REPL within --timeout (",
                    world.options().timeout.count() / 1000, " s): every rank must reach it (a pt.breakpoint() that only "

@@ -1,5 +1,6 @@
 // The bodies behind compat.hpp: what differs between the LibTorch versions partrain builds
 // against, in one file.
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -63,9 +64,23 @@ torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor
 #endif
 }
 
-bool cuda_available() { return torch::cuda::is_available(); }
+namespace {
+std::atomic<bool> cuda_asked{false};  // whether this process has asked a CUDA runtime anything
+}  // namespace
 
-int cuda_device_count() { return static_cast<int>(torch::cuda::device_count()); }
+bool cuda_available() {
+  bool yes = torch::cuda::is_available();
+  if (yes) cuda_asked = true;  // a CPU LibTorch answers without a CUDA runtime
+  return yes;
+}
+
+int cuda_device_count() {
+  int n = static_cast<int>(torch::cuda::device_count());
+  if (n > 0) cuda_asked = true;
+  return n;
+}
+
+bool cuda_touched() { return cuda_asked; }
 
 void synchronize(const torch::Device& device) {
   if (!device.is_cuda()) return;

@@ -57,6 +57,11 @@ bool cuda_available();
 /// How many CUDA devices this LibTorch sees (0 without CUDA).
 int cuda_device_count();
 
+/// Whether this process has asked a CUDA runtime anything (the two calls above, when CUDA is
+/// there). A process that has must not fork children that use CUDA: the launcher then starts
+/// its ranks with exec.
+bool cuda_touched();
+
 /// Makes `device` (a CUDA device) the thread's current one, as torch.cuda.set_device does, so that
 /// NCCL and kernels launched without a device use the rank's. Nothing for a CPU device.
 void use_device(const torch::Device& device);
@@ -79,6 +84,10 @@ void at_end_of_backward(std::function<void()> fn);
 }  // namespace partrain::compat
 
 // ---- c10d (only for the files that define PARTRAIN_COMPAT_C10D) -----------------------------
+// c10d::Store grew in 2.x: clone() (pure there), append, multiGet, multiSet, hasExtendedApi,
+// queuePush/queuePop/queueLen, listKeys. partrain's store (engine/dist/store.hpp) declares them
+// all in 2.x's exact signatures without `override`, so that they override where the base has
+// them and are plain methods in 1.13: the one class builds against both.
 // 1.13 has ProcessGroupGloo derive from ProcessGroup; 2.x makes it a Backend behind a
 // ProcessGroup. partrain talks to the backend object directly, whose collectives have the same
 // signatures in both.
@@ -88,7 +97,6 @@ void at_end_of_backward(std::function<void()> fn);
 #endif
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef PARTRAIN_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif

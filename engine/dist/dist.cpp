@@ -13,6 +13,7 @@
 #define PARTRAIN_COMPAT_C10D  // this file talks to c10d: pull its headers into compat.hpp
 #include "engine/compat.hpp"
 #include "engine/dist/mesh.hpp"
+#include "engine/util/startup.hpp"
 
 namespace partrain::dist {
 
@@ -730,19 +731,35 @@ std::string backend_for(const WorldOptions& o) {
 
 }  // namespace
 
-torch::Device resolve_device(const std::string& spec, int local_rank) {
+namespace {
+// The CUDA index a spec names: -1 for cpu (or none given), local_rank for "cuda".
+int device_index_of(const std::string& spec, int local_rank) {
   const std::string expected = " (expected cpu, cuda or cuda:N)";
-  if (spec.empty()) return compat::cuda_available() ? torch::Device(torch::kCUDA, local_rank) : torch::Device(torch::kCPU);
-  if (spec == "cpu") return torch::kCPU;
+  if (spec.empty() || spec == "cpu") return -1;
   TORCH_CHECK(spec.rfind("cuda", 0) == 0, "unknown device '", spec, "'", expected);
-  int index = local_rank;
-  if (spec != "cuda") {
-    const std::string digits = spec.substr(4 + (spec.size() > 4 && spec[4] == ':' ? 1 : 0));
-    bool ok = spec.size() > 5 && spec[4] == ':' && digits.size() <= 4 &&
-              digits.find_first_not_of("0123456789") == std::string::npos;
-    TORCH_CHECK(ok, "unknown device '", spec, "'", expected);
-    index = std::stoi(digits);
-  }
+  if (spec == "cuda") return local_rank;
+  const std::string digits = spec.substr(4 + (spec.size() > 4 && spec[4] == ':' ? 1 : 0));
+  bool ok = spec.size() > 5 && spec[4] == ':' && digits.size() <= 4 &&
+            digits.find_first_not_of("0123456789") == std::string::npos;
+  TORCH_CHECK(ok, "unknown device '", spec, "'", expected);
+  return std::stoi(digits);
+}
+}  // namespace
+
+void check_device_spec(const std::string& spec) {
+  int index = device_index_of(spec, 0);
+#ifndef PARTRAIN_WITH_NCCL
+  // A CPU LibTorch answers without a CUDA runtime to start: a cuda device is refused now.
+  if (index >= 0) resolve_device(spec, 0);
+#else
+  (void)index;  // the ranks check the index against the devices present
+#endif
+}
+
+torch::Device resolve_device(const std::string& spec, int local_rank) {
+  if (spec.empty()) return compat::cuda_available() ? torch::Device(torch::kCUDA, local_rank) : torch::Device(torch::kCPU);
+  int index = device_index_of(spec, local_rank);
+  if (index < 0) return torch::kCPU;
   TORCH_CHECK(compat::cuda_available(), "device '", spec, "' needs CUDA, but ",
               "this LibTorch sees no CUDA device (use --device cpu)");
   int count = compat::cuda_device_count();
@@ -765,6 +782,13 @@ WorldOptions world_options_from_env() {
       TORCH_CHECK(false, "PARTRAIN_DEVICE: ", e.what_without_backtrace());
     }
   }
+  if (const char* secret = env("PARTRAIN_RDZV_SECRET")) {  // never printed
+    o.secret = secret;
+    TORCH_CHECK(o.secret.size() >= kMinSecret && o.secret.size() <= kMaxSecret, "environment variable "
+                "PARTRAIN_RDZV_SECRET holds ", o.secret.size(), " bytes (expected ", kMinSecret, " to ", kMaxSecret,
+                ": 128 bits or more)");
+  }
+  if (env("PARTRAIN_RDZV_FD")) o.listen_fd = env_int("PARTRAIN_RDZV_FD", -1, 3, 1 << 20);
   if (!has_rank) {
     o.backend = backend_for(o);
     return o;
@@ -801,15 +825,25 @@ void World::init(const WorldOptions& options) {
   if (options.world_size > 1 && !options.planned) {
     this_rank = options.rank;
     install_terminate_handler();
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(options.master_port);
-    so.isServer = options.rank == 0;
-    so.numWorkers = options.world_size;
-    so.waitWorkers = false;  // the arrivals below name who is missing, within one timeout
+    // One deadline for all of it: a rank that never comes is named within one timeout, and a
+    // lone rank does not wait a second timeout after the first.
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    StoreOptions so;
+    so.host = options.master_addr;
+    so.port = options.master_port;
+    so.secret = options.secret;
     so.timeout = options.timeout;
     const auto where = options.master_addr + ":" + std::to_string(options.master_port);
+    util::startup_mark("rendezvous: " + std::string(options.rank == 0 ? "serving and joining " : "joining ") + where);
     try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(options.master_addr, so);
+      if (options.rank == 0) {
+        so.listen_fd = options.listen_fd;
+        server_ = std::make_unique<StoreServer>(so);
+        so.listen_fd = -1;
+      } else if (options.listen_fd >= 0) {
+        ::close(options.listen_fd);  // only rank 0 serves
+      }
+      store_ = c10::make_intrusive<RendezvousStore>(so, deadline);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rendezvous at ", where, (options.rank == 0 ? " (serving it)" : ""),
                   " failed: ", compat::message_of(e),
@@ -822,7 +856,8 @@ void World::init(const WorldOptions& options) {
     for (int r = 0; r < options.world_size; ++r) arrivals.push_back("partrain/arrived/" + std::to_string(r));
     try {
       store_->set(arrivals[options.rank], std::vector<uint8_t>{1});
-      store_->wait(arrivals, options.timeout);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      store_->wait(arrivals, std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
       std::string missing;
       int count = 0;
@@ -843,10 +878,12 @@ void World::init(const WorldOptions& options) {
   }
   std::vector<int> all(options.world_size);
   for (int i = 0; i < options.world_size; ++i) all[i] = i;
+  util::startup_mark("rendezvous: every rank arrived");
   GroupOptions g{"world", all, options.timeout, options.backend, options.planned};
   world_ = ProcessGroup::create(g, options.rank, store_);
   groups_.push_back(world_);
   initialized_ = true;
+  util::startup_mark("group 'world' created");
 }
 
 torch::Device World::device() const {
@@ -878,6 +915,7 @@ GroupPtr World::new_group(const std::string& name, const std::vector<int>& ranks
   auto group = ProcessGroup::create(GroupOptions{name, ranks, options_.timeout, options_.backend, options_.planned},
                                     options_.rank, store_, unique);
   groups_.push_back(group);
+  if (ranks.size() > 1) util::startup_mark("group '" + name + "' created");
   return group;
 }
 
@@ -896,6 +934,7 @@ void World::shutdown() {
   }
   world_.reset();
   store_.reset();
+  server_.reset();
   groups_.clear();
   initialized_ = false;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/dist/process_group.hpp"
+#include "engine/dist/store.hpp"
 
 namespace partrain::dist {
 
@@ -24,6 +25,12 @@ struct WorldOptions {
   /// rank> when CUDA is present, else cpu.
   std::string device;
   std::string backend = "gloo";                  ///< PARTRAIN_BACKEND: "gloo" (CPU) or "nccl" (CUDA)
+  /// PARTRAIN_RDZV_SECRET: what every rank presents to the rendezvous store (the launcher makes
+  /// one a job); empty: none (torchrun, SLURM), and the store asks for none.
+  std::string secret;
+  /// PARTRAIN_RDZV_FD, rank 0 only: the listening socket the launcher bound for the store; -1:
+  /// rank 0 binds master_addr:master_port itself.
+  int listen_fd = -1;
   /// A virtual rank of the planner: no rendezvous, and every group is planned (records its
   /// collectives, runs none).
   bool planned = false;
@@ -32,6 +39,10 @@ struct WorldOptions {
 /// The device a rank computes on, from its spec (see WorldOptions::device) and its local rank.
 /// An unknown device, or cuda without a CUDA device to match, is an error naming the value.
 torch::Device resolve_device(const std::string& spec, int local_rank);
+/// Checks a device spec (cpu, cuda, cuda:N) without starting a CUDA runtime: what the launcher
+/// checks, since the ranks it forks must find CUDA untouched. With a CUDA LibTorch only the
+/// spelling (each rank checks its index); with a CPU one, that a cuda device cannot be.
+void check_device_spec(const std::string& spec);
 
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 /// PARTRAIN_TIMEOUT, PARTRAIN_DEVICE and PARTRAIN_BACKEND as torchrun and SLURM wrappers set them
@@ -45,8 +56,9 @@ class World {
   /// The process's world (one a process).
   static World& instance();
 
-  /// Joins the world: rank 0 serves the store at master_addr:master_port, everyone connects, and
-  /// the world group forms. Does nothing for a world of one. Call once.
+  /// Joins the world: rank 0 serves the store at master_addr:master_port (that address only),
+  /// everyone connects presenting the secret, and the world group forms; all of it within one
+  /// timeout. Does nothing for a world of one. Call once.
   void init(const WorldOptions& options);
   bool initialized() const { return initialized_; }
   const WorldOptions& options() const { return options_; }
@@ -76,6 +88,7 @@ class World {
   WorldOptions options_;
   mutable std::optional<torch::Device> device_;
   c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<StoreServer> server_;  // rank 0's
   GroupPtr world_;
   int groups_made_ = 0;
   std::vector<std::weak_ptr<ProcessGroup>> groups_;

@@ -2,6 +2,7 @@
 #include "engine/optim/optim.hpp"
 
 #include "engine/compat.hpp"
+#include "engine/util/startup.hpp"
 
 #include <cmath>
 #include <iostream>
@@ -289,6 +290,7 @@ void Optimizer::apply_lr(double lr) {
 }
 
 double Optimizer::step() {
+  util::startup_mark_once("first optimizer step");
   for (const auto& check : checks_) check();
   last_skipped_ = false;
   // The gradients of what is updated: a distributed optimizer's shard of the reduced gradients

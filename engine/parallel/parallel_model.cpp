@@ -11,6 +11,7 @@
 #include "engine/parallel/stage_timing.hpp"
 #include "engine/parallel/trace.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/startup.hpp"
 
 namespace partrain::parallel {
 
@@ -266,6 +267,7 @@ torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tens
 
 torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                         const TrainStepOptions& options) {
+  util::startup_mark_once("first train_step");
   const int n = options.accumulate;
   TORCH_CHECK(n >= 1, "train_step: accumulate must be >= 1, got ", n);
   TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
