@@ -284,12 +284,13 @@ std::map<std::string, torch::Tensor> read_safetensors_index(const std::string& i
     const std::string path = (dir == "." ? "" : dir) + file;
     for (auto& [name, t] : read_file_names(path)) {
       if (!names.count(name))
-        TORCH_CHECK(false, "'", path, "' holds tensor '", shown(name), "', which the index ",
+        TORCH_CHECK(false, "'", path, "' holds tensor '", shown(name), "', which the index '", index_path, "' ",
                     index["weight_map"].contains(name) ? "puts in another file" : "does not list");
       raw[name] = t;
     }
     for (const auto& name : names)
-      TORCH_CHECK(raw.count(name), "'", path, "' lacks tensor '", shown(name), "', which the index puts there");
+      TORCH_CHECK(raw.count(name), "'", path, "' lacks tensor '", shown(name), "', which the index '", index_path,
+                  "' puts there");
   }
   return to_partrain(std::move(raw), hf, index_path);
 }
