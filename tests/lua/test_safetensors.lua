@@ -168,7 +168,7 @@ test("Hugging Face's sharded layout: an index and its files, refused when they d
   index('{"0.bias":"model-00002-of-00002.safetensors","0.weight":"model-00002-of-00002.safetensors"}')
   refused(indexed, "lacks tensor '0.bias', which the index", "a tensor in another file than the index says")
   index('{"0.weight":"model-00002-of-00002.safetensors"}')
-  refused(indexed, "a parameter the file lacks", "an index without a parameter")
+  refused(indexed, "has no tensor '0.bias'", "an index without a parameter")
   write(indexed, '{"weight_map":[1,2]}')
   refused(indexed, "is not a safetensors index", "a weight_map that is not an object")
   write(indexed, '{"weight_map":{"0.bias":"a.safetensors","0.bias":"b.safetensors"}}')
