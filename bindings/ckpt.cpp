@@ -3,6 +3,8 @@
 // its policy) and resume.
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -16,6 +18,7 @@
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/util/files.hpp"
 
 namespace partrain::lua {
 
@@ -25,6 +28,15 @@ namespace {
 const models::HfNames* hf_names(const nn::Module& model) {
   const auto* family = models::family_of_type(model.type());
   return family && family->has_hf() ? &family->hf : nullptr;
+}
+
+// Whether the model's tensors `tied` and `source` are one tensor (GPT-2's lm_head and wte always;
+// LLaMA's lm_head and embed_tokens only when built with tie = true).
+bool ties(nn::Module& model, const std::string& tied, const std::string& source) {
+  auto a = model.find(tied.substr(0, tied.rfind('.'))), b = model.find(source.substr(0, source.rfind('.')));
+  if (!a || !b) return false;
+  auto x = a->own_tensor(tied.substr(tied.rfind('.') + 1)), y = b->own_tensor(source.substr(source.rfind('.') + 1));
+  return x.defined() && y.defined() && x.is_same(y);
 }
 
 using nlohmann::json;
@@ -216,14 +228,27 @@ const Function kCkpt[] = {
     {"export_safetensors", [](Args& a) {
        auto& m = a.module(1);
        std::string path = a.string(2);
+       Options o(a, 3, "export_safetensors");
+       double shard_mb = o.number("max_shard_size", 0);
+       o.finish();
+       if (o.has("max_shard_size") && !(shard_mb > 0 && shard_mb < 1e9))
+         a.fail(3, "max_shard_size must be a number of MB > 0, got " + std::to_string(shard_mb));
        refuse_pipeline(*m, "export_safetensors");
        auto full = parallel::full_state_dict(*m);
        std::map<std::string, torch::Tensor> tensors(full.begin(), full.end());
        const auto* hf = hf_names(*m);
        if (hf)
-         for (const auto& [tied, source] : hf->tied) tensors.erase(tied);  // Hugging Face stores the source alone
-       if (dist::World::instance().initialized() ? dist::World::instance().rank() == 0 : true)
-         ckpt::write_safetensors(path, tensors, hf);
+         for (const auto& [tied, source] : hf->tied)
+           if (ties(*m, tied, source)) tensors.erase(tied);  // Hugging Face stores the source alone
+       if (dist::World::instance().initialized() ? dist::World::instance().rank() == 0 : true) {
+         if (shard_mb > 0) {
+           if (!util::is_plain_dir(path) && ::mkdir(path.c_str(), 0755) != 0)
+             throw std::runtime_error("cannot make the folder '" + path + "' for a sharded export: " + std::strerror(errno));
+           ckpt::write_safetensors_sharded(path, tensors, hf, static_cast<int64_t>(shard_mb * 1024 * 1024));
+         } else {
+           ckpt::write_safetensors(path, tensors, hf);
+         }
+       }
        return a.ret(); }},
     // import_safetensors(model, path): loads logical weights into the (possibly split) model.
     {"import_safetensors", [](Args& a) {
@@ -231,10 +256,22 @@ const Function kCkpt[] = {
        std::string path = a.string(2);
        refuse_pipeline(*m, "import_safetensors");
        const auto* hf = hf_names(*m);
-       auto tensors = ckpt::read_safetensors(path, hf);
+       // A file, an index, or a folder holding an index (a sharded model) or model.safetensors.
+       std::string source = path;
+       if (util::is_plain_dir(path)) {
+         source = path + "/model.safetensors.index.json";
+         if (!util::is_regular(source)) source = path + "/model.safetensors";
+         if (!util::is_regular(source))
+           throw std::runtime_error("importing '" + path + "': the folder holds neither model.safetensors.index.json nor "
+                                    "model.safetensors");
+       }
+       const std::string index_end = ".index.json";
+       bool index = source.size() >= index_end.size() &&
+                    source.compare(source.size() - index_end.size(), index_end.size(), index_end) == 0;
+       auto tensors = index ? ckpt::read_safetensors_index(source, hf) : ckpt::read_safetensors(source, hf);
        nn::TensorMap state(tensors.begin(), tensors.end());
        for (const auto& [tied, source] : hf ? hf->tied : decltype(hf->tied){}) {
-         if (!state.count(source)) continue;
+         if (!state.count(source) || !ties(*m, tied, source)) continue;  // an untied head is a tensor of its own
          // A tied tensor (GPT-2's lm_head, tied to wte): a file may leave it out, or hold the same values.
          if (!state.count(tied)) state[tied] = state[source];
          else if (!state[tied].sizes().equals(state[source].sizes()) ||

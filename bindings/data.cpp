@@ -1,4 +1,4 @@
-// Data loaders in Lua (pt.data.mnist, pt.data.text) and byte conversions: thin userdata over the
+// Data loaders in Lua (pt.data.mnist, pt.data.text, pt.data.tokens) and byte conversions: thin userdata over the
 // engine's loaders; batching stays in C++, and batches land on the rank's device.
 #include <cstring>
 
@@ -41,6 +41,51 @@ int push_batch(const Args& a, const std::vector<torch::Tensor>& batch) {
   return static_cast<int>(batch.size());
 }
 
+// pt.data.text { path, seq, split, val_fraction, ... } (bytes) and pt.data.tokens { ..., dtype,
+// header } (pre-tokenized ids): one corpus reader, then the loader options.
+int push_corpus(Args& a, const char* what, bool tokens) {
+  Options t(a, 1, what);
+  data::TextOptions x;
+  x.path = t.string("path", "");
+  if (x.path.empty()) throw std::invalid_argument(std::string(what) + " needs option 'path' (the corpus file)");
+  x.seq = t.integer("seq", x.seq);
+  if (tokens) {
+    std::string dtype = t.string("dtype", "uint16");
+    if (dtype == "uint16") x.dtype = data::TextOptions::Storage::UInt16;
+    else if (dtype == "int32") x.dtype = data::TextOptions::Storage::Int32;
+    else if (dtype == "uint8") x.dtype = data::TextOptions::Storage::UInt8;
+    else throw std::invalid_argument("tokens: dtype must be 'uint16', 'int32' or 'uint8', got '" + dtype + "'");
+    // header: "auto" (llm.c's when its magic number is there), "none", or bytes to skip.
+    x.header = -1;
+    if (t.push("header")) {
+      lua_State* L = t.state();
+      if (lua_type(L, -1) == LUA_TSTRING && std::string(lua_tostring(L, -1)) == "none") x.header = 0;
+      else if (lua_type(L, -1) == LUA_TSTRING && std::string(lua_tostring(L, -1)) == "auto") x.header = -1;
+      else if (lua_type(L, -1) == LUA_TNUMBER && lua_tonumber(L, -1) >= 0 &&
+               lua_tonumber(L, -1) == static_cast<double>(static_cast<int64_t>(lua_tonumber(L, -1))))
+        x.header = static_cast<int64_t>(lua_tonumber(L, -1));
+      else {
+        lua_pop(L, 1);
+        throw std::invalid_argument("tokens: header must be 'auto', 'none' or a whole number of bytes");
+      }
+      lua_pop(L, 1);
+    }
+  }
+  // split: the whole corpus, or its first (train) or last (val) part, val_fraction of the tokens.
+  std::string split = t.string("split", "all");
+  double fraction = t.number("val_fraction", 0.1);
+  if (!(fraction > 0 && fraction < 1))
+    throw std::invalid_argument(std::string(what) + ": val_fraction must be in (0, 1), got " + std::to_string(fraction));
+  if (split == "train") x.end = 1 - fraction;
+  else if (split == "val") x.begin = 1 - fraction;
+  else if (split != "all")
+    throw std::invalid_argument(std::string(what) + ": split must be 'all', 'train' or 'val', got '" + split + "'");
+  auto o = read_loader(t);
+  t.finish();
+  ud_push(a.L, std::make_shared<data::Loader>(std::make_shared<data::Text>(x), o), PT_LOADER_MT);
+  return 1;
+}
+
 const Function kLoaderMethods[] = {
     {"next", [](Args& a) { return push_batch(a, loader(a, 1)->next()); }},
     {"has_next", [](Args& a) { return a.ret(loader(a, 1)->has_next()); }},
@@ -49,6 +94,11 @@ const Function kLoaderMethods[] = {
     {"position", [](Args& a) { return a.ret(double(loader(a, 1)->position())); }},
     {"batches_per_epoch", [](Args& a) { return a.ret(double(loader(a, 1)->batches_per_epoch())); }},
     {"samples_seen", [](Args& a) { return a.ret(double(loader(a, 1)->samples_seen())); }},
+    {"seek", [](Args& a) {  // seek(samples): continue as after that many global samples
+       int64_t n = a.integer(2);
+       if (n < 0) a.fail(2, "samples must be >= 0, got " + std::to_string(n));
+       loader(a, 1)->seek(n);
+       return a.ret(); }},
     {"size", [](Args& a) { return a.ret(double(loader(a, 1)->dataset().size())); }},
     {"batch_size", [](Args& a) { return a.ret(double(loader(a, 1)->options().batch)); }},
     {"__tostring", [](Args& a) {
@@ -68,16 +118,8 @@ const Function kData[] = {
        t.finish();
        ud_push(a.L, std::make_shared<data::Loader>(std::make_shared<data::Mnist>(m), o), PT_LOADER_MT);
        return 1; }},
-    {"text", [](Args& a) {
-       Options t(a, 1, "text");
-       data::TextOptions x;
-       x.path = t.string("path", "");
-       if (x.path.empty()) throw std::invalid_argument("text needs option 'path' (the corpus file)");
-       x.seq = t.integer("seq", x.seq);
-       auto o = read_loader(t);
-       t.finish();
-       ud_push(a.L, std::make_shared<data::Loader>(std::make_shared<data::Text>(x), o), PT_LOADER_MT);
-       return 1; }},
+    {"text", [](Args& a) { return push_corpus(a, "text", /*tokens=*/false); }},
+    {"tokens", [](Args& a) { return push_corpus(a, "tokens", /*tokens=*/true); }},
     {"read_idx", [](Args& a) { return a.ret(data::read_idx(a.string(1))); }},
     {"encode", [](Args& a) {  // bytes of a string -> int64 tensor
        std::string s = a.string(1);

@@ -1,11 +1,15 @@
 // Modules in Lua: one userdata type over the engine's module tree, the built-in layers, and
 // Lua-defined modules (Torch7 style) whose forward is a Lua function but whose parameters and
 // children are real engine nodes, so policies, checkpoints and the REPL see them like any other.
+#include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "bindings/lua.hpp"
+#include "engine/models/generate.hpp"
 #include "engine/models/registry.hpp"
 #include "engine/dist/world.hpp"
+#include "engine/nn/functional.hpp"
 #include "engine/nn/init.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
@@ -67,6 +71,39 @@ class LuaModule : public nn::Module {
   void push_class(lua_State* L) const { class_.push(L); }
   void push_fields(lua_State* L) const { fields_->push(L); }
 
+  // Numeric attributes a Lua module declares with self:attribute(name, value): policies read and
+  // divide them (P.divide_by_tensor) like a built-in module's, and self.name reads the current value.
+  c10::optional<double> attribute(const std::string& name) const override {
+    for (const auto& [n, v] : attributes_)
+      if (n == name) return v;
+    return c10::nullopt;
+  }
+  void set_attribute(const std::string& name, double value) override {
+    for (auto& [n, v] : attributes_)
+      if (n == name) {
+        v = value;
+        return;
+      }
+    std::string known;
+    for (const auto& [n, v] : attributes_) known += (known.empty() ? "" : ", ") + n;
+    TORCH_CHECK(false, type(), " has no attribute '", name, "' (", known.empty() ? std::string("it declares none")
+                : "it declares " + known, "; declare one with self:attribute(name, value))");
+  }
+  std::vector<std::string> attribute_names() const override {
+    std::vector<std::string> names;
+    for (const auto& [n, v] : attributes_) names.push_back(n);
+    return names;
+  }
+  /// Declares `name` (or sets it, when declared already).
+  void declare_attribute(const std::string& name, double value) {
+    for (auto& [n, v] : attributes_)
+      if (n == name) {
+        v = value;
+        return;
+      }
+    attributes_.emplace_back(name, value);
+  }
+
   // Called when C++ runs this module (inside a Sequential, say): the Lua forward with tensors.
   Tensor forward(const std::vector<Tensor>& inputs) override {
     if (Tensor out; run_replacement(inputs, out)) return out;
@@ -87,6 +124,7 @@ class LuaModule : public nn::Module {
  private:
   LuaRef class_;
   std::unique_ptr<LuaRef> fields_;
+  std::vector<std::pair<std::string, double>> attributes_;  // in declaration order
 };
 
 // A Lua function as a module's forward (a policy's method replacement).
@@ -334,7 +372,27 @@ const Function kMethods[] = {
        int64_t n = 0;
        for (const auto& p : nn::unique_parameters(*a.module(1))) n += p.numel();
        return a.ret(double(n)); }},
-    {"attribute", [](Args& a) {
+    {"attribute", [](Args& a) {  // attribute(name) reads; attribute(name, value) sets (a Lua module declares it)
+       if (!a.none(3)) {
+         auto& m = a.module(1);
+         std::string name = a.string(2);
+         double value = a.number(3);
+         if (!std::isfinite(value)) a.fail(3, "attribute '" + name + "' must be a finite number");
+         if (auto* lm = as_lua(m)) {
+           if (m->has_slot(name) || m->child(name))
+             a.fail(2, "'" + name + "' is a parameter or child of " + m->type() + ", not an attribute name");
+           lm->declare_attribute(name, value);
+           lm->push_fields(a.L);  // the attribute answers to self.name from now on, not a field
+           lua_pushvalue(a.L, 2);
+           lua_pushnil(a.L);
+           lua_rawset(a.L, -3);
+           lua_pop(a.L, 1);
+         } else {
+           m->set_attribute(name, value);
+         }
+         lua_settop(a.L, 1);
+         return 1;
+       }
        auto v = a.module(1)->attribute(a.string(2));
        if (!v) { lua_pushnil(a.L); return 1; }
        return a.ret(*v); }},
@@ -347,6 +405,16 @@ const Function kMethods[] = {
          lua_rawseti(a.L, -2, static_cast<int>(i + 1));
        }
        return 1; }},
+    {"generate", [](Args& a) {  // generate(ids [, { max_new = 32, temperature = 1, top_k = 0, top_p = 1, cache = true }])
+       Options t(a, 3, "generate");
+       models::GenerateOptions o;
+       o.max_new = t.integer("max_new", o.max_new);
+       o.temperature = t.number("temperature", o.temperature);
+       o.top_k = t.integer("top_k", o.top_k);
+       o.top_p = t.number("top_p", o.top_p);
+       o.cache = t.boolean("cache", o.cache);
+       t.finish();
+       return a.ret(models::generate(*a.module(1), a.tensor(2), o)); }},
     {"register_buffer", [](Args& a) { a.module(1)->set_buffer(a.string(2), a.tensor(3)); return a.ret(); }},
     {"register_parameter", [](Args& a) { a.module(1)->set_parameter(a.string(2), a.tensor(3)); return a.ret(); }},
     {"add", [](Args& a) {  // add(module) on a Sequential appends; add(name, module) names it
@@ -367,6 +435,8 @@ const Function kMeta[] = {
        bool replaced = lm && m->forward_replaced() && lua_type(L, 2) == LUA_TSTRING &&
                        std::string(lua_tostring(L, 2)) == "forward";
        if (lm && !replaced) {
+         if (lua_type(L, 2) == LUA_TSTRING)
+           if (auto v = lm->attribute(lua_tostring(L, 2))) return a.ret(*v);
          lm->push_fields(L);
          lua_pushvalue(L, 2);
          lua_rawget(L, -2);
@@ -425,6 +495,13 @@ const Function kMeta[] = {
                                      luaL_typename(a.L, 3) + " (parameters take tensors, children modules)");
        if (!lm)
          throw std::invalid_argument("cannot set field '" + key + "' on built-in module " + m->type());
+       if (lm->attribute(key)) {  // a declared attribute stays one: numbers only
+         if (!a.is_number(3))
+           throw std::invalid_argument(m->type() + "." + key + " is a numeric attribute (self:attribute), not a " +
+                                       luaL_typename(a.L, 3));
+         lm->set_attribute(key, a.number(3));
+         return a.ret();
+       }
        lm->push_fields(a.L);
        lua_pushvalue(a.L, 2);
        lua_pushvalue(a.L, 3);
@@ -451,6 +528,52 @@ const Function kConstructors[] = {
        t.finish();
        return a.ret(ModulePtr(std::make_shared<nn::LayerNorm>(o))); }},
     {"Dropout", [](Args& a) { return a.ret(ModulePtr(std::make_shared<nn::Dropout>(a.number(1, 0.5)))); }},
+    {"RMSNorm", [](Args& a) {  // RMSNorm(dim [, { eps = 1e-6, affine = true }])
+       nn::RMSNormOptions o(a.integer(1));
+       Options t(a, 2, "RMSNorm");
+       o.eps = t.number("eps", o.eps);
+       o.affine = t.boolean("affine", o.affine);
+       t.finish();
+       return a.ret(ModulePtr(std::make_shared<nn::RMSNorm>(o))); }},
+    {"Identity", [](Args& a) {
+       if (!a.none(1)) a.fail(1, "Identity takes no arguments");
+       return a.ret(ModulePtr(std::make_shared<nn::Identity>())); }},
+    {"ModuleList", [](Args& a) {  // ModuleList(m1, m2, ...) or ModuleList({ m1, m2, ... })
+       auto list = std::make_shared<nn::ModuleContainer>("ModuleList");
+       if (a.is_table(1) && a.top() == 1) {
+         int n = static_cast<int>(lua_objlen(a.L, 1));
+         for (int i = 1; i <= n; ++i) {
+           lua_rawgeti(a.L, 1, i);
+           auto* m = ud_test<ModulePtr>(a.L, -1, PT_MODULE_MT);
+           if (!m) a.fail(1, "ModuleList: element " + std::to_string(i) + " is a " + luaL_typename(a.L, -1) + ", not a module");
+           list->append(*m);
+           lua_pop(a.L, 1);
+         }
+       } else {
+         for (int i = 1; i <= a.top(); ++i) list->append(a.module(i));
+       }
+       return a.ret(ModulePtr(list)); }},
+    {"ModuleDict", [](Args& a) {  // ModuleDict({ name = module, ... }): children in name order
+       auto dict = std::make_shared<nn::ModuleContainer>("ModuleDict");
+       if (!a.none(1)) {
+         if (!a.is_table(1)) a.expected(1, "table of name = module");
+         std::vector<std::pair<std::string, ModulePtr>> entries;
+         lua_pushnil(a.L);
+         while (lua_next(a.L, 1)) {
+           if (lua_type(a.L, -2) != LUA_TSTRING) a.fail(1, std::string("ModuleDict: keys must be names, got a ") + luaL_typename(a.L, -2));
+           std::string name = lua_tostring(a.L, -2);
+           auto* m = ud_test<ModulePtr>(a.L, -1, PT_MODULE_MT);
+           if (!m) a.fail(1, "ModuleDict: '" + name + "' is a " + luaL_typename(a.L, -1) + ", not a module");
+           if (name.empty() || name.find('.') != std::string::npos)
+             a.fail(1, "ModuleDict: '" + name + "' is not a valid child name (non-empty, without dots)");
+           entries.emplace_back(name, *m);
+           lua_pop(a.L, 1);
+         }
+         std::sort(entries.begin(), entries.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+         for (auto& [name, m] : entries) dict->set_child(name, m);
+       }
+       return a.ret(ModulePtr(dict)); }},
+
     {"Sequential", [](Args& a) {
        std::vector<ModulePtr> layers;
        for (int i = 1; i <= a.top(); ++i) layers.push_back(a.module(i));
@@ -505,6 +628,46 @@ const Function kConstructors[] = {
        }
        return a.ret(nn::cross_entropy(logits, a.tensor(2), ignore)); }},
     {"mse", [](Args& a) { return a.ret(nn::mse(a.tensor(1), a.tensor(2))); }},
+    {"nll_loss", [](Args& a) {  // nll_loss(log_probs, targets [, { ignore_index = -100, reduction = "mean" }])
+       Options t(a, 3, "nll_loss");
+       int64_t ignore = t.integer("ignore_index", -100);
+       std::string reduction = t.string("reduction", "mean");
+       t.finish();
+       return a.ret(nn::nll_loss(a.tensor(1), a.tensor(2), ignore, reduction)); }},
+    {"rms_norm", [](Args& a) {  // rms_norm(x [, weight] [, eps = 1e-6])
+       int at = 2;
+       Tensor w;
+       if (a.is_tensor(2)) { w = a.tensor(2); at = 3; }
+       else if (lua_isnil(a.L, 2) && !a.none(3)) at = 3;
+       return a.ret(nn::rms_norm(a.tensor(1), w, a.number(at, 1e-6))); }},
+    {"scaled_dot_product_attention", [](Args& a) {  // (q, k, v [, { mask, causal, dropout, scale, training }])
+       Options t(a, 4, "scaled_dot_product_attention");
+       nn::AttentionOptions o;
+       if (t.push("mask")) {
+         auto* m = ud_test<Tensor>(a.L, -1, PT_TENSOR_MT);
+         if (!m) a.fail(4, std::string("scaled_dot_product_attention: mask must be a tensor, got a ") + luaL_typename(a.L, -1));
+         o.mask = *m;
+         lua_pop(a.L, 1);
+       }
+       o.causal = t.boolean("causal", false);
+       o.dropout = t.number("dropout", 0.0);
+       o.training = t.boolean("training", true);
+       if (t.has("scale")) o.scale = t.number("scale", 1.0);
+       t.finish();
+       return a.ret(nn::scaled_dot_product_attention(a.tensor(1), a.tensor(2), a.tensor(3), o)); }},
+    {"rotary_tables", [](Args& a) {  // rotary_tables(head_dim, positions [, { base = 10000, dtype = "float32" }]) -> cos, sin
+       Options t(a, 3, "rotary_tables");
+       double base = t.number("base", 10000.0);
+       auto dtype = parse_dtype(t.string("dtype", "float32"));
+       t.finish();
+       Tensor positions = a.is_number(2) ? torch::arange(a.integer(2), torch::TensorOptions().dtype(torch::kInt64).device(
+                                                 dist::World::instance().device()))
+                                         : a.tensor(2);
+       auto [cos, sin] = nn::rotary_tables(a.integer(1), positions, base, dtype);
+       a.ret(cos);
+       return 1 + a.ret(sin); }},
+    {"apply_rotary", [](Args& a) { return a.ret(nn::apply_rotary(a.tensor(1), a.tensor(2), a.tensor(3))); }},
+
     {"clip_grad_norm", [](Args& a) {  // split parameters' norms add up over their tensor group
        auto params = params_of(a, 1);
        double max_norm = a.number(2);
@@ -586,6 +749,64 @@ void push_module(lua_State* L, const ModulePtr& m) {
   lua_remove(L, -2);
 }
 
+// pt.nn.init: in-place initializers of a tensor (PyTorch's torch.nn.init), under no_grad, each
+// returning the tensor. fan_in / fan_out as PyTorch computes them (dimension 1 / 0 times the rest).
+namespace init = torch::nn::init;
+Tensor& init_target(Args& a) {
+  Tensor& t = a.tensor(1);
+  if (!t.is_floating_point()) a.fail(1, "nn.init needs a floating-point tensor, got " + dtype_name(t.scalar_type()));
+  return t;
+}
+init::FanModeType fan_mode(Args& a, const std::string& mode) {
+  if (mode == "fan_in") return torch::kFanIn;
+  if (mode == "fan_out") return torch::kFanOut;
+  a.fail(2, "mode must be 'fan_in' or 'fan_out', got '" + mode + "'");
+}
+init::NonlinearityType nonlinearity(Args& a, const std::string& name) {
+  if (name == "leaky_relu") return torch::kLeakyReLU;
+  if (name == "relu") return torch::kReLU;
+  if (name == "linear") return torch::kLinear;
+  if (name == "tanh") return torch::kTanh;
+  if (name == "sigmoid") return torch::kSigmoid;
+  a.fail(2, "nonlinearity must be one of leaky_relu, relu, linear, tanh, sigmoid, got '" + name + "'");
+}
+const Function kInit[] = {
+    {"normal_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::normal_(init_target(a), a.number(2, 0), a.number(3, 1))); }},
+    {"uniform_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::uniform_(init_target(a), a.number(2, 0), a.number(3, 1))); }},
+    {"constant_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::constant_(init_target(a), a.scalar(2))); }},
+    {"zeros_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::zeros_(init_target(a))); }},
+    {"ones_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::ones_(init_target(a))); }},
+    {"xavier_uniform_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::xavier_uniform_(init_target(a), a.number(2, 1))); }},
+    {"xavier_normal_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::xavier_normal_(init_target(a), a.number(2, 1))); }},
+    {"kaiming_uniform_", [](Args& a) {  // (t [, { a = 0, mode = "fan_in", nonlinearity = "leaky_relu" }])
+       Options o(a, 2, "kaiming_uniform_");
+       double slope = o.number("a", 0);
+       auto mode = fan_mode(a, o.string("mode", "fan_in"));
+       auto nl = nonlinearity(a, o.string("nonlinearity", "leaky_relu"));
+       o.finish();
+       torch::NoGradGuard g;
+       return a.ret(init::kaiming_uniform_(init_target(a), slope, mode, nl)); }},
+    {"kaiming_normal_", [](Args& a) {
+       Options o(a, 2, "kaiming_normal_");
+       double slope = o.number("a", 0);
+       auto mode = fan_mode(a, o.string("mode", "fan_in"));
+       auto nl = nonlinearity(a, o.string("nonlinearity", "leaky_relu"));
+       o.finish();
+       torch::NoGradGuard g;
+       return a.ret(init::kaiming_normal_(init_target(a), slope, mode, nl)); }},
+    {"trunc_normal_", [](Args& a) {  // (t [, mean = 0, std = 1, a = -2, b = 2]): normal, redrawn into [a, b]
+       double mean = a.number(2, 0), std = a.number(3, 1), lo = a.number(4, -2), hi = a.number(5, 2);
+       if (!(std > 0) || !(lo < hi)) a.fail(3, "trunc_normal_ needs std > 0 and a < b");
+       Tensor& t = init_target(a);
+       torch::NoGradGuard g;
+       // PyTorch's method: uniform in [cdf(a), cdf(b)], then the inverse normal CDF.
+       auto cdf = [](double x) { return (1 + std::erf(x / std::sqrt(2.0))) / 2; };
+       double l = cdf((lo - mean) / std), u = cdf((hi - mean) / std);
+       t.uniform_(2 * l - 1, 2 * u - 1);
+       t.erfinv_().mul_(std * std::sqrt(2.0)).add_(mean).clamp_(lo, hi);
+       return a.ret(t); }},
+    {nullptr, nullptr}};
+
 void open_nn(lua_State* L, int core) {
   // The weak cache behind push_module.
   lua_newtable(L);
@@ -612,6 +833,11 @@ void open_nn(lua_State* L, int core) {
   lua_pop(L, 1);  // the cache
 
   set_library(L, core, "nn", kConstructors);
+  lua_getfield(L, core, "nn");
+  lua_newtable(L);
+  set_functions(L, lua_gettop(L), kInit);
+  lua_setfield(L, -2, "init");
+  lua_pop(L, 1);
   set_library(L, core, "models", model_constructors().data());  // pt.models.mlp, pt.models.gpt2, ...
   set_library(L, core, "model_families", kModelFunctions);
   new_metatable<SnapshotPtr>(L, PT_SNAPSHOT_MT, kSnapshotMethods, /*keep=*/false);

@@ -8,6 +8,7 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
+#include "engine/parallel/recompute.hpp"
 #include "engine/parallel/probe.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
@@ -179,13 +180,15 @@ const Function kTensorParallel[] = {
     {"vocab_embedding", [](Args& a) {
        return a.ret(nn::ModulePtr(std::make_shared<parallel::VocabParallelEmbedding>(
            layer<nn::Embedding>(a, 1, "Embedding"), group(a, 2)))); }},
-    {"layer_norm", [](Args& a) {  // layer_norm(ln, group [, { sequence_parallel = false, fused = true }])
+    {"layer_norm", [](Args& a) {  // layer_norm(ln or rms, group [, { sequence_parallel = false, fused = true }])
        Options o(a, 3, "layer_norm");
        bool sequence = o.boolean("sequence_parallel", false);
        bool fused = o.boolean("fused", true);
        o.finish();
+       if (auto* rms = dynamic_cast<nn::RMSNorm*>(a.module(1).get()))
+         return a.ret(nn::ModulePtr(std::make_shared<parallel::ParallelLayerNorm>(*rms, group(a, 2), sequence)));
        return a.ret(nn::ModulePtr(std::make_shared<parallel::ParallelLayerNorm>(
-           layer<nn::LayerNorm>(a, 1, "LayerNorm"), group(a, 2), sequence, fused))); }},
+           layer<nn::LayerNorm>(a, 1, "LayerNorm or RMSNorm"), group(a, 2), sequence, fused))); }},
     {"cross_entropy", [](Args& a) {  // cross_entropy(local_logits, targets, group, vocab [, { ignore_index }])
        Options o(a, 5, "cross_entropy");
        int64_t ignore = o.integer("ignore_index", -100);
@@ -433,6 +436,9 @@ const Function kParallel[] = {
     // stages } (stages: this rank's virtual stages, by chunk; bounds: split_stages' block
     // boundaries; costs, under balance "time": the measured microseconds of the first part, each
     // block and the last part).
+    {"recompute_blocks", [](Args& a) {  // recompute_blocks(model, container): each block checkpointed
+       parallel::recompute_blocks(*a.module(1), a.string(2));
+       return a.ret(); }},
     {"pipeline", [](Args& a) {
        auto pm = owner_of(a, 1);
        if (!pm || !pm->pipeline()) { lua_pushnil(a.L); return 1; }

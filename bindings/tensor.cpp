@@ -214,6 +214,22 @@ const Function kMethods[] = {
     {"repeat_", [](Args& a) { return a.ret(T(1).repeat(a.ints(2))); }},
     {"chunk", [](Args& a) { return a.ret(T(1).chunk(a.integer(2), a.integer(3, 0))); }},
     {"split", [](Args& a) { return a.ret(a.is_table(2) ? T(1).split_with_sizes(a.ints(2), a.integer(3, 0)) : T(1).split(a.integer(2), a.integer(3, 0))); }},
+    {"unbind", [](Args& a) { return a.ret(T(1).unbind(a.integer(2, 0))); }},  // a Lua array of slices
+    {"flip", [](Args& a) { return a.ret(T(1).flip(a.dims(2))); }},
+    // repeat_interleave(repeats [, dim]): repeats a number or a 1-D integer tensor (one count each)
+    {"repeat_interleave", [](Args& a) {
+       c10::optional<int64_t> dim = a.none(3) ? c10::nullopt : c10::optional<int64_t>(a.integer(3));
+       if (a.is_number(2)) {
+         int64_t n = a.integer(2);
+         if (n < 0) a.fail(2, "repeats must be >= 0, got " + std::to_string(n));
+         return a.ret(T(1).repeat_interleave(n, dim));
+       }
+       return a.ret(T(1).repeat_interleave(T(2), dim)); }},
+    // scatter(dim, index, src or value): a copy with src's (or the value) at index along dim
+    {"scatter", [](Args& a) {
+       if (a.is_number(4)) return a.ret(T(1).scatter(a.integer(2), T(3), a.scalar(4)));
+       return a.ret(T(1).scatter(a.integer(2), T(3), T(4))); }},
+    {"scatter_add", [](Args& a) { return a.ret(T(1).scatter_add(a.integer(2), T(3), T(4))); }},
     {"clone", [](Args& a) { return a.ret(T(1).clone()); }},
     {"detach", [](Args& a) { return a.ret(T(1).detach()); }},
     {"tril", [](Args& a) { return a.ret(T(1).tril(a.integer(2, 0))); }},
@@ -255,6 +271,16 @@ const Function kMethods[] = {
     {"argmax", [](Args& a) { refuse_split_logits(a, "argmax", a.none(2) ? c10::nullopt : c10::optional<int64_t>(a.integer(2))); return a.ret(a.none(2) ? T(1).argmax() : T(1).argmax(a.integer(2), a.boolean(3, false))); }},
     {"argmin", [](Args& a) { refuse_split_logits(a, "argmin", a.none(2) ? c10::nullopt : c10::optional<int64_t>(a.integer(2))); return a.ret(a.none(2) ? T(1).argmin() : T(1).argmin(a.integer(2), a.boolean(3, false))); }},
     {"cumsum", [](Args& a) { refuse_split_logits(a, "cumsum", a.integer(2)); return a.ret(T(1).cumsum(a.integer(2))); }},
+    {"logsumexp", [](Args& a) {  // logsumexp(dim or {dims} [, keepdim = false])
+       auto dims = a.dims(2);
+       refuse_split_logits(a, "logsumexp", dims.size() == 1 ? c10::optional<int64_t>(dims[0]) : c10::nullopt);
+       return a.ret(T(1).logsumexp(dims, a.boolean(3, false))); }},
+    // sort([dim = -1] [, descending = false]) -> values, indices (a stable sort); argsort the indices
+    {"sort", [](Args& a) { refuse_split_logits(a, "sort", a.integer(2, -1)); auto [v, i] = T(1).sort(/*stable=*/true, a.integer(2, -1), a.boolean(3, false)); a.ret(v); return 1 + a.ret(i); }},
+    {"argsort", [](Args& a) { refuse_split_logits(a, "argsort", a.integer(2, -1)); return a.ret(std::get<1>(T(1).sort(/*stable=*/true, a.integer(2, -1), a.boolean(3, false)))); }},
+    {"isnan", [](Args& a) { return a.ret(T(1).isnan()); }},
+    {"isinf", [](Args& a) { return a.ret(T(1).isinf()); }},
+    {"isfinite", [](Args& a) { return a.ret(T(1).isfinite()); }},
     {"all", [](Args& a) { return a.ret(T(1).all()); }},
     {"any", [](Args& a) { return a.ret(T(1).any()); }},
     {"topk", [](Args& a) { refuse_split_logits(a, "topk", a.integer(3, -1)); auto [v, i] = T(1).topk(a.integer(2), a.integer(3, -1)); a.ret(v); return 1 + a.ret(i); }},
@@ -266,6 +292,10 @@ const Function kMethods[] = {
     {"le", [](Args& a) { auto [l, r] = operands(a); return a.ret(l.le(r)); }},
     {"gt", [](Args& a) { auto [l, r] = operands(a); return a.ret(l.gt(r)); }},
     {"ge", [](Args& a) { auto [l, r] = operands(a); return a.ret(l.ge(r)); }},
+    {"logical_not", [](Args& a) { return a.ret(T(1).logical_not()); }},
+    {"logical_and", [](Args& a) { return a.ret(T(1).logical_and(T(2))); }},
+    {"logical_or", [](Args& a) { return a.ret(T(1).logical_or(T(2))); }},
+    {"logical_xor", [](Args& a) { return a.ret(T(1).logical_xor(T(2))); }},
     {"equal", [](Args& a) { return a.ret(T(1).equal(T(2))); }},
     {"allclose", [](Args& a) { return a.ret(T(1).allclose(T(2), a.number(3, 1e-5), a.number(4, 1e-8))); }},
     // activations
@@ -273,6 +303,7 @@ const Function kMethods[] = {
     {"gelu", [](Args& a) { return a.ret(a.string(2, "none") == "tanh" ? compat::gelu_tanh(T(1)) : at::gelu(T(1))); }},
     {"tanh", [](Args& a) { return a.ret(T(1).tanh()); }},
     {"sigmoid", [](Args& a) { return a.ret(T(1).sigmoid()); }},
+    {"silu", [](Args& a) { return a.ret(at::silu(T(1))); }},
     {"softmax", [](Args& a) { refuse_split_logits(a, "softmax", a.integer(2)); return a.ret(T(1).softmax(a.integer(2))); }},
     {"log_softmax", [](Args& a) { refuse_split_logits(a, "log_softmax", a.integer(2)); return a.ret(T(1).log_softmax(a.integer(2))); }},
     // in place
@@ -387,6 +418,14 @@ const Function kFunctions[] = {
     {"randn_like", [](Args& a) { return a.ret(torch::randn_like(T(1))); }},
     {"cat", [](Args& a) { return a.ret(torch::cat(a.tensors(1), a.integer(2, 0))); }},
     {"stack", [](Args& a) { return a.ret(torch::stack(a.tensors(1), a.integer(2, 0))); }},
+    {"einsum", [](Args& a) {  // einsum(equation, t1, t2, ...) or einsum(equation, { t1, t2, ... })
+       std::string equation = a.string(1);
+       std::vector<Tensor> operands;
+       if (a.is_table(2)) operands = a.tensors(2);
+       else
+         for (int i = 2; i <= a.top(); ++i) operands.push_back(T(i));
+       if (operands.empty()) a.fail(2, "einsum needs at least one tensor");
+       return a.ret(torch::einsum(equation, operands)); }},
     {"where", [](Args& a) { return a.ret(torch::where(T(1), T(2), a.tensor_or_number(3, T(2)))); }},
     {"manual_seed", [](Args& a) { torch::manual_seed(static_cast<uint64_t>(a.integer(1))); return a.ret(); }},
     {"is_tensor", [](Args& a) { return a.ret(a.is_tensor(1)); }},

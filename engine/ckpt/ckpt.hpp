@@ -207,5 +207,14 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
 /// a "transformer." prefix dropped, refusing a file that has a name both ways) and transposed
 /// weights turn back to [out, in].
 std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, const models::HfNames* hf);
+/// Reads Hugging Face's sharded layout from its index (model.safetensors.index.json: a weight_map
+/// of tensor name -> file): each file a plain name beside the index, read as read_safetensors
+/// reads one, holding exactly the tensors the map puts there.
+std::map<std::string, torch::Tensor> read_safetensors_index(const std::string& index_path, const models::HfNames* hf);
+/// Writes Hugging Face's sharded layout into the folder `dir`: model-0000N-of-0000M.safetensors
+/// files of at most `max_shard_bytes` of tensors each (in name order; a larger tensor alone), and
+/// model.safetensors.index.json.
+void write_safetensors_sharded(const std::string& dir, const std::map<std::string, torch::Tensor>& tensors,
+                               const models::HfNames* hf, int64_t max_shard_bytes);
 
 }  // namespace partrain::ckpt

@@ -103,7 +103,10 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
   util::write_atomic(path, bytes);
 }
 
-std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, const models::HfNames* hf) {
+namespace {
+
+// The tensors of one .safetensors file under the file's own names (read_safetensors's checks).
+std::map<std::string, torch::Tensor> read_file_names(const std::string& path) {
   int fd = util::open_regular(path, "safetensors file");
   struct Closer {
     int fd;
@@ -206,14 +209,7 @@ std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, c
         (previous ? " '" + shown(previous->name) + "'" : std::string()) + " (trailing garbage)");
 
   std::map<std::string, torch::Tensor> out;
-  std::map<std::string, std::string> source;  // key -> the name in the file
   for (const auto& e : entries) {
-    std::string key = e.name;
-    if (hf) key = hf->from_hf(key);
-    if (source.count(key))
-      bad("has both '" + shown(source[key]) + "' and '" + shown(e.name) + "', which name the same tensor '" + shown(key) +
-          "'");
-    source[key] = e.name;
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.type));
     if (!read_at(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, data_start + e.begin))
       bad("tensor '" + shown(e.name) + "': the file is truncated");
@@ -222,14 +218,116 @@ std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, c
       for (uint64_t i = 0; i < e.end - e.begin; ++i)
         if (b[i] > 1) bad("tensor '" + shown(e.name) + "': a BOOL byte that is not 0 or 1");
     }
-    if (hf && hf->transposed(key)) {  // GPT-2's Conv1D weights: [in, out] there, [out, in] here
-      if (t.dim() != 2) bad("tensor '" + shown(e.name) + "': a Conv1D weight must have 2 dimensions, not " +
-                                 std::to_string(t.dim()));
+    out[e.name] = t;
+  }
+  return out;
+}
+
+// Tensors under a file's names -> partrain's names and layouts (`where` names the file in errors).
+std::map<std::string, torch::Tensor> to_partrain(std::map<std::string, torch::Tensor> raw, const models::HfNames* hf,
+                                                 const std::string& where) {
+  if (!hf) return raw;
+  std::map<std::string, torch::Tensor> out;
+  std::map<std::string, std::string> source;  // key -> the name in the file
+  for (auto& [name, t] : raw) {
+    std::string key = hf->from_hf(name);
+    TORCH_CHECK(!source.count(key), "'", where, "' has both '", shown(source[key]), "' and '", shown(name),
+                "', which name the same tensor '", shown(key), "'");
+    source[key] = name;
+    if (hf->transposed(key)) {  // GPT-2's Conv1D weights: [in, out] there, [out, in] here
+      TORCH_CHECK(t.dim() == 2, "'", where, "' tensor '", shown(name), "': a Conv1D weight must have 2 dimensions, not ",
+                  t.dim());
       t = t.t().contiguous();
     }
     out[key] = t;
   }
   return out;
+}
+
+constexpr uint64_t kMaxIndexBytes = 64ull << 20;  // a model.safetensors.index.json
+constexpr size_t kMaxShards = 100000;
+
+}  // namespace
+
+std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, const models::HfNames* hf) {
+  return to_partrain(read_file_names(path), hf, path);
+}
+
+std::map<std::string, torch::Tensor> read_safetensors_index(const std::string& index_path, const models::HfNames* hf) {
+  auto bad = [&](const std::string& why) { TORCH_CHECK(false, "'", index_path, "' ", why); };
+  std::string text = util::read_regular(index_path, "safetensors index", kMaxIndexBytes);
+  if (json_depth(text) > kMaxJsonDepth) bad("is nested deeper than " + std::to_string(kMaxJsonDepth));
+  nlohmann::json index;
+  std::string duplicate;
+  try {
+    index = parse_header(text, &duplicate);
+  } catch (const std::exception& e) {
+    bad(std::string("is not JSON (") + e.what() + ")");
+  }
+  if (!duplicate.empty()) bad("names a tensor twice in its weight_map");
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    bad("is not a safetensors index (expected an object with a weight_map of tensor name -> file)");
+  const auto slash = index_path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : index_path.substr(0, slash + 1);
+  std::map<std::string, std::set<std::string>> files;  // file -> the tensors the map puts there
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) bad("maps tensor '" + shown(name) + "' to something other than a file name");
+    auto f = file.get<std::string>();
+    // Files sit beside the index: a name with a slash, "..", or a hidden name would lead elsewhere.
+    if (!util::safe_name(f)) bad("maps tensor '" + shown(name) + "' to '" + shown(f) + "', not a plain file name beside it");
+    files[f].insert(name);
+    if (files.size() > kMaxShards) bad("names more than " + std::to_string(kMaxShards) + " files");
+  }
+  if (files.empty()) bad("has an empty weight_map");
+  std::map<std::string, torch::Tensor> raw;
+  for (const auto& [file, names] : files) {
+    const std::string path = (dir == "." ? "" : dir) + file;
+    for (auto& [name, t] : read_file_names(path)) {
+      if (!names.count(name))
+        TORCH_CHECK(false, "'", path, "' holds tensor '", shown(name), "', which the index '", index_path, "' ",
+                    index["weight_map"].contains(name) ? "puts in another file" : "does not list");
+      raw[name] = t;
+    }
+    for (const auto& name : names)
+      TORCH_CHECK(raw.count(name), "'", path, "' lacks tensor '", shown(name), "', which the index '", index_path,
+                  "' puts there");
+  }
+  return to_partrain(std::move(raw), hf, index_path);
+}
+
+void write_safetensors_sharded(const std::string& dir, const std::map<std::string, torch::Tensor>& tensors,
+                               const models::HfNames* hf, int64_t max_shard_bytes) {
+  TORCH_CHECK(max_shard_bytes > 0, "safetensors: the largest shard must be > 0 bytes, got ", max_shard_bytes);
+  TORCH_CHECK(util::is_plain_dir(dir), "safetensors: '", dir, "' is not a folder (a sharded export writes its files there)");
+  // Tensors in Hugging Face's name order, a new file when the next would pass the limit (a tensor
+  // larger than the limit sits alone in its file).
+  std::map<std::string, std::pair<std::string, torch::Tensor>> by_file_name;  // HF name -> (name, tensor)
+  for (const auto& [name, t] : tensors) by_file_name[hf ? hf->to_hf(name) : name] = {name, t};
+  std::vector<std::map<std::string, torch::Tensor>> shards(1);
+  int64_t bytes = 0, total = 0;
+  for (const auto& [file_name, entry] : by_file_name) {
+    const int64_t n = static_cast<int64_t>(entry.second.nbytes());
+    if (bytes > 0 && bytes + n > max_shard_bytes) {
+      shards.emplace_back();
+      bytes = 0;
+    }
+    shards.back()[entry.first] = entry.second;
+    bytes += n;
+    total += n;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  const size_t count = shards.size();
+  auto file_of = [&](size_t i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, count);
+    return std::string(name);
+  };
+  for (size_t i = 0; i < count; ++i) {
+    write_safetensors(dir + "/" + file_of(i), shards[i], hf);
+    for (const auto& [name, t] : shards[i]) weight_map[hf ? hf->to_hf(name) : name] = file_of(i);
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  util::write_atomic(dir + "/model.safetensors.index.json", index.dump(2) + "\n");
 }
 
 }  // namespace partrain::ckpt

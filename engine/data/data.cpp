@@ -126,8 +126,26 @@ std::string Mnist::describe() const {
 
 // ---- Text -----------------------------------------------------------------------------------
 
+namespace {
+constexpr int32_t kLlmcMagic = 20240520;  // llm.c's token files: 256 int32s, then the tokens
+constexpr int64_t kLlmcHeader = 256 * 4;
+int64_t width_of(TextOptions::Storage s) {
+  return s == TextOptions::Storage::UInt8 ? 1 : s == TextOptions::Storage::UInt16 ? 2 : 4;
+}
+const char* name_of(TextOptions::Storage s) {
+  return s == TextOptions::Storage::UInt8 ? "uint8" : s == TextOptions::Storage::UInt16 ? "uint16" : "int32";
+}
+int32_t read_i32(const uint8_t* p) {  // little-endian
+  return static_cast<int32_t>(uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
+}
+}  // namespace
+
 Text::Text(const TextOptions& o) : options(o) {
-  TORCH_CHECK(o.seq > 0, "text dataset: seq must be positive, got ", o.seq);
+  TORCH_CHECK(o.seq > 0, "token corpus: seq must be positive, got ", o.seq);
+  TORCH_CHECK(o.header >= -1, "token corpus: header must be -1 (detect llm.c's), 0 or a number of bytes, got ",
+              o.header);
+  TORCH_CHECK(o.begin >= 0 && o.begin < o.end && o.end <= 1, "token corpus: the part used [", o.begin, ", ", o.end,
+              ") must lie in [0, 1] and not be empty");
   int fd = util::open_regular(o.path, "text corpus");
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -136,9 +154,9 @@ Text::Text(const TextOptions& o) : options(o) {
     TORCH_CHECK(false, "cannot stat '", o.path, "': ", err);
   }
   length_ = static_cast<size_t>(st.st_size);
-  if (length_ < static_cast<size_t>(o.seq) + 1) {
+  if (length_ == 0) {
     ::close(fd);
-    TORCH_CHECK(false, "text corpus '", o.path, "' has ", length_, " bytes, fewer than seq+1 = ", o.seq + 1);
+    TORCH_CHECK(false, "token corpus '", o.path, "' is empty");
   }
   {
     void* p = ::mmap(nullptr, length_, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -147,23 +165,58 @@ Text::Text(const TextOptions& o) : options(o) {
     TORCH_CHECK(p != MAP_FAILED, "cannot map '", o.path, "': ", err);
     data_ = static_cast<const uint8_t*>(p);
   }
+  const int64_t size = static_cast<int64_t>(length_), width = width_of(o.dtype);
+  auto fail = [&](const std::string& why) {
+    ::munmap(const_cast<uint8_t*>(data_), length_);
+    data_ = nullptr;
+    TORCH_CHECK(false, "token corpus '", o.path, "' ", why);
+  };
+  header_ = o.header;
+  int64_t stated = -1;  // the token count a header states
+  if (o.header == -1) header_ = size >= kLlmcHeader && read_i32(data_) == kLlmcMagic ? kLlmcHeader : 0;
+  if (header_ == kLlmcHeader && size >= kLlmcHeader && read_i32(data_) == kLlmcMagic) {
+    if (read_i32(data_ + 4) != 1) fail("has llm.c's header with version " + std::to_string(read_i32(data_ + 4)) +
+                                       " (expected 1: uint16 tokens)");
+    if (o.dtype != TextOptions::Storage::UInt16) fail("has llm.c's header, whose tokens are uint16: read it with dtype = \"uint16\"");
+    stated = read_i32(data_ + 8);
+  }
+  if (header_ > size) fail("has " + std::to_string(size) + " bytes, fewer than its header of " + std::to_string(header_));
+  if ((size - header_) % width != 0)
+    fail("holds " + std::to_string(size - header_) + " bytes after its header, not a whole number of " +
+         std::to_string(width) + "-byte tokens");
+  const int64_t count = (size - header_) / width;
+  if (stated >= 0 && stated != count)
+    fail("states " + std::to_string(stated) + " tokens in its header but holds " + std::to_string(count));
+  first_ = static_cast<int64_t>(o.begin * static_cast<double>(count));
+  last_ = o.end >= 1 ? count : static_cast<int64_t>(o.end * static_cast<double>(count));
+  if (last_ - first_ < o.seq + 1)
+    fail("has " + std::to_string(last_ - first_) + " tokens in the part used, fewer than seq+1 = " +
+         std::to_string(o.seq + 1));
 }
 
 Text::~Text() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), length_);
 }
 
-int64_t Text::size() const { return (static_cast<int64_t>(length_) - 1) / options.seq; }
+int64_t Text::size() const { return (tokens() - 1) / options.seq; }
 
 std::vector<Tensor> Text::batch(const std::vector<int64_t>& indices) const {
   const int64_t seq = options.seq, n = static_cast<int64_t>(indices.size());
-  auto window = torch::empty({n, seq + 1}, torch::kUInt8);
-  auto* dst = window.data_ptr<uint8_t>();
+  const int64_t width = width_of(options.dtype);
+  // uint16 travels as int16 (LibTorch 1.13 has no uint16): the bits, read back unsigned.
+  auto storage = options.dtype == TextOptions::Storage::UInt8    ? torch::kUInt8
+                 : options.dtype == TextOptions::Storage::UInt16 ? torch::kInt16
+                                                                 : torch::kInt32;
+  auto window = torch::empty({n, seq + 1}, torch::TensorOptions().dtype(storage));
+  auto* dst = static_cast<uint8_t*>(window.data_ptr());
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(indices[i] >= 0 && indices[i] < size(), "text sample ", indices[i], " out of range");
-    std::memcpy(dst + i * (seq + 1), data_ + indices[i] * seq, seq + 1);
+    std::memcpy(dst + i * (seq + 1) * width, data_ + header_ + (first_ + indices[i] * seq) * width, (seq + 1) * width);
   }
   auto tokens = window.to(torch::kInt64);
+  if (options.dtype == TextOptions::Storage::UInt16) tokens = tokens.bitwise_and(0xffff);
+  if (options.dtype == TextOptions::Storage::Int32)
+    TORCH_CHECK(tokens.min().item<int64_t>() >= 0, "token corpus '", options.path, "' holds a negative token id");
   return {tokens.narrow(1, 0, seq).contiguous(), tokens.narrow(1, 1, seq).contiguous()};
 }
 
@@ -175,8 +228,13 @@ std::string Text::slice(int64_t offset, int64_t count) const {
 
 std::string Text::describe() const {
   std::ostringstream s;
-  s << "text(" << options.path << ", " << length_ << " bytes, " << size() << " samples of "
-    << options.seq << ")";
+  if (options.dtype == TextOptions::Storage::UInt8 && header_ == 0 && first_ == 0 && last_ == bytes()) {
+    s << "text(" << options.path << ", " << length_ << " bytes, " << size() << " samples of " << options.seq << ")";
+    return s.str();
+  }
+  s << "tokens(" << options.path << ", " << name_of(options.dtype) << ", " << tokens() << " tokens";
+  if (options.begin > 0 || options.end < 1) s << " [" << options.begin << ", " << options.end << ")";
+  s << ", " << size() << " samples of " << options.seq << ")";
   return s.str();
 }
 

@@ -1,5 +1,5 @@
 // Datasets and the batch loader: an IDX reader (gzip or plain) for MNIST-style data, a
-// memory-mapped byte-level text corpus, and a loader with a seeded, reproducible shuffle that
+// memory-mapped token corpus (bytes of text, or pre-tokenized ids), and a loader with a seeded, reproducible shuffle that
 // can hand each data-parallel rank its slice of the global batch.
 #pragma once
 
@@ -45,12 +45,21 @@ class Mnist : public Dataset {
 };
 
 struct TextOptions {
-  std::string path;   ///< the corpus file, read as bytes
-  int64_t seq = 128;  ///< tokens (bytes) per sample
+  std::string path;   ///< the corpus file
+  int64_t seq = 128;  ///< tokens per sample
+  /// How tokens are stored: uint8 (bytes: a text corpus), uint16 or int32 (little-endian, a
+  /// pre-tokenized corpus: llm.c's and nanoGPT's .bin files).
+  enum class Storage { UInt8, UInt16, Int32 } dtype = Storage::UInt8;
+  /// Bytes before the first token: -1 reads llm.c's header when the file starts with its magic
+  /// number (256 int32s: 20240520, version 1, token count) and none otherwise; 0 none; n > 0 skips n.
+  int64_t header = 0;
+  /// The part of the tokens used, as fractions [begin, end) of them (a train/validation split).
+  double begin = 0, end = 1;
 };
 
-/// A byte-level corpus, memory-mapped. Sample i is the window starting at byte i*seq: inputs
-/// are its seq bytes, targets the same shifted by one; both int64 (B, seq).
+/// A token corpus, memory-mapped: bytes (a text file) or pre-tokenized ids. Sample i is the window
+/// starting at token i*seq of the part used: inputs are its seq tokens, targets the same shifted
+/// by one; both int64 (B, seq).
 class Text : public Dataset {
  public:
   explicit Text(const TextOptions& options);
@@ -61,13 +70,17 @@ class Text : public Dataset {
   std::vector<Tensor> batch(const std::vector<int64_t>& indices) const override;
   std::string describe() const override;
   int64_t bytes() const { return static_cast<int64_t>(length_); }
-  /// Bytes [offset, offset+count) of the corpus.
+  /// Tokens in the part used.
+  int64_t tokens() const { return last_ - first_; }
+  /// Bytes [offset, offset+count) of the file.
   std::string slice(int64_t offset, int64_t count) const;
   TextOptions options;
 
  private:
   const uint8_t* data_ = nullptr;
   size_t length_ = 0;
+  int64_t first_ = 0, last_ = 0;  // the tokens used: [first_, last_) of the file's tokens
+  int64_t header_ = 0;            // bytes before token 0
 };
 
 struct LoaderOptions {

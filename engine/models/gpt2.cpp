@@ -6,7 +6,10 @@
 #include <sstream>
 
 #include "engine/compat.hpp"
+#include "engine/models/generate.hpp"
 #include "engine/models/registry.hpp"
+#include "engine/models/transformer.hpp"
+#include "engine/nn/functional.hpp"
 #include "engine/nn/init.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
@@ -63,6 +66,14 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)
   auto q = split[0], k = split[1], v = split[2];
   const double p = is_training() ? dropout : 0.0;
+  if (auto* cache = KvCache::current()) {  // generating: this input's keys after the cached ones
+    auto [keys, values] = cache->extend(*this, k, v);
+    nn::AttentionOptions a;
+    a.causal = true;
+    a.training = false;
+    auto y = nn::scaled_dot_product_attention(q, keys, values, a).transpose(1, 2).reshape({B, T, width});
+    return child("c_proj")->forward({y});
+  }
   if (flash_attention && compat::kHasFusedAttention) {
     auto y = compat::fused_causal_attention(q, k, v, p).transpose(1, 2).reshape({B, T, width});
     return child("c_proj")->forward({y});
@@ -130,26 +141,6 @@ Tensor Gpt2Block::forward(const Tensor& x) {
   return h + child("mlp")->forward({child("ln_2")->forward({h})});
 }
 
-namespace {
-// The layers of a sequence-parallel region must all agree: a LayerNorm that sees T/t positions
-// without summing its gradients over the group (or one that sums them while seeing all T)
-// trains differently from the serial model without any error.
-void check_sequence(const nn::Module& root, const std::string& path, const std::vector<std::string>& layers) {
-  std::string on, off;
-  for (const auto& name : layers) {
-    auto m = root.find(name);
-    auto split = m ? m->sequence_split() : c10::nullopt;
-    if (!split) continue;
-    (*split ? on : off) += (*split ? on : off).empty() ? name : ", " + name;
-  }
-  TORCH_CHECK(on.empty() || off.empty(), path, ": sequence parallelism must be on for all of ", [&] {
-    std::string all;
-    for (const auto& n : layers) all += (all.empty() ? "" : ", ") + n;
-    return all;
-  }(), " or for none: it is on for ", on, " and off for ", off);
-}
-}  // namespace
-
 void Gpt2Block::check(const std::string& path) const {
   const int64_t dim = child("ln_1")->input_features() ? child("ln_1")->input_features()->width : -1;
   for (const char* branch : {"attn", "mlp"}) {
@@ -163,18 +154,7 @@ void Gpt2Block::check(const std::string& path) const {
 }
 
 void Gpt2::check(const std::string& path) const {
-  // Only the output head may be a vocabulary head: logits split anywhere else would be read as
-  // whole features by the next layer, and the loss would take the real output for split logits.
-  for (const auto& [name, m] : const_cast<Gpt2*>(this)->modules()) {
-    auto* column = dynamic_cast<const parallel::ColumnParallelLinear*>(m.get());
-    if (column && column->vocab_head)
-      TORCH_CHECK(name == "lm_head", path, ": P.vocab_head fits only GPT-2's output head lm_head, not ", name);
-  }
-  auto head = child("lm_head")->output_features();
-  auto* column = dynamic_cast<const parallel::ColumnParallelLinear*>(child("lm_head").get());
-  TORCH_CHECK(!head || head->parts == 1 || (column && column->vocab_head), path, ": lm_head gives ", head->describe(),
-              ": split logits need P.vocab_head {} (the loss then comes from pt.loss_fn(model)), or gather them "
-              "with gather_output = true");
+  check_vocab_head(*this, path, "lm_head");
   nn::check_chain({{"ln_f", child("ln_f")}, {"lm_head", child("lm_head")}}, path);
   std::vector<std::string> layers = {"ln_f", "lm_head"};
   for (const auto& [name, block] : child("h")->children_named()) {
@@ -210,19 +190,15 @@ Tensor Gpt2::embeddings(const Tensor& ids) {
   TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
               " ", ids.dtype());
   const int64_t T = ids.size(1);
-  TORCH_CHECK(T <= options.seq, "GPT2: sequence of ", T, " tokens is longer than seq=", options.seq);
-  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
+  const int64_t first = KvCache::current() ? KvCache::current()->offset : 0;  // generating: after the cache
+  TORCH_CHECK(first + T <= options.seq, "GPT2: sequence of ", first + T, " tokens is longer than seq=", options.seq);
+  auto pos = torch::arange(first, first + T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
   return child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
 }
 
 Tensor Gpt2::stage_in(const Tensor& ids) {
   // Sequence parallelism: the group of a LayerNorm that sees this rank's part of the sequence.
-  dist::GroupPtr group;
-  for (const auto& [path, m] : modules())
-    if (auto* ln = dynamic_cast<const parallel::ParallelLayerNorm*>(m.get()); ln && ln->sequence_parallel) {
-      group = ln->group;
-      break;
-    }
+  auto group = sequence_group(*this);
   if (!group) return embed(ids);
   auto x = parallel::split_sequence(embeddings(ids), group);  // (B, T/t, dim)
   return at::dropout(x, options.dropout, is_training());

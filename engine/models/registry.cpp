@@ -7,8 +7,9 @@ namespace partrain::models {
 
 const std::vector<Family>& families() {
   static const std::vector<Family> all = {
-      mlp_family(),   // engine/models/models.cpp
-      gpt2_family(),  // engine/models/gpt2.cpp
+      mlp_family(),    // engine/models/models.cpp
+      gpt2_family(),   // engine/models/gpt2.cpp
+      llama_family(),  // engine/models/llama.cpp
   };
   return all;
 }

@@ -63,5 +63,6 @@ const Family* family_of_type(const std::string& type);
 // One descriptor a family, each in its family's file.
 Family mlp_family();
 Family gpt2_family();
+Family llama_family();
 
 }  // namespace partrain::models

@@ -81,6 +81,47 @@ class LayerNorm : public Unary {
   LayerNormOptions options;
 };
 
+struct RMSNormOptions {
+  explicit RMSNormOptions(int64_t dim) : dim(dim) {}
+  int64_t dim;            ///< size of the normalized last dimension
+  double eps = 1e-6;      ///< added to the mean square (LLaMA's rms_norm_eps)
+  bool affine = true;     ///< learn a weight (no bias: RMSNorm has none)
+};
+
+/// Root-mean-square norm of the last dimension (LLaMA's; nn::rms_norm): (..., dim) -> (..., dim).
+class RMSNorm : public Unary {
+ public:
+  explicit RMSNorm(const RMSNormOptions& options);
+  /// weight 1
+  void reset_tensor(const std::string& name, Tensor& t, at::Generator& gen) const override;
+  Tensor forward(const Tensor& x) override;
+  std::string extra_repr() const override;
+  void check(const std::string& path) const override;  // weight [dim] when affine
+  c10::optional<Features> input_features() const override { return Features{options.dim}; }
+  c10::optional<Features> output_features() const override { return Features{options.dim}; }
+  c10::optional<bool> sequence_split() const override { return false; }
+  const Tensor& weight() const { return param("weight"); }  // [dim] or undefined
+  RMSNormOptions options;
+};
+
+/// Returns its input (a placeholder where a layer is switched off).
+class Identity : public Unary {
+ public:
+  Identity() : Unary("Identity") {}
+  Tensor forward(const Tensor& x) override { return x; }
+  bool elementwise() const override { return true; }
+};
+
+/// Holds children without running them: ModuleList's are "0", "1", ... in order, ModuleDict's
+/// named by the user. A forward that uses them is the parent's; calling one directly is an error.
+class ModuleContainer : public Module {
+ public:
+  explicit ModuleContainer(std::string type) : Module(std::move(type)) {}
+  void append(ModulePtr layer);  ///< the next free index as its name
+  size_t size() const { return children_named().size(); }
+  Tensor forward(const std::vector<Tensor>& inputs) override;
+};
+
 /// Zeroes elements with probability p in training mode and rescales the rest; identity in eval.
 class Dropout : public Unary {
  public:
@@ -104,12 +145,12 @@ class Sequential : public Module {
   c10::optional<Features> output_features() const override;  // the last layer's
 };
 
-/// A parameter-free elementwise module (ReLU, GELU, Tanh, Sigmoid, Softmax, LogSoftmax).
+/// A parameter-free elementwise module (ReLU, GELU, Tanh, Sigmoid, SiLU, Softmax, LogSoftmax).
 class Activation : public Unary {
  public:
   Activation(std::string type, std::function<Tensor(const Tensor&)> fn);
   Tensor forward(const Tensor& x) override { return fn_(x); }
-  /// ReLU, GELU, Tanh, Sigmoid act on each feature alone; Softmax and LogSoftmax need them whole.
+  /// ReLU, GELU, Tanh, Sigmoid, SiLU act on each feature alone; Softmax and LogSoftmax need them whole.
   bool elementwise() const override { return type() != "Softmax" && type() != "LogSoftmax"; }
   c10::optional<Features> input_features() const override {
     if (elementwise()) return c10::nullopt;
@@ -120,7 +161,7 @@ class Activation : public Unary {
   std::function<Tensor(const Tensor&)> fn_;
 };
 
-/// Makes an activation module by name: "ReLU", "GELU", "GELUTanh", "Tanh", "Sigmoid",
+/// Makes an activation module by name: "ReLU", "GELU", "GELUTanh", "Tanh", "Sigmoid", "SiLU",
 /// "Softmax", "LogSoftmax" (the last two over dimension `dim`). Unknown names are an error.
 ModulePtr make_activation(const std::string& name, int64_t dim = -1);
 

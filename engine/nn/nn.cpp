@@ -1,9 +1,11 @@
 // The model tree and the serial layers (see module.hpp and layers.hpp).
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <unordered_set>
 
 #include "engine/compat.hpp"
+#include "engine/nn/functional.hpp"
 #include "engine/nn/layers.hpp"
 
 namespace partrain::nn {
@@ -459,6 +461,46 @@ std::string LayerNorm::extra_repr() const {
   return s.str();
 }
 
+RMSNorm::RMSNorm(const RMSNormOptions& o) : Unary("RMSNorm"), options(o) {
+  TORCH_CHECK(o.dim > 0, "RMSNorm needs a positive dim, got ", o.dim);
+  TORCH_CHECK(o.eps >= 0 && std::isfinite(o.eps), "RMSNorm: eps must be a finite number >= 0, got ", o.eps);
+  if (o.affine) register_parameter("weight", torch::ones({o.dim}, parameter_options()));
+  else register_parameter("weight", Tensor(), false);
+}
+
+void RMSNorm::reset_tensor(const std::string& name, Tensor& t, at::Generator&) const {
+  TORCH_CHECK(name == "weight", "RMSNorm has no tensor '", name, "'");
+  t.fill_(1.0);
+}
+
+Tensor RMSNorm::forward(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.dim, "RMSNorm(", options.dim, ") expects input (..., ",
+              options.dim, "), got ", x.sizes());
+  return rms_norm(x, weight(), options.eps);
+}
+
+void RMSNorm::check(const std::string& path) const {
+  check_shape(*this, path, "weight", weight(), {options.dim}, "RMSNorm(" + std::to_string(options.dim) + ")");
+}
+
+std::string RMSNorm::extra_repr() const {
+  std::ostringstream s;
+  s << "dim=" << options.dim << ", eps=" << options.eps << (options.affine ? "" : ", affine=false");
+  return s.str();
+}
+
+void ModuleContainer::append(ModulePtr layer) {
+  size_t index = size();
+  while (child(std::to_string(index))) ++index;
+  set_child(std::to_string(index), std::move(layer));
+}
+
+Tensor ModuleContainer::forward(const std::vector<Tensor>& inputs) {
+  if (Tensor out; run_replacement(inputs, out)) return out;
+  TORCH_CHECK(false, type(), " holds modules but does not run them: call its children from the parent's forward "
+              "(for _, m in ipairs(list:children()) do x = m(x) end)");
+}
+
 Dropout::Dropout(double p) : Unary("Dropout"), p(p) {
   TORCH_CHECK(p >= 0 && p < 1, "Dropout probability must be in [0, 1), got ", p);
 }
@@ -510,11 +552,12 @@ ModulePtr make_activation(const std::string& name, int64_t dim) {
   else if (name == "GELUTanh") fn = [](const Tensor& x) { return compat::gelu_tanh(x); };
   else if (name == "Tanh") fn = [](const Tensor& x) { return at::tanh(x); };
   else if (name == "Sigmoid") fn = [](const Tensor& x) { return at::sigmoid(x); };
+  else if (name == "SiLU") fn = [](const Tensor& x) { return at::silu(x); };
   else if (name == "Softmax") fn = [dim](const Tensor& x) { return at::softmax(x, dim); };
   else if (name == "LogSoftmax") fn = [dim](const Tensor& x) { return at::log_softmax(x, dim); };
   else
     TORCH_CHECK(false, "unknown activation '", name,
-                "' (expected ReLU, GELU, GELUTanh, Tanh, Sigmoid, Softmax or LogSoftmax)");
+                "' (expected ReLU, GELU, GELUTanh, Tanh, Sigmoid, SiLU, Softmax or LogSoftmax)");
   return std::make_shared<Activation>(name, fn);
 }
 

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "engine/nn/functional.hpp"
+
 namespace partrain::parallel {
 
 using torch::autograd::AutogradContext;
@@ -491,14 +493,21 @@ ParallelLayerNorm::ParallelLayerNorm(const nn::LayerNorm& serial, dist::GroupPtr
   register_parameter("bias", serial.bias(), serial.bias().defined());
 }
 
+ParallelLayerNorm::ParallelLayerNorm(const nn::RMSNorm& serial, dist::GroupPtr g, bool sequence)
+    : nn::Unary("ParallelRMSNorm"), group(std::move(g)), dim(serial.options.dim), eps(serial.options.eps),
+      sequence_parallel(sequence), fused(false), rms(true) {
+  register_parameter("weight", serial.weight(), serial.weight().defined());
+}
+
 Tensor ParallelLayerNorm::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == dim, "ParallelLayerNorm(", dim, ") expects input (..., ", dim, "), got ",
               x.sizes());
-  Tensor w = param("weight"), b = param("bias");
+  Tensor w = param("weight"), b = rms ? Tensor() : param("bias");
   if (sequence_parallel) {  // partial gradients, summed over the group in backward
     if (w.defined()) w = copy_to_tensor_region(w, group);
     if (b.defined()) b = copy_to_tensor_region(b, group);
   }
+  if (rms) return nn::rms_norm(x, w, eps);
   if (fused) return at::layer_norm(x, {dim}, w, b, eps);
   auto mean = x.mean(-1, true);
   auto centered = x - mean;
@@ -509,13 +518,13 @@ Tensor ParallelLayerNorm::forward(const Tensor& x) {
 
 void ParallelLayerNorm::check(const std::string& path) const {
   check_local_shape(*this, path, "weight", {dim});
-  check_local_shape(*this, path, "bias", {dim});
+  if (!rms) check_local_shape(*this, path, "bias", {dim});
 }
 
 std::string ParallelLayerNorm::extra_repr() const {
   std::ostringstream s;
-  s << "dim=" << dim << ", eps=" << eps << (sequence_parallel ? ", sequence_parallel" : "")
-    << (fused ? ", fused" : ", composed");
+  s << "dim=" << dim << ", eps=" << eps << (sequence_parallel ? ", sequence_parallel" : "");
+  if (!rms) s << (fused ? ", fused" : ", composed");
   return s.str();
 }
 

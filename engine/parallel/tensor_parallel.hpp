@@ -120,14 +120,17 @@ class VocabParallelEmbedding : public nn::Unary {
   c10::optional<Sharding> weight_split_;
 };
 
-/// LayerNorm for tensor-parallel models (ShardFormer's FusedLayerNorm replacement). Under sequence
-/// parallelism each rank normalizes only its part of the sequence, so the weight's and bias's
-/// gradients are partial sums: they are all-reduced over the group in backward. `fused`: one
-/// native layer-norm kernel; otherwise the composed mean/variance form (for reference runs).
+/// LayerNorm or RMSNorm for tensor-parallel models (ShardFormer's FusedLayerNorm replacement).
+/// Under sequence parallelism each rank normalizes only its part of the sequence, so the weight's
+/// and bias's gradients are partial sums: they are all-reduced over the group in backward.
+/// `fused`: one native layer-norm kernel; otherwise the composed mean/variance form (for
+/// reference runs). An RMSNorm (type ParallelRMSNorm) always runs nn::rms_norm.
 class ParallelLayerNorm : public nn::Unary {
  public:
   /// Shares `serial`'s weight and bias (replicated on every rank).
   ParallelLayerNorm(const nn::LayerNorm& serial, dist::GroupPtr group, bool sequence_parallel, bool fused = true);
+  /// Shares `serial`'s weight (an RMSNorm has no bias).
+  ParallelLayerNorm(const nn::RMSNorm& serial, dist::GroupPtr group, bool sequence_parallel);
   Tensor forward(const Tensor& x) override;
   std::string extra_repr() const override;
   void check(const std::string& path) const override;  // weight and bias [dim], whole
@@ -138,6 +141,7 @@ class ParallelLayerNorm : public nn::Unary {
   int64_t dim;
   double eps;
   bool sequence_parallel, fused;
+  bool rms = false;  ///< an RMSNorm's replacement
 };
 
 /// Cross-entropy of logits whose last dimension (the vocabulary) is split across the group,

@@ -1,6 +1,6 @@
--- Trains a byte-level GPT-2 on the King James Bible and prints a sample of what it learned.
--- Split over --tensor ranks or cut into --pipeline stages by policies/gpt2.lua, data-parallel
--- over the rest.
+-- Trains a byte-level GPT-2 (or, with --model llama, a LLaMA) on the King James Bible and prints a
+-- sample of what it learned. Split over --tensor ranks or cut into --pipeline stages by the model's
+-- policy (policies/gpt2.lua, policies/llama.lua), data-parallel over the rest.
 --   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --tensor 2      (tensor 2 x data 2)
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --tensor 2 --sequence-parallel
@@ -12,12 +12,14 @@
 local pt = require "partrain"
 
 local cfg = pt.args {
+  model = LM_DEFAULT_MODEL or "gpt2",  -- gpt2 or llama (examples/llama/train.lua makes llama the default)
   steps = 200,
   batch = 16,               -- the global batch, in sequences
   seq = 64,                 -- tokens (bytes) a sequence
   dim = 128,
   heads = 4,
   layers = 4,
+  kv_heads = 0,             -- llama: key/value heads (grouped-query attention; 0: as many as heads)
   dropout = pt.args.number(0),
   lr = pt.args.number(3e-3),
   warmup = 20,
@@ -69,7 +71,14 @@ end
 local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline, zero = zero }
 -- Built deferred (on the meta device): pt.parallelize then allocates only what this rank holds
 -- (its stages, its shards), with the weights the whole model would have.
+if cfg.model ~= "gpt2" and cfg.model ~= "llama" then error(("--model %s: expected gpt2 or llama"):format(cfg.model)) end
+if cfg.model == "gpt2" and cfg.kv_heads ~= 0 then error("--kv-heads is LLaMA's (--model llama)") end
+if cfg.model == "llama" and cfg.dropout ~= 0 then error("--dropout: LLaMA has no dropout") end
 local model = pt.deferred(function()
+  if cfg.model == "llama" then
+    return pt.models.llama { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, kv_heads = cfg.kv_heads,
+                             layers = cfg.layers, dtype = cfg.dtype }
+  end
   return pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                           layers = cfg.layers, dropout = cfg.dropout, dtype = cfg.dtype }
 end)
@@ -80,15 +89,15 @@ if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks
   options.microbatches = cfg.microbatches > 0 and cfg.microbatches or cfg.pipeline
 end
-model = pt.parallelize(model, pipelined and "policies.gpt2" or nil, mesh, options)  -- policies/gpt2.lua when split
+model = pt.parallelize(model, pipelined and "policies." .. cfg.model or nil, mesh, options)  -- the family's policy when split
 local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when they are split
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 },
   loss_scale = cfg.dtype == "float16" and "dynamic" or nil })   -- float16's small gradients need loss scaling
 local sharded = opt:zero()  -- nil without ZeRO
-print(("gpt2: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s"):format(
-  cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
+print(("%s: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s"):format(
+  cfg.model, cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
   mesh:size("data"), sharded and ("; ZeRO-%d over %d ranks (%.2f MB of master weights a rank)"):format(sharded.stage,
   sharded.group, sharded.master_bytes / 1e6) or ""))
 

@@ -116,7 +116,7 @@ end)
 
 test("a vocab_head on an inner layer, a split head that is not one, and an untied head are refused", function()
   refused(gpt, gpt2_policy(function(m) m.GPT2Block.replace[5] = { "mlp.c_fc", P.vocab_head {} } end),
-    "P.vocab_head fits only GPT-2's output head lm_head, not h.0.mlp.c_fc")
+    "P.vocab_head fits only GPT2's output head lm_head, not h.0.mlp.c_fc")
   refused(function() return pt.models.gpt2 { vocab = 256, seq = 8, dim = 16, heads = 4, layers = 1 } end,
     gpt2_policy(function(m) m.GPT2.replace[3] = { "lm_head", P.column {} } end), "split logits need P.vocab_head {}")
   refused(gpt, gpt2_policy(nil, { postprocess = function() end }),

@@ -1,4 +1,5 @@
--- Data from Lua: Fashion-MNIST through the IDX reader, the byte-level text corpus, and the
+-- Data from Lua: Fashion-MNIST through the IDX reader, the byte-level text corpus, pre-tokenized
+-- token files (llm.c's and nanoGPT's .bin), train/validation splits, pt.evaluate, and the
 -- loader's seeded shuffle and data-parallel slices.
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -100,6 +101,104 @@ test("datasets are read from regular files only: a folder, a FIFO or a device is
   raises(function() pt.data.read_idx(dir .. "/fifo") end, "the dataset file '" .. dir .. "/fifo' is a FIFO")
   raises(function() pt.data.read_idx("/dev/zero") end, "'/dev/zero' is a character device")
   os.execute("rm -r " .. dir)
+end)
+
+-- Token files written here: llm.c's layout (256 int32s: magic, version, count; then uint16
+-- tokens), raw uint16 (nanoGPT's) and raw int32.
+local function le(n, bytes)
+  local out = {}
+  for i = 1, bytes do out[i] = string.char(math.floor(n / 256 ^ (i - 1)) % 256) end
+  return table.concat(out)
+end
+local function token_file(tokens, width, header)
+  local path = os.tmpname()
+  local f = assert(io.open(path, "wb"))
+  if header then
+    f:write(le(20240520, 4), le(header.version or 1, 4), le(header.count or #tokens, 4), string.rep("\0", 1024 - 12))
+  end
+  for _, t in ipairs(tokens) do f:write(le(t, width)) end
+  f:close()
+  return path
+end
+local function ids(n) local t = {} for i = 1, n do t[i] = (i * 7919) % 60000 end return t end
+
+test("pt.data.tokens reads llm.c's .bin (uint16 above 32767 too), raw uint16 and int32, windows shifted by one", function()
+  local toks = ids(101)
+  for _, case in ipairs({
+    { token_file(toks, 2, {}), {} },
+    { token_file(toks, 2), { header = "none" } },
+    { token_file(toks, 4), { dtype = "int32" } },
+  }) do
+    local opts = { path = case[1], seq = 4, batch = 2, shuffle = false }
+    for k, v in pairs(case[2]) do opts[k] = v end
+    local l = pt.data.tokens(opts)
+    eq(l:size(), 25, "100 // 4 samples")
+    local x, y = l:next()
+    eq(table.concat(x:select(0, 1):totable(), ","), table.concat({ toks[5], toks[6], toks[7], toks[8] }, ","))
+    eq(table.concat(y:select(0, 0):totable(), ","), table.concat({ toks[2], toks[3], toks[4], toks[5] }, ","))
+    eq(x.dtype, "int64")
+    os.remove(case[1])
+  end
+end)
+
+test("split = train / val takes the first and last parts; the position is kept and restored", function()
+  local toks = ids(201)
+  local path = token_file(toks, 2, {})
+  local train = pt.data.tokens { path = path, seq = 4, batch = 1, shuffle = false, split = "train", val_fraction = 0.2 }
+  local val = pt.data.tokens { path = path, seq = 4, batch = 1, shuffle = false, split = "val", val_fraction = 0.2 }
+  eq(train:size(), 39, "160 train tokens: (160 - 1) // 4 samples")
+  eq(val:size(), 10, "41 validation tokens")
+  local x = val:next()
+  eq(x:select(0, 0):select(0, 0):item(), toks[161], "validation starts at token 160")
+  train:next(); train:next()
+  local seen = train:samples_seen()
+  local a = train:next()
+  train:seek(seen)
+  ok(train:next():equal(a), "seek(samples_seen) replays the same batch")
+  ok(tostring(val):find("tokens%(.*uint16, 41 tokens %[0.8, 1%)"), tostring(val))
+  os.remove(path)
+end)
+
+test("damaged token files are refused, naming the file and the problem", function()
+  local toks = ids(50)
+  local bad_count = token_file(toks, 2, { count = 49 })
+  raises(function() pt.data.tokens { path = bad_count, seq = 4 } end, "states 49 tokens in its header but holds 50")
+  local v2 = token_file(toks, 2, { version = 2 })
+  raises(function() pt.data.tokens { path = v2, seq = 4 } end, "version 2")
+  raises(function() pt.data.tokens { path = bad_count, seq = 4, dtype = "int32" } end, "tokens are uint16")
+  local odd = os.tmpname()
+  local f = io.open(odd, "wb"); f:write("abc"); f:close()
+  raises(function() pt.data.tokens { path = odd, seq = 1, header = "none" } end, "not a whole number of 2-byte tokens")
+  raises(function() pt.data.tokens { path = odd, seq = 1, dtype = "int16" } end, "dtype must be 'uint16', 'int32' or 'uint8'")
+  raises(function() pt.data.tokens { path = odd, seq = 1, header = -3 } end, "header must be 'auto', 'none'")
+  local short = token_file(toks, 2, {})
+  raises(function() pt.data.tokens { path = short, seq = 100 } end, "fewer than seq+1")
+  raises(function() pt.data.text { path = "data/kjv.txt", split = "test" } end, "split must be 'all', 'train' or 'val'")
+  local neg = token_file({ 1, 2, 4294967295, 3, 4 }, 4)
+  raises(function() pt.data.tokens { path = neg, seq = 2, batch = 2, dtype = "int32", shuffle = false }:next() end,
+    "holds a negative token id")
+  for _, p in ipairs({ bad_count, v2, odd, neg, short }) do os.remove(p) end
+end)
+
+test("pt.evaluate averages the loss over a loader's batches without gradients, restoring mode and position", function()
+  pt.manual_seed(3)
+  local model = pt.nn.Sequential(pt.nn.Embedding(256, 8), pt.nn.Linear(8, 256))
+  local val = pt.data.text { path = "data/kjv.txt", seq = 8, batch = 4, shuffle = false, split = "val" }
+  val:next()
+  local seen = val:samples_seen()
+  local got = pt.evaluate(model, val, { batches = 3 })
+  local check = pt.data.text { path = "data/kjv.txt", seq = 8, batch = 4, shuffle = false, split = "val" }
+  local sum = 0
+  for _ = 1, 3 do
+    local x, y = check:next()
+    sum = sum + pt.nn.cross_entropy(model(x), y):item()
+  end
+  near(got, sum / 3, 1e-6, "the mean of the batches' losses")
+  eq(val:samples_seen(), seen, "the loader's position is restored")
+  ok(model:is_training(), "the model is back in training mode")
+  for _, p in model:named_parameters() do ok(p.grad == nil, "no gradient was made") end
+  raises(function() pt.evaluate(model, val, { batches = 0 }) end, "batches must be a whole number from 1")
+  raises(function() pt.evaluate(model, val, { steps = 2 }) end, "no option 'steps'")
 end)
 
 H.run()

@@ -264,7 +264,7 @@ test("pt.models holds one constructor a registered family, and names a model's f
   local names = {}
   for name in pairs(pt.models) do names[#names + 1] = name end
   table.sort(names)
-  eq(table.concat(names, ","), "gpt2,mlp", "the families")
+  eq(table.concat(names, ","), "gpt2,llama,mlp", "the families")
   local f = pt.model_family(pt.models.gpt2 { vocab = 8, seq = 4, dim = 4, heads = 2, layers = 1 })
   eq(f and f.name, "gpt2", "gpt2's family")
   eq(f.type, "GPT2", "its root type")

@@ -144,7 +144,35 @@ test("the file itself: too short, a header past its end, not JSON, not an object
   os.execute("mkfifo '" .. fifo .. "'")
   refused(fifo, "is a FIFO; a regular file was expected", "a FIFO")
   refused("/dev/zero", "is a character device", "/dev/zero")
-  refused(root, "is a folder", "a folder")
+  local empty = root .. "/empty"
+  os.execute("mkdir -p '" .. empty .. "'")
+  refused(empty, "holds neither model.safetensors.index.json nor model.safetensors", "a folder without weights")
+end)
+
+test("Hugging Face's sharded layout: an index and its files, refused when they disagree or lead elsewhere", function()
+  local dir = root .. "/sharded"
+  os.execute("mkdir -p '" .. dir .. "'")
+  write(dir .. "/model-00001-of-00002.safetensors", le64(#('{"0.bias":' .. entry("F32", "[3]", 0, 12) .. "}"))
+        .. '{"0.bias":' .. entry("F32", "[3]", 0, 12) .. "}" .. bias)
+  write(dir .. "/model-00002-of-00002.safetensors", le64(#('{"0.weight":' .. entry("F32", "[3,2]", 0, 24) .. "}"))
+        .. '{"0.weight":' .. entry("F32", "[3,2]", 0, 24) .. "}" .. weight)
+  local function index(map) write(dir .. "/model.safetensors.index.json", '{"metadata":{},"weight_map":' .. map .. "}") end
+  index('{"0.bias":"model-00001-of-00002.safetensors","0.weight":"model-00002-of-00002.safetensors"}')
+  local m = model()
+  pt.ckpt.import_safetensors(m, dir)  -- the folder: its index
+  eq(table.concat(m:get("0").bias:totable(), ","), "1,2,3", "the bias from the first file")
+  eq(m:get("0").weight:select(0, 2):select(0, 1):item(), -3, "the weight from the second")
+  local indexed = dir .. "/model.safetensors.index.json"
+  index('{"0.bias":"../model-00001-of-00002.safetensors","0.weight":"model-00002-of-00002.safetensors"}')
+  refused(indexed, "not a plain file name beside it", "an index leading out of its folder")
+  index('{"0.bias":"model-00002-of-00002.safetensors","0.weight":"model-00002-of-00002.safetensors"}')
+  refused(indexed, "lacks tensor '0.bias', which the index", "a tensor in another file than the index says")
+  index('{"0.weight":"model-00002-of-00002.safetensors"}')
+  refused(indexed, "has no tensor '0.bias'", "an index without a parameter")
+  write(indexed, '{"weight_map":[1,2]}')
+  refused(indexed, "is not a safetensors index", "a weight_map that is not an object")
+  write(indexed, '{"weight_map":{"0.bias":"a.safetensors","0.bias":"b.safetensors"}}')
+  refused(indexed, "names a tensor twice", "a tensor twice in the weight_map")
 end)
 
 local status = H.run()

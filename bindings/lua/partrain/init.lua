@@ -39,7 +39,7 @@ function pt.loading_file(fn) return loading[fn] end
 -- stay inside the library.
 for _, name in ipairs {
   "tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye",
-  "zeros_like", "ones_like", "randn_like", "cat", "stack", "where", "is_tensor",
+  "zeros_like", "ones_like", "randn_like", "cat", "stack", "einsum", "where", "is_tensor",
   "manual_seed", "no_grad", "grad_enabled", "get_threads", "set_threads", "cuda_available", "device",
 } do
   pt[name] = assert(core[name], name)
@@ -91,6 +91,7 @@ end
 function nn.ReLU() return core.nn.activation "ReLU" end
 function nn.Tanh() return core.nn.activation "Tanh" end
 function nn.Sigmoid() return core.nn.activation "Sigmoid" end
+function nn.SiLU() return core.nn.activation "SiLU" end
 function nn.Softmax(dim) return core.nn.activation("Softmax", dim or -1) end
 function nn.LogSoftmax(dim) return core.nn.activation("LogSoftmax", dim or -1) end
 function nn.GELU(options)
@@ -280,8 +281,13 @@ function pt.parallelize(model, policy, mesh, opts)
     local P = require "partrain.policy"
     local shard, dp, pipe = {}, {}, {}
     local pipeline_keys = { schedule = true, microbatches = true, chunks = true, balance = true, sample = true }
+    local recompute = (opts or {}).recompute
+    if recompute ~= nil and recompute ~= false and recompute ~= "none" and recompute ~= "block" then
+      error(("parallelize: recompute must be 'block' or 'none', got %s"):format(tostring(recompute)), 0)
+    end
     for k, v in pairs(opts or {}) do
-      if pipeline_keys[k] then pipe[k] = v
+      if k == "recompute" then -- applied below, once the model is parallel
+      elseif pipeline_keys[k] then pipe[k] = v
       elseif P.config_keys[k] ~= nil then shard[k] = v else dp[k] = v end
     end
     local tensor = mesh:size("tensor")
@@ -305,11 +311,26 @@ function pt.parallelize(model, policy, mesh, opts)
     -- a global `_` here once held every parallelized model alive.)
     local undo
     local apply = policy and function() undo = select(2, P.apply(model, policy, mesh, cfg)) end
+    local described = policy or P.registry[model:type()]  -- the policy whose pipeline names the blocks
+    if type(described) == "string" then
+      local loaded, result = pcall(require, described)
+      described = loaded and result or nil
+    end
+    if recompute == "block" then
+      -- Each block runs checkpointed: the blocks are the ones the policy's pipeline description names.
+      local blocks = type(described) == "table" and described.pipeline and described.pipeline.blocks
+      if not blocks then
+        error(("parallelize: recompute = 'block' needs the blocks of %s: a policy with a pipeline description "
+          .. "({ blocks = ... })"):format(model:type()), 0)
+      end
+      if staged then error("parallelize: recompute = 'block' is not built for pipelined models", 0) end
+    end
     local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged)
     if not made then
       if undo then undo() end
       error(result, 0)
     end
+    if recompute == "block" then core.parallel.recompute_blocks(model, described.pipeline.blocks) end
   end)
   if not ok then rethrow(err, 2) end
   return model
@@ -452,10 +473,13 @@ function pt.ckpt.verify(path)
   local ok, problems = ckpt_call(2, core.ckpt.verify, path)
   return ok, problems
 end
---- pt.ckpt.export_safetensors(model, path) / import_safetensors(model, path): logical weights
---- to and from a .safetensors file, in Hugging Face GPT-2's names and layout for GPT-2.
-function pt.ckpt.export_safetensors(model, path)
-  ckpt_call(2, core.ckpt.export_safetensors, model, path)
+--- pt.ckpt.export_safetensors(model, path [, { max_shard_size = MB }]) / import_safetensors(model,
+--- path): logical weights to and from a .safetensors file, in Hugging Face's names and layout for
+--- GPT-2 and LLaMA. With max_shard_size, path is a folder that gets Hugging Face's sharded layout
+--- (model-0000N-of-0000M.safetensors and model.safetensors.index.json); an import reads either: a
+--- file, an index, or a folder holding one of them.
+function pt.ckpt.export_safetensors(model, path, opts)
+  ckpt_call(2, core.ckpt.export_safetensors, model, path, opts)
 end
 function pt.ckpt.import_safetensors(model, path)
   ckpt_call(2, core.ckpt.import_safetensors, model, path)
@@ -592,6 +616,52 @@ function pt.loss_fn(model)
     if not ok then rethrow(loss, 2) end
     return loss
   end
+end
+
+--- pt.evaluate(model, loader [, { batches, loss }]) -> the mean loss over the first `batches`
+--- batches of the loader's epoch 0 (default: all of them), in eval mode without gradients, averaged
+--- over the data-parallel ranks (each reads its slice): a validation loss. `loss` defaults to
+--- pt.loss_fn(model). The model's mode and the loader's position are restored.
+function pt.evaluate(model, loader, opts)
+  if not core.nn.is_module(model) then error("pt.evaluate: a module expected, got " .. type(model), 2) end
+  if type(loader) ~= "userdata" or not pcall(function() return loader.batches_per_epoch end) then
+    error("pt.evaluate: argument #2 must be a loader (pt.data.text, pt.data.tokens, ...), got " .. type(loader), 2)
+  end
+  opts = opts or {}
+  if type(opts) ~= "table" then error("pt.evaluate: options must be a table, got " .. type(opts), 2) end
+  for k in pairs(opts) do
+    if k ~= "batches" and k ~= "loss" then error(("pt.evaluate has no option '%s' (options: batches, loss)"):format(tostring(k)), 2) end
+  end
+  if model:pipeline() then error("pt.evaluate: a pipelined model runs only through model:train_step", 2) end
+  local available = loader:batches_per_epoch()
+  local batches = opts.batches or available
+  if type(batches) ~= "number" or batches < 1 or batches % 1 ~= 0 or batches > available then
+    error(("pt.evaluate: batches must be a whole number from 1 to %d (the loader's epoch), got %s"):format(available,
+      tostring(batches)), 2)
+  end
+  local loss_of = opts.loss or pt.loss_fn(model)
+  local seen = loader:samples_seen()
+  local training = model:is_training()
+  model:eval()
+  loader:start_epoch(0)
+  local ok, total = pcall(pt.no_grad, function()
+    local sum = 0
+    for _ = 1, batches do
+      local x, y = loader:next()
+      sum = sum + loss_of(model(x), y):item()
+    end
+    return sum / batches
+  end)
+  model:train(training)
+  loader:seek(seen)
+  if not ok then rethrow(total, 2) end
+  local mesh = pt.mesh_of(model)
+  if mesh and mesh:size("data") > 1 then
+    local t = pt.tensor({ total }, { dtype = "float64" })
+    mesh:group("data"):all_reduce(t, "mean")
+    total = t:item()
+  end
+  return total
 end
 
 --- The data-parallel handle of a model made parallel by pt.parallelize (or nil): hooks,

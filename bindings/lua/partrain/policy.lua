@@ -146,9 +146,9 @@ P.column = style("column", "Linear", { fused = "number", parts = "table", gather
                                        sequence_parallel = "boolean" })
 --- Input features split; the partial outputs are summed (row-parallel linear).
 P.row = style("row", "Linear", { input_is_parallel = "boolean", sequence_parallel = "boolean" })
---- A LayerNorm in the sequence-parallel region: under sequence_parallel its weight's and bias's
---- gradients are summed over the tensor group; fused_norm picks the fused kernel.
-P.norm = style("norm", "LayerNorm", { sequence_parallel = "boolean" })
+--- A LayerNorm or RMSNorm in the sequence-parallel region: under sequence_parallel its weight's
+--- (and bias's) gradients are summed over the tensor group; fused_norm picks LayerNorm's fused kernel.
+P.norm = style("norm", { "LayerNorm", "RMSNorm" }, { sequence_parallel = "boolean" })
 --- An embedding split along the vocabulary (padded to a multiple of the tensor size).
 P.vocab_embedding = style("vocab_embedding", "Embedding", {})
 --- The output head split along the vocabulary; its logits stay split: use pt.loss_fn(model), or
@@ -415,6 +415,6 @@ P._shape = { STYLE = STYLE, check_modules = check_modules, entry_where = entry_w
              fail = fail, strip_internal = strip_internal, sorted_keys = sorted_keys, internal = internal }
 
 --- The policies partrain ships, by model type.
-P.registry = { GPT2 = "policies.gpt2", MLP = "policies.mlp", SimpleModel = "policies.simple" }
+P.registry = { GPT2 = "policies.gpt2", Llama = "policies.llama", MLP = "policies.mlp", SimpleModel = "policies.simple" }
 
 return P

@@ -69,8 +69,14 @@ local function plan(model, policy, modules, cfg, at)
         if not target then
           if not r.ignore_if_missing then fail(s.where, "%s: no module '%s' in %s (set ignore_if_missing = true if that is expected)", s.kind, path, model:type()) end
         else
-          if target:type() ~= s.needs then
-            fail(s.where, "P.%s does not fit %s: it is a %s, and P.%s needs a %s", s.kind, path, target:type(), s.kind, s.needs)
+          local fits = target:type() == s.needs
+          if type(s.needs) == "table" then
+            fits = false
+            for _, t in ipairs(s.needs) do fits = fits or target:type() == t end
+          end
+          if not fits then
+            local needs = type(s.needs) == "table" and table.concat(s.needs, " or ") or s.needs
+            fail(s.where, "P.%s does not fit %s: it is a %s, and P.%s needs a %s", s.kind, path, target:type(), s.kind, needs)
           end
           claim(replaced, path, ("modules.%s.replace[%d] (P.%s at %s)"):format(key, i, s.kind, s.where), s.where)
           actions[#actions + 1] = { path = path, style = s, target = target }

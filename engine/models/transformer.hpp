@@ -1,0 +1,25 @@
+// What the transformer families (GPT-2, LLaMA) check and find alike: sequence parallelism on for
+// all of a region's layers or for none, the group a sequence-parallel model splits over, and an
+// output head that alone may split the vocabulary.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "engine/dist/process_group.hpp"
+#include "engine/nn/module.hpp"
+
+namespace partrain::models {
+
+/// The layers of a sequence-parallel region must agree: a norm that sees T/t positions without
+/// summing its gradients over the group (or one that sums them while seeing all T) trains
+/// differently from the serial model without any error. Fails naming the layers that are on and off.
+void check_sequence(const nn::Module& root, const std::string& path, const std::vector<std::string>& layers);
+
+/// The tensor group of the first sequence-parallel norm under `root`, or null when none is.
+dist::GroupPtr sequence_group(nn::Module& root);
+
+/// Only `head` may be a vocabulary head (P.vocab_head), and its logits split only as one.
+void check_vocab_head(const nn::Module& root, const std::string& path, const std::string& head);
+
+}  // namespace partrain::models

@@ -1,0 +1,46 @@
+// The functional building blocks of LLaMA-era models, as PyTorch and Hugging Face define them:
+// RMSNorm, grouped-query scaled dot-product attention, rotary position embeddings (the
+// rotate-half convention), and the negative log-likelihood loss. Modules and models call these,
+// and Lua reaches them through pt.nn.
+#pragma once
+
+#include <torch/torch.h>
+
+namespace partrain::nn {
+
+using torch::Tensor;
+
+/// x / sqrt(mean(x^2 over the last dimension) + eps), times `weight` when defined, as Hugging
+/// Face's LlamaRMSNorm: the statistics in float32 whatever x's dtype, the result in x's dtype.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+
+struct AttentionOptions {
+  Tensor mask;           ///< boolean (true: attend) or additive float, broadcast to (B, H, T, S)
+  bool causal = false;   ///< position t attends to positions <= t (with T = S, or aligned to the end)
+  double dropout = 0;    ///< dropout on the attention weights (training only)
+  bool training = true;  ///< whether dropout applies
+  c10::optional<double> scale;  ///< default 1/sqrt(head size)
+};
+
+/// softmax(q k^T * scale [+ mask]) v, q (B, Hq, T, d), k and v (B, Hkv, S, d) with Hq a multiple
+/// of Hkv (grouped-query attention: each group of Hq/Hkv query heads shares one k/v head).
+/// Returns (B, Hq, T, d). Uses LibTorch's fused kernel where it has one and it computes the same.
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o);
+
+/// Rotary tables for `positions` (T,) integer positions: cos and sin of shape (T, head_dim), the
+/// frequencies 1 / base^(2i/head_dim) repeated twice along the last dimension (Hugging Face's
+/// layout, so its q/k weights need no permutation). Computed in float32 (float64 for `dtype`
+/// float64), returned in `dtype`.
+std::pair<Tensor, Tensor> rotary_tables(int64_t head_dim, const Tensor& positions, double base,
+                                        torch::ScalarType dtype);
+
+/// x * cos + rotate_half(x) * sin, x (..., T, head_dim), cos and sin (T, head_dim) (or broadcastable),
+/// rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]).
+Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
+
+/// The negative log-likelihood of log-probabilities (N, C) or (..., C) at class ids (N) or (...);
+/// targets equal to `ignore_index` do not count. reduction: "mean" (over counted targets), "sum"
+/// or "none".
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, int64_t ignore_index, const std::string& reduction);
+
+}  // namespace partrain::nn

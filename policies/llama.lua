@@ -1,0 +1,65 @@
+-- Tensor parallelism for LLaMA (pt.models.llama), Megatron's split: each block's query heads and
+-- key/value heads are divided across the tensor group (q_proj, k_proj and v_proj column-split,
+-- each into its own parts, so grouped-query attention keeps every query head with its key/value
+-- head; o_proj row-split), the SwiGLU MLP likewise (gate_proj, up_proj column, down_proj row),
+-- the vocabulary split in the embedding and the output head, and the loss computed from split
+-- logits without gathering them. The tensor size must divide kv_heads.
+--
+-- With sequence_parallel, activations between those regions stay split along the sequence: the
+-- RMSNorms run on T/t positions a rank (their gradients summed over the group), the column layers
+-- all-gather the sequence and the row layers reduce-scatter it, and LLaMA's forward is replaced so
+-- the embedding is split along the sequence before the first block.
+local pt = require "partrain"
+local P = require "partrain.policy"
+
+local function sequence_parallel_forward(group)
+  return function(self, ids)
+    local T, seq = ids.shape[2], self:attribute("seq")
+    if T > seq then error(("Llama: sequence of %d tokens is longer than seq=%d"):format(T, seq), 2) end
+    local x = pt.tp.split_sequence(self.embed_tokens(ids), group)
+    return self.lm_head(self.norm(self.layers(x)))
+  end
+end
+
+return P.policy {
+  name = "llama",
+  targets = { "Llama" },
+  modules = function(cfg)
+    local modules = {
+      LlamaBlock = {
+        attributes = {
+          ["self_attn.heads"] = P.divide_by_tensor,     -- query heads this rank computes
+          ["self_attn.kv_heads"] = P.divide_by_tensor,  -- key/value heads this rank holds
+          ["self_attn.flash_attention"] = cfg.flash_attention,
+        },
+        replace = {
+          { "input_layernorm",          P.norm {} },
+          { "self_attn.q_proj",         P.column {} },
+          { "self_attn.k_proj",         P.column {} },
+          { "self_attn.v_proj",         P.column {} },
+          { "self_attn.o_proj",         P.row {} },
+          { "post_attention_layernorm", P.norm {} },
+          { "mlp.gate_proj",            P.column {} },
+          { "mlp.up_proj",              P.column {} },
+          { "mlp.down_proj",            P.row {} },
+        },
+      },
+      Llama = {
+        replace = {
+          { "embed_tokens", P.vocab_embedding {} },
+          { "norm",         P.norm {} },
+          { "lm_head",      P.vocab_head {} },
+        },
+      },
+    }
+    if cfg.sequence_parallel then
+      modules.Llama.methods = { forward = sequence_parallel_forward(cfg.group) }
+    end
+    return modules
+  end,
+  pipeline = { blocks = "layers", first = { "embed_tokens" }, last = { "norm", "lm_head" } },
+  postprocess = function(model, cfg)
+    -- A tied head (tie = true) stays tied to the embedding's parts.
+    if model:attribute("tie") == 1 then P.tie(model, "lm_head.weight", "embed_tokens.weight") end
+  end,
+}

@@ -1,0 +1,151 @@
+"""LLaMA written here in plain PyTorch, as Hugging Face's LlamaForCausalLM computes it (RMSNorm
+with float32 statistics, rotate-half rotary embeddings, grouped-query attention by repeating each
+key/value head over its group of query heads, a SwiGLU MLP), for partrain's LLaMA to be checked
+against. Run with a python3 that has torch (Debian's python3-torch):
+
+  llama_reference.py write DIR    random weights, seeded, in Hugging Face's sharded layout in DIR
+  llama_reference.py train DIR    10 AdamW steps from DIR's weights on the bytes of data/kjv.txt;
+                                  prints "loss <step> <value>" a step
+"""
+import json
+import math
+import os
+import struct
+import sys
+
+import torch
+
+CFG = dict(vocab=256, dim=32, heads=8, kv_heads=4, layers=2, hidden=48, eps=1e-6, rope_base=10000.0)
+BATCH, SEQ, STEPS, LR, WD = 4, 16, 10, 1e-3, 0.1
+
+
+def names():
+    c = CFG
+    hd = c["dim"] // c["heads"]
+    out = {"model.embed_tokens.weight": [c["vocab"], c["dim"]], "model.norm.weight": [c["dim"]],
+           "lm_head.weight": [c["vocab"], c["dim"]]}
+    for i in range(c["layers"]):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = [c["dim"]]
+        out[p + "post_attention_layernorm.weight"] = [c["dim"]]
+        out[p + "self_attn.q_proj.weight"] = [c["heads"] * hd, c["dim"]]
+        out[p + "self_attn.k_proj.weight"] = [c["kv_heads"] * hd, c["dim"]]
+        out[p + "self_attn.v_proj.weight"] = [c["kv_heads"] * hd, c["dim"]]
+        out[p + "self_attn.o_proj.weight"] = [c["dim"], c["heads"] * hd]
+        out[p + "mlp.gate_proj.weight"] = [c["hidden"], c["dim"]]
+        out[p + "mlp.up_proj.weight"] = [c["hidden"], c["dim"]]
+        out[p + "mlp.down_proj.weight"] = [c["dim"], c["hidden"]]
+    return out
+
+
+def write_file(path, tensors):
+    """As Python's safetensors writes: sorted names, the header padded to 8 bytes."""
+    head, off = {"__metadata__": {"format": "pt"}}, 0
+    for k in sorted(tensors):
+        nb = tensors[k].numel() * 4
+        head[k] = {"dtype": "F32", "shape": list(tensors[k].shape), "data_offsets": [off, off + nb]}
+        off += nb
+    text = json.dumps(head).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for k in sorted(tensors):
+            f.write(tensors[k].contiguous().numpy().tobytes())
+
+
+def read_file(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for k, info in header.items():
+        if k == "__metadata__":
+            continue
+        b, e = info["data_offsets"]
+        out[k] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]), dtype=torch.float32).reshape(info["shape"])
+    return out
+
+
+def write(d):
+    torch.manual_seed(3)
+    tensors = {}
+    for k, shape in names().items():
+        tensors[k] = (1 + 0.1 * torch.randn(shape)) if k.endswith("norm.weight") else 0.05 * torch.randn(shape)
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    files = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    weight_map = {}
+    for f, ks in files.items():
+        write_file(os.path.join(d, f), {k: tensors[k] for k in ks})
+        weight_map.update({k: f for k in ks})
+    total = sum(t.numel() * 4 for t in tensors.values())
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def rms_norm(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def forward(P, ids):
+    c = CFG
+    B, T = ids.shape
+    hd = c["dim"] // c["heads"]
+    group = c["heads"] // c["kv_heads"]
+    inv_freq = 1.0 / (c["rope_base"] ** (torch.arange(0, hd, 2).float() / hd))
+    freqs = torch.outer(torch.arange(T).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    h = P["model.embed_tokens.weight"][ids]
+    for i in range(c["layers"]):
+        p = f"model.layers.{i}."
+        x = rms_norm(h, P[p + "input_layernorm.weight"], c["eps"])
+        q = (x @ P[p + "self_attn.q_proj.weight"].t()).view(B, T, c["heads"], hd).transpose(1, 2)
+        k = (x @ P[p + "self_attn.k_proj.weight"].t()).view(B, T, c["kv_heads"], hd).transpose(1, 2)
+        v = (x @ P[p + "self_attn.v_proj.weight"].t()).view(B, T, c["kv_heads"], hd).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        # Hugging Face's repeat_kv: key/value head j serves query heads j*group .. j*group+group-1.
+        k = k[:, :, None].expand(B, c["kv_heads"], group, T, hd).reshape(B, c["heads"], T, hd)
+        v = v[:, :, None].expand(B, c["kv_heads"], group, T, hd).reshape(B, c["heads"], T, hd)
+        att = ((q @ k.transpose(-2, -1)) / math.sqrt(hd) + mask).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, c["heads"] * hd)
+        h = h + y @ P[p + "self_attn.o_proj.weight"].t()
+        x = rms_norm(h, P[p + "post_attention_layernorm.weight"], c["eps"])
+        gate = torch.nn.functional.silu(x @ P[p + "mlp.gate_proj.weight"].t())
+        h = h + (gate * (x @ P[p + "mlp.up_proj.weight"].t())) @ P[p + "mlp.down_proj.weight"].t()
+    h = rms_norm(h, P["model.norm.weight"], c["eps"])
+    return h @ P["lm_head.weight"].t()
+
+
+def batches():
+    data = open("data/kjv.txt", "rb").read(BATCH * (SEQ + 1) * STEPS)
+    t = torch.tensor(list(data), dtype=torch.int64).view(STEPS, BATCH, SEQ + 1)
+    return [(t[s, :, :SEQ], t[s, :, 1:]) for s in range(STEPS)]
+
+
+def train(d):
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+    P = {}
+    for f in sorted(set(index["weight_map"].values())):
+        P.update(read_file(os.path.join(d, f)))
+    params = {k: v.clone().requires_grad_(True) for k, v in P.items()}
+    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=WD)
+    for step, (x, y) in enumerate(batches(), 1):
+        logits = forward(params, x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, CFG["vocab"]), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"loss {step} {loss.item():.10f}", flush=True)
+
+
+if __name__ == "__main__":
+    {"write": write, "train": train}[sys.argv[1]](sys.argv[2])
