@@ -25,7 +25,7 @@ at::Generator generator_of(const torch::Device& d) {
 struct Checkpoint : torch::autograd::Function<Checkpoint> {
   static Tensor forward(AutogradContext* ctx, Tensor x, at::TensorList params, c10::intrusive_ptr<Replay> replay) {
     std::vector<torch::Device> devices{torch::kCPU};
-    if (!x.device().is_cpu()) devices.push_back(x.device());
+    if (x.device().is_cuda()) devices.push_back(x.device());  // (a meta tensor, under partrain plan, draws nothing)
     for (const auto& d : devices) {
       auto gen = generator_of(d);
       std::lock_guard<std::mutex> lock(gen.mutex());

@@ -38,6 +38,34 @@ for _, family in ipairs({ "gpt2", "llama" }) do
   end)
 end
 
+H.test("partrain plan measures the smaller activations of recompute = 'block'", function()
+  local bin = assert(os.getenv("PARTRAIN_BIN"), "PARTRAIN_BIN names the partrain executable")
+  local script = os.tmpname()
+  local f = assert(io.open(script, "w"))
+  f:write([[
+local pt = require "partrain"
+local a = pt.args { recompute = "none" }
+local m = pt.parallelize(pt.models.gpt2 { vocab = 256, seq = 128, dim = 128, heads = 4, layers = 4 }, nil, pt.mesh {},
+                         { recompute = a.recompute })
+local opt = pt.optim.adamw(m, { lr = 1e-3 })
+local x = pt.randint(0, 256, { 8, 128 })
+pt.nn.cross_entropy(m(x), x):backward()
+opt:step()
+]])
+  f:close()
+  local function activations(recompute)
+    local p = assert(io.popen(("'%s' plan --world 1 --json '%s' --recompute %s 2>&1"):format(bin, script, recompute)))
+    local out = p:read("*a")
+    p:close()
+    local bytes = out:match('"activation_bytes"%s*:%s*(%d+)')
+    H.ok(bytes, "the plan reports activation bytes: " .. out:sub(1, 400))
+    return tonumber(bytes)
+  end
+  local plain, checked = activations("none"), activations("block")
+  os.remove(script)
+  H.ok(checked < 0.25 * plain, ("plan: activations %d bytes with recompute, %d without"):format(checked, plain))
+end)
+
 H.test("recompute refuses what it cannot do", function()
   H.raises(function() pt.parallelize(pt.models.mlp { sizes = { 4, 4 } }, nil, pt.mesh {}, { recompute = "block" }) end,
     "recompute = 'block' needs the blocks of MLP")
