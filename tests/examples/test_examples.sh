@@ -28,6 +28,17 @@ first=$(echo "$out" | awk -F'loss ' '/^step 1 \|/ { split($2, a, " "); print a[1
 last=$(echo "$out" | awk -F'loss ' '/^step 10 \|/ { split($2, a, " "); print a[1] }')
 report "$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (b < a - 1) ? 0 : 1 }')" "examples/gpt's loss falls in 10 steps ($first -> $last)"
 
+# examples/llama: the same script and flags with LLaMA (grouped-query attention), a sample at the end.
+out=$("$bin" --threads 1 examples/llama/train.lua --steps 20 --log-every 10 --dim 64 --layers 2 --kv-heads 2 --sample 10 2>&1)
+status=$?
+report $(( status != 0 )) "examples/llama runs"
+report "$(echo "$out" | grep -c '^sample: And God said' | awk '{ print ($1 == 1) ? 0 : 1 }')" "examples/llama prints a sample after its prompt"
+first=$(echo "$out" | awk -F'loss ' '/^step 1 \|/ { split($2, a, " "); print a[1] }')
+last=$(echo "$out" | awk -F'loss ' '/^step 20 \|/ { split($2, a, " "); print a[1] }')
+report "$(awk -v a="${first:-0}" -v b="${last:-9}" 'BEGIN { print (b < a - 1) ? 0 : 1 }')" "examples/llama's loss falls in 20 steps ($first -> $last)"
+out=$("$bin" --threads 1 examples/llama/train.lua --steps 1 --dropout 0.1 2>&1)
+report "$(echo "$out" | grep -c 'LLaMA has no dropout' | awk '{ print ($1 >= 1) ? 0 : 1 }')" "examples/llama refuses --dropout"
+
 # --dtype bfloat16: float32 masters kept by the optimizer; the loss falls as in float32.
 out=$("$bin" --threads 1 examples/gpt/train.lua --steps 10 --log-every 5 --sample 5 --dtype bfloat16 2>&1)
 status=$?
