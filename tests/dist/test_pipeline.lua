@@ -1,4 +1,4 @@
--- Pipeline-parallel GPT-2 trains exactly as serial training: gpipe, 1f1b and interleaved schedules,
+-- Pipeline-parallel GPT-2 (and LLaMA) trains exactly as serial training: gpipe, 1f1b and interleaved schedules,
 -- uniform, by-parameter and explicit stage splits, at pipeline 2 (2 ranks), and pipeline 2 x data 2
 -- and pipeline 4 (4 ranks); losses every step and every parameter a rank holds at the end within
 -- 1e-5 (float32) and 1e-10 (float64) relative to max(|x|, 1), every serial parameter held by some
@@ -27,13 +27,19 @@ end
 
 -- Trains GPT-2 serially (built normally) and through the pipeline (built deferred: each rank
 -- materializes only its stages) from the same seed; returns the pipelined model.
-local function equal_to_serial(what, mesh, opts, dtype, steps, optim)
+local function equal_to_serial(what, mesh, opts, dtype, steps, optim, family)
   local tol = TOL[dtype]
+  local build, policy = function() return pt.models.gpt2(gpt) end, "policies.gpt2"
+  if family == "llama" then
+    build = function() return pt.models.llama { vocab = gpt.vocab, seq = gpt.seq, dim = gpt.dim, heads = 4, kv_heads = 2,
+                                                layers = gpt.layers } end
+    policy = "policies.llama"
+  end
   pt.manual_seed(5)
-  local serial = pt.models.gpt2(gpt):to(dtype)
+  local serial = build():to(dtype)
   pt.manual_seed(5)
-  local deferred = pt.deferred(function() return pt.models.gpt2(gpt):to(dtype) end)
-  local model = pt.parallelize(deferred, "policies.gpt2", mesh, opts)
+  local deferred = pt.deferred(function() return build():to(dtype) end)
+  local model = pt.parallelize(deferred, policy, mesh, opts)
   local so = pt.optim.adamw(serial, optim or { lr = 1e-2 })
   local po = pt.optim.adamw(model, optim or { lr = 1e-2 })
   for step = 1, steps or 5 do
@@ -92,6 +98,12 @@ for _, dtype in ipairs { "float32", "float64" } do
     end)
   end
 end
+
+test("LLaMA (grouped-query heads, untied head) over the pipeline equals serial training (1f1b and interleaved, float64)", function()
+  equal_to_serial("llama 1f1b", mesh, { schedule = "1f1b", microbatches = 4 }, "float64", 3, nil, "llama")
+  equal_to_serial("llama interleaved", mesh, { schedule = "interleaved", chunks = 2, microbatches = 4 }, "float64", 3, nil,
+    "llama")
+end)
 
 test("a deferred model's ranks allocate only their own stage's parameters", function()
   -- GPT-2 at dim 16: a block holds 3280 parameters, wte 1024, wpe 128, ln_f 32, lm_head (tied to
