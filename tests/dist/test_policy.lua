@@ -125,6 +125,13 @@ test("LLaMA (GQA) with policies/llama equals serial LLaMA over 20 AdamW steps (h
   local cached = model:generate(prompt, { max_new = 8, temperature = 0 })
   ok(cached:equal(model:generate(prompt, { max_new = 8, temperature = 0, cache = false })), "split: cache = recompute")
   ok(cached:equal(serial:generate(prompt, { max_new = 8, temperature = 0 })), "split generation equals serial")
+  -- A validation loss over the data ranks' slices equals the serial model's over whole batches.
+  local function val(shard)
+    return pt.data.text { path = "data/kjv.txt", seq = 16, batch = 4, shuffle = false, split = "val",
+                          mesh = shard and mesh or nil }
+  end
+  near(pt.evaluate(model, val(true), { batches = 3 }), pt.evaluate(serial, val(false), { batches = 3 }), TOL,
+    "pt.evaluate over the data ranks")
 end)
 
 test("LLaMA with sequence parallelism (RMSNorm as a sequence-parallel norm) and a tied head equals serial", function()
