@@ -52,7 +52,7 @@ for i = 1, #lua_losses do
   if lua_losses[i] ~= cpp_losses[i] then error(("step %d: Lua loss %.9g, C++ loss %.9g"):format(i, lua_losses[i], cpp_losses[i])) end
 end
 local function sum(t) local s = 0 for _, v in ipairs(t) do s = s + v end return s end
-local function median(t) table.sort(t) return t[math.ceil(#t / 2)] end
+local median = require("timing").median
 local steps = cfg.blocks * cfg.block
 print(("%d steps each, batch %d, %d thread(s); losses identical step for step"):format(steps, cfg.batch, cfg.threads))
 print(("CPU  total: Lua %.3f s  C++ %.3f s  Lua/C++ %.4f"):format(sum(lua_cpu), sum(cpp_cpu), sum(lua_cpu) / sum(cpp_cpu)))

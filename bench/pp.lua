@@ -31,10 +31,7 @@ for step = 1, cfg.steps do
   if step > 1 then peaks[#peaks + 1] = pt.memory().allocated_peak - before end
   opt:step()
 end
-local function median(t)
-  table.sort(t)
-  return t[math.floor((#t + 1) / 2)]
-end
+local median = require("timing").median
 -- Every rank's median peak in KiB (whole numbers: exact in a float tensor), gathered by a sum
 -- of one-hot rows.
 local world = pt.dist.world_size()

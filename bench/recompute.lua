@@ -30,10 +30,7 @@ local function step(model, opt)
   return held, pt.time() - t0
 end
 
-local function median(xs)
-  table.sort(xs)
-  return xs[math.ceil(#xs / 2)]
-end
+local median = require("timing").median
 
 for _, family in ipairs({ "gpt2", "llama" }) do
   local plain, plain_opt = build(family, nil)

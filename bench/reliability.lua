@@ -40,7 +40,7 @@ for i = 1, cfg.steps do
   checked[i] = T.median_seconds(1, step)
   pt.dist.check_collectives(false)
 end
-local function median(xs) table.sort(xs) return xs[math.ceil(#xs / 2)] end
+local median = require("timing").median
 local p, c = median(plain), median(checked)
 say("== --check-collectives, GPT-2 %d layers x %d, batch %d x %d, tensor %d, %d collectives a step, %d steps",
     cfg.layers, cfg.dim, cfg.batch, cfg.seq, mesh:size("tensor"), calls, cfg.steps)

@@ -3,6 +3,12 @@
 local pt = require "partrain"
 local T = {}
 
+--- The median of a list of numbers (the lower middle one of an even count); sorts the list.
+function T.median(xs)
+  table.sort(xs)
+  return xs[math.ceil(#xs / 2)]
+end
+
 --- The median wall time of `reps` calls of fn, in seconds.
 function T.median_seconds(reps, fn)
   local times = {}
@@ -11,8 +17,7 @@ function T.median_seconds(reps, fn)
     fn()
     times[i] = pt.time() - t0
   end
-  table.sort(times)
-  return times[math.ceil(#times / 2)]
+  return T.median(times)
 end
 
 return T

@@ -125,7 +125,7 @@ for i = 1, cfg.steps do
   end
   pt.dist.barrier()
 end
-local function median(xs) table.sort(xs) return xs[math.ceil(#xs / 2)] end
+local median = require("timing").median
 local s, p = median(serial_times), median(parallel_times)
 say("== step time, GPT-2 %d layers x %d, batch %d x %d tokens, %d thread(s) a rank, %d steps",
     cfg.layers, cfg.dim, cfg.batch, cfg.seq, pt.get_threads(), cfg.steps)

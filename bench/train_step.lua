@@ -51,10 +51,7 @@ for i = 1, cfg.warmup + cfg.steps do
     if first == with_train_step then ts[#ts + 1], ls[#ls + 1] = t1, t2 else ts[#ts + 1], ls[#ls + 1] = t2, t1 end
   end
 end
-local function median(xs)
-  table.sort(xs)
-  return xs[math.floor((#xs + 1) / 2)]
-end
+local median = require("timing").median
 local mt, ml = median(ts), median(ls)
 if pt.dist.rank() == 0 then
   print(("train_step_ms=%.3f lua_loop_ms=%.3f ratio=%.3f (train_step / Lua loop; GPT-2 dim %d x %d layers, batch %d x %d, "

@@ -53,10 +53,7 @@ for round = 1, cfg.rounds do
   end
 end
 
-local function median(xs)
-  table.sort(xs)
-  return xs[math.floor((#xs + 1) / 2)]
-end
+local median = require("timing").median
 -- Theory (ZeRO paper, per rank, N parameters, z ranks a zero group, P bytes a parameter):
 -- Adam's moments 8N/z; float32 masters 4N/z (unsharded: 4N for a low-precision model, none in
 -- float32); gradients P*N, and P*N/z under ZeRO-2.

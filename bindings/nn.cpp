@@ -770,6 +770,19 @@ init::NonlinearityType nonlinearity(Args& a, const std::string& name) {
   if (name == "sigmoid") return torch::kSigmoid;
   a.fail(2, "nonlinearity must be one of leaky_relu, relu, linear, tanh, sigmoid, got '" + name + "'");
 }
+struct Kaiming {
+  double slope;
+  init::FanModeType mode;
+  init::NonlinearityType nonlinearity;
+};
+// kaiming_uniform_'s and kaiming_normal_'s options table at argument 2.
+Kaiming kaiming_options(Args& a, const char* what) {
+  Options o(a, 2, what);
+  Kaiming k{o.number("a", 0), fan_mode(a, o.string("mode", "fan_in")),
+            nonlinearity(a, o.string("nonlinearity", "leaky_relu"))};
+  o.finish();
+  return k;
+}
 const Function kInit[] = {
     {"normal_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::normal_(init_target(a), a.number(2, 0), a.number(3, 1))); }},
     {"uniform_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::uniform_(init_target(a), a.number(2, 0), a.number(3, 1))); }},
@@ -779,21 +792,13 @@ const Function kInit[] = {
     {"xavier_uniform_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::xavier_uniform_(init_target(a), a.number(2, 1))); }},
     {"xavier_normal_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::xavier_normal_(init_target(a), a.number(2, 1))); }},
     {"kaiming_uniform_", [](Args& a) {  // (t [, { a = 0, mode = "fan_in", nonlinearity = "leaky_relu" }])
-       Options o(a, 2, "kaiming_uniform_");
-       double slope = o.number("a", 0);
-       auto mode = fan_mode(a, o.string("mode", "fan_in"));
-       auto nl = nonlinearity(a, o.string("nonlinearity", "leaky_relu"));
-       o.finish();
+       auto k = kaiming_options(a, "kaiming_uniform_");
        torch::NoGradGuard g;
-       return a.ret(init::kaiming_uniform_(init_target(a), slope, mode, nl)); }},
+       return a.ret(init::kaiming_uniform_(init_target(a), k.slope, k.mode, k.nonlinearity)); }},
     {"kaiming_normal_", [](Args& a) {
-       Options o(a, 2, "kaiming_normal_");
-       double slope = o.number("a", 0);
-       auto mode = fan_mode(a, o.string("mode", "fan_in"));
-       auto nl = nonlinearity(a, o.string("nonlinearity", "leaky_relu"));
-       o.finish();
+       auto k = kaiming_options(a, "kaiming_normal_");
        torch::NoGradGuard g;
-       return a.ret(init::kaiming_normal_(init_target(a), slope, mode, nl)); }},
+       return a.ret(init::kaiming_normal_(init_target(a), k.slope, k.mode, k.nonlinearity)); }},
     {"trunc_normal_", [](Args& a) {  // (t [, mean = 0, std = 1, a = -2, b = 2]): normal, redrawn into [a, b]
        double mean = a.number(2, 0), std = a.number(3, 1), lo = a.number(4, -2), hi = a.number(5, 2);
        if (!(std > 0) || !(lo < hi)) a.fail(3, "trunc_normal_ needs std > 0 and a < b");

@@ -235,19 +235,7 @@ std::string text_of(const char* field, size_t n) { return std::string(field, str
 
 std::string dtype_text(int dtype) {
   if (dtype < 0 || dtype >= static_cast<int>(c10::ScalarType::NumOptions)) return "";
-  switch (static_cast<c10::ScalarType>(dtype)) {
-    case c10::kFloat: return "float32";
-    case c10::kDouble: return "float64";
-    case c10::kHalf: return "float16";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kLong: return "int64";
-    case c10::kInt: return "int32";
-    case c10::kShort: return "int16";
-    case c10::kChar: return "int8";
-    case c10::kByte: return "uint8";
-    case c10::kBool: return "bool";
-    default: return c10::toString(static_cast<c10::ScalarType>(dtype));
-  }
+  return dtype_name(static_cast<c10::ScalarType>(dtype));
 }
 
 // One consistent copy of a seqlocked object; a writer stopped mid-write (its version stays odd)

@@ -311,12 +311,10 @@ function pt.parallelize(model, policy, mesh, opts)
     -- a global `_` here once held every parallelized model alive.)
     local undo
     local apply = policy and function() undo = select(2, P.apply(model, policy, mesh, cfg)) end
-    local described = policy or P.registry[model:type()]  -- the policy whose pipeline names the blocks
-    if type(described) == "string" then
-      local loaded, result = pcall(require, described)
-      described = loaded and result or nil
-    end
+    local described  -- with recompute: the policy whose pipeline description names the blocks
     if recompute == "block" then
+      described = policy or P.registry[model:type()]
+      if type(described) == "string" then described = require(described) end
       -- Each block runs checkpointed: the blocks are the ones the policy's pipeline description names.
       local blocks = type(described) == "table" and described.pipeline and described.pipeline.blocks
       if not blocks then
