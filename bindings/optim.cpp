@@ -117,6 +117,17 @@ int make_optimizer(Args& a, const std::string& kind) {
   std::shared_ptr<parallel::ParallelModel> zero_model;
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT))
     if (auto pm = parallel::ParallelModel::of(**m); pm && pm->zero_stage() > 0) zero_model = pm;
+  if (!zero_model)  // a plain optimizer over a ZeRO model's parameters would miss its shards
+    for (const auto& p : params)
+      if (auto owner = parallel::ParallelModel::zero_owner(p)) {
+        std::string name = "?";
+        for (const auto& r : owner->records())
+          if (r.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) name = r.name;
+        throw std::invalid_argument("pt.optim." + kind + ": parameter '" + name + "' belongs to a model parallelized "
+                                    "with ZeRO-" + std::to_string(owner->zero_stage()) + ", whose optimizer must "
+                                    "be made from the model itself (pt.optim." + kind + "(model, ...)): it keeps "
+                                    "this rank's shard of the gradients, master weights and state");
+      }
   auto opt = zero_model ? parallel::make_zero_optimizer(zero_model, o) : std::make_shared<optim::Optimizer>(params, o);
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
     // Mixed precision and loss scaling on a parallelized model: its records point at the masters

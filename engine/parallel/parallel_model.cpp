@@ -157,6 +157,9 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   const int pp = model->mesh_->size("pipeline");
   TORCH_CHECK(pp == 1 || options.pipeline, "parallelize: the mesh has pipeline=", pp, ", but no pipeline schedule "
               "was given");
+  TORCH_CHECK(pp == 1 || options.data_parallel.grad_accumulation == 1, "parallelize: grad_accumulation=",
+              options.data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over "
+              "its micro-batches (one gradient sync a step); raise microbatches instead");
   //    A tied tensor keeps the name it had before the cut (its first in tree order) for 3.
   auto canonical = nn::canonical_names(tree);
   if (pp > 1) model->pipeline_ = Pipeline::cut(tree, *model->mesh_, std::move(*options.pipeline));
@@ -213,10 +216,29 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   model->note_flat_slots();
   // 6. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
+  if (stage > 0) {
+    auto& all = zero_models();
+    all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
+    all.push_back(model);
+  }
   return model;
 }
 
 ParallelModel::~ParallelModel() { --live_; }
+
+std::vector<std::weak_ptr<ParallelModel>>& ParallelModel::zero_models() {
+  static std::vector<std::weak_ptr<ParallelModel>> models;
+  return models;
+}
+
+std::shared_ptr<ParallelModel> ParallelModel::zero_owner(const torch::Tensor& param) {
+  if (!param.defined()) return nullptr;
+  for (const auto& w : zero_models())
+    if (auto model = w.lock())
+      for (const auto& r : model->records_)
+        if (r.param.defined() && r.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return model;
+  return nullptr;
+}
 
 void ParallelModel::note_flat_slots() {
   if (!data_parallel_) return;

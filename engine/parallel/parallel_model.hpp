@@ -99,6 +99,10 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
   /// The parallelized model `module` is the root of, or nullptr.
   static std::shared_ptr<ParallelModel> of(const nn::Module& module) { return module.parallel_owner(); }
+  /// The model parallelized with ZeRO (stage > 0) that holds `param`, or nullptr: an optimizer
+  /// over its parameters must be the model's own (made from the model: make_zero_optimizer), not
+  /// a plain one, which would miss the shards.
+  static std::shared_ptr<ParallelModel> zero_owner(const torch::Tensor& param);
   /// How many ParallelModels are alive in this process (tests of their lifetime).
   static int64_t live() { return live_.load(); }
 
@@ -152,6 +156,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
  private:
   ParallelModel() { ++live_; }
+  static std::vector<std::weak_ptr<ParallelModel>>& zero_models();  // those with a zero stage
   void note_flat_slots();  // fills the records' flat_buffer / flat_offset from the data parallelism
 
   nn::ModulePtr root_;

@@ -32,10 +32,16 @@ elseif cfg.mode == "send" then
   if rank == 0 then world:send(pt.ones(3), last) end -- @send
   world:barrier() -- @send_barrier
 elseif cfg.mode == "healthy" then
-  local t, until_ = pt.ones(8), os.time() + cfg.seconds
+  local t, go, until_ = pt.ones(8), pt.ones(1), os.time() + cfg.seconds
   print("healthy run started")
   io.stdout:flush()
-  while os.time() < until_ do world:all_reduce(t, "mean") end -- @healthy
+  -- Rank 0's clock decides when to stop, so that every rank makes the same calls.
+  while true do
+    go:fill_((rank == 0 and os.time() < until_) and 1 or 0)
+    world:all_reduce(go, "max")
+    if go:item() == 0 then break end
+    world:all_reduce(t, "mean") -- @healthy
+  end
   print("healthy run finished")
 else
   error("unknown --mode " .. cfg.mode)

@@ -481,6 +481,24 @@ test("what cannot run is refused at the caller's line", function()
              "reduce_dtype' must be 'float32', 'bfloat16' or 'float64', got 'int8'")
   ok(e:find(here), e)
   raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stag = 1 } }) end, "stag")
+  -- A plain optimizer over a ZeRO model's parameters (all of them, or a block's) would step on
+  -- gradients ZeRO-2 never leaves in .grad: refused, naming the parameter.
+  for _, stage in ipairs { 1, 2 } do
+    local zm = pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = stage } })
+    e = raises(function() pt.optim.adamw(zm:parameters(), { lr = 1e-3 }) end,
+               "belongs to a model parallelized with ZeRO-" .. stage)
+    ok(e:find(here), e)
+    ok(e:find("pt.optim.adamw(model, ...)", 1, true), e)
+    e = raises(function() pt.optim.sgd(zm:get("0"), { lr = 1e-3 }) end, "parameter '0.weight' belongs to a model")
+    ok(e:find(here), e)
+    ok(zm:data_parallel() and pt.optim.adamw(zm, { lr = 1e-3 }), "the model's own optimizer is made")
+  end
+  -- A pipeline step accumulates over its micro-batches already: grad_accumulation is refused.
+  e = raises(function()
+    pt.parallelize(pt.deferred(chain("float32", 4)), chain_policy, pt.mesh { pipeline = 2 },
+                   { grad_accumulation = 2, schedule = "1f1b", microbatches = 2 })
+  end, "grad_accumulation=2 with a pipeline")
+  ok(e:find(here), e)
 end)
 
 H.run()
