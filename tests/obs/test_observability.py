@@ -135,6 +135,12 @@ check(f"the resumed run (from step {resumed_at}) continues the file: steps 1..{e
 check("memory records at the resumed run's first step and at its end",
       [r["step"] for r in recs if r.get("event") == "memory"][-2:] == [resumed_at + 1, end], recs[-3:])
 
+refusals = [run(["--metrics", bad, "-e", "print(1)"])[2].strip() for bad in ("/tmp", "/dev/null", tmp + "/no/m.jsonl")]
+check("--metrics refuses a folder, a device and a missing folder before the script runs, naming the file",
+      refusals == ["partrain: --metrics '/tmp' is a folder (expected the JSON-lines file to append to)",
+                   "partrain: --metrics '/dev/null' is not a regular file (expected the JSON-lines file to append to)",
+                   f"partrain: --metrics '{tmp}/no/m.jsonl': its folder does not exist"], refusals)
+
 # --- Tokens/s, TFLOP/s and MFU against a hand count -------------------------------------------
 V, D, L, T, B, PEAK = 256, 32, 1, 16, 4, 0.25
 code, out, err = run(["-e", f'local pt = require "partrain"; print(pt.models.gpt2 {{ vocab = {V}, seq = {T}, '

@@ -144,6 +144,11 @@ local function human(x)
   return ("%.1f"):format(x)
 end
 
+local function bytes(b)
+  if b >= 1e9 then return ("%.2f GB"):format(b / 1e9) end
+  return ("%.1f MB"):format(b / 1e6)
+end
+
 local function duration(s)
   s = math.max(0, math.floor(s + 0.5))
   if s >= 3600 then return ("%dh%02dm"):format(math.floor(s / 3600), math.floor(s % 3600 / 60)) end
@@ -229,7 +234,7 @@ function Progress:line(step, fields, r, now)
     local per_step = (now - self.first_done) / (step - self.first_step)
     parts[#parts + 1] = "ETA " .. duration(per_step * (self.total - step))
   end
-  parts[#parts + 1] = ("mem %s B"):format(human(core.memory().allocated_peak))
+  parts[#parts + 1] = "mem " .. bytes(core.memory().allocated_peak)
   return table.concat(parts, " | ")
 end
 
