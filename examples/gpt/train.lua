@@ -12,40 +12,44 @@
 local pt = require "partrain"
 
 local cfg = pt.args {
-  model = LM_DEFAULT_MODEL or "gpt2",  -- gpt2 or llama (examples/llama/train.lua makes llama the default)
-  steps = 200,
-  batch = 16,               -- the global batch, in sequences
-  seq = 64,                 -- tokens (bytes) a sequence
-  dim = 128,
-  heads = 4,
-  layers = 4,
-  kv_heads = 0,             -- llama: key/value heads (grouped-query attention; 0: as many as heads)
-  dropout = pt.args.number(0),
-  lr = pt.args.number(3e-3),
-  warmup = 20,
-  seed = 1,
-  log_every = 10,
-  sample = 200,             -- bytes to generate at the end (0: none)
-  prompt = "And God said",
-  corpus = "",              -- default: data/kjv.txt of this checkout (made by scripts/setup)
-  threads = 0,
-  tensor = 1,               -- tensor-parallel size (data = ranks / tensor)
-  sequence_parallel = false, -- keep activations split along the sequence between TP regions
-  pipeline = 1,             -- pipeline stages (ranks); each runs its blocks through model:train_step
-  microbatches = 0,         -- with --pipeline: micro-batches a batch is split into (0: the pipeline size)
-  schedule = "1f1b",        -- with --pipeline: gpipe, 1f1b or interleaved (docs/pipeline.md)
-  chunks = 1,               -- with --pipeline: model chunks a rank (interleaved)
-  ckpt = "",                -- checkpoint folder: resume from its newest checkpoint, save into it
-  save_every = 0,           -- with --ckpt: save every this many steps (and at the end)
-  dtype = "float32",        -- parameters and compute: float32, bfloat16 (float32 masters kept by the optimizer)
-                            -- or float16 (CUDA only: LibTorch 1.13's CPU lacks its kernels)
-  zero_stage = 0,           -- ZeRO: 1 shards optimizer state and master weights over the data ranks, 2 also
-                            -- reduce-scatters the gradients (docs/parallel.md)
-  zero_groups = 0,          -- with --zero-stage: split the data ranks into this many zero groups (0: one)
+  model = { LM_DEFAULT_MODEL or "gpt2", "gpt2 or llama (examples/llama/train.lua makes llama the default)" },
+  steps = { 200, "steps to train" },
+  batch = { 16, "the global batch, in sequences" },
+  seq = { 64, "tokens (bytes) a sequence" },
+  dim = { 128, "model width" },
+  heads = { 4, "attention heads" },
+  layers = { 4, "transformer blocks" },
+  kv_heads = { 0, "llama: key/value heads (grouped-query attention; 0: as many as heads)" },
+  dropout = pt.args.number(0, "dropout (gpt2)"),
+  lr = pt.args.number(3e-3, "peak learning rate (cosine schedule after the warmup)"),
+  warmup = { 20, "warmup steps" },
+  seed = { 1, "seed of the weights, the data order and the sample" },
+  log_every = { 10, "a log line (and metrics record) every this many steps" },
+  sample = { 200, "bytes to generate at the end (0: none)" },
+  prompt = { "And God said", "the sample's prompt" },
+  corpus = { "", "the text to train on (default: data/kjv.txt of this checkout, made by scripts/setup)" },
+  threads = { 0, "intra-op threads (0: LibTorch's default)" },
+  tensor = { 1, "tensor-parallel size (data = ranks / tensor / pipeline)" },
+  sequence_parallel = { false, "keep activations split along the sequence between TP regions" },
+  pipeline = { 1, "pipeline stages (ranks); each runs its blocks through model:train_step" },
+  microbatches = { 0, "with --pipeline: micro-batches a batch is split into (0: the pipeline size)" },
+  schedule = { "1f1b", "with --pipeline: gpipe, 1f1b or interleaved (docs/pipeline.md)" },
+  chunks = { 1, "with --pipeline: model chunks a rank (interleaved)" },
+  ckpt = { "", "checkpoint folder: resume from its newest checkpoint, save into it" },
+  save_every = { 0, "with --ckpt: save every this many steps (and at the end)" },
+  dtype = { "float32", "parameters and compute: float32, bfloat16 (float32 masters kept by the optimizer) or "
+            .. "float16 (CUDA only: LibTorch 1.13's CPU lacks its kernels)" },
+  zero_stage = { 0, "ZeRO: 1 shards optimizer state and master weights over the data ranks, 2 also "
+                 .. "reduce-scatters the gradients (docs/parallel.md)" },
+  zero_groups = { 0, "with --zero-stage: split the data ranks into this many zero groups (0: one)" },
+  metrics = { "", "append metrics (JSON lines: docs/observability.md) to this file (or partrain --metrics FILE)" },
+  peak_tflops = pt.args.number(0, "one device's peak TFLOP/s, for MFU (0: NVIDIA's table on CUDA, none on the CPU)"),
+  progress = { true, "the live progress line on a terminal (--no-progress: none)" },
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../../data/kjv.txt" end
 pt.manual_seed(cfg.seed)
+if cfg.metrics ~= "" then pt.metrics(cfg.metrics) end
 
 -- ZeRO's flags, checked before any group is made.
 local data_size = pt.dist.world_size() / (cfg.tensor * cfg.pipeline)
@@ -82,6 +86,8 @@ local model = pt.deferred(function()
   return pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                           layers = cfg.layers, dropout = cfg.dropout, dtype = cfg.dtype }
 end)
+-- The whole model's training FLOPs a token (6·N + attention), counted before it is split.
+local flops_per_token = pt.flops_per_token(model, cfg.seq)
 local pipelined = cfg.pipeline > 1
 local options = { sequence_parallel = cfg.sequence_parallel }
 if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
@@ -111,6 +117,8 @@ if cfg.ckpt ~= "" then
   end
 end
 
+local progress = pt.progress { total = cfg.steps, tokens = cfg.batch * cfg.seq, flops_per_token = flops_per_token,
+                               peak_tflops = cfg.peak_tflops, every = cfg.log_every, enabled = cfg.progress }
 local start = pt.time()
 for step = first, cfg.steps do
   local x, y = data:next()
@@ -123,15 +131,15 @@ for step = first, cfg.steps do
     opt:scale_loss(loss):backward()        -- loss x the loss scale (float16); the loss itself otherwise
   end
   opt:step()
-  if step % cfg.log_every == 0 or step == 1 then
-    local global = loss:detach():clone()
-    mesh:group("data"):all_reduce(global, "mean")
-    pt.log { step = step, loss = global:item(), lr = opt:lr(), seconds = pt.time() - start }
-  end
+  local global = loss:detach():clone()      -- the global batch's loss, for the progress line and the log
+  mesh:group("data"):all_reduce(global, "mean")
+  progress:step(step, { loss = global:item(), lr = opt:lr(), seconds = pt.time() - start })
   if cfg.ckpt ~= "" and cfg.save_every > 0 and (step % cfg.save_every == 0 or step == cfg.steps) then
     pt.ckpt.save(cfg.ckpt, { model = model, optim = opt, data = data, step = step })
   end
 end
+
+progress:finish()
 
 -- Sampling: feed the prompt, then draw each next byte from the softmax of the last position.
 -- Every rank takes part (a split model needs its whole tensor group); the same seed makes them

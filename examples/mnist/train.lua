@@ -6,23 +6,29 @@
 local pt = require "partrain"
 
 local cfg = pt.args {
-  epochs = 3,              -- passes over the 60,000 training images
-  steps = 0,               -- stop after this many steps in all (0: no limit)
-  batch = 64,              -- the global batch, split over the data-parallel ranks
-  lr = pt.args.number(0.05),
-  momentum = pt.args.number(0.9),
-  hidden = 256,
-  seed = 1,
-  log_every = 1,           -- print the loss every this many steps
-  threads = 0,             -- intra-op threads (0: LibTorch's default)
-  ckpt = "",               -- checkpoint folder: resume from its newest checkpoint, save into it
-  save_every = 0,          -- with --ckpt: save every this many steps
+  epochs = { 3, "passes over the 60,000 training images" },
+  steps = { 0, "stop after this many steps in all (0: no limit)" },
+  batch = { 64, "the global batch, split over the data-parallel ranks" },
+  lr = pt.args.number(0.05, "learning rate (cosine schedule)"),
+  momentum = pt.args.number(0.9, "SGD's (Nesterov) momentum"),
+  hidden = { 256, "width of the first hidden layer (the second is half)" },
+  seed = { 1, "seed of the weights and the data order" },
+  log_every = { 1, "print the loss (and write a metrics record) every this many steps" },
+  threads = { 0, "intra-op threads (0: LibTorch's default)" },
+  ckpt = { "", "checkpoint folder: resume from its newest checkpoint, save into it" },
+  save_every = { 0, "with --ckpt: save every this many steps" },
+  metrics = { "", "append metrics (JSON lines: docs/observability.md) to this file (or partrain --metrics FILE)" },
+  peak_tflops = pt.args.number(0, "one device's peak TFLOP/s, for MFU (0: NVIDIA's table on CUDA, none on the CPU)"),
+  progress = { true, "the live progress line on a terminal (--no-progress: none)" },
 }
 if cfg.threads > 0 then pt.set_threads(cfg.threads) end
 pt.manual_seed(cfg.seed)
+if cfg.metrics ~= "" then pt.metrics(cfg.metrics) end
 
 local mesh = pt.mesh {}    -- every rank a data-parallel replica
-local model = pt.parallelize(pt.models.mlp { sizes = { 784, cfg.hidden, math.floor(cfg.hidden / 2), 10 } }, nil, mesh)
+local model = pt.models.mlp { sizes = { 784, cfg.hidden, math.floor(cfg.hidden / 2), 10 } }
+local flops_per_image = 6 * model:num_parameters()   -- forward and backward of a dense network: 6 FLOPs a weight
+model = pt.parallelize(model, nil, mesh)
 local train = pt.data.mnist { split = "train", batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local test = pt.data.mnist { split = "test", batch = 1000, shuffle = false, drop_last = false }
 local opt = pt.optim.sgd(model, { lr = cfg.lr, momentum = cfg.momentum, nesterov = true,
@@ -55,6 +61,11 @@ if cfg.ckpt ~= "" then
   resumed = pt.ckpt.resume(cfg.ckpt, { model = model, optim = opt, data = train })
   if resumed then step = resumed.step end
 end
+local total = cfg.epochs * train:batches_per_epoch()
+if cfg.steps > 0 then total = math.min(total, cfg.steps) end
+-- An image is this example's "token": tokens_per_s counts images of the global batch a second.
+local progress = pt.progress { total = total, tokens = cfg.batch, flops_per_token = flops_per_image,
+                               peak_tflops = cfg.peak_tflops, every = cfg.log_every, enabled = cfg.progress }
 for epoch = train:epoch() + 1, cfg.epochs do
   if resumed then resumed = nil else train:start_epoch(epoch - 1) end  -- a resumed epoch goes on where it was
   for x, y in train:batches() do
@@ -63,12 +74,15 @@ for epoch = train:epoch() + 1, cfg.epochs do
     loss:backward()
     opt:step()
     step = step + 1
-    if step % cfg.log_every == 0 then pt.log { epoch = epoch, step = step, loss = global_loss(loss) } end
+    progress:step(step, { epoch = epoch, loss = global_loss(loss) })
     if cfg.ckpt ~= "" and cfg.save_every > 0 and step % cfg.save_every == 0 then
       pt.ckpt.save(cfg.ckpt, { model = model, optim = opt, data = train, step = step })
     end
     if cfg.steps > 0 and step >= cfg.steps then break end
   end
-  pt.log { epoch = epoch, step = step, test_accuracy = accuracy() }
+  local acc = accuracy()
+  print(("epoch %d | step %d | test_accuracy %.4f"):format(epoch, step, acc))
+  pt.metrics.write { event = "eval", epoch = epoch, step = step, test_accuracy = acc }
   if cfg.steps > 0 and step >= cfg.steps then break end
 end
+progress:finish()
