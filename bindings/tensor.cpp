@@ -481,7 +481,7 @@ const Function kCuda[] = {
     {"current_device", [](Args& a) { cuda_index(a, 1, "current_device"); return a.ret(double(compat::cuda_current_device())); }},
     {"device_name", [](Args& a) { return a.ret(compat::cuda_device_name(cuda_index(a, 1, "device_name"))); }},
     {"synchronize", [](Args& a) {
-       if (!compat::kBuiltWithCuda) return a.ret();
+       if (!compat::kBuiltWithCuda || !compat::cuda_available()) return a.ret();  // nothing queued to wait for
        compat::synchronize(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cuda_index(a, 1, "synchronize"))));
        return a.ret(); }},
     // memory_stats([device]): { allocated, reserved, peak_allocated, peak_reserved } in bytes

@@ -19,7 +19,8 @@ report() { if [ "$1" = 0 ]; then passed=$((passed + 1)); echo "[ OK ] $2"; else 
 
 out=$(PARTRAIN_BACKEND=gloo "$bin" --nproc-per-node 2 --threads 1 --device "$device" tests/dist/test_cuda.lua \
       --dir "$tmp/gpu" 2>&1); report $? "2 ranks on $device over Gloo: data and tensor parallel equal serial; checkpoint and generators" "$out"
-out=$("$bin" --threads 1 --device cpu tests/dist/test_cuda.lua --phase cpu_load --dir "$tmp" 2>&1)
+out=$("$bin" --threads 1 --device cpu tests/dist/test_cuda.lua --phase cpu_load --saved-on "$device" \
+      --dir "$tmp" 2>&1)
 report $? "the checkpoint saved on $device loads on the CPU" "$out"
 out=$("$bin" --threads 1 --device "$device" tests/dist/test_cuda.lua --phase compare --dir "$tmp" 2>&1)
 report $? "saved on $device, through the CPU, back on $device: the same bits" "$out"
