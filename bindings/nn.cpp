@@ -585,8 +585,10 @@ const Function kConstructors[] = {
        return a.ret(ModulePtr(std::make_shared<LuaModule>(a.L, type, 2))); }},
     {"_defer", [](Args& a) {  // on: new layers' parameters on the meta device; returns whether they were
        bool was = nn::parameter_options().device().is_meta();
+       // Off: back on the rank's device (where app/main.cpp put them), not the CPU.
        if (!plan::planning())
-         nn::set_parameter_options(a.boolean(1) ? nn::parameter_options().device(torch::kMeta) : torch::TensorOptions());
+         nn::set_parameter_options(nn::parameter_options().device(a.boolean(1) ? torch::Device(torch::kMeta)
+                                                                                : dist::World::instance().device()));
        return a.ret(was); }},
     {"_seed_if_unset", [](Args& a) {  // a deferred model's base seed (a built-in family drew its own)
        if (!a.module(1)->init_seed()) nn::draw_init_seed(*a.module(1));

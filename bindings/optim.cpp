@@ -106,6 +106,16 @@ int make_optimizer(Args& a, const std::string& kind) {
     o.beta2 = betas[1];
     o.eps = t.number("eps", o.eps);
   }
+  if (kind == "adamw" && t.push("fused")) {  // fused = true | false | "auto"
+    int type = lua_type(a.L, -1);
+    bool is_auto = type == LUA_TSTRING && std::string(lua_tostring(a.L, -1)) == "auto";
+    std::string got = type == LUA_TSTRING ? "'" + std::string(lua_tostring(a.L, -1)) + "'" : luaL_typename(a.L, -1);
+    if (type == LUA_TBOOLEAN) o.fused = lua_toboolean(a.L, -1) ? "on" : "off";
+    else if (is_auto) o.fused = "auto";
+    lua_pop(a.L, 1);
+    if (type != LUA_TBOOLEAN && !is_auto)
+      throw std::invalid_argument("option 'fused' for adamw must be true, false or \"auto\", got " + got);
+  }
   if (t.has("schedule")) {
     Options s = t.table("schedule");
     o.schedule = read_schedule(s);
@@ -252,6 +262,8 @@ const Function kOptimizerMethods[] = {
     {"set_lr", [](Args& a) { optimizer(a, 1)->set_lr(a.number(2)); return a.ret(); }},
     {"steps", [](Args& a) { return a.ret(double(optimizer(a, 1)->steps_taken())); }},
     {"kind", [](Args& a) { return a.ret(optimizer(a, 1)->options().kind); }},
+    // fused(): whether steps run LibTorch's fused AdamW kernel (fused = true, or "auto" where it is)
+    {"fused", [](Args& a) { return a.ret(optimizer(a, 1)->fused()); }},
     {"state_bytes", [](Args& a) { return a.ret(double(optimizer(a, 1)->state_bytes())); }},
     // opt:sync_shard_grad(): under ZeRO-2, every .grad made whole (the reduced shards gathered
     // over the zero group) before it is read; a no-op otherwise.

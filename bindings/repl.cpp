@@ -24,6 +24,7 @@
 
 #include "bindings/host.hpp"
 #include "bindings/lua.hpp"
+#include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
@@ -427,7 +428,8 @@ const Function kRepl[] = {
        lua_pushlstring(a.L, reinterpret_cast<const char*>(t.data_ptr<uint8_t>()), static_cast<size_t>(t.numel()));
        return 1; }},
     // { resident, resident_peak, allocated, allocated_peak }: this process's resident memory and
-    // the bytes LibTorch's tensors hold on the CPU, in bytes.
+    // the bytes LibTorch's tensors hold on the CPU, in bytes; on a CUDA rank also device_allocated,
+    // device_allocated_peak, device_reserved, device_reserved_peak (the caching allocator's).
     {"memory", [](Args& a) {
        std::ifstream status("/proc/self/status");
        std::string line;
@@ -446,8 +448,21 @@ const Function kRepl[] = {
        lua_pushnumber(a.L, peak); lua_setfield(a.L, -2, "resident_peak");
        lua_pushnumber(a.L, double(cpu.allocated)); lua_setfield(a.L, -2, "allocated");
        lua_pushnumber(a.L, double(cpu.peak)); lua_setfield(a.L, -2, "allocated_peak");
+       // A rank on a CUDA device: its tensors' bytes there, from the caching allocator.
+       const auto& device = dist::World::instance().device();
+       if (device.is_cuda()) {
+         auto m = compat::cuda_memory(device.index());
+         lua_pushnumber(a.L, double(m.allocated)); lua_setfield(a.L, -2, "device_allocated");
+         lua_pushnumber(a.L, double(m.peak_allocated)); lua_setfield(a.L, -2, "device_allocated_peak");
+         lua_pushnumber(a.L, double(m.reserved)); lua_setfield(a.L, -2, "device_reserved");
+         lua_pushnumber(a.L, double(m.peak_reserved)); lua_setfield(a.L, -2, "device_reserved_peak");
+       }
        return 1; }},
-    {"reset_peak", [](Args& a) { plan::reset_peak(c10::kCPU); return a.ret(); }},
+    {"reset_peak", [](Args& a) {
+       plan::reset_peak(c10::kCPU);
+       const auto& device = dist::World::instance().device();
+       if (device.is_cuda()) compat::cuda_reset_peak(device.index());
+       return a.ret(); }},
     {nullptr, nullptr}};
 
 }  // namespace

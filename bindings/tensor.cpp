@@ -462,6 +462,42 @@ const Function kFunctions[] = {
 
 #undef T
 
+// pt.cuda: the CUDA devices this LibTorch sees. On a build without CUDA is_available() is false
+// and device_count() 0, synchronize() does nothing (there is nothing queued to wait for), and
+// the rest raise "CUDA is not available in this build". [device] is an index, "cuda:N" or a
+// device string; none: the current device.
+int cuda_index(Args& a, int i, const char* name) {
+  if (!compat::kBuiltWithCuda)
+    throw std::runtime_error(std::string("pt.cuda.") + name + ": CUDA is not available in this build (LibTorch " +
+                             compat::torch_version() + " without CUDA)");
+  if (a.none(i)) return compat::cuda_current_device();
+  if (a.is_number(i)) return static_cast<int>(a.integer(i));
+  auto spec = a.string(i);
+  torch::Device d = parse_device(spec);
+  if (!d.is_cuda()) a.fail(i, "a CUDA device expected, got '" + spec + "'");
+  return d.has_index() ? d.index() : compat::cuda_current_device();
+}
+
+const Function kCuda[] = {
+    {"is_available", [](Args& a) { return a.ret(compat::kBuiltWithCuda && compat::cuda_available()); }},
+    {"device_count", [](Args& a) { return a.ret(double(compat::kBuiltWithCuda ? compat::cuda_device_count() : 0)); }},
+    {"current_device", [](Args& a) { cuda_index(a, 1, "current_device"); return a.ret(double(compat::cuda_current_device())); }},
+    {"device_name", [](Args& a) { return a.ret(compat::cuda_device_name(cuda_index(a, 1, "device_name"))); }},
+    {"synchronize", [](Args& a) {
+       if (!compat::kBuiltWithCuda || !compat::cuda_available()) return a.ret();  // nothing queued to wait for
+       compat::synchronize(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cuda_index(a, 1, "synchronize"))));
+       return a.ret(); }},
+    // memory_stats([device]): { allocated, reserved, peak_allocated, peak_reserved } in bytes
+    {"memory_stats", [](Args& a) {
+       auto m = compat::cuda_memory(cuda_index(a, 1, "memory_stats"));
+       lua_createtable(a.L, 0, 4);
+       auto set = [&](const char* k, int64_t v) { lua_pushnumber(a.L, double(v)); lua_setfield(a.L, -2, k); };
+       set("allocated", m.allocated); set("reserved", m.reserved);
+       set("peak_allocated", m.peak_allocated); set("peak_reserved", m.peak_reserved);
+       return 1; }},
+    {"reset_peak_memory_stats", [](Args& a) { compat::cuda_reset_peak(cuda_index(a, 1, "reset_peak_memory_stats")); return a.ret(); }},
+    {nullptr, nullptr}};
+
 }  // namespace
 
 bool is_dtype_name(const std::string& name) {
@@ -519,6 +555,7 @@ void open_tensor(lua_State* L, int core) {
   lua_setfield(L, core, "Tensor");  // the method table, so Lua can add methods
   lua_setfield(L, core, "Tensor_mt");
   set_functions(L, core, kFunctions);
+  set_library(L, core, "cuda", kCuda);
 }
 
 }  // namespace partrain::lua

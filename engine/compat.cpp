@@ -11,7 +11,9 @@
 #define PARTRAIN_COMPAT_C10D  // make_c10d_group is defined here
 #include "engine/compat.hpp"
 
-#ifdef PARTRAIN_WITH_NCCL
+#ifdef PARTRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
@@ -84,7 +86,7 @@ bool cuda_touched() { return cuda_asked; }
 
 void synchronize(const torch::Device& device) {
   if (!device.is_cuda()) return;
-#ifdef PARTRAIN_WITH_NCCL
+#ifdef PARTRAIN_WITH_CUDA
   c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();
 #else
@@ -94,10 +96,106 @@ void synchronize(const torch::Device& device) {
 
 void use_device(const torch::Device& device) {
   if (!device.is_cuda()) return;
-#ifdef PARTRAIN_WITH_NCCL  // a CUDA LibTorch (the one that carries NCCL)
+#ifdef PARTRAIN_WITH_CUDA
   c10::cuda::set_device(device.index());
 #else
   TORCH_CHECK(false, "device ", device.str(), " needs a CUDA build of partrain");
+#endif
+}
+
+namespace {
+// Refuses what needs a CUDA device this process can use: no CUDA in the build, none present, or
+// an index past the last one.
+void check_cuda_index(int index, const char* what) {
+  TORCH_CHECK(kBuiltWithCuda, what, ": CUDA is not available in this build (LibTorch ", torch_version(),
+              " without CUDA)");
+  int count = cuda_device_count();
+  TORCH_CHECK(count > 0, what, ": CUDA is not available (this LibTorch sees no CUDA device)");
+  TORCH_CHECK(index >= 0 && index < count, what, ": device ", index, " is out of range (", count,
+              " CUDA device(s): 0..", count - 1, ")");
+}
+
+// Starts CUDA (and with it the caching allocator, whose counters exist from then on) the way
+// every LibTorch version does it: allocating on the device.
+void start_cuda(int index) { (void)torch::empty({0}, torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index))); }
+}  // namespace
+
+CudaMemory cuda_memory(int index) {
+  check_cuda_index(index, "memory_stats");
+#ifdef PARTRAIN_WITH_CUDA
+  start_cuda(index);
+  // Index 0 of each StatArray is StatType::AGGREGATE (small and large pools together).
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  const auto& allocated = stats.allocated_bytes[0];
+  const auto& reserved = stats.reserved_bytes[0];
+  return {allocated.current, reserved.current, allocated.peak, reserved.peak};
+#else
+  return {};
+#endif
+}
+
+void cuda_reset_peak(int index) {
+  check_cuda_index(index, "reset_peak_memory_stats");
+#ifdef PARTRAIN_WITH_CUDA
+  start_cuda(index);
+  c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+#endif
+}
+
+int cuda_current_device() {
+  check_cuda_index(0, "current_device");
+#ifdef PARTRAIN_WITH_CUDA
+  return static_cast<int>(c10::cuda::current_device());
+#else
+  return -1;
+#endif
+}
+
+std::string cuda_device_name(int index) {
+  check_cuda_index(index, "device_name");
+#ifdef PARTRAIN_WITH_CUDA
+  return at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index))->name;
+#else
+  return "";
+#endif
+}
+
+torch::Tensor cuda_rng_state(const torch::Device& device) {
+  TORCH_CHECK(device.is_cuda(), "cuda_rng_state: ", device.str(), " is not a CUDA device");
+  check_cuda_index(device.index(), "cuda_rng_state");
+  auto generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_cuda_rng_state(const torch::Device& device, const torch::Tensor& state) {
+  TORCH_CHECK(device.is_cuda(), "set_cuda_rng_state: ", device.str(), " is not a CUDA device");
+  check_cuda_index(device.index(), "set_cuda_rng_state");
+  auto generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) {
+  if (host.device() == device) return host;
+  if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
+  // pin_memory() copies into the caching host allocator's page-locked blocks, which record the
+  // copy's stream: a block is reused only after the copy out of it has finished.
+  return host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
+void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                 const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
+                 const std::vector<torch::Tensor>& steps, double lr, double beta1, double beta2,
+                 double weight_decay, double eps) {
+#if PARTRAIN_TORCH_AT_LEAST(2, 1) && defined(PARTRAIN_WITH_CUDA)
+  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
+                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+#else
+  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)steps;
+  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps;
+  TORCH_CHECK(false, "fused AdamW needs LibTorch 2.1 or later built with CUDA; this is ", torch_version(),
+              kBuiltWithCuda ? "" : " without CUDA");
 #endif
 }
 

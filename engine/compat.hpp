@@ -51,6 +51,18 @@ inline auto optimizer_state_key(const T& param) {
 /// tiny tensors: LibTorch 1.13's CPU kernels lack most of them in float16 (2.x added some).
 std::string missing_kernels(torch::ScalarType dtype, const torch::Device& device);
 
+/// Whether this partrain was built against a CUDA LibTorch (PARTRAIN_WITH_CUDA, set by
+/// CMakeLists.txt): only then does it call into libc10_cuda and libtorch_cuda. Debian's CPU
+/// LibTorch ships their headers but not the libraries.
+#ifdef PARTRAIN_WITH_CUDA
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
+
+/// Whether this LibTorch has the fused AdamW kernel (at::_fused_adamw_, CUDA, LibTorch 2.1 on).
+constexpr bool kHasFusedAdamW = kBuiltWithCuda && PARTRAIN_TORCH_AT_LEAST(2, 1);
+
 /// Whether this LibTorch can reach a CUDA device at run time.
 bool cuda_available();
 
@@ -69,6 +81,37 @@ void use_device(const torch::Device& device);
 /// Waits until every kernel queued on `device` has finished (CUDA), so a host clock read after it
 /// times them; nothing for a CPU device.
 void synchronize(const torch::Device& device);
+
+/// The CUDA caching allocator's counters for one device, in bytes: what tensors hold now and at
+/// the peak, and what the allocator has reserved from the driver now and at the peak.
+struct CudaMemory {
+  int64_t allocated = 0, reserved = 0, peak_allocated = 0, peak_reserved = 0;
+};
+/// The counters of CUDA device `index`, and the reset of their peaks to the current values. A
+/// build without CUDA, or an index out of range, is an error.
+CudaMemory cuda_memory(int index);
+void cuda_reset_peak(int index);
+/// The thread's current CUDA device, and a device's name ("NVIDIA H100 80GB HBM3").
+int cuda_current_device();
+std::string cuda_device_name(int index);
+
+/// The state of CUDA device `device`'s default generator (a CPU uint8 tensor), and its
+/// replacement. Only on a CUDA build; the format is LibTorch's (Philox seed and offset).
+torch::Tensor cuda_rng_state(const torch::Device& device);
+void set_cuda_rng_state(const torch::Device& device, const torch::Tensor& state);
+
+/// `host` (a CPU tensor a loader made) on `device`: on CUDA through page-locked memory and a copy
+/// that does not block the host (the copy is ordered on the current stream before the kernels
+/// that read the batch); itself on the CPU.
+torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
+
+/// One AdamW step over same-device, same-dtype lists, in LibTorch's fused CUDA kernel
+/// (_fused_adamw_): `step` is a float32 scalar on the device holding the step number after this
+/// one (1 on the first), as Adam's bias correction reads it. Only where kHasFusedAdamW.
+void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                 const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
+                 const std::vector<torch::Tensor>& steps, double lr, double beta1, double beta2,
+                 double weight_decay, double eps);
 
 /// An exception's message without LibTorch's C++ backtrace.
 std::string message_of(const std::exception& e);

@@ -75,6 +75,7 @@ void serialize(Archive& ar, Manifest& m) {
      m.samples_seen, m.user_json, m.full, m.tensors, m.files, m.rng);
   if (!Archive::is_loading::value || reading_format >= 4) ar(m.stages);
   if (!Archive::is_loading::value || reading_format >= 5) ar(m.loss_scale);
+  if (!Archive::is_loading::value || reading_format >= 6) ar(m.cuda_rng);
 }
 
 const TensorEntry* Manifest::find(const std::string& name) const {
@@ -383,10 +384,10 @@ std::vector<Held> held(const nn::Module& model) {
 struct RankPart {
   std::vector<TensorEntry> tensors;
   FileEntry file;  // name empty: the rank wrote nothing
-  std::string rng;
+  std::string rng, cuda_rng;  // cuda_rng: empty on a CPU rank
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(tensors, file, rng);
+    ar(tensors, file, rng, cuda_rng);
   }
 };
 
@@ -409,6 +410,20 @@ RankPart part_from(const std::string& bytes) {
 std::string rng_state() {
   auto state = at::detail::getDefaultCPUGenerator().get_state();
   return std::string(reinterpret_cast<const char*>(state.data_ptr<uint8_t>()), state.numel());
+}
+
+// This rank's CUDA generator state (its device's), or nothing on a CPU rank.
+std::string cuda_rng_state() {
+  const auto& device = dist::World::instance().device();
+  if (!device.is_cuda()) return "";
+  auto state = compat::cuda_rng_state(device).contiguous();
+  return std::string(reinterpret_cast<const char*>(state.data_ptr<uint8_t>()), state.numel());
+}
+
+torch::Tensor bytes_tensor(const std::string& bytes) {
+  auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+  if (!bytes.empty()) std::memcpy(t.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  return t;
 }
 
 // The slots each optimizer kind stores per parameter.
@@ -709,6 +724,9 @@ void validate(const Manifest& m, const std::string& path) {
   if (m.rng.size() > static_cast<size_t>(m.world)) bad("has more generator states than ranks");
   for (const auto& r : m.rng)
     if (r.size() > (1u << 20)) bad("has a generator state of " + std::to_string(r.size()) + " bytes");
+  if (m.cuda_rng.size() > static_cast<size_t>(m.world)) bad("has more CUDA generator states than ranks");
+  for (const auto& r : m.cuda_rng)
+    if (r.size() > (1u << 20)) bad("has a CUDA generator state of " + std::to_string(r.size()) + " bytes");
 
   std::set<std::string> file_names;
   for (const auto& f : m.files) {
@@ -1014,6 +1032,7 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
     }
     if (file) part.file = file->finish(name);
     part.rng = rng_state();
+    part.cuda_rng = cuda_rng_state();
     mine = to_bytes(part);
   });
   crash_point("data");
@@ -1070,7 +1089,10 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
         }
       }
       m.rng.push_back(std::move(part.rng));
+      m.cuda_rng.push_back(std::move(part.cuda_rng));
     }
+    // Only a run that used CUDA stores its states: a CPU run's manifest holds none.
+    if (std::all_of(m.cuda_rng.begin(), m.cuda_rng.end(), [](const auto& r) { return r.empty(); })) m.cuda_rng.clear();
     validate(m, join(tmp, "manifest.bin"));  // what a load will demand, checked before it is written
     write_manifest(tmp, m);
     crash_point("manifest");
@@ -1430,16 +1452,33 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i]);  // none: cleared
     }
     if (rank < static_cast<int>(m.rng.size()) && !m.rng[rank].empty()) {
-      auto bytes = torch::empty({static_cast<int64_t>(m.rng[rank].size())}, torch::kUInt8);
-      std::memcpy(bytes.data_ptr<uint8_t>(), m.rng[rank].data(), m.rng[rank].size());
       try {
         auto generator = at::detail::getDefaultCPUGenerator();
-        generator.set_state(bytes);
+        generator.set_state(bytes_tensor(m.rng[rank]));
       } catch (const std::exception&) {
         // another LibTorch's generator format: keep this run's state
       }
     }
-    loaded = {tag, m.step, m.user_json, {}};
+    // The CUDA generator: restored on a CUDA rank that finds one; a checkpoint and a run that
+    // disagree on CUDA load all the same, with a note (the CPU state above still holds).
+    std::vector<std::string> notes;
+    const auto& device = dist::World::instance().device();
+    const bool saved_cuda = rank < static_cast<int>(m.cuda_rng.size()) && !m.cuda_rng[rank].empty();
+    if (saved_cuda && device.is_cuda()) {
+      try {
+        compat::set_cuda_rng_state(device, bytes_tensor(m.cuda_rng[rank]));
+      } catch (const std::exception& e) {
+        notes.push_back("rank " + std::to_string(rank) + "'s CUDA generator state was not restored (" +
+                        compat::message_of(e) + "): it keeps this run's");
+      }
+    } else if (saved_cuda) {
+      notes.push_back("the checkpoint holds CUDA generator states; this run computes on " + device.str() +
+                      ": they are ignored");
+    } else if (device.is_cuda()) {
+      notes.push_back("the checkpoint holds no CUDA generator state (saved on the CPU); " + device.str() +
+                      " keeps this run's");
+    }
+    loaded = {tag, m.step, m.user_json, notes};
   });
   return loaded;
 }
@@ -1464,7 +1503,7 @@ bool load_newest(const std::string& dir, State& state, Loaded* out) {
   for (size_t i = 0; i < c.tags.size(); ++i) {
     try {
       *out = load_tag(dir, c.tags[i], state, group, rank);
-      out->notes = notes;
+      out->notes.insert(out->notes.begin(), notes.begin(), notes.end());
       return true;
     } catch (const Damaged& e) {
       notes.push_back("'" + join(dir, c.tags[i]) + "' cannot be loaded: " + e.what() +

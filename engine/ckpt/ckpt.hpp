@@ -41,7 +41,7 @@ namespace partrain::ckpt {
 /// pipeline that saved it is recorded (PipelineLayout). Versions 3 (no pipeline layout) and 2
 /// (a count of equal parts instead of their sizes) are read; version 1 (no checksum of the
 /// manifest) is refused. Version 5 adds the optimizer's loss-scaler state (version 4 has none).
-constexpr uint32_t kFormatVersion = 5;
+constexpr uint32_t kFormatVersion = 6;
 /// The oldest format this partrain reads.
 constexpr uint32_t kOldestReadableFormat = 2;
 
@@ -98,6 +98,9 @@ struct Manifest {
   /// Format 5 on: the optimizer's loss scaler (scale, good steps, hysteresis, skipped steps);
   /// empty when it had none.
   std::vector<double> loss_scale;
+  /// Format 6 on: each saving rank's CUDA generator state (of its device), empty for a rank that
+  /// computed on the CPU.
+  std::vector<std::string> cuda_rng;
   const TensorEntry* find(const std::string& name) const;
 };
 

@@ -130,6 +130,7 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
   m.full = false;
   m.files.clear();
   m.rng.clear();  // generator states belong to the ranks that saved them
+  m.cuda_rng.clear();
   std::string tag = src_tag_dir.substr(src_tag_dir.find_last_of('/') + 1);
   check_tag(tag);
   std::string problem;

@@ -1,6 +1,8 @@
 // Datasets and the loader (see data.hpp).
 #include "engine/data/data.hpp"
 
+#include "engine/compat.hpp"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -289,8 +291,7 @@ std::vector<Tensor> Loader::next() {
   int64_t lo = begin + total * r / n, hi = begin + total * (r + 1) / n;
   std::vector<int64_t> indices(order_.begin() + lo, order_.begin() + hi);
   auto batch = dataset_->batch(indices);  // read on the host...
-  if (options_.device != torch::kCPU)
-    for (auto& t : batch) t = t.to(options_.device);  // ...used on the rank's device
+  for (auto& t : batch) t = compat::to_device(t, options_.device);  // ...used on the rank's device
   return batch;
 }
 

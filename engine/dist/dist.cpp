@@ -749,7 +749,7 @@ int device_index_of(const std::string& spec, int local_rank) {
 
 void check_device_spec(const std::string& spec) {
   int index = device_index_of(spec, 0);
-#ifndef PARTRAIN_WITH_NCCL
+#ifndef PARTRAIN_WITH_CUDA
   // A CPU LibTorch answers without a CUDA runtime to start: a cuda device is refused now.
   if (index >= 0) resolve_device(spec, 0);
 #else
@@ -758,14 +758,17 @@ void check_device_spec(const std::string& spec) {
 }
 
 torch::Device resolve_device(const std::string& spec, int local_rank) {
-  if (spec.empty()) return compat::cuda_available() ? torch::Device(torch::kCUDA, local_rank) : torch::Device(torch::kCPU);
-  int index = device_index_of(spec, local_rank);
+  if (spec.empty() && !compat::cuda_available()) return torch::kCPU;
+  int index = device_index_of(spec.empty() ? "cuda" : spec, local_rank);
   if (index < 0) return torch::kCPU;
   TORCH_CHECK(compat::cuda_available(), "device '", spec, "' needs CUDA, but ",
               "this LibTorch sees no CUDA device (use --device cpu)");
   int count = compat::cuda_device_count();
-  TORCH_CHECK(index < count, "device '", spec, "' is cuda:", index, " but this machine has ", count,
-              " CUDA device(s)", spec == "cuda" ? " (one a local rank: start fewer ranks a node)" : "");
+  // No spec: cuda:<local rank>, as "cuda" says; on fewer devices than local ranks, --device names one.
+  TORCH_CHECK(index < count, "device '", spec.empty() ? "cuda" : spec, "' is cuda:", index, " but this machine has ",
+              count, " CUDA device(s)",
+              spec.empty() || spec == "cuda" ? " (one a local rank: start fewer ranks a node, or give --device cuda:0)"
+                                             : "");
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 

@@ -5,6 +5,7 @@
 #include "engine/util/startup.hpp"
 
 #include <cmath>
+#include <map>
 #include <iostream>
 #include <unordered_set>
 
@@ -31,9 +32,18 @@ double scheduled_lr(const ScheduleOptions& s, double lr, int64_t step) {
   return s.min_lr + (lr - s.min_lr) * factor;
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm) {
   TORCH_CHECK(max_norm > 0, "clip_grad_norm needs max_norm > 0, got ", max_norm);
-  return torch::nn::utils::clip_grad_norm_(params, max_norm);
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> norms;
+  for (const auto& p : params)
+    if (p.grad().defined()) norms.push_back(p.grad().norm(2));
+  if (norms.empty()) return {};
+  auto total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2);
+  auto scale = torch::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0);
+  for (const auto& p : params)
+    if (p.grad().defined()) p.grad().mul_(scale);
+  return total;
 }
 
 bool needs_master(torch::ScalarType dtype) { return dtype == torch::kBFloat16 || dtype == torch::kHalf; }
@@ -69,6 +79,19 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
   TORCH_CHECK(options_.clip_grad_norm >= 0, k, ": clip_grad_norm must be >= 0, got ",
               options_.clip_grad_norm);
   validate(options_.schedule);
+  const auto& fused = options_.fused;
+  TORCH_CHECK(fused == "off" || fused == "on" || fused == "auto", k, ": fused must be on, off or auto, got '", fused, "'");
+  TORCH_CHECK(fused == "off" || k == "adamw", k, ": fused is an option of adamw only");
+  if (fused != "off") {
+    // The fused kernel runs on CUDA tensors (meta ones under partrain plan stand for them).
+    const auto& where = params_.front().device();
+    bool possible = compat::kHasFusedAdamW && (where.is_cuda() || where.is_meta());
+    TORCH_CHECK(possible || fused == "auto", k, ": fused = true needs LibTorch's fused AdamW kernel (LibTorch 2.1 "
+                "or later built with CUDA, parameters on a CUDA device); this is LibTorch ", compat::torch_version(),
+                compat::kBuiltWithCuda ? "" : " without CUDA", " with parameters on ", where.str(),
+                ": drop fused, or give fused = \"auto\" to use it only where it exists");
+    fused_ = possible;
+  }
   if (k == "sgd") {
     TORCH_CHECK(options_.momentum >= 0, "sgd: momentum must be >= 0, got ", options_.momentum);
     TORCH_CHECK(!options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
@@ -289,6 +312,47 @@ void Optimizer::apply_lr(double lr) {
   }
 }
 
+void Optimizer::update() {
+  if (!fused_) {
+    impl_->step();
+    return;
+  }
+  // The state lives where LibTorch's AdamW keeps it (impl_->state(), so checkpoints and
+  // param_state read it unchanged), and one kernel a (device, dtype) updates it. The step
+  // numbers reach the kernel as float32 scalars made on the device: no copy from the host.
+  torch::NoGradGuard no_grad;
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(impl_->param_groups().front().options());
+  struct Lists {
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  };
+  std::map<std::pair<std::string, int>, Lists> groups;
+  std::map<std::pair<std::string, int64_t>, torch::Tensor> step_tensors;  // (device, step) -> its scalar
+  for (const auto& w : work_) {
+    if (!w.grad().defined()) continue;
+    auto& slot = impl_->state()[compat::optimizer_state_key(w)];
+    if (!slot) {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->exp_avg(torch::zeros_like(w, torch::MemoryFormat::Preserve));
+      s->exp_avg_sq(torch::zeros_like(w, torch::MemoryFormat::Preserve));
+      slot = std::move(s);
+    }
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*slot);
+    s.step(s.step() + 1);
+    auto& step = step_tensors[{w.device().str(), s.step()}];
+    if (!step.defined()) step = torch::full({}, static_cast<double>(s.step()), w.options().dtype(torch::kFloat32));
+    auto& g = groups[{w.device().str(), static_cast<int>(w.scalar_type())}];
+    g.params.push_back(w);
+    g.grads.push_back(w.grad());
+    g.exp_avgs.push_back(s.exp_avg());
+    g.exp_avg_sqs.push_back(s.exp_avg_sq());
+    g.steps.push_back(step);
+  }
+  auto [beta1, beta2] = o.betas();
+  for (auto& [key, g] : groups)
+    compat::fused_adamw(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps, o.lr(), beta1, beta2, o.weight_decay(),
+                        o.eps());
+}
+
 double Optimizer::step() {
   util::startup_mark_once("first optimizer step");
   for (const auto& check : checks_) check();
@@ -321,26 +385,29 @@ double Optimizer::step() {
   double norm = -1;
   if (distributed_) {
     norm = distributed_->clip(options_.clip_grad_norm);
-    impl_->step();
+    update();
     distributed_->publish();
     ++steps_;
     return norm;
   }
+  torch::Tensor norm_here;  // clipping on one device: the norm is read once the update is queued
   if (options_.clip_grad_norm > 0) {
-    if (norm_) {
+    if (norm_) {  // over a group (tensor parallel, pipeline): the collective's sum is read to scale
       norm = norm_(params_);
       double scale = options_.clip_grad_norm / (norm + 1e-6);
       if (scale < 1)
         for (auto& w : work_)
           if (w.grad().defined()) w.mutable_grad().mul_(scale);
     } else {
-      norm = clip_grad_norm(work_, options_.clip_grad_norm);
+      norm_here = clip_grad_norm(work_, options_.clip_grad_norm);
+      if (!norm_here.defined()) norm = 0.0;
     }
   }
-  impl_->step();
+  update();
   masters_to_params();
   ++steps_;
-  return norm;
+  // The one wait on the device that clipping adds, after every kernel of the step is queued.
+  return norm_here.defined() ? norm_here.item<double>() : norm;
 }
 
 }  // namespace partrain::optim

@@ -39,6 +39,10 @@ struct OptimizerOptions {
   double beta2 = 0.999;          ///< adam, adamw
   double eps = 1e-8;             ///< adam, adamw
   double clip_grad_norm = 0.0;   ///< clip gradients to this global L2 norm before a step; 0: off
+  /// adamw only: "on" updates every tensor of a device and dtype in one fused CUDA kernel
+  /// (LibTorch's _fused_adamw_: 2.1 on, built with CUDA, parameters on a CUDA device), refused
+  /// where that kernel is not; "auto" uses it where it is; "off" never.
+  std::string fused = "off";
   ScheduleOptions schedule;      ///< how lr changes with the step count
   LossScaleOptions loss_scale;   ///< kind "none": no loss scaling
 };
@@ -47,8 +51,10 @@ struct OptimizerOptions {
 bool needs_master(torch::ScalarType dtype);
 
 /// Scales the gradients of `params` so their global L2 norm is at most `max_norm`; returns the
-/// norm before clipping.
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+/// norm before clipping, as a 0-dim tensor on the gradients' device. Nothing waits on the device:
+/// the scale min(1, max_norm / (norm + 1e-6)) is applied there (LibTorch's clip_grad_norm_ math,
+/// without its read of the norm); undefined when no parameter has a gradient.
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
 
 class Optimizer;
 
@@ -121,6 +127,8 @@ class Optimizer {
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   const OptimizerOptions& options() const { return options_; }
+  /// Whether step() updates through the fused kernel (options().fused resolved for these tensors).
+  bool fused() const { return fused_; }
   const std::vector<torch::Tensor>& params() const { return params_; }
   /// Bytes of the optimizer's state (momentum buffers, Adam's moments, master copies), as
   /// allocated so far.
@@ -157,6 +165,8 @@ class Optimizer {
 
  private:
   void apply_lr(double lr);
+  // The update itself: impl_'s step, or the fused kernel over the same state.
+  void update();
   // The index in params_ of `param`, or -1.
   int64_t index_of(const torch::Tensor& param) const;
   // Takes each master from its parameter where the parameter changed since the masters were
@@ -173,6 +183,7 @@ class Optimizer {
   bool last_skipped_ = false;
   OptimizerOptions options_;
   std::unique_ptr<torch::optim::Optimizer> impl_;
+  bool fused_ = false;
   int64_t steps_ = 0;
   std::vector<std::function<void()>> checks_;
   std::function<double(const std::vector<torch::Tensor>&)> norm_;

@@ -9,6 +9,8 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
+#include "engine/compat.hpp"
+
 namespace partrain::plan {
 
 namespace {
@@ -79,8 +81,8 @@ class CountingMetaAllocator final : public c10::Allocator {
 };
 
 Counter& counter(c10::DeviceType device) {
-  TORCH_CHECK(device == c10::kCPU || device == c10::kMeta, "memory is counted on the CPU and the meta device, not ",
-              device);
+  TORCH_CHECK(device == c10::kCPU || device == c10::kMeta, "memory is counted on the CPU and the meta device "
+              "(and read from CUDA's caching allocator), not marked on ", device);
   return device == c10::kCPU ? cpu_counter() : meta_counter();
 }
 
@@ -98,11 +100,16 @@ void install_allocators() {
 }
 
 Memory memory(c10::DeviceType device) {
+  if (device == c10::kCUDA) {  // the caching allocator's own counters, of the current device
+    auto m = compat::cuda_memory(compat::cuda_current_device());
+    return {m.allocated, m.peak_allocated};
+  }
   auto& c = counter(device);
   return {c.allocated.load(), c.peak.load()};
 }
 
 void reset_peak(c10::DeviceType device) {
+  if (device == c10::kCUDA) return compat::cuda_reset_peak(compat::cuda_current_device());
   auto& c = counter(device);
   c.peak.store(c.allocated.load());
 }

@@ -148,7 +148,11 @@ FirstStep first_step_;
 // Each group's traffic when the first step began (a group made later counts from zero).
 std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic_base_;
 
-c10::DeviceType counted_device() { return planning() ? c10::kMeta : c10::kCPU; }
+// Where activations are counted: the meta device when planning, else the rank's (the CUDA
+// caching allocator's counters on a CUDA device).
+c10::DeviceType counted_device() {
+  return planning() ? c10::kMeta : dist::World::instance().device().type();
+}
 }  // namespace
 
 namespace detail {

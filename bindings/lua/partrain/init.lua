@@ -44,6 +44,10 @@ for _, name in ipairs {
 } do
   pt[name] = assert(core[name], name)
 end
+--- pt.cuda: is_available(), device_count(), current_device(), device_name([d]), synchronize([d]),
+--- memory_stats([d]) ({ allocated, reserved, peak_allocated, peak_reserved } bytes),
+--- reset_peak_memory_stats([d]); d: an index or "cuda:N". docs/gpu.md.
+pt.cuda = core.cuda
 pt.Tensor = core.Tensor   -- the tensor method table: add a method here and every tensor has it
 do  -- methods first, then the fields that are not methods (shape, dtype, device, grad, ...)
   local methods, field = core.Tensor, core.Tensor_mt.__field

@@ -1,0 +1,89 @@
+-- pt.cuda and fused AdamW answer for the build they run in: on a CPU build (this machine, CI)
+-- is_available() is false, device_count() 0, synchronize() does nothing and the rest raise "CUDA
+-- is not available" from the caller's line; fused = true is refused naming the option, and
+-- "auto" trains exactly as the unfused optimizer. On a CUDA build with a device the same calls
+-- report the caching allocator's counters.
+package.path = "tests/lua/?.lua;" .. package.path
+local pt = require "partrain"
+local H = require "harness"
+local test, ok, eq, raises = H.test, H.ok, H.eq, H.raises
+local this_file = debug.getinfo(1, "S").short_src
+
+local cuda = pt.cuda.is_available()
+
+test("pt.cuda: is_available, device_count and synchronize answer without a device", function()
+  eq(type(cuda), "boolean", "is_available() is a boolean")
+  if not cuda then
+    eq(pt.cuda.device_count(), 0, "device_count() without CUDA")
+    eq(pt.cuda.synchronize(), nil, "synchronize() without CUDA does nothing")
+  else
+    ok(pt.cuda.device_count() >= 1, "a CUDA build with a device counts it")
+  end
+end)
+
+test("pt.cuda: the device calls raise a clear error without CUDA, from the caller's line", function()
+  if cuda then return end
+  for _, name in ipairs { "current_device", "device_name", "memory_stats", "reset_peak_memory_stats" } do
+    local err = raises(function() local r = pt.cuda[name](); return r end, "CUDA is not available", name)
+    ok(err:find(this_file, 1, true), name .. ": the error names the script's line: " .. err)
+  end
+  raises(function() return pt.cuda.memory_stats(0) end, "CUDA is not available", "memory_stats(0)")
+end)
+
+test("pt.cuda.memory_stats counts a tensor's bytes on the device (CUDA only)", function()
+  if not cuda then return end
+  local d = pt.cuda.current_device()
+  ok(type(pt.cuda.device_name(d)) == "string" and #pt.cuda.device_name(d) > 0, "device_name")
+  pt.cuda.synchronize(d)
+  local before = pt.cuda.memory_stats(d)
+  local t = pt.zeros({ 1024, 1024 }, { device = "cuda:" .. d })   -- 4 MiB
+  local after = pt.cuda.memory_stats("cuda:" .. d)
+  eq(after.allocated - before.allocated, 4 * 1024 * 1024, "allocated grows by the tensor's bytes")
+  ok(after.reserved >= after.allocated and after.peak_allocated >= after.allocated, "reserved and peak bound it")
+  t = nil
+  collectgarbage(); collectgarbage()
+  pt.cuda.reset_peak_memory_stats(d)
+  eq(pt.cuda.memory_stats(d).peak_allocated, pt.cuda.memory_stats(d).allocated, "reset_peak_memory_stats")
+end)
+
+local function train(fused)
+  pt.manual_seed(4)
+  local model = pt.models.mlp { sizes = { 8, 16, 4 } }
+  local opt = pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1, fused = fused })
+  pt.manual_seed(5)
+  local x, y = pt.randn(16, 8, { device = pt.device() }), pt.randint(0, 4, { 16 }, { device = pt.device() })
+  for _ = 1, 5 do
+    opt:zero_grad()
+    pt.nn.cross_entropy(model(x), y):backward()
+    opt:step()
+  end
+  return model, opt
+end
+
+test("adamw fused = true is refused where LibTorch has no fused kernel (a CPU build, or CPU parameters)", function()
+  if cuda and pt.device():find("cuda") then return end
+  local err = raises(function() train(true) end, "fused = true needs LibTorch's fused AdamW kernel")
+  ok(err:find("with parameters on cpu", 1, true), "the message says where the parameters are: " .. err)
+  ok(err:find(this_file, 1, true), "the error names the script's line: " .. err)
+  raises(function() pt.optim.adamw(pt.nn.Linear(2, 2), { fused = "yes" }) end,
+         "option 'fused' for adamw must be true, false or \"auto\", got 'yes'")
+  raises(function() pt.optim.adam(pt.nn.Linear(2, 2), { fused = true }) end, "fused")
+end)
+
+test("adamw fused = \"auto\" on the CPU is the unfused optimizer, bit for bit", function()
+  if cuda and pt.device():find("cuda") then return end
+  local a, oa = train("auto")
+  local b, ob = train(false)
+  eq(oa:fused(), false, "auto chose the unfused update on the CPU")
+  for i, p in ipairs(a:parameters()) do ok(p:equal(b:parameters()[i]), "parameter " .. i .. " equal") end
+end)
+
+test("adamw fused on CUDA tracks the unfused update within 1e-5 over 5 steps (CUDA 2.x only)", function()
+  if not (cuda and pt.device():find("cuda")) then return end
+  local a, oa = train("auto")
+  local b, ob = train(false)
+  if not oa:fused() then return end  -- a LibTorch before 2.1: "auto" fell back, nothing to compare
+  for i, p in ipairs(a:parameters()) do H.near(p, b:parameters()[i], 1e-5, "parameter " .. i) end
+end)
+
+H.run()
