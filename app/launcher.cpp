@@ -941,8 +941,7 @@ int launch_nodes(LaunchOptions o, const std::vector<std::string>& child_args, co
         break;
       case Verdict::Stopped:
         if (v.node == me && interrupted) {
-          std::cerr << "partrain: interrupted (" << (interrupted == SIGINT ? "Ctrl-C" : "signal " + std::to_string(int(interrupted)))
-                    << "); stopped this node's ranks and the job on every node\n";
+          std::cerr << "partrain: the job was stopped on every node: this node's " << v.cause.substr(4) << "\n";
           status = 128 + int(interrupted);
         } else {
           std::cerr << "partrain: " << who << " stopped the job: " << v.cause << "; this node's ranks were stopped\n";

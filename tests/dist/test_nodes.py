@@ -3,7 +3,8 @@ through node 0's control store: a rank of node 1 killed on the first start makes
 report the restart, both nodes' ranks resume from the same checkpoint, and the final losses and
 weights equal an uninterrupted run's, bit for bit; a rank dying on every start exhausts
 --max-restarts and both launchers exit non-zero naming it; node 1's launcher killed with SIGKILL
-makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no process left.
+makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no process left, and
+node 0's launcher killed makes node 1 name node 0, the control store's host, as lost.
 Usage: test_nodes.py PATH/TO/partrain"""
 import os
 import re
@@ -150,9 +151,9 @@ for n in (0, 1):
 port = free_port()
 nodes = [Node(n, port, ["--max-restarts", "2"], ["--steps", "100000"]) for n in (0, 1)]
 deadline = time.time() + 90
-while time.time() < deadline and not re.search(r"^\[rank 0\] step 2 loss", nodes[0].out, re.M):
+while time.time() < deadline and not re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M):
     time.sleep(0.1)
-check("the two-node run is training", re.search(r"^\[rank 0\] step 2 loss", nodes[0].out, re.M) is not None,
+check("the two-node run is training", re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M) is not None,
       nodes[0].out[-2000:])
 family = {n: descendants(nodes[n].proc.pid) for n in (0, 1)}
 check("node 0's launcher has its 2 ranks and the control store's process; node 1's its 2 ranks",
@@ -171,5 +172,25 @@ check("node 0 does not restart without node 1", "partrain: restart" not in nodes
 time.sleep(1)  # node 1's ranks die with their launcher (PR_SET_PDEATHSIG): give the kernel a moment
 left = [p for n in (0, 1) for p in family[n] if alive(p)]
 check("no process of either node is left", not left, left)
+
+# --- Node 0's launcher killed: node 1 sees the control store's connection close at once -------
+port = free_port()
+nodes = [Node(n, port, ["--max-restarts", "2"], ["--steps", "100000"]) for n in (0, 1)]
+deadline = time.time() + 90
+while time.time() < deadline and not re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M):
+    time.sleep(0.1)
+family = {n: descendants(nodes[n].proc.pid) for n in (0, 1)}
+killed_at = time.time()
+os.kill(nodes[0].proc.pid, signal.SIGKILL)
+status1 = nodes[1].wait(timeout=60)
+took = time.time() - killed_at
+nodes[0].wait()
+check(f"with node 0's launcher killed, node 1 exits non-zero (status {status1}) within {bound} s (took {took:.1f} s)",
+      status1 not in (0, None) and took < bound, nodes[1].out[-3000:])
+check("node 1 names node 0, the control store's host, as lost",
+      "partrain: node 0 (the host of the job's control store) was lost" in nodes[1].out, nodes[1].out[-3000:])
+time.sleep(1)
+left = [p for n in (0, 1) for p in family[n] if alive(p)]
+check("no process of either node is left (node 0's control store died with its launcher)", not left, left)
 
 finish("two-node")
