@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "app/control.hpp"
 #include "app/hang.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/ledger.hpp"
@@ -331,9 +332,9 @@ void validate(const LaunchOptions& o) {
     bad("--timeout " + std::to_string(o.timeout) + " is out of range: 1 to " + std::to_string(kMaxTimeout) + " seconds");
   if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
     bad("--max-restarts " + std::to_string(o.max_restarts) + " is out of range: 0 to " + std::to_string(kMaxRestarts));
-  if (o.max_restarts > 0 && o.nnodes > 1)
-    bad("--max-restarts " + std::to_string(o.max_restarts) + " with --nnodes " + std::to_string(o.nnodes) +
-        ": restarts are for one machine for now (the nodes' launchers do not yet agree on a restart)");
+  if (!(o.node_timeout >= kMinNodeTimeout && o.node_timeout <= kMaxNodeTimeout))
+    bad("--node-timeout " + std::to_string(o.node_timeout) + " is out of range: 1 to " +
+        std::to_string(int(kMaxNodeTimeout)) + " seconds");
   if (o.max_restarts > 0 && o.interactive) bad("--max-restarts is for scripts, not the REPL (-i)");
   if (!(o.hang_timeout >= 0 && o.hang_timeout <= kMaxHangTimeout))
     bad("--hang-timeout " + std::to_string(o.hang_timeout) + " is out of range: 0 (off) to " +
@@ -359,31 +360,16 @@ struct Outcome {
   int status = 0;
   std::string cause;
   bool interrupted = false;
+  /// Over several nodes: only collectives failed here, most likely because of a failure on
+  /// another node; what would have been said of it is in `details`, said only if no other
+  /// node's failure comes first.
+  bool consequence = false;
+  std::string details;
 };
 
-// What one start of the ranks shares: the rendezvous secret, and on node 0 the store's
-// listening socket (handed to rank 0; closed in the launcher once rank 0 has it).
-struct StartContext {
-  std::string secret;
-  int listen_fd = -1;
-};
-
-// Starts every local rank once (`attempt`: how many restarts came before) and waits for them.
-Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_args, const RankMain& rank_main,
-                  StartContext& start, int attempt) {
-  const int world = o.nnodes * o.nproc_per_node;
-  const std::string unsafe = fork_unsafe(o);
-  const bool forking = unsafe.empty();
-  util::startup_mark(forking ? "starting " + std::to_string(o.nproc_per_node) + " rank(s) with fork"
-                             : "starting " + std::to_string(o.nproc_per_node) + " rank(s) with exec (" + unsafe + ")");
-  const std::string exe = forking ? std::string() : exe_path();
-
-  std::vector<std::string> args{exe, "--threads", std::to_string(o.threads)};
-  args.insert(args.end(), child_args.begin(), child_args.end());
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-
+// The launcher's signal handlers (once the dispositions it was started with are saved, for the
+// forked ranks): TERM and Ctrl-C stop the ranks, a rank's end wakes the wait, USR1 dumps ledgers.
+void take_signals(const LaunchOptions& o) {
   if (!signals_saved) {  // what the launcher was started with, for the forked ranks
     sigaction(SIGTERM, nullptr, &saved_signals.term);
     sigaction(SIGINT, nullptr, &saved_signals.intr);
@@ -402,6 +388,34 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   sa.sa_handler = on_dump;  // also without SA_RESTART: the dump comes at once
   sigaction(SIGUSR1, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+}
+
+// What one start of the ranks shares: the rendezvous secret, and on node 0 the store's
+// listening socket (handed to rank 0; closed in the launcher once rank 0 has it).
+struct StartContext {
+  std::string secret;
+  int listen_fd = -1;
+};
+
+// Starts every local rank once (`attempt`: how many restarts came before) and waits for them.
+// Over several nodes (`control`), it beats this node's heartbeat meanwhile, and stops the ranks
+// as soon as the nodes' verdict on this start says another node failed or was lost.
+Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_args, const RankMain& rank_main,
+                  StartContext& start, int attempt, NodeControl* control) {
+  const int world = o.nnodes * o.nproc_per_node;
+  const std::string unsafe = fork_unsafe(o);
+  const bool forking = unsafe.empty();
+  util::startup_mark(forking ? "starting " + std::to_string(o.nproc_per_node) + " rank(s) with fork"
+                             : "starting " + std::to_string(o.nproc_per_node) + " rank(s) with exec (" + unsafe + ")");
+  const std::string exe = forking ? std::string() : exe_path();
+
+  std::vector<std::string> args{exe, "--threads", std::to_string(o.threads)};
+  args.insert(args.end(), child_args.begin(), child_args.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  take_signals(o);
 
   // Without -i no rank reads a terminal: each rank has its own process group, and reading the
   // terminal from it would stop the rank. Rank 0 keeps a pipe or a file as stdin.
@@ -670,6 +684,10 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         }
       }
     }
+    if (control) {  // the heartbeat goes on while the ranks stop, too
+      auto verdict = control->poll(attempt);
+      if (verdict && verdict->kind != Verdict::Ok) begin_stopping();
+    }
     if (stopping) {
       if (Clock::now() >= kill_at) {
         stop_all(SIGKILL);
@@ -793,27 +811,38 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
               << indented(waited.report->message, 6);
     return {1, name(ranks[missing.front().first]) + " stopped making progress (the others timed out waiting for it)"};
   }
+  // Over several nodes a failed collective alone is most likely another node's failure seen
+  // from here: what it says is kept for when no other node's failure comes first.
+  const bool consequence = culprit < 0 && first_collective >= 0 && o.nnodes > 1;
   if (culprit < 0) culprit = first_collective;
   if (culprit >= 0) {
     const Rank& r = ranks[culprit];
-    std::cerr << "partrain: " << name(r) << " failed first: it " << describe_status(r.status)
-              << "; the other ranks were stopped";
+    std::ostringstream say;
+    say << "partrain: " << name(r) << " failed first: it " << describe_status(r.status)
+        << "; the other ranks were stopped";
     if (r.report) {
-      std::cerr << ". Its error:\n" << indented(r.report->message, 12);
+      say << ". Its error:\n" << indented(r.report->message, 12);
     } else if (!r.last_err.empty()) {
-      std::cerr << ". The last lines of its stderr:\n";
-      for (const auto& l : r.last_err) std::cerr << "  " << l << '\n';
+      say << ". The last lines of its stderr:\n";
+      for (const auto& l : r.last_err) say << "  " << l << '\n';
     } else if (o.interactive && r.rank == 0) {
-      std::cerr << " (its stderr went to the terminal, above)\n";
+      say << " (its stderr went to the terminal, above)\n";
     } else {
-      std::cerr << " (it wrote nothing to stderr)\n";
+      say << " (it wrote nothing to stderr)\n";
     }
     std::string why = describe_status(r.status);
     if (r.report) {
       auto line = r.report->message.substr(0, r.report->message.find('\n'));
       why = "failed: " + (line.size() > 200 ? line.substr(0, 200) + "..." : line);
     }
-    return {1, name(r) + " " + why};
+    Outcome out{1, name(r) + " " + why};
+    if (consequence) {
+      out.consequence = true;
+      out.details = say.str();
+    } else {
+      std::cerr << say.str();
+    }
+    return out;
   }
   bool sigint = std::any_of(ranks.begin(), ranks.end(), [&](const Rank& r) {
     return o.interactive && WIFSIGNALED(r.status) && WTERMSIG(r.status) == SIGINT;
@@ -867,6 +896,155 @@ std::string read_secret_file(const std::string& path) {
   return secret;
 }
 
+namespace {
+
+std::string plural(int n, const char* one, const char* many) { return std::to_string(n) + " " + (n == 1 ? one : many); }
+
+// Waits `seconds` (heartbeats on, through `control`), unless a signal to the launcher ends the
+// wait first; false then.
+bool pause_with(NodeControl& control, int attempt, double seconds) {
+  const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (!interrupted && Clock::now() < until) {
+    if (control.poll(attempt)) return true;  // a verdict on the next start already: it is read next
+    poll(nullptr, 0, 50);
+  }
+  return !interrupted;
+}
+
+// Over several nodes (--nnodes > 1) every node's launcher runs this loop in step with the others,
+// through node 0's control store (control.hpp): the nodes meet before each start (node 0 has bound
+// that start's rank rendezvous on a free port and published it), start their ranks, and agree on
+// how the start ended: every node's ranks succeeded; a rank failed (the first node to say so is
+// the one every node names; a restart follows while --max-restarts allows); a node was lost (no
+// heartbeat for --node-timeout, or, seen from the others, node 0's store gone); or a node stopped
+// the job (Ctrl-C or TERM to its launcher). Every node then exits with the same outcome.
+int launch_nodes(LaunchOptions o, const std::vector<std::string>& child_args, const RankMain& rank_main,
+                 StartContext& start) {
+  take_signals(o);
+  const int me = o.node_rank;
+  ControlOptions co;
+  co.nnodes = o.nnodes;
+  co.node_rank = me;
+  co.host = o.master_addr;
+  co.port = o.master_port;
+  co.secret = start.secret;
+  co.join_timeout = o.timeout;
+  co.node_timeout = o.node_timeout;
+  co.settings = "--nproc-per-node " + std::to_string(o.nproc_per_node) + " --max-restarts " +
+                std::to_string(o.max_restarts);
+  NodeControl control(co);
+  auto by_signal = [&] {
+    Verdict v;
+    v.kind = Verdict::Stopped;
+    v.node = me;
+    v.cause = "its launcher was interrupted (" +
+              std::string(interrupted == SIGINT ? "Ctrl-C" : "signal " + std::to_string(int(interrupted))) + ")";
+    return v;
+  };
+  auto close_rank_socket = [&] {
+    if (start.listen_fd >= 0) close(start.listen_fd);
+    start.listen_fd = -1;
+  };
+  // The last word on every node: what ended the job, and the status.
+  auto end_with = [&](const Verdict& v, int attempt) {
+    close_rank_socket();
+    int status = 1;
+    const std::string who = "node " + std::to_string(v.node);
+    switch (v.kind) {
+      case Verdict::Ok:
+        status = 0;
+        if (attempt > 0) std::cerr << "partrain: finished after " << plural(attempt, "restart", "restarts") << "\n";
+        break;
+      case Verdict::Failed:
+        if (attempt > 0)
+          std::cerr << "partrain: giving up after " << plural(attempt, "restart", "restarts") << " (--max-restarts "
+                    << o.max_restarts << "): " << who << "'s " << v.cause << "\n";
+        else
+          std::cerr << "partrain: the job failed: " << who << "'s " << v.cause << "; every node's ranks were stopped\n";
+        break;
+      case Verdict::Lost:
+        if (v.node == me)
+          std::cerr << "partrain: this node (" << who << ") was declared lost by the others: " << v.cause
+                    << "; its ranks were stopped\n";
+        else
+          std::cerr << "partrain: " << who << (v.node == 0 ? " (the host of the job's control store)" : "")
+                    << " was lost: " << v.cause << "; this node's ranks were stopped, and the job ends (a job "
+                    << "cannot go on without one of its nodes: its world size is fixed)\n";
+        break;
+      case Verdict::Stopped:
+        if (v.node == me && interrupted) {
+          std::cerr << "partrain: the job was stopped on every node: this node's " << v.cause.substr(4) << "\n";
+          status = 128 + int(interrupted);
+        } else {
+          std::cerr << "partrain: " << who << " stopped the job: " << v.cause << "; this node's ranks were stopped\n";
+        }
+        break;
+    }
+    control.leave();
+    return status;
+  };
+  for (int attempt = 0;; ++attempt) {
+    // Meet the others; node 0 brings the port of this start's rank rendezvous.
+    int rank_port = 0;
+    if (me == 0) {
+      start.listen_fd = listen_socket(o.master_addr, 0);
+      rank_port = port_of(start.listen_fd);
+    }
+    control.arrive(attempt, rank_port);
+    std::optional<int> port;
+    std::optional<Verdict> verdict;
+    while (!(port = control.met(attempt))) {
+      if ((verdict = control.poll(attempt))) break;
+      if (interrupted) {
+        verdict = control.propose(attempt, by_signal());
+        break;
+      }
+      poll(nullptr, 0, 50);
+    }
+    if (verdict) return end_with(*verdict, attempt);
+    o.master_port = *port;
+    Outcome out = run_ranks(o, child_args, rank_main, start, attempt, &control);
+    close_rank_socket();
+    // How did this start end? Another node may have said already; else this node says, except
+    // that a failed collective alone waits a while for the failure it most likely follows from
+    // (a rank of another node, or a lost node, which node 0 names within --node-timeout).
+    verdict = control.poll(attempt);
+    if (!verdict && (out.interrupted || interrupted)) {
+      verdict = control.propose(attempt, by_signal());
+    } else if (!verdict && out.status == 0) {
+      control.succeeded(attempt);
+      while (!(verdict = control.poll(attempt))) {
+        if (interrupted) verdict = control.propose(attempt, by_signal());
+        else poll(nullptr, 0, 50);
+      }
+    } else if (!verdict) {
+      if (out.consequence) {
+        const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(
+                                              (o.node_timeout + o.grace + 2) * 1000));
+        while (!(verdict = control.poll(attempt)) && !interrupted && Clock::now() < until) poll(nullptr, 0, 50);
+      }
+      if (!verdict && interrupted) {
+        verdict = control.propose(attempt, by_signal());
+      } else if (!verdict) {
+        Verdict failed;
+        failed.kind = Verdict::Failed;
+        failed.node = me;
+        failed.cause = out.cause;
+        verdict = control.propose(attempt, failed);
+      }
+    }
+    if (out.consequence && verdict->kind == Verdict::Failed && verdict->node == me) std::cerr << out.details;
+    if (verdict->kind != Verdict::Failed || attempt >= o.max_restarts) return end_with(*verdict, attempt);
+    std::cerr << "partrain: restart " << attempt + 1 << " of " << o.max_restarts << ": node " << verdict->node << "'s "
+              << verdict->cause << "; starting the ranks of all " << o.nnodes << " nodes again in "
+              << o.restart_backoff << " s\n";
+    // The back-off, heartbeats on; a node interrupted (or lost) meanwhile ends the job.
+    if (!pause_with(control, attempt + 1, o.restart_backoff)) return end_with(control.propose(attempt + 1, by_signal()), attempt);
+  }
+}
+
+}  // namespace
+
 int launch(const LaunchOptions& options, const std::vector<std::string>& child_args, const RankMain& rank_main) {
   validate(options);
   util::startup_set_who("launcher");
@@ -894,6 +1072,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
   } else {
     start.secret = dist::new_secret();
   }
+  if (o.nnodes > 1) return launch_nodes(o, child_args, rank_main, start);
   // torchrun's --max-restarts: a failed start stops every rank, waits the back-off and starts
   // them all again; scripts that resume from their checkpoints continue from the newest. The
   // status is the last start's.
@@ -902,7 +1081,7 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& child_a
       start.listen_fd = listen_socket(o.master_addr, options.master_port);
       o.master_port = port_of(start.listen_fd);
     }
-    Outcome out = run_ranks(o, child_args, rank_main, start, attempt);
+    Outcome out = run_ranks(o, child_args, rank_main, start, attempt, nullptr);
     if (start.listen_fd >= 0) {
       close(start.listen_fd);
       start.listen_fd = -1;

@@ -29,9 +29,13 @@ struct LaunchOptions {
   bool interactive = false;
   /// torchrun's --max-restarts: when a rank fails, stop the others and start every rank again,
   /// up to this many times (0: never); ranks see PARTRAIN_RESTART_COUNT (and torchrun's
-  /// TORCHELASTIC_RESTART_COUNT). One machine only, for now.
+  /// TORCHELASTIC_RESTART_COUNT). Over several nodes every node's launcher restarts together,
+  /// agreed through node 0's control store (control.hpp).
   int max_restarts = 0;
   double restart_backoff = 1.0;  ///< seconds between stopping the ranks and starting them again
+  /// --node-timeout, with --nnodes > 1: seconds without a heartbeat from a node's launcher after
+  /// which the others declare it lost and end the job.
+  double node_timeout = 30;
   /// Seconds without any change in any rank's collective ledger, while a rank waits in a call,
   /// after which the launcher names the rank the others wait for and stops the run; 0: off (a
   /// hang then ends at the collectives' --timeout).
@@ -55,6 +59,8 @@ constexpr int kMaxTimeout = 7 * 24 * 3600;  ///< --timeout, seconds (as PARTRAIN
 constexpr int kMaxRestarts = 1000;          ///< --max-restarts
 constexpr double kMaxBackoff = 3600;        ///< --restart-backoff, seconds
 constexpr double kMaxHangTimeout = kMaxTimeout;  ///< --hang-timeout, seconds
+constexpr double kMinNodeTimeout = 1;            ///< --node-timeout, seconds: a heartbeat is sent each second
+constexpr double kMaxNodeTimeout = kMaxTimeout;
 
 /// Checks the options; a bad value is an error naming the flag.
 void validate(const LaunchOptions& options);

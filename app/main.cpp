@@ -172,7 +172,8 @@ int run_main(int argc, char** argv) {
   app.add_option("--node-rank", node_rank_text, "this machine's index, 0..nnodes-1 (default 0)");
   app.add_option("--master-addr", launch.master_addr, "host where rank 0 serves the rendezvous "
                  "(default 127.0.0.1)");
-  app.add_option("--master-port", port_text, "its port, 1-65535 (default: a free one; required with --nnodes > 1)");
+  app.add_option("--master-port", port_text, "its port, 1-65535 (default: a free one; required with --nnodes > 1, "
+                 "where node 0's launcher then serves the job's control store)");
   app.add_flag("--tee", launch.tee, "show every rank's stdout, each line prefixed with its rank");
   std::string restarts_text, backoff_text;
   app.add_option("--max-restarts", restarts_text, "with --nproc-per-node: when a rank fails, stop the others and "
@@ -180,6 +181,9 @@ int run_main(int argc, char** argv) {
                  "checkpoints continues from the newest");
   app.add_option("--restart-backoff", backoff_text, "with --max-restarts: seconds to wait before starting again, "
                  "0-3600 (default 1)");
+  std::string node_timeout_text;
+  app.add_option("--node-timeout", node_timeout_text, "with --nnodes > 1: seconds without a heartbeat from a node's "
+                 "launcher after which the others declare it lost and end the job, 1-604800 (default 30)");
   app.add_option("--rdzv-secret-file", launch.secret_file, "with --nproc-per-node: the file holding the job's "
                  "rendezvous secret, the same on every node (needed with --nnodes > 1; readable by you alone); "
                  "default: a new one for this job");
@@ -275,6 +279,17 @@ int run_main(int argc, char** argv) {
       bad = "--hang-timeout needs the launcher: partrain --nproc-per-node N --hang-timeout S script.lua";
     else
       launch.hang_timeout = v;
+  }
+  if (bad.empty() && app.count("--node-timeout")) {
+    char* end = nullptr;
+    double v = std::strtod(node_timeout_text.c_str(), &end);
+    if (node_timeout_text.empty() || !end || *end ||
+        !(v >= partrain::app::kMinNodeTimeout && v <= partrain::app::kMaxNodeTimeout))
+      bad = "--node-timeout '" + node_timeout_text + "' is not a number of seconds from 1 to 604800";
+    else if (launch.nnodes < 2)
+      bad = "--node-timeout is for jobs over several nodes: it needs --nnodes 2 or more";
+    else
+      launch.node_timeout = v;
   }
   if (bad.empty() && (app.count("--max-restarts") || app.count("--restart-backoff")) && !app.count("--nproc-per-node"))
     bad = std::string(app.count("--max-restarts") ? "--max-restarts" : "--restart-backoff") +

@@ -11,6 +11,8 @@ local cfg = pt.args {
   import = "",             -- start from these weights (.safetensors) instead of the seed's
   corpus = "data/kjv.txt",
   die_at = 0, die_rank = 0, -- on the first start only, this rank kills itself (kill -9) at this step
+  die_always = false,       -- ... on every start, not only the first
+  say_all = false,          -- every rank says where it resumed (rank 0 only by default)
 }
 pt.set_threads(1)
 pt.manual_seed(1)
@@ -29,11 +31,13 @@ if cfg.ckpt ~= "" then
   local r = pt.ckpt.resume(cfg.ckpt, { model = model, optim = opt, data = data })
   if r then
     first = r.step + 1
-    if pt.dist.rank() == 0 then print(("resumed %s at step %d user %s"):format(r.tag, r.step, tostring(r.user.note))) end
+    if pt.dist.rank() == 0 or cfg.say_all then
+      print(("resumed %s at step %d user %s"):format(r.tag, r.step, tostring(r.user.note)))
+    end
   end
 end
 for step = first, cfg.steps do
-  if step == cfg.die_at and pt.dist.rank() == cfg.die_rank and pt.dist.restart_count() == 0 then
+  if step == cfg.die_at and pt.dist.rank() == cfg.die_rank and (cfg.die_always or pt.dist.restart_count() == 0) then
     os.execute("kill -9 $PPID")  -- the shell's parent: this rank
   end
   local x, y = data:next()

@@ -3,7 +3,8 @@
 # with one rank kill -9'd at a random step of its first start, is restarted, resumes from its
 # newest checkpoint, finishes with status 0, reports the restart (which rank, why, from which
 # checkpoint), and ends with weights bitwise equal to an uninterrupted run's; with
-# --max-restarts 0 the kill ends the run as before; bad flag values are refused.
+# --max-restarts 0 the kill ends the run as before; bad flag values (and --node-timeout on one
+# node) are refused.
 # Usage: test_restart.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
@@ -56,8 +57,16 @@ for bad in "--max-restarts -1" "--max-restarts x" "--max-restarts 1001" "--resta
 done
 out=$("$bin" --max-restarts 1 tests/ckpt/train.lua 2>&1)
 has "$out" "--max-restarts needs the launcher"; report $? "--max-restarts without --nproc-per-node is refused" "$out"
-out=$("$bin" --nproc-per-node 1 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29999 --max-restarts 1 tests/ckpt/train.lua 2>&1)
-has "$out" "restarts are for one machine for now"; report $? "--max-restarts with --nnodes 2 is refused" "$out"
+# Over several nodes restarts are agreed through node 0's launcher (tests/dist/test_nodes.py);
+# --node-timeout, which says when a silent node is lost, is for such jobs only.
+for bad in "--node-timeout 0.5" "--node-timeout x" "--node-timeout 604801"; do
+  out=$("$bin" --nproc-per-node 1 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29999 $bad tests/ckpt/train.lua 2>&1)
+  status=$?
+  report $(( status == 0 )) "'$bad' is refused (status $status)" "$out"
+  has "$out" "--node-timeout '${bad#* }' is not a number of seconds from 1 to 604800"; report $? "'$bad': the message names the flag and the range" "$out"
+done
+out=$("$bin" --nproc-per-node 1 --node-timeout 5 tests/ckpt/train.lua 2>&1)
+has "$out" "--node-timeout is for jobs over several nodes"; report $? "--node-timeout on one node is refused" "$out"
 
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

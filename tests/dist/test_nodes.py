@@ -1,0 +1,196 @@
+"""Two nodes on loopback (two launchers, --nnodes 2 --nproc-per-node 2: a world of 4) agreeing
+through node 0's control store: a rank of node 1 killed on the first start makes both launchers
+report the restart, both nodes' ranks resume from the same checkpoint, and the final losses and
+weights equal an uninterrupted run's, bit for bit; a rank dying on every start exhausts
+--max-restarts and both launchers exit non-zero naming it; node 1's launcher killed with SIGKILL
+makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no process left, and
+node 0's launcher killed makes node 1 name node 0, the control store's host, as lost.
+Usage: test_nodes.py PATH/TO/partrain"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from checks import check, finish  # noqa: E402
+
+binary = os.path.realpath(sys.argv[1])
+root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+tmp = tempfile.mkdtemp(prefix="partrain-nodes-")
+secret = os.path.join(tmp, "secret")
+with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+    f.write(os.urandom(32).hex())
+NODE_TIMEOUT = 5
+env = {k: v for k, v in os.environ.items() if not k.startswith(("PARTRAIN_", "RANK", "WORLD_SIZE", "MASTER_"))}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One node's launcher, its output (stdout and stderr) read as it comes."""
+
+    def __init__(self, node, port, flags, script_args):
+        cmd = [binary, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+               str(port), "--rdzv-secret-file", secret, "--nproc-per-node", "2", "--threads", "1", "--tee",
+               "--node-timeout", str(NODE_TIMEOUT), *flags, "tests/ckpt/train.lua", "--tensor", "2", *script_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+        self.lines = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait(self, timeout=120):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(10)
+        return self.proc.returncode
+
+    @property
+    def out(self):
+        return "".join(self.lines)
+
+
+def run_both(flags, script_args):
+    port = free_port()
+    nodes = [Node(n, port, flags, script_args) for n in (0, 1)]
+    return nodes, [n.wait() for n in nodes]
+
+
+def losses(text):
+    return dict(re.findall(r"^\[rank 0\] step (\d+) loss (\S+)$", text, re.M))
+
+
+def descendants(pid):
+    """Every process descended from `pid` now (children by their parent in /proc)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+                parent[int(d)] = int(stat[stat.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except OSError:
+        return False
+
+
+train = ["--steps", "8", "--save_every", "3"]
+
+# --- An uninterrupted run over two nodes: the reference --------------------------------------
+nodes, status = run_both([], train + ["--export", os.path.join(tmp, "clean.safetensors")])
+check(f"an uninterrupted two-node run succeeds on both nodes (status {status})", status == [0, 0],
+      nodes[0].out[-3000:] + nodes[1].out[-3000:])
+clean = losses(nodes[0].out)
+check("it printed the loss of every step", len(clean) == 8, nodes[0].out[-2000:])
+
+# --- A rank of node 1 killed on the first start: both nodes restart and resume ----------------
+ck = os.path.join(tmp, "ck")
+nodes, status = run_both(["--max-restarts", "2", "--restart-backoff", "0.2"],
+                         train + ["--ckpt", ck, "--die_at", "5", "--die_rank", "3", "--say_all=true",
+                                  "--export", os.path.join(tmp, "restarted.safetensors")])
+both = nodes[0].out + nodes[1].out
+check(f"with rank 3 (node 1) killed at step 5, both nodes finish with status 0 (status {status})",
+      status == [0, 0], both[-6000:])
+for n in (0, 1):
+    check(f"node {n}'s launcher reports the restart, naming node 1's rank 3 and how it died",
+          re.search(r"partrain: restart 1 of 2: node 1's rank 3 \(local rank 1, pid \d+\) was killed by signal 9 "
+                    r"\(SIGKILL\); starting the ranks of all 2 nodes again", nodes[n].out) is not None, nodes[n].out[-3000:])
+    check(f"node {n}'s launcher says it finished after 1 restart", "partrain: finished after 1 restart" in nodes[n].out,
+          nodes[n].out[-2000:])
+resumed = sorted(re.findall(r"^\[rank (\d)\] resumed (step-\d+) at step (\d+)", both, re.M))
+check("every rank of both nodes resumed from the checkpoint of step 3",
+      resumed == [(str(r), "step-00000003", "3") for r in range(4)], resumed)
+again = losses(nodes[0].out)
+check("the losses after the restart are those of the uninterrupted run (steps 4-8, bit for bit)",
+      all(again.get(str(s)) == clean.get(str(s)) for s in range(4, 9)) and len(clean) == 8,
+      (sorted(clean.items()), sorted(again.items())))
+with open(os.path.join(tmp, "clean.safetensors"), "rb") as a, open(os.path.join(tmp, "restarted.safetensors"), "rb") as b:
+    check("the final weights are bitwise those of the uninterrupted run", a.read() == b.read())
+
+# --- A rank dying on every start: restarts exhausted, both nodes exit non-zero naming it ------
+nodes, status = run_both(["--max-restarts", "1", "--restart-backoff", "0"],
+                         ["--steps", "3", "--die_at", "2", "--die_rank", "3", "--die_always=true"])
+check(f"a rank dying on every start ends both nodes non-zero (status {status})", 0 not in status,
+      nodes[0].out[-3000:] + nodes[1].out[-3000:])
+for n in (0, 1):
+    check(f"node {n} gives up naming node 1's rank 3",
+          re.search(r"partrain: giving up after 1 restart \(--max-restarts 1\): node 1's rank 3 \(local rank 1, pid \d+\) "
+                    r"was killed by signal 9", nodes[n].out) is not None, nodes[n].out[-3000:])
+
+# --- Node 1's launcher killed: node 0 names node 1 as lost, in bounded time, and leaves nothing
+port = free_port()
+nodes = [Node(n, port, ["--max-restarts", "2"], ["--steps", "100000"]) for n in (0, 1)]
+deadline = time.time() + 90
+while time.time() < deadline and not re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M):
+    time.sleep(0.1)
+check("the two-node run is training", re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M) is not None,
+      nodes[0].out[-2000:])
+family = {n: descendants(nodes[n].proc.pid) for n in (0, 1)}
+check("node 0's launcher has its 2 ranks and the control store's process; node 1's its 2 ranks",
+      len(family[0]) >= 3 and len(family[1]) >= 2, family)
+killed_at = time.time()
+os.kill(nodes[1].proc.pid, signal.SIGKILL)
+status0 = nodes[0].wait(timeout=60)
+took = time.time() - killed_at
+nodes[1].wait()
+bound = NODE_TIMEOUT + 15
+check(f"node 0 exits non-zero (status {status0}) within {bound} s of node 1's launcher's death (took {took:.1f} s)",
+      status0 not in (0, None) and took < bound, nodes[0].out[-3000:])
+check("node 0 names node 1 as lost", "partrain: node 1 was lost: its launcher sent no heartbeat for 5 s (--node-timeout)"
+      in nodes[0].out, nodes[0].out[-3000:])
+check("node 0 does not restart without node 1", "partrain: restart" not in nodes[0].out, nodes[0].out[-3000:])
+time.sleep(1)  # node 1's ranks die with their launcher (PR_SET_PDEATHSIG): give the kernel a moment
+left = [p for n in (0, 1) for p in family[n] if alive(p)]
+check("no process of either node is left", not left, left)
+
+# --- Node 0's launcher killed: node 1 sees the control store's connection close at once -------
+port = free_port()
+nodes = [Node(n, port, ["--max-restarts", "2"], ["--steps", "100000"]) for n in (0, 1)]
+deadline = time.time() + 90
+while time.time() < deadline and not re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M):
+    time.sleep(0.1)
+family = {n: descendants(nodes[n].proc.pid) for n in (0, 1)}
+killed_at = time.time()
+os.kill(nodes[0].proc.pid, signal.SIGKILL)
+status1 = nodes[1].wait(timeout=60)
+took = time.time() - killed_at
+nodes[0].wait()
+check(f"with node 0's launcher killed, node 1 exits non-zero (status {status1}) within {bound} s (took {took:.1f} s)",
+      status1 not in (0, None) and took < bound, nodes[1].out[-3000:])
+check("node 1 names node 0, the control store's host, as lost",
+      "partrain: node 0 (the host of the job's control store) was lost" in nodes[1].out, nodes[1].out[-3000:])
+time.sleep(1)
+left = [p for n in (0, 1) for p in family[n] if alive(p)]
+check("no process of either node is left (node 0's control store died with its launcher)", not left, left)
+
+finish("two-node")
