@@ -299,7 +299,7 @@ int run_parity(int argc, char** argv, int first) {
         scratch.keep = true;
         std::string tail = tail_of(side.log, 15);
         return say(kCommandFailed, side.label + " failed (" + why + "): partrain " + joined(side.command) +
-                                       "\nits output is in " + side.log + (tail.empty() ? "" : "; it ends:\n" + tail));
+                                       "\nits output is in " + side.log + (tail.empty() ? "" : "\nits last lines:\n" + tail));
       }
       if (!util::is_regular(side.metrics)) {
         scratch.keep = true;
