@@ -276,6 +276,9 @@ int run_parity(int argc, char** argv, int first) {
         side.metrics = metrics_file_of(side.arg);
         continue;
       }
+      if ((ends_with(side.arg, ".jsonl") || ends_with(side.arg, ".json")) &&
+          side.arg.find_first_of(" \t\n") == std::string::npos)
+        return say(kUsage, side.label + ": there is no metrics file '" + side.arg + "'");
       std::string error;
       if (!split_words(side.arg, side.command, error)) return say(kUsage, side.label + ": " + error);
       if (side.command.empty()) return say(kUsage, side.label + " is empty (expected a metrics file or a partrain command line)");

@@ -77,6 +77,9 @@ for args, what, text in (([a], "one input", "expected two runs"), ([a, a, "--tol
                          ([a, "examples/gpt/train.lua --prompt 'oops"], "an unclosed quote", "an unclosed '")):
     rc, out = parity(*args)
     check(f"{what} is a usage error (2)", rc == 2 and text in out, out)
+rc, out = parity(a, os.path.join(tmp, "missing.jsonl"))
+check("a missing metrics file is a usage error (2), before any command runs",
+      rc == 2 and "B: there is no metrics file" in out, out)
 rc, out = parity("--help")
 check("--help documents the exit codes", rc == 0 and "Exit status: 0" in out, out)
 
