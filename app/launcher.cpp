@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -405,6 +406,13 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   // Without -i no rank reads a terminal: each rank has its own process group, and reading the
   // terminal from it would stop the rank. Rank 0 keeps a pipe or a file as stdin.
   const bool stdin_is_terminal = isatty(STDIN_FILENO) == 1;
+  // A live progress line (pt.progress) reaches the terminal through rank 0's pipe: rank 0 is told
+  // its output ends on one (and its width), and its partial lines that rewrite in place (\r) pass
+  // through as they come.
+  const bool live_terminal = isatty(STDOUT_FILENO) == 1 && !o.tee && !o.interactive;
+  winsize ws{};
+  const int columns = live_terminal && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 ? ws.ws_col : 0;
+  bool live_partial = false;  // rank 0's live line is on the screen, without its newline
 
   const pid_t launcher = getpid();
   std::vector<Rank> ranks(o.nproc_per_node);
@@ -450,6 +458,12 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
       setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(o.master_port).c_str(), 1);
+      if (live_terminal && r.rank == 0) {
+        setenv("PARTRAIN_STDOUT_TERMINAL", "1", 1);
+        if (columns > 0) setenv("COLUMNS", std::to_string(columns).c_str(), 1);
+      } else {
+        unsetenv("PARTRAIN_STDOUT_TERMINAL");
+      }
       setenv("PARTRAIN_TIMEOUT", std::to_string(o.timeout).c_str(), 1);
       setenv("OMP_NUM_THREADS", std::to_string(o.threads).c_str(), 1);
       setenv("PARTRAIN_RESTART_COUNT", std::to_string(attempt).c_str(), 1);  // and torchrun's names
@@ -603,9 +617,27 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         std::string& line = which == 1 ? r.err_line : r.out_line;
         if (n > 0) line.append(buf, n);
         if (which == 1) {
+          if (live_partial && line.find('\n') != std::string::npos) {  // clear the live line; it is drawn again
+            std::cout << "\r\x1b[K" << std::flush;
+            live_partial = false;
+          }
           emit_lines(line, std::cerr, prefix(r), eof, &r.last_err);
         } else if (r.rank == 0 || o.tee) {
-          emit_lines(line, std::cout, o.tee ? prefix(r) : "", eof);
+          emit_lines(line, std::cout, o.tee ? prefix(r) : "", eof && !live_partial);
+          if (live_terminal && r.rank == 0) {
+            if (line.find('\r') != std::string::npos) {  // a live line: shown as it is drawn
+              std::cout << line << std::flush;
+              line.clear();
+              live_partial = true;
+            } else if (n > 0 && buf[n - 1] == '\n') {
+              live_partial = false;
+            }
+            if (eof && live_partial) {
+              std::cout << line << '\n' << std::flush;
+              line.clear();
+              live_partial = false;
+            }
+          }
         } else {
           line.clear();  // only rank 0's stdout by default
         }

@@ -209,6 +209,12 @@ int run_main(int argc, char** argv) {
   app.add_option("--trace", trace_file, "write the first training steps' timeline (forwards, backwards, sends, "
                  "receives, every rank) to this file as Chrome trace JSON (Perfetto, chrome://tracing)");
   app.add_option("--trace-steps", trace_steps_text, "with --trace: how many steps from the first, 1-1000 (default 3)");
+  std::string metrics_file;
+  app.add_option("--metrics", metrics_file, "append the run's metrics to this file as JSON lines (a run header, a "
+                 "record for every pt.log step, memory per rank), written by rank 0 (PARTRAIN_METRICS too; "
+                 "docs/observability.md)");
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress, "no live progress line from pt.progress (PARTRAIN_PROGRESS=0 too)");
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's.
@@ -331,6 +337,17 @@ int run_main(int argc, char** argv) {
       setenv("PARTRAIN_TRACE", trace_file.c_str(), 1);  // every rank inherits it
       setenv("PARTRAIN_TRACE_STEPS", std::to_string(trace_steps).c_str(), 1);
     }
+    // --metrics: a file rank 0 appends to (never a folder, a device or a FIFO), in a folder that exists.
+    if (app.count("--metrics")) {
+      if (metrics_file.empty()) return fail("--metrics is empty (expected a file to append JSON lines to)");
+      if (partrain::util::is_plain_dir(metrics_file))
+        return fail("--metrics '" + metrics_file + "' is a folder (expected the JSON-lines file to append to)");
+      if (access(metrics_file.c_str(), F_OK) == 0 && !partrain::util::is_regular(metrics_file))
+        return fail("--metrics '" + metrics_file + "' is not a regular file (expected the JSON-lines file to append to)");
+      if (!partrain::app::writable_beside(metrics_file))
+        return fail("--metrics '" + metrics_file + "': its folder does not exist");
+      setenv("PARTRAIN_METRICS", metrics_file.c_str(), 1);  // every rank inherits it; rank 0 writes
+    }
   } catch (const std::exception& e) {
     return fail(partrain::compat::message_of(e));
   }
@@ -346,6 +363,7 @@ int run_main(int argc, char** argv) {
     setenv("PARTRAIN_DEVICE", device.c_str(), 1);
   }
   if (check_collectives) setenv("PARTRAIN_CHECK_COLLECTIVES", "1", 1);  // ranks inherit it
+  if (no_progress) setenv("PARTRAIN_PROGRESS", "0", 1);
   if (!plan_file.empty()) {
     setenv("PARTRAIN_PLAN", plan_file.c_str(), 1);
     setenv("PARTRAIN_PLAN_MODE", plan_mode.c_str(), 1);

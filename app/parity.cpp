@@ -282,6 +282,9 @@ int run_parity(int argc, char** argv, int first) {
       std::string error;
       if (!split_words(side.arg, side.command, error)) return say(kUsage, side.label + ": " + error);
       if (side.command.empty()) return say(kUsage, side.label + " is empty (expected a metrics file or a partrain command line)");
+      for (const auto& w : side.command)
+        if (w == "--metrics" || w.rfind("--metrics=", 0) == 0)
+          return say(kUsage, side.label + ": leave out --metrics: parity gives each command a metrics file of its own");
       if (side.command[0] == "parity" || side.command[0] == "report")
         return say(kUsage, side.label + ": '" + side.command[0] + "' writes no metrics; give a training script");
     }

@@ -513,6 +513,7 @@ int open_core(lua_State* L) {
   open_plan(L, core);
   open_repl(L, core);
   open_ckpt(L, core);
+  open_files(L, core);
   // core._where(): the user's file:line running now (the first frame outside partrain's Lua), as
   // engine errors name it; "" when there is none.
   lua_pushcfunction(L, [](lua_State* S) {

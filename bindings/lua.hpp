@@ -261,6 +261,7 @@ void open_parallel(lua_State* L, int core);  // called by open_dist
 void open_plan(lua_State* L, int core);
 void open_repl(lua_State* L, int core);
 void open_ckpt(lua_State* L, int core);
+void open_files(lua_State* L, int core);
 
 /// The data-parallel state of `model` when pt.parallelize made it parallel, or nullptr.
 std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);

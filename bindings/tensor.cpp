@@ -439,6 +439,9 @@ const Function kFunctions[] = {
     {"now", [](Args& a) {  // seconds on a monotonic clock, for timing
        auto t = std::chrono::steady_clock::now().time_since_epoch();
        return a.ret(std::chrono::duration<double>(t).count()); }},
+    {"unix_time", [](Args& a) {  // seconds since 1970 (wall clock), for records read outside the run
+       auto t = std::chrono::system_clock::now().time_since_epoch();
+       return a.ret(std::chrono::duration<double>(t).count()); }},
     {"cpu_time", [](Args& a) {  // CPU seconds this process has used (all threads)
        timespec ts{};
        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);

@@ -80,6 +80,8 @@ for args, what, text in (([a], "one input", "expected two runs"), ([a, a, "--tol
 rc, out = parity(a, os.path.join(tmp, "missing.jsonl"))
 check("a missing metrics file is a usage error (2), before any command runs",
       rc == 2 and "B: there is no metrics file" in out, out)
+rc, out = parity(a, "examples/gpt/train.lua --metrics elsewhere.jsonl")
+check("a command choosing its own metrics file is a usage error (2)", rc == 2 and "leave out --metrics" in out, out)
 rc, out = parity("--help")
 check("--help documents the exit codes", rc == 0 and "Exit status: 0" in out, out)
 

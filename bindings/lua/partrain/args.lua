@@ -1,24 +1,61 @@
 -- pt.args: command-line options for a training script, nanoGPT's configurator done properly.
---   local cfg = pt.args { epochs = 3, lr = pt.args.number(0.1), out = "ckpt", fp16 = false }
---   partrain train.lua --epochs 1 --lr=0.05 --no-fp16
+--   local cfg = pt.args { epochs = 3, lr = pt.args.number(0.1, "learning rate"),
+--                         steps = { 200, "steps to train" }, out = pt.args.option("ckpt", "where to save") }
+--   partrain train.lua --epochs 1 --lr=0.05 --no-fp16 --config run.lua
 -- The type of each default is the option's type; integer defaults take integers only (wrap a
--- float option whose default happens to be whole in pt.args.number). Unknown options, missing
--- values and values of the wrong type are errors that name the option; --help lists them all.
+-- float option whose default happens to be whole in pt.args.number). A description (the second
+-- value) shows in --help. --config FILE reads a Lua file returning a table of option values
+-- (data only: no io, os or require) that replaces the defaults; flags on the command line win
+-- over it. Unknown options, missing values and values of the wrong type are errors that name the
+-- option (and the config file's line); --help lists them all.
+local core = require "partrain.core"
+
 local args = {}
 
-local NUMBER = {}   -- marks a pt.args.number(default)
+local NUMBER = {}   -- marks a pt.args.number(default [, description])
+local OPTION = {}   -- marks a pt.args.option(default, description)
 
---- Declares a number option whose default is a whole number but which takes any number.
-function args.number(default)
-  if type(default) ~= "number" then error("pt.args.number expects a number, got " .. type(default), 2) end
-  return setmetatable({ default = default }, NUMBER)
+local function description_of(fn, description)
+  if description ~= nil and type(description) ~= "string" then
+    error(("%s: the description must be a string, got %s"):format(fn, type(description)), 3)
+  end
+  return description
 end
 
+--- Declares a number option whose default is a whole number but which takes any number.
+function args.number(default, description)
+  if type(default) ~= "number" then error("pt.args.number expects a number, got " .. type(default), 2) end
+  return setmetatable({ default = default, description = description_of("pt.args.number", description) }, NUMBER)
+end
+
+--- Declares an option with a description: pt.args.option(200, "steps to train").
+function args.option(default, description)
+  local t = type(default)
+  if t ~= "number" and t ~= "string" and t ~= "boolean" and getmetatable(default) ~= NUMBER then
+    error("pt.args.option expects a number, string or boolean default, got " .. t, 2)
+  end
+  return setmetatable({ default = default, description = description_of("pt.args.option", description) }, OPTION)
+end
+
+-- The kind ("integer", "number", "string", "boolean"), default and description of a spec value,
+-- or nil when it is none of the forms.
 local function kind_of(v)
-  if getmetatable(v) == NUMBER then return "number", v.default end
+  local mt = getmetatable(v)
+  if mt == NUMBER then return "number", v.default, v.description end
+  local description
+  if mt == OPTION then
+    v, description = v.default, v.description
+    if getmetatable(v) == NUMBER then return "number", v.default, description or v.description end
+  elseif type(v) == "table" and mt == nil then  -- { default, "description" }
+    local n = 0
+    for _ in pairs(v) do n = n + 1 end
+    if n ~= 2 or v[1] == nil or type(v[2]) ~= "string" then return nil end
+    v, description = v[1], v[2]
+    if getmetatable(v) == NUMBER then return "number", v.default, description end
+  end
   local t = type(v)
-  if t == "number" and v == math.floor(v) then return "integer", v end
-  if t == "number" or t == "string" or t == "boolean" then return t, v end
+  if t == "number" and v == math.floor(v) then return "integer", v, description end
+  if t == "number" or t == "string" or t == "boolean" then return t, v, description end
   return nil
 end
 
@@ -38,16 +75,90 @@ local function convert(name, kind, text)
   return x
 end
 
-local function usage(spec)
+local function usage(spec, config)
   local names = {}
   for k in pairs(spec) do names[#names + 1] = k end
   table.sort(names)
-  local lines = { "options (defaults in brackets):" }
+  local lines = { "options (type [default] description):" }
   for _, k in ipairs(names) do
-    local kind, default = kind_of(spec[k])
-    lines[#lines + 1] = ("  --%-20s %-8s [%s]"):format(k:gsub("_", "-"), kind, tostring(default))
+    local kind, default, description = kind_of(spec[k])
+    local shown = kind == "string" and ("'%s'"):format(default) or tostring(default)
+    lines[#lines + 1] = ("  --%-20s %-8s %-10s %s"):format(k:gsub("_", "-"), kind, "[" .. shown .. "]",
+      description or ""):gsub("%s+$", "")
+  end
+  if config then
+    lines[#lines + 1] = ("  --%-20s %-8s %-10s %s"):format("config", "file", "", "a Lua file returning a table of "
+      .. "option values (defaults for the flags given here)")
   end
   return table.concat(lines, "\n")
+end
+
+-- The line of `text` (a config file's source) where `key` is set, or nil.
+local function line_of(text, key)
+  local n = 0
+  for line in (text .. "\n"):gmatch("([^\n]*)\n") do
+    n = n + 1
+    local quoted = "%[%s*[\"']" .. key:gsub("%p", "%%%0") .. "[\"']%s*%]%s*="
+    local bare = key:gsub("%p", "%%%0") .. "%s*="
+    if line:find("^%s*" .. bare) or line:find("[{,;]%s*" .. bare) or line:find(quoted) then return n end
+  end
+end
+
+-- What a config file may use: functions without access to files, processes or the loader.
+local function sandbox()
+  local env = {}
+  for _, name in ipairs { "assert", "error", "ipairs", "next", "pairs", "select", "tonumber", "tostring", "type",
+                          "unpack" } do
+    env[name] = _G[name]
+  end
+  for _, lib in ipairs { "math", "string", "table" } do
+    env[lib] = {}
+    for k, v in pairs(_G[lib]) do env[lib][k] = v end
+  end
+  return env
+end
+
+local kMaxInstructions = 10000000   -- a config file is data: a loop this long is a mistake
+
+-- The option values a config file returns, checked against the kinds: { key = value }.
+local function read_config(path, kinds, known)
+  local text = core.files.read_config(path)
+  if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
+  local chunk, err = loadstring(text, "@" .. path)
+  if not chunk then error(("config file %s"):format(err), 0) end
+  setfenv(chunk, sandbox())
+  if jit then jit.off(chunk, true) end  -- the instruction limit below needs the interpreter
+  debug.sethook(function() error(("config file '%s' runs too long (more than %d instructions); it should only "
+    .. "return a table"):format(path, kMaxInstructions), 2) end, "", kMaxInstructions)
+  local ok, values = pcall(chunk)
+  debug.sethook()
+  if not ok then error(("config file %s"):format(tostring(values)), 0) end
+  if type(values) ~= "table" then
+    error(("config file '%s' must return a table of option values, got %s"):format(path, type(values)), 0)
+  end
+  local out = {}
+  for k, v in pairs(values) do
+    local line = type(k) == "string" and line_of(text, k)
+    local where = line and ("%s:%d"):format(path, line) or ("'%s'"):format(path)
+    if type(k) ~= "string" then
+      error(("config file %s: option names must be strings, got %s %s"):format(where, type(k), tostring(k)), 0)
+    end
+    local key = k:gsub("%-", "_")
+    local kind = kinds[key]
+    if kind == nil then
+      error(("config file %s: unknown option '%s' (known: %s)"):format(where, k, table.concat(known, ", ")), 0)
+    end
+    local good = (kind == "integer" and type(v) == "number" and v % 1 == 0) or (kind == "number" and type(v) == "number")
+      or type(v) == kind
+    if not good then
+      local expected = kind == "integer" and "an integer" or kind == "number" and "a number" or kind == "boolean"
+        and "true or false" or "a string"
+      error(("config file %s: option '%s' expects %s, got %s %s"):format(where, k, expected, type(v),
+        type(v) == "string" and "'" .. v .. "'" or tostring(v)), 0)
+    end
+    out[key] = v
+  end
+  return out
 end
 
 local function parse(spec, argv)
@@ -56,19 +167,46 @@ local function parse(spec, argv)
     if type(k) ~= "string" then error("pt.args: option names must be strings, got " .. type(k), 0) end
     local kind, default = kind_of(v)
     if not kind then
-      error(("pt.args: option '%s' has a %s default; use a number, string or boolean"):format(k, type(v)), 0)
+      error(("pt.args: option '%s' has a %s default; use a number, string or boolean, or { default, \"description\" }")
+        :format(k, type(v)), 0)
     end
     kinds[k], out[k] = kind, default
   end
   local known = {}
   for k in pairs(spec) do known[#known + 1] = "--" .. k:gsub("_", "-") end
   table.sort(known)
+  local takes_config = kinds.config == nil   -- a script's own --config option wins
 
+  -- --config FILE first, wherever it stands: its values are the defaults the flags override.
+  local config_file
+  local words = {}
   local i = 1
   while i <= #argv do
     local word = argv[i]
+    local value = takes_config and word:match("^%-%-config=(.*)$")
+    if takes_config and (value or word == "--config") then
+      if not value then
+        value = argv[i + 1]
+        if value == nil then error("--config needs a file (a Lua file returning a table of option values)", 0) end
+        i = i + 1
+      end
+      if config_file then error(("--config given twice ('%s' and '%s')"):format(config_file, value), 0) end
+      config_file = value
+    else
+      words[#words + 1] = word
+    end
+    i = i + 1
+  end
+  if config_file then
+    for k, v in pairs(read_config(config_file, kinds, known)) do out[k] = v end
+  end
+
+  i = 1
+  while i <= #words do
+    local word = words[i]
     if word == "--help" or word == "-h" then
-      io.write(usage(spec), "\n")
+      io.write(usage(spec, takes_config), "\n")
+      io.flush()
       os.exit(0)
     end
     local name, value = word:match("^%-%-([^=]+)=(.*)$")
@@ -84,7 +222,7 @@ local function parse(spec, argv)
       error(("unknown option --%s (known: %s)"):format(name, table.concat(known, ", ")), 0)
     end
     if value == nil then
-      local nextword = argv[i + 1]
+      local nextword = words[i + 1]
       if kinds[key] == "boolean" then
         local lower = nextword and nextword:lower()
         if lower == "true" or lower == "false" then value, i = nextword, i + 1 else value = "true" end
@@ -96,16 +234,49 @@ local function parse(spec, argv)
     out[key] = convert(name, kinds[key], value)
     i = i + 1
   end
-  return out
+  return out, config_file
+end
+
+--- The resolved options of the script's command line as one compact block: "config: a=1 b=x ...",
+--- wrapped at about 100 columns.
+function args.describe(cfg, config_file)
+  local names = {}
+  for k in pairs(cfg) do names[#names + 1] = k end
+  table.sort(names)
+  local lines, line = {}, "config" .. (config_file and (" (%s)"):format(config_file) or "") .. ":"
+  for _, k in ipairs(names) do
+    local v = cfg[k]
+    local item = k .. "=" .. (type(v) == "string" and (v == "" or v:find("[%s=]")) and ("%q"):format(v) or tostring(v))
+    if #line + 1 + #item > 100 then
+      lines[#lines + 1] = line
+      line = "  " .. item
+    else
+      line = line .. " " .. item
+    end
+  end
+  lines[#lines + 1] = line
+  return table.concat(lines, "\n")
 end
 
 return setmetatable(args, {
-  --- pt.args(spec [, argv]): the defaults in spec overridden from argv (default: the script's arg).
+  --- pt.args(spec [, argv]): the defaults in spec overridden from argv (default: the script's
+  --- arg). For the script's own arguments, the result is also kept as args.resolved (the run
+  --- header of the metrics file and checkpoints' user data store it) and printed on rank 0.
   __call = function(_, spec, argv)
     if type(spec) ~= "table" then error("pt.args expects a table of defaults, got " .. type(spec), 2) end
+    local own = argv == nil
     argv = argv or _G.arg or {}
-    local ok, result = pcall(parse, spec, argv)
+    local ok, result, config_file = pcall(parse, spec, argv)
     if not ok then error(result, 2) end
+    if own then
+      local copy = {}
+      for k, v in pairs(result) do copy[k] = v end
+      args.resolved, args.config_file = copy, config_file
+      if core.dist.rank() == 0 then
+        local live = require "partrain.live"
+        live.around(function() io.write(args.describe(copy, config_file), "\n"); io.flush() end)
+      end
+    end
     return result
   end,
 })

@@ -415,6 +415,13 @@ function pt.ckpt.save(dir, what)
   if type(dir) ~= "string" then error("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
   local t = ckpt_state("save", what, 2)
   t.policy = core.parallel.policy(t.model)
+  -- The script's resolved options (pt.args) go with it, as user.config, unless the user table has its own.
+  local resolved = pt.args.resolved
+  if resolved and (t.user == nil or (type(t.user) == "table" and t.user.config == nil)) then
+    local user = { config = resolved }
+    for k, v in pairs(t.user or {}) do user[k] = v end
+    t.user = user
+  end
   local tag, notes = ckpt_call(2, core.ckpt.save, dir, t)  -- not a tail call: error levels count this frame
   ckpt_notes(2, "save", notes)
   return tag
@@ -672,26 +679,81 @@ end
 -- Scripts -----------------------------------------------------------------------------------
 pt.args = require "partrain.args"
 
---- Prints one line of metrics: pt.log { step = 3, loss = 0.25 } -> "step 3 | loss 0.25".
-function pt.log(fields)
+--- pt.metrics(path): the file rank 0 appends the run's records to (docs/observability.md);
+--- `partrain --metrics FILE` (PARTRAIN_METRICS) chooses it for every rank without a line of Lua.
+pt.metrics = require "partrain.metrics"
+local live = require "partrain.live"   -- the in-place progress line, which other output goes around
+
+--- Prints one line of metrics on rank 0: pt.log { step = 3, loss = 0.25 } -> "step 3 | loss 0.25",
+--- and, with a step and a metrics file, appends { step, time, loss, ... } to the file.
+--- opts.rank: which rank prints (a rank number, or "all"; default 0). Every call with a step is
+--- a record of rank 0's, whichever rank prints.
+function pt.log(fields, opts)
   if type(fields) ~= "table" then error("pt.log expects a table of fields, got " .. type(fields), 2) end
-  local keys = {}
-  for k in pairs(fields) do if k ~= "step" and k ~= "epoch" then keys[#keys + 1] = k end end
-  table.sort(keys)
-  if fields.step ~= nil then table.insert(keys, 1, "step") end
-  if fields.epoch ~= nil then table.insert(keys, 1, "epoch") end
-  local parts = {}
-  for _, k in ipairs(keys) do
-    local v = fields[k]
-    if pt.is_tensor(v) and v:numel() == 1 then v = v:item() end
-    if type(v) == "number" and v ~= math.floor(v) then
-      -- Seven significant digits: enough to compare runs (a sharded run against a serial one).
-      v = string.format(math.abs(v) < 1e-3 and "%.6e" or "%.7g", v)
+  local who = 0
+  if opts ~= nil then
+    if type(opts) ~= "table" then error("pt.log: options must be a table ({ rank = 0 | N | \"all\" }), got " .. type(opts), 2) end
+    for k in pairs(opts) do
+      if k ~= "rank" then error(("pt.log has no option '%s' (options: rank)"):format(tostring(k)), 2) end
     end
-    parts[#parts + 1] = k .. " " .. tostring(v)
+    if opts.rank ~= nil then who = opts.rank end
+    local world = pt.dist.world_size()
+    if who ~= "all" and (type(who) ~= "number" or who % 1 ~= 0 or who < 0 or who >= world) then
+      error(("pt.log: rank must be a rank from 0 to %d or \"all\", got %s"):format(world - 1,
+        type(who) == "string" and "'" .. who .. "'" or tostring(who)), 2)
+    end
   end
-  io.write(table.concat(parts, " | "), "\n")
-  io.flush()
+  if fields.step ~= nil and type(fields.step) ~= "number" then
+    error("pt.log: step must be a number, got " .. type(fields.step), 2)
+  end
+  local values, keys = {}, {}
+  for k, v in pairs(fields) do
+    if type(k) ~= "string" then error("pt.log: field names must be strings, got " .. type(k), 2) end
+    if pt.is_tensor(v) then
+      if v:numel() ~= 1 then error(("pt.log: field '%s' is a tensor of %d elements; one expected"):format(k, v:numel()), 2) end
+      v = v:item()
+    end
+    values[k] = v
+    if k ~= "step" and k ~= "epoch" then keys[#keys + 1] = k end
+  end
+  if who == "all" or who == pt.dist.rank() then
+    table.sort(keys)
+    if fields.step ~= nil then table.insert(keys, 1, "step") end
+    if fields.epoch ~= nil then table.insert(keys, 1, "epoch") end
+    local parts = {}
+    for _, k in ipairs(keys) do
+      local v = values[k]
+      if type(v) == "number" and v ~= math.floor(v) then
+        -- Seven significant digits: enough to compare runs (a sharded run against a serial one).
+        v = string.format(math.abs(v) < 1e-3 and "%.6e" or "%.7g", v)
+      end
+      parts[#parts + 1] = k .. " " .. tostring(v)
+    end
+    live.around(function()
+      io.write(table.concat(parts, " | "), "\n")
+      io.flush()
+    end)
+  end
+  if values.step ~= nil then
+    local ok, err = pcall(pt.metrics.write, values)
+    if not ok then rethrow(err, 2) end
+  end
+end
+
+local progress = require "partrain.progress"
+--- pt.progress { total, tokens, flops_per_token, peak_tflops, every, seconds, enabled, memory }:
+--- a loop's progress: progress:step(step, { loss = ..., lr = ... }) every step on every rank
+--- (a live line on rank 0's terminal, pt.log lines and metrics records with tokens/s, TFLOP/s,
+--- MFU and memory), progress:finish() after the loop. docs/observability.md.
+function pt.progress(opts)
+  local p = progress.new(opts, 2)   -- not a tail call: error levels count this frame
+  return p
+end
+--- pt.flops_per_token(model_or_options, seq) -> FLOPs, N: a GPT-2 or LLaMA's training FLOPs a
+--- token (6·N + 12·layers·dim·seq), the whole model's. docs/observability.md.
+function pt.flops_per_token(what, seq)
+  local flops, n = progress.flops_per_token(what, seq, 2)
+  return flops, n
 end
 
 pt.time = core.now            -- wall-clock seconds (monotonic)

@@ -1,0 +1,182 @@
+-- pt.metrics: the run's metrics file, one JSON object a line (docs/observability.md): a run
+-- header, a record for every pt.log step, per-rank memory. Rank 0 writes it, each line with one
+-- write() on an O_APPEND descriptor, so a killed run keeps every completed line.
+local core = require "partrain.core"
+
+local metrics = {}
+
+local state = {
+  chosen = nil,      -- the file pt.metrics(path) chose (false: off), else nil (PARTRAIN_METRICS decides)
+  file = nil,        -- the open file (rank 0), or nil
+  stepped = false,   -- a record with a step was written: a resumed run's repeats are dropped
+  header = nil,      -- the run header, once written
+  extra = {},        -- fields pt.metrics.describe adds to the header
+}
+
+-- JSON ---------------------------------------------------------------------------------------
+local escapes = { ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f", ["\n"] = "\\n", ["\r"] = "\\r",
+                  ["\t"] = "\\t" }
+local function quote(s)
+  return '"' .. s:gsub('[%c"\\]', function(c) return escapes[c] or ("\\u%04x"):format(c:byte()) end) .. '"'
+end
+
+local encode
+local function encode_table(t, seen)
+  if seen[t] then error("pt.metrics: a table that contains itself cannot be written as JSON", 0) end
+  seen[t] = true
+  local n, keys = 0, {}
+  for k in pairs(t) do
+    n = n + 1
+    keys[#keys + 1] = k
+  end
+  local parts = {}
+  if n > 0 and n == #t then  -- an array 1..n
+    for i = 1, n do parts[i] = encode(t[i], seen) end
+    seen[t] = nil
+    return "[" .. table.concat(parts, ",") .. "]"
+  end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  for _, k in ipairs(keys) do parts[#parts + 1] = quote(tostring(k)) .. ":" .. encode(t[k], seen) end
+  seen[t] = nil
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+
+--- JSON text of a Lua value: numbers (non-finite ones as null), strings, booleans, nil (null),
+--- one-element tensors (their value), arrays and string-keyed tables of these.
+function encode(v, seen)
+  local t = type(v)
+  if t == "number" then
+    if v ~= v or v == math.huge or v == -math.huge then return "null" end
+    if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
+    for _, f in ipairs { "%.15g", "%.16g" } do   -- the shortest of these that reads back the same
+      local text = f:format(v)
+      if tonumber(text) == v then return text end
+    end
+    return ("%.17g"):format(v)
+  elseif t == "string" then return quote(v)
+  elseif t == "boolean" then return tostring(v)
+  elseif v == nil then return "null"
+  elseif t == "table" then return encode_table(v, seen or {})
+  elseif core.is_tensor(v) and v:numel() == 1 then return encode(v:item())
+  end
+  error(("pt.metrics: a %s cannot be written as JSON (numbers, strings, booleans and tables of them can)"):format(
+    core.is_tensor(v) and "tensor of several elements" or t), 0)
+end
+metrics.json = encode
+
+-- The file -------------------------------------------------------------------------------------
+--- The metrics file of this run: the one pt.metrics(path) chose, else $PARTRAIN_METRICS (set by
+--- `partrain --metrics FILE`), else nil.
+function metrics.file()
+  if state.chosen ~= nil then return state.chosen or nil end
+  local env = os.getenv("PARTRAIN_METRICS")
+  if env and env ~= "" then return env end
+  return nil
+end
+
+local function close()
+  if state.file then state.file:close() end
+  state.file, state.stepped, state.header = nil, false, nil
+end
+
+--- Chooses the metrics file from Lua (false: none), over $PARTRAIN_METRICS.
+function metrics.set(path)
+  if path ~= false and (type(path) ~= "string" or path == "") then
+    error("pt.metrics: a file name (string) or false expected, got " .. (path == "" and "''" or type(path)), 2)
+  end
+  if path ~= state.chosen then close() end
+  state.chosen = path
+end
+
+--- Adds fields to the run header (peak_tflops, ...), when it is not written yet.
+function metrics.describe(fields)
+  if type(fields) ~= "table" then error("pt.metrics.describe: a table of header fields expected, got " .. type(fields), 2) end
+  for k, v in pairs(fields) do state.extra[k] = v end
+end
+
+-- The run header: the script, the world, the mesh, the resolved pt.args, the device.
+local function header()
+  local h = { event = "run", time = core.unix_time(), script = arg and arg[0] or nil, world = core.dist.world_size(),
+              device = core.device and tostring(core.device()) or nil }
+  local pt = package.loaded.partrain
+  local mesh = pt and pt.last_mesh and pt.last_mesh()
+  if mesh then h.mesh = { pipeline = mesh:size("pipeline"), tensor = mesh:size("tensor"), data = mesh:size("data") } end
+  local args = package.loaded["partrain.args"]
+  if args and args.resolved then h.config = args.resolved end
+  for k, v in pairs(state.extra) do h[k] = v end
+  return h
+end
+
+-- The open file on rank 0 for a record of `step` (nil: none), or nil when there is no file. The
+-- first record with a step drops every record the file holds from that step on (a resumed run
+-- logs them again), and a torn last line; the header goes before the first record.
+local function open_for(step)
+  if core.dist.rank() ~= 0 then return nil end
+  local path = metrics.file()
+  if not path then return nil end
+  if state.file and step and not state.stepped then  -- opened for a record without a step: drop now
+    state.file:close()
+    state.file = nil
+  end
+  if not state.file then
+    core.files.jsonl_drop(path, step and not state.stepped and step or -1, "metrics file")
+    state.file = core.files.jsonl_open(path, "metrics file")
+  end
+  if step then state.stepped = true end
+  if not state.header then
+    state.header = header()
+    state.file:append(encode(state.header))
+  end
+  return state.file
+end
+
+--- Appends a record (a table; "time" is added) on rank 0; other ranks do nothing. A record
+--- with a step drops, the first time, the file's records from that step on (a resume).
+function metrics.write(record)
+  if type(record) ~= "table" then error("pt.metrics.write: a table expected, got " .. type(record), 2) end
+  local step = record.step
+  if step ~= nil and type(step) ~= "number" then
+    error("pt.metrics.write: 'step' must be a number, got " .. type(step), 2)
+  end
+  local file = open_for(step)
+  if not file then return false end
+  local r = {}
+  for k, v in pairs(record) do r[k] = v end
+  r.time = r.time or core.unix_time()
+  file:append(encode(r))
+  return true
+end
+
+--- Every rank's peak tensor bytes (pt.memory().allocated_peak, as mem() counts them), gathered
+--- over the world: a collective every rank calls. Rank 0 writes { event = "memory", step,
+--- ranks = { bytes of rank 0, rank 1, ... } }; every rank gets the list back.
+function metrics.memory(step)
+  if step ~= nil and type(step) ~= "number" then error("pt.metrics.memory: step must be a number, got " .. type(step), 2) end
+  local world, rank = core.dist.world_size(), core.dist.rank()
+  local mine = core.memory().allocated_peak
+  local ranks = { mine }
+  if world > 1 and not core.plan.planning() then
+    local t = core.zeros(world, { dtype = "float64", device = tostring(core.device()) })
+    t:narrow(0, rank, 1):fill_(mine)
+    core.dist.world():all_reduce(t, "sum")
+    ranks = t:cpu():totable()
+  end
+  metrics.write { event = "memory", step = step, ranks = ranks }
+  return ranks
+end
+
+--- Writes the planner's per-rank summary (text) as { event = "plan", text }.
+function metrics.plan(text)
+  if type(text) ~= "string" then error("pt.metrics.plan: text expected, got " .. type(text), 2) end
+  return metrics.write { event = "plan", text = text }
+end
+
+return setmetatable(metrics, {
+  --- pt.metrics(path): chooses the metrics file (false: none).
+  __call = function(_, path)
+    if path ~= false and (type(path) ~= "string" or path == "") then
+      error("pt.metrics: a file name (string) or false expected, got " .. (path == "" and "''" or type(path)), 2)
+    end
+    metrics.set(path)
+  end,
+})

@@ -1,0 +1,85 @@
+// Appending JSON lines and rewriting a JSON-lines file without the records a resumed run repeats.
+#include "engine/util/jsonl.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/util/files.hpp"
+
+namespace partrain::util {
+
+JsonLines::JsonLines(const std::string& path, const std::string& what) : path_(path), what_(what) {
+  TORCH_CHECK(!path.empty(), "the ", what, " has an empty name");
+  // O_NONBLOCK: opening a FIFO for writing must not wait for a reader; it is refused below.
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+  if (fd < 0) {
+    int err = errno;
+    TORCH_CHECK(err != EISDIR, "the ", what, " '", path, "' is a folder; a regular file was expected");
+    TORCH_CHECK(false, "cannot open the ", what, " '", path, "' for appending: ", std::strerror(err));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    TORCH_CHECK(false, "the ", what, " '", path, "' is not a regular file (a FIFO, a socket or a device); "
+                "a regular file was expected");
+  }
+  int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  fd_ = fd;
+}
+
+JsonLines::~JsonLines() { close(); }
+
+void JsonLines::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void JsonLines::append(const std::string& line) {
+  TORCH_CHECK(fd_ >= 0, "the ", what_, " '", path_, "' is closed");
+  TORCH_CHECK(line.find('\n') == std::string::npos, "a record of the ", what_, " must be one line");
+  std::string bytes = line + '\n';
+  // One write(): on a regular file opened O_APPEND it lands whole (short writes only when the
+  // disk fills, and then the rest follows at once).
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "writing the ", what_, " '", path_, "': ", std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+}
+
+size_t drop_records(const std::string& path, double drop_from, const std::string& what, uint64_t max_bytes) {
+  if (::access(path.c_str(), F_OK) != 0) return 0;
+  std::string text = read_regular(path, what, max_bytes);
+  std::string kept;
+  kept.reserve(text.size());
+  size_t dropped = 0, start = 0;
+  while (start < text.size()) {
+    size_t nl = text.find('\n', start);
+    bool complete = nl != std::string::npos;
+    std::string line = text.substr(start, complete ? nl - start : std::string::npos);
+    start = complete ? nl + 1 : text.size();
+    bool keep = false;
+    if (complete) {
+      auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      keep = j.is_object();
+      if (keep && drop_from >= 0 && j.contains("step") && j["step"].is_number())
+        keep = j["step"].get<double>() < drop_from;
+    }
+    if (keep) kept += line + '\n';
+    else if (complete || !line.empty()) ++dropped;
+  }
+  if (dropped > 0) write_atomic(path, kept);
+  return dropped;
+}
+
+}  // namespace partrain::util
