@@ -365,7 +365,7 @@ std::string header_table(const std::vector<Metrics>& runs) {
     if (m.fields_dropped) s += "fields past the first 32 are not charted. ";
     for (const auto& [k, v] : m.series)
       if (v.stride > 1) {
-        s += "charts show every " + std::to_string(v.stride) + "th record. ";
+        s += "charts show one record in every " + std::to_string(v.stride) + ". ";
         break;
       }
     return s;
