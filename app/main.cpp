@@ -15,6 +15,8 @@
 #include <torch/torch.h>
 
 #include "app/launcher.hpp"
+#include "app/parity.hpp"
+#include "app/report.hpp"
 #include "app/tools.hpp"
 #include "bindings/host.hpp"
 #include "engine/compat.hpp"
@@ -152,7 +154,9 @@ int run_main(int argc, char** argv) {
                "  partrain repl [--nproc-per-node 4]             open the REPL (on every rank)\n"
                "  partrain plan --world 8 script.lua [args]      what each of 8 ranks would hold (no processes)\n"
                "  partrain ckpt inspect|verify|convert|export    look after checkpoints (partrain ckpt --help)\n"
-               "\n  plan, ckpt and repl are always these commands; a script of that name runs as ./plan\n",
+               "  partrain report RUN... [-o report.html]        an HTML page of runs' metrics (partrain report --help)\n"
+               "  partrain parity A B [--tol T]                  do two runs' losses agree? (partrain parity --help)\n"
+               "\n  plan, ckpt, report, parity and repl are always these commands; a script of that name runs as ./plan\n",
                "partrain"};
   app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (LibTorch " +
                                         partrain::compat::torch_version() + ", LuaJIT)");
@@ -218,14 +222,18 @@ int run_main(int argc, char** argv) {
   app.add_option("script", script, "the Lua script to run; the arguments after it reach it as `arg`");
 
   // partrain's own flags come before the script; everything from the script on is the script's.
-  // plan, ckpt and repl are always subcommands, whatever files the working folder holds.
+  // plan, ckpt, report, parity and repl are always subcommands, whatever files the working folder holds.
   int split = partrain::app::split_at_script(app, 1, argc, argv);
   std::string word = split < argc ? argv[split] : "";
-  if (word == "plan" || word == "ckpt") {
+  if (word == "plan" || word == "ckpt" || word == "report" || word == "parity") {
     if (split != 1)
       return fail(word + " takes no partrain flags before it: partrain " + word +
-                  (word == "plan" ? " --world N script.lua" : " inspect DIR"));
-    return word == "plan" ? partrain::app::run_plan(argc, argv, split + 1) : partrain::app::run_ckpt(argc, argv, split + 1);
+                  (word == "plan" ? " --world N script.lua" : word == "ckpt" ? " inspect DIR"
+                   : word == "report" ? " RUN_DIR -o report.html" : " A B"));
+    if (word == "plan") return partrain::app::run_plan(argc, argv, split + 1);
+    if (word == "ckpt") return partrain::app::run_ckpt(argc, argv, split + 1);
+    if (word == "report") return partrain::app::run_report(argc, argv, split + 1);
+    return partrain::app::run_parity(argc, argv, split + 1);
   }
   std::vector<char*> flags(argv, argv + split);
   bool repl = word == "repl";
@@ -402,8 +410,9 @@ int run_main(int argc, char** argv) {
     }
     if (!script.empty()) {
       // A script whose name looks like a flag or a subcommand must not read as one in the rank.
-      child.push_back(script[0] == '-' || script == "plan" || script == "ckpt" || script == "repl" ? "./" + script
-                                                                                                     : script);
+      bool subcommand = script == "plan" || script == "ckpt" || script == "repl" || script == "report" ||
+                        script == "parity";
+      child.push_back(script[0] == '-' || subcommand ? "./" + script : script);
     }
     child.insert(child.end(), script_args.begin(), script_args.end());
     // A script that cannot load fails once here, not once a rank.

@@ -1,0 +1,27 @@
+// `partrain report`: one self-contained HTML page (inline SVG, no script, nothing fetched) drawing
+// one or more runs' metrics files on shared axes, with their headers, plans, per-rank memory and a
+// pipeline timeline (docs/observability.md).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "app/metrics.hpp"
+
+namespace partrain::app {
+
+/// What goes on a report page besides the runs.
+struct ReportOptions {
+  std::string title = "partrain run report";  ///< the page's heading
+  std::string trace_path;                     ///< a Chrome trace (partrain --trace) to draw as a timeline; "" for none
+  std::vector<std::string> notes;             ///< lines shown under the heading (parity's verdict)
+};
+
+/// The page, as HTML text. Every string from a file is escaped; the trace, when given, is read
+/// bounded (raises naming it when it is not a Chrome trace).
+std::string report_html(const std::vector<Metrics>& runs, const ReportOptions& options);
+
+/// `partrain report ...`; argv[first] is the first word after `report`. Returns the exit status.
+int run_report(int argc, char** argv, int first);
+
+}  // namespace partrain::app
