@@ -118,7 +118,8 @@ if cfg.ckpt ~= "" then
 end
 
 local progress = pt.progress { total = cfg.steps, tokens = cfg.batch * cfg.seq, flops_per_token = flops_per_token,
-                               peak_tflops = cfg.peak_tflops, every = cfg.log_every, enabled = cfg.progress }
+                               peak_tflops = cfg.peak_tflops, every = cfg.log_every, enabled = cfg.progress,
+                               model = model }   -- its state a rank goes in the metrics file's memory records
 local start = pt.time()
 for step = first, cfg.steps do
   local x, y = data:next()

@@ -120,6 +120,14 @@ check("the run header names the script, the world, the mesh, the resolved config
 check("a memory record after the first step, with every rank's bytes",
       any(r.get("event") == "memory" and r.get("step") == 1 and len(r.get("ranks", [])) == 1 and r["ranks"][0] > 0
           for r in recs), recs[:4])
+first_mem = next((r for r in recs if r.get("event") == "memory"), {})
+state = (first_mem.get("state") or [{}])[0]
+check("... with the rank's model state (pt.progress { model }): AdamW's two moments are twice the parameters",
+      state.get("params", 0) > 0 and 2 * state["params"] <= state.get("optimizer", 0) <= 2 * state["params"] + 4096,
+      first_mem)
+plan = [r for r in recs if r.get("event") == "plan"]
+check("... and the shard summary once, as a plan record the report shows",
+      len(plan) == 1 and "params" in plan[0].get("text", "") and "\n0 " in plan[0]["text"], plan)
 with open(metrics, "a") as f:
     f.write('{"step": 99999, "lo')  # as if the kill had torn a line
 end = steps[-1] + 8  # past what the killed run logged, so the resume repeats some of its steps

@@ -149,19 +149,53 @@ end
 
 --- Every rank's peak tensor bytes (pt.memory().allocated_peak, as mem() counts them), gathered
 --- over the world: a collective every rank calls. Rank 0 writes { event = "memory", step,
---- ranks = { bytes of rank 0, rank 1, ... } }; every rank gets the list back.
-function metrics.memory(step)
+--- ranks = { bytes of rank 0, rank 1, ... } }; every rank gets the list back. With `model` (the
+--- model, made parallel or not) the record also holds each rank's model state as
+--- pt.memory_report measures it (state = { { params, grads, optimizer, master }, ... } in bytes),
+--- and the first such record is followed by a plan record: that table as text, the shard summary
+--- the run report shows.
+local STATE = { "params", "grads", "optimizer", "master" }
+local state_written = false
+function metrics.memory(step, model)
   if step ~= nil and type(step) ~= "number" then error("pt.metrics.memory: step must be a number, got " .. type(step), 2) end
-  local world, rank = core.dist.world_size(), core.dist.rank()
-  local mine = core.memory().allocated_peak
-  local ranks = { mine }
-  if world > 1 and not core.plan.planning() then
-    local t = core.zeros(world, { dtype = "float64", device = tostring(core.device()) })
-    t:narrow(0, rank, 1):fill_(mine)
-    core.dist.world():all_reduce(t, "sum")
-    ranks = t:cpu():totable()
+  if model ~= nil and not core.nn.is_module(model) then
+    error("pt.metrics.memory: model must be a module, got " .. type(model), 2)
   end
-  metrics.write { event = "memory", step = step, ranks = ranks }
+  local world, rank = core.dist.world_size(), core.dist.rank()
+  local width = model and 1 + #STATE or 1
+  local mine = { core.memory().allocated_peak }
+  if model then
+    local held = core.plan.held(model, core.optim.of(model))
+    for i, k in ipairs(STATE) do mine[i + 1] = held[k] or 0 end
+  end
+  local rows = { mine }
+  if world > 1 and not core.plan.planning() then
+    local t = core.zeros(world, width, { dtype = "float64", device = tostring(core.device()) })
+    local row = t:select(0, rank)
+    for i, v in ipairs(mine) do row:narrow(0, i - 1, 1):fill_(v) end
+    core.dist.world():all_reduce(t, "sum")
+    rows = t:cpu():totable()
+  end
+  local ranks, state = {}, model and {} or nil
+  for r, row in ipairs(rows) do
+    ranks[r] = row[1]
+    if state then
+      state[r] = {}
+      for i, k in ipairs(STATE) do state[r][k] = row[i + 1] end
+    end
+  end
+  metrics.write { event = "memory", step = step, ranks = ranks, state = state }
+  if state and not state_written then
+    state_written = true
+    local mb = function(b) return ("%10.2f"):format(b / 1e6) end
+    local lines = { ("model state a rank in MB (pt.memory_report) and peak tensor MB, after step %s:"):format(
+                      tostring(step or "?")),
+                    ("%-6s%10s%10s%10s%10s%10s"):format("rank", "params", "grads", "optimizer", "master", "peak") }
+    for r, row in ipairs(rows) do
+      lines[#lines + 1] = ("%-6d%s%s%s%s%s"):format(r - 1, mb(row[2]), mb(row[3]), mb(row[4]), mb(row[5]), mb(row[1]))
+    end
+    metrics.plan(table.concat(lines, "\n"))
+  end
   return ranks
 end
 

@@ -134,7 +134,7 @@ Progress.__index = Progress
 
 local option_kinds = {
   total = "integer", tokens = "number", flops_per_token = "number", peak_tflops = "number", every = "integer",
-  seconds = "number", enabled = "boolean", memory = "boolean",
+  seconds = "number", enabled = "boolean", memory = "boolean", model = "module",
 }
 
 local function human(x)
@@ -156,7 +156,7 @@ local function duration(s)
   return ("%ds"):format(s)
 end
 
---- pt.progress { total, tokens, flops_per_token, peak_tflops, every, seconds, enabled, memory }:
+--- pt.progress { total, tokens, flops_per_token, peak_tflops, every, seconds, enabled, memory, model }:
 --- a progress object for a loop; create it just before the loop, call progress:step(step, fields)
 --- once a step on every rank and progress:finish() after the loop (collectives: memory records).
 ---   total: the last step (for step/total and the ETA); tokens: tokens (or samples) of the GLOBAL
@@ -165,7 +165,8 @@ end
 ---   metrics record every this many steps (and at the first and the last; default 10); seconds:
 ---   without a terminal, also a line when this long has passed since the last (default 10, 0:
 ---   never); enabled: false for no live line and no timed lines (also PARTRAIN_PROGRESS=0,
----   partrain --no-progress); memory: false for no memory records (default true).
+---   partrain --no-progress); memory: false for no memory records (default true); model: the
+---   model, whose state each rank holds goes in the memory records (pt.metrics.memory).
 function progress.new(opts, level)
   level = level or 1
   opts = opts or {}
@@ -178,10 +179,11 @@ function progress.new(opts, level)
       table.sort(known)
       error(("pt.progress has no option '%s' (options: %s)"):format(tostring(k), table.concat(known, ", ")), level + 1)
     end
-    local ok = (kind == "boolean" and type(v) == "boolean") or (type(v) == "number" and v == v and v >= 0 and v < math.huge
-      and (kind ~= "integer" or v % 1 == 0))
+    local ok = (kind == "boolean" and type(v) == "boolean") or (kind == "module" and core.nn.is_module(v))
+      or (type(v) == "number" and v == v and v >= 0 and v < math.huge and (kind ~= "integer" or v % 1 == 0))
     if not ok then
       error(("pt.progress: %s must be %s, got %s"):format(k, kind == "boolean" and "true or false"
+        or kind == "module" and "a module (the model)"
         or kind == "integer" and "a whole number >= 0" or "a finite number >= 0", tostring(v)), level + 1)
     end
   end
@@ -193,6 +195,7 @@ function progress.new(opts, level)
     every = opts.every or 10,
     seconds = opts.seconds or 10,
     memory = opts.memory ~= false,
+    model = opts.model,
     enabled = opts.enabled ~= false and os.getenv("PARTRAIN_PROGRESS") ~= "0",
     rank0 = core.dist.rank() == 0,
     world = core.dist.world_size(),
@@ -277,7 +280,7 @@ function Progress:step(step, fields)
   if now - self.recent.time >= 1 then self.recent = { step = step, time = now } end
   if self.memory and step == self.first_step then
     local metrics = require "partrain.metrics"
-    metrics.memory(step)
+    metrics.memory(step, self.model)
   end
   self.step_done = step
 end
@@ -288,7 +291,7 @@ function Progress:finish()
   live.finish()
   if self.memory and self.step_done and self.step_done ~= self.first_step then
     local metrics = require "partrain.metrics"
-    metrics.memory(self.step_done)
+    metrics.memory(self.step_done, self.model)
   end
 end
 
