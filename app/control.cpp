@@ -29,6 +29,29 @@
 
 namespace partrain::app {
 
+int listen_on(const std::string& addr, int port, std::string& why) {
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  int err = getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (err != 0) throw std::runtime_error("cannot resolve --master-addr '" + addr + "': " + gai_strerror(err));
+  int fd = -1;
+  why = "no address";
+  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
+      why = std::strerror(errno);
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(found);
+  return fd;
+}
+
 namespace {
 
 constexpr auto kBeatEvery = std::chrono::seconds(1);
@@ -92,25 +115,8 @@ std::string seconds(double s) {
 
 // The listening socket of the control store, on host:port (that address only).
 int bind_control(const std::string& host, int port) {
-  addrinfo hints{}, *found = nullptr;
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  int err = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-  if (err != 0) throw std::runtime_error("cannot resolve --master-addr '" + host + "': " + gai_strerror(err));
-  int fd = -1;
-  std::string why = "no address";
-  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
-      why = std::strerror(errno);
-      close(fd);
-      fd = -1;
-    }
-  }
-  freeaddrinfo(found);
+  std::string why;
+  int fd = listen_on(host, port, why);
   if (fd < 0)
     throw std::runtime_error("node 0 cannot serve the job's control store at " + host + ":" + std::to_string(port) +
                              " (--master-addr, --master-port): " + why +

@@ -18,6 +18,10 @@
 
 namespace partrain::app {
 
+/// A listening TCP socket (close-on-exec) bound to `addr`:`port` only (port 0: a free one), or -1
+/// with `why` saying what bind or listen answered. An address that does not resolve is an error.
+int listen_on(const std::string& addr, int port, std::string& why);
+
 struct ControlOptions {
   int nnodes = 2;             ///< --nnodes
   int node_rank = 0;          ///< --node-rank

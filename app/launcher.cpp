@@ -105,25 +105,8 @@ std::string exe_path() {
 // the port closed and retries) and handed to rank 0, which serves the store on it: `addr` only
 // (loopback for one machine), on `port` (0: a free one).
 int listen_socket(const std::string& addr, int port) {
-  addrinfo hints{}, *found = nullptr;
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  int err = getaddrinfo(addr.c_str(), std::to_string(port).c_str(), &hints, &found);
-  if (err != 0) throw std::runtime_error("cannot resolve --master-addr '" + addr + "': " + gai_strerror(err));
-  int fd = -1;
-  std::string why = "no address";
-  for (addrinfo* a = found; a && fd < 0; a = a->ai_next) {
-    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, 1024) != 0) {
-      why = std::strerror(errno);
-      close(fd);
-      fd = -1;
-    }
-  }
-  freeaddrinfo(found);
+  std::string why;
+  int fd = listen_on(addr, port, why);
   if (fd < 0)
     throw std::runtime_error("rendezvous at " + addr + ":" + std::to_string(port) + " (serving it) failed: " + why +
                              (why.find("in use") != std::string::npos
