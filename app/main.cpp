@@ -2,6 +2,7 @@
 // chunks (`-e`), and, with --nproc-per-node, launches one process per rank like torchrun. Under
 // torchrun or SLURM (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it runs as that one rank.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -247,6 +248,14 @@ int run_main(int argc, char** argv) {
     script = argv[split];
     for (int i = split + 1; i < argc; ++i) script_args.emplace_back(argv[i]);
   }
+  // CLI11 reads `--flag=` (nothing after the '=') as the flag without its value and takes the next
+  // word for it: refused here, naming the flag. (-e's code may be anything, a Lua comment too.)
+  for (size_t i = 1; i < flags.size(); ++i) {
+    const std::string f = flags[i], before = flags[i - 1];
+    if (before == "-e" || before == "--execute") continue;
+    if (f.size() > 3 && f.rfind("--", 0) == 0 && f.find('=') == f.size() - 1)
+      return fail(f.substr(0, f.size() - 1) + " has nothing after its '=' (expected " + f + "VALUE)");
+  }
   try {
     app.parse(static_cast<int>(flags.size()), flags.data());
   } catch (const CLI::ParseError& e) {
@@ -357,7 +366,8 @@ int run_main(int argc, char** argv) {
       if (metrics_file.empty()) return fail("--metrics is empty (expected a file to append JSON lines to)");
       if (partrain::util::is_plain_dir(metrics_file))
         return fail("--metrics '" + metrics_file + "' is a folder (expected the JSON-lines file to append to)");
-      if (access(metrics_file.c_str(), F_OK) == 0 && !partrain::util::is_regular(metrics_file))
+      struct stat st;  // lstat: a dangling link or a link loop is there too, and is no file to append to
+      if (lstat(metrics_file.c_str(), &st) == 0 && !partrain::util::is_regular(metrics_file))
         return fail("--metrics '" + metrics_file + "' is not a regular file (expected the JSON-lines file to append to)");
       if (!partrain::app::writable_beside(metrics_file))
         return fail("--metrics '" + metrics_file + "': its folder does not exist");

@@ -10,8 +10,9 @@ Classes:
               negative, huge, past 64 bits, fractional, hexadecimal, words, empty
   missing     a flag that takes a value, last on the line
   unknown     a flag partrain does not have (misspelt, extra dashes, a short one)
-  subcommand  plan and ckpt with wrong, missing or extra arguments
-  file        the script, --plan, plan's script and --save, ckpt's folders as a folder, a FIFO,
+  subcommand  plan, ckpt, report and parity with wrong, missing or extra arguments
+  file        the script, --plan, --metrics, plan's script and --save, report's metrics file,
+              ckpt's folders as a folder, a FIFO,
               a device, a missing path, an unreadable file, bytecode, binary junk, a symlink loop
   repl        flags after `repl`, good and bad, and words that do not belong there
   mixed       a random sequence of flags, values, subcommand words and paths
@@ -47,12 +48,14 @@ NUMBER_FLAGS = {  # flag: (lowest, highest) valid
     "--nnodes": (1, 1024),
     "--master-port": (1, 65535),
     "--trace-steps": (1, 1000),
+    "--node-timeout": (1, 604800),
 }
-LAUNCHER_ONLY = {"--nnodes", "--master-port", "--node-rank", "--master-addr", "--tee"}
+LAUNCHER_ONLY = {"--nnodes", "--master-port", "--node-rank", "--master-addr", "--tee", "--node-timeout"}
 BAD_NUMBERS = ["0", "-1", "-7", "1000000", "2147483648", "9223372036854775808", "99999999999999999999999999",
                "1.5", "1e3", "0x10", "abc", "", " 3", "3 ", "+-1", "--", "NaN", "inf", "٣", "1_000"]
 VALUE_FLAGS = ["-e", "--execute", "--threads", "--timeout", "--nproc-per-node", "--nnodes", "--node-rank",
-               "--master-addr", "--master-port", "--plan", "--plan-mode", "--trace", "--trace-steps"]
+               "--master-addr", "--master-port", "--plan", "--plan-mode", "--trace", "--trace-steps", "--metrics",
+               "--node-timeout"]
 BAD_DEVICES = ["tpu", "mps", "cuda:x", "cuda:", "cuda:-1", "cuda:1.5", "cuda:0:1", "cuda0", "cpu:0", "CPU", "Cuda",
                "cpu ", " cpu", "cuda:99999", "", "cuda:00000", "gpu", "cpu\tcpu"]
 UNKNOWN = ["--bogus", "--thread", "--threads-per-rank", "---threads", "-x", "-Z", "--nproc", "--world",
@@ -102,8 +105,9 @@ def setup(tmp):
 
 
 class Case:
-    def __init__(self, cls, args, names=None, accept=False, refuse=True, stdin_null=True):
+    def __init__(self, cls, args, names=None, accept=False, refuse=True, stdin_null=True, codes=(1,)):
         self.cls, self.args = cls, args
+        self.codes = codes            # the exit statuses of a refusal (parity's usage errors: 2)
         self.names = names or []      # any one of these must appear in a refusal
         self.accept = accept          # exit 0 is a documented success here
         self.refuse = refuse          # a refusal is right here
@@ -175,7 +179,23 @@ def subcommand_case(rng, paths):
         (["ckpt", "verify", d, "--tensor", "2"], ["--tensor"]),
         (["--threads", "2", "plan", "--world", "2", s], ["plan takes no partrain flags"]),
         (["-i", "ckpt", "inspect", d], ["ckpt takes no partrain flags"]),
+        (["report"], ["runs"]),
+        (["report", paths["missing"]], [paths["missing"]]),
+        (["report", d], [d]),
+        (["report", s, "--trace", paths["fifo"]], [s, paths["fifo"]]),
+        (["-i", "report", d], ["report takes no partrain flags"]),
     ]
+    parity = [  # parity's usage errors end with status 2 (docs/observability.md)
+        (["parity"], ["two runs"]),
+        (["parity", s], ["two runs"]),
+        (["parity", paths["missing"] + ".jsonl", d], [paths["missing"]]),
+        (["parity", d, d], [d]),
+        (["parity", d, d, "--tol", rng.choice(["-1", "abc", "nan"])], ["--tol"]),
+        (["parity", d, d, "--steps", rng.choice(["0", "-3", "x"])], ["--steps"]),
+    ]
+    if rng.random() < len(parity) / (len(parity) + len(options)):
+        args, names = rng.choice(parity)
+        return Case("subcommand", args, names, codes=(2,))
     args, names = rng.choice(options)
     return Case("subcommand", args, names)
 
@@ -183,7 +203,7 @@ def subcommand_case(rng, paths):
 def file_case(rng, paths):
     kind = rng.choice(["dir", "missing", "devzero", "fifo", "unreadable", "junk", "bytecode", "loop"])
     path = paths[kind]
-    how = rng.choice(["script", "launcher", "plan-file", "plan-script", "args-after"])
+    how = rng.choice(["script", "launcher", "plan-file", "plan-script", "args-after", "metrics", "report"])
     if how == "script":
         args = [path]
     elif how == "launcher":
@@ -192,12 +212,17 @@ def file_case(rng, paths):
         args = ["--plan", path, "-e", ""]
     elif how == "plan-script":
         args = ["plan", "--world", "2", path]
+    elif how == "metrics":  # a regular file is appended to (nothing, for -e ''): the rest refused
+        args = ["--metrics", path, "-e", ""]
+    elif how == "report":  # none of them is a metrics file
+        args = ["report", path, "-o", os.path.join(paths["dir"], "r.html")]
     else:
         args = [path, "--help", "-e", "x"]
     # An unreadable file is read anyway by root: as a script its harmless code runs (success),
     # as it would for a user who can read it; as a plan it is not one, and planning it finds
     # nothing to plan. Junk is Lua source with syntax errors: refused with its file:line.
     accept = kind == "unreadable" and ROOT and how in ("script", "launcher", "args-after")
+    accept = accept or (how == "metrics" and kind in ("junk", "bytecode") + (("unreadable",) if ROOT else ()))
     return Case("file", args, [path, os.path.basename(path)], accept=accept, refuse=not accept)
 
 
@@ -275,6 +300,8 @@ WEIGHTS = [6, 2, 2, 4, 4, 3, 3, 3, 2]
 def judge(case, outcome, tally):
     text = outcome.err + outcome.out
     lines = [l for l in outcome.err.strip().splitlines() if l.strip()]
+    if outcome.kind == "crash" and outcome.rc in case.codes:
+        outcome.kind = "refused"
     if outcome.kind in ("crash", "hang"):
         tally.add(case.cls, outcome.kind, False, f"{case.args!r}: {outcome!r}")
         return
