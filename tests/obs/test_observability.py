@@ -128,8 +128,9 @@ check("... with the rank's model state (pt.progress { model }): AdamW's two mome
 plan = [r for r in recs if r.get("event") == "plan"]
 check("... and the shard summary once, as a plan record the report shows",
       len(plan) == 1 and "params" in plan[0].get("text", "") and "\n0 " in plan[0]["text"], plan)
+TORN = '{"step": 99999, "lo'  # (a plain "99999" can be part of a logged float)
 with open(metrics, "a") as f:
-    f.write('{"step": 99999, "lo')  # as if the kill had torn a line
+    f.write(TORN)  # as if the kill had torn a line
 end = steps[-1] + 8  # past what the killed run logged, so the resume repeats some of its steps
 code, out, err = run(["--metrics", metrics] + TINY + ["--steps", str(end), "--log-every", "1", "--ckpt", ckpt,
                                                       "--save-every", "4"])
@@ -139,7 +140,9 @@ resumed_at = int(out.split(" at step ")[1].split()[0]) if " at step " in out els
 check(f"the resumed run (from step {resumed_at}) continues the file: steps 1..{end} once each, every line valid, "
       "the torn line gone",
       code == 0 and valid and steps == list(range(1, end + 1)) and sum(1 for r in recs if r.get("event") == "run") == 2
-      and "99999" not in open(metrics).read() and 0 < resumed_at <= end - 8, f"exit {code}, steps {steps}: {err[-500:]}")
+      and TORN not in open(metrics).read() and 0 < resumed_at <= end - 8,
+      f"exit {code}, valid {valid}, runs {sum(1 for r in recs if r.get('event') == 'run')}, "
+      f"torn line kept {TORN in open(metrics).read()}, steps {steps}: {err[-500:]}")
 check("memory records at the resumed run's first step and at its end",
       [r["step"] for r in recs if r.get("event") == "memory"][-2:] == [resumed_at + 1, end], recs[-3:])
 
