@@ -47,7 +47,16 @@ class ZeroShards : public optim::Distributed {
       const auto& buffer = dp_->buffer_options()[i];
       auto dtype = buffer.dtype() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
       auto options = torch::TensorOptions().dtype(dtype).device(buffer.device());
-      masters_.push_back(torch::zeros({length[i]}, options).requires_grad_(true));
+      masters_.push_back(torch::zeros({length[i]}, options));
+      // What the optimizer steps: the master in pieces, each a leaf viewing its storage. On the
+      // CPU one AdamW step over a 1.6 M-element tensor took 25 ms against 2.1 ms for the same
+      // elements in 128 Ki pieces (every temporary of the update stays in cache); a device keeps
+      // one piece a master (one kernel per operation).
+      const int64_t piece = buffer.device().is_cpu() ? kCpuPiece : std::max<int64_t>(length[i], 1);
+      piece_begin_.push_back(pieces_.size());
+      piece_length_.push_back(piece);
+      for (int64_t at = 0; at < length[i]; at += piece)
+        pieces_.push_back({i, at, masters_[i].narrow(0, at, std::min(piece, length[i] - at)).detach().requires_grad_(true)});
       // ZeRO-2: the gradient shard IS data parallelism's shard buffer where the dtypes agree (no
       // copy a step); a buffer of another dtype (reduce_dtype bfloat16) is cast into one of ours.
       const bool shared = dp_->sharded() && dp_->shards()[i].scalar_type() == dtype;
@@ -59,7 +68,12 @@ class ZeroShards : public optim::Distributed {
     groups_ = split_groups(model->module(), params);
   }
 
-  const std::vector<torch::Tensor>& masters() const { return masters_; }
+  /// The optimizer's parameters: the masters' pieces.
+  std::vector<torch::Tensor> pieces() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& q : pieces_) out.push_back(q.tensor);
+    return out;
+  }
 
   void prepare() override {
     wait_params();  // overlap_sync_param: the last step's gathers, before the parameters are read
@@ -85,7 +99,7 @@ class ZeroShards : public optim::Distributed {
         into.copy_(b.flat.narrow(0, r * part, part));
       }
     }
-    for (size_t i = 0; i < masters_.size(); ++i) masters_[i].mutable_grad() = grads_[i];
+    for (auto& q : pieces_) q.tensor.mutable_grad() = grads_[q.master].narrow(0, q.offset, q.tensor.numel());
   }
 
   double clip(double max_norm) override {
@@ -112,7 +126,7 @@ class ZeroShards : public optim::Distributed {
         const auto& b = buckets[i];
         InFlight f;
         f.bucket = i;
-        f.mine = masters_[b.buffer].detach().narrow(0, bucket_master_[i], b.padded / z)
+        f.mine = masters_[b.buffer].narrow(0, bucket_master_[i], b.padded / z)
                      .to(params[b.params.front()].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         f.work = zero_->all_gather(f.mine, f.parts, /*async=*/true);
         in_flight_.push_back(std::move(f));
@@ -127,7 +141,7 @@ class ZeroShards : public optim::Distributed {
       if (!scratch.defined() || scratch.numel() < b.padded)
         scratch = torch::empty({b.padded}, params[b.params.front()].options().requires_grad(false));
       auto flat = scratch.narrow(0, 0, b.padded);
-      flat.narrow(0, r * part, part).copy_(masters_[b.buffer].detach().narrow(0, bucket_master_[i], part));
+      flat.narrow(0, r * part, part).copy_(masters_[b.buffer].narrow(0, bucket_master_[i], part));
       zero_->all_gather_flat(flat);
       for (size_t s = 0; s < b.params.size(); ++s) {
         auto p = params[b.params[s]].detach();
@@ -171,21 +185,23 @@ class ZeroShards : public optim::Distributed {
     const auto k = index_of(param);
     if (k < 0) return out;
     std::vector<std::map<std::string, torch::Tensor>> states;
-    for (const auto& m : masters_) states.push_back(opt.local_state(m));
+    for (const auto& q : pieces_) states.push_back(opt.local_state(q.tensor));
     if (states.front().empty()) return out;  // before the first step: no state on any rank
     const auto& p = dp_->params()[k];
     auto gather = [&](const std::function<torch::Tensor(size_t)>& source) {
       // (numel,) zeros but for this rank's segments, summed over the zero group: the whole.
-      auto full = torch::zeros({p.numel()}, masters_.front().options().requires_grad(false));
+      auto full = torch::zeros({p.numel()}, masters_.front().options());
       for (const auto& s : segments_)
         if (static_cast<int64_t>(s.param) == k)
-          full.narrow(0, s.param_offset, s.length).copy_(source(s.master).narrow(0, s.master_offset, s.length));
+          for_pieces(s, [&](size_t q, int64_t at, int64_t from, int64_t n) {
+            full.narrow(0, s.param_offset + from, n).copy_(source(q).narrow(0, at, n));
+          });
       zero_->all_reduce(full);
       return full.view(p.sizes());
     };
-    for (const auto& [slot, t] : states.front()) out[slot] = gather([&, name = slot](size_t m) { return states[m].at(name); });
+    for (const auto& [slot, t] : states.front()) out[slot] = gather([&, name = slot](size_t q) { return states[q].at(name); });
     if (p.scalar_type() != masters_.front().scalar_type())
-      out["master"] = gather([&](size_t m) { return masters_[m].detach(); });
+      out["master"] = gather([&](size_t q) { return pieces_[q].tensor.detach(); });
     return out;
   }
 
@@ -196,30 +212,30 @@ class ZeroShards : public optim::Distributed {
     const auto k = index_of(param);
     if (k < 0) return;
     if (slots.empty()) {  // a checkpoint without state: the optimizer starts afresh
-      for (const auto& m : masters_) opt.set_local_state(m, {});
+      for (const auto& q : pieces_) opt.set_local_state(q.tensor, {});
       return;
     }
     const auto& p = dp_->params()[k];
     for (const auto& [slot, t] : slots)
       TORCH_CHECK(t.numel() == p.numel(), "ZeRO: state '", slot, "' of a parameter of ", p.numel(), " elements has ",
                   t.numel());
-    for (size_t m = 0; m < masters_.size(); ++m) {
-      auto state = opt.local_state(masters_[m]);
-      bool touched = false;
-      for (const auto& s : segments_) {
-        if (static_cast<int64_t>(s.param) != k || s.master != m) continue;
-        touched = true;
+    std::map<size_t, std::map<std::string, torch::Tensor>> touched;  // piece -> its state, as written
+    for (const auto& s : segments_) {
+      if (static_cast<int64_t>(s.param) != k) continue;
+      for_pieces(s, [&](size_t q, int64_t at, int64_t from, int64_t n) {
+        auto it = touched.find(q);
+        if (it == touched.end()) it = touched.emplace(q, opt.local_state(pieces_[q].tensor)).first;
         for (const auto& [slot, t] : slots) {
           if (slot == "master") continue;
-          auto& into = state[slot];
-          if (!into.defined()) into = torch::zeros_like(masters_[m].detach());
-          into.narrow(0, s.master_offset, s.length).copy_(t.reshape({-1}).narrow(0, s.param_offset, s.length));
+          auto& into = it->second[slot];
+          if (!into.defined()) into = torch::zeros_like(pieces_[q].tensor.detach());
+          into.narrow(0, at, n).copy_(t.reshape({-1}).narrow(0, s.param_offset + from, n));
         }
-        auto master = slots.count("master") ? slots.at("master") : p.detach();
-        master_part(s).copy_(master.reshape({-1}).narrow(0, s.param_offset, s.length));
-      }
-      if (touched) opt.set_local_state(masters_[m], state);
+      });
+      auto master = slots.count("master") ? slots.at("master") : p.detach();
+      master_part(s).copy_(master.reshape({-1}).narrow(0, s.param_offset, s.length));
     }
+    for (auto& [q, state] : touched) opt.set_local_state(pieces_[q].tensor, state);
   }
 
   ZeroBytes bytes(const optim::Optimizer& opt) const {
@@ -229,6 +245,7 @@ class ZeroShards : public optim::Distributed {
     for (const auto& m : masters_) b.master += static_cast<int64_t>(m.nbytes());
     for (const auto& g : grads_) b.shard_grad += static_cast<int64_t>(g.nbytes());
     b.gathers_in_flight = static_cast<int>(in_flight_.size());
+    b.pieces = static_cast<int>(pieces_.size());
     b.grad_buffer = dp_->held_bytes();
     b.scratch = dp_->scratch_bytes();
     for (size_t i = 0; i < grads_.size(); ++i)
@@ -240,8 +257,19 @@ class ZeroShards : public optim::Distributed {
   void sync_grad() const { dp_->gather_shards(); }
 
  private:
-  torch::Tensor master_part(const Segment& s) const {
-    return masters_[s.master].detach().narrow(0, s.master_offset, s.length);
+  torch::Tensor master_part(const Segment& s) const { return masters_[s.master].narrow(0, s.master_offset, s.length); }
+  // Calls f(piece, offset in the piece, offset in the segment, length) for each piece the
+  // segment's elements of its master fall in, in order.
+  template <typename F>
+  void for_pieces(const Segment& s, F&& f) const {
+    const int64_t piece = piece_length_[s.master];
+    for (int64_t from = 0; from < s.length;) {
+      const int64_t at = s.master_offset + from;
+      const size_t q = piece_begin_[s.master] + static_cast<size_t>(at / piece);
+      const int64_t n = std::min(s.length - from, piece - at % piece);
+      f(q, at % piece, from, n);
+      from += n;
+    }
   }
   torch::Tensor param_part(const Segment& s) const {
     return dp_->params()[s.param].detach().reshape({-1}).narrow(0, s.param_offset, s.length);
@@ -293,7 +321,16 @@ class ZeroShards : public optim::Distributed {
   int stage_ = 0;
   std::vector<Segment> segments_;
   std::vector<int64_t> bucket_master_;  // where each bucket's part starts in its master
-  std::vector<torch::Tensor> masters_;  // (shard,) one per flat buffer: what the optimizer steps
+  std::vector<torch::Tensor> masters_;  // (shard,) one per flat buffer, in float32 or float64
+  struct Piece {
+    size_t master = 0;
+    int64_t offset = 0;      // where it starts in its master
+    torch::Tensor tensor;    // a leaf viewing masters_[master]: what the optimizer steps
+  };
+  static constexpr int64_t kCpuPiece = int64_t{1} << 17;
+  std::vector<Piece> pieces_;          // every master's, master by master, in order
+  std::vector<size_t> piece_begin_;    // each master's first piece in pieces_
+  std::vector<int64_t> piece_length_;  // each master's piece length (its last may be shorter)
   std::vector<torch::Tensor> grads_;    // (shard,) their gradients
   std::vector<bool> shared_;            // grads_[i] is data parallelism's shard buffer i itself
   std::vector<dist::GroupPtr> groups_;  // each parameter's tensor group when split, else null
@@ -318,7 +355,7 @@ std::shared_ptr<optim::Optimizer> make_zero_optimizer(const std::shared_ptr<Para
   TORCH_CHECK(o.zero_stage >= 1 && o.zero_group && o.zero_group->size() > 1,
               "ZeRO: the model was parallelized without a zero stage over zero groups of more than one rank");
   auto shards = std::make_shared<ZeroShards>(model);
-  auto opt = std::make_shared<optim::Optimizer>(shards->masters(), options);
+  auto opt = std::make_shared<optim::Optimizer>(shards->pieces(), options);
   opt->set_distributed(shards);
   if (model->overlap_sync_param()) {
     shards->set_overlap(true);

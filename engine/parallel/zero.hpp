@@ -38,6 +38,9 @@ struct ZeroBytes {
   int64_t shared_grad = 0;
   /// overlap_sync_param: buckets whose all-gather of updated parameters is in flight now.
   int gathers_in_flight = 0;
+  /// The tensors the optimizer steps: the masters cut into pieces (on the CPU of at most 128 Ki
+  /// elements, which keeps the update's temporaries in cache; one a master on a device).
+  int pieces = 0;
 };
 
 /// Makes the distributed optimizer for `model` (parallelized with a zero stage of 1 or 2): an

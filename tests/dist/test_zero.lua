@@ -9,7 +9,8 @@
 -- gpipe, 1f1b and interleaved chunks, and with GPT-2's tied embedding, while each rank holds no
 -- .grad after the step and at most its shard, the buckets reduced whole and two buckets of
 -- scratch; overlap_sync_param trains bit for bit as without it;
--- sync_shard_grad makes ZeRO-2's gradients whole; reducer pre/post hooks fire under ZeRO-1 and
+-- sync_shard_grad makes ZeRO-2's gradients whole; a shard the optimizer steps in several pieces
+-- trains as AdamW and its checkpoint loads into plain, ZeRO-1 and ZeRO-2 layouts; reducer pre/post hooks fire under ZeRO-1 and
 -- ZeRO-2 (the post-hook of a reduce-scattered bucket gets this rank's part) and what they write
 -- reaches the gradients; and what cannot run is refused at the caller's line.
 --   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero.lua
@@ -452,6 +453,52 @@ test("ZeRO checkpoints load without ZeRO and into a pipeline, and plain ones und
     pt.ckpt.load(dir, { model = b, optim = bo })
     eq(bo:steps(), 3, c.what .. ": the step count")
     same(c.what, b, train(b, bm, bo, 4, 6), want, want_params)
+  end
+  pt.dist.barrier()
+  if pt.dist.rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
+end)
+
+-- On the CPU the optimizer steps each master in pieces of at most 128 Ki elements: a shard of
+-- about 186 K elements (zero groups of 2) is two pieces, and the 600 x 600 weight's segment
+-- straddles their boundary. Training, the gathered state a checkpoint holds and the state a load
+-- slices back must see the pieces as one master.
+test("a shard in several optimizer pieces trains as AdamW, and its checkpoint moves to other layouts", function()
+  local wide = function(dtype) return function() return pt.models.mlp { sizes = { 12, 600, 600, 6 } }:to(dtype) end end
+  local optim = { lr = 1e-3, weight_decay = 0.1, clip_grad_norm = 0.05 }
+  local a, ao, am = equal_to_serial { what = "zero-1 groups of 2, a wide mlp", mesh = { zero = 2 }, make = wide,
+                                      steps = 4, optim = optim }
+  local z = ao:zero()
+  ok(z.pieces >= 2 and z.master_bytes / 4 > 131072,
+     ("the shard (%d elements) is in %d pieces"):format(z.master_bytes / 4, z.pieces))
+  local dir = "/tmp/partrain-test-zero-pieces-" .. (os.getenv("MASTER_PORT") or "0")
+  local function train(model, mesh, opt)
+    local losses = {}
+    local d, b = mesh:coord().data, BATCH / mesh:size("data")
+    for n = 1, 3 do
+      pt.manual_seed(700 + n)
+      local x, y = pt.randn({ BATCH, 12 }), pt.randint(0, 6, { BATCH })
+      local loss = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):detach():clone()
+      mesh:group("data"):all_reduce(loss, "mean")
+      losses[n] = loss:item()
+      opt:step(); opt:zero_grad()
+    end
+    return losses
+  end
+  pt.ckpt.save(dir, { model = a, optim = ao, step = 4, overwrite = true })
+  local want = train(a, am, ao)
+  local want_params = a:full_state_dict()
+  for _, c in ipairs {
+    { what = "-> plain data 4", mesh = {}, opts = {} },
+    { what = "-> zero-2 groups of 2", mesh = { zero = 2 }, opts = { zero = { stage = 2 } } },
+    { what = "-> zero-1 over data 4", mesh = { zero = 0 }, opts = { zero = { stage = 1 } } },
+  } do
+    local mesh = pt.mesh(c.mesh)
+    local b = pt.parallelize(wide("float32")(), nil, mesh, c.opts)
+    local bo = pt.optim.adamw(b, optim)
+    pt.ckpt.load(dir, { model = b, optim = bo })
+    local got = train(b, mesh, bo)
+    for n = 1, 3 do near(got[n], want[n], 1e-5, ("%s: loss at step %d after the load"):format(c.what, n)) end
+    for name, t in pairs(b:full_state_dict()) do near(t, want_params[name], 1e-5, c.what .. ": parameter " .. name) end
   end
   pt.dist.barrier()
   if pt.dist.rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
