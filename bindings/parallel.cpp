@@ -265,6 +265,7 @@ void data_parallel_options(const Args& a, int idx, parallel::ParallelizeOptions&
                                     std::to_string(zero.reduce_bucket_size));
     }
     zero.overlap_sync_param = z.boolean("overlap_sync_param", zero.overlap_sync_param);
+    zero.reduce_scatter = z.boolean("reduce_scatter", zero.reduce_scatter);
     z.finish();
     out.zero = zero;
   }

@@ -191,8 +191,9 @@ void DataParallel::fill(Bucket& b, size_t slot) {
   const auto& grad = p.grad();
   if (!grad.defined()) slice.zero_();  // no gradient this pass counts as zeros (every rank sends every bucket)
   else if (grad.data_ptr() != slice.data_ptr()) slice.copy_(grad.reshape({-1}));  // not already in place
-  // ZeRO-2: the gradient is in the bucket now; autograd's tensor goes.
-  if (sharded() && !b.whole && grad.defined()) p.mutable_grad() = torch::Tensor();
+  // Reduce-scattered (ZeRO-2, ZeRO-1's default): the gradient is in the bucket now; autograd's
+  // tensor goes.
+  if (scatters() && !b.whole && grad.defined()) p.mutable_grad() = torch::Tensor();
   filled_[k] = 1;
 }
 
@@ -290,14 +291,17 @@ void DataParallel::launch_ready() {
       b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
     if (pre_hook_) pre_hook_(index, b.flat);
     auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
-    if (sharded() && !b.whole) {
-      // ZeRO-2: this rank's part of the bucket is reduced over the zero group (a ring on Gloo,
-      // run here: it completes before backward goes on), then over the other zero groups; it is
-      // added into the shard, and the scratch goes back to the pool for the next bucket.
+    if (scatters() && !b.whole) {
+      // ZeRO: this rank's part of the bucket is reduced over the zero group (a ring on Gloo,
+      // run here: it completes before backward goes on), then over the other zero groups. ZeRO-2
+      // adds it into the shard and gives the scratch back to the pool for the next bucket;
+      // ZeRO-1 leaves it in the bucket's part r, where the optimizer reads it.
       auto part = options_.zero_group->reduce_scatter_flat(b.flat, op);
       if (options_.zero_across) options_.zero_across->all_reduce(part, op);
-      shard_of(i).add_(part);
-      give_back_scratch(b);
+      if (sharded()) {
+        shard_of(i).add_(part);
+        give_back_scratch(b);
+      }
       b.work = dist::Work();
     } else {
       b.work = group_->all_reduce(b.flat, op, /*async=*/true);
@@ -336,9 +340,12 @@ void DataParallel::finish_here() {
     auto& b = buckets_[i];
     b.work.wait();
     if (!post_hook_) continue;
-    // Under ZeRO-2 only this rank's part of a reduce-scattered bucket holds reduced gradients:
-    // the hook gets that part of the shard (a view).
-    auto reduced = sharded() && !b.whole ? shard_of(i) : b.flat;
+    // Only this rank's part of a reduce-scattered bucket holds reduced gradients: the hook gets
+    // that part (a view of the shard under ZeRO-2, of the bucket under ZeRO-1).
+    auto reduced = !scatters() || b.whole ? b.flat
+                   : sharded()           ? shard_of(i)
+                                         : b.flat.narrow(0, options_.zero_group->rank() * (b.padded / zero_size()),
+                                                         b.padded / zero_size());
     post_hook_(static_cast<int>(i), reduced);
   }
   auto done = Clock::now();
@@ -349,11 +356,11 @@ void DataParallel::finish_here() {
   stats_.exposed_seconds += stats_.last_exposed_seconds;
   // Each .grad becomes a view of its bucket: no copy back, and no new gradient memory a step
   // (DDP's gradient_as_bucket_view). The next sync overwrites the bucket, so a .grad kept across
-  // steps changes with it. Under ZeRO-2 a reduce-scattered bucket's parameters have no .grad
+  // steps changes with it. A reduce-scattered bucket's parameters have no .grad
   // (sync_shard_grad gathers them).
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];
-    if (sharded() && !b.whole) continue;
+    if (scatters() && !b.whole) continue;
     auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
     if (slice.scalar_type() == params_[k].scalar_type()) params_[k].mutable_grad() = slice;
     else if (params_[k].grad().defined()) params_[k].mutable_grad().copy_(slice);  // a reduce dtype of its own
@@ -363,22 +370,24 @@ void DataParallel::finish_here() {
 }
 
 void DataParallel::gather_shards() {
-  if (!sharded()) return;
+  if (!scatters()) return;
   torch::NoGradGuard no_grad;
   const int64_t z = zero_size(), r = options_.zero_group->rank();
   for (size_t i = 0; i < buckets_.size(); ++i) {
     auto& b = buckets_[i];
     if (b.whole) continue;  // whole already: .grad views it
-    take_scratch(b);
     const int64_t part = b.padded / z;
-    b.flat.narrow(0, r * part, part).copy_(shard_of(i));
+    if (sharded()) {  // ZeRO-2: the shard into scratch; ZeRO-1's bucket holds its part r already
+      take_scratch(b);
+      b.flat.narrow(0, r * part, part).copy_(shard_of(i));
+    }
     options_.zero_group->all_gather_flat(b.flat);
     for (size_t s = 0; s < b.params.size(); ++s) {
       auto& p = params_[b.params[s]];
       auto slice = b.flat.narrow(0, b.offsets[s], p.numel()).view(p.sizes());
       p.mutable_grad() = slice.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
     }
-    give_back_scratch(b);
+    if (sharded()) give_back_scratch(b);
   }
 }
 

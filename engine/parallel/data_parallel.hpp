@@ -37,6 +37,9 @@ struct DataParallelOptions {
   int zero_stage = 0;
   dist::GroupPtr zero_group;   ///< the ranks splitting each bucket; null: none (one part)
   dist::GroupPtr zero_across;  ///< hierarchical ZeRO's other zero groups' peers; null: none
+  /// Stage 1: reduce-scatter each bucket over `zero_group` into its own part r (the bucket stays
+  /// whole-sized), not all-reduce it; its parameters' .grad go (gather_shards brings them back).
+  bool zero_reduce_scatter = false;
   /// The gradient buffer's dtype; undefined: each parameter's own.
   c10::optional<torch::ScalarType> reduce_dtype;
   /// Parameters whose buckets are all-reduced whole over the data group even under ZeRO-2: those
@@ -132,6 +135,11 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   void set_chunk(int chunk) { chunk_ = chunk; }
   /// ZeRO-2 over more than one rank: gradients are kept as this rank's shard only.
   bool sharded() const { return options_.zero_stage == 2 && zero_size() > 1; }
+  /// Whether buckets (but those reduced whole) are reduce-scattered: ZeRO-2, and ZeRO-1 with
+  /// zero_reduce_scatter. Their parameters keep no .grad after the sync.
+  bool scatters() const {
+    return zero_size() > 1 && (options_.zero_stage == 2 || (options_.zero_stage == 1 && options_.zero_reduce_scatter));
+  }
   /// Clears every parameter's .grad and, under ZeRO-2, zeroes the shards (what backward passes
   /// have added up since).
   void zero_grad();

@@ -207,7 +207,10 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
         for (const auto& p : chunk) seen[p.unsafeGetTensorImpl()] = true;
       }
     }
+    TORCH_CHECK(stage == 1 || !options.zero || options.zero->reduce_scatter, "zero: reduce_scatter = false keeps "
+                "gradients whole, which is ZeRO-1; stage 2 always reduce-scatters them");
     dp.zero_stage = stage;
+    dp.zero_reduce_scatter = !options.zero || options.zero->reduce_scatter;
     dp.zero_group = model->mesh_->group("zero");
     dp.zero_across = model->mesh_->zero_across();
     if (options.zero && options.zero->reduce_bucket_size > 0) dp.bucket_cap_mb = options.zero->reduce_bucket_size;

@@ -21,6 +21,11 @@ struct ZeroOptions {
   /// are waited for when the model is next used (ParallelModel::sync_params), so the gathers
   /// overlap whatever the script does in between (InternLM's overlap_sync_param).
   bool overlap_sync_param = false;
+  /// Stage 1: each bucket is reduce-scattered over the zero group, so a rank gets only the part
+  /// its masters update (the bytes of an all-reduce, not those plus the all-gather's), and the
+  /// parameters' .grad go as under stage 2 (sync_shard_grad makes them whole). false: buckets are
+  /// all-reduced and every .grad stays whole. DeepSpeed's reduce_scatter, default true there too.
+  bool reduce_scatter = true;
 };
 
 /// What ZeRO keeps on this rank, in bytes, for the planner and the REPL.

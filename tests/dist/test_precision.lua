@@ -3,7 +3,8 @@
 -- with 1F1B), an overflow only one rank sees makes both ranks skip the step and back off alike,
 -- a bfloat16 model trains data-parallel and pipelined like serial bfloat16 (Gloo reduces its
 -- gradients as float32), and a bfloat16 model's parameter records point at the optimizer's float32
--- masters; under ZeRO-1 and ZeRO-2 the scale and the skip work on each rank's shard.
+-- masters; under ZeRO-1 (reduce-scattered or all-reduced) and ZeRO-2 the scale and the skip work
+-- on each rank's shard.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_precision.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -107,24 +108,25 @@ end)
 
 -- Under ZeRO the scaled gradients are unscaled and checked on each rank's shard of the masters.
 local zero_mesh = pt.mesh { zero = 0 }  -- the whole data group (2 ranks)
-for _, stage in ipairs { 1, 2 } do
-  test(("ZeRO-%d: a static 2^10 trains bit for bit as none, and an overflow on one rank skips everywhere"):format(stage), function()
-    local popts = { zero = { stage = stage } }
+for _, c in ipairs { { stage = 1 }, { stage = 1, reduce_scatter = false }, { stage = 2 } } do
+  local stage = c.stage
+  local what = c.reduce_scatter == false and "ZeRO-1 (all-reduced)" or "ZeRO-" .. stage
+  test(("%s: a static 2^10 trains bit for bit as none, and an overflow on one rank skips everywhere"):format(what), function()
+    local popts = { zero = c }
     local plain = train(zero_mesh, nil, popts, { lr = 1e-2 })
     local scaled, opt = train(zero_mesh, nil, popts, { lr = 1e-2, loss_scale = 1024 })
     eq(opt:zero().stage, stage, "the distributed optimizer")
-    same_params(scaled, plain, "ZeRO-" .. stage)
-    -- Rank 1's gradients overflow (all of them, so its own shard sees it): both ranks skip. Under
-    -- ZeRO-2 no .grad is left after backward: rank 1's reduced shard overflows, in the post-hook.
+    same_params(scaled, plain, what)
+    -- Rank 1's reduced gradients overflow, in the post-hook (its part of each bucket; no .grad is
+    -- left after a reduce-scatter): both ranks skip.
     local x, y = batch(zero_mesh, 410)
     local before = snapshot(scaled)
     local overflow = false
     pt.data_parallel(scaled):set_post_hook(function(_, grads) if overflow and rank == 1 then grads:fill_(1 / 0) end end)
     opt:zero_grad()
-    overflow = stage == 2
+    overflow = true
     scaled:train_step(x, y)
     overflow = false
-    if rank == 1 and stage == 1 then for _, p in pairs(params(scaled)) do p.grad:fill_(1 / 0) end end
     local _, skipped = opt:step()
     eq(skipped, "skipped", "rank " .. rank .. " skips")
     eq(opt:loss_scale(), 1024, "a static scale stays")

@@ -10,9 +10,11 @@
 -- .grad after the step and at most its shard, the buckets reduced whole and two buckets of
 -- scratch; overlap_sync_param trains bit for bit as without it;
 -- sync_shard_grad makes ZeRO-2's gradients whole; a shard the optimizer steps in several pieces
--- trains as AdamW and its checkpoint loads into plain, ZeRO-1 and ZeRO-2 layouts; reducer pre/post hooks fire under ZeRO-1 and
--- ZeRO-2 (the post-hook of a reduce-scattered bucket gets this rank's part) and what they write
--- reaches the gradients; and what cannot run is refused at the caller's line.
+-- trains as AdamW and its checkpoint loads into plain, ZeRO-1 and ZeRO-2 layouts; ZeRO-1 with
+-- reduce_scatter = false (buckets all-reduced, .grad whole) equals AdamW too; reducer pre/post
+-- hooks fire under ZeRO-1 (reduce-scattered and all-reduced) and ZeRO-2 (the post-hook of a
+-- reduce-scattered bucket gets this rank's part) and what they write reaches the gradients; and
+-- what cannot run is refused at the caller's line.
 --   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -89,6 +91,9 @@ test("ZeRO-1 and ZeRO-2 over data 4 equal unsharded AdamW (clipping on)", functi
     local z = opt:zero()
     eq(z.stage, stage); eq(z.group, 4)
   end
+  equal_to_serial { what = "zero-1 all-reduced data 4", mesh = { zero = 0 }, make = mlp,
+                    opts = { zero = { stage = 1, reduce_scatter = false } },
+                    optim = { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 } }
   equal_to_serial { what = "zero-2 data 4", mesh = { zero = 0 }, make = mlp, dtype = "float64",
                     opts = { zero = { stage = 2, reduce_bucket_size = 0.001 } },
                     optim = { lr = 1e-2, clip_grad_norm = 0.05 } }
@@ -379,10 +384,11 @@ test("sync_shard_grad makes ZeRO-2's gradients whole", function()
 end)
 
 test("reducer hooks fire under ZeRO-1 and ZeRO-2 and their changes reach the gradients", function()
-  for stage = 1, 2 do
+  for _, c in ipairs { { stage = 1 }, { stage = 1, reduce_scatter = false }, { stage = 2 } } do
+    local stage, scattered = c.stage, c.reduce_scatter ~= false
     local mesh = pt.mesh { zero = 0 }
     local model = pt.parallelize(pt.models.mlp { sizes = { 12, 24, 6 } }, nil, mesh,
-                                 { zero = { stage = stage, reduce_bucket_size = 1e-4 } })
+                                 { zero = { stage = stage, reduce_scatter = c.reduce_scatter, reduce_bucket_size = 1e-4 } })
     local opt = pt.optim.adamw(model, {})
     local handle = pt.data_parallel(model)
     local pre, post = {}, {}
@@ -393,13 +399,19 @@ test("reducer hooks fire under ZeRO-1 and ZeRO-2 and their changes reach the gra
       post[#post + 1] = { grads:numel(), grads:min():item(), grads:max():item() }
     end)
     model:train_step(pt.randn({ 2, 12 }), pt.randint(0, 6, { 2 }))
-    local what = ("ZeRO-%d: "):format(stage)
+    local what = ("ZeRO-%d%s: "):format(stage, scattered and "" or " (all-reduced)")
     ok(handle:buckets() > 1, what .. "several buckets")
     eq(#pre, handle:buckets(), what .. "a pre-hook call per bucket")
     eq(#post, handle:buckets(), what .. "a post-hook call per bucket")
     for i, seen in ipairs(post) do
-      eq(seen[1], stage == 2 and pre[i] / 4 or pre[i], what .. "the post-hook's tensor (ZeRO-2: this rank's part) " .. i)
+      eq(seen[1], scattered and pre[i] / 4 or pre[i], what .. "the post-hook's tensor (reduce-scattered: this rank's part) " .. i)
       ok(seen[2] == 10 and seen[3] == 10, what .. "the post-hook sees the reduced values " .. i)
+    end
+    -- Reduce-scattered, no parameter keeps a .grad (only a part of it is reduced); all-reduced,
+    -- every .grad is whole already.
+    for i, p in ipairs(model:parameters()) do
+      if scattered then eq(p.grad, nil, what .. "no .grad before sync_shard_grad " .. i)
+      else ok(p.grad:eq(10):all():item(), what .. "gradient " .. i .. " whole after backward") end
     end
     opt:sync_shard_grad()
     for i, p in ipairs(model:parameters()) do
@@ -528,6 +540,9 @@ test("what cannot run is refused at the caller's line", function()
              "reduce_dtype' must be 'float32', 'bfloat16' or 'float64', got 'int8'")
   ok(e:find(here), e)
   raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stag = 1 } }) end, "stag")
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 2, reduce_scatter = false } }) end,
+             "stage 2 always reduce-scatters them")
+  ok(e:find(here), e)
   -- A plain optimizer over a ZeRO model's parameters (all of them, or a block's) would step on
   -- gradients ZeRO-2 never leaves in .grad: refused, naming the parameter.
   for _, stage in ipairs { 1, 2 } do
