@@ -188,7 +188,10 @@ NodeControl::NodeControl(const ControlOptions& options) : o_(options), watch_(op
     helper_ = pid;
     lifeline_ = pipe_fds[1];
   }
-  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.join_timeout * 1000));
+  // Node 0's store is its own helper, listening already: 10 s is plenty (a helper that died at
+  // start refuses connections, which would otherwise be retried for the whole --timeout).
+  const double reach = o_.node_rank == 0 ? std::min(o_.join_timeout, 10.0) : o_.join_timeout;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(reach * 1000));
   try {
     store_ = c10::make_intrusive<dist::RendezvousStore>(so, deadline);
   } catch (const std::exception& e) {
@@ -303,7 +306,7 @@ Verdict NodeControl::propose(int attempt, const Verdict& verdict) {
 
 void NodeControl::succeeded(int attempt) {
   try {
-    if (store_->add(key("ok", attempt), 1) == o_.nnodes) {
+    if (store_->add(key("ok", attempt), 1) >= o_.nnodes) {
       Verdict ok;
       ok.node = o_.node_rank;
       propose(attempt, ok);
@@ -336,8 +339,9 @@ std::optional<int> NodeControl::met(int attempt) {
           if (store_->add(key("alive", n), 0) == 0) missing += (count++ ? ", " : "") + std::to_string(n);
         Verdict v;
         v.kind = Verdict::Stopped;
-        v.cause = (count == 0 ? std::string("not every node") : (count == 1 ? "node " : "nodes ") + missing) +
-                  " arrived within --timeout " + seconds(o_.join_timeout) + " s (" + std::to_string(arrived) + " of " +
+        v.cause = (count == 0 ? std::string("not every node arrived")
+                              : (count == 1 ? "node " : "nodes ") + missing + " did not arrive") +
+                  " within --timeout " + seconds(o_.join_timeout) + " s (" + std::to_string(arrived) + " of " +
                   std::to_string(o_.nnodes) + " nodes came)";
         propose(attempt, v);
       }

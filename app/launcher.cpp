@@ -316,7 +316,8 @@ void validate(const LaunchOptions& o) {
   if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
     bad("--max-restarts " + std::to_string(o.max_restarts) + " is out of range: 0 to " + std::to_string(kMaxRestarts));
   if (!(o.node_timeout >= kMinNodeTimeout && o.node_timeout <= kMaxNodeTimeout))
-    bad("--node-timeout " + std::to_string(o.node_timeout) + " is out of range: 1 to " +
+    bad("--node-timeout " + std::to_string(o.node_timeout) + " is out of range: " +
+        std::to_string(int(kMinNodeTimeout)) + " to " +
         std::to_string(int(kMaxNodeTimeout)) + " seconds");
   if (o.max_restarts > 0 && o.interactive) bad("--max-restarts is for scripts, not the REPL (-i)");
   if (!(o.hang_timeout >= 0 && o.hang_timeout <= kMaxHangTimeout))
@@ -956,7 +957,8 @@ int launch_nodes(LaunchOptions o, const std::vector<std::string>& child_args, co
         break;
       case Verdict::Stopped:
         if (v.node == me && interrupted) {
-          std::cerr << "partrain: the job was stopped on every node: this node's " << v.cause.substr(4) << "\n";
+          std::cerr << "partrain: the job was stopped on every node: this node's "
+                  << (v.cause.rfind("its ", 0) == 0 ? v.cause.substr(4) : v.cause) << "\n";
           status = 128 + int(interrupted);
         } else {
           std::cerr << "partrain: " << who << " stopped the job: " << v.cause << "; this node's ranks were stopped\n";

@@ -59,7 +59,9 @@ constexpr int kMaxTimeout = 7 * 24 * 3600;  ///< --timeout, seconds (as PARTRAIN
 constexpr int kMaxRestarts = 1000;          ///< --max-restarts
 constexpr double kMaxBackoff = 3600;        ///< --restart-backoff, seconds
 constexpr double kMaxHangTimeout = kMaxTimeout;  ///< --hang-timeout, seconds
-constexpr double kMinNodeTimeout = 1;            ///< --node-timeout, seconds: a heartbeat is sent each second
+/// --node-timeout, seconds: a heartbeat is sent about once a second and node 0 looks about once a
+/// second, so two looks can fall with no beat between them: below 3 s a live node could be lost.
+constexpr double kMinNodeTimeout = 3;
 constexpr double kMaxNodeTimeout = kMaxTimeout;
 
 /// Checks the options; a bad value is an error naming the flag.

@@ -188,7 +188,7 @@ int run_main(int argc, char** argv) {
                  "0-3600 (default 1)");
   std::string node_timeout_text;
   app.add_option("--node-timeout", node_timeout_text, "with --nnodes > 1: seconds without a heartbeat from a node's "
-                 "launcher after which the others declare it lost and end the job, 1-604800 (default 30)");
+                 "launcher after which the others declare it lost and end the job, 3-604800 (default 30)");
   app.add_option("--rdzv-secret-file", launch.secret_file, "with --nproc-per-node: the file holding the job's "
                  "rendezvous secret, the same on every node (needed with --nnodes > 1; readable by you alone); "
                  "default: a new one for this job");
@@ -302,7 +302,9 @@ int run_main(int argc, char** argv) {
     double v = std::strtod(node_timeout_text.c_str(), &end);
     if (node_timeout_text.empty() || !end || *end ||
         !(v >= partrain::app::kMinNodeTimeout && v <= partrain::app::kMaxNodeTimeout))
-      bad = "--node-timeout '" + node_timeout_text + "' is not a number of seconds from 1 to 604800";
+      bad = "--node-timeout '" + node_timeout_text + "' is not a number of seconds from " +
+            std::to_string(int(partrain::app::kMinNodeTimeout)) + " to " +
+            std::to_string(int(partrain::app::kMaxNodeTimeout));
     else if (launch.nnodes < 2)
       bad = "--node-timeout is for jobs over several nodes: it needs --nnodes 2 or more";
     else

@@ -5,8 +5,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 
 #include "bindings/lua.hpp"
 #include "engine/util/files.hpp"
@@ -53,30 +51,6 @@ const Function kFiles[] = {
        lua_pushboolean(a.L, terminal);
        lua_pushnumber(a.L, columns > 0 && columns < 10000 ? columns : 0);
        return 2; }},
-    // gpu_models() -> the model names NVIDIA's driver lists (/proc/driver/nvidia/gpus/*/information,
-    // "Model: NVIDIA H100 80GB HBM3"), without initializing CUDA; {} without the driver.
-    {"gpu_models", [](Args& a) {
-       std::vector<std::string> models;
-       std::error_code ec;
-       for (const auto& gpu : std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec)) {
-         // A /proc file: its size reads as 0, so read a bounded prefix rather than read_regular.
-         std::ifstream in(gpu.path() / "information");
-         std::string info(4096, '\0');
-         in.read(&info[0], static_cast<std::streamsize>(info.size()));
-         info.resize(static_cast<size_t>(in.gcount()));
-         auto at = info.find("Model:");
-         if (at == std::string::npos) continue;
-         auto end = info.find('\n', at);
-         std::string model = info.substr(at + 6, end == std::string::npos ? std::string::npos : end - at - 6);
-         model.erase(0, model.find_first_not_of(" \t"));
-         models.push_back(model);
-       }
-       lua_createtable(a.L, static_cast<int>(models.size()), 0);
-       for (size_t i = 0; i < models.size(); ++i) {
-         lua_pushlstring(a.L, models[i].data(), models[i].size());
-         lua_rawseti(a.L, -2, static_cast<int>(i + 1));
-       }
-       return 1; }},
     {nullptr, nullptr}};
 
 }  // namespace

@@ -674,6 +674,15 @@ const Function kConstructors[] = {
        auto params = params_of(a, 1);
        double max_norm = a.number(2);
        if (max_norm <= 0) a.fail(2, "max_norm must be > 0");
+       // Reduce-scattered gradients (ZeRO-2; ZeRO-1 unless reduce_scatter = false) never reach
+       // .grad: scaling .grad would clip nothing the optimizer reads.
+       for (const auto& p : params)
+         if (std::string name; auto owner = parallel::ParallelModel::zero_owner(p, &name))
+           if (owner->data_parallel() && owner->data_parallel()->scatters())
+             a.fail(1, "parameter '" + name + "' belongs to a model parallelized with ZeRO-" +
+                           std::to_string(owner->zero_stage()) + ", whose gradients are reduce-scattered and never "
+                           "reach .grad; clip with the optimizer's own option instead: pt.optim.adamw(model, { "
+                           "clip_grad_norm = " + std::to_string(max_norm) + " })");
        // Given the model, its split parameters are found in its tree; a list of tensors counts whole.
        auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
        auto owner = model ? parallel::ParallelModel::of(**model) : nullptr;

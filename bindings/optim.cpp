@@ -129,10 +129,7 @@ int make_optimizer(Args& a, const std::string& kind) {
     if (auto pm = parallel::ParallelModel::of(**m); pm && pm->zero_stage() > 0) zero_model = pm;
   if (!zero_model)  // a plain optimizer over a ZeRO model's parameters would miss its shards
     for (const auto& p : params)
-      if (auto owner = parallel::ParallelModel::zero_owner(p)) {
-        std::string name = "?";
-        for (const auto& r : owner->records())
-          if (r.param.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) name = r.name;
+      if (std::string name; auto owner = parallel::ParallelModel::zero_owner(p, &name)) {
         throw std::invalid_argument("pt.optim." + kind + ": parameter '" + name + "' belongs to a model parallelized "
                                     "with ZeRO-" + std::to_string(owner->zero_stage()) + ", whose optimizer must "
                                     "be made from the model itself (pt.optim." + kind + "(model, ...)): it keeps "
@@ -265,8 +262,9 @@ const Function kOptimizerMethods[] = {
     // fused(): whether steps run LibTorch's fused AdamW kernel (fused = true, or "auto" where it is)
     {"fused", [](Args& a) { return a.ret(optimizer(a, 1)->fused()); }},
     {"state_bytes", [](Args& a) { return a.ret(double(optimizer(a, 1)->state_bytes())); }},
-    // opt:sync_shard_grad(): under ZeRO-2, every .grad made whole (the reduced shards gathered
-    // over the zero group) before it is read; a no-op otherwise.
+    // opt:sync_shard_grad(): when the buckets are reduce-scattered (ZeRO-2; ZeRO-1 unless
+    // reduce_scatter = false), every .grad made whole (the reduced parts gathered over the zero
+    // group) before it is read; a no-op otherwise.
     {"sync_shard_grad", [](Args& a) { parallel::sync_shard_grad(*optimizer(a, 1)); return a.ret(); }},
     // opt:zero(): nil without ZeRO, else { stage, group, master_bytes, state_bytes,
     // shard_grad_bytes, grad_buffer_bytes, scratch_bytes, gathers_in_flight } of this rank (under

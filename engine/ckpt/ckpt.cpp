@@ -1475,8 +1475,10 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       notes.push_back("the checkpoint holds CUDA generator states; this run computes on " + device.str() +
                       ": they are ignored");
     } else if (device.is_cuda()) {
-      notes.push_back("the checkpoint holds no CUDA generator state (saved on the CPU); " + device.str() +
-                      " keeps this run's");
+      notes.push_back("the checkpoint holds no CUDA generator state (" +
+                      (m.version < 6 ? "format " + std::to_string(m.version) + ", from before they were saved"
+                                     : std::string("saved on the CPU")) +
+                      "); " + device.str() + " keeps this run's");
     }
     loaded = {tag, m.step, m.user_json, notes};
   });

@@ -710,54 +710,61 @@ std::string RendezvousStore::request(const std::string& bytes, std::chrono::mill
   std::optional<Clock::time_point> deadline;
   if (wait.count() > 0) deadline = Clock::now() + wait + std::chrono::seconds(30);
   else if (wait.count() < 0) deadline = Clock::now() + std::max(timeout_, std::chrono::milliseconds(30000));
-  write_all(fd_, bytes, at);
-  char status = 0;
-  read_exact(fd_, &status, 1, deadline, at, "waiting for its answer");
-  std::string out(1, status);
-  auto u32 = [&]() {
-    char b[4];
-    read_exact(fd_, b, 4, deadline, at, "reading its answer");
-    uint32_t v = 0;
-    for (char c : b) v = (v << 8) | uint8_t(c);
-    return v;
-  };
-  auto str = [&](size_t max) {
-    uint32_t n = u32();
-    TORCH_CHECK(n <= max, "the rendezvous store at ", at, " sent ", n, " bytes where at most ", max, " may come");
-    std::string s(n, '\0');
-    read_exact(fd_, s.data(), n, deadline, at, "reading its answer");
-    return s;
-  };
-  switch (status) {
-    case 'K':
-    case 'T': break;
-    case 'V': out += str(kMaxStoreValue); break;
-    case 'E': out += str(kMaxStoreKey + 256); break;
-    case 'I': {
-      char b[8];
-      read_exact(fd_, b, 8, deadline, at, "reading its answer");
-      out.append(b, 8);
-      break;
-    }
-    case 'B': {
-      char b;
-      read_exact(fd_, &b, 1, deadline, at, "reading its answer");
-      out.push_back(b);
-      break;
-    }
-    case 'L': {
+  // A request that fails half-way (a timeout, a bad answer) leaves the connection out of step:
+  // the next request would read this one's answer. It is closed; later requests say so.
+  std::string out;
+  try {
+    write_all(fd_, bytes, at);
+    char status = 0;
+    read_exact(fd_, &status, 1, deadline, at, "waiting for its answer");
+    out.assign(1, status);
+    auto u32 = [&]() {
+      char b[4];
+      read_exact(fd_, b, 4, deadline, at, "reading its answer");
+      uint32_t v = 0;
+      for (char c : b) v = (v << 8) | uint8_t(c);
+      return v;
+    };
+    auto str = [&](size_t max) {
       uint32_t n = u32();
-      TORCH_CHECK(n <= kMaxStoreKeys, "the rendezvous store at ", at, " sent a list of ", n, " values");
-      put_u32(out, n);
-      for (uint32_t i = 0; i < n; ++i) put_str(out, str(kMaxStoreValue));
-      break;
+      TORCH_CHECK(n <= max, "the rendezvous store at ", at, " sent ", n, " bytes where at most ", max, " may come");
+      std::string s(n, '\0');
+      read_exact(fd_, s.data(), n, deadline, at, "reading its answer");
+      return s;
+    };
+    switch (status) {
+      case 'K':
+      case 'T': break;
+      case 'V': out += str(kMaxStoreValue); break;
+      case 'E': out += str(kMaxStoreKey + 256); break;
+      case 'I': {
+        char b[8];
+        read_exact(fd_, b, 8, deadline, at, "reading its answer");
+        out.append(b, 8);
+        break;
+      }
+      case 'B': {
+        char b;
+        read_exact(fd_, &b, 1, deadline, at, "reading its answer");
+        out.push_back(b);
+        break;
+      }
+      case 'L': {
+        uint32_t n = u32();
+        TORCH_CHECK(n <= kMaxStoreKeys, "the rendezvous store at ", at, " sent a list of ", n, " values");
+        put_u32(out, n);
+        for (uint32_t i = 0; i < n; ++i) put_str(out, str(kMaxStoreValue));
+        break;
+      }
+      default:
+        TORCH_CHECK(false, "the rendezvous store at ", at, " sent an answer partrain does not know ('", status, "')");
     }
-    default:
-      ::close(fd_);
-      fd_ = -1;
-      TORCH_CHECK(false, "the rendezvous store at ", at, " sent an answer partrain does not know ('", status, "')");
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
   }
-  if (status == 'E') TORCH_CHECK(false, "the rendezvous store at ", at, ": ", out.substr(1));
+  if (out[0] == 'E') TORCH_CHECK(false, "the rendezvous store at ", at, ": ", out.substr(1));
   return out;
 }
 

@@ -221,6 +221,13 @@ torch::Tensor DataParallel::shard_of(size_t i) const {
   return shards_[b.buffer].narrow(0, b.shard_start, b.padded / zero_size());
 }
 
+torch::Tensor DataParallel::reduced_part(size_t i) const {
+  const auto& b = buckets_[i];
+  if (sharded() && !b.whole) return shard_of(i);
+  const int64_t part = b.padded / zero_size();
+  return b.flat.narrow(0, (options_.zero_group ? options_.zero_group->rank() : 0) * part, part);
+}
+
 std::vector<torch::Tensor> DataParallel::held() const {
   std::vector<torch::Tensor> out(buffers_.begin(), buffers_.end());
   out.insert(out.end(), shards_.begin(), shards_.end());
@@ -342,10 +349,7 @@ void DataParallel::finish_here() {
     if (!post_hook_) continue;
     // Only this rank's part of a reduce-scattered bucket holds reduced gradients: the hook gets
     // that part (a view of the shard under ZeRO-2, of the bucket under ZeRO-1).
-    auto reduced = !scatters() || b.whole ? b.flat
-                   : sharded()           ? shard_of(i)
-                                         : b.flat.narrow(0, options_.zero_group->rank() * (b.padded / zero_size()),
-                                                         b.padded / zero_size());
+    auto reduced = !scatters() || b.whole ? b.flat : reduced_part(i);
     post_hook_(static_cast<int>(i), reduced);
   }
   auto done = Clock::now();

@@ -31,15 +31,16 @@ struct DataParallelOptions {
   dist::ReduceOp reduce = dist::ReduceOp::Mean; ///< how ranks' gradients combine (Cube's reducer_op)
   int grad_accumulation = 1;                    ///< backward passes a sync: sync on every k-th only
   bool broadcast_buffers = true;                ///< copy buffers from data rank 0 at start, with parameters
-  /// ZeRO: 0 or 1 reduce whole buckets over the data group (1 shards the optimizer state only);
-  /// 2 reduce-scatters each bucket over `zero_group` (then all-reduces the shard over
-  /// `zero_across` when the zero group is smaller than the data group).
+  /// ZeRO: 0 all-reduces whole buckets over the data group; 1 and 2 reduce-scatter each bucket
+  /// over `zero_group` (then all-reduce the part over `zero_across` when the zero group is
+  /// smaller than the data group), 1 into the bucket's own part r (or all-reduces it whole with
+  /// zero_reduce_scatter off), 2 into the shard buffer, the bucket being scratch.
   int zero_stage = 0;
   dist::GroupPtr zero_group;   ///< the ranks splitting each bucket; null: none (one part)
   dist::GroupPtr zero_across;  ///< hierarchical ZeRO's other zero groups' peers; null: none
   /// Stage 1: reduce-scatter each bucket over `zero_group` into its own part r (the bucket stays
   /// whole-sized), not all-reduce it; its parameters' .grad go (gather_shards brings them back).
-  bool zero_reduce_scatter = false;
+  bool zero_reduce_scatter = true;
   /// The gradient buffer's dtype; undefined: each parameter's own.
   c10::optional<torch::ScalarType> reduce_dtype;
   /// Parameters whose buckets are all-reduced whole over the data group even under ZeRO-2: those
@@ -157,6 +158,10 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   const std::vector<torch::Tensor>& shards() const { return shards_; }
   /// ZeRO-2: bucket `i`'s part in the shard buffer (a view).
   torch::Tensor shard_of(size_t i) const;
+  /// This rank's part r of bucket `i` as the sync left it (a view): under ZeRO-2 of a bucket not
+  /// reduced whole, its part in the shard buffer; else part r of the bucket itself (reduced
+  /// there by the reduce-scatter or the all-reduce).
+  torch::Tensor reduced_part(size_t i) const;
   /// Every gradient tensor this object holds now: the flat buffers, or under ZeRO-2 the shards,
   /// the whole buckets and the scratch pool (its high-water mark: the pool never shrinks).
   std::vector<torch::Tensor> held() const;
@@ -172,9 +177,10 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   }
   /// The zero group's size (1 without ZeRO): how many parts each bucket splits into.
   int zero_size() const { return options_.zero_group ? options_.zero_group->size() : 1; }
-  /// ZeRO-2: gathers every bucket's reduced shards over the zero group into newly allocated
-  /// .grad tensors, so that each .grad is the whole reduced gradient (Cube's sync_shard_grad).
-  /// Does nothing otherwise.
+  /// When buckets are reduce-scattered (scatters(): ZeRO-2, ZeRO-1 unless zero_reduce_scatter is
+  /// off): gathers every bucket's reduced parts over the zero group into newly allocated .grad
+  /// tensors, so that each .grad is the whole reduced gradient (Cube's sync_shard_grad). Does
+  /// nothing otherwise.
   void gather_shards();
   const std::vector<torch::Tensor>& params() const { return params_; }
   const DataParallelStats& stats() const { return stats_; }

@@ -188,6 +188,9 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   TORCH_CHECK(stage > 0 || !options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true "
               "overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0 (no ZeRO)");
   model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
+  TORCH_CHECK(stage == 1 || !options.zero || options.zero->reduce_scatter, "zero: reduce_scatter = false keeps "
+              "gradients whole, which is ZeRO-1's choice; ", stage == 2 ? "stage 2 always reduce-scatters them"
+                                                                         : "the zero stage is 0 (no ZeRO)");
   if (stage > 0) {
     TORCH_CHECK(!options.zero || options.zero->reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), "
                 "got ", options.zero->reduce_bucket_size);
@@ -207,8 +210,6 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
         for (const auto& p : chunk) seen[p.unsafeGetTensorImpl()] = true;
       }
     }
-    TORCH_CHECK(stage == 1 || !options.zero || options.zero->reduce_scatter, "zero: reduce_scatter = false keeps "
-                "gradients whole, which is ZeRO-1; stage 2 always reduce-scatters them");
     dp.zero_stage = stage;
     dp.zero_reduce_scatter = !options.zero || options.zero->reduce_scatter;
     dp.zero_group = model->mesh_->group("zero");
@@ -234,12 +235,15 @@ std::vector<std::weak_ptr<ParallelModel>>& ParallelModel::zero_models() {
   return models;
 }
 
-std::shared_ptr<ParallelModel> ParallelModel::zero_owner(const torch::Tensor& param) {
+std::shared_ptr<ParallelModel> ParallelModel::zero_owner(const torch::Tensor& param, std::string* name) {
   if (!param.defined()) return nullptr;
   for (const auto& w : zero_models())
     if (auto model = w.lock())
       for (const auto& r : model->records_)
-        if (r.param.defined() && r.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return model;
+        if (r.param.defined() && r.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
+          if (name) *name = r.name;
+          return model;
+        }
   return nullptr;
 }
 

@@ -101,8 +101,9 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   static std::shared_ptr<ParallelModel> of(const nn::Module& module) { return module.parallel_owner(); }
   /// The model parallelized with ZeRO (stage > 0) that holds `param`, or nullptr: an optimizer
   /// over its parameters must be the model's own (made from the model: make_zero_optimizer), not
-  /// a plain one, which would miss the shards.
-  static std::shared_ptr<ParallelModel> zero_owner(const torch::Tensor& param);
+  /// a plain one, which would miss the shards. `name`, when given, gets the parameter's name.
+  /// (The models searched are a process-wide list of weak references to those with a stage.)
+  static std::shared_ptr<ParallelModel> zero_owner(const torch::Tensor& param, std::string* name = nullptr);
   /// How many ParallelModels are alive in this process (tests of their lifetime).
   static int64_t live() { return live_.load(); }
 

@@ -86,18 +86,13 @@ class ZeroShards : public optim::Distributed {
       if (dp_->params()[s.param].scalar_type() == masters_[s.master].scalar_type()) master_part(s).copy_(param_part(s));
     // The gradient shard: this rank's reduced part of each bucket. Under ZeRO-2 backward added
     // the reduce-scattered parts into the shard already (grads_ is it, or takes a cast copy);
-    // buckets reduced whole (stage 1, ties across stages) give their part r.
-    const int z = zero_->size(), r = zero_->rank();
+    // stage 1 (reduce-scattered into the bucket's part r, or all-reduced whole) and the buckets
+    // reduced whole (ties across stages) give their part r.
     const auto& buckets = dp_->buckets();
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
-      const int64_t part = b.padded / z;
-      auto into = grads_[b.buffer].narrow(0, bucket_master_[i], part);
-      if (dp_->sharded() && !b.whole) {
-        if (!shared_[b.buffer]) into.copy_(dp_->shard_of(i));
-      } else {
-        into.copy_(b.flat.narrow(0, r * part, part));
-      }
+      if (shared_[b.buffer] && !b.whole) continue;  // grads_ is the shard buffer itself
+      grads_[b.buffer].narrow(0, bucket_master_[i], b.padded / zero_->size()).copy_(dp_->reduced_part(i));
     }
     for (auto& q : pieces_) q.tensor.mutable_grad() = grads_[q.master].narrow(0, q.offset, q.tensor.numel());
   }

@@ -59,8 +59,9 @@ std::shared_ptr<optim::Optimizer> make_zero_optimizer(const std::shared_ptr<Para
 /// ZeRO's bytes on this rank for an optimizer make_zero_optimizer made; nullopt for any other.
 c10::optional<ZeroBytes> zero_bytes(const optim::Optimizer& opt);
 
-/// Cube's sync_shard_grad: under ZeRO-2, the reduced gradient shards are gathered so that every
-/// parameter's .grad is whole before the user reads it (a norm, a histogram). A no-op otherwise.
+/// Cube's sync_shard_grad: when the buckets are reduce-scattered (ZeRO-2; ZeRO-1 unless
+/// reduce_scatter = false), the reduced parts are gathered so that every parameter's .grad is
+/// whole before the user reads it (a norm, a histogram). A no-op otherwise.
 void sync_shard_grad(const optim::Optimizer& opt);
 
 }  // namespace partrain::parallel

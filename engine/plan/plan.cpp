@@ -241,7 +241,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     if (dp->sharded()) r.grad_bytes += std::max<int64_t>(0, dp->planned_scratch_bytes() - dp->scratch_bytes());
     std::set<const c10::TensorImpl*> own;  // a tied parameter has a slot per name, one .grad
     for (const auto& b : dp->buckets()) {
-      if (dp->sharded() && !b.whole) continue;  // their .grad is released once in the bucket
+      if (dp->scatters() && !b.whole) continue;  // their .grad is released once in the bucket
       for (size_t k : b.params)
         if (dp->buffer_options()[b.buffer].dtype() != dp->params()[k].scalar_type() &&
             own.insert(dp->params()[k].unsafeGetTensorImpl()).second)

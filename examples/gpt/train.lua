@@ -134,7 +134,8 @@ for step = first, cfg.steps do
   opt:step()
   local global = loss:detach():clone()      -- the global batch's loss, for the progress line and the log
   mesh:group("data"):all_reduce(global, "mean")
-  progress:step(step, { loss = global:item(), lr = opt:lr(), seconds = pt.time() - start })
+  -- The tensor itself: progress reads it only when it prints or logs (no host sync every step on a GPU).
+  progress:step(step, { loss = global, lr = opt:lr(), seconds = pt.time() - start })
   if cfg.ckpt ~= "" and cfg.save_every > 0 and (step % cfg.save_every == 0 or step == cfg.steps) then
     pt.ckpt.save(cfg.ckpt, { model = model, optim = opt, data = data, step = step })
   end

@@ -36,11 +36,12 @@ local opt = pt.optim.sgd(model, { lr = cfg.lr, momentum = cfg.momentum, nesterov
 print(("model: %d parameters; data: %s; %d data-parallel rank(s)"):format(
   model:num_parameters(), tostring(train), mesh:size("data")))
 
--- The loss over the whole global batch: the mean of the ranks' losses (equal slices).
+-- The loss over the whole global batch: the mean of the ranks' losses (equal slices), a
+-- one-element tensor that progress reads only when it prints or logs.
 local function global_loss(loss)
   local t = loss:detach():clone()
   mesh:group("data"):all_reduce(t, "mean")
-  return t:item()
+  return t
 end
 
 local function accuracy()

@@ -4,7 +4,8 @@ report the restart, both nodes' ranks resume from the same checkpoint, and the f
 weights equal an uninterrupted run's, bit for bit; a rank dying on every start exhausts
 --max-restarts and both launchers exit non-zero naming it; node 1's launcher killed with SIGKILL
 makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no process left, and
-node 0's launcher killed makes node 1 name node 0, the control store's host, as lost.
+node 0's launcher killed makes node 1 name node 0, the control store's host, as lost; node 0 alone
+names node 1 as not arrived after --timeout; nodes disagreeing on --nproc-per-node both refuse.
 Usage: test_nodes.py PATH/TO/partrain"""
 import os
 import re
@@ -38,9 +39,9 @@ def free_port():
 class Node:
     """One node's launcher, its output (stdout and stderr) read as it comes."""
 
-    def __init__(self, node, port, flags, script_args):
+    def __init__(self, node, port, flags, script_args, nproc=2):
         cmd = [binary, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
-               str(port), "--rdzv-secret-file", secret, "--nproc-per-node", "2", "--threads", "1", "--tee",
+               str(port), "--rdzv-secret-file", secret, "--nproc-per-node", str(nproc), "--threads", "1", "--tee",
                "--node-timeout", str(NODE_TIMEOUT), *flags, "tests/ckpt/train.lua", "--tensor", "2", *script_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
         self.lines = []
@@ -192,5 +193,25 @@ check("node 1 names node 0, the control store's host, as lost",
 time.sleep(1)
 left = [p for n in (0, 1) for p in family[n] if alive(p)]
 check("no process of either node is left (node 0's control store died with its launcher)", not left, left)
+
+# --- Node 1 never comes: node 0 ends the meeting after --timeout, naming node 1 ----------------
+lone = Node(0, free_port(), ["--timeout", "3"], ["--steps", "2"])
+started = time.time()
+status0 = lone.wait(timeout=60)
+took = time.time() - started
+check(f"node 0 alone exits non-zero (status {status0}) soon after --timeout 3 (took {took:.1f} s)",
+      status0 not in (0, None) and took < 30, lone.out[-2000:])
+check("it names the node that did not arrive", "node 1 did not arrive within --timeout 3 s (1 of 2 nodes came)"
+      in lone.out, lone.out[-2000:])
+
+# --- The nodes disagree on --nproc-per-node: both refuse before any rank starts --------------
+port = free_port()
+nodes = [Node(0, port, ["--timeout", "20"], ["--steps", "2"]), Node(1, port, ["--timeout", "20"], ["--steps", "2"], nproc=1)]
+status = [n.wait(timeout=60) for n in nodes]
+check(f"nodes started with different --nproc-per-node both exit non-zero (status {status})",
+      all(s not in (0, None) for s in status), nodes[0].out[-2000:] + nodes[1].out[-2000:])
+check("node 0 names the disagreement", "--nproc-per-node 1" in nodes[0].out and "--nproc-per-node 2" in nodes[0].out,
+      nodes[0].out[-2000:])
+check("no rank started on either node", "step 1 loss" not in nodes[0].out + nodes[1].out, nodes[0].out[-2000:])
 
 finish("two-node")

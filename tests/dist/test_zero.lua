@@ -554,7 +554,19 @@ test("what cannot run is refused at the caller's line", function()
     e = raises(function() pt.optim.sgd(zm:get("0"), { lr = 1e-3 }) end, "parameter '0.weight' belongs to a model")
     ok(e:find(here), e)
     ok(zm:data_parallel() and pt.optim.adamw(zm, { lr = 1e-3 }), "the model's own optimizer is made")
+    -- Reduce-scattered gradients never reach .grad: clipping .grad would clip nothing.
+    e = raises(function() pt.nn.clip_grad_norm(zm, 1.0) end, "whose gradients are reduce-scattered and never reach .grad")
+    ok(e:find(here), e)
+    ok(e:find("clip_grad_norm = 1", 1, true), e)
   end
+  -- All-reduced (reduce_scatter = false), .grad is whole and pt.nn.clip_grad_norm clips it.
+  local whole = pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1, reduce_scatter = false } })
+  whole:train_step(pt.randn({ 2, 12 }), pt.randint(0, 6, { 2 }))
+  ok(pt.nn.clip_grad_norm(whole, 1e-3) > 0, "clip_grad_norm on whole gradients")
+  -- reduce_scatter = false means nothing without ZeRO: refused, not ignored.
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 0, reduce_scatter = false } }) end,
+             "the zero stage is 0 (no ZeRO)")
+  ok(e:find(here), e)
   -- A pipeline step accumulates over its micro-batches already: grad_accumulation is refused.
   e = raises(function()
     pt.parallelize(pt.deferred(chain("float32", 4)), chain_policy, pt.mesh { pipeline = 2 },

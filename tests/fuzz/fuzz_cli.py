@@ -48,7 +48,7 @@ NUMBER_FLAGS = {  # flag: (lowest, highest) valid
     "--nnodes": (1, 1024),
     "--master-port": (1, 65535),
     "--trace-steps": (1, 1000),
-    "--node-timeout": (1, 604800),
+    "--node-timeout": (3, 604800),
 }
 LAUNCHER_ONLY = {"--nnodes", "--master-port", "--node-rank", "--master-addr", "--tee", "--node-timeout"}
 BAD_NUMBERS = ["0", "-1", "-7", "1000000", "2147483648", "9223372036854775808", "99999999999999999999999999",

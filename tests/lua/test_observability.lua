@@ -118,8 +118,12 @@ end)
 test("flops_per_token refuses a parallelized model, other models, and bad sizes", function()
   raises(function() pt.flops_per_token(pt.nn.Linear(2, 2), 4) end, "a GPT-2 or LLaMA model")
   raises(function() pt.flops_per_token({ family = "bert", dim = 8 }, 4) end, "family must be \"gpt2\" or \"llama\"")
-  raises(function() pt.flops_per_token({ family = "gpt2", vocab = 8, dim = 8, heads = 3, layers = 1 }, 4) end,
+  local e = raises(function() pt.flops_per_token({ family = "gpt2", vocab = 8, dim = 8, heads = 3, layers = 1 }, 4) end,
     "heads=3 does not divide dim=8")
+  ok(e:find("test_observability.lua:%d+:"), e)
+  e = raises(function() pt.flops_per_token({ family = "gpt2", vocab = 8, dim = 8.5, heads = 2, layers = 1 }, 4) end,
+    "dim must be a whole number, got 8.5")
+  ok(e:find("test_observability.lua:%d+:"), e)
   raises(function() pt.flops_per_token({ family = "gpt2", vocab = 8, dim = 8, heads = 2, layers = 1 }, 0) end,
     "seq (tokens a sequence) must be a whole number >= 1, got 0")
   local model = pt.parallelize(pt.models.gpt2 { vocab = 16, seq = 8, dim = 8, heads = 2, layers = 1 }, nil, pt.mesh {})

@@ -128,10 +128,11 @@ local function read_config(path, kinds, known)
   if not chunk then error(("config file %s"):format(err), 0) end
   setfenv(chunk, sandbox())
   if jit then jit.off(chunk, true) end  -- the instruction limit below needs the interpreter
+  local hook, mask, count = debug.gethook()  -- a hook set before (the REPL's) is put back after
   debug.sethook(function() error(("config file '%s' runs too long (more than %d instructions); it should only "
     .. "return a table"):format(path, kMaxInstructions), 2) end, "", kMaxInstructions)
   local ok, values = pcall(chunk)
-  debug.sethook()
+  if hook then debug.sethook(hook, mask, count) else debug.sethook() end
   if not ok then error(("config file %s"):format(tostring(values)), 0) end
   if type(values) ~= "table" then
     error(("config file '%s' must return a table of option values, got %s"):format(path, type(values)), 0)

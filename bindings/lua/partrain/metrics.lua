@@ -76,7 +76,14 @@ end
 
 local function close()
   if state.file then state.file:close() end
-  state.file, state.stepped, state.header = nil, false, nil
+  state.file, state.stepped, state.header, state.plan_written = nil, false, nil, false
+end
+
+--- The peak bytes this rank's tensors have held: on its CUDA device when it has one (the caching
+--- allocator's count), else on the CPU (pt.memory().allocated_peak, as mem() counts them).
+function metrics.peak_bytes()
+  local m = core.memory()
+  return m.device_allocated_peak or m.allocated_peak
 end
 
 --- Chooses the metrics file from Lua (false: none), over $PARTRAIN_METRICS.
@@ -143,11 +150,13 @@ function metrics.write(record)
   local r = {}
   for k, v in pairs(record) do r[k] = v end
   r.time = r.time or core.unix_time()
-  file:append(encode(r))
+  local ok, line = pcall(encode, r)
+  if not ok then error(line, 2) end
+  file:append(line)
   return true
 end
 
---- Every rank's peak tensor bytes (pt.memory().allocated_peak, as mem() counts them), gathered
+--- Every rank's peak tensor bytes (metrics.peak_bytes: the device's on a GPU), gathered
 --- over the world: a collective every rank calls. Rank 0 writes { event = "memory", step,
 --- ranks = { bytes of rank 0, rank 1, ... } }; every rank gets the list back. With `model` (the
 --- model, made parallel or not) the record also holds each rank's model state as
@@ -155,7 +164,6 @@ end
 --- and the first such record is followed by a plan record: that table as text, the shard summary
 --- the run report shows.
 local STATE = { "params", "grads", "optimizer", "master" }
-local state_written = false
 function metrics.memory(step, model)
   if step ~= nil and type(step) ~= "number" then error("pt.metrics.memory: step must be a number, got " .. type(step), 2) end
   if model ~= nil and not core.nn.is_module(model) then
@@ -163,7 +171,7 @@ function metrics.memory(step, model)
   end
   local world, rank = core.dist.world_size(), core.dist.rank()
   local width = model and 1 + #STATE or 1
-  local mine = { core.memory().allocated_peak }
+  local mine = { metrics.peak_bytes() }
   if model then
     local held = core.plan.held(model, core.optim.of(model))
     for i, k in ipairs(STATE) do mine[i + 1] = held[k] or 0 end
@@ -176,17 +184,17 @@ function metrics.memory(step, model)
     core.dist.world():all_reduce(t, "sum")
     rows = t:cpu():totable()
   end
-  local ranks, state = {}, model and {} or nil
+  local ranks, held = {}, model and {} or nil
   for r, row in ipairs(rows) do
     ranks[r] = row[1]
-    if state then
-      state[r] = {}
-      for i, k in ipairs(STATE) do state[r][k] = row[i + 1] end
+    if held then
+      held[r] = {}
+      for i, k in ipairs(STATE) do held[r][k] = row[i + 1] end
     end
   end
-  metrics.write { event = "memory", step = step, ranks = ranks, state = state }
-  if state and not state_written then
-    state_written = true
+  metrics.write { event = "memory", step = step, ranks = ranks, state = held }
+  if held and not state.plan_written and state.file then  -- once a file: its first memory record's
+    state.plan_written = true
     local mb = function(b) return ("%10.2f"):format(b / 1e6) end
     local lines = { ("model state a rank in MB (pt.memory_report) and peak tensor MB, after step %s:"):format(
                       tostring(step or "?")),

@@ -15,7 +15,7 @@ local function sizes_of_options(family, o, level)
     local v = o[key]
     if v == nil then v = fallback end
     if type(v) ~= "number" or v % 1 ~= 0 or v < 0 then
-      error(("pt.flops_per_token: %s must be a whole number, got %s"):format(key, tostring(v)), level + 1)
+      error(("pt.flops_per_token: %s must be a whole number, got %s"):format(key, tostring(v)), level + 2)  -- size() is a frame more
     end
     return v
   end
@@ -109,22 +109,27 @@ end
 -- H100 Tensor Core GPU datasheet), H200 SXM 1,979 / H200 NVL 1,671 (NVIDIA H200 datasheet),
 -- A100 624 (NVIDIA A100 Tensor Core GPU datasheet, SXM and PCIe alike). First match wins.
 local peaks = {
-  { "H100.*PCIe", 756 }, { "H100 NVL", 835.5 }, { "H100", 989.4 },
+  { "H100.*PCIe", 756.5 }, { "H100 NVL", 835.5 }, { "H100", 989.4 },
   { "H200 NVL", 835.5 }, { "H200", 989.4 },
   { "A100", 312 },
 }
 
---- The dense bf16 peak of this rank's device in TFLOP/s from the table above, and the device's
---- name; nil on the CPU or on a GPU the table does not know.
-function progress.device_peak()
-  if not tostring(core.device()):match("^cuda") then return nil end
-  local models = core.files.gpu_models()
-  local name = models[1]
-  if not name then return nil end
+--- The dense bf16 peak in TFLOP/s of a GPU named `name` ("NVIDIA H100 80GB HBM3") from the
+--- table above, or nil when the table does not know it.
+function progress.peak_of(name)
   for _, p in ipairs(peaks) do
-    if name:match(p[1]) then return p[2], name end
+    if name:match(p[1]) then return p[2] end
   end
-  return nil, name
+  return nil
+end
+
+--- The dense bf16 peak of this rank's device in TFLOP/s, and the device's name; nil on the CPU
+--- or on a GPU the table does not know.
+function progress.device_peak()
+  local device = tostring(core.device())
+  if not device:match("^cuda") then return nil end
+  local name = core.cuda.device_name(device)  -- this rank's own GPU (CUDA is up on a CUDA rank)
+  return progress.peak_of(name), name
 end
 
 -- Progress -------------------------------------------------------------------------------------
@@ -237,7 +242,7 @@ function Progress:line(step, fields, r, now)
     local per_step = (now - self.first_done) / (step - self.first_step)
     parts[#parts + 1] = "ETA " .. duration(per_step * (self.total - step))
   end
-  parts[#parts + 1] = "mem " .. bytes(core.memory().allocated_peak)
+  parts[#parts + 1] = "mem " .. bytes(require("partrain.metrics").peak_bytes())
   return table.concat(parts, " | ")
 end
 
@@ -263,10 +268,10 @@ function Progress:step(step, fields)
     local record = self:rates(step - self.last_step, now - self.last_time)
     for k, v in pairs(fields) do record[k] = v end
     record.step = step
-    record.mem_bytes = core.memory().allocated_peak
+    record.mem_bytes = require("partrain.metrics").peak_bytes()
     local pt = require "partrain"
-    local ok, err = pcall(pt.log, record, timed and { rank = core.dist.rank() } or nil)
-    if not ok then error(err, 2) end
+    local ok, err = pcall(pt.log, record)
+    if not ok then pt._rethrow(err, 2) end
     self.last_step, self.last_time, self.printed = step, now, now
   end
   if self.live then
