@@ -149,15 +149,7 @@ std::map<std::pair<int, int>, std::vector<int64_t>>& planned_shapes() {
   return shapes;
 }
 
-// Two channels between a pair of ranks, activations and gradients, each a header tag and a body
-// tag: the body goes on its own tag so that headers can be received ahead of their bodies.
-constexpr int kActivationTag = 1, kGradientTag = 2;
-constexpr int body_tag(int tag) { return tag + 2; }
-// Received ahead, a gradient needs no header: it has the shape and dtype of the activation sent
-// for it. Each (micro-batch, receiving virtual stage) has its own tag, so that its receive can be
-// posted as soon as the forward has run, in another order than the backwards send them.
-constexpr int kFirstGradientTag = 8;
-int gradient_tag(int mb, int to_stage, int stages) { return kFirstGradientTag + mb * stages + to_stage; }
+constexpr int kActivationTag = 1, kGradientTag = 2;  // the two channels between a pair of ranks
 constexpr int64_t kHeader = 10;                      // dtype, dims, up to 8 sizes
 
 }  // namespace
@@ -402,13 +394,8 @@ void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
   header[0] = static_cast<int64_t>(t.scalar_type());
   header[1] = t.dim();
   for (int64_t d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
-  auto h = header.to(device_);
-  sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h});
-  send_body(t, peer, body_tag(tag), static_cast<int64_t>(h.nbytes()));
-}
-
-void Pipeline::send_body(const torch::Tensor& t, int peer, int tag, int64_t header_bytes) {
   auto body = t.detach().contiguous();
+  auto h = header.to(device_);
   // Sends that have completed let go of their tensors now rather than at the step's end, so that
   // 1F1B holds a bounded number of activations whatever the micro-batch count.
   sends_.erase(std::remove_if(sends_.begin(), sends_.end(),
@@ -418,22 +405,13 @@ void Pipeline::send_body(const torch::Tensor& t, int peer, int tag, int64_t head
                                 return true;
                               }),
                sends_.end());
+  sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h, body});
   sends_.emplace_back(group_->send(body, peer, /*async=*/true, tag), std::vector<torch::Tensor>{body});
   if (!measured_.done) {
     auto& q = measured_.peers[peer];
     ++q.sends;
-    q.send_bytes += header_bytes + static_cast<int64_t>(body.nbytes());
+    q.send_bytes += static_cast<int64_t>(h.nbytes() + body.nbytes());
   }
-}
-
-torch::Tensor Pipeline::body_for(const torch::Tensor& header, int peer) const {
-  const auto* h = header.data_ptr<int64_t>();
-  TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 &&
-                  h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
-              "pipeline: a malformed message header from pipeline rank ", peer);
-  std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
-  for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
-  return torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device_));
 }
 
 torch::Tensor Pipeline::receive(int peer, int tag, const std::vector<int64_t>& expected) {
@@ -442,36 +420,29 @@ torch::Tensor Pipeline::receive(int peer, int tag, const std::vector<int64_t>& e
     TraceSpan wait(TraceKind::Wait, -1, -1, peer);  // until the sender's message arrives: the bubble
     group_->recv(header, peer, /*async=*/false, tag);
   }
+  auto noted = [&](torch::Tensor t) {
+    if (!measured_.done) {
+      auto& q = measured_.peers[peer];
+      ++q.recvs;
+      q.recv_bytes += static_cast<int64_t>(header.nbytes() + t.nbytes());
+    }
+    return t;
+  };
   if (group_->planned()) {  // partrain plan: nothing arrives; both receives are recorded as a run's
     auto t = torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_));
-    group_->recv(t, peer, /*async=*/false, body_tag(tag));
-    return t;
+    group_->recv(t, peer, /*async=*/false, tag);
+    return noted(t);
   }
-  auto t = body_for(header.cpu(), peer);
-  group_->recv(t, peer, /*async=*/false, body_tag(tag));
-  return t;
-}
-
-bool Pipeline::receives_ahead() const { return !group_->planned() && group_->backend() == "gloo"; }
-
-void Pipeline::post_arrived_bodies(std::vector<Incoming>& incoming, size_t& first) const {
-  while (first < incoming.size() && incoming[first].posted) ++first;
-  // A channel's headers arrive in order: past its first header still on the way, none has.
-  std::vector<std::pair<int, int>> waiting;
-  for (size_t k = first; k < incoming.size(); ++k) {
-    auto& in = incoming[k];
-    if (in.posted || in.headerless) continue;
-    const std::pair<int, int> channel{in.peer, in.tag};
-    if (std::find(waiting.begin(), waiting.end(), channel) != waiting.end()) continue;
-    if (!in.header_work.done()) {
-      waiting.push_back(channel);
-      continue;
-    }
-    in.header_work.wait();  // completed: raises what the receive met, if anything
-    in.body = body_for(in.header.cpu(), in.peer);
-    in.body_work = group_->recv(in.body, in.peer, /*async=*/true, body_tag(in.tag));
-    in.posted = true;
-  }
+  header = header.cpu();
+  auto* h = header.data_ptr<int64_t>();
+  TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 &&
+                  h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+              "pipeline: a malformed message header from pipeline rank ", peer);
+  std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
+  for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
+  auto t = torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device_));
+  group_->recv(t, peer, /*async=*/false, tag);
+  return noted(t);
 }
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -520,77 +491,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
       TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
-  // On Gloo every receive's header is posted now, in the list's order (each channel's order is the
-  // sender's: the pre-flight check saw to it), and its body as soon as the header is in, checked
-  // before every forward and backward: a message then moves while this rank computes.
-  std::vector<Incoming> incoming;
-  std::vector<int> incoming_of(actions.size(), -1);
-  std::vector<int> gradient_of(slots.size(), -1);  // a (micro-batch, chunk)'s gradient, in `incoming`
-  size_t first_unposted = 0;
-  struct Abandon {  // a step left half-way: what is still posted keeps its buffers until the end
-    std::vector<Incoming>& incoming;
-    ~Abandon() {
-      static std::vector<Incoming> kept;
-      for (auto& in : incoming)
-        if (!in.taken) kept.push_back(std::move(in));
-    }
-  } abandon{incoming};
-  if (receives_ahead()) {
-    for (size_t i = 0; i < actions.size(); ++i) {
-      const auto& a = actions[i];
-      if (a.op != PipeOp::RecvForward && a.op != PipeOp::RecvBackward) continue;
-      Incoming in;
-      in.peer = a.peer;
-      if (a.op == PipeOp::RecvForward) {
-        in.tag = kActivationTag;
-        in.header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
-        in.header_work = group_->recv(in.header, in.peer, /*async=*/true, in.tag);
-      } else {
-        in.tag = gradient_tag(a.mb, a.chunk * pp_ + rank_, stages());
-        in.headerless = true;
-        gradient_of[static_cast<size_t>(a.mb) * chunks + a.chunk] = static_cast<int>(incoming.size());
-      }
-      incoming_of[i] = static_cast<int>(incoming.size());
-      incoming.push_back(std::move(in));
-    }
-  }
-  // A receive action: its message, waited for (the header's wait is the bubble's), and counted.
-  auto take = [&](size_t i, int tag, const std::vector<int64_t>& expected) {
-    const int peer = actions[i].peer;
-    torch::Tensor t;
-    if (incoming_of[i] < 0) {
-      t = receive(peer, tag, expected);
-    } else {
-      auto& in = incoming[incoming_of[i]];
-      TORCH_CHECK(in.posted || !in.headerless, "pipeline: ", describe(actions[i]), " before its forward");
-      if (in.headerless) {
-        TraceSpan wait(TraceKind::Wait, -1, -1, peer);
-        in.body_work.wait();
-      } else {
-        {
-          TraceSpan wait(TraceKind::Wait, -1, -1, peer);
-          in.header_work.wait();
-        }
-        if (!in.posted) post_arrived_bodies(incoming, first_unposted);
-        in.body_work.wait();
-      }
-      in.taken = true;
-      t = std::move(in.body);
-      in.header = in.body = torch::Tensor();
-    }
-    if (!measured_.done) {
-      auto& q = measured_.peers[peer];
-      ++q.recvs;
-      const bool headerless = incoming_of[i] >= 0 && incoming[incoming_of[i]].headerless;
-      q.recv_bytes += static_cast<int64_t>((headerless ? 0 : kHeader * sizeof(int64_t)) + t.nbytes());
-    }
-    return t;
-  };
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
     const int v = a.chunk * pp_ + rank_;
-    if (!incoming.empty()) post_arrived_bodies(incoming, first_unposted);
     TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
       case PipeOp::RecvForward: {
@@ -602,7 +506,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           auto it = planned_shapes().find({v, a.mb});
           expected = it != planned_shapes().end() ? it->second : last_shape;
         }
-        s.input = take(i, kActivationTag, expected).requires_grad_(true);
+        s.input = receive(a.peer, kActivationTag, expected).requires_grad_(true);
         break;
       }
       case PipeOp::Forward: {
@@ -618,12 +522,6 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           last_shape = out.sizes().vec();
         }
         out = torch::Tensor();  // what the backward does not need goes now (the head's logits)
-        if (int k = gradient_of[static_cast<size_t>(a.mb) * chunks + a.chunk]; k >= 0) {
-          auto& in = incoming[k];  // its gradient, received ahead: the shape is known now
-          in.body = torch::empty_like(s.output, torch::MemoryFormat::Contiguous);
-          in.body_work = group_->recv(in.body, in.peer, /*async=*/true, in.tag);
-          in.posted = true;
-        }
         if (measure && countable && measured_.activations[a.chunk] < 0) {
           measured_.inputs[a.chunk] = s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0;
           measured_.activations[a.chunk] = plan::memory(counted).allocated - before + measured_.inputs[a.chunk];
@@ -635,7 +533,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         send(s.output, a.peer, kActivationTag);
         break;
       case PipeOp::RecvBackward:
-        s.grad = take(i, kGradientTag, s.output.sizes().vec());
+        s.grad = receive(a.peer, kGradientTag, s.output.sizes().vec());
         if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
         break;
       case PipeOp::Backward: {
@@ -672,11 +570,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       }
       case PipeOp::SendBackward:
         TORCH_CHECK(s.input_grad.defined(), "pipeline: ", describe(a), " has no gradient to send");
-        if (receives_ahead()) {  // the receiver knows its shape: the body alone, on its own tag
-          send_body(s.input_grad, a.peer, gradient_tag(a.mb, v - 1, stages()));
-        } else {
-          send(s.input_grad, a.peer, kGradientTag);
-        }
+        send(s.input_grad, a.peer, kGradientTag);
         s.input_grad = torch::Tensor();
         break;
     }

@@ -161,29 +161,10 @@ class Pipeline {
     std::vector<int64_t> shape;
     torch::ScalarType dtype;
   };
-  /// One receive action's message: its header, then its body once the header says its shape.
-  struct Incoming {
-    int peer = 0, tag = 0;
-    torch::Tensor header, body;
-    dist::Work header_work, body_work;
-    bool posted = false;  ///< the body's receive is posted
-    bool headerless = false;  ///< a gradient: its shape is the activation's sent, its own tag
-    bool taken = false;   ///< its receive action has run
-  };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
-  void send(const torch::Tensor& t, int peer, int tag);  ///< a header (dtype, shape), then the body
-  /// The tensor alone on `tag` (its receiver knows the shape); `header_bytes` are counted with it.
-  void send_body(const torch::Tensor& t, int peer, int tag, int64_t header_bytes = 0);
+  void send(const torch::Tensor& t, int peer, int tag);
   /// `expected`: the shape a planned group's message would have (nothing arrives there).
   torch::Tensor receive(int peer, int tag, const std::vector<int64_t>& expected);
-  /// The tensor a message's header (on the host) describes, checked, to receive the body into.
-  torch::Tensor body_for(const torch::Tensor& header, int peer) const;
-  /// Posts the body of every message whose header has arrived, in each channel's order.
-  void post_arrived_bodies(std::vector<Incoming>& incoming, size_t& first) const;
-  /// Whether receives are posted ahead: on Gloo, whose point-to-point calls progress on their own
-  /// threads whatever else is pending (not NCCL, where a pending receive holds up the sends queued
-  /// behind it on the pair's stream), and not in a plan (nothing arrives).
-  bool receives_ahead() const;
 
   nn::Module* root_ = nullptr;
   PipelineOptions options_;
