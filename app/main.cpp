@@ -147,6 +147,7 @@ int run_main(int argc, char** argv) {
   partrain::app::adopt_report_channel();
   partrain::dist::set_fatal_reporter(partrain::app::report_failure);  // Gloo's uncatchable errors too
   partrain::plan::install_allocators();  // before any tensor, so mem() counts them all
+  if (auto problem = partrain::plan::malloc_setting_problem(); !problem.empty()) return fail(problem);
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"
                "  partrain script.lua [args...]                  run a training script\n"
                "  partrain --nproc-per-node 4 script.lua [args]  run it as 4 local ranks\n"

@@ -99,15 +99,7 @@ Counter& counter(c10::DeviceType device) {
 // come from the heap, which is never trimmed and grows 64 MiB at a time (address space; pages
 // count once touched). A process's resident memory is then its peak, not its current use.
 // PARTRAIN_MALLOC=system, or glibc's own settings in the environment (MALLOC_*_, GLIBC_TUNABLES),
-// leave malloc as it is; another malloc (LD_PRELOAD) ignores these calls.
-bool keeps_freed_memory() {
-  const char* chosen = std::getenv("PARTRAIN_MALLOC");
-  if (chosen && std::strcmp(chosen, "system") == 0) return false;
-  for (const char* own : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"})
-    if (std::getenv(own)) return false;
-  return true;
-}
-
+// leave malloc as it is (keeps_freed_memory); another malloc (LD_PRELOAD) ignores these calls.
 void tune_heap() {
 #if defined(__GLIBC__)
   if (!keeps_freed_memory()) return;
@@ -118,6 +110,21 @@ void tune_heap() {
 }
 
 }  // namespace
+
+bool keeps_freed_memory() {
+  const char* chosen = std::getenv("PARTRAIN_MALLOC");
+  if (chosen && std::strcmp(chosen, "system") == 0) return false;
+  for (const char* own : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"})
+    if (std::getenv(own)) return false;
+  return true;
+}
+
+std::string malloc_setting_problem() {
+  const char* chosen = std::getenv("PARTRAIN_MALLOC");
+  if (!chosen || std::strcmp(chosen, "system") == 0 || std::strcmp(chosen, "kept") == 0) return "";
+  return std::string("PARTRAIN_MALLOC='") + chosen +
+         "' is not a choice: kept (the default: freed CPU memory stays in the heap) or system (glibc's malloc as it comes)";
+}
 
 void install_allocators() {
   static CountingCpuAllocator cpu;

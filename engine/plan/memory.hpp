@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <c10/core/DeviceType.h>
 
@@ -16,6 +17,14 @@ struct Memory {
 /// CPU allocator keeps no statistics; the meta device's "allocations" are the bytes a real device
 /// would need, which is how the planner weighs activations.
 void install_allocators();
+/// Whether install_allocators() keeps freed CPU memory in the process's heap (glibc: no trimming,
+/// a fixed 32 MiB mmap threshold): yes unless PARTRAIN_MALLOC=system or glibc's own settings
+/// (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, GLIBC_TUNABLES) are in the
+/// environment. Read from the environment each time it is asked.
+bool keeps_freed_memory();
+/// "" when PARTRAIN_MALLOC is unset, "system" or "kept"; otherwise a message naming its value and
+/// the choices (the command refuses to start on it).
+std::string malloc_setting_problem();
 Memory memory(c10::DeviceType device = c10::kCPU);
 void reset_peak(c10::DeviceType device = c10::kCPU);
 /// A high-water mark kept apart from the peak (which a script may reset): start_mark() sets it

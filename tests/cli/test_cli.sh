@@ -115,6 +115,7 @@ settle_refusals() {
 }
 
 # --- every number flag: in its range, or a short message naming the flag, the value and the range
+refuse "PARTRAIN_MALLOC with a value that is not a choice is refused, naming it" "PARTRAIN_MALLOC='sytem' is not a choice: kept (the default: freed CPU memory stays in the heap) or system" -- env PARTRAIN_MALLOC=sytem "$bin" -e ""
 refuse "--threads 0 is out of range" "--threads 0 is out of range: 1 to 1024" -- "$bin" --threads 0 -e ""
 refuse "--threads 100000 is out of range (it used to hang)" "--threads 100000 is out of range: 1 to 1024" -- "$bin" --threads 100000 -e ""
 refuse "--threads -3 is out of range" "--threads -3 is out of range" -- "$bin" --threads -3 -e ""

@@ -3,7 +3,13 @@
 #include <zlib.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
+#include <vector>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,6 +28,7 @@
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/plan/memory.hpp"
 #include "tests/engine/testing.hpp"
 
 using namespace partrain;
@@ -452,3 +459,85 @@ TEST(Ledger, ACallCostsLessThanTwoMicroseconds) {
   std::printf("ledger: %.0f ns a call (start, waiting, completed)\n", ns);
   EXPECT_LT(ns, 2000) << "bookkeeping that must stay small beside a collective (milliseconds on this machine)";
 }
+
+// ---- The CPU heap -----------------------------------------------------------------------------
+
+#if defined(__GLIBC__)
+namespace {
+
+// Bytes free inside the heap after 8 tensors of 4 MiB were made, touched and freed: memory kept for
+// the next tensors rather than handed back to the system.
+size_t heap_free_after_tensors() {
+  plan::install_allocators();
+  {
+    std::vector<Tensor> ts;
+    for (int i = 0; i < 8; ++i) ts.push_back(torch::ones({1 << 20}));  // 4 MiB of float32 each
+  }
+  return mallinfo2().fordblks;
+}
+
+// Sets (value non-null) or clears an environment variable for a scope.
+struct EnvFor {
+  std::string name;
+  std::optional<std::string> before;
+  EnvFor(const char* n, const char* value) : name(n) {
+    if (const char* was = std::getenv(n)) before = was;
+    if (value) setenv(n, value, 1);
+    else unsetenv(n);
+  }
+  ~EnvFor() {
+    if (before) setenv(name.c_str(), before->c_str(), 1);
+    else unsetenv(name.c_str());
+  }
+};
+
+}  // namespace
+
+TEST(Heap, FreedTensorMemoryStaysInTheHeapUnlessTheSystemsMallocIsChosen) {
+  {
+    EnvFor a("PARTRAIN_MALLOC", nullptr), b("GLIBC_TUNABLES", nullptr), c("MALLOC_TRIM_THRESHOLD_", nullptr),
+        d("MALLOC_MMAP_THRESHOLD_", nullptr), e("MALLOC_TOP_PAD_", nullptr);
+    EXPECT_TRUE(plan::keeps_freed_memory());
+    EXPECT_EQ(plan::malloc_setting_problem(), "");
+    {
+      EnvFor kept("PARTRAIN_MALLOC", "kept");
+      EXPECT_TRUE(plan::keeps_freed_memory());
+      EXPECT_EQ(plan::malloc_setting_problem(), "");
+    }
+    {
+      EnvFor system("PARTRAIN_MALLOC", "system");
+      EXPECT_FALSE(plan::keeps_freed_memory());
+      EXPECT_EQ(plan::malloc_setting_problem(), "");
+    }
+    for (const char* own : {"GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"}) {
+      EnvFor glibc(own, "1");
+      EXPECT_FALSE(plan::keeps_freed_memory()) << own << " set: glibc's own setting must be left alone";
+    }
+    {
+      EnvFor typo("PARTRAIN_MALLOC", "sytem");
+      EXPECT_NE(plan::malloc_setting_problem().find("PARTRAIN_MALLOC='sytem' is not a choice: kept"), std::string::npos)
+          << plan::malloc_setting_problem();
+    }
+  }
+  // The effect, each in a fresh process (the heap's settings are made once, at the first tensor):
+  // with partrain's setting the 32 MiB freed stay in the heap; with glibc's own they go back.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  constexpr size_t kFreed = size_t(32) << 20;
+  EXPECT_EXIT(
+      {
+        EnvFor a("PARTRAIN_MALLOC", nullptr);
+        const size_t kept = heap_free_after_tensors();
+        std::fprintf(stderr, "kept %zu\n", kept);
+        std::exit(kept >= kFreed ? 0 : 1);
+      },
+      testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        EnvFor a("PARTRAIN_MALLOC", "system");
+        const size_t kept = heap_free_after_tensors();
+        std::fprintf(stderr, "kept %zu\n", kept);
+        std::exit(kept < kFreed ? 0 : 1);
+      },
+      testing::ExitedWithCode(0), "");
+}
+#endif
