@@ -108,6 +108,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   std::string describe() const;  ///< "group 'data' (ranks 0,2)"
   bool planned() const { return options_.planned; }
+  const std::string& backend() const { return options_.backend; }  ///< "gloo" or "nccl"
 
   /// In place; every rank ends with the reduction of everyone's tensor.
   Work all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, bool async = false) const;

@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 
@@ -92,15 +93,21 @@ std::string describe(const PipeAction& a) {
   return s.str();
 }
 
-int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m) {
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m, bool gradients_ahead) {
   std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
+  std::set<std::pair<int, int>> gets_gradient;  // (micro-batch, chunk) whose gradient is received
+  for (const auto& a : actions)
+    if (a.op == PipeOp::RecvBackward) gets_gradient.insert({a.mb, a.chunk});
   int64_t now = 0, peak = 0;
   auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
   for (const auto& a : actions) {
     int64_t add = 0;
     switch (a.op) {
-      case PipeOp::Forward: add = at(m.activations, a.chunk); break;
-      case PipeOp::RecvBackward: add = at(m.gradients, a.chunk); break;
+      case PipeOp::Forward:
+        add = at(m.activations, a.chunk);
+        if (gradients_ahead && gets_gradient.count({a.mb, a.chunk})) add += at(m.gradients, a.chunk);
+        break;
+      case PipeOp::RecvBackward: add = gradients_ahead ? 0 : at(m.gradients, a.chunk); break;
       case PipeOp::SendForward: now += at(m.gradients, a.chunk); break;  // the output: the gradient's shape
       case PipeOp::SendBackward: now += at(m.inputs, a.chunk); break;    // the input's gradient
       case PipeOp::Backward:
@@ -149,8 +156,118 @@ std::map<std::pair<int, int>, std::vector<int64_t>>& planned_shapes() {
   return shapes;
 }
 
-constexpr int kActivationTag = 1, kGradientTag = 2;  // the two channels between a pair of ranks
-constexpr int64_t kHeader = 10;                      // dtype, dims, up to 8 sizes
+// The channels between a pair of ranks, each in the sender's order (the pre-flight check sees to
+// it): an activation is a header (dtype, shape) on one tag and its tensor on another, so that
+// headers can be received ahead of their bodies; a gradient is its tensor alone, having the shape
+// and dtype of the activation sent for it.
+constexpr int kActivationTag = 1, kGradientTag = 2, kActivationBodyTag = 3;
+constexpr int64_t kHeader = 10;  // dtype, dims, up to 8 sizes
+
+// The tensor an activation's header (on the host) describes, checked, to receive its body into.
+torch::Tensor tensor_for(const torch::Tensor& header, int peer, torch::Device device) {
+  const auto* h = header.data_ptr<int64_t>();
+  TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 && h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+              "pipeline: a malformed message header from pipeline rank ", peer);
+  std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
+  for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
+  return torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device));
+}
+
+// A step's receives posted ahead (Gloo): every activation's header at the step's start, its body
+// as soon as the header is in, and every gradient as soon as its forward has run (its buffer is
+// then known), each channel's in its order, looked at before every action. A message then moves
+// while this rank computes instead of waiting for the receive's action.
+class Inbox {
+ public:
+  Inbox(const dist::GroupPtr& group, torch::Device device, const std::vector<PipeAction>& actions, int chunks)
+      : group_(group), device_(device), of_action_(actions.size(), -1) {
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const auto& a = actions[i];
+      if (a.op != PipeOp::RecvForward && a.op != PipeOp::RecvBackward) continue;
+      Message in;
+      in.peer = a.peer;
+      in.gradient = a.op == PipeOp::RecvBackward;
+      const size_t slot = static_cast<size_t>(a.mb) * chunks + a.chunk;
+      if (in.gradient) {
+        if (slot >= gradient_of_.size()) gradient_of_.resize(slot + 1, -1);
+        gradient_of_[slot] = static_cast<int>(messages_.size());
+      }
+      if (!in.gradient) {
+        in.header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
+        in.header_work = group_->recv(in.header, in.peer, /*async=*/true, kActivationTag);
+      }
+      of_action_[i] = static_cast<int>(messages_.size());
+      messages_.push_back(std::move(in));
+    }
+  }
+  // A step that raised half-way leaves receives posted into these buffers: they are kept for the
+  // process's life rather than freed under a transfer still running.
+  ~Inbox() {
+    static std::vector<Message> abandoned;
+    for (auto& in : messages_)
+      if (in.posted && !in.taken) abandoned.push_back(std::move(in));
+  }
+
+  // The forward of `slot` has run: its gradient will have `like`'s shape and dtype.
+  void forward_ran(size_t slot, const torch::Tensor& like) {
+    if (slot >= gradient_of_.size() || gradient_of_[slot] < 0) return;
+    messages_[static_cast<size_t>(gradient_of_[slot])].body = torch::empty_like(like, torch::MemoryFormat::Contiguous);
+  }
+
+  // Posts, in each channel's order, every receive whose header has arrived or whose buffer is known.
+  void post() {
+    while (first_ < messages_.size() && messages_[first_].posted) ++first_;
+    std::vector<std::pair<int, bool>> blocked;  // channels whose next message cannot be posted yet
+    for (size_t k = first_; k < messages_.size(); ++k) {
+      auto& in = messages_[k];
+      if (in.posted) continue;
+      const std::pair<int, bool> channel{in.peer, in.gradient};
+      if (std::find(blocked.begin(), blocked.end(), channel) != blocked.end()) continue;
+      const bool ready = in.gradient ? in.body.defined() : in.header_work.done();
+      if (!ready) {
+        blocked.push_back(channel);
+        continue;
+      }
+      if (!in.gradient) {
+        in.header_work.wait();  // completed: raises what the receive met, if anything
+        in.body = tensor_for(in.header.cpu(), in.peer, device_);
+      }
+      in.body_work = group_->recv(in.body, in.peer, /*async=*/true, in.gradient ? kGradientTag : kActivationBodyTag);
+      in.posted = true;
+    }
+  }
+
+  // Action `i`'s message, waited for (the wait is the bubble's); `header_bytes` gets its header's.
+  torch::Tensor take(size_t i, const PipeAction& a, int64_t& header_bytes) {
+    auto& in = messages_[static_cast<size_t>(of_action_[i])];
+    {
+      TraceSpan wait(TraceKind::Wait, -1, -1, a.peer);
+      if (!in.gradient) in.header_work.wait();
+      post();  // every earlier message of the channel has been taken: this one can be posted
+      TORCH_CHECK(in.posted, "pipeline: ", describe(a), " before its forward");
+      in.body_work.wait();
+    }
+    in.taken = true;
+    header_bytes = in.gradient ? 0 : static_cast<int64_t>(in.header.nbytes());
+    in.header = torch::Tensor();
+    return std::move(in.body);
+  }
+
+ private:
+  struct Message {
+    int peer = 0;
+    bool gradient = false;
+    torch::Tensor header, body;
+    dist::Work header_work, body_work;
+    bool posted = false, taken = false;  // the body's receive is posted; its action has run
+  };
+  dist::GroupPtr group_;
+  torch::Device device_;
+  std::vector<Message> messages_;  // in the order of their actions
+  std::vector<int> of_action_;     // an action's message, or -1
+  std::vector<int> gradient_of_;   // a slot's (micro-batch * chunks + chunk) gradient message, or -1
+  size_t first_ = 0;  // messages before it are all posted
+};
 
 }  // namespace
 
@@ -386,16 +503,21 @@ torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
   return x;
 }
 
-// A message is a header (dtype, dims, sizes) then the tensor, on one channel: the receiver
-// learns every shape from the sender, so micro-batches of any shape flow.
+// An activation is a header (dtype, dims, sizes) then the tensor: the receiver learns every
+// shape from the sender, so micro-batches of any shape flow.
 void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
   TORCH_CHECK(t.dim() <= kHeader - 2, "pipeline: cannot send a tensor of ", t.dim(), " dimensions");
   auto header = torch::zeros({kHeader}, torch::kInt64);
   header[0] = static_cast<int64_t>(t.scalar_type());
   header[1] = t.dim();
   for (int64_t d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
-  auto body = t.detach().contiguous();
   auto h = header.to(device_);
+  sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h});
+  send_body(t, peer, tag == kActivationTag ? kActivationBodyTag : tag, static_cast<int64_t>(h.nbytes()));
+}
+
+void Pipeline::send_body(const torch::Tensor& t, int peer, int tag, int64_t header_bytes) {
+  auto body = t.detach().contiguous();
   // Sends that have completed let go of their tensors now rather than at the step's end, so that
   // 1F1B holds a bounded number of activations whatever the micro-batch count.
   sends_.erase(std::remove_if(sends_.begin(), sends_.end(),
@@ -405,45 +527,37 @@ void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
                                 return true;
                               }),
                sends_.end());
-  sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h, body});
   sends_.emplace_back(group_->send(body, peer, /*async=*/true, tag), std::vector<torch::Tensor>{body});
   if (!measured_.done) {
     auto& q = measured_.peers[peer];
     ++q.sends;
-    q.send_bytes += static_cast<int64_t>(h.nbytes() + body.nbytes());
+    q.send_bytes += header_bytes + static_cast<int64_t>(body.nbytes());
   }
 }
 
-torch::Tensor Pipeline::receive(int peer, int tag, const std::vector<int64_t>& expected) {
+void Pipeline::note_received(int peer, int64_t bytes) {
+  if (measured_.done) return;
+  auto& q = measured_.peers[peer];
+  ++q.recvs;
+  q.recv_bytes += bytes;
+}
+
+torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) {
   auto header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   {
     TraceSpan wait(TraceKind::Wait, -1, -1, peer);  // until the sender's message arrives: the bubble
-    group_->recv(header, peer, /*async=*/false, tag);
+    group_->recv(header, peer, /*async=*/false, kActivationTag);
   }
-  auto noted = [&](torch::Tensor t) {
-    if (!measured_.done) {
-      auto& q = measured_.peers[peer];
-      ++q.recvs;
-      q.recv_bytes += static_cast<int64_t>(header.nbytes() + t.nbytes());
-    }
-    return t;
-  };
-  if (group_->planned()) {  // partrain plan: nothing arrives; both receives are recorded as a run's
-    auto t = torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_));
-    group_->recv(t, peer, /*async=*/false, tag);
-    return noted(t);
-  }
-  header = header.cpu();
-  auto* h = header.data_ptr<int64_t>();
-  TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 &&
-                  h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
-              "pipeline: a malformed message header from pipeline rank ", peer);
-  std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
-  for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
-  auto t = torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device_));
-  group_->recv(t, peer, /*async=*/false, tag);
-  return noted(t);
+  // partrain plan: nothing arrives; both receives are recorded as a run's
+  auto t = group_->planned() ? torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_))
+                             : tensor_for(header.cpu(), peer, device_);
+  group_->recv(t, peer, /*async=*/false, kActivationBodyTag);
+  note_received(peer, static_cast<int64_t>(header.nbytes() + t.nbytes()));
+  return t;
 }
+
+bool Pipeline::gradients_ahead() const { return group_->backend() == "gloo"; }
+bool Pipeline::receives_ahead() const { return !group_->planned() && gradients_ahead(); }
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
@@ -491,10 +605,13 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
       TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
+  std::optional<Inbox> inbox;
+  if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks);
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
     const int v = a.chunk * pp_ + rank_;
+    if (inbox) inbox->post();
     TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
       case PipeOp::RecvForward: {
@@ -506,7 +623,14 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           auto it = planned_shapes().find({v, a.mb});
           expected = it != planned_shapes().end() ? it->second : last_shape;
         }
-        s.input = receive(a.peer, kActivationTag, expected).requires_grad_(true);
+        if (inbox) {
+          int64_t header_bytes = 0;
+          s.input = inbox->take(i, a, header_bytes);
+          note_received(a.peer, header_bytes + static_cast<int64_t>(s.input.nbytes()));
+        } else {
+          s.input = receive(a.peer, expected);
+        }
+        s.input.requires_grad_(true);
         break;
       }
       case PipeOp::Forward: {
@@ -526,6 +650,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           measured_.inputs[a.chunk] = s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0;
           measured_.activations[a.chunk] = plan::memory(counted).allocated - before + measured_.inputs[a.chunk];
         }
+        if (inbox && v != last) inbox->forward_ran(static_cast<size_t>(a.mb) * chunks + a.chunk, s.output);
         break;
       }
       case PipeOp::SendForward:
@@ -533,7 +658,15 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         send(s.output, a.peer, kActivationTag);
         break;
       case PipeOp::RecvBackward:
-        s.grad = receive(a.peer, kGradientTag, s.output.sizes().vec());
+        if (inbox) {
+          int64_t header_bytes = 0;
+          s.grad = inbox->take(i, a, header_bytes);
+        } else {  // the activation sent for it says its shape and dtype
+          s.grad = torch::empty_like(s.output, torch::MemoryFormat::Contiguous);
+          TraceSpan wait(TraceKind::Wait, -1, -1, a.peer);
+          group_->recv(s.grad, a.peer, /*async=*/false, kGradientTag);
+        }
+        note_received(a.peer, static_cast<int64_t>(s.grad.nbytes()));
         if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
         break;
       case PipeOp::Backward: {
@@ -570,7 +703,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       }
       case PipeOp::SendBackward:
         TORCH_CHECK(s.input_grad.defined(), "pipeline: ", describe(a), " has no gradient to send");
-        send(s.input_grad, a.peer, kGradientTag);
+        send_body(s.input_grad, a.peer, kGradientTag);
         s.input_grad = torch::Tensor();
         break;
     }
@@ -594,7 +727,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   group_->broadcast(mean, last % pp_);
   if (measure) {
     measured_.done = true;
-    measured_.peak = countable ? peak_activation_bytes(actions, measured_) : -1;
+    measured_.peak = countable ? peak_activation_bytes(actions, measured_, gradients_ahead()) : -1;
   }
   sync.reset();
   trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +

@@ -86,8 +86,10 @@ struct PipelineMeasure {
 /// list walked with a forward's activations and a received gradient held until the micro-batch's
 /// backward, which needs its `backward` bytes more while it runs; and every tensor sent (an
 /// output, a gradient of the input) held until the step ends, as the executor keeps it until
-/// its send completes.
-int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m);
+/// its send completes. `gradients_ahead`: a gradient's buffer is held from its micro-batch's
+/// forward rather than from its receive (receives posted ahead, on Gloo).
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m,
+                              bool gradients_ahead = false);
 
 /// This rank's stages of a model and the schedule that runs them.
 class Pipeline {
@@ -162,9 +164,23 @@ class Pipeline {
     torch::ScalarType dtype;
   };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
+  /// An activation: a header (dtype, shape) on `tag`, then the tensor on the body's tag.
   void send(const torch::Tensor& t, int peer, int tag);
-  /// `expected`: the shape a planned group's message would have (nothing arrives there).
-  torch::Tensor receive(int peer, int tag, const std::vector<int64_t>& expected);
+  /// The tensor alone on `tag` (a gradient: the receiver knows its shape); `header_bytes`, the
+  /// header sent before it if any, are counted with it in the step's measured traffic.
+  void send_body(const torch::Tensor& t, int peer, int tag, int64_t header_bytes = 0);
+  /// An activation, received when its action comes (no receive ahead). `expected`: the shape a
+  /// planned group's message would have (nothing arrives there).
+  torch::Tensor receive(int peer, const std::vector<int64_t>& expected);
+  /// Whether the step's receives are posted ahead (the Inbox in pipeline.cpp): on Gloo, whose
+  /// point-to-point calls progress on their own threads whatever else is pending; not on NCCL,
+  /// where a pending receive would hold up the sends queued behind it on the pair's stream, and
+  /// not in a plan (nothing arrives).
+  bool receives_ahead() const;
+  /// Whether a gradient's buffer is allocated at its micro-batch's forward, as receives posted
+  /// ahead do (on Gloo; the planner walks a planned Gloo group's peak the same way).
+  bool gradients_ahead() const;
+  void note_received(int peer, int64_t bytes);  ///< the first step's measured traffic
 
   nn::Module* root_ = nullptr;
   PipelineOptions options_;

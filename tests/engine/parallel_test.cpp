@@ -418,4 +418,9 @@ TEST(PipelinePeak, OneFOneBHoldsItsWarmUpGPipeEveryMicroBatchSendsUntilTheEnd) {
   last.backward = {7};
   auto tail = pipe_actions("RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1");
   EXPECT_EQ(parallel::peak_activation_bytes(tail, last), 10 + 120 + 7) << "the second backward, one gradient kept";
+  // Receives posted ahead (Gloo): each gradient's buffer is held from its forward, so every
+  // micro-batch in flight holds one; the last stage receives none, so nothing changes there.
+  EXPECT_EQ(parallel::peak_activation_bytes(one_f_one_b, m, /*gradients_ahead=*/true), 2 * 100 + 2 * 10 + 4 * 10 + 5);
+  EXPECT_EQ(parallel::peak_activation_bytes(gpipe, m, /*gradients_ahead=*/true), 4 * 100 + 4 * 10 + 4 * 10 + 5);
+  EXPECT_EQ(parallel::peak_activation_bytes(tail, last, /*gradients_ahead=*/true), 10 + 120 + 7);
 }
