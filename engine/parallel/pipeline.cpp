@@ -157,29 +157,51 @@ std::map<std::pair<int, int>, std::vector<int64_t>>& planned_shapes() {
 }
 
 // The channels between a pair of ranks, each in the sender's order (the pre-flight check sees to
-// it): an activation is a header (dtype, shape) on one tag and its tensor on another, so that
-// headers can be received ahead of their bodies; a gradient is its tensor alone, having the shape
-// and dtype of the activation sent for it.
-constexpr int kActivationTag = 1, kGradientTag = 2, kActivationBodyTag = 3;
-constexpr int64_t kHeader = 10;  // dtype, dims, up to 8 sizes
+// it). An activation is a header (dtype, shape, and how its tensor follows) on one tag and its
+// tensor on another; a gradient is its tensor alone, having the shape and dtype of the activation
+// sent for it. With receives posted ahead, an activation whose shape both ends predict (the one
+// the same micro-batch's had at that stage last step) goes on a tag of its own, whose receive
+// was posted before the message was sent: it moves with no round trip through the receiver.
+constexpr int kActivationTag = 1, kGradientTag = 2, kPredictedTag = 3, kActivationBodyTag = 4;
+constexpr int64_t kHeader = 11;  // dtype, dims, up to 8 sizes, how the tensor follows
+constexpr int64_t kMaxDims = kHeader - 3;
+// How an activation's tensor follows its header (the header's last entry).
+enum Follows : int64_t {
+  kOnBodyTag = 0,     // on kActivationBodyTag: nothing was predicted
+  kAsPredicted = 1,   // on kPredictedTag: the predicted shape and dtype
+  kAfterDummy = 2,    // a predicted one that did not hold: zeros of the predicted shape on
+                      // kPredictedTag (they fill the receive posted for it), the tensor on kActivationBodyTag
+};
+// Receives of predicted activations posted ahead per channel: the next ones, not the whole step's
+// (each holds a micro-batch's input from then on).
+constexpr int kPredictedWindow = 2;
 
-// The tensor an activation's header (on the host) describes, checked, to receive its body into.
-torch::Tensor tensor_for(const torch::Tensor& header, int peer, torch::Device device) {
+// The shape and dtype a header (on the host) gives, checked.
+MessageShape shape_in(const torch::Tensor& header, int peer) {
   const auto* h = header.data_ptr<int64_t>();
-  TORCH_CHECK(h[1] >= 0 && h[1] <= kHeader - 2 && h[0] >= 0 && h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+  TORCH_CHECK(h[1] >= 0 && h[1] <= kMaxDims && h[0] >= 0 && h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions) &&
+                  h[kHeader - 1] >= kOnBodyTag && h[kHeader - 1] <= kAfterDummy,
               "pipeline: a malformed message header from pipeline rank ", peer);
   std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
   for (auto s : shape) TORCH_CHECK(s >= 0 && s < (int64_t(1) << 40), "pipeline: a malformed size from rank ", peer);
-  return torch::empty(shape, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(device));
+  return {static_cast<c10::ScalarType>(h[0]), shape};
 }
 
-// A step's receives posted ahead (Gloo): every activation's header at the step's start, its body
-// as soon as the header is in, and every gradient as soon as its forward has run (its buffer is
-// then known), each channel's in its order, looked at before every action. A message then moves
-// while this rank computes instead of waiting for the receive's action.
+torch::Tensor empty_of(const MessageShape& shape, torch::Device device) {
+  return torch::empty(shape.sizes, torch::TensorOptions().dtype(shape.dtype).device(device));
+}
+
+// A step's receives posted ahead (Gloo): every activation's header at the step's start, the
+// tensor of a predicted activation within kPredictedWindow of its channel's next, and every
+// gradient as soon as its forward has run (its buffer is then known), each channel in its order,
+// looked at before every action. Gloo moves a message once its receive is posted, so these move
+// while this rank computes. An activation with no prediction (the first step; a micro-batch whose
+// shape changed) is received when its action comes, after its header.
 class Inbox {
  public:
-  Inbox(const dist::GroupPtr& group, torch::Device device, const std::vector<PipeAction>& actions, int chunks)
+  // `predicted`: an activation's shape by (micro-batch, receiving virtual stage), from last step.
+  Inbox(const dist::GroupPtr& group, torch::Device device, const std::vector<PipeAction>& actions, int chunks, int pp,
+        int rank, const std::map<std::pair<int, int>, MessageShape>& predicted)
       : group_(group), device_(device), of_action_(actions.size(), -1) {
     for (size_t i = 0; i < actions.size(); ++i) {
       const auto& a = actions[i];
@@ -191,10 +213,10 @@ class Inbox {
       if (in.gradient) {
         if (slot >= gradient_of_.size()) gradient_of_.resize(slot + 1, -1);
         gradient_of_[slot] = static_cast<int>(messages_.size());
-      }
-      if (!in.gradient) {
+      } else {
         in.header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
         in.header_work = group_->recv(in.header, in.peer, /*async=*/true, kActivationTag);
+        if (auto it = predicted.find({a.mb, a.chunk * pp + rank}); it != predicted.end()) in.predicted = it->second;
       }
       of_action_[i] = static_cast<int>(messages_.size());
       messages_.push_back(std::move(in));
@@ -214,59 +236,90 @@ class Inbox {
     messages_[static_cast<size_t>(gradient_of_[slot])].body = torch::empty_like(like, torch::MemoryFormat::Contiguous);
   }
 
-  // Posts, in each channel's order, every receive whose header has arrived or whose buffer is known.
+  // Posts, in each channel's order, every gradient whose buffer is known and the predicted
+  // activations within the window.
   void post() {
-    while (first_ < messages_.size() && messages_[first_].posted) ++first_;
-    std::vector<std::pair<int, bool>> blocked;  // channels whose next message cannot be posted yet
+    while (first_ < messages_.size() && messages_[first_].taken) ++first_;
+    std::vector<int> gradients_blocked;  // peers whose next gradient cannot be posted yet
+    std::map<int, int> ahead;            // by peer: predicted activations not taken, counted in order
     for (size_t k = first_; k < messages_.size(); ++k) {
       auto& in = messages_[k];
-      if (in.posted) continue;
-      const std::pair<int, bool> channel{in.peer, in.gradient};
-      if (std::find(blocked.begin(), blocked.end(), channel) != blocked.end()) continue;
-      const bool ready = in.gradient ? in.body.defined() : in.header_work.done();
-      if (!ready) {
-        blocked.push_back(channel);
-        continue;
+      if (in.gradient) {
+        if (in.posted) continue;
+        if (std::find(gradients_blocked.begin(), gradients_blocked.end(), in.peer) != gradients_blocked.end()) continue;
+        if (!in.body.defined()) {
+          gradients_blocked.push_back(in.peer);
+          continue;
+        }
+        in.body_work = group_->recv(in.body, in.peer, /*async=*/true, kGradientTag);
+        in.posted = true;
+      } else if (in.predicted && !in.taken) {
+        int& n = ahead[in.peer];
+        if (n >= kPredictedWindow) continue;
+        ++n;
+        if (in.posted) continue;
+        in.body = empty_of(*in.predicted, device_);
+        in.body_work = group_->recv(in.body, in.peer, /*async=*/true, kPredictedTag);
+        in.posted = true;
       }
-      if (!in.gradient) {
-        in.header_work.wait();  // completed: raises what the receive met, if anything
-        in.body = tensor_for(in.header.cpu(), in.peer, device_);
-      }
-      in.body_work = group_->recv(in.body, in.peer, /*async=*/true, in.gradient ? kGradientTag : kActivationBodyTag);
-      in.posted = true;
     }
   }
 
   // Action `i`'s message, waited for (the wait is the bubble's); `header_bytes` gets its header's.
   torch::Tensor take(size_t i, const PipeAction& a, int64_t& header_bytes) {
     auto& in = messages_[static_cast<size_t>(of_action_[i])];
+    torch::Tensor t;
     {
       TraceSpan wait(TraceKind::Wait, -1, -1, a.peer);
-      if (!in.gradient) in.header_work.wait();
-      post();  // every earlier message of the channel has been taken: this one can be posted
-      TORCH_CHECK(in.posted, "pipeline: ", describe(a), " before its forward");
-      in.body_work.wait();
+      if (in.gradient) {
+        post();  // every earlier gradient of the channel has been taken: this one can be posted
+        TORCH_CHECK(in.posted, "pipeline: ", describe(a), " before its forward");
+        in.body_work.wait();
+        t = std::move(in.body);
+      } else {
+        in.header_work.wait();
+        const auto shape = shape_in(in.header.cpu(), a.peer);
+        const int64_t follows = in.header.cpu().data_ptr<int64_t>()[kHeader - 1];
+        TORCH_CHECK((follows == kOnBodyTag) == !in.predicted, "pipeline: ", describe(a), ": pipeline rank ", a.peer,
+                    in.predicted ? " sent no tensor of the predicted shape" : " sent a tensor of a predicted shape",
+                    " (the two ranks' record of last step's shapes disagree)");
+        if (in.predicted) {
+          post();  // posted within the window: everything before it on its channel has been taken
+          TORCH_CHECK(in.posted, "pipeline: ", describe(a), ": its predicted receive was not posted");
+          in.body_work.wait();
+        }
+        if (follows == kAsPredicted) {
+          TORCH_CHECK(shape.dtype == in.predicted->dtype && shape.sizes == in.predicted->sizes, "pipeline: ",
+                      describe(a), ": pipeline rank ", a.peer, " sent a tensor other than the predicted one");
+          t = std::move(in.body);
+        } else {
+          t = empty_of(shape, device_);
+          group_->recv(t, a.peer, /*async=*/false, kActivationBodyTag);
+        }
+      }
     }
     in.taken = true;
+    in.body = torch::Tensor();
     header_bytes = in.gradient ? 0 : static_cast<int64_t>(in.header.nbytes());
     in.header = torch::Tensor();
-    return std::move(in.body);
+    return t;
   }
 
  private:
   struct Message {
     int peer = 0;
     bool gradient = false;
+    std::optional<MessageShape> predicted;  // an activation's, from last step
     torch::Tensor header, body;
     dist::Work header_work, body_work;
-    bool posted = false, taken = false;  // the body's receive is posted; its action has run
+    bool posted = false, taken = false;  // the body's (or predicted body's) receive is posted; its action has run
   };
   dist::GroupPtr group_;
   torch::Device device_;
   std::vector<Message> messages_;  // in the order of their actions
   std::vector<int> of_action_;     // an action's message, or -1
   std::vector<int> gradient_of_;   // a slot's (micro-batch * chunks + chunk) gradient message, or -1
-  size_t first_ = 0;  // messages before it are all posted
+  size_t first_ = 0;  // messages before it are all taken
 };
 
 }  // namespace
@@ -505,15 +558,33 @@ torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
 
 // An activation is a header (dtype, dims, sizes) then the tensor: the receiver learns every
 // shape from the sender, so micro-batches of any shape flow.
-void Pipeline::send(const torch::Tensor& t, int peer, int tag) {
-  TORCH_CHECK(t.dim() <= kHeader - 2, "pipeline: cannot send a tensor of ", t.dim(), " dimensions");
+void Pipeline::send_activation(const torch::Tensor& t, int peer, int mb, int to_stage) {
+  TORCH_CHECK(t.dim() <= kMaxDims, "pipeline: cannot send a tensor of ", t.dim(), " dimensions (at most ", kMaxDims, ")");
+  MessageShape shape{t.scalar_type(), t.sizes().vec()};
+  int64_t follows = kOnBodyTag;
+  std::optional<MessageShape> predicted;
+  if (receives_ahead()) {  // the receiver posts what last step's same message had
+    auto [it, fresh] = sent_shapes_.try_emplace({mb, to_stage}, shape);
+    if (!fresh) {
+      predicted = it->second;
+      follows = it->second.dtype == shape.dtype && it->second.sizes == shape.sizes ? kAsPredicted : kAfterDummy;
+      it->second = shape;
+    }
+  }
   auto header = torch::zeros({kHeader}, torch::kInt64);
   header[0] = static_cast<int64_t>(t.scalar_type());
   header[1] = t.dim();
   for (int64_t d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
+  header[kHeader - 1] = follows;
   auto h = header.to(device_);
-  sends_.emplace_back(group_->send(h, peer, /*async=*/true, tag), std::vector<torch::Tensor>{h});
-  send_body(t, peer, tag == kActivationTag ? kActivationBodyTag : tag, static_cast<int64_t>(h.nbytes()));
+  sends_.emplace_back(group_->send(h, peer, /*async=*/true, kActivationTag), std::vector<torch::Tensor>{h});
+  int64_t extra = static_cast<int64_t>(h.nbytes());
+  if (follows == kAfterDummy) {  // fills the receive posted for the prediction
+    auto dummy = torch::zeros(predicted->sizes, torch::TensorOptions().dtype(predicted->dtype).device(device_));
+    sends_.emplace_back(group_->send(dummy, peer, /*async=*/true, kPredictedTag), std::vector<torch::Tensor>{dummy});
+    extra += static_cast<int64_t>(dummy.nbytes());
+  }
+  send_body(t, peer, follows == kAsPredicted ? kPredictedTag : kActivationBodyTag, extra);
 }
 
 void Pipeline::send_body(const torch::Tensor& t, int peer, int tag, int64_t header_bytes) {
@@ -548,9 +619,15 @@ torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) 
     TraceSpan wait(TraceKind::Wait, -1, -1, peer);  // until the sender's message arrives: the bubble
     group_->recv(header, peer, /*async=*/false, kActivationTag);
   }
-  // partrain plan: nothing arrives; both receives are recorded as a run's
-  auto t = group_->planned() ? torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_))
-                             : tensor_for(header.cpu(), peer, device_);
+  torch::Tensor t;
+  if (group_->planned()) {  // partrain plan: nothing arrives; both receives are recorded as a run's
+    t = torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_));
+  } else {
+    auto h = header.cpu();
+    t = empty_of(shape_in(h, peer), device_);
+    TORCH_CHECK(h.data_ptr<int64_t>()[kHeader - 1] == kOnBodyTag, "pipeline: pipeline rank ", peer,
+                " sent an activation of a predicted shape, which this rank does not receive ahead");
+  }
   group_->recv(t, peer, /*async=*/false, kActivationBodyTag);
   note_received(peer, static_cast<int64_t>(header.nbytes() + t.nbytes()));
   return t;
@@ -605,8 +682,17 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
       TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
+  // A step that does not finish forgets the shapes the next one would predict: its messages may
+  // be half-sent, and every rank's step fails (the loss's broadcast below waits for them all).
+  struct ForgetUnlessDone {
+    Pipeline& p;
+    bool done = false;
+    ~ForgetUnlessDone() {
+      if (!done) p.sent_shapes_.clear(), p.received_shapes_.clear();
+    }
+  } forget{*this};
   std::optional<Inbox> inbox;
-  if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks);
+  if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks, pp_, rank_, received_shapes_);
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
@@ -627,6 +713,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           int64_t header_bytes = 0;
           s.input = inbox->take(i, a, header_bytes);
           note_received(a.peer, header_bytes + static_cast<int64_t>(s.input.nbytes()));
+          received_shapes_.insert_or_assign({a.mb, v}, MessageShape{s.input.scalar_type(), s.input.sizes().vec()});
         } else {
           s.input = receive(a.peer, expected);
         }
@@ -655,7 +742,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       }
       case PipeOp::SendForward:
         if (group_->planned()) planned_shapes()[{v + 1, a.mb}] = s.output.sizes().vec();
-        send(s.output, a.peer, kActivationTag);
+        send_activation(s.output, a.peer, a.mb, v + 1);
         break;
       case PipeOp::RecvBackward:
         if (inbox) {
@@ -725,6 +812,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   // The mean loss from the last stage's rank, on every rank.
   auto mean = (total / m).reshape({1}).contiguous();
   group_->broadcast(mean, last % pp_);
+  forget.done = true;
   if (measure) {
     measured_.done = true;
     measured_.peak = countable ? peak_activation_bytes(actions, measured_, gradients_ahead()) : -1;

@@ -91,6 +91,12 @@ struct PipelineMeasure {
 int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m,
                               bool gradients_ahead = false);
 
+/// A message's dtype and sizes.
+struct MessageShape {
+  torch::ScalarType dtype;
+  std::vector<int64_t> sizes;
+};
+
 /// This rank's stages of a model and the schedule that runs them.
 class Pipeline {
  public:
@@ -164,8 +170,9 @@ class Pipeline {
     torch::ScalarType dtype;
   };
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
-  /// An activation: a header (dtype, shape) on `tag`, then the tensor on the body's tag.
-  void send(const torch::Tensor& t, int peer, int tag);
+  /// An activation of micro-batch `mb` for virtual stage `to_stage`: a header (dtype, shape, how
+  /// the tensor follows), then the tensor (pipeline.cpp's channels).
+  void send_activation(const torch::Tensor& t, int peer, int mb, int to_stage);
   /// The tensor alone on `tag` (a gradient: the receiver knows its shape); `header_bytes`, the
   /// header sent before it if any, are counted with it in the step's measured traffic.
   void send_body(const torch::Tensor& t, int peer, int tag, int64_t header_bytes = 0);
@@ -194,6 +201,9 @@ class Pipeline {
   torch::Device device_ = torch::kCPU;
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
   PipelineMeasure measured_;                   // filled by the first train_step
+  // Each activation's shape by (micro-batch, receiving virtual stage), as sent and as received
+  // last step: the shape both ends predict for this step's (receives posted ahead only).
+  std::map<std::pair<int, int>, MessageShape> sent_shapes_, received_shapes_;
 
 };
 

@@ -244,10 +244,10 @@ for schedule in ("1f1b", "gpipe"):
     in_flight = [s["in_flight"] for s in stages]
     check(f"pipeline 4, {schedule}: peak in-flight micro-batches per rank ({in_flight})",
           in_flight == ([4, 3, 2, 1] if schedule == "1f1b" else [4, 4, 4, 4]), in_flight)
-    # Each micro-batch's activation (2 x 64 x 128 floats) goes forward as an 80-byte header and the
+    # Each micro-batch's activation (2 x 64 x 128 floats) goes forward as an 88-byte header and the
     # tensor; its gradient comes back as the tensor alone (its shape is the activation's).
     grad_msg = 2 * 64 * 128 * 4
-    act_msg = 80 + grad_msg
+    act_msg = 88 + grad_msg
     p2p = [{p["pipeline_peer"]: p for p in s["p2p"]} for s in stages]
 
     def traffic(rank, peer):  # (bytes sent, bytes received): activations go up the pipeline
