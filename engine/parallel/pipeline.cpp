@@ -278,8 +278,9 @@ class Inbox {
         t = std::move(in.body);
       } else {
         in.header_work.wait();
-        const auto shape = shape_in(in.header.cpu(), a.peer);
-        const int64_t follows = in.header.cpu().data_ptr<int64_t>()[kHeader - 1];
+        const auto header = in.header.cpu();
+        const auto shape = shape_in(header, a.peer);
+        const int64_t follows = header.data_ptr<int64_t>()[kHeader - 1];
         TORCH_CHECK((follows == kOnBodyTag) == !in.predicted, "pipeline: ", describe(a), ": pipeline rank ", a.peer,
                     in.predicted ? " sent no tensor of the predicted shape" : " sent a tensor of a predicted shape",
                     " (the two ranks' record of last step's shapes disagree)");
