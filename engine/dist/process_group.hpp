@@ -159,6 +159,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// sequence; the fresh one starts them level. The old backend is kept alive, never destroyed:
   /// an abandoned collective may still be pending in it until its timeout.
   void renew();
+  /// How many times renew() has replaced the backend: what an abandoned exchange left queued in
+  /// an earlier one cannot reach the current one.
+  int renewals() const { return renewals_; }
 
  private:
   // An all-reduce recorded under `op` (reduce_scatter on Gloo is one).

@@ -645,6 +645,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
               "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
               y.sizes());
   TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
+  TORCH_CHECK(!failed_at_renewal_ || *failed_at_renewal_ != group_->renewals(), "train_step: an earlier step of ",
+              "this pipeline failed part-way, and what it sent may still be queued between the stages, where this ",
+              "step's receives would take it: the pipeline cannot run again in this process (resume from a ",
+              "checkpoint in a new run)");
   root_->train();
   plan::step_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
@@ -685,11 +689,16 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
   // A step that does not finish forgets the shapes the next one would predict: its messages may
   // be half-sent, and every rank's step fails (the loss's broadcast below waits for them all).
+  // It also leaves messages queued in the group (sent and not received, receives posted), which
+  // a later step would take for its own: the pipeline refuses to run again on this backend.
   struct ForgetUnlessDone {
     Pipeline& p;
     bool done = false;
     ~ForgetUnlessDone() {
-      if (!done) p.sent_shapes_.clear(), p.received_shapes_.clear();
+      if (done) return;
+      p.sent_shapes_.clear();
+      p.received_shapes_.clear();
+      p.failed_at_renewal_ = p.group_->renewals();
     }
   } forget{*this};
   std::optional<Inbox> inbox;

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -204,6 +205,9 @@ class Pipeline {
   // Each activation's shape by (micro-batch, receiving virtual stage), as sent and as received
   // last step: the shape both ends predict for this step's (receives posted ahead only).
   std::map<std::pair<int, int>, MessageShape> sent_shapes_, received_shapes_;
+  // The group's renewals when a step did not finish (a renewed group has left that step's
+  // messages behind in its old backend).
+  std::optional<int> failed_at_renewal_;
 
 };
 
