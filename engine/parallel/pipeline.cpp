@@ -573,10 +573,11 @@ void Pipeline::send_activation(const torch::Tensor& t, int peer, int mb, int to_
     }
   }
   auto header = torch::zeros({kHeader}, torch::kInt64);
-  header[0] = static_cast<int64_t>(t.scalar_type());
-  header[1] = t.dim();
-  for (int64_t d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
-  header[kHeader - 1] = follows;
+  auto* fields = header.data_ptr<int64_t>();  // written in place: a tensor op a field would cost more
+  fields[0] = static_cast<int64_t>(t.scalar_type());
+  fields[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) fields[2 + d] = t.size(d);
+  fields[kHeader - 1] = follows;
   auto h = header.to(device_);
   sends_.emplace_back(group_->send(h, peer, /*async=*/true, kActivationTag), std::vector<torch::Tensor>{h});
   int64_t extra = static_cast<int64_t>(h.nbytes());
