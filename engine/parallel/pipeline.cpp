@@ -265,8 +265,8 @@ class Inbox {
     }
   }
 
-  // Action `i`'s message, waited for (the wait is the bubble's); `header_bytes` gets its header's.
-  torch::Tensor take(size_t i, const PipeAction& a, int64_t& header_bytes) {
+  // Action `i`'s message, waited for (the wait is the bubble's).
+  torch::Tensor take(size_t i, const PipeAction& a) {
     auto& in = messages_[static_cast<size_t>(of_action_[i])];
     torch::Tensor t;
     {
@@ -300,9 +300,7 @@ class Inbox {
       }
     }
     in.taken = true;
-    in.body = torch::Tensor();
-    header_bytes = in.gradient ? 0 : static_cast<int64_t>(in.header.nbytes());
-    in.header = torch::Tensor();
+    in.body = in.header = torch::Tensor();
     return t;
   }
 
@@ -721,9 +719,8 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           expected = it != planned_shapes().end() ? it->second : last_shape;
         }
         if (inbox) {
-          int64_t header_bytes = 0;
-          s.input = inbox->take(i, a, header_bytes);
-          note_received(a.peer, header_bytes + static_cast<int64_t>(s.input.nbytes()));
+          s.input = inbox->take(i, a);
+          note_received(a.peer, kHeader * static_cast<int64_t>(sizeof(int64_t)) + static_cast<int64_t>(s.input.nbytes()));
           received_shapes_.insert_or_assign({a.mb, v}, MessageShape{s.input.scalar_type(), s.input.sizes().vec()});
         } else {
           s.input = receive(a.peer, expected);
@@ -757,8 +754,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         break;
       case PipeOp::RecvBackward:
         if (inbox) {
-          int64_t header_bytes = 0;
-          s.grad = inbox->take(i, a, header_bytes);
+          s.grad = inbox->take(i, a);
         } else {  // the activation sent for it says its shape and dtype
           s.grad = torch::empty_like(s.output, torch::MemoryFormat::Contiguous);
           TraceSpan wait(TraceKind::Wait, -1, -1, a.peer);

@@ -98,8 +98,9 @@ Counter& counter(c10::DeviceType device) {
 // kept instead, as LibTorch's CUDA caching allocator keeps device memory: blocks up to 32 MiB
 // come from the heap, which is never trimmed and grows 64 MiB at a time (address space; pages
 // count once touched). A process's resident memory is then its peak, not its current use.
-// PARTRAIN_MALLOC=system, or glibc's own settings in the environment (MALLOC_*_, GLIBC_TUNABLES),
-// leave malloc as it is (keeps_freed_memory); another malloc (LD_PRELOAD) ignores these calls.
+// PARTRAIN_MALLOC=system, or glibc's own settings in the environment (MALLOC_*_, GLIBC_TUNABLES)
+// unless PARTRAIN_MALLOC=kept says otherwise, leave malloc as it is (keeps_freed_memory); another
+// malloc (LD_PRELOAD) ignores these calls.
 void tune_heap() {
 #if defined(__GLIBC__)
   if (!keeps_freed_memory()) return;
@@ -114,6 +115,7 @@ void tune_heap() {
 bool keeps_freed_memory() {
   const char* chosen = std::getenv("PARTRAIN_MALLOC");
   if (chosen && std::strcmp(chosen, "system") == 0) return false;
+  if (chosen && std::strcmp(chosen, "kept") == 0) return true;  // asked for: over glibc's own settings
   for (const char* own : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"})
     if (std::getenv(own)) return false;
   return true;

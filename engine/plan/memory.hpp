@@ -18,9 +18,9 @@ struct Memory {
 /// would need, which is how the planner weighs activations.
 void install_allocators();
 /// Whether install_allocators() keeps freed CPU memory in the process's heap (glibc: no trimming,
-/// a fixed 32 MiB mmap threshold): yes unless PARTRAIN_MALLOC=system or glibc's own settings
-/// (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, GLIBC_TUNABLES) are in the
-/// environment. Read from the environment each time it is asked.
+/// a fixed 32 MiB mmap threshold): yes with PARTRAIN_MALLOC=kept; no with PARTRAIN_MALLOC=system;
+/// unset, yes unless glibc's own settings (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+/// MALLOC_TOP_PAD_, GLIBC_TUNABLES) are in the environment. Read from the environment each time.
 bool keeps_freed_memory();
 /// "" when PARTRAIN_MALLOC is unset, "system" or "kept"; otherwise a message naming its value and
 /// the choices (the command refuses to start on it).

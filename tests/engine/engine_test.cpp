@@ -512,6 +512,8 @@ TEST(Heap, FreedTensorMemoryStaysInTheHeapUnlessTheSystemsMallocIsChosen) {
     for (const char* own : {"GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"}) {
       EnvFor glibc(own, "1");
       EXPECT_FALSE(plan::keeps_freed_memory()) << own << " set: glibc's own setting must be left alone";
+      EnvFor kept("PARTRAIN_MALLOC", "kept");
+      EXPECT_TRUE(plan::keeps_freed_memory()) << own << " set with PARTRAIN_MALLOC=kept: what was asked for wins";
     }
     {
       EnvFor typo("PARTRAIN_MALLOC", "sytem");
@@ -521,6 +523,7 @@ TEST(Heap, FreedTensorMemoryStaysInTheHeapUnlessTheSystemsMallocIsChosen) {
   }
   // The effect, each in a fresh process (the heap's settings are made once, at the first tensor):
   // with partrain's setting the 32 MiB freed stay in the heap; with glibc's own they go back.
+  const std::string style = GTEST_FLAG_GET(death_test_style);
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   constexpr size_t kFreed = size_t(32) << 20;
   EXPECT_EXIT(
@@ -539,5 +542,6 @@ TEST(Heap, FreedTensorMemoryStaysInTheHeapUnlessTheSystemsMallocIsChosen) {
         std::exit(kept < kFreed ? 0 : 1);
       },
       testing::ExitedWithCode(0), "");
+  GTEST_FLAG_SET(death_test_style, style);  // the other tests' own
 }
 #endif
