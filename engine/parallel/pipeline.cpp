@@ -93,21 +93,41 @@ std::string describe(const PipeAction& a) {
   return s.str();
 }
 
-int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m, bool gradients_ahead) {
+int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m, bool receives_ahead) {
   std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
   std::set<std::pair<int, int>> gets_gradient;  // (micro-batch, chunk) whose gradient is received
   for (const auto& a : actions)
     if (a.op == PipeOp::RecvBackward) gets_gradient.insert({a.mb, a.chunk});
-  int64_t now = 0, peak = 0;
   auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
-  for (const auto& a : actions) {
-    int64_t add = 0;
+  // Received ahead, an activation's buffer is allocated once the receive kActivationsAhead before
+  // it on its channel has been taken (the executor posts before every action), the first ones
+  // at the step's start; its forward then holds it with the rest of its activations.
+  std::vector<int64_t> posted_before(actions.size(), 0);  // buffers allocated before action i
+  std::set<std::pair<int, int>> input_ahead;              // (micro-batch, chunk) received so
+  if (receives_ahead) {
+    std::map<int, std::vector<size_t>> channels;  // by peer: its activations' receives
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const auto& a = actions[i];
+      if (a.op != PipeOp::RecvForward) continue;
+      auto& channel = channels[a.peer];
+      const size_t from = channel.size() < kActivationsAhead ? 0 : channel[channel.size() - kActivationsAhead] + 1;
+      posted_before[from] += at(m.inputs, a.chunk);
+      channel.push_back(i);
+      input_ahead.insert({a.mb, a.chunk});
+    }
+  }
+  int64_t now = 0, peak = 0;
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const auto& a = actions[i];
+    now += posted_before[i];
+    int64_t add = 0, allocated_before = 0;
     switch (a.op) {
       case PipeOp::Forward:
         add = at(m.activations, a.chunk);
-        if (gradients_ahead && gets_gradient.count({a.mb, a.chunk})) add += at(m.gradients, a.chunk);
+        if (input_ahead.count({a.mb, a.chunk})) allocated_before = at(m.inputs, a.chunk);
+        if (receives_ahead && gets_gradient.count({a.mb, a.chunk})) add += at(m.gradients, a.chunk);
         break;
-      case PipeOp::RecvBackward: add = gradients_ahead ? 0 : at(m.gradients, a.chunk); break;
+      case PipeOp::RecvBackward: add = receives_ahead ? 0 : at(m.gradients, a.chunk); break;
       case PipeOp::SendForward: now += at(m.gradients, a.chunk); break;  // the output: the gradient's shape
       case PipeOp::SendBackward: now += at(m.inputs, a.chunk); break;    // the input's gradient
       case PipeOp::Backward:
@@ -118,7 +138,7 @@ int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const Pipe
       case PipeOp::RecvForward: break;  // counted in the forward's activations
     }
     held[{a.mb, a.chunk}] += add;
-    now += add;
+    now += add - allocated_before;
     peak = std::max(peak, now);
   }
   return peak;
@@ -172,9 +192,6 @@ enum Follows : int64_t {
   kAfterDummy = 2,    // a predicted one that did not hold: zeros of the predicted shape on
                       // kPredictedTag (they fill the receive posted for it), the tensor on kActivationBodyTag
 };
-// Receives of predicted activations posted ahead per channel: the next ones, not the whole step's
-// (each holds a micro-batch's input from then on).
-constexpr int kPredictedWindow = 2;
 
 // The shape and dtype a header (on the host) gives, checked.
 MessageShape shape_in(const torch::Tensor& header, int peer) {
@@ -191,8 +208,15 @@ torch::Tensor empty_of(const MessageShape& shape, torch::Device device) {
   return torch::empty(shape.sizes, torch::TensorOptions().dtype(shape.dtype).device(device));
 }
 
+// An activation's tensor sent after its header (on kActivationBodyTag), received into a new buffer.
+torch::Tensor receive_body(const dist::GroupPtr& group, const MessageShape& shape, int peer, torch::Device device) {
+  auto t = empty_of(shape, device);
+  group->recv(t, peer, /*async=*/false, kActivationBodyTag);
+  return t;
+}
+
 // A step's receives posted ahead (Gloo): every activation's header at the step's start, the
-// tensor of a predicted activation within kPredictedWindow of its channel's next, and every
+// tensor of a predicted activation within kActivationsAhead of its channel's next, and every
 // gradient as soon as its forward has run (its buffer is then known), each channel in its order,
 // looked at before every action. Gloo moves a message once its receive is posted, so these move
 // while this rank computes. An activation with no prediction (the first step; a micro-batch whose
@@ -218,6 +242,9 @@ class Inbox {
         in.header_work = group_->recv(in.header, in.peer, /*async=*/true, kActivationTag);
         if (auto it = predicted.find({a.mb, a.chunk * pp + rank}); it != predicted.end()) in.predicted = it->second;
       }
+      auto& channel = channels_[in.peer];
+      if (in.gradient) channel.gradients.push_back(messages_.size());
+      else if (in.predicted) channel.predicted.push_back(messages_.size());
       of_action_[i] = static_cast<int>(messages_.size());
       messages_.push_back(std::move(in));
     }
@@ -237,29 +264,24 @@ class Inbox {
   }
 
   // Posts, in each channel's order, every gradient whose buffer is known and the predicted
-  // activations within the window.
+  // activations within the window. Each channel's messages are taken in its order, so a cursor
+  // per channel and kind says where to go on: nothing before it needs looking at again.
   void post() {
-    while (first_ < messages_.size() && messages_[first_].taken) ++first_;
-    std::vector<int> gradients_blocked;  // peers whose next gradient cannot be posted yet
-    std::map<int, int> ahead;            // by peer: predicted activations not taken, counted in order
-    for (size_t k = first_; k < messages_.size(); ++k) {
-      auto& in = messages_[k];
-      if (in.gradient) {
-        if (in.posted) continue;
-        if (std::find(gradients_blocked.begin(), gradients_blocked.end(), in.peer) != gradients_blocked.end()) continue;
-        if (!in.body.defined()) {
-          gradients_blocked.push_back(in.peer);
-          continue;
-        }
-        in.body_work = group_->recv(in.body, in.peer, /*async=*/true, kGradientTag);
+    for (auto& [peer, c] : channels_) {
+      for (; c.gradients_posted < c.gradients.size(); ++c.gradients_posted) {
+        auto& in = messages_[c.gradients[c.gradients_posted]];
+        if (!in.body.defined()) break;  // its forward has not run: neither has any later one's
+        in.body_work = group_->recv(in.body, peer, /*async=*/true, kGradientTag);
         in.posted = true;
-      } else if (in.predicted && !in.taken) {
-        int& n = ahead[in.peer];
-        if (n >= kPredictedWindow) continue;
-        ++n;
+      }
+      while (c.predicted_taken < c.predicted.size() && messages_[c.predicted[c.predicted_taken]].taken)
+        ++c.predicted_taken;
+      const size_t window = std::min(c.predicted.size(), c.predicted_taken + kActivationsAhead);
+      for (size_t k = c.predicted_taken; k < window; ++k) {
+        auto& in = messages_[c.predicted[k]];
         if (in.posted) continue;
         in.body = empty_of(*in.predicted, device_);
-        in.body_work = group_->recv(in.body, in.peer, /*async=*/true, kPredictedTag);
+        in.body_work = group_->recv(in.body, peer, /*async=*/true, kPredictedTag);
         in.posted = true;
       }
     }
@@ -294,8 +316,7 @@ class Inbox {
                       describe(a), ": pipeline rank ", a.peer, " sent a tensor other than the predicted one");
           t = std::move(in.body);
         } else {
-          t = empty_of(shape, device_);
-          group_->recv(t, a.peer, /*async=*/false, kActivationBodyTag);
+          t = receive_body(group_, shape, a.peer, device_);
         }
       }
     }
@@ -318,7 +339,13 @@ class Inbox {
   std::vector<Message> messages_;  // in the order of their actions
   std::vector<int> of_action_;     // an action's message, or -1
   std::vector<int> gradient_of_;   // a slot's (micro-batch * chunks + chunk) gradient message, or -1
-  size_t first_ = 0;  // messages before it are all taken
+  struct Channel {                      // one peer's messages, in order
+    std::vector<size_t> gradients;      // its gradients
+    size_t gradients_posted = 0;        // those before it are posted
+    std::vector<size_t> predicted;      // its activations with a predicted shape
+    size_t predicted_taken = 0;         // those before it are taken
+  };
+  std::map<int, Channel> channels_;     // by peer
 };
 
 }  // namespace
@@ -619,16 +646,14 @@ torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) 
     TraceSpan wait(TraceKind::Wait, -1, -1, peer);  // until the sender's message arrives: the bubble
     group_->recv(header, peer, /*async=*/false, kActivationTag);
   }
-  torch::Tensor t;
-  if (group_->planned()) {  // partrain plan: nothing arrives; both receives are recorded as a run's
-    t = torch::empty(expected, torch::TensorOptions().dtype(dtype_).device(device_));
-  } else {
+  MessageShape shape{dtype_, expected};  // partrain plan: nothing arrives; both receives are recorded as a run's
+  if (!group_->planned()) {
     auto h = header.cpu();
-    t = empty_of(shape_in(h, peer), device_);
+    shape = shape_in(h, peer);
     TORCH_CHECK(h.data_ptr<int64_t>()[kHeader - 1] == kOnBodyTag, "pipeline: pipeline rank ", peer,
                 " sent an activation of a predicted shape, which this rank does not receive ahead");
   }
-  group_->recv(t, peer, /*async=*/false, kActivationBodyTag);
+  auto t = receive_body(group_, shape, peer, device_);
   note_received(peer, static_cast<int64_t>(header.nbytes() + t.nbytes()));
   return t;
 }

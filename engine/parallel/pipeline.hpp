@@ -87,10 +87,15 @@ struct PipelineMeasure {
 /// list walked with a forward's activations and a received gradient held until the micro-batch's
 /// backward, which needs its `backward` bytes more while it runs; and every tensor sent (an
 /// output, a gradient of the input) held until the step ends, as the executor keeps it until
-/// its send completes. `gradients_ahead`: a gradient's buffer is held from its micro-batch's
-/// forward rather than from its receive (receives posted ahead, on Gloo).
+/// its send completes. `receives_ahead` (on Gloo): a gradient's buffer is held from its
+/// micro-batch's forward rather than from its receive, and an activation's from
+/// kActivationsAhead receives of its channel before its own.
 int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m,
-                              bool gradients_ahead = false);
+                              bool receives_ahead = false);
+
+/// On Gloo, from the second step, how many activations of each channel a rank has receives
+/// posted for ahead of their actions (each into a buffer of last step's shape).
+constexpr size_t kActivationsAhead = 2;
 
 /// A message's dtype and sizes.
 struct MessageShape {

@@ -24,9 +24,21 @@ test("after a step that failed part-way, train_step is refused at the caller's l
   local err = raises(function() model:train_step(x, y) end,
     "an earlier step of this pipeline failed part-way, and what it sent may still be queued between the stages")
   ok(err:find("^[^:]*test_pipeline_failed_step%.lua:%d+:"), "the error names the caller's line: " .. err)
-  -- The last stage failed at once, the first only after --timeout: the last waits so that both
-  -- reach the end of the run's barrier within its --timeout.
-  if mesh:coord().pipeline == 1 then os.execute("sleep 4") end
 end)
+
+-- The last stage failed at once, the first only after --timeout: the last waits for the first
+-- to be done (a file, as the group cannot be trusted any more) so that both reach the end of
+-- the run's barrier together, within its --timeout.
+local done = (os.getenv("TMPDIR") or "/tmp") .. "/partrain-failed-step-" .. os.getenv("MASTER_PORT")
+if mesh:coord().pipeline == 0 then
+  assert(io.open(done, "w")):close()
+else
+  local waited = 0
+  while not io.open(done) and waited < 60 do
+    os.execute("sleep 0.1")
+    waited = waited + 0.1
+  end
+  os.remove(done)
+end
 
 H.run()

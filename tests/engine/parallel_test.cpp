@@ -420,7 +420,19 @@ TEST(PipelinePeak, OneFOneBHoldsItsWarmUpGPipeEveryMicroBatchSendsUntilTheEnd) {
   EXPECT_EQ(parallel::peak_activation_bytes(tail, last), 10 + 120 + 7) << "the second backward, one gradient kept";
   // Receives posted ahead (Gloo): each gradient's buffer is held from its forward, so every
   // micro-batch in flight holds one; the last stage receives none, so nothing changes there.
-  EXPECT_EQ(parallel::peak_activation_bytes(one_f_one_b, m, /*gradients_ahead=*/true), 2 * 100 + 2 * 10 + 4 * 10 + 5);
-  EXPECT_EQ(parallel::peak_activation_bytes(gpipe, m, /*gradients_ahead=*/true), 4 * 100 + 4 * 10 + 4 * 10 + 5);
-  EXPECT_EQ(parallel::peak_activation_bytes(tail, last, /*gradients_ahead=*/true), 10 + 120 + 7);
+  EXPECT_EQ(parallel::peak_activation_bytes(one_f_one_b, m, /*receives_ahead=*/true), 2 * 100 + 2 * 10 + 4 * 10 + 5);
+  EXPECT_EQ(parallel::peak_activation_bytes(gpipe, m, /*receives_ahead=*/true), 4 * 100 + 4 * 10 + 4 * 10 + 5);
+  EXPECT_EQ(parallel::peak_activation_bytes(tail, last, /*receives_ahead=*/true), 10 + 120 + 7)
+      << "the first backward: the next input's buffer posted ahead, where the second has a gradient kept";
+  // Each activation's buffer is posted kActivationsAhead receives of its channel before its own:
+  // the first two at the step's start, the third once the first has been taken. A rank that sent
+  // nothing back (so no kept send hides them) holds, at its first backward, two more inputs.
+  parallel::PipelineMeasure inputs;
+  inputs.activations = {100};  // the received input's 30 bytes included
+  inputs.inputs = {30};
+  inputs.gradients = {0};
+  inputs.backward = {5};
+  auto receives = pipe_actions("RECV_F0 F0 B0 RECV_F1 F1 B1 RECV_F2 F2 B2");
+  EXPECT_EQ(parallel::peak_activation_bytes(receives, inputs), 100 + 5);
+  EXPECT_EQ(parallel::peak_activation_bytes(receives, inputs, /*receives_ahead=*/true), 100 + 2 * 30 + 5);
 }
