@@ -2,6 +2,7 @@
 //
 // The keys, all in the control store node 0's launcher serves (never seen by a rank):
 //   alive/<node>    a counter its launcher adds 1 to every second: its heartbeat
+//   claimed/<node>  how many launchers have joined as that node: a second one is refused
 //   node/<node>     the settings every node must share, set once
 //   port/<k>        the port node 0's rank 0 serves start k's rendezvous on
 //   arrived/<k>     how many nodes have arrived at the meeting before start k
@@ -204,6 +205,14 @@ NodeControl::NodeControl(const ControlOptions& options) : o_(options), watch_(op
                              " (--master-addr, --master-port; waited at most --timeout " + seconds(o_.join_timeout) +
                              " s): " + m);
   }
+  // Each node rank joins once: a second launcher given the same --node-rank (a typo, a machine
+  // started twice) is refused here, before it could arrive at a meeting and start ranks that
+  // take the first one's places in the job's rendezvous, which would end the job.
+  if (o_.node_rank != 0 && store_->add(key("claimed", o_.node_rank), 1) > 1)
+    throw std::runtime_error("node " + std::to_string(o_.node_rank) + " cannot join the job through " + store_where() +
+                             ": a launcher with --node-rank " + std::to_string(o_.node_rank) +
+                             " has joined it already (every machine needs its own --node-rank, 1.." +
+                             std::to_string(o_.nnodes - 1) + " besides node 0)");
   store_->set(key("node", o_.node_rank), bytes(o_.settings));
   std::optional<Verdict> none;
   beat(none);

@@ -142,6 +142,10 @@ int main(int argc, char** argv) { leave(run_main(argc, argv)); }
 namespace {
 
 int run_main(int argc, char** argv) {
+  // Output leaves a line at a time whether it goes to a terminal, a file or the launcher's pipe:
+  // a training log shows each step as it is printed (tail -f, or rank 0's lines passed on by the
+  // launcher), not in bursts of a buffer's size or at the end of the run.
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   if (const char* rank = std::getenv("RANK")) partrain::util::startup_set_who("rank " + std::string(rank));
   partrain::util::startup_mark("main entered");
   partrain::app::adopt_report_channel();

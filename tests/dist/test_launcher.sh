@@ -5,7 +5,8 @@
 # one named; a rank that raises while the others wait is named with its error in 10 runs of 10;
 # pt.breakpoint() without -i says how to stop there; bad sizes, ports and environments are clear
 # errors; torchrun-style environments run a single rank; a rank that never arrives at the rendezvous
-# is named within one timeout. Usage: test_launcher.sh PATH/TO/partrain
+# is named within one timeout; printed lines leave as they are printed, to a file or through the
+# launcher. Usage: test_launcher.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 worker="$(realpath tests/dist/worker.lua)"
@@ -151,6 +152,21 @@ out=$("$bin" --nproc-per-node 2 --threads 1 "$worker" --mode sum 2>&1)
 has "$out" "rank 0 of 2: sum 3" && ! has "$out" "rank 1 of 2"; report $? "by default only rank 0's stdout is shown" "$out"
 out=$("$bin" --nproc-per-node 2 --threads 1 --tee "$worker" --mode sum 2>&1)
 has "$out" "[rank 1] rank 1 of 2: sum 3"; report $? "--tee shows every rank's stdout with its rank" "$out"
+
+# A printed line leaves at once, through the launcher or straight to a file: the test creates
+# DIR/go only once it has read "ready" in the output, which the script waits for.
+handshake() {  # handshake NAME COMMAND...: runs it, answering "ready" with DIR/go; prints its output
+  local dir="$tmp/$1" && shift && mkdir "$dir"
+  "$@" "$worker" --dir "$dir" --mode handshake >"$dir/out" 2>&1 &
+  local pid=$!
+  for _ in $(seq 200); do grep -q '^ready$' "$dir/out" && { touch "$dir/go"; break; }; sleep 0.1; done
+  wait "$pid"
+  cat "$dir/out"
+}
+out=$(handshake launched "$bin" --nproc-per-node 2 --threads 1)
+has "$out" "released"; report $? "rank 0's printed line reaches the launcher's output (a file) while the run goes on" "$out"
+out=$(handshake alone "$bin" --threads 1)
+has "$out" "released"; report $? "a single process's printed line reaches its output file while it runs" "$out"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

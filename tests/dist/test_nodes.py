@@ -5,7 +5,8 @@ weights equal an uninterrupted run's, bit for bit; a rank dying on every start e
 --max-restarts and both launchers exit non-zero naming it; node 1's launcher killed with SIGKILL
 makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no process left, and
 node 0's launcher killed makes node 1 name node 0, the control store's host, as lost; node 0 alone
-names node 1 as not arrived after --timeout; nodes disagreeing on --nproc-per-node both refuse.
+names node 1 as not arrived after --timeout; nodes disagreeing on --nproc-per-node both refuse; a
+second launcher given a node rank already in the job is refused without disturbing it.
 Usage: test_nodes.py PATH/TO/partrain"""
 import os
 import re
@@ -173,6 +174,28 @@ check("node 0 does not restart without node 1", "partrain: restart" not in nodes
 time.sleep(1)  # node 1's ranks die with their launcher (PR_SET_PDEATHSIG): give the kernel a moment
 left = [p for n in (0, 1) for p in family[n] if alive(p)]
 check("no process of either node is left", not left, left)
+
+# --- A second launcher given --node-rank 1 while the job runs: refused, and the job goes on ----
+port = free_port()
+nodes = [Node(n, port, [], ["--steps", "100000"]) for n in (0, 1)]
+deadline = time.time() + 90
+while time.time() < deadline and not re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M):
+    time.sleep(0.1)
+check("the two-node run is training", re.search(r"^\[rank 0\] step 1 loss", nodes[0].out, re.M) is not None,
+      nodes[0].out[-2000:])
+extra = Node(1, port, [], ["--steps", "100000"])
+status = extra.wait(timeout=60)
+steps_then = len(losses(nodes[0].out))
+time.sleep(2)
+check(f"a second launcher with --node-rank 1 exits non-zero (status {status}) and names the taken node rank",
+      status not in (0, None) and "a launcher with --node-rank 1 has joined it already" in extra.out, extra.out[-2000:])
+check("it started no rank", "[rank" not in extra.out, extra.out[-2000:])
+check("the job it tried to join goes on training",
+      nodes[0].proc.poll() is None and nodes[1].proc.poll() is None and len(losses(nodes[0].out)) > steps_then,
+      nodes[0].out[-2000:] + nodes[1].out[-2000:])
+for n in nodes:
+    n.proc.send_signal(signal.SIGINT)
+    n.wait(timeout=60)
 
 # --- Node 0's launcher killed: node 1 sees the control store's connection close at once -------
 port = free_port()

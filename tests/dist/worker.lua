@@ -3,7 +3,7 @@
 -- barrier), "spin" (rank 1 loops forever in Lua while the others wait in a barrier), "stop"
 -- (rank 1 stops itself with SIGSTOP, the same), "raise" (rank 1 raises an error while the others
 -- wait in an all-reduce), "sum" (one all-reduce, printed), "breakpoint" (pt.breakpoint() between
--- two prints).
+-- two prints), "handshake" (below).
 local pt = require "partrain"
 local cfg = pt.args { dir = "", mode = "loop" }
 local rank = pt.dist.rank()
@@ -43,4 +43,13 @@ if cfg.mode == "mismatch" then  -- ranks disagree on the reduction: caught by --
   local t = pt.ones(3)
   pt.dist.world():all_reduce(t, rank == 0 and "sum" or "max")
   print("no mismatch noticed")
+end
+if cfg.mode == "handshake" then  -- "ready", then up to 20 s for DIR/go, which comes once "ready" was read
+  print("ready")
+  local waited = 0
+  while not io.open(cfg.dir .. "/go") and waited < 20 do
+    os.execute("sleep 0.1")
+    waited = waited + 0.1
+  end
+  print(io.open(cfg.dir .. "/go") and "released" or "never released")
 end
