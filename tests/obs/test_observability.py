@@ -1,7 +1,7 @@
 """Seeing a run, end to end through the partrain command: the live progress line on a
 pseudo-terminal and plain lines on a pipe; the metrics file after kill -9 (every completed step,
 valid JSON a line) and after the resume that continues it (no step twice); tokens/s, TFLOP/s and
-MFU of the GPT example against a hand count of its FLOPs; --config and --help; pt.log on rank 0
+MFU of the GPT example against a hand count of its FLOPs, at 1 and 2 ranks; --config and --help; pt.log on rank 0
 of 2 ranks, and its rank option.
 Usage: test_observability.py PATH/TO/partrain"""
 import json
@@ -184,6 +184,22 @@ check(f"MFU and TFLOP/s = tokens/s x (6N + 12LDT) / peak, N counted by hand (wor
 check("tokens/s counts the global batch's tokens a second (within 25 % of batch x seq / the logged seconds)",
       rate_ok, steps)
 check("the printed line carries mfu and tokens_per_s", "| mfu " in out and "| tokens_per_s " in out, out)
+m3 = os.path.join(tmp, "mfu2.jsonl")  # two data-parallel ranks: the peak is two devices'
+code, out, err = run(["--nproc-per-node", "2"] + TINY + ["--steps", "5", "--log-every", "1", "--metrics", m3,
+                                                         "--peak-tflops", str(PEAK)])
+recs, _ = records(m3)
+steps = [r for r in recs if "step" in r and "event" not in r]
+worst, prev, rate_ok = 0.0, None, True
+for r in steps:
+    tflops = r["tokens_per_s"] * fpt / 1e12
+    worst = max(worst, abs(r["tflops"] - tflops) / tflops, abs(r["mfu"] - tflops / (2 * PEAK)) / (tflops / (2 * PEAK)))
+    if prev is not None:
+        want = B * T * (r["step"] - prev["step"]) / (r["seconds"] - prev["seconds"])
+        rate_ok = rate_ok and abs(r["tokens_per_s"] - want) / want < 0.25
+    prev = r
+check(f"at 2 ranks, MFU is TFLOP/s over twice one device's peak and tokens/s counts the global batch "
+      f"(worst relative error {worst:.1e} <= 1e-9)",
+      code == 0 and len(steps) == 5 and worst <= 1e-9 and rate_ok, f"{code} {steps[:2]} {err[-300:]}")
 
 # --- --config and --help ----------------------------------------------------------------------
 cfg = os.path.join(tmp, "run.lua")
