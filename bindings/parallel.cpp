@@ -10,6 +10,7 @@
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/recompute.hpp"
 #include "engine/parallel/probe.hpp"
+#include "engine/nn/functional.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::lua {
@@ -231,6 +232,9 @@ const Function kTensorParallel[] = {
     {"gather_sequence", [](Args& a) { return a.ret(parallel::gather_sequence(a.tensor(1), group(a, 2))); }},
     {"reduce_scatter_sequence", [](Args& a) { return a.ret(parallel::reduce_scatter_sequence(a.tensor(1), group(a, 2))); }},
     {"split_sequence", [](Args& a) { return a.ret(parallel::split_sequence(a.tensor(1), group(a, 2))); }},
+    {"dropout", [](Args& a) {  // dropout(x, p, training, group [, dim = 1]): this rank's part of the whole mask
+       auto g = group(a, 4);
+       return a.ret(nn::dropout_part(a.tensor(1), a.number(2), a.boolean(3, true), a.integer(5, 1), g->size(), g->rank())); }},
     {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
        return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
                                     static_cast<int>(a.integer(4)), "shard")); }},

@@ -10,14 +10,14 @@
 local pt = require "partrain"
 local P = require "partrain.policy"
 
--- GPT-2's forward with the sequence split after the embeddings (dropout then acts on each
--- rank's part of the sequence).
+-- GPT-2's forward with the sequence split after the embeddings' dropout: each rank keeps its part
+-- of the mask the whole sequence draws, so the parts differ as the unsplit model's do.
 local function sequence_parallel_forward(group)
   return function(self, ids)
     local T, seq = ids.shape[2], self:attribute("seq")
     if T > seq then error(("GPT2: sequence of %d tokens is longer than seq=%d"):format(T, seq), 2) end
     local x = self.wte(ids) + self.wpe(pt.arange(T, { device = ids.device }))
-    x = pt.tp.split_sequence(x, group):dropout(self:attribute("dropout"), self:is_training())
+    x = pt.tp.split_sequence(x:dropout(self:attribute("dropout"), self:is_training()), group)
     return self.lm_head(self.ln_f(self.h(x)))
   end
 end

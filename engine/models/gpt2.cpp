@@ -26,6 +26,19 @@ nn::ModulePtr layer_norm(const Gpt2Options& o) {
   ln.eps = o.eps;
   return std::make_shared<nn::LayerNorm>(ln);
 }
+// This rank's part of what a tensor-parallel layer gives, as (parts, index): the heads of a
+// column-split c_attn (its output not gathered), or the part of the sequence a sequence-parallel
+// row layer's output holds. (1, 0): the whole.
+std::pair<int64_t, int64_t> heads_part(const nn::Module& c_attn) {
+  auto* column = dynamic_cast<const parallel::ColumnParallelLinear*>(&c_attn);
+  if (!column || column->gather_output || !column->group || column->group->size() == 1) return {1, 0};
+  return {column->group->size(), column->group->rank()};
+}
+std::pair<int64_t, int64_t> sequence_part(const nn::Module& c_proj) {
+  auto* row = dynamic_cast<const parallel::RowParallelLinear*>(&c_proj);
+  if (!row || !row->sequence_parallel || !row->group || row->group->size() == 1) return {1, 0};
+  return {row->group->size(), row->group->rank()};
+}
 }  // namespace
 
 Gpt2Attention::Gpt2Attention(const Gpt2Options& o)
@@ -74,14 +87,17 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
     auto y = nn::scaled_dot_product_attention(q, keys, values, a).transpose(1, 2).reshape({B, T, width});
     return child("c_proj")->forward({y});
   }
-  if (flash_attention && compat::kHasFusedAttention) {
+  // Heads split over a tensor group drop with the mask the whole model's heads would have; the
+  // fused kernel draws its own, the same on every rank, so it is left to unsplit heads then.
+  const auto [parts, part] = heads_part(c_attn);
+  if (flash_attention && compat::kHasFusedAttention && (p == 0 || parts == 1)) {
     auto y = compat::fused_causal_attention(q, k, v, p).transpose(1, 2).reshape({B, T, width});
     return child("c_proj")->forward({y});
   }
   auto scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, heads, T, T)
   auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
-  auto probs = at::dropout(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1), dropout,
-                           is_training());
+  auto probs = nn::dropout_part(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1),
+                                dropout, is_training(), 1, parts, part);
   auto y = probs.matmul(v).transpose(1, 2).reshape({B, T, width});  // (B, T, heads * hd)
   return child("c_proj")->forward({y});
 }
@@ -122,7 +138,8 @@ Gpt2Mlp::Gpt2Mlp(const Gpt2Options& o) : nn::Unary("GPT2MLP"), dropout(o.dropout
 
 Tensor Gpt2Mlp::forward(const Tensor& x) {
   auto h = compat::gelu_tanh(child("c_fc")->forward({x}));  // (B, T, 4 dim)
-  return at::dropout(child("c_proj")->forward({h}), dropout, is_training());
+  const auto [parts, part] = sequence_part(*child("c_proj"));  // sequence-parallel: this rank's positions
+  return nn::dropout_part(child("c_proj")->forward({h}), dropout, is_training(), 1, parts, part);
 }
 
 void Gpt2Mlp::check(const std::string& path) const {
@@ -201,7 +218,7 @@ Tensor Gpt2::stage_in(const Tensor& ids) {
   auto group = sequence_group(*this);
   if (!group) return embed(ids);
   auto x = parallel::split_sequence(embeddings(ids), group);  // (B, T/t, dim)
-  return at::dropout(x, options.dropout, is_training());
+  return nn::dropout_part(x, options.dropout, is_training(), 1, group->size(), group->rank());
 }
 
 Tensor Gpt2::head(const Tensor& x) {

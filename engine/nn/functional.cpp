@@ -88,6 +88,19 @@ Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return x * cos + rotated * sin;
 }
 
+Tensor dropout_part(const Tensor& x, double p, bool training, int64_t dim, int64_t parts, int64_t index) {
+  TORCH_CHECK(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
+  if (!training || p == 0 || parts == 1) return at::dropout(x, p, training);
+  TORCH_CHECK(parts > 1 && index >= 0 && index < parts, "dropout_part: part ", index, " of ", parts);
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  auto whole = x.sizes().vec();
+  whole[dim] *= parts;
+  auto noise = at::empty(whole, x.options().requires_grad(false)).bernoulli_(1 - p);
+  noise.div_(1 - p);
+  // This part alone, contiguous: the whole mask is freed now rather than kept for the backward.
+  return x * noise.narrow(dim, index * x.size(dim), x.size(dim)).contiguous();
+}
+
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, int64_t ignore_index, const std::string& reduction) {
   TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none", "nll_loss: reduction must be 'mean', "
               "'sum' or 'none', got '", reduction, "'");

@@ -38,6 +38,16 @@ std::pair<Tensor, Tensor> rotary_tables(int64_t head_dim, const Tensor& position
 /// rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]).
 Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
 
+/// Dropout on part `index` of `parts` equal parts, along `dim`, of a tensor the unsplit model
+/// holds whole (attention weights of this rank's heads, activations of its part of the sequence).
+/// The mask is drawn for the whole tensor, as the unsplit model draws it, and this part's slice
+/// kept: the ranks holding the parts drop different elements, as the unsplit model's parts do
+/// (one mask a rank would repeat itself across them), and every rank's generator advances as the
+/// unsplit run's does. On the CPU the result is, bit for bit, that part of the unsplit dropout
+/// (at::dropout's mask: bernoulli(1 - p) over the contiguous tensor, divided by 1 - p).
+/// With parts = 1, or not training, or p = 0: at::dropout.
+Tensor dropout_part(const Tensor& x, double p, bool training, int64_t dim, int64_t parts, int64_t index);
+
 /// The negative log-likelihood of log-probabilities (N, C) or (..., C) at class ids (N) or (...);
 /// targets equal to `ignore_index` do not count. reduction: "mean" (over counted targets), "sum"
 /// or "none".

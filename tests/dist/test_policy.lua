@@ -1,6 +1,6 @@
 -- Sharding policies: the shipped ones (GPT-2, MLP, the tutorial model) and one written here for a
 -- Lua-defined model make training equal to serial training on the global batch (tensor = 2, and
--- tensor = 2 x data = 2 at 4 ranks), within 1e-5; bad policies are refused, each with the
+-- tensor = 2 x data = 2 at 4 ranks), within 1e-5 (GPT-2 with dropout: 1e-9, float64); bad policies are refused, each with the
 -- policy's file:line, before anything changes.
 --   partrain --nproc-per-node 2 tests/dist/test_policy.lua
 package.path = "tests/lua/?.lua;examples/simple/?.lua;" .. package.path
@@ -96,6 +96,44 @@ test("GPT-2 with sequence parallelism equals serial GPT-2 over 20 AdamW steps", 
   ok(model:forward_replaced(), "the policy replaced GPT-2's forward to split the sequence")
   ok(tostring(model:get("h.0.ln_1")):find("sequence_parallel"), "LayerNorms are sequence-parallel")
   ok(tostring(model:get("h.1.mlp.c_fc")):find("sequence_parallel"), "columns gather the sequence")
+end)
+
+-- Dropout on split tensors (a rank's heads' attention weights; under sequence parallelism its
+-- positions of the embeddings and of each MLP's output) keeps that part of the mask the whole
+-- model draws: a rank whose own mask were drawn the same on every rank would drop the same
+-- elements of every part. Each forward is seeded alike, serial and parallel, so in float64 the
+-- two agree to rounding. Data-parallel ranks draw masks for their own samples, as every
+-- data-parallel trainer does, which no serial run draws: tensor parallelism alone here.
+test("GPT-2 with dropout equals serial GPT-2 in float64 over 10 steps, heads split and sequence-parallel", function()
+  if dp > 1 then return end
+  local cfg = { vocab = 256, seq = 16, dim = 32, heads = 4, layers = 2, dropout = 0.1, dtype = "float64" }
+  for _, sp in ipairs { false, true } do
+    local what = sp and "sequence-parallel" or "heads split"
+    pt.manual_seed(21)
+    local serial = pt.models.gpt2(cfg)
+    pt.manual_seed(21)
+    local model = pt.parallelize(pt.models.gpt2(cfg), nil, mesh, { sequence_parallel = sp })
+    local so, po = pt.optim.adamw(serial, { lr = 1e-3 }), pt.optim.adamw(model, { lr = 1e-3 })
+    local serial_loss, parallel_loss = pt.loss_fn(serial), pt.loss_fn(model)
+    local data = gpt_text(false)
+    local dropped = 0
+    for step = 1, 10 do
+      local x, y = data:next()
+      pt.manual_seed(100 + step)
+      local ls = serial_loss(serial(x), y)
+      pt.manual_seed(100 + step)
+      local lp = parallel_loss(model(x), y)
+      near(lp, ls, 1e-9, what .. ": loss at step " .. step)
+      ls:backward(); lp:backward()
+      so:step(); po:step(); so:zero_grad(); po:zero_grad()
+      model:eval()
+      dropped = dropped + math.abs(parallel_loss(model(x), y):item() - lp:item())
+      model:train()
+    end
+    ok(dropped > 1e-3, what .. ": dropout changed the losses (" .. dropped .. " in all against eval mode)")
+    local full, want = model:full_state_dict(), serial:state_dict()
+    for name, w in pairs(want) do near(full[name], w, 1e-9, what .. ": parameter " .. name .. " after 10 steps") end
+  end
 end)
 
 test("GPT-2 with sequence_overlap, the composed LayerNorm and flash_attention equals serial", function()

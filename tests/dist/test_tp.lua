@@ -156,6 +156,21 @@ test("sequence parallelism: LayerNorm on a split sequence, then column and row l
   raises(function() pt.tp.split_sequence(pt.randn(1, T + 1, D), group) end, "does not split into tensor=")
 end)
 
+test("pt.tp.dropout keeps this rank's part of the mask the whole tensor draws", function()
+  pt.manual_seed(4)
+  local whole = pt.rand({ 2, 8, 4 }, { dtype = "float64" }) + 0.5
+  pt.manual_seed(9)
+  local want = whole:dropout(0.5)
+  pt.manual_seed(9)
+  local mine = pt.tp.dropout(part(whole, 1), 0.5, true, group)
+  ok(mine:equal(part(want, 1)), "rank " .. r .. "'s part along the sequence")
+  pt.manual_seed(9)
+  local along = pt.tp.dropout(part(whole, 2), 0.5, true, group, 2)
+  ok(along:equal(part(want, 2)), "along dimension 2")
+  ok(pt.tp.dropout(whole, 0.5, false, group):equal(whole), "not training: the input")
+  raises(function() pt.tp.dropout(whole, 1.5, true, group) end, "p must be in [0, 1), got 1.5")
+end)
+
 test("split parameters are known as split by the layer holding them, and asked by name", function()
   local col = pt.tp.column(pt.nn.Linear(4, 8), group)
   ok(pt.tp.is_sharded(col, "weight"), "a column layer's weight is split")

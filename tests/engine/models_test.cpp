@@ -7,6 +7,7 @@
 #include <map>
 
 #include "engine/models/registry.hpp"
+#include "engine/nn/functional.hpp"
 
 using namespace partrain;
 
@@ -93,4 +94,27 @@ TEST(ModelRegistry, RefusesAnUnknownFamilyNamingTheKnownOnes) {
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()), "unknown model family 'mamba' (known: mlp, gpt2, llama)");
   }
+}
+
+TEST(DropoutPart, EachPartIsThatSliceOfTheWholeTensorsDropoutAndTheGeneratorAdvancesAlike) {
+  // Attention weights of 4 heads split 2 ways along dimension 1: what each part's rank computes
+  // (from the same generator state) is that slice of the whole tensor's at::dropout, and after it
+  // the generator is where the whole tensor's dropout leaves it.
+  torch::manual_seed(3);
+  auto whole = torch::rand({2, 4, 5, 5}, torch::kFloat64) + 0.5;
+  torch::manual_seed(11);
+  auto want = at::dropout(whole, 0.3, /*train=*/true);
+  auto after = torch::rand({1}, torch::kFloat64);
+  for (int64_t part = 0; part < 2; ++part) {
+    torch::manual_seed(11);
+    auto got = nn::dropout_part(whole.narrow(1, 2 * part, 2), 0.3, /*training=*/true, 1, 2, part);
+    EXPECT_TRUE(got.equal(want.narrow(1, 2 * part, 2))) << "part " << part;
+    EXPECT_TRUE(torch::rand({1}, torch::kFloat64).equal(after)) << "the generator after part " << part;
+  }
+  // The two parts drop different elements (one mask drawn per rank would repeat itself).
+  EXPECT_FALSE(want.narrow(1, 0, 2).eq(0).equal(want.narrow(1, 2, 2).eq(0)));
+  // Unsplit, or evaluating: at::dropout itself.
+  torch::manual_seed(11);
+  EXPECT_TRUE(nn::dropout_part(whole, 0.3, true, 1, 1, 0).equal(want));
+  EXPECT_TRUE(nn::dropout_part(whole, 0.3, /*training=*/false, 1, 2, 0).equal(whole));
 }
