@@ -395,6 +395,12 @@ void NodeControl::leave() {
       return;
     }
     // Node 0 serves the store: it stays until every node still beating has read the verdict.
+    // Each node's heartbeat is read afresh first: this launcher's last look may be a while old
+    // (it looks once a second, when it polls), and a node it has not seen beat since, or not at
+    // all, would otherwise count as gone, and lose the store before reading the verdict.
+    next_beat_ = Clock::time_point{};
+    std::optional<Verdict> fresh;
+    beat(fresh);
     const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout * 1000));
     const auto limit = std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout * 1000));
     while (Clock::now() < until) {

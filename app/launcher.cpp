@@ -771,15 +771,26 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
 
   // A hang the ledgers explain: the rank(s) the others waited for, and where every rank was.
   if (culprit < 0 && diagnosis && !diagnosis->culprits.empty()) {
-    std::cerr << "partrain: " << diagnosis->headline << "; all ranks were stopped. Where each rank was, from the ranks' "
-              << "collective ledgers:\n" << diagnosis->details;
+    std::ostringstream say;
+    say << "partrain: " << diagnosis->headline << "; all ranks were stopped. Where each rank was, from the ranks' "
+        << "collective ledgers:\n" << diagnosis->details;
     if (first_collective >= 0) {
       const Rank& r = ranks[first_collective];
-      std::cerr << "  The first " << (r.report->kind == Report::Timeout ? "timeout" : "failure") << ", on rank " << r.rank
-                << ":\n" << indented(r.report->message, 6, "    ");
+      say << "  The first " << (r.report->kind == Report::Timeout ? "timeout" : "failure") << ", on rank " << r.rank
+          << ":\n" << indented(r.report->message, 6, "    ");
     }
     const Rank& c = ranks[diagnosis->culprits.front()];
-    return {1, name(c) + (hung ? " stopped making progress (--hang-timeout)" : " stopped making progress (the others timed out waiting for it)")};
+    Outcome out{1, name(c) + (hung ? " stopped making progress (--hang-timeout)"
+                                   : " stopped making progress (the others timed out waiting for it)")};
+    // Over several nodes, a rank the ledgers blame that itself failed in a collective (a peer's
+    // connection gone) most likely follows another node's failure, as below: kept until none comes.
+    if (o.nnodes > 1 && c.report && c.report->kind != Report::Error) {
+      out.consequence = true;
+      out.details = say.str();
+    } else {
+      std::cerr << say.str();
+    }
+    return out;
   }
   if (culprit < 0 && first_collective >= 0 && ranks[first_collective].report->kind == Report::Timeout &&
       !missing.empty()) {

@@ -79,27 +79,33 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)
   auto q = split[0], k = split[1], v = split[2];
   const double p = is_training() ? dropout : 0.0;
+  // c_proj, then the residual branch's dropout (Hugging Face's resid_dropout), under sequence
+  // parallelism on this rank's positions of the whole branch's mask.
+  auto project = [&](const Tensor& y) {
+    const auto [positions, mine] = sequence_part(*child("c_proj"));
+    return nn::dropout_part(child("c_proj")->forward({y}), dropout, is_training(), 1, positions, mine);
+  };
   if (auto* cache = KvCache::current()) {  // generating: this input's keys after the cached ones
     auto [keys, values] = cache->extend(*this, k, v);
     nn::AttentionOptions a;
     a.causal = true;
     a.training = false;
     auto y = nn::scaled_dot_product_attention(q, keys, values, a).transpose(1, 2).reshape({B, T, width});
-    return child("c_proj")->forward({y});
+    return project(y);
   }
   // Heads split over a tensor group drop with the mask the whole model's heads would have; the
   // fused kernel draws its own, the same on every rank, so it is left to unsplit heads then.
   const auto [parts, part] = heads_part(c_attn);
   if (flash_attention && compat::kHasFusedAttention && (p == 0 || parts == 1)) {
     auto y = compat::fused_causal_attention(q, k, v, p).transpose(1, 2).reshape({B, T, width});
-    return child("c_proj")->forward({y});
+    return project(y);
   }
   auto scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, heads, T, T)
   auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
   auto probs = nn::dropout_part(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1),
                                 dropout, is_training(), 1, parts, part);
   auto y = probs.matmul(v).transpose(1, 2).reshape({B, T, width});  // (B, T, heads * hd)
-  return child("c_proj")->forward({y});
+  return project(y);
 }
 
 std::string Gpt2Attention::extra_repr() const {

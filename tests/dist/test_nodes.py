@@ -6,7 +6,8 @@ weights equal an uninterrupted run's, bit for bit; a rank dying on every start e
 makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no process left, and
 node 0's launcher killed makes node 1 name node 0, the control store's host, as lost; node 0 alone
 names node 1 as not arrived after --timeout; nodes disagreeing on --nproc-per-node both refuse; a
-second launcher given a node rank already in the job is refused without disturbing it.
+second launcher given a node rank already in the job is refused without disturbing it; a job
+that ends at once succeeds on both nodes.
 Usage: test_nodes.py PATH/TO/partrain"""
 import os
 import re
@@ -114,6 +115,20 @@ check(f"an uninterrupted two-node run succeeds on both nodes (status {status})",
       nodes[0].out[-3000:] + nodes[1].out[-3000:])
 clean = losses(nodes[0].out)
 check("it printed the loss of every step", len(clean) == 8, nodes[0].out[-2000:])
+
+# --- A job that ends at once: node 0 keeps the control store until node 1 has read the verdict
+# (its last look at node 1's heartbeat may predate it; it looks again before judging node 1 gone).
+quick = []
+for _ in range(5):
+    port = free_port()
+    cmds = [[binary, "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--rdzv-secret-file", secret, "--nproc-per-node", "1", "--threads", "1", "--node-timeout",
+             str(NODE_TIMEOUT), "-e", 'local pt = require "partrain"'] for n in (0, 1)]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+             for c in cmds]
+    quick.append([(p.wait(timeout=120), p.stdout.read()) for p in procs])
+check("a job whose ranks end at once succeeds on both nodes, 5 times of 5",
+      all(code == 0 for run in quick for code, _ in run), [run for run in quick if any(code for code, _ in run)])
 
 # --- A rank of node 1 killed on the first start: both nodes restart and resume ----------------
 ck = os.path.join(tmp, "ck")
