@@ -212,7 +212,8 @@ NodeControl::NodeControl(const ControlOptions& options) : o_(options), watch_(op
     throw std::runtime_error("node " + std::to_string(o_.node_rank) + " cannot join the job through " + store_where() +
                              ": a launcher with --node-rank " + std::to_string(o_.node_rank) +
                              " has joined it already (every machine needs its own --node-rank, 1.." +
-                             std::to_string(o_.nnodes - 1) + " besides node 0)");
+                             std::to_string(o_.nnodes - 1) + " besides node 0; a job one of whose launchers "
+                             "stopped is started again on every node)");
   store_->set(key("node", o_.node_rank), bytes(o_.settings));
   std::optional<Verdict> none;
   beat(none);
