@@ -90,9 +90,11 @@ Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 Tensor dropout_part(const Tensor& x, double p, bool training, int64_t dim, int64_t parts, int64_t index) {
   TORCH_CHECK(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
+  TORCH_CHECK(parts >= 1 && index >= 0 && index < parts, "dropout_part: part ", index, " of ", parts);
+  TORCH_CHECK(x.dim() >= 1 && dim >= -x.dim() && dim < x.dim(), "dropout: dimension ", dim, " of a tensor of ",
+              x.dim(), " dimensions (the part is split along one of them)");
   if (!training || p == 0 || parts == 1) return at::dropout(x, p, training);
-  TORCH_CHECK(parts > 1 && index >= 0 && index < parts, "dropout_part: part ", index, " of ", parts);
-  dim = c10::maybe_wrap_dim(dim, x.dim());
+  if (dim < 0) dim += x.dim();
   auto whole = x.sizes().vec();
   whole[dim] *= parts;
   auto noise = at::empty(whole, x.options().requires_grad(false)).bernoulli_(1 - p);

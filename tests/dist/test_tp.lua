@@ -169,6 +169,8 @@ test("pt.tp.dropout keeps this rank's part of the mask the whole tensor draws", 
   ok(along:equal(part(want, 2)), "along dimension 2")
   ok(pt.tp.dropout(whole, 0.5, false, group):equal(whole), "not training: the input")
   raises(function() pt.tp.dropout(whole, 1.5, true, group) end, "p must be in [0, 1), got 1.5")
+  raises(function() pt.tp.dropout(whole, 0.5, true, group, 3) end, "dimension 3 of a tensor of 3 dimensions")
+  raises(function() pt.tp.dropout(pt.ones({}), 0.5, false, group, 0) end, "dimension 0 of a tensor of 0 dimensions")
 end)
 
 test("split parameters are known as split by the layer holding them, and asked by name", function()
