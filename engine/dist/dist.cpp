@@ -518,12 +518,15 @@ Work ProcessGroup::all_gather(const Tensor& t, std::vector<Tensor>& out, bool as
     return Work();
   }
   record("all_gather", static_cast<int64_t>(t.nbytes()) * size());
+  // Gloo divides by the bytes each rank gives: empty tensors meet with a byte each instead.
+  auto byte = [&] { return torch::zeros({1}, t.options().dtype(torch::kUInt8)); };
+  const bool empty = t.numel() == 0;
   std::vector<std::vector<Tensor>> outputs(1);
   for (int i = 0; i < size(); ++i) {
     out.push_back(torch::empty_like(t));
-    outputs[0].push_back(bytes_for_gloo(out.back()));  // views of `out`: filled when the work completes
+    outputs[0].push_back(empty ? byte() : bytes_for_gloo(out.back()));  // views of `out`: filled when the work completes
   }
-  std::vector<Tensor> inputs{bytes_for_gloo(t)};
+  std::vector<Tensor> inputs{empty ? byte() : bytes_for_gloo(t)};
   return run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); }, async, {}, ticket);
 }
 

@@ -64,6 +64,16 @@ end)
 -- The flat reduce-scatter and all-gather (a ring on Gloo) against all-reduce-then-slice and
 -- all_gather, on the world (4 ranks) and on groups of 2, for sum and mean, three dtypes, and
 -- lengths that are not a multiple of the group (padded, as ZeRO pads its buckets).
+test("collectives of empty tensors give empty tensors (an all-gather of one killed the rank)", function()
+  local parts = W:all_gather(pt.ones({ 0, 4 }))
+  eq(#parts, world, "one part a rank")
+  for i, p in ipairs(parts) do eq(p.shape[1], 0, "part " .. i .. " is empty"); eq(p.shape[2], 4, "and keeps its width") end
+  eq(pt.tp.gather_from(pt.ones({ 2, 0, 4 }), W).shape[3], 4 * world, "pt.tp.gather_from of an empty batch")
+  local e = pt.ones({ 0 })
+  W:all_reduce(e); W:broadcast(e, 0)
+  eq(e:numel(), 0, "all_reduce and broadcast leave it empty")
+end)
+
 test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", function()
   local pairs_group = pt.mesh { tensor = 2 }:group("tensor")
   for _, g in ipairs { W, pairs_group } do
