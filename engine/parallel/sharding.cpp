@@ -132,9 +132,12 @@ c10::optional<Sharding> sharding_of(const nn::Module& root, const std::string& n
 }
 
 Tensor shard(const Tensor& full, int64_t dim, int rank, int parts, const std::string& what) {
+  TORCH_CHECK(parts >= 1 && rank >= 0 && rank < parts, what, ": part ", rank, " of ", parts,
+              " (a part is 0 to parts - 1)");
   TORCH_CHECK(full.size(dim) % parts == 0, what, ": size ", full.size(dim), " does not split into tensor=", parts,
               " equal parts");
-  return full.chunk(parts, dim)[rank].contiguous();
+  const int64_t each = full.size(dim) / parts;
+  return full.narrow(dim, rank * each, each).contiguous();
 }
 
 }  // namespace partrain::parallel
