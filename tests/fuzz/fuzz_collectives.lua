@@ -5,16 +5,14 @@
 -- error naming this file's line; a crash or a hang ends the job, and the test with it. An
 -- all-gather of an empty tensor killed the rank before (Gloo divides by the bytes a rank gives).
 --   partrain --nproc-per-node 2 --threads 1 --timeout 20 tests/fuzz/fuzz_collectives.lua [--seed 1] [--cases 300]
+package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
+local H = require "harness"
 local cfg = pt.args { seed = 1, cases = 300, verbose = false }
 local W = pt.dist.world()
 local world = W:size()
-local rng = { state = cfg.seed }
-function rng.int(lo, hi)  -- a Park-Miller step: the same sequence on every rank and every platform
-  rng.state = (rng.state * 16807) % 2147483647
-  return lo + rng.state % (hi - lo + 1)
-end
-local function pick(list) return list[rng.int(1, #list)] end
+local rng = H.rng(cfg.seed)
+local pick = rng.pick
 
 local DTYPES = { "float32", "float64", "bfloat16", "float16", "int64", "int32", "uint8", "bool" }
 local function tensor()

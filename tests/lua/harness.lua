@@ -47,6 +47,18 @@ function H.raises(fn, pattern, msg)
   return err
 end
 
+--- A seeded generator that draws the same sequence on every rank and every platform (a
+--- Park-Miller step): rng.int(lo, hi) an integer in [lo, hi], rng.pick(list) an element.
+function H.rng(seed)
+  local rng = { state = seed }
+  function rng.int(lo, hi)
+    rng.state = (rng.state * 16807) % 2147483647
+    return lo + rng.state % (hi - lo + 1)
+  end
+  function rng.pick(list) return list[rng.int(1, #list)] end
+  return rng
+end
+
 function H.run()
   local passed, failed = 0, 0
   for _, case in ipairs(H.cases) do

@@ -1,6 +1,8 @@
 -- partrain.pipeline: the shipped schedules pass the pre-flight check with the expected counts,
 -- bubble and peak activations; broken plans are refused naming the offending action; seeded random
--- damage never trips the checker itself, and whatever it accepts a second, simpler validator accepts.
+-- damage never trips the checker itself, whatever it accepts a second, simpler validator accepts,
+-- and a refusal names the action at its place in the list the schedule returned (also when the
+-- schedule gave forwards and backwards only and lowering added the transfers).
 package.path = "tests/lua/?.lua;" .. package.path
 local P = require "partrain.pipeline"
 local H = require "harness"
@@ -318,7 +320,9 @@ test("a user-written schedule goes through the same lowering and check", functio
     plan[0][m + 1], plan[0][m + 2] = plan[0][m + 2], plan[0][m + 1]
     return plan
   end
-  raises(function() P.build(mixed, 2, 2) end, "rank 0, action 5 (RECV_B0.c0<-1): the next gradient rank 1 sends here is for B1.c0")
+  -- (named in the list as written: lowering's transfers by their forward or backward)
+  raises(function() P.build(mixed, 2, 2) end, "rank 0, action 3 (B0.c0's receive RECV_B0.c0<-1): the next gradient rank 1 "
+    .. "sends here is for B1.c0 (rank 1, action 3: B1.c0's send SEND_B1.c0->0)")
   raises(function() P.build(function() error("my schedule fails") end, 2, 2) end, "my schedule fails")
   raises(function() P.build(function() return 3 end, 2, 2) end, "a plan must be a table")
 end)
@@ -463,21 +467,41 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
       else list[i] = copy_junk(junk[math.random(#junk)]) end                                         -- junk
       mutations = mutations + 1
     end
-    local good_call, result = pcall(P.check, plan, pp, m, chunks)
+    -- A quarter of the plans lose their transfers: lowering adds them again, and a refusal must
+    -- still name the place in the list as written.
+    local written = plan
+    if math.random(4) == 1 then
+      for r = 0, pp - 1 do
+        local kept = {}
+        for _, a in ipairs(plan[r]) do if type(a) ~= "table" or not tostring(a.op):find("_") then kept[#kept + 1] = a end end
+        plan[r] = kept
+      end
+      local lowered_ok, lowered = pcall(P.lower, plan, pp, m, chunks)
+      plan = lowered_ok and lowered or plan
+    end
+    local good_call, result, report = pcall(P.build, function() return written end, pp, m, chunks)
     if good_call then
       tally.accepted = tally.accepted + 1
       local valid, why = brute(plan, pp, m, chunks)
       ok(valid, ("trial %d: the check accepted a plan the second validator refuses (%s)"):format(trial, tostring(why)))
-      eq(result.ranks[0].forwards, m * chunks, "an accepted plan runs every forward")
+      eq(report.ranks[0].forwards, m * chunks, "an accepted plan runs every forward")
     else
       tally.refused = tally.refused + 1
       ok(type(result) == "string", "a refusal is a message")
-      ok(result:find("pipeline schedule '" .. name .. "': ", 1, true), ("trial %d: not a clear refusal: %s"):format(trial, result))
+      ok(result:find("^[^:]*test_schedules%.lua:%d+: pipeline schedule '[^']*': "), ("trial %d: not a clear refusal: %s"):format(trial, result))
       ok(result:find("pipeline schedule '[^']*': rank %d+") or result:find("pipeline schedule '[^']*': no rank can go on"),
         ("trial %d: a refusal names a rank: %s"):format(trial, result))
       ok(not result:find("partrain/pipeline", 1, true) and not result:find("attempt to", 1, true),
         ("trial %d: the checker's own error: %s"):format(trial, result))
       ok(not brute(plan, pp, m, chunks), ("trial %d: refused a plan the second validator accepts: %s"):format(trial, result))
+      for r, i, text in result:gmatch("rank (%d+), action (%d+) %(([^)]*)%)") do
+        local a = written[tonumber(r)][tonumber(i)]
+        ok(a ~= nil, ("trial %d: names rank %s's action %s, past its list: %s"):format(trial, r, i, result))
+        local own = text:match("^(.-)'s send ") or text:match("^(.-)'s receive ") or text
+        local shown = type(a) == "table" and { op = a.op, mb = a.mb, chunk = a.chunk or 0, peer = a.peer }
+        ok(own == P.format(a) or own == P.format(shown or P.parse(a)),
+          ("trial %d: names %s as rank %s's action %s, which is %s: %s"):format(trial, text, r, i, P.format(a), result))
+      end
     end
   end
   print(("  random damage: %d plans (%d mutations): %d refused, %d accepted, %.1f s"):format(

@@ -109,9 +109,20 @@ function C.normalize(plan, pp, microbatches, chunks)
   return out
 end
 
---- Simulates a normalized plan; returns the report or refuses. See the top of the file.
-function C.simulate(plan, pp, microbatches, chunks)
+--- Simulates a normalized plan; returns the report or refuses. See the top of the file. With
+--- `origin` (what lowering returns for a compute-only plan), messages name the place in the list
+--- the schedule returned: a transfer lowering added is named with its forward or backward.
+function C.simulate(plan, pp, microbatches, chunks, origin)
   local S = pp * chunks
+  -- Action i of rank r as the schedule wrote it: its index there and its text.
+  local function named(r, i, a)
+    local o = origin and origin[r][i]
+    if not o then return i, A.format(a) end
+    if A.COMPUTE[a.op] then return o.index, A.format(a) end
+    return o.index, ("%s's %s %s"):format(A.format(o.action), a.op:sub(1, 4) == "SEND" and "send" or "receive", A.format(a))
+  end
+  local function at(r, i, a) return ("rank %d, action %d (%s)"):format(r, named(r, i, a)) end
+  local function index(r, i) return (named(r, i, plan[r][i])) end
   local function key(m, c) return m * chunks + c end
   local ranks, channels = {}, {}
   for r = 0, pp - 1 do
@@ -139,7 +150,7 @@ function C.simulate(plan, pp, microbatches, chunks)
     local nr, nc = A.place(pp, v + 1)   -- next virtual stage
     local kind = op:sub(-1)             -- "F" or "B" for transfers
     if op == "F" then
-      if st.fdone[k] then refuse_here("a second forward of micro-batch %d on chunk %d (the first is action %d)", m, c, st.fdone[k]) end
+      if st.fdone[k] then refuse_here("a second forward of micro-batch %d on chunk %d (the first is action %d)", m, c, index(r, st.fdone[k])) end
       if v > 0 then
         if pr == r then
           if not st.fdone[key(m, pc)] then refuse_here("its input comes from F%d.c%d on this rank, which has not run", m, pc) end
@@ -153,7 +164,7 @@ function C.simulate(plan, pp, microbatches, chunks)
       st.starts[i] = st.clock
       st.clock, st.busy = st.clock + 1, st.busy + 1
     elseif op == "B" then
-      if st.bdone[k] then refuse_here("a second backward of micro-batch %d on chunk %d (the first is action %d)", m, c, st.bdone[k]) end
+      if st.bdone[k] then refuse_here("a second backward of micro-batch %d on chunk %d (the first is action %d)", m, c, index(r, st.bdone[k])) end
       if not st.fdone[k] then refuse_here("its forward F%d.c%d has not run on this rank", m, c) end
       if v < S - 1 then
         if nr == r then
@@ -180,7 +191,7 @@ function C.simulate(plan, pp, microbatches, chunks)
       end
       if not done[k] then refuse_here("its %s%d.c%d has not run on this rank", what, m, c) end
       if st.sent[kind][k] then refuse_here("a second send of the same %s (the first is action %d)",
-        kind == "F" and "activation" or "gradient", st.sent[kind][k]) end
+        kind == "F" and "activation" or "gradient", index(r, st.sent[kind][k])) end
       st.sent[kind][k] = i
       local ch = channel(r, tr, kind)
       ch.last = ch.last + 1
@@ -198,13 +209,13 @@ function C.simulate(plan, pp, microbatches, chunks)
           op == "RECV_F" and "previous" or "next", from_stage, fr)
       end
       if st.recv[kind][k] then refuse_here("a second receive of the same %s (the first is action %d)",
-        kind == "F" and "activation" or "gradient", st.recv[kind][k]) end
+        kind == "F" and "activation" or "gradient", index(r, st.recv[kind][k])) end
       local ch = channel(fr, r, kind)
       if ch.first > ch.last then return "blocked" end
       local msg = ch[ch.first]
       if msg.mb ~= m or msg.chunk ~= c then
         refuse_here("the next %s rank %d sends here is for %s%d.c%d (rank %d, action %d: %s): sends and receives are out of order",
-          kind == "F" and "activation" or "gradient", fr, kind, msg.mb, msg.chunk, fr, msg.index, A.format(msg.action))
+          kind == "F" and "activation" or "gradient", fr, kind, msg.mb, msg.chunk, fr, named(fr, msg.index, msg.action))
       end
       ch[ch.first], ch.first = nil, ch.first + 1
       st.recv[kind][k] = i
@@ -259,7 +270,7 @@ function C.simulate(plan, pp, microbatches, chunks)
         local fi = st.fdone[key(m, c)]
         if not fi then
           refuse("rank %d, end of its list (%d actions): micro-batch %d never runs forward on chunk %d (no F%d.c%d)",
-            r, #plan[r], m, c, m, c)
+            r, origin and origin.count[r] or #plan[r], m, c, m, c)
         elseif not st.bdone[key(m, c)] then
           refuse("%s: its activation is never freed (no B%d.c%d after it)", at(r, fi, plan[r][fi]), m, c)
         end

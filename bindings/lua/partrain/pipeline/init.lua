@@ -106,11 +106,15 @@ function P.check(plan, pp, microbatches, chunks)
 end
 
 --- P.build(schedule, pp, microbatches, chunks): schedule, lower and check in one; returns the
---- plan the executor will run and its report.
+--- plan the executor will run and its report. A refusal names the action by its place in the
+--- list the schedule returned, also when lowering added the transfers.
 function P.build(schedule, pp, microbatches, chunks)
   local plan = P.schedule(schedule, pp, microbatches, chunks)
-  plan = P.lower(plan, pp, microbatches, chunks)
-  return plan, P.check(plan, pp, microbatches, chunks)
+  return guarded(function() return plan.name end, function()
+    local origin
+    if not has_transfers(plan, pp) then plan, origin = lower(plan, pp, chunks or 1) end
+    return plan, C.simulate(plan, pp, microbatches, chunks or 1, origin)
+  end)
 end
 
 -- The sizes a plan implies: its ranks, and the largest micro-batch and chunk it names.

@@ -4,14 +4,22 @@
 -- this order cannot deadlock when the compute order itself is consistent across ranks.
 local A = require "partrain.pipeline.actions"
 
---- A plan with its transfers added: plan is normalized (see check.normalize) and compute-only.
+--- A plan with its transfers added, and where each of its actions comes from: origin[r][i] =
+--- { index = j, action = a }, the j-th action a of rank r in the plan given (so the check names
+--- the schedule's own list), origin.count[r] that list's length. plan is normalized (see
+--- check.normalize) and compute-only.
 return function(plan, pp, chunks)
   local S = pp * chunks
-  local out = { name = plan.name }
+  local out, origin = { name = plan.name }, { count = {} }
   for r = 0, pp - 1 do
-    local list = {}
-    local function add(op, m, c, peer) list[#list + 1] = A.action(op, m, c, peer) end
-    for _, a in ipairs(plan[r]) do
+    local list, from = {}, {}
+    local j, own
+    local function add(op, m, c, peer)
+      list[#list + 1] = A.action(op, m, c, peer)
+      from[#list] = { index = j, action = own }
+    end
+    for i, a in ipairs(plan[r]) do
+      j, own = i, a
       local v = A.stage(pp, r, a.chunk)
       local prev, next = v > 0 and A.place(pp, v - 1), v < S - 1 and A.place(pp, v + 1)
       if prev == r then prev = false end   -- one rank (pp = 1): chunks hand over in place
@@ -26,7 +34,7 @@ return function(plan, pp, chunks)
         if prev then add("SEND_B", a.mb, a.chunk, prev) end
       end
     end
-    out[r] = list
+    out[r], origin[r], origin.count[r] = list, from, #plan[r]
   end
-  return out
+  return out, origin
 end
