@@ -1,22 +1,22 @@
--- Fuzzes pipeline schedules through real training at pipeline 2 (2 ranks): a shipped schedule's
--- lowered plan (gpipe, 1f1b or interleaved with 1 or 2 chunks, its sends and receives spelled
--- out) gets one to three seeded mutations (actions swapped, moved, deleted, duplicated or moved
--- to the other rank; a micro-batch, chunk, peer or op changed; an action written as text or
--- without its chunk; every transfer left out, for lowering to add again; ill-formed entries,
--- holes and keys) and goes to pt.parallelize as the schedule function.
+-- Fuzzes pipeline schedules through real training at pipeline 2 or 4 (as many ranks): a shipped
+-- schedule's lowered plan (gpipe, 1f1b or interleaved with 1 or 2 chunks, its sends and receives
+-- spelled out) gets one to three seeded mutations (actions swapped, moved within a list or to
+-- another rank's, deleted or duplicated; a micro-batch, chunk, peer or op changed; an action
+-- written as text or without its chunk; every transfer left out, for lowering to add again;
+-- ill-formed entries, holes and keys) and goes to pt.parallelize as the schedule function.
 --   * Refused: on both ranks alike, at this file's line, before anything is sent (else the next
 --     cases would read its messages, or hang until --timeout ends the job).
 --   * Accepted: two train_steps of a float64 GPT-2 whose losses and gradients must equal the
 --     unmutated schedule's (1e-10): whatever the pre-flight check lets through runs right.
 -- (tests/lua/test_schedules.lua checks the verdicts themselves against a second validator.)
---   partrain --nproc-per-node 2 --threads 1 --timeout 30 tests/fuzz/fuzz_schedules.lua [--seed 1] [--cases 1000]
+--   partrain --nproc-per-node 2|4 --threads 1 --timeout 30 tests/fuzz/fuzz_schedules.lua [--seed 1] [--cases 1000]
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
 local H = require "harness"
 local pipeline = require "partrain.pipeline"
 local cfg = pt.args { seed = 1, cases = 1000, verbose = false }
 local world = pt.dist.world_size()
-assert(world == 2, "run at 2 ranks (--nproc-per-node 2), got " .. world)
+assert(world == 2 or world == 4, "run at 2 or 4 ranks (pipeline 2 or 4), got " .. world)
 
 local rng = H.rng(cfg.seed)
 local pick = rng.pick
@@ -32,7 +32,7 @@ end
 
 -- A shipped schedule's lowered plan as plain tables, and its sizes.
 local function base()
-  local pp = 2
+  local pp = world
   local chunks = rng.int(1, 2)
   local name = chunks > 1 and "interleaved" or pick { "gpipe", "1f1b", "interleaved" }
   local m = name == "interleaved" and pp * rng.int(1, 2) or rng.int(1, 4)
@@ -157,11 +157,11 @@ local here = debug.getinfo(1, "S").short_src
 local counts, bad = { accepted = 0, refused = 0 }, {}
 local function report(case, what, msg) bad[#bad + 1] = ("case %d (%s): %s"):format(case, what, msg) end
 
-local gpt = { vocab = 16, seq = 4, dim = 8, heads = 2, layers = 4 }
-local mesh = pt.mesh { pipeline = 2 }
+local gpt = { vocab = 16, seq = 4, dim = 8, heads = 2, layers = 2 * world }  -- 2 chunks a rank
+local mesh = pt.mesh { pipeline = world }
 local batches = {}
-for s = 1, 2 do  -- 12 rows: every micro-batch count the cases draw divides them
-  local x, y = pt.randint(0, gpt.vocab, { 12, gpt.seq }), pt.randint(0, gpt.vocab, { 12, gpt.seq })
+for s = 1, 2 do  -- 24 rows: every micro-batch count the cases draw divides them
+  local x, y = pt.randint(0, gpt.vocab, { 24, gpt.seq }), pt.randint(0, gpt.vocab, { 24, gpt.seq })
   mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
   batches[s] = { x, y }
 end
@@ -225,7 +225,7 @@ for case = 1, cfg.cases do check_case(case) end
 local n = pt.tensor({ counts.accepted })  -- every rank ran every case the same way
 pt.dist.world():all_reduce(n, "sum")
 assert(n:item() == world * counts.accepted, "the ranks' verdicts diverged")
-print(("fuzz.schedules: seed %d, %d cases at pipeline 2: %d accepted and trained as their schedule, %d refused, %d faults"):format(
-  cfg.seed, cfg.cases, counts.accepted, counts.refused, #bad))
+print(("fuzz.schedules: seed %d, %d cases at pipeline %d: %d accepted and trained as their schedule, %d refused, %d faults"):format(
+  cfg.seed, cfg.cases, world, counts.accepted, counts.refused, #bad))
 for _, line in ipairs(bad) do print("  " .. line) end
 if #bad > 0 then os.exit(1) end
