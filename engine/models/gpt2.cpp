@@ -209,12 +209,14 @@ Tensor Gpt2::forward(const Tensor& ids) { return head(child("h")->forward({embed
 
 Tensor Gpt2::embed(const Tensor& ids) { return at::dropout(embeddings(ids), options.dropout, is_training()); }
 
+void Gpt2::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) const {
+  check_lm_batch("GPT2", x, y, options.vocab, options.seq, loss, ignore_index);
+}
+
 Tensor Gpt2::embeddings(const Tensor& ids) {
-  TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "GPT2 expects int64 token ids (B, T), got ", ids.sizes(),
-              " ", ids.dtype());
-  const int64_t T = ids.size(1);
   const int64_t first = KvCache::current() ? KvCache::current()->offset : 0;  // generating: after the cache
-  TORCH_CHECK(first + T <= options.seq, "GPT2: sequence of ", first + T, " tokens is longer than seq=", options.seq);
+  check_token_ids("GPT2", ids, options.vocab, options.seq, first, ids.is_cpu());
+  const int64_t T = ids.size(1);
   auto pos = torch::arange(first, first + T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
   return child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
 }

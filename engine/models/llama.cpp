@@ -182,12 +182,13 @@ Llama::Llama(const LlamaOptions& o) : nn::Unary("Llama"), options(o) {
   set_child("lm_head", linear(o.dim, o.vocab));
 }
 
+void Llama::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) const {
+  check_lm_batch("Llama", x, y, options.vocab, options.seq, loss, ignore_index);
+}
+
 Tensor Llama::embed(const Tensor& ids) {
-  TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "Llama expects int64 token ids (B, T), got ", ids.sizes(),
-              " ", ids.dtype());
   const int64_t first = KvCache::current() ? KvCache::current()->offset : 0;
-  TORCH_CHECK(first + ids.size(1) <= options.seq, "Llama: sequence of ", first + ids.size(1),
-              " tokens is longer than seq=", options.seq);
+  check_token_ids("Llama", ids, options.vocab, options.seq, first, ids.is_cpu());
   return child("embed_tokens")->forward({ids});
 }
 

@@ -22,4 +22,17 @@ dist::GroupPtr sequence_group(nn::Module& root);
 /// Only `head` may be a vocabulary head (P.vocab_head), and its logits split only as one.
 void check_vocab_head(const nn::Module& root, const std::string& path, const std::string& head);
 
+/// Token ids a language model (`model` names it in messages: "GPT2") of `vocab` tokens and `seq`
+/// positions can embed after `offset` cached ones: (B, T) integers with offset + T <= seq and,
+/// when `values`, each in [0, vocab) (reading them syncs a GPU: the forward scans them on the
+/// CPU only, as LibTorch's own index check there would only say "index out of range").
+void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vocab, int64_t seq, int64_t offset,
+                     bool values);
+
+/// A language model's training batch (nn::Module::check_batch): ids as check_token_ids with
+/// their values, and targets for `loss`: cross_entropy takes integer class ids of the ids' shape,
+/// each in [0, vocab) or ignore_index; mse takes floating targets.
+void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
+                    int64_t seq, const std::string& loss, int64_t ignore_index);
+
 }  // namespace partrain::models

@@ -96,6 +96,12 @@ class Module : public torch::nn::Module {
   /// stage's after them (GPT-2: ln_f, lm_head). forward(x) is stage_out(blocks(stage_in(x))).
   virtual Tensor stage_in(const Tensor& x);
   virtual Tensor stage_out(const Tensor& x);
+  /// Checks a training batch before any of it runs: `x` for the model's forward, `y` for the
+  /// loss `loss` ("cross_entropy" or "mse"; `ignore_index` the targets cross_entropy skips).
+  /// Raises what the first stage's forward or the last stage's loss would raise, so that on a
+  /// pipeline every rank refuses a bad batch before anything is sent, instead of one stage
+  /// failing while the others wait for it. The base class checks nothing.
+  virtual void check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) const {}
   /// The parallelized model this module is the root of (parallel::ParallelModel), or nullptr.
   /// Held weakly: the parallelized model owns the tree, not the other way round.
   std::shared_ptr<parallel::ParallelModel> parallel_owner() const { return owner_.lock(); }

@@ -308,6 +308,9 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
+  // What the first stage's forward or the last stage's loss would refuse, on every rank: a
+  // pipeline's stages refuse the batch together, before anything is sent.
+  root_->check_batch(x, y, options.loss, options.ignore_index);
   sync_params();  // overlap_sync_param: the last step's parameters, before the forward reads them
   auto scaler = loss_scaler();
   const double scale = scaler ? scaler->scale() : 1.0;  // loss scaling: backward from loss x scale

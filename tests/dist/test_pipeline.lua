@@ -343,4 +343,37 @@ test("pipeline options that cannot run are refused at the caller's line", functi
     pt.zeros({ 2, gpt.seq }, { dtype = "int64" }), { accumulate = 2 }) end, "accumulate=2 on a pipeline")
 end)
 
+test("a bad batch is refused on every stage before anything is sent, and the pipeline trains on", function()
+  -- Each of these failed on one stage only (the first's forward or the last's loss) while the
+  -- other waited for its message until --timeout; the pipeline then refused every later step.
+  pt.manual_seed(9)
+  local model = pt.parallelize(pt.models.gpt2(gpt):to("float64"), "policies.gpt2", mesh, { microbatches = 2 })
+  pt.manual_seed(9)
+  local twin = pt.parallelize(pt.models.gpt2(gpt):to("float64"), "policies.gpt2", mesh, { microbatches = 2 })
+  local _, _, x, y = batches(mesh)
+  local rows = x.shape[1]
+  local function ids(shape, value) return pt.full(shape, value, { dtype = "int64" }) end
+  local bad = {
+    { x, y:narrow(1, 0, gpt.seq - 1), "its targets must have that shape" },
+    { x, y:double(), "cross_entropy expects integer class ids as targets" },
+    { x, ids({ rows, gpt.seq }, gpt.vocab), "target 64 is out of range for GPT2's vocab=64" },
+    { x:double(), y, "GPT2 expects int64 token ids (B, T)" },
+    { x:reshape(-1), y:reshape(-1), "GPT2 expects int64 token ids (B, T)" },
+    { ids({ rows, gpt.seq + 1 }, 0), ids({ rows, gpt.seq + 1 }, 0), "sequence of 9 tokens is longer than seq=8" },
+    { ids({ rows, gpt.seq }, -1), y, "token id -1 is out of range for vocab=64" },
+  }
+  for _, case in ipairs(bad) do
+    local err = raises(function() model:train_step(case[1], case[2]) end, case[3])
+    ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)
+  end
+  -- ignore_index targets count for nothing, and are not out of range
+  local masked = y:clone():fill_(-100)
+  ok(model:train_step(x, masked) ~= nil and twin:train_step(x, masked) ~= nil, "all targets ignored")
+  model:zero_grad(); twin:zero_grad()
+  near(model:train_step(x, y), twin:train_step(x, y), 1e-12, "the step after the refusals")
+  local mine = {}
+  for name, p in twin:named_parameters() do mine[name] = p.grad end
+  for name, p in model:named_parameters() do near(p.grad, mine[name], 1e-12, "gradient of " .. name) end
+end)
+
 H.run()
