@@ -63,8 +63,9 @@ void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vo
 }
 
 void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
-                    int64_t seq, const std::string& loss, int64_t ignore_index) {
+                    int64_t seq, const std::string& loss, int64_t ignore_index, const dist::GroupPtr& sequence) {
   check_token_ids(model, ids, vocab, seq, 0, /*values=*/true);
+  if (sequence) parallel::check_sequence_parts(ids.size(1), sequence->size());
   if (loss == "mse") {
     TORCH_CHECK(targets.is_floating_point(), "train_step: loss mse compares ", model, "'s output with floating ",
                 "targets, got ", targets.dtype());

@@ -16,6 +16,11 @@ namespace partrain::parallel {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+void check_sequence_parts(int64_t length, int64_t parts) {
+  TORCH_CHECK(length % parts == 0, "sequence parallelism: the sequence of ", length, " does not split into tensor=",
+              parts, " equal parts");
+}
+
 namespace {
 
 // Autograd contexts hold IValues; groups are found again through this table by address.
@@ -54,8 +59,7 @@ Tensor gather_seq(const Tensor& x, const dist::ProcessGroup& g) {
 
 Tensor reduce_scatter_seq(const Tensor& x, const dist::ProcessGroup& g) {
   if (g.size() == 1) return x;
-  TORCH_CHECK(x.size(1) % g.size() == 0, "sequence parallelism: the sequence of ", x.size(1),
-              " does not split into tensor=", g.size(), " equal parts");
+  check_sequence_parts(x.size(1), g.size());
   auto parts = x.chunk(g.size(), 1);
   std::vector<Tensor> inputs;
   for (auto& p : parts) inputs.push_back(p.contiguous());
@@ -66,8 +70,7 @@ Tensor reduce_scatter_seq(const Tensor& x, const dist::ProcessGroup& g) {
 
 Tensor split_seq(const Tensor& x, const dist::ProcessGroup& g) {
   if (g.size() == 1) return x;
-  TORCH_CHECK(x.size(1) % g.size() == 0, "sequence parallelism: the sequence of ", x.size(1),
-              " does not split into tensor=", g.size(), " equal parts");
+  check_sequence_parts(x.size(1), g.size());
   return x.chunk(g.size(), 1)[g.rank()].contiguous();
 }
 

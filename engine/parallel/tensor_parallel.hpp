@@ -31,6 +31,8 @@ Tensor gather_sequence(const Tensor& x, const dist::GroupPtr& group);
 Tensor reduce_scatter_sequence(const Tensor& x, const dist::GroupPtr& group);
 /// Forward: this rank's part of the sequence. Backward: all-gather along it.
 Tensor split_sequence(const Tensor& x, const dist::GroupPtr& group);
+/// Refuses a sequence of `length` positions that does not split into `parts` equal ones.
+void check_sequence_parts(int64_t length, int64_t parts);
 
 // ---- Layers --------------------------------------------------------------------------------
 

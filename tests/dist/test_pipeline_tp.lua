@@ -4,7 +4,7 @@
 -- step and every logical parameter at the end within 1e-5 (float32) and 1e-10 (float64) relative
 -- to max(|x|, 1); with sequence parallelism
 -- inside the stages too; clipping's global norm counts each split parameter once a tensor group
--- and sums over the stages. The pipelined model is built deferred: each rank materializes only
+-- and sums over the stages; a sequence sequence parallelism cannot split is refused by all stages. The pipelined model is built deferred: each rank materializes only
 -- its stage's shards.
 --   partrain --nproc-per-node 4 --threads 1 tests/dist/test_pipeline_tp.lua
 package.path = "tests/lua/?.lua;" .. package.path
@@ -83,6 +83,17 @@ end)
 test("sequence parallelism inside the stages of pipeline 2 x tensor 2 equals serial training", function()
   equal_to_serial("pp2 x tp2 sp", "float64", 10, { schedule = "1f1b", microbatches = 4, sequence_parallel = true })
   equal_to_serial("pp2 x tp2 sp", "float32", 10, { schedule = "gpipe", microbatches = 2, sequence_parallel = true })
+end)
+
+test("a sequence that does not split over the tensor ranks is refused by every stage, and the pipeline trains on", function()
+  -- Only the first stage splits the sequence: the last stage waited for it until --timeout before.
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { microbatches = 2, sequence_parallel = true })
+  local x, y = batch()
+  local err = H.raises(function() model:train_step(x:narrow(1, 0, gpt.seq - 1), y:narrow(1, 0, gpt.seq - 1)) end,
+    "sequence parallelism: the sequence of 7 does not split into tensor=2 equal parts")
+  ok(err:find("^[^:]*test_pipeline_tp%.lua:%d+:"), "the error names the caller's line: " .. err)
+  local loss = model:train_step(x, y):item()
+  ok(loss == loss and loss > 0, "the next step trains: loss " .. loss)
 end)
 
 H.run()
