@@ -159,6 +159,30 @@ class Elsewhere : public nn::Module {
   int stage;
 };
 
+// Every rank must cut the model and run the schedule alike. A schedule function that returns
+// another plan on another rank (a choice by rank, unseeded random numbers) or options computed
+// per rank would pair one stage's micro-batch with another's, or run a block on two stages or
+// none, without any error: the ranks compare what they will run once, before the first step.
+void agree_on_pipeline(const dist::GroupPtr& world, const PipelineOptions& o, const std::vector<int64_t>& bounds) {
+  if (!world || world->size() == 1 || world->planned()) return;
+  uint64_t plan = 1469598103934665603ull;  // FNV-1a over every rank's actions
+  for (const auto& list : o.plan)
+    for (const auto& a : list)
+      for (int64_t v : {static_cast<int64_t>(a.op), static_cast<int64_t>(a.mb), static_cast<int64_t>(a.chunk),
+                        static_cast<int64_t>(a.peer), int64_t{-7}})
+        plan = (plan ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  std::ostringstream mine;
+  mine << "microbatches=" << o.microbatches << ", chunks=" << o.chunks << ", blocks a stage ";
+  for (size_t s = 0; s + 1 < bounds.size(); ++s) mine << (s ? "," : "") << bounds[s + 1] - bounds[s];
+  mine << ", schedule '" << o.schedule << "' whose plan hashes to " << std::hex << plan;
+  auto all = dist::all_gather_strings(world, mine.str());
+  for (size_t r = 1; r < all.size(); ++r)
+    TORCH_CHECK(all[r] == all[0], "pipeline: the ranks would run different pipelines: rank 0 has ", all[0], "; rank ",
+                r, " has ", all[r], ". Give every rank the same pipeline options, and a schedule that returns the "
+                "same plan on every rank (nothing chosen by rank or by unseeded random numbers): otherwise stages "
+                "pair different micro-batches or run a block twice, without any error");
+}
+
 int64_t parameter_count(nn::Module& m) {
   int64_t n = 0;
   for (const auto& p : m.parameters(/*recurse=*/true)) n += p.numel();
@@ -410,6 +434,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   for (const auto& name : options.last) last += parameter_count(*root.child(name));
   const int stages = p.pp_ * options.chunks;
   p.bounds_ = split_stages(weights, stages, options.balance, first, last);
+  agree_on_pipeline(mesh.group("world"), options, p.bounds_);
 
   // Which virtual stage holds each parameter name; a tensor held by more than one rank is a tie.
   auto stage_of_child = [&](const std::string& child) -> int {

@@ -5,7 +5,8 @@
 -- stage, each rank holding only its stages' blocks; the pipelined model is built deferred (on the
 -- meta device) and each rank allocates only its stage's parameters; clipping's global norm spans
 -- every stage.
--- Also: options that cannot run are refused at the caller's line.
+-- Also: options that cannot run, ranks that would run different pipelines and bad batches are
+-- refused at the caller's line, on every rank, before anything is sent.
 --   partrain --nproc-per-node 2 --threads 1 tests/dist/test_pipeline.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -341,6 +342,28 @@ test("pipeline options that cannot run are refused at the caller's line", functi
     "import_safetensors of a pipeline-parallel model is not built yet")
   raises(function() model:train_step(pt.zeros({ 2, gpt.seq }, { dtype = "int64" }),
     pt.zeros({ 2, gpt.seq }, { dtype = "int64" }), { accumulate = 2 }) end, "accumulate=2 on a pipeline")
+end)
+
+test("ranks that would run different pipelines are refused at parallelize, before any step", function()
+  -- A schedule whose plan depends on the rank trained on without any error before: the stages
+  -- paired one micro-batch's activation with another's targets.
+  local r = pt.dist.rank()
+  local function by_rank(pp, m)
+    local order = r == 0 and { 0, 1 } or { 1, 0 }
+    local plan = {}
+    for k = 0, pp - 1 do
+      plan[k] = {}
+      for _, i in ipairs(order) do plan[k][#plan[k] + 1] = "F" .. i end
+      for _, i in ipairs(order) do plan[k][#plan[k] + 1] = "B" .. i end
+    end
+    return plan
+  end
+  for _, opts in ipairs { { microbatches = 2, schedule = by_rank }, { microbatches = r == 0 and 2 or 4 },
+                          { microbatches = 2, balance = r == 0 and { 3, 1 } or { 2, 2 } } } do
+    local err = raises(function() pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, opts) end,
+      "pipeline: the ranks would run different pipelines: rank 0 has microbatches=2")
+    ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)
+  end
 end)
 
 test("a bad batch is refused on every stage before anything is sent, and the pipeline trains on", function()
