@@ -64,7 +64,7 @@ void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vo
 
 void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
                     int64_t seq, const std::string& loss, int64_t ignore_index, const dist::GroupPtr& sequence) {
-  check_token_ids(model, ids, vocab, seq, 0, /*values=*/true);
+  check_token_ids(model, ids, vocab, seq, 0, /*values=*/!ids.is_meta());  // partrain plan: shapes only
   if (sequence) parallel::check_sequence_parts(ids.size(1), sequence->size());
   if (loss == "mse") {
     TORCH_CHECK(targets.is_floating_point(), "train_step: loss mse compares ", model, "'s output with floating ",
@@ -76,7 +76,7 @@ void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
               "train_step: cross_entropy expects integer class ids as targets, got ", targets.dtype());
   TORCH_CHECK(targets.sizes() == ids.sizes(), "train_step: ", model, " predicts a token at each of the input's ",
               ids.sizes(), " positions, so its targets must have that shape, got ", targets.sizes());
-  if (targets.numel() == 0) return;
+  if (targets.numel() == 0 || targets.is_meta()) return;
   auto [lo, hi] = extremes(targets.masked_fill(targets == ignore_index, 0));
   TORCH_CHECK(lo >= 0 && hi < vocab, "train_step: target ", lo < 0 ? lo : hi, " is out of range for ", model,
               "'s vocab=", vocab, " (targets are 0 to ", vocab - 1, ", or ignore_index=", ignore_index, ")");

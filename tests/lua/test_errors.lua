@@ -45,6 +45,14 @@ test("an engine error passed on by a library wrapper names the user's line once 
   has(out, "partrain: " .. path .. ":3: bad checkpoint tag '../x'", "named once")
 end)
 
+test("a library refusal caught by pcall(f, ...) names the line of that pcall", function()
+  -- Lua's error level names the caller of pt.parallelize, here pcall itself: no line at all.
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+    .. 'local ok, err = pcall(pt.parallelize, m, nil, pt.mesh {}, { microbatches = 0 })\nprint(err)\n')
+  ok(status == 0, "exit status 0, got " .. tostring(status))
+  has(out, path .. ":3: parallelize option 'microbatches' needs a mesh with pipeline > 1", "the pcall's line")
+end)
+
 test("an error object that is not a string is described, with a traceback", function()
   local status, out = run('error({})\n')
   ok(status == 1, "exit status 1")

@@ -324,6 +324,8 @@ test("a user-written schedule goes through the same lowering and check", functio
   raises(function() P.build(mixed, 2, 2) end, "rank 0, action 3 (B0.c0's receive RECV_B0.c0<-1): the next gradient rank 1 "
     .. "sends here is for B1.c0 (rank 1, action 3: B1.c0's send SEND_B1.c0->0)")
   raises(function() P.build(function() error("my schedule fails") end, 2, 2) end, "my schedule fails")
+  raises(function() P.build(function() error({}) end, 2, 2) end, "the function raised an error that is a table, not a message")
+  raises(function() P.build(function() error() end, 2, 2) end, "the function raised an error that is nil, not a message")
   raises(function() P.build(function() return 3 end, 2, 2) end, "a plan must be a table")
 end)
 

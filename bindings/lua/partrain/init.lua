@@ -6,11 +6,13 @@ local core = require "partrain.core"
 local pt = { version = core.version }
 
 --- Re-raises an error a pcall caught around an engine call so that it names the caller's line
---- once, `level` frames above the caller of rethrow: an engine error already begins with the
---- user's line (the first frame outside partrain's own Lua), so it is raised as it is.
+--- once: the user's line (the first frame outside partrain's own Lua), which an engine error
+--- already begins with, or else the frame `level` above the caller of rethrow. (Lua's own level
+--- names nothing when the user's caller is pcall itself: `pcall(pt.parallelize, ...)`.)
 local function rethrow(err, level)
   local msg, user = tostring(err), core._where()
   if user ~= "" and msg:sub(1, #user + 2) == user .. ": " then error(msg, 0) end
+  if user ~= "" then error(user .. ": " .. msg, 0) end
   error(msg, level + 1)
 end
 pt._rethrow = rethrow

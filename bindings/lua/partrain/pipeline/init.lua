@@ -71,7 +71,10 @@ function P.schedule(schedule, pp, microbatches, chunks)
     fn, name = resolve(schedule)
     C.check_sizes(pp, microbatches, chunks or 1)
     local ok, plan = pcall(fn, pp, microbatches, chunks or 1)
-    if not ok then C.refuse("%s", tostring(plan)) end
+    if not ok then
+      C.refuse("%s", type(plan) == "string" and plan or ("the function raised an error that is %s, not a message"):format(
+        plan == nil and "nil" or "a " .. type(plan)))
+    end
     if type(plan) == "table" and plan.name == nil then
       local named = { name = name }
       for k, v in pairs(plan) do named[k] = v end
