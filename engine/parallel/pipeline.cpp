@@ -163,6 +163,20 @@ class Elsewhere : public nn::Module {
 // another plan on another rank (a choice by rank, unseeded random numbers) or options computed
 // per rank would pair one stage's micro-batch with another's, or run a block on two stages or
 // none, without any error: the ranks compare what they will run once, before the first step.
+// An exact fingerprint of a tensor's shape and values (integers as they are, floating point by the
+// bits of its float64 value), weighted by position so that reordered rows differ: the same on
+// every rank whatever the reduction order, as it sums integers modulo a prime. On t's device.
+torch::Tensor fingerprint(const torch::Tensor& t) {
+  constexpr int64_t kPrime = 65521;
+  auto flat = t.detach().reshape({-1});
+  if (flat.is_floating_point()) flat = flat.to(torch::kFloat64).contiguous().view(torch::kInt32);
+  flat = flat.to(torch::kInt64);
+  auto weights = torch::arange(flat.numel(), flat.options()).remainder_(kPrime).add_(1);
+  auto shape = torch::tensor(t.sizes().vec(), torch::kInt64).to(flat.device());
+  return flat.remainder(kPrime).mul_(weights).sum() * kPrime + shape.mul(torch::arange(1, t.dim() + 1, shape.options()))
+                                                                     .sum();
+}
+
 void agree_on_pipeline(const dist::GroupPtr& world, const PipelineOptions& o, const std::vector<int64_t>& bounds) {
   if (!world || world->size() == 1 || world->planned()) return;
   uint64_t plan = 1469598103934665603ull;  // FNV-1a over every rank's actions
@@ -684,6 +698,20 @@ torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) 
 }
 
 bool Pipeline::gradients_ahead() const { return group_->backend() == "gloo"; }
+
+void Pipeline::agree_on_batch(const torch::Tensor& x, const torch::Tensor& y) const {
+  if (pp_ == 1 || group_->planned()) return;
+  auto mine = torch::stack({fingerprint(x), fingerprint(y)}).to(device_);
+  auto spread = torch::cat({mine, -mine});  // the largest and the negated smallest over the ranks
+  group_->all_reduce(spread, dist::ReduceOp::Max);
+  auto v = spread.cpu();
+  const int64_t* h = v.data_ptr<int64_t>();
+  const bool inputs = h[0] != -h[2], targets = h[1] != -h[3];
+  TORCH_CHECK(!inputs && !targets, "train_step: the ranks of this pipeline were given different ",
+              inputs ? (targets ? "inputs and targets" : "inputs") : "targets", ": the first stage reads the inputs ",
+              "and the last the targets, so every rank of a pipeline must be given the same batch (split the data by ",
+              "the mesh's data coordinate, as pt.data.text { ..., mesh = mesh } does, not by rank)");
+}
 bool Pipeline::receives_ahead() const { return !group_->planned() && gradients_ahead(); }
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -698,6 +726,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
               "this pipeline failed part-way, and what it sent may still be queued between the stages, where this ",
               "step's receives would take it: the pipeline cannot run again in this process (resume from a ",
               "checkpoint in a new run)");
+  agree_on_batch(x, y);
   root_->train();
   plan::step_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);

@@ -366,7 +366,7 @@ test("ranks that would run different pipelines are refused at parallelize, befor
   end
 end)
 
-test("a bad batch is refused on every stage before anything is sent, and the pipeline trains on", function()
+test("a bad batch, or different batches on the stages, is refused by every stage before anything is sent, and the pipeline trains on", function()
   -- Each of these failed on one stage only (the first's forward or the last's loss) while the
   -- other waited for its message until --timeout; the pipeline then refused every later step.
   pt.manual_seed(9)
@@ -385,6 +385,15 @@ test("a bad batch is refused on every stage before anything is sent, and the pip
     { ids({ rows, gpt.seq + 1 }, 0), ids({ rows, gpt.seq + 1 }, 0), "sequence of 9 tokens is longer than seq=8" },
     { ids({ rows, gpt.seq }, -1), y, "token id -1 is out of range for vocab=64" },
   }
+  -- Batches that differ between the stages (split by rank, not by the data coordinate): the
+  -- first stage reads the inputs and the last the targets, which paired them without any error.
+  local first = mesh:coord().pipeline == 0
+  local flipped = x:flip(0)
+  bad[#bad + 1] = { first and x or flipped, y, "the ranks of this pipeline were given different inputs:" }
+  bad[#bad + 1] = { x, first and y or y:flip(0), "the ranks of this pipeline were given different targets:" }
+  bad[#bad + 1] = { first and x or flipped, first and y or y:flip(0), "given different inputs and targets:" }
+  bad[#bad + 1] = { first and x or x:narrow(1, 0, gpt.seq - 2), first and y or y:narrow(1, 0, gpt.seq - 2),
+                    "given different inputs and targets:" }
   for _, case in ipairs(bad) do
     local err = raises(function() model:train_step(case[1], case[2]) end, case[3])
     ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)
