@@ -67,8 +67,10 @@ void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
   check_token_ids(model, ids, vocab, seq, 0, /*values=*/!ids.is_meta());  // partrain plan: shapes only
   if (sequence) parallel::check_sequence_parts(ids.size(1), sequence->size());
   if (loss == "mse") {
-    TORCH_CHECK(targets.is_floating_point(), "train_step: loss mse compares ", model, "'s output with floating ",
-                "targets, got ", targets.dtype());
+    TORCH_CHECK(targets.is_floating_point() && targets.dim() == 3 && targets.size(0) == ids.size(0) &&
+                    targets.size(1) == ids.size(1) && targets.size(2) == vocab,
+                "train_step: loss mse compares ", model, "'s logits (", ids.size(0), ", ", ids.size(1), ", ", vocab,
+                ") with floating targets of that shape, got ", targets.sizes(), " ", targets.dtype());
     return;
   }
   if (loss != "cross_entropy") return;  // train_step refuses an unknown loss itself

@@ -291,6 +291,12 @@ torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tens
     return nn::cross_entropy(output, targets, options.ignore_index);
   }
   check_loss(options.loss);
+  if (auto* head = vocab_head_of(*root_)) {
+    // Split logits: each rank holds its vocabulary columns. mse compares the whole (..., V) with
+    // the targets, as the serial model does (each rank's slice alone gave each rank its own loss).
+    auto whole = gather_from_tensor_region(output, head->group);
+    return nn::mse(whole.narrow(-1, 0, head->logical_out), targets);
+  }
   return nn::mse(output, targets);
 }
 

@@ -384,6 +384,7 @@ test("a bad batch, or different batches on the stages, is refused by every stage
     { x:reshape(-1), y:reshape(-1), "GPT2 expects int64 token ids (B, T)" },
     { ids({ rows, gpt.seq + 1 }, 0), ids({ rows, gpt.seq + 1 }, 0), "sequence of 9 tokens is longer than seq=8" },
     { ids({ rows, gpt.seq }, -1), y, "token id -1 is out of range for vocab=64" },
+    { x, pt.zeros({ rows, gpt.seq }):to("float64"), "loss mse compares GPT2's logits", { loss = "mse" } },
   }
   -- Batches that differ between the stages (split by rank, not by the data coordinate): the
   -- first stage reads the inputs and the last the targets, which paired them without any error.
@@ -395,7 +396,7 @@ test("a bad batch, or different batches on the stages, is refused by every stage
   bad[#bad + 1] = { first and x or x:narrow(1, 0, gpt.seq - 2), first and y or y:narrow(1, 0, gpt.seq - 2),
                     "given different inputs and targets:" }
   for _, case in ipairs(bad) do
-    local err = raises(function() model:train_step(case[1], case[2]) end, case[3])
+    local err = raises(function() model:train_step(case[1], case[2], case[4]) end, case[3])
     ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)
   end
   -- ignore_index targets count for nothing, and are not out of range

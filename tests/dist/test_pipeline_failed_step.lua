@@ -2,8 +2,8 @@
 -- Gloo, receives posted for what it expected). The next step's receives would take those for
 -- its own and train on them, so the pipeline refuses to run another step: at the caller's line,
 -- on every rank. (A bad batch is refused by every rank before the step; what is left to fail
--- part-way is a loss the batch check does not look into.) Here the last stage raises in its
--- first forward, as mse gets targets without the vocabulary's dimension, after the first stage
+-- part-way is the model's own code.) Here the last stage's last block, its forward replaced by
+-- one that raises after two good steps, fails in the stage's first forward, after the first stage
 -- has sent two micro-batches; the first stage, waiting for a gradient, gives up after --timeout.
 --   partrain --nproc-per-node 2 --threads 1 --timeout 3 tests/dist/test_pipeline_failed_step.lua
 package.path = "tests/lua/?.lua;" .. package.path
@@ -21,8 +21,9 @@ test("after a step that failed part-way, train_step is refused at the caller's l
   model:train_step(x, y)
   model:train_step(x, y)  -- from here on, activations are received as predicted
   local last = mesh:coord().pipeline == 1
-  raises(function() model:train_step(x, pt.zeros({ 8, gpt.seq }), { loss = "mse" }) end,
-    last and "mse expects equal shapes, got [2, 8, 64] and [2, 8]" or "recv on group 'pipeline[0,1]' (ranks 0,1) failed on rank 0")
+  if last then model:get("h.3"):replace_forward(function() error("the block fails on this step") end) end
+  raises(function() model:train_step(x, y) end,
+    last and "the block fails on this step" or "recv on group 'pipeline[0,1]' (ranks 0,1) failed on rank 0")
   local err = raises(function() model:train_step(x, y) end,
     "an earlier step of this pipeline failed part-way, and what it sent may still be queued between the stages")
   ok(err:find("^[^:]*test_pipeline_failed_step%.lua:%d+:"), "the error names the caller's line: " .. err)

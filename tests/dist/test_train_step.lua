@@ -1,6 +1,6 @@
 -- model:train_step (forward, loss, backward and gradient sync in C++) trains exactly as serial
 -- training on the global batch: data parallel (MLP), tensor x data parallel GPT-2 with and without
--- sequence parallelism, with accumulation; in float32 (losses and parameters within 1e-5,
+-- sequence parallelism, with accumulation, with cross-entropy and mse (whose split logits it gathers); in float32 (losses and parameters within 1e-5,
 -- relative to max(|x|, 1)) and float64 (1e-10). Also: Lua bucket hooks still run and change
 -- nothing, a dropped parallelized model and its optimizer are freed, and bad options are refused
 -- at the caller's line.
@@ -37,7 +37,8 @@ local function equal_to_serial(what, mesh, make, policy, opts, make_batch, dtype
   for step = 1, steps or 5 do
     local gx, gy, x, y = batches(mesh, make_batch)
     local out = serial(gx)
-    local ls = pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1))
+    local ls = (step_opts or {}).loss == "mse" and pt.nn.mse(out, gy)
+      or pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1))
     ls:backward()
     local lp = model:train_step(x, y, step_opts)
     local global = lp:detach():clone()
@@ -71,6 +72,15 @@ for _, dtype in ipairs { "float32", "float64" } do
     local model = equal_to_serial("gpt2", mesh, function() return pt.models.gpt2(gpt) end, "policies.gpt2", nil,
       gpt_batch, dtype)
     eq(model:policy(), "gpt2", "the model knows its policy")
+  end)
+
+  test("tensor x data parallel GPT-2 with loss mse: train_step equals serial training (" .. dtype .. ")", function()
+    -- The vocabulary head's logits are split over the tensor ranks: mse must see them whole (each
+    -- rank's slice against targets that wide gave each rank a loss of its own, without an error).
+    local mesh = pt.mesh { tensor = 2 }
+    local function batch() return pt.randint(0, gpt.vocab, { 4, gpt.seq }), pt.randn({ 4, gpt.seq, gpt.vocab }):to(dtype) end
+    equal_to_serial("gpt2 mse", mesh, function() return pt.models.gpt2(gpt) end, "policies.gpt2", nil, batch, dtype,
+      { loss = "mse" })
   end)
 
   test("sequence-parallel GPT-2 with accumulate = 2: train_step equals serial training (" .. dtype .. ")", function()
