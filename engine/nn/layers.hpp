@@ -165,11 +165,13 @@ class Activation : public Unary {
 /// "Softmax", "LogSoftmax" (the last two over dimension `dim`). Unknown names are an error.
 ModulePtr make_activation(const std::string& name, int64_t dim = -1);
 
-/// Mean cross-entropy of logits (N, C) or (..., C) against class ids (N) or (...).
-/// Targets equal to `ignore_index` do not count. bfloat16 and float16 logits are computed in float32
-/// (the loss comes back float32).
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100);
-/// Mean squared error (in float32 for bfloat16 and float16 inputs).
-Tensor mse(const Tensor& prediction, const Tensor& target);
+/// Cross-entropy of logits (N, C) or (..., C) against class ids (N) or (...): reduction "mean"
+/// (over the counted targets) or "sum". Targets equal to `ignore_index` do not count. bfloat16
+/// and float16 logits are computed in float32 (the loss comes back float32).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
+                     const std::string& reduction = "mean");
+/// Squared error, reduction "mean" (over the elements) or "sum" (in float32 for bfloat16 and
+/// float16 inputs).
+Tensor mse(const Tensor& prediction, const Tensor& target, const std::string& reduction = "mean");
 
 }  // namespace partrain::nn

@@ -567,9 +567,16 @@ namespace {
 bool is_low_precision(const Tensor& t) {
   return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
 }
+
+// Whether the reduction named is "sum" (else "mean"; any other is refused).
+bool summed(const std::string& what, const std::string& reduction) {
+  TORCH_CHECK(reduction == "mean" || reduction == "sum", what, ": reduction must be 'mean' or 'sum', got '", reduction,
+              "'");
+  return reduction == "sum";
+}
 }  // namespace
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const std::string& reduction) {
   TORCH_CHECK(logits.dim() >= 1 && logits.dim() == targets.dim() + 1,
               "cross_entropy expects logits (..., C) and targets (...), got ", logits.sizes(),
               " and ", targets.sizes());
@@ -577,16 +584,19 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
               targets.dtype());
   auto flat = logits.reshape({-1, logits.size(-1)});  // (N, C)
   if (is_low_precision(flat)) flat = flat.to(torch::kFloat32);  // the softmax and the loss in float32
-  return F::cross_entropy(flat, targets.reshape({-1}),
-                          F::CrossEntropyFuncOptions().ignore_index(ignore_index));
+  auto options = F::CrossEntropyFuncOptions().ignore_index(ignore_index);
+  if (summed("cross_entropy", reduction)) options.reduction(torch::kSum);
+  return F::cross_entropy(flat, targets.reshape({-1}), options);
 }
 
-Tensor mse(const Tensor& prediction, const Tensor& target) {
+Tensor mse(const Tensor& prediction, const Tensor& target, const std::string& reduction) {
   TORCH_CHECK(prediction.sizes().equals(target.sizes()), "mse expects equal shapes, got ",
               prediction.sizes(), " and ", target.sizes());
+  auto options = F::MSELossFuncOptions();
+  if (summed("mse", reduction)) options.reduction(torch::kSum);
   if (is_low_precision(prediction) || is_low_precision(target))  // LibTorch 1.13's CPU has no bfloat16 mse
-    return F::mse_loss(prediction.to(torch::kFloat32), target.to(torch::kFloat32));
-  return F::mse_loss(prediction, target);
+    return F::mse_loss(prediction.to(torch::kFloat32), target.to(torch::kFloat32), options);
+  return F::mse_loss(prediction, target, options);
 }
 
 }  // namespace partrain::nn

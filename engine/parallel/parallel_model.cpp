@@ -276,28 +276,42 @@ void ParallelModel::set_master(const torch::Tensor& param, const torch::Tensor& 
 // ---- The training step -----------------------------------------------------------------------
 
 torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tensor& targets,
-                                  const TrainStepOptions& options) const {
+                                  const TrainStepOptions& options, const std::string& reduction) const {
   if (options.loss == "cross_entropy") {
     if (auto* head = vocab_head_of(*root_)) {
       // (..., V/t) logits of this rank's vocabulary columns: the loss without gathering them.
       TORCH_CHECK(output.dim() >= 1 && output.size(-1) == head->out / head->group->size(), "train_step: the model's "
                   "output ", output.sizes(), " is not its vocabulary head's split logits (..., ",
                   head->out / head->group->size(), ")");
-      return vocab_parallel_cross_entropy(output, targets, head->group, head->logical_out, options.ignore_index);
+      return vocab_parallel_cross_entropy(output, targets, head->group, head->logical_out, options.ignore_index,
+                                          reduction);
     }
     // The serial loss takes (N, C) and (N): flatten leading dimensions as a language model has them.
     if (output.dim() > 2 && targets.dim() == output.dim() - 1)
-      return nn::cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), options.ignore_index);
-    return nn::cross_entropy(output, targets, options.ignore_index);
+      return nn::cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), options.ignore_index,
+                               reduction);
+    return nn::cross_entropy(output, targets, options.ignore_index, reduction);
   }
   check_loss(options.loss);
   if (auto* head = vocab_head_of(*root_)) {
     // Split logits: each rank holds its vocabulary columns. mse compares the whole (..., V) with
     // the targets, as the serial model does (each rank's slice alone gave each rank its own loss).
     auto whole = gather_from_tensor_region(output, head->group);
-    return nn::mse(whole.narrow(-1, 0, head->logical_out), targets);
+    return nn::mse(whole.narrow(-1, 0, head->logical_out), targets, reduction);
   }
-  return nn::mse(output, targets);
+  return nn::mse(output, targets, reduction);
+}
+
+torch::Tensor ParallelModel::counted(const torch::Tensor& y, const TrainStepOptions& options) const {
+  auto count = options.loss == "cross_entropy"
+                   ? y.ne(options.ignore_index).sum().to(torch::kFloat64)
+                   : torch::full({}, static_cast<double>(y.numel()), y.options().dtype(torch::kFloat64));
+  if (data_parallel_ && data_parallel_->group()->size() > 1) {
+    count = count.reshape({1}).contiguous();
+    data_parallel_->group()->all_reduce(count);
+    count = count.squeeze(0);
+  }
+  return count;
 }
 
 torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -317,19 +331,40 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   // What the first stage's forward or the last stage's loss would refuse, on every rank: a
   // pipeline's stages refuse the batch together, before anything is sent.
   root_->check_batch(x, y, options.loss, options.ignore_index);
+  if (pipeline_)
+    TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "
+                "microbatches=", pipeline_->options().microbatches);
   sync_params();  // overlap_sync_param: the last step's parameters, before the forward reads them
   auto scaler = loss_scaler();
   const double scale = scaler ? scaler->scale() : 1.0;  // loss scaling: backward from loss x scale
+  // Serial training's loss is the mean over the global batch's counted targets (cross-entropy's
+  // not ignore_index; every element for mse). Micro-batches and data ranks may hold different
+  // counts (padding), so their own means must not weigh alike: each backward starts from its
+  // micro-batch's loss summed over its targets, times data / count (count over the global
+  // batch), and the data-parallel mean of the gradients is then serial training's gradient.
+  // Nothing counted at all: the loss is NaN and the gradients zero, as serial training's.
+  auto count = counted(y, options);
+  const double data = data_parallel_ ? static_cast<double>(data_parallel_->group()->size()) : 1.0;
+  auto weight = count.clamp_min(1).reciprocal().mul_(data);
+  // The sum over this rank's micro-batches, then over the data ranks: the global batch's mean.
+  auto global_mean = [&](torch::Tensor sum, torch::ScalarType dtype) {
+    if (data > 1) {
+      sum = sum.reshape({1}).contiguous();
+      data_parallel_->group()->all_reduce(sum);
+      sum = sum.squeeze(0);
+    }
+    return (sum / count.to(sum.device())).to(dtype);
+  };
   if (pipeline_) {
-    TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "
-                "microbatches=", pipeline_->options().microbatches);
-    return pipeline_->train_step(
-        x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options); },
+    auto sum = pipeline_->train_step(
+        x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options, "sum"); }, weight,
         data_parallel_.get(), scale);
+    return global_mean(sum, pipeline_->loss_dtype());
   }
   root_->train();
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
   torch::Tensor total;
+  auto dtype = torch::kFloat32;  // the loss's
   auto& trace = StepTrace::instance();  // --trace: forwards, backwards and the sync, when recorded
   trace.begin_step();
   for (int i = 0; i < n; ++i) {
@@ -340,24 +375,26 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     {
       TraceSpan span(TraceKind::Forward, i);
       auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
-      l = loss(out, ys[i], options);
+      l = loss(out, ys[i], options, "sum");
     }
     plan::forward_ends();  // ... and what the forward left allocated is measured (once)
     {
       TraceSpan span(TraceKind::Backward, i);
-      auto from = n > 1 ? l / n : l;
+      auto from = l * weight.to(l.device(), l.scalar_type());
       (scale != 1.0 ? from * scale : from).backward();
     }
     // ZeRO-2 reduces every micro-batch: a pass that backward left to this thread ends here.
     if (data_parallel_) data_parallel_->complete();
-    total = total.defined() ? total + l.detach() : l.detach();
+    auto sum = l.detach().to(torch::kFloat64);
+    total = total.defined() ? total + sum : sum;
+    dtype = l.scalar_type();
   }
   if (data_parallel_) {
     TraceSpan span(TraceKind::Sync);
     data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks)
   }
   trace.end_step("rank " + std::to_string(dist::World::instance().rank()));
-  return n > 1 ? total / n : total;
+  return global_mean(total, dtype);
 }
 
 }  // namespace partrain::parallel

@@ -145,20 +145,26 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
   /// One training step: forward on `x`, the loss against `y`, backward, and the data-parallel
   /// gradient sync. With accumulate = n the batch is split into n micro-batches along dim 0,
-  /// each run forward and backward, one sync at the end; the mean of their losses is returned.
-  /// Under pipeline parallelism the pipeline's schedule runs over its micro-batches instead, and
-  /// every pipeline rank returns the mean loss. With a loss scaler (loss_scaler()) backward runs
-  /// on the loss times its scale; the loss returned is unscaled.
+  /// each run forward and backward, one sync at the end. Under pipeline parallelism the
+  /// pipeline's schedule runs over its micro-batches instead. The loss and the gradients are
+  /// serial training's on the global batch (every data rank's): the mean over all its counted
+  /// targets, however padding (ignore_index) spreads over micro-batches and ranks; every rank
+  /// returns that loss. With a loss scaler (loss_scaler()) backward runs on the loss times its
+  /// scale; the loss returned is unscaled.
   /// The optimizer steps after (the caller's opt:step()).
   torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y, const TrainStepOptions& options = {});
 
-  /// The model's loss of `output` against `targets` as train_step computes it.
-  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& targets, const TrainStepOptions& options) const;
+  /// The model's loss of `output` against `targets` as train_step computes it: reduction "mean"
+  /// (over the counted targets) or "sum".
+  torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& targets, const TrainStepOptions& options,
+                     const std::string& reduction = "mean") const;
 
  private:
   ParallelModel() { ++live_; }
   static std::vector<std::weak_ptr<ParallelModel>>& zero_models();  // those with a zero stage
   void note_flat_slots();  // fills the records' flat_buffer / flat_offset from the data parallelism
+  // The targets of `y` the loss counts (float64), summed over the data ranks: train_step's divisor.
+  torch::Tensor counted(const torch::Tensor& y, const TrainStepOptions& options) const;
 
   nn::ModulePtr root_;
   std::shared_ptr<dist::Mesh> mesh_;

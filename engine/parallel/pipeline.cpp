@@ -719,7 +719,7 @@ void Pipeline::agree_on_batch(const torch::Tensor& x, const torch::Tensor& y) co
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                                   DataParallel* dp, double loss_scale) {
+                                   const torch::Tensor& weight, DataParallel* dp, double loss_scale) {
   const int m = options_.microbatches, chunks = options_.chunks, last = stages() - 1;
   TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
               "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
@@ -816,7 +816,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         if (v == last) {
           auto l = loss(out, ys[a.mb]);
           total += l.detach().to(torch::kFloat64);
-          s.output = m > 1 ? l / m : l;
+          s.output = l * weight.to(l.device(), l.scalar_type());
           if (loss_scale != 1.0) s.output = s.output * loss_scale;  // backward starts from the scaled loss
         } else {
           s.output = out;
@@ -898,9 +898,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
     else if (tie.param.defined()) tie.param.mutable_grad() = g;
   }
   if (dp) dp->complete();
-  // The mean loss from the last stage's rank, on every rank.
-  auto mean = (total / m).reshape({1}).contiguous();
-  group_->broadcast(mean, last % pp_);
+  // The loss from the last stage's rank, on every rank.
+  total = total.reshape({1}).contiguous();
+  group_->broadcast(total, last % pp_);
   forget.done = true;
   if (measure) {
     measured_.done = true;
@@ -909,9 +909,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   sync.reset();
   trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
                  std::to_string(rank_));
-  // The loss in the parameters' dtype, but float32 for bfloat16 and float16 ones (as their losses are computed).
-  const bool low = dtype_ == torch::kBFloat16 || dtype_ == torch::kHalf;
-  return mean.squeeze(0).to(low ? torch::kFloat32 : dtype_);
+  return total.squeeze(0);
 }
 
 }  // namespace partrain::parallel

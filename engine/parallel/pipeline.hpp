@@ -116,13 +116,14 @@ class Pipeline {
   static std::shared_ptr<Pipeline> cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options);
 
   /// Runs the schedule over options.microbatches micro-batches of (x, y) (split along dim 0):
-  /// forwards, `loss` on the last stage, backwards, the transfers; then sums the tied
+  /// forwards, `loss` on the last stage (a micro-batch's loss summed over its targets),
+  /// backwards from that loss times `weight` (a scalar tensor: the share that turns the sums into
+  /// the global batch's mean) and `loss_scale` (loss scaling), the transfers; then sums the tied
   /// parameters' gradients and completes `dp`'s sync (it syncs during the rank's last backward).
-  /// Returns the mean of the micro-batches' losses on every pipeline rank. `loss_scale`
-  /// multiplies the loss that backward starts from (loss scaling), not the one returned.
+  /// Returns the sum of the micro-batches' losses (float64) on every pipeline rank.
   torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y,
                            const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                           DataParallel* dp, double loss_scale = 1.0);
+                           const torch::Tensor& weight, DataParallel* dp, double loss_scale = 1.0);
 
   /// The global L2 norm of `params`' gradients over the whole pipeline (what clipping needs):
   /// squares summed here (a split parameter's over its tensor group in `groups`, as
@@ -130,6 +131,12 @@ class Pipeline {
   /// a parameter tied across stages counts once (on the first rank holding it). Every rank of
   /// the pipeline and tensor groups must call it.
   double grad_norm(const std::vector<torch::Tensor>& params, const std::vector<dist::GroupPtr>& groups = {}) const;
+
+  /// The dtype train_step's loss is returned in on every rank (the last stage computes it): the
+  /// parameters', but float32 for bfloat16 and float16 ones (as their losses are computed).
+  torch::ScalarType loss_dtype() const {
+    return dtype_ == torch::kBFloat16 || dtype_ == torch::kHalf ? torch::kFloat32 : dtype_;
+  }
 
   int stages() const { return pp_ * options_.chunks; }
   const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
@@ -209,7 +216,7 @@ class Pipeline {
   std::vector<Tie> ties_;
   std::vector<std::pair<dist::Work, std::vector<torch::Tensor>>> sends_;  // in flight, kept alive
   torch::Device device_ = torch::kCPU;
-  torch::ScalarType dtype_ = torch::kFloat32;  // the parameters': the loss is returned in it
+  torch::ScalarType dtype_ = torch::kFloat32;  // the parameters' (loss_dtype)
   PipelineMeasure measured_;                   // filled by the first train_step
   // Each activation's shape by (micro-batch, receiving virtual stage), as sent and as received
   // last step: the shape both ends predict for this step's (receives posted ahead only).

@@ -571,7 +571,9 @@ std::string VocabParallelEmbedding::extra_repr() const {
 }
 
 Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
-                                    int64_t vocab, int64_t ignore_index) {
+                                    int64_t vocab, int64_t ignore_index, const std::string& reduction) {
+  TORCH_CHECK(reduction == "mean" || reduction == "sum", "vocab-parallel cross_entropy: reduction must be 'mean' or "
+              "'sum', got '", reduction, "'");
   TORCH_CHECK(local_logits.dim() == targets.dim() + 1 &&
                   local_logits.sizes().slice(0, targets.dim()).equals(targets.sizes()),
               "vocab-parallel cross_entropy expects logits (..., V/t) and targets (...), got ", local_logits.sizes(),
@@ -593,6 +595,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
   if (flat.scalar_type() == torch::kBFloat16 || flat.scalar_type() == torch::kHalf) flat = flat.to(torch::kFloat32);
   auto flat_targets = targets.reshape({-1});
   auto losses = VocabParallelCrossEntropy::apply(flat, flat_targets, key_of(group), vocab, ignore_index);
+  if (reduction == "sum") return losses.sum();
   auto counted = flat_targets.ne(ignore_index).sum().to(losses.scalar_type());
   return losses.sum() / counted;
 }

@@ -147,12 +147,13 @@ class ParallelLayerNorm : public nn::Unary {
 };
 
 /// Cross-entropy of logits whose last dimension (the vocabulary) is split across the group,
-/// without ever gathering the full logits: (..., V/t) local logits, (...) targets -> mean loss
-/// over the targets that are not `ignore_index`, as the serial cross-entropy. Columns at or
-/// beyond `vocab` (padding) never count; a target outside [0, vocab) is an error. Computed in
-/// the logits' precision, at least float32 (float64 stays float64).
+/// without ever gathering the full logits: (..., V/t) local logits, (...) targets -> the loss
+/// over the targets that are not `ignore_index`, as the serial cross-entropy: their mean, or
+/// with reduction "sum" their sum. Columns at or beyond `vocab` (padding) never count; a target
+/// outside [0, vocab) is an error. Computed in the logits' precision, at least float32 (float64
+/// stays float64).
 Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& targets, const dist::GroupPtr& group,
-                                    int64_t vocab, int64_t ignore_index = -100);
+                                    int64_t vocab, int64_t ignore_index = -100, const std::string& reduction = "mean");
 
 /// What makes a tensor vocabulary-split logits: the output of a vocabulary head (a
 /// ColumnParallelLinear built with `pad`) on a group of more than one rank.

@@ -126,14 +126,17 @@ for step = first, cfg.steps do
   local loss
   opt:zero_grad()
   if pipelined then
-    loss = model:train_step(x, y)          -- the schedule's forwards and backwards; the mean loss on every rank
+    loss = model:train_step(x, y)          -- the schedule's forwards and backwards; the global batch's loss
   else
     loss = loss_of(model(x), y)
     opt:scale_loss(loss):backward()        -- loss x the loss scale (float16); the loss itself otherwise
   end
   opt:step()
-  local global = loss:detach():clone()      -- the global batch's loss, for the progress line and the log
-  mesh:group("data"):all_reduce(global, "mean")
+  local global = loss:detach()              -- the global batch's loss, for the progress line and the log
+  if not pipelined then
+    global = global:clone()
+    mesh:group("data"):all_reduce(global, "mean")
+  end
   -- The tensor itself: progress reads it only when it prints or logs (no host sync every step on a GPU).
   progress:step(step, { loss = global, lr = opt:lr(), seconds = pt.time() - start })
   if cfg.ckpt ~= "" and cfg.save_every > 0 and (step % cfg.save_every == 0 or step == cfg.steps) then
