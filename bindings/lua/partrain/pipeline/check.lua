@@ -121,7 +121,9 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
     if A.COMPUTE[a.op] then return o.index, A.format(a) end
     return o.index, ("%s's %s %s"):format(A.format(o.action), a.op:sub(1, 4) == "SEND" and "send" or "receive", A.format(a))
   end
-  local function at(r, i, a) return ("rank %d, action %d (%s)"):format(r, named(r, i, a)) end
+  -- Action i of rank r named at its place in the schedule's own list (the file-level `at` names
+  -- places in the list normalize checks).
+  local function where(r, i, a) return ("rank %d, action %d (%s)"):format(r, named(r, i, a)) end
   local function index(r, i) return (named(r, i, plan[r][i])) end
   local function key(m, c) return m * chunks + c end
   local ranks, channels = {}, {}
@@ -145,7 +147,7 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
     if not a then return "done" end
     local m, c, op = a.mb, a.chunk, a.op
     local v, k = A.stage(pp, r, c), key(m, c)
-    local function refuse_here(fmt, ...) refuse("%s: " .. fmt, at(r, i, a), ...) end
+    local function refuse_here(fmt, ...) refuse("%s: " .. fmt, where(r, i, a), ...) end
     local pr, pc = A.place(pp, v - 1)   -- previous virtual stage
     local nr, nc = A.place(pp, v + 1)   -- next virtual stage
     local kind = op:sub(-1)             -- "F" or "B" for transfers
@@ -242,7 +244,7 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
     local a = plan[r][st.pos]
     if a then
       local peer = ranks[a.peer]
-      waiting[#waiting + 1] = ("%s waits for rank %d%s"):format(at(r, st.pos, a), a.peer,
+      waiting[#waiting + 1] = ("%s waits for rank %d%s"):format(where(r, st.pos, a), a.peer,
         plan[a.peer][peer.pos] and "" or ", which has finished its list without sending it")
     end
   end
@@ -259,7 +261,7 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
   end)
   if left[1] then
     local l = left[1]
-    refuse("%s: rank %d never receives it", at(l.ch.src, l.msg.index, l.msg.action), l.ch.dst)
+    refuse("%s: rank %d never receives it", where(l.ch.src, l.msg.index, l.msg.action), l.ch.dst)
   end
 
   -- Every micro-batch ran forward and backward on every chunk of every rank.
@@ -272,7 +274,7 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
           refuse("rank %d, end of its list (%d actions): micro-batch %d never runs forward on chunk %d (no F%d.c%d)",
             r, origin and origin.count[r] or #plan[r], m, c, m, c)
         elseif not st.bdone[key(m, c)] then
-          refuse("%s: its activation is never freed (no B%d.c%d after it)", at(r, fi, plan[r][fi]), m, c)
+          refuse("%s: its activation is never freed (no B%d.c%d after it)", where(r, fi, plan[r][fi]), m, c)
         end
       end
     end
