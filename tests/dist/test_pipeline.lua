@@ -347,6 +347,10 @@ test("pipeline options that cannot run are refused at the caller's line", functi
   if mesh:size("data") == 1 then
     refused({ chunks = 4, schedule = "interleaved", microbatches = 4 }, "4 blocks cannot fill 8 stages")
   end
+  -- Refused before the schedule is built and checked (which takes seconds at this size).
+  refused({ schedule = "interleaved", microbatches = 1000, chunks = 64 },
+    "4 blocks cannot fill 128 stages (pipeline=2 x chunks=64;")
+  refused({ balance = { 1, 1, 2 } }, "explicit balance gives 3 stage sizes for 2 stages (pipeline=2 x chunks=1)")
   local one = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 1 }
   raises(function() pt.parallelize(pt.models.gpt2(one), "policies.gpt2", mesh, {}) end, "1 block cannot fill 2 stages")
   raises(function() pt.parallelize(pt.models.mlp { sizes = { 4, 4 } }, nil, mesh, {}) end,

@@ -261,6 +261,16 @@ local function pipeline_description(model, policy, mesh, opts)
   elseif balance ~= "time" and sample ~= nil then
     error("parallelize: sample is what balance = 'time' times the blocks on; balance is " .. tostring(opts.balance or "uniform"), 0)
   end
+  -- What the split would refuse, before the schedule is built and checked (seconds for a long one).
+  local blocks, stage_count = model:get(stages.blocks), pp * chunks
+  local n = blocks and #blocks:children()
+  if sizes and #sizes ~= stage_count then
+    error(("pipeline: explicit balance gives %d stage sizes for %d stages (pipeline=%d x chunks=%d)"):format(#sizes,
+      stage_count, pp, chunks), 0)
+  elseif n and n < stage_count then
+    error(("pipeline: %d %s cannot fill %d stages (pipeline=%d x chunks=%d; each stage needs at least one of %s's blocks)")
+      :format(n, n == 1 and "block" or "blocks", stage_count, pp, chunks, stages.blocks), 0)
+  end
   local pipeline = require "partrain.pipeline"
   local plan, report = pipeline.build(schedule, pp, microbatches, chunks)
   local flat, peaks = {}, {}
