@@ -91,6 +91,42 @@ void check_loss(const std::string& name) {
   TORCH_CHECK(false, "train_step: unknown loss '", name, "' (expected one of ", list, ")");
 }
 
+// An exact fingerprint of a tensor (on its device): its values (integers as they are, floating
+// point by the bits of its float64 value) weighted by position, so that reordered rows differ,
+// summed as integers below 2^32 each (no overflow below 2^31 elements, and the same whatever the
+// reduction order), and its shape's FNV-1a hash: { values, shape }.
+torch::Tensor fingerprint(const torch::Tensor& t) {
+  constexpr int64_t kPrime = 65521;
+  auto flat = t.detach().reshape({-1});
+  if (flat.is_floating_point()) flat = flat.to(torch::kFloat64).contiguous().view(torch::kInt32);
+  flat = flat.to(torch::kInt64);
+  auto weights = torch::arange(flat.numel(), flat.options()).remainder_(kPrime).add_(1);
+  uint64_t shape = 1469598103934665603ull;
+  for (int64_t size : t.sizes()) shape = (shape ^ static_cast<uint64_t>(size)) * 1099511628211ull;
+  auto shape_code = torch::full({}, static_cast<int64_t>(shape >> 1), flat.options());
+  return torch::stack({flat.remainder(kPrime).mul_(weights).sum(), shape_code});
+}
+
+// Refuses a step whose ranks in `group` were given different batches (`who` names the ranks,
+// `why` says why they need the same one): compares the inputs' and targets' fingerprints, one
+// small all-reduce. A batch split by rank instead of by the mesh's data coordinate trains on
+// without any error otherwise.
+void agree_on_batch(const dist::GroupPtr& group, const torch::Tensor& x, const torch::Tensor& y, const char* who,
+                    const char* why) {
+  if (!group || group->size() == 1 || group->planned()) return;
+  auto mine = torch::cat({fingerprint(x), fingerprint(y)}).to(dist::World::instance().device());
+  auto spread = torch::cat({mine, -mine});  // the largest and the negated smallest over the ranks
+  group->all_reduce(spread, dist::ReduceOp::Max);
+  auto v = spread.cpu();
+  const int64_t* h = v.data_ptr<int64_t>();  // x values, x shape, y values, y shape; then negated
+  auto differ = [&](int i) { return h[i] != -h[i + 4]; };
+  const bool inputs = differ(0) || differ(1), targets = differ(2) || differ(3);
+  TORCH_CHECK(!inputs && !targets, "train_step: ", who, " were given different ",
+              inputs ? (targets ? "inputs and targets" : "inputs") : "targets", ": ", why, ", so they must be given "
+              "the same batch (split the data by the mesh's data coordinate, as pt.data.text { ..., mesh = mesh } "
+              "does, not by rank)");
+}
+
 // Turns the data-parallel sync off for a micro-batch's backward and back on whatever happens.
 struct SyncOnlyIf {
   SyncOnlyIf(DataParallel* dp, bool on) : dp(dp) {
@@ -317,6 +353,16 @@ torch::Tensor ParallelModel::counted(const torch::Tensor& y, const TrainStepOpti
 torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                         const TrainStepOptions& options) {
   util::startup_mark_once("first train_step");
+  TORCH_CHECK(x.defined() && y.defined(), "train_step: the inputs and targets must be tensors");
+  // A replica's ranks must hold the same batch (compared first, so that every check below refuses
+  // on all of them or on none); then what the first stage's forward or the last stage's loss
+  // would refuse is refused on each of them: they refuse together, before anything is sent.
+  if (mesh_) {
+    agree_on_batch(mesh_->group("tensor"), x, y, "the tensor-parallel ranks of this model",
+                   "each computes its part of every layer from the same batch");
+    agree_on_batch(mesh_->group("pipeline"), x, y, "the ranks of this pipeline",
+                   "the first stage reads the inputs and the last the targets");
+  }
   const int n = options.accumulate;
   TORCH_CHECK(n >= 1, "train_step: accumulate must be >= 1, got ", n);
   TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
@@ -328,8 +374,6 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
-  // What the first stage's forward or the last stage's loss would refuse, on every rank: a
-  // pipeline's stages refuse the batch together, before anything is sent.
   root_->check_batch(x, y, options.loss, options.ignore_index);
   if (pipeline_)
     TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "

@@ -159,22 +159,6 @@ class Elsewhere : public nn::Module {
   int stage;
 };
 
-// An exact fingerprint of a tensor (on its device): its values (integers as they are, floating
-// point by the bits of its float64 value) weighted by position, so that reordered rows differ,
-// summed as integers below 2^32 each (no overflow below 2^31 elements, and the same whatever the
-// reduction order), and its shape's FNV-1a hash: { values, shape }.
-torch::Tensor fingerprint(const torch::Tensor& t) {
-  constexpr int64_t kPrime = 65521;
-  auto flat = t.detach().reshape({-1});
-  if (flat.is_floating_point()) flat = flat.to(torch::kFloat64).contiguous().view(torch::kInt32);
-  flat = flat.to(torch::kInt64);
-  auto weights = torch::arange(flat.numel(), flat.options()).remainder_(kPrime).add_(1);
-  uint64_t shape = 1469598103934665603ull;
-  for (int64_t size : t.sizes()) shape = (shape ^ static_cast<uint64_t>(size)) * 1099511628211ull;
-  auto shape_code = torch::full({}, static_cast<int64_t>(shape >> 1), flat.options());
-  return torch::stack({flat.remainder(kPrime).mul_(weights).sum(), shape_code});
-}
-
 // Every rank must cut the model and run the schedule alike. A schedule function that returns
 // another plan on another rank (a choice by rank, unseeded random numbers) or options computed
 // per rank would pair one stage's micro-batch with another's, or run a block on two stages or
@@ -702,21 +686,6 @@ torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) 
 bool Pipeline::gradients_ahead() const { return group_->backend() == "gloo"; }
 bool Pipeline::receives_ahead() const { return !group_->planned() && gradients_ahead(); }
 
-void Pipeline::agree_on_batch(const torch::Tensor& x, const torch::Tensor& y) const {
-  if (pp_ == 1 || group_->planned()) return;
-  auto mine = torch::cat({fingerprint(x), fingerprint(y)}).to(device_);  // x values, x shape, y values, y shape
-  auto spread = torch::cat({mine, -mine});  // the largest and the negated smallest over the ranks
-  group_->all_reduce(spread, dist::ReduceOp::Max);
-  auto v = spread.cpu();
-  const int64_t* h = v.data_ptr<int64_t>();
-  auto differ = [&](int i) { return h[i] != -h[i + 4]; };
-  const bool inputs = differ(0) || differ(1), targets = differ(2) || differ(3);
-  TORCH_CHECK(!inputs && !targets, "train_step: the ranks of this pipeline were given different ",
-              inputs ? (targets ? "inputs and targets" : "inputs") : "targets", ": the first stage reads the inputs ",
-              "and the last the targets, so every rank of a pipeline must be given the same batch (split the data by ",
-              "the mesh's data coordinate, as pt.data.text { ..., mesh = mesh } does, not by rank)");
-}
-
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
                                    const torch::Tensor& weight, DataParallel* dp, double loss_scale) {
@@ -729,7 +698,6 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
               "this pipeline failed part-way, and what it sent may still be queued between the stages, where this ",
               "step's receives would take it: the pipeline cannot run again in this process (resume from a ",
               "checkpoint in a new run)");
-  agree_on_batch(x, y);
   root_->train();
   plan::step_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);

@@ -200,10 +200,6 @@ class Pipeline {
   /// Whether a gradient's buffer is allocated at its micro-batch's forward, as receives posted
   /// ahead do (on Gloo; the planner walks a planned Gloo group's peak the same way).
   bool gradients_ahead() const;
-  /// Refuses a step whose ranks were given different batches: the first stage reads the inputs
-  /// and the last the targets, so a batch split by rank (not by the mesh's data coordinate) would
-  /// pair one rank's inputs with another's targets without any error. One small all-reduce.
-  void agree_on_batch(const torch::Tensor& x, const torch::Tensor& y) const;
   void note_received(int peer, int64_t bytes);  ///< the first step's measured traffic
 
   nn::Module* root_ = nullptr;

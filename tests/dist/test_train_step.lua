@@ -200,6 +200,24 @@ test("a policy tying tensors its layers split differently is refused, naming bot
   eq(model:get("0"):type(), "Linear", "the model is left as it was")
 end)
 
+-- A batch split by rank instead of by the data coordinate gives each tensor-parallel rank its
+-- own: each then computed its part of every layer from other rows (a loss of 4.1886, exit 0).
+test("tensor-parallel ranks given different batches are refused on every rank, and train on after", function()
+  local mesh = pt.mesh { tensor = 2 }
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+  local _, _, x, y = batches(mesh, gpt_batch)
+  local t = mesh:coord().tensor
+  local function flipped(v) return t == 0 and v or v:flip(0) end
+  local e = raises(function() model:train_step(flipped(x), y) end,
+    "the tensor-parallel ranks of this model were given different inputs: each computes its part")
+  ok(e:find("^[^:]*test_train_step%.lua:%d+:"), "names the script's line: " .. e)
+  raises(function() model:train_step(x, flipped(y)) end, "were given different targets")
+  -- Targets one rank alone would refuse (fewer rows than the inputs): refused on both, together.
+  raises(function() model:train_step(x, t == 0 and y or y:narrow(0, 0, 1)) end, "were given different targets")
+  local loss = model:train_step(x, y)  -- the same batch on both: trains
+  ok(loss:item() == loss:item(), "a finite loss after the refusals")
+end)
+
 test("bad train_step options are refused at the caller's line", function()
   local mesh = pt.mesh {}
   local model = pt.parallelize(pt.models.mlp { sizes = { 12, 5 } }, nil, mesh)
