@@ -98,10 +98,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     const auto& last = dp->params_[b.params.back()];
     b.numel = b.offsets.back() + last.numel();
     b.padded = (b.numel + parts - 1) / parts * parts;
-    // Under ZeRO gradients are reduced in float32 by default (float64 ones stay float64).
-    auto own = last.scalar_type();
-    auto fallback = options.zero_stage > 0 && own != torch::kFloat64 ? torch::kFloat32 : own;
-    std::pair<torch::ScalarType, torch::Device> key{options.reduce_dtype.value_or(fallback), last.device()};
+    std::pair<torch::ScalarType, torch::Device> key{dp->reduce_dtype_for(last.scalar_type()), last.device()};
     auto it = std::find(keys.begin(), keys.end(), key);
     b.buffer = static_cast<size_t>(it - keys.begin());
     if (it == keys.end()) {
@@ -143,6 +140,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
 }
 
 void DataParallel::begin_pass() {
+  check_accumulation();
   TORCH_CHECK(!pending_finish_, "data parallelism: a backward pass began before the last one's gradient reduction "
               "finished; with bucket hooks written in Lua that runs on the script's thread: call "
               "pt.data_parallel(model):synced() between backward passes (model:train_step does)");
@@ -221,6 +219,22 @@ torch::Tensor DataParallel::shard_of(size_t i) const {
   return shards_[b.buffer].narrow(0, b.shard_start, b.padded / zero_size());
 }
 
+torch::ScalarType DataParallel::reduce_dtype_for(torch::ScalarType param_dtype) const {
+  // Under ZeRO gradients are reduced in float32 by default (float64 ones stay float64).
+  auto fallback = options_.zero_stage > 0 && param_dtype != torch::kFloat64 ? torch::kFloat32 : param_dtype;
+  return options_.reduce_dtype.value_or(fallback);
+}
+
+torch::Tensor DataParallel::bucket_grad(const torch::Tensor& param) const {
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (!params_[k].is_same(param)) continue;
+    const auto& b = buckets_[bucket_of_[k]];
+    if ((scatters() && !b.whole) || !b.flat.defined()) return {};
+    return b.flat.narrow(0, b.offsets[slot_of_[k]], param.numel()).view(param.sizes());
+  }
+  return {};
+}
+
 torch::Tensor DataParallel::reduced_part(size_t i) const {
   const auto& b = buckets_[i];
   if (sharded() && !b.whole) return shard_of(i);
@@ -257,7 +271,16 @@ int64_t DataParallel::planned_scratch_bytes() const {
   return bytes;
 }
 
+void DataParallel::check_accumulation() const {
+  TORCH_CHECK(!parts_hold_sync_, "data parallelism: a backward pass after a synced one, with no zero_grad between "
+              "them: ZeRO-1 keeps only this rank's part of the reduced gradients, in the gradient buckets, and this "
+              "pass's reduce-scatter would replace them where serial training adds to them. Call opt:zero_grad() "
+              "after opt:step(); to accumulate over several batches use train_step's accumulate, parallelize's "
+              "grad_accumulation, or zero = { stage = 1, reduce_scatter = false }");
+}
+
 void DataParallel::zero_grad() {
+  parts_hold_sync_ = false;
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   torch::NoGradGuard no_grad;
   for (auto& s : shards_) s.zero_();
@@ -340,6 +363,8 @@ void DataParallel::finish_here() {
   pass_.clear();
   if (!syncing_) return;  // ZeRO-2's passes before the sync's: reduced into the shard, no more
   syncing_ = false;
+  parts_hold_sync_ = scatters() && !sharded() &&
+                     std::any_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return !b.whole; });
   auto backward_end = Clock::now();
   for (auto& b : buckets_)
     if (b.work.done()) ++stats_.buckets_done_early;

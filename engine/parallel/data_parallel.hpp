@@ -162,6 +162,18 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// reduced whole, its part in the shard buffer; else part r of the bucket itself (reduced
   /// there by the reduce-scatter or the all-reduce).
   torch::Tensor reduced_part(size_t i) const;
+  /// Refuses a backward pass that would reduce again while the last sync's gradients live only
+  /// in the buckets' parts (ZeRO-1 reduce-scattering, no zero_grad since): its reduce-scatter
+  /// would overwrite them, where serial training adds the new gradients to the old.
+  void check_accumulation() const;
+  /// The slice of a whole-reduced bucket (not reduce-scattered) that holds `param`'s gradient,
+  /// shaped as the parameter and in the bucket's dtype: where the optimizer reads it under ZeRO,
+  /// and where .grad is only a copy when the bucket's dtype is not the parameter's. Undefined
+  /// for a parameter this object does not sync or whose bucket is reduce-scattered.
+  torch::Tensor bucket_grad(const torch::Tensor& param) const;
+  /// The dtype the buckets reduce a gradient of `param_dtype` in: `reduce_dtype`, or float32
+  /// under ZeRO (float64 stays float64), or the parameter's own.
+  torch::ScalarType reduce_dtype_for(torch::ScalarType param_dtype) const;
   /// Every gradient tensor this object holds now: the flat buffers, or under ZeRO-2 the shards,
   /// the whole buckets and the scratch pool (its high-water mark: the pool never shrinks).
   std::vector<torch::Tensor> held() const;
@@ -219,6 +231,9 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   int chunk_ = -1;
   size_t next_launch_ = 0;  // into pass_
   bool in_backward_ = false, syncing_ = false;
+  // ZeRO-1 reduce-scattering: a sync left the reduced gradients only in the buckets' parts, and
+  // zero_grad has not run since (a second sync would overwrite them: check_accumulation).
+  bool parts_hold_sync_ = false;
   int passes_ = 0;
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;

@@ -374,6 +374,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
+  if (data_parallel_) data_parallel_->check_accumulation();
   root_->check_batch(x, y, options.loss, options.ignore_index);
   if (pipeline_)
     TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "

@@ -683,6 +683,17 @@ torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) 
   return t;
 }
 
+torch::Tensor Pipeline::tie_gradient(const Tie& tie, DataParallel* dp) const {
+  // No .grad (zero_grad): none, whatever the bucket still holds from the last sync.
+  if (!tie.param.defined() || !tie.param.grad().defined()) return {};
+  auto bucket = dp ? dp->bucket_grad(tie.param) : torch::Tensor();
+  return bucket.defined() ? bucket : tie.param.grad();
+}
+
+torch::ScalarType Pipeline::tie_dtype(const Tie& tie, DataParallel* dp) const {
+  return dp ? dp->reduce_dtype_for(tie.dtype) : tie.dtype;
+}
+
 bool Pipeline::gradients_ahead() const { return group_->backend() == "gloo"; }
 bool Pipeline::receives_ahead() const { return !group_->planned() && gradients_ahead(); }
 
@@ -750,6 +761,16 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       p.failed_at_renewal_ = p.group_->renewals();
     }
   } forget{*this};
+  // A tied gradient an earlier step left (train_step again before opt:step(), or no zero_grad)
+  // is summed over the pipeline already: it is set aside and added back after this step's sum.
+  std::vector<torch::Tensor> kept(ties_.size());
+  for (size_t i = 0; i < ties_.size(); ++i) {
+    const auto held = tie_gradient(ties_[i], dp);
+    if (!held.defined()) continue;
+    kept[i] = held.detach().to(tie_dtype(ties_[i], dp), /*non_blocking=*/false, /*copy=*/true);
+    held.detach().zero_();
+    if (ties_[i].param.grad().defined()) ties_[i].param.mutable_grad().detach().zero_();
+  }
   std::optional<Inbox> inbox;
   if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks, pp_, rank_, received_shapes_);
   for (size_t i = 0; i < actions.size(); ++i) {
@@ -855,15 +876,22 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   std::optional<TraceSpan> sync(std::in_place, TraceKind::Sync);  // sends, tied gradients, data parallel, loss
   for (auto& [work, keep] : sends_) work.wait();
   sends_.clear();
-  // The tied parameters' gradients, summed over the ranks holding them (the others add zeros).
-  for (auto& tie : ties_) {
-    auto g = tie.param.defined() && tie.param.grad().defined()
-                 ? tie.param.grad().detach().clone()
-                 : torch::zeros(tie.shape, torch::TensorOptions().dtype(tie.dtype).device(device_));
+  // The tied parameters' gradients of this step, summed over the ranks holding them (the others
+  // add zeros), then what an earlier step left added back.
+  for (size_t i = 0; i < ties_.size(); ++i) {
+    auto& tie = ties_[i];
+    const auto held = tie_gradient(tie, dp);
+    auto g = held.defined() ? held.detach().to(tie_dtype(tie, dp), /*non_blocking=*/false, /*copy=*/true)
+                            : torch::zeros(tie.shape, torch::TensorOptions().dtype(tie_dtype(tie, dp)).device(device_));
     group_->all_reduce(g);
-    // Into the gradient in place where there is one: data parallelism's flat buffer holds it.
-    if (tie.param.defined() && tie.param.grad().defined()) tie.param.mutable_grad().copy_(g);
-    else if (tie.param.defined()) tie.param.mutable_grad() = g;
+    if (kept[i].defined()) g.add_(kept[i]);
+    if (!tie.param.defined()) continue;
+    // Into the gradient in place where there is one: data parallelism's bucket holds it (and
+    // under ZeRO the optimizer reads it there; .grad may be a copy of another dtype).
+    auto bucket = dp ? dp->bucket_grad(tie.param) : torch::Tensor();
+    if (bucket.defined()) bucket.copy_(g);
+    if (tie.param.grad().defined()) tie.param.mutable_grad().copy_(g);
+    else tie.param.mutable_grad() = g.to(tie.param.scalar_type());
   }
   if (dp) dp->complete();
   // The loss from the last stage's rank, on every rank.

@@ -182,6 +182,12 @@ class Pipeline {
     std::vector<int64_t> shape;
     torch::ScalarType dtype;
   };
+  /// A tied parameter's gradient where the optimizer reads it: its bucket slice under data
+  /// parallelism (ZeRO's reduce dtype may differ from the parameter's), else .grad; undefined
+  /// where the rank does not hold it or it has no .grad.
+  torch::Tensor tie_gradient(const Tie& tie, DataParallel* dp) const;
+  /// The dtype the ranks sum a tied gradient in, the same on every rank (holding it or not).
+  torch::ScalarType tie_dtype(const Tie& tie, DataParallel* dp) const;
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
   /// An activation of micro-batch `mb` for virtual stage `to_stage`: a header (dtype, shape, how
   /// the tensor follows), then the tensor (pipeline.cpp's channels).

@@ -160,6 +160,32 @@ test("targets padded unevenly over micro-batches and data ranks equal serial tra
   equal_to_serial("padded 1f1b", mesh, { schedule = "1f1b", microbatches = 2 }, "float32", 2, nil, nil, pad)
 end)
 
+-- A gradient the last train_step left (two an opt:step, or no zero_grad at all) accumulates as
+-- serial training's; the tied wte = lm_head's was summed over the pipeline a second time.
+test("two train_steps an opt:step, and steps without zero_grad, equal serial training (float64)", function()
+  for _, never_zero in ipairs { false, true } do
+    local what = never_zero and "no zero_grad" or "two train_steps an opt:step"
+    pt.manual_seed(3)
+    local serial = pt.models.gpt2(gpt):to("float64")
+    pt.manual_seed(3)
+    local model = pt.parallelize(pt.deferred(function() return pt.models.gpt2(gpt):to("float64") end), "policies.gpt2",
+      mesh, { schedule = "1f1b", microbatches = 2 })
+    local so, po = pt.optim.sgd(serial, { lr = 0.05 }), pt.optim.sgd(model, { lr = 0.05 })
+    for step = 1, 3 do
+      for half = 1, never_zero and 1 or 2 do
+        local gx, gy, x, y = batches(mesh)
+        local ls = pt.nn.cross_entropy(serial(gx):reshape(-1, gpt.vocab), gy:reshape(-1))
+        ls:backward()
+        near(model:train_step(x, y), ls, TOL.float64, ("%s: loss at step %d, batch %d"):format(what, step, half))
+      end
+      so:step(); po:step()
+      if not never_zero then so:zero_grad(); po:zero_grad() end
+    end
+    local want = serial:state_dict()
+    for name, t in pairs(model:state_dict()) do near(t, want[name], TOL.float64, what .. ": parameter " .. name) end
+  end
+end)
+
 test("a deferred model's ranks allocate only their own stage's parameters", function()
   -- GPT-2 at dim 16: a block holds 3280 parameters, wte 1024, wpe 128, ln_f 32, lm_head (tied to
   -- wte: its own tensor on the last stage) 1024; serially 14304.

@@ -157,6 +157,42 @@ test("ZeRO-2 with GPT-2 (a tensor tied across stages) over pipeline 2 x data 2 e
   for name, t in pairs(model:full_state_dict()) do near(t, want[name], 1e-10, "gpt-2 zero-2 pipeline: " .. name) end
 end)
 
+-- The tie's gradient must be summed over the pipeline where the optimizer reads it: under ZeRO
+-- that is its bucket, in the reduce dtype, while .grad is only a copy when the parameter's dtype
+-- differs (bf16 parameters reduce in float32 by default). The sum went into .grad alone, and each
+-- stage stepped its copy with its own part (copies 1e-2 apart after 3 steps, exit 0). And a
+-- gradient kept from the last train_step (two an opt:step, or no zero_grad) was summed over the
+-- pipeline a second time. Float32 parameters reducing in float64 take the same path, where the
+-- result is exact enough to compare with serial training.
+test("GPT-2's tie over pipeline 2 x data 2 under ZeRO, reduced in another dtype, two train_steps an opt:step, equals serial training", function()
+  local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }
+  local mesh = pt.mesh { pipeline = 2, zero = 2 }
+  local d, b = mesh:coord().data, BATCH / 2
+  for _, zero in ipairs { { stage = 2 }, { stage = 1, reduce_scatter = false } } do
+    local what = ("zero-%d tie, float64 reduction"):format(zero.stage)
+    pt.manual_seed(7)
+    local serial = pt.deferred(function() return pt.models.gpt2(gpt) end):materialize()
+    pt.manual_seed(7)
+    local model = pt.parallelize(pt.deferred(function() return pt.models.gpt2(gpt) end), "policies.gpt2", mesh,
+                                 { zero = zero, reduce_dtype = "float64", schedule = "1f1b", microbatches = 2 })
+    local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(model, { lr = 0.1 })
+    for step = 1, 3 do
+      for half = 1, 2 do  -- two batches an optimizer step
+        local x, y = pt.randint(0, gpt.vocab, { BATCH, gpt.seq }), pt.randint(0, gpt.vocab, { BATCH, gpt.seq })
+        mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+        local ls = pt.nn.cross_entropy(serial(x):reshape(-1, gpt.vocab), y:reshape(-1))
+        ls:backward()
+        near(model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)), ls, 1e-5,
+             ("%s: loss at step %d, batch %d"):format(what, step, half))
+      end
+      so:step(); po:step()
+      so:zero_grad(); po:zero_grad()
+    end
+    local want = serial:state_dict()
+    for name, t in pairs(model:full_state_dict()) do near(t, want[name], 1e-5, what .. ": " .. name) end
+  end
+end)
+
 -- Trains plain data parallelism (c.mesh) and ZeRO-2 (c.zero_mesh, small buckets) from the same
 -- initial weights on the same batches: each pass's loss, clipping's norm and every logical parameter
 -- at the end agree within TOL; before the last step the gradients opt:sync_shard_grad() gathers
@@ -559,6 +595,19 @@ test("what cannot run is refused at the caller's line", function()
     ok(e:find(here), e)
     ok(e:find("clip_grad_norm = 1", 1, true), e)
   end
+  -- ZeRO-1 reduce-scattering keeps only this rank's part of the reduced gradients, in the
+  -- buckets: a second backward before zero_grad replaced them (where serial training adds to
+  -- them) with exit 0. Refused, on every rank, until opt:zero_grad().
+  local z1 = pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1 } })
+  local z1_opt = pt.optim.sgd(z1, { lr = 1e-3 })
+  local x1, y1 = pt.randn({ 2, 12 }), pt.randint(0, 6, { 2 })
+  z1:train_step(x1, y1)
+  e = raises(function() z1:train_step(x1, y1) end, "a backward pass after a synced one, with no zero_grad between them")
+  ok(e:find(here), e)
+  z1_opt:step()
+  raises(function() z1:train_step(x1, y1) end, "Call opt:zero_grad() after opt:step()")
+  z1_opt:zero_grad()
+  ok(z1:train_step(x1, y1):item() > 0, "after zero_grad it trains")
   -- All-reduced (reduce_scatter = false), .grad is whole and pt.nn.clip_grad_norm clips it.
   local whole = pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1, reduce_scatter = false } })
   whole:train_step(pt.randn({ 2, 12 }), pt.randint(0, 6, { 2 }))
