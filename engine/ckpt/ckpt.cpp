@@ -14,6 +14,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -70,12 +71,17 @@ void serialize(Archive& ar, PipelineLayout& p) {
   ar(p.schedule, p.chunks, p.blocks, p.first, p.last, p.bounds);
 }
 template <class Archive>
+void serialize(Archive& ar, ConfigEntry& c) {
+  ar(c.name, c.value);
+}
+template <class Archive>
 void serialize(Archive& ar, Manifest& m) {
   ar(m.step, m.world, m.tensor, m.data, m.pipeline, m.zero, m.model_type, m.policy, m.optimizer, m.optimizer_steps,
      m.samples_seen, m.user_json, m.full, m.tensors, m.files, m.rng);
   if (!Archive::is_loading::value || reading_format >= 4) ar(m.stages);
   if (!Archive::is_loading::value || reading_format >= 5) ar(m.loss_scale);
   if (!Archive::is_loading::value || reading_format >= 6) ar(m.cuda_rng);
+  if (!Archive::is_loading::value || reading_format >= 7) ar(m.config);
 }
 
 const TensorEntry* Manifest::find(const std::string& name) const {
@@ -311,6 +317,14 @@ std::string shape_text(const std::vector<int64_t>& v) {
   std::string t = "[";
   for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
   return t + "]";
+}
+
+// A configuration value as people write it: the shorter of %.6g and %.17g that reads back exactly.
+std::string value_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 // Appends `local` (this rank's part of a tensor split as `s`, or the whole tensor) as pieces.
@@ -727,6 +741,12 @@ void validate(const Manifest& m, const std::string& path) {
   if (m.cuda_rng.size() > static_cast<size_t>(m.world)) bad("has more CUDA generator states than ranks");
   for (const auto& r : m.cuda_rng)
     if (r.size() > (1u << 20)) bad("has a CUDA generator state of " + std::to_string(r.size()) + " bytes");
+  std::set<std::string> settings;
+  if (m.config.size() > 256)
+    bad("has " + std::to_string(m.config.size()) + " model configuration settings (at most 256)");
+  for (const auto& c : m.config)
+    if (c.name.empty() || !printable(c.name, 64) || !settings.insert(c.name).second || !std::isfinite(c.value))
+      bad("has a model configuration setting that is not a name, once, with a finite value");
 
   std::set<std::string> file_names;
   for (const auto& f : m.files) {
@@ -1057,6 +1077,7 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
       m.data = m.zero = m.world;
     }
     m.model_type = state.model->type();
+    for (const auto& f : state.model->config()) m.config.push_back({f.name, f.value});
     m.policy = state.policy;
     if (state.optimizer) {
       m.optimizer = state.optimizer->options().kind;
@@ -1310,6 +1331,11 @@ std::string describe(const Manifest& m) {
     << " x pipeline " << m.pipeline << ", zero " << m.zero << (m.full ? "; full (consolidated)" : "; partial (per-rank shards)")
     << "\nmodel " << m.model_type << (m.policy.empty() ? "" : ", policy " + m.policy);
   if (!m.optimizer.empty()) s << "; optimizer " << m.optimizer << " after " << m.optimizer_steps << " step(s)";
+  if (!m.config.empty()) {
+    s << "\nmodel config:";
+    for (size_t i = 0; i < m.config.size(); ++i)
+      s << (i ? ", " : " ") << m.config[i].name << "=" << value_text(m.config[i].value);
+  }
   if (m.loss_scale.size() == 4)
     s << "\nloss scale " << m.loss_scale[0] << " (" << int64_t(m.loss_scale[1]) << " good step(s) since the last change, "
       << int64_t(m.loss_scale[3]) << " step(s) skipped)";
@@ -1366,8 +1392,6 @@ std::string describe(const Manifest& m) {
 
 namespace {
 
-// Loads one tag. Everything is read and checked before anything in `state` changes; Damaged
-// when the checkpoint is damaged, another error when it does not fit what is being loaded.
 // The logical names of every parameter of the model, on every rank: this rank's own, and under a
 // pipeline every stage's (gathered over the world), so that a tensor of the checkpoint no stage
 // holds is refused. Collective when the model is pipelined.
@@ -1385,14 +1409,24 @@ std::set<std::string> model_names(const State& state, const dist::GroupPtr& grou
   return names;
 }
 
+// Loads one tag in two steps, each collective: every rank reads and checks all it needs, then,
+// only when every rank has, every rank changes `state`. A rank whose own reads were sound must
+// not apply a checkpoint another rank refused. Damaged when the checkpoint is damaged, another
+// error when it does not fit what is being loaded.
 Loaded load_tag(const std::string& dir, const std::string& tag, State& state, const dist::GroupPtr& group, int rank) {
   Loaded loaded;
   const auto every_name = model_names(state, group);
+  const std::string tag_dir = join(dir, tag);
+  // What the first step reads and the second applies: the manifest, this rank's parameters, and
+  // their values and optimizer state.
+  Manifest m;
+  std::vector<Held> params;
+  std::vector<torch::Tensor> values;
+  std::vector<std::map<std::string, torch::Tensor>> slots;
+  bool with_optimizer = false;
   together(group, "loading the checkpoint", [&] {
     check_tag(tag);
-    const std::string tag_dir = join(dir, tag);
     TORCH_CHECK(exists(tag_dir), "no checkpoint '", tag, "' in '", dir, "'");
-    Manifest m;
     as_damage([&] {
       TORCH_CHECK(util::is_plain_dir(tag_dir), "'", tag_dir, "' is not a folder (a symbolic link or a file); ",
                   "a checkpoint tag must be a real folder");
@@ -1400,14 +1434,26 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       for (const auto& f : m.files) ::close(open_data_file(tag_dir, f));  // sizes first: a truncated file names itself
     });
     // This rank's parameters only: on a pipeline stage, what the stage holds.
-    auto params = held(*state.model);
+    params = held(*state.model);
     for (const auto& e : m.tensors)
       TORCH_CHECK(e.name.rfind("model/", 0) != 0 || every_name.count(e.name.substr(6)), "the checkpoint '", tag_dir,
                   "' holds tensor '", e.name.substr(6), "', which the model has no parameter for");
-    const bool with_optimizer = state.optimizer && !m.optimizer.empty();
+    with_optimizer = state.optimizer && !m.optimizer.empty();
     if (with_optimizer)
       TORCH_CHECK(m.optimizer == state.optimizer->options().kind, "the checkpoint '", tag_dir, "' holds ",
                   m.optimizer, " state; the optimizer given is ", state.optimizer->options().kind);
+    // The settings that change what the model computes and no shape (GPT-2's heads) are those it
+    // was saved with, where the checkpoint records them (format 7 on).
+    if (m.model_type == state.model->type())
+      for (const auto& f : state.model->config()) {
+        auto saved =
+            std::find_if(m.config.begin(), m.config.end(), [&](const ConfigEntry& c) { return c.name == f.name; });
+        if (f.fixed && saved != m.config.end() && saved->value != f.value)
+          TORCH_CHECK(false, "the checkpoint '", tag_dir, "' was saved by a ", m.model_type, " with ", f.name, "=",
+                      value_text(saved->value), "; this one has ", f.name, "=", value_text(f.value),
+                      ", which computes another function with the same shapes: build it with ", f.name, "=",
+                      value_text(saved->value));
+      }
     for (const auto& [name, local, p, first] : params) {
       auto s = parallel::sharding_of(*state.model, local);
       const TensorEntry* e = m.find("model/" + name);
@@ -1416,10 +1462,14 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       TORCH_CHECK(e->shape == logical, "tensor '", name, "' in '", tag_dir, "' has shape ", c10::IntArrayRef(e->shape),
                   "; the model's is ", c10::IntArrayRef(logical));
     }
-    // Read everything first.
+    // What Loader::seek() refuses, checked here: nothing below can refuse.
+    TORCH_CHECK(!state.data || m.samples_seen < 0 || state.data->batches_per_epoch() > 0, "the checkpoint '", tag_dir,
+                "' holds a data position (", m.samples_seen, " samples), but the data loader given has no batch to ",
+                "seek in (an empty dataset, or fewer samples than a batch with drop_last)");
+    // Read everything.
     torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> values(params.size());
-    std::vector<std::map<std::string, torch::Tensor>> slots(params.size());
+    values.resize(params.size());
+    slots.resize(params.size());
     as_damage([&] {
       for (size_t i = 0; i < params.size(); ++i) {
         const auto& [name, local, p, first] = params[i];
@@ -1439,8 +1489,12 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
         }
       }
     });
-    // Then change the state: the data position first (the one step that can refuse), the step
-    // count before the parameters' states (Adam's bias correction reads it).
+  });
+  // Every rank has read and checked all it needs (together() fails them all when one failed):
+  // only now does any rank change its state. The step count before the parameters' states
+  // (Adam's bias correction reads it).
+  together(group, "applying the checkpoint", [&] {
+    torch::NoGradGuard no_grad;
     if (state.data && m.samples_seen >= 0) state.data->seek(m.samples_seen);
     if (with_optimizer) state.optimizer->set_steps_taken(m.optimizer_steps);
     if (with_optimizer && state.optimizer->loss_scaler() && m.loss_scale.size() == 4) {

@@ -40,8 +40,9 @@ namespace partrain::ckpt {
 /// the payload; a split tensor records the sizes of the parts its dimension is made of; the
 /// pipeline that saved it is recorded (PipelineLayout). Versions 3 (no pipeline layout) and 2
 /// (a count of equal parts instead of their sizes) are read; version 1 (no checksum of the
-/// manifest) is refused. Version 5 adds the optimizer's loss-scaler state (version 4 has none).
-constexpr uint32_t kFormatVersion = 6;
+/// manifest) is refused. Version 5 adds the optimizer's loss-scaler state (version 4 has none),
+/// version 6 each rank's CUDA generator state, version 7 the model's configuration.
+constexpr uint32_t kFormatVersion = 7;
 /// The oldest format this partrain reads.
 constexpr uint32_t kOldestReadableFormat = 2;
 
@@ -82,6 +83,12 @@ struct PipelineLayout {
   std::vector<int64_t> bounds;
 };
 
+/// One setting of the configuration of the model that saved a checkpoint (nn::ConfigField).
+struct ConfigEntry {
+  std::string name;
+  double value = 0;
+};
+
 struct Manifest {
   uint32_t version = kFormatVersion;
   int64_t step = 0;
@@ -101,6 +108,10 @@ struct Manifest {
   /// Format 6 on: each saving rank's CUDA generator state (of its device), empty for a rank that
   /// computed on the CPU.
   std::vector<std::string> cuda_rng;
+  /// Format 7 on: the model's configuration (nn::Module::config(): GPT-2's and LLaMA's options),
+  /// shown by inspect; a load refuses a model whose fixed settings (heads) differ from it. Empty
+  /// for a model that has none, and before format 7 (nothing is compared).
+  std::vector<ConfigEntry> config;
   const TensorEntry* find(const std::string& name) const;
 };
 
@@ -140,9 +151,10 @@ struct Loaded {
 };
 /// Loads `tag` into `state`'s model, optimizer, data loader and RNG, whatever layout saved it.
 /// Without a tag, the valid checkpoint with the highest step (see choose()), falling back past a
-/// damaged one. Reads and checks everything it needs before changing anything, so a failed load
-/// leaves the state as it was. Damage or a mismatch is an error naming the file and the tensor.
-/// Collective: all ranks take the same tag or fail together.
+/// damaged one. Every rank reads and checks everything it needs, and the ranks agree that all of
+/// them have, before any rank changes anything, so a failed load leaves the state as it was on
+/// every rank. Damage or a mismatch is an error naming the file and the tensor. Collective: all
+/// ranks take the same tag or fail together.
 Loaded load(const std::string& dir, const std::string& tag, State& state);
 /// load(dir, "", state), except that a folder with no checkpoint at all (missing, or holding no
 /// `newest` and no tag folder) returns false: a fresh start. A folder whose every checkpoint is

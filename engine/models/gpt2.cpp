@@ -239,6 +239,20 @@ c10::optional<double> Gpt2::attribute(const std::string& name) const {
   return c10::nullopt;
 }
 
+std::vector<nn::ConfigField> Gpt2::config() const {
+  const auto& o = options;
+  // heads and eps change the function and no shape; vocab, seq (wpe), dim and layers are pinned
+  // by the parameters; dropout and the attention kernel may change when a run resumes.
+  return {{"vocab", double(o.vocab)},
+          {"seq", double(o.seq)},
+          {"dim", double(o.dim)},
+          {"heads", double(o.heads), true},
+          {"layers", double(o.layers)},
+          {"dropout", o.dropout},
+          {"eps", o.eps, true},
+          {"flash_attention", o.flash_attention ? 1.0 : 0.0}};
+}
+
 std::string Gpt2::extra_repr() const {
   std::ostringstream s;
   s << "vocab=" << options.vocab << ", seq=" << options.seq << ", dim=" << options.dim << ", heads=" << options.heads

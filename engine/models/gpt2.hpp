@@ -97,6 +97,8 @@ class Gpt2 : public nn::Unary {
   /// replaced forward to behave as this one does.
   c10::optional<double> attribute(const std::string& name) const override;
   std::vector<std::string> attribute_names() const override { return {"dropout", "seq"}; }
+  /// Its options but dtype (each tensor's is recorded anyway); heads and eps fixed.
+  std::vector<nn::ConfigField> config() const override;
   /// Only lm_head may be a vocabulary head, and its logits split only as one; ln_f, lm_head and
   /// the blocks agree on sequence parallelism, which needs a forward that splits the sequence.
   void check(const std::string& path) const override;

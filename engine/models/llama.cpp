@@ -207,6 +207,25 @@ c10::optional<double> Llama::attribute(const std::string& name) const {
   return c10::nullopt;
 }
 
+std::vector<nn::ConfigField> Llama::config() const {
+  const auto& o = options;
+  // heads with kv_heads (heads 4, kv_heads 2 and heads 8, kv_heads 4 give k_proj the same
+  // shape), eps and rope_base change the function and no shape; vocab, dim, layers, hidden and
+  // tie are pinned by the parameters' shapes and names; seq (rotary: no parameter) and the
+  // attention kernel may change when a run resumes.
+  return {{"vocab", double(o.vocab)},
+          {"seq", double(o.seq)},
+          {"dim", double(o.dim)},
+          {"heads", double(o.heads), true},
+          {"kv_heads", double(kv_heads_of(o)), true},
+          {"layers", double(o.layers)},
+          {"hidden", double(hidden_of(o))},
+          {"eps", o.eps, true},
+          {"rope_base", o.rope_base, true},
+          {"tie", o.tie ? 1.0 : 0.0},
+          {"flash_attention", o.flash_attention ? 1.0 : 0.0}};
+}
+
 std::string Llama::extra_repr() const {
   std::ostringstream s;
   s << "vocab=" << options.vocab << ", seq=" << options.seq << ", dim=" << options.dim << ", heads=" << options.heads

@@ -88,6 +88,9 @@ class Llama : public nn::Unary {
   /// "tie" (1: lm_head shares embed_tokens' weight), for the policy to keep the tie.
   c10::optional<double> attribute(const std::string& name) const override;
   std::vector<std::string> attribute_names() const override { return {"seq", "tie"}; }
+  /// Its options but dtype, kv_heads and hidden as built (0 resolved); heads, kv_heads, eps and
+  /// rope_base fixed.
+  std::vector<nn::ConfigField> config() const override;
   /// Only lm_head may be a vocabulary head; the blocks, norm and lm_head agree on sequence
   /// parallelism, which needs a forward that splits the sequence.
   void check(const std::string& path) const override;

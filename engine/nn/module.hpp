@@ -37,6 +37,17 @@ struct Features {
   std::string describe() const;
 };
 
+/// One setting of a model's configuration (GPT-2's heads, ...), as a checkpoint records it.
+struct ConfigField {
+  std::string name;
+  double value = 0;  ///< a boolean as 0 or 1
+  /// Whether it changes what the model computes without changing the name or shape of any
+  /// parameter (attention heads), so that only the recorded value tells a checkpoint saved with
+  /// another one: a load refuses it. Settings that the shapes already pin (dim, layers) or that
+  /// a run may change when it resumes (dropout) are not fixed.
+  bool fixed = false;
+};
+
 class Module : public torch::nn::Module {
  public:
   /// `type` is the module's class name as users and policies see it ("Linear", "GPT2Block").
@@ -54,6 +65,9 @@ class Module : public torch::nn::Module {
   virtual void set_attribute(const std::string& name, double value);
   /// The names attribute() knows (an attention module's "heads", ...), for messages and undo.
   virtual std::vector<std::string> attribute_names() const { return {}; }
+  /// The configuration a model family's root was built with (the serial model's, whatever a
+  /// policy changed in its layers), which checkpoints record and a load compares; empty: none.
+  virtual std::vector<ConfigField> config() const { return {}; }
   /// Checks the invariants that tie this module's sizes and its children's together (an
   /// attention module: its heads x head size = its width); a policy can break them. Throws a
   /// message naming the module by `path`. Called on every module of a tree after a policy.

@@ -65,6 +65,7 @@ class ZeroShards : public optim::Distributed {
     }
     torch::NoGradGuard no_grad;
     for (const auto& s : segments_) master_part(s).copy_(param_part(s));
+    for (const auto& p : params) versions_.push_back(p._version());
     groups_ = split_groups(model->module(), params);
   }
 
@@ -81,9 +82,15 @@ class ZeroShards : public optim::Distributed {
     auto model = model_.lock();
     TORCH_CHECK(model, "ZeRO: the model this optimizer was made for is gone");
     // A parameter of the master's dtype is its exact copy: take it again (a checkpoint or the user
-    // may have written the parameter since). Lower-precision ones keep their masters.
+    // may have written the parameter since). A lower-precision one keeps its master unless it was
+    // written since the master was last taken from it or written into it (its version counter
+    // moved: pt.ckpt.load without optimizer state, a user's copy_), as Optimizer::refresh_masters.
+    const auto& params = dp_->params();
     for (const auto& s : segments_)
-      if (dp_->params()[s.param].scalar_type() == masters_[s.master].scalar_type()) master_part(s).copy_(param_part(s));
+      if (params[s.param].scalar_type() == masters_[s.master].scalar_type() ||
+          params[s.param]._version() != versions_[s.param])
+        master_part(s).copy_(param_part(s));
+    for (size_t k = 0; k < params.size(); ++k) versions_[k] = params[k]._version();
     // The gradient shard: this rank's reduced part of each bucket. Under ZeRO-2 backward added
     // the reduce-scattered parts into the shard already (grads_ is it, or takes a cast copy);
     // stage 1 (reduce-scattered into the bucket's part r, or all-reduced whole) and the buckets
@@ -141,6 +148,7 @@ class ZeroShards : public optim::Distributed {
       for (size_t s = 0; s < b.params.size(); ++s) {
         auto p = params[b.params[s]].detach();
         p.view({-1}).copy_(flat.narrow(0, b.offsets[s], p.numel()));
+        versions_[b.params[s]] = p._version();  // the masters' values: not a change to take back
       }
     }
   }
@@ -160,6 +168,7 @@ class ZeroShards : public optim::Distributed {
       for (size_t s = 0; s < b.params.size(); ++s) {
         auto p = params[b.params[s]].detach();
         p.view({-1}).copy_(flat.narrow(0, b.offsets[s], p.numel()));
+        versions_[b.params[s]] = p._version();
       }
     }
   }
@@ -230,6 +239,7 @@ class ZeroShards : public optim::Distributed {
       auto master = slots.count("master") ? slots.at("master") : p.detach();
       master_part(s).copy_(master.reshape({-1}).narrow(0, s.param_offset, s.length));
     }
+    versions_[k] = p._version();  // the master is the one loaded (or the parameter's value)
     for (auto& [q, state] : touched) opt.set_local_state(pieces_[q].tensor, state);
   }
 
@@ -317,6 +327,10 @@ class ZeroShards : public optim::Distributed {
   std::vector<Segment> segments_;
   std::vector<int64_t> bucket_master_;  // where each bucket's part starts in its master
   std::vector<torch::Tensor> masters_;  // (shard,) one per flat buffer, in float32 or float64
+  // Each parameter's version counter when its master part was last taken from it or written into
+  // it (by index into DataParallel::params()): a lower-precision parameter written since then
+  // gives its master its value at the next step.
+  std::vector<int64_t> versions_;
   struct Piece {
     size_t master = 0;
     int64_t offset = 0;      // where it starts in its master

@@ -9,6 +9,10 @@
 --                                       saved to SAVE_TO (the last one's). DIR@SAME_AS first
 --                                       loads SAME_AS too and checks every parameter this rank
 --                                       holds then equals DIR's bit for bit
+--   mismatch DIR LAYOUT STEPS K=V...    a model of gpt's settings but K=V loads DIR's newest tag;
+--                                       every rank prints (stderr) whether it loaded, how many of
+--                                       its parameters changed, the optimizer's step count and the
+--                                       error
 -- LAYOUT: serial (1 process, pipeline 1 x data 1), pp2, pp2dp2, pp4, tp2, tp4, pp2tp2.
 local pt = require "partrain"
 
@@ -87,6 +91,21 @@ elseif mode == "resume" then
     model, opt = resume(k, entry)
   end
   if arg[5] then pt.ckpt.save(arg[5], { model = model, optim = opt, step = steps, user = { layout = layout } }) end
+elseif mode == "mismatch" then
+  for i = 5, #arg do
+    local k, v = arg[i]:match("^([%w_]+)=(.*)$")
+    gpt[k] = tonumber(v) or v
+  end
+  local model, _, opt = build()
+  local before = {}
+  for name, t in pairs(model:state_dict()) do before[name] = t:clone() end
+  local ok, err = pcall(pt.ckpt.load, dir, { model = model, optim = opt })
+  local changed = 0
+  for name, t in pairs(model:state_dict()) do
+    if not t:equal(before[name]) then changed = changed + 1 end
+  end
+  io.stderr:write(("MISMATCH rank %d: %s; %d parameters changed; optimizer steps %d; %s\n"):format(
+    pt.dist.rank(), ok and "loaded" or "refused", changed, opt:steps(), ok and "" or tostring(err)))
 else
   error("unknown mode " .. tostring(mode))
 end

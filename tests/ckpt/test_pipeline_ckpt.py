@@ -5,15 +5,21 @@ pipeline 2. `partrain ckpt convert --pipeline` rewrites the checkpoint for 4 sta
 and each, like a full (consolidated) save at pipeline 2 x data 2, loads to the same parameters as
 the original, bit for bit, and trains on the same way;
 bad sizes are refused. Pipeline 2 x tensor 2 saved, resumed at pipeline 1 x tensor 4 and at 1
-process.
+process. A load that one stage refuses (a 6-block model, whose second stage finds no h.4) changes
+no parameter and no step count on any rank. A model of heads=2 (same shapes) refuses the heads=4
+checkpoint on every rank, one of dropout=0.1 loads it, and so does heads=2 once the manifest is
+rewritten as format 6 (no configuration recorded).
 
 Usage: test_pipeline_ckpt.py PARTRAIN
 """
 import os
 import re
+import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checks import check, finish  # noqa: E402
@@ -83,6 +89,43 @@ with tempfile.TemporaryDirectory() as work:
         check(f"ckpt convert --pipeline {bad} is refused, saying why ({why})",
               rc != 0 and why in out and "Traceback" not in out, out)
         check("... and writes nothing", not os.path.exists(os.path.join(refused, "step-00000003")), out)
+
+    # A load one stage refuses changes nothing on any stage: at pipeline 2 a 6-block model's first
+    # stage finds all its tensors in the 4-block checkpoint, its second (h.3-h.5) has no h.4.
+    rc, out = train("mismatch", saved, "pp2", "layers=6")
+    got = {int(r): (what, int(n), int(s)) for r, what, n, s in
+           re.findall(r"MISMATCH rank (\d+): (\w+); (\d+) parameters changed; optimizer steps (\d+);", out)}
+    check("a 6-block model at pipeline 2 refuses the 4-block checkpoint on both ranks, rank 0 naming rank 1's "
+          "missing tensor", rc == 0 and set(got) == {0, 1} and all(w == "refused" for w, _, _ in got.values())
+          and "loading the checkpoint failed on rank 1" in out and "has no tensor 'h.4.ln_1.weight'" in out, out)
+    check("... and no rank changed a parameter or the optimizer's step count (rank 0 had read all it needed)",
+          all(n == 0 and s == 0 for _, n, s in got.values()), out)
+
+    # The configuration: heads=2 computes another function with the same shapes and is refused;
+    # dropout may change; a format 6 manifest records none, so nothing is compared.
+    rc, out = train("mismatch", saved, "pp2", "heads=2")
+    check("a GPT-2 of heads=2 at pipeline 2 refuses the heads=4 checkpoint on both ranks, naming both values",
+          rc == 0 and len(re.findall(r"MISMATCH rank \d: refused; 0 parameters changed", out)) == 2
+          and f"'{saved}/step-00000003' was saved by a GPT2 with heads=4; this one has heads=2" in out, out)
+    rc, out = train("mismatch", saved, "pp2", "dropout=0.1")
+    check("... one of dropout=0.1 loads it", rc == 0 and len(re.findall(r"MISMATCH rank \d: loaded;", out)) == 2, out)
+    old = os.path.join(work, "format-6")
+    shutil.copytree(saved, old)
+    manifest = os.path.join(old, "step-00000003", "manifest.bin")
+    data = open(manifest, "rb").read()
+    head, payload = data[:43], data[43:]  # u64 19, magic, u32 version, u64 length, u32 CRC-32; payload
+    config = [("vocab", 64), ("seq", 8), ("dim", 16), ("heads", 4), ("layers", 4), ("dropout", 0.0), ("eps", 1e-5),
+              ("flash_attention", 0.0)]
+    tail = struct.pack("<Q", len(config)) + b"".join(
+        struct.pack("<Q", len(n)) + n.encode() + struct.pack("<d", v) for n, v in config)
+    check("the manifest is format 7 and ends with the model's configuration",
+          head[27:31] == struct.pack("<I", 7) and payload.endswith(tail), repr(payload[-200:]))
+    payload = payload[:-len(tail)]
+    head = head[:27] + struct.pack("<IQI", 6, len(payload), zlib.crc32(payload))
+    open(manifest, "wb").write(head + payload)
+    rc, out = train("mismatch", old, "pp2", "heads=2")
+    check("the same checkpoint as format 6 (no configuration) still loads, into heads=2 too",
+          rc == 0 and len(re.findall(r"MISMATCH rank \d: loaded;", out)) == 2, out)
 
     # Each layout resumes the original, then (a fresh model) the converted one, first checked
     # equal to the original's load.

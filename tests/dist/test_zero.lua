@@ -3,7 +3,8 @@
 -- (1F1B) x data 2, and train_step's accumulation; 20 steps each, the loss every step and every
 -- logical parameter at the end within 1e-5 (float32) or 1e-10 (float64) relative to max(|x|, 1),
 -- clipping's global norm equal to the serial norm; optimizer state and master bytes per rank are
--- the shard's (total / zero group, within padding); bf16 parameters under ZeRO-1 track float32;
+-- the shard's (total / zero group, within padding); bf16 parameters under ZeRO-1 track float32,
+-- and their masters take a model-only checkpoint load (ZeRO-1 and ZeRO-2);
 -- ZeRO-2 equals plain data parallelism (losses, clipping's norm, every parameter; sync_shard_grad's
 -- .grad equal to plain's) with grad_accumulation 2 at data 4, under pipeline 2 x data 2 with
 -- gpipe, 1f1b and interleaved chunks, and with GPT-2's tied embedding, while each rank holds no
@@ -400,6 +401,43 @@ test("bf16 parameters under ZeRO-1: float32 masters and state, the loss tracks f
   local z = po:zero()
   ok(z.master_bytes * 4 >= 4 * total, "float32 masters: 4 bytes an element, over the 4 ranks")
   eq(po:state_bytes(), 2 * z.master_bytes, "float32 moments")
+end)
+
+-- A bf16 parameter written in place (here by pt.ckpt.load without optimizer state) gives its
+-- float32 master its value at the next step, as without ZeRO (docs/precision.md): SGD keeps no
+-- state, so a model loaded after three steps and a fresh one loaded then step alike, bit for bit.
+test("bf16 under ZeRO-1 and ZeRO-2: a model-only load reaches the float32 masters at the next step", function()
+  local mesh = pt.mesh { zero = 0 }
+  local dir = "/tmp/partrain-test-zero-masters-" .. (os.getenv("MASTER_PORT") or "0")
+  local d, b = mesh:coord().data, BATCH / mesh:size("data")
+  for _, stage in ipairs { 1, 2 } do
+    local function build()
+      pt.manual_seed(4)
+      local model = pt.parallelize(mlp("bfloat16")(), nil, mesh, { zero = { stage = stage } })
+      return model, pt.optim.sgd(model, { lr = 0.5 })
+    end
+    local function step(model, opt, n)
+      pt.manual_seed(900 + n)
+      local x, y = pt.randn({ BATCH, 12 }), pt.randint(0, 6, { BATCH })
+      model:train_step(x:narrow(0, d * b, b):to("bfloat16"), y:narrow(0, d * b, b))
+      opt:step(); opt:zero_grad()
+    end
+    local trained, topt = build()
+    step(trained, topt, 1)
+    pt.ckpt.save(dir, { model = trained, step = 1, overwrite = true })
+    step(trained, topt, 2); step(trained, topt, 3)
+    pt.ckpt.load(dir, { model = trained })  -- its masters hold step 3's weights until the next step
+    step(trained, topt, 4)
+    local fresh, fopt = build()
+    pt.ckpt.load(dir, { model = fresh })  -- its masters hold the initial weights until then
+    step(fresh, fopt, 4)
+    local want = fresh:full_state_dict()
+    for name, t in pairs(trained:full_state_dict()) do
+      near(t, want[name], 0, ("zero-%d: parameter %s one step after a model-only load"):format(stage, name))
+    end
+  end
+  pt.dist.barrier()
+  if pt.dist.rank() == 0 then os.execute("rm -rf '" .. dir .. "'") end
 end)
 
 test("sync_shard_grad makes ZeRO-2's gradients whole", function()

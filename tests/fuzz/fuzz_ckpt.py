@@ -189,7 +189,7 @@ def layout_bytes(schedule, chunks, blocks, first, last, bounds):
 # What the pristine pipeline-2 save records: 1f1b, 1 chunk, blocks h.0 | h.1.
 PRISTINE_LAYOUT = layout_bytes("1f1b", 1, "h", ["wte", "wpe"], ["ln_f", "lm_head"], [0, 1, 2])
 # After the layout, format 5's loss-scale state and format 6's CUDA generator states: both empty
-# (no scaler, a CPU run) in the pristine save.
+# (no scaler, a CPU run) in the pristine save. Format 7's model configuration follows, kept as it is.
 EMPTY_TAIL = struct.pack("<Q", 0) + struct.pack("<Q", 0)
 
 
@@ -205,21 +205,22 @@ def staged_damage(case, cls, rng):
     t4 = os.path.join(case, T4)
     manifest = os.path.join(t4, "manifest.bin")
     payload = open(manifest, "rb").read()[HEADER:]
-    if not payload.endswith(PRISTINE_LAYOUT + EMPTY_TAIL):
-        raise SystemExit("the pipelined manifest does not end with the layout this driver expects")
-    body = payload[: len(payload) - len(PRISTINE_LAYOUT + EMPTY_TAIL)]
+    at = payload.rfind(PRISTINE_LAYOUT + EMPTY_TAIL)
+    if at < 0:
+        raise SystemExit("the pipelined manifest does not hold the layout this driver expects")
+    body, config = payload[:at], payload[at + len(PRISTINE_LAYOUT + EMPTY_TAIL):]
     if cls == "layout flipped, re-checksummed":
         layout = bytearray(PRISTINE_LAYOUT)
         at = rng.randrange(len(layout))
         layout[at] ^= rng.randrange(1, 256)
-        rechecksum(manifest, body + bytes(layout) + EMPTY_TAIL)
+        rechecksum(manifest, body + bytes(layout) + EMPTY_TAIL + config)
         return f"layout byte {at}"
     if cls == "layout rewritten, re-checksummed" and rng.random() < 0.5:
         # Another layout that a pipeline 2 could have had: the load must not notice.
         layout = rng.choice([("gpipe", 1, "h", ["wte"], ["ln_f"], [0, 1, 2]),
                              ("", 2, "blocks", [], [], [0, 1, 2, 3, 4]),
                              ("interleaved", 1, "h", ["wte", "wpe"], ["ln_f", "lm_head"], [0, 5, 9])])
-        rechecksum(manifest, body + layout_bytes(*layout) + EMPTY_TAIL)
+        rechecksum(manifest, body + layout_bytes(*layout) + EMPTY_TAIL + config)
         return f"another valid layout {layout}"
     if cls == "layout rewritten, re-checksummed":
         schedule = rng.choice(["1f1b", "gpipe", "", "x" * 300, "a\nb"])
@@ -229,7 +230,7 @@ def staged_damage(case, cls, rng):
         bounds = rng.choice([[], [0, 1, 2], [0, 1, 2, 3, 4], [0, 1], [1, 2, 3], [0, 2, 1], [0, 1, 2 ** 40],
                              [0, -1, 2], [0, 0, 2]])
         first, last = names(), names()
-        rechecksum(manifest, body + layout_bytes(schedule, chunks, blocks, first, last, bounds) + EMPTY_TAIL)
+        rechecksum(manifest, body + layout_bytes(schedule, chunks, blocks, first, last, bounds) + EMPTY_TAIL + config)
         return f"schedule {schedule[:8]!r}, chunks {chunks}, blocks {blocks!r}, first {first[:2]}, last {last[:2]}, " \
                f"bounds {bounds}"
     return damage(case, cls, rng)

@@ -1,5 +1,6 @@
 -- pt.ckpt in one process: a save and load restore weights, optimizer state, the data position
--- and the user table exactly; num_kept and newest; and bad input is refused by name.
+-- and the user table exactly; num_kept and newest; bad input is refused by name; and the model's
+-- configuration is recorded, a model of other heads (same shapes) refused, another dropout not.
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
 local H = require "harness"
@@ -75,6 +76,45 @@ test("bad input is refused by name", function()
   raises(function() pt.ckpt.load(dir, { model = model, optim = pt.optim.sgd(model, { lr = 0.1 }) }) end,
          "holds adamw state; the optimizer given is sgd")
   ok(true)
+end)
+
+test("the model's configuration is saved; a load refuses other heads (same shapes), not another dropout", function()
+  local cdir = dir .. "-config"
+  local function gpt2(changes)
+    local cfg = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }
+    for k, v in pairs(changes or {}) do cfg[k] = v end
+    pt.manual_seed(5)
+    return pt.models.gpt2(cfg)
+  end
+  local saved = gpt2()
+  pt.ckpt.save(cdir, { model = saved, step = 1 })
+  local f = assert(io.open(cdir .. "/step-00000001/summary.txt"))
+  local summary = f:read("*a")
+  f:close()
+  ok(summary:find("model config: vocab=64, seq=8, dim=16, heads=4, layers=2, dropout=0, eps=1e-05, flash_attention=0",
+                  1, true), "inspect shows the configuration: " .. summary)
+  local other = gpt2 { heads = 2 }
+  local before = other:state_dict()["h.0.attn.c_attn.weight"]:clone()
+  raises(function() pt.ckpt.load(cdir, { model = other }) end,
+         "the checkpoint '" .. cdir .. "/step-00000001' was saved by a GPT2 with heads=4; this one has heads=2")
+  ok(other:state_dict()["h.0.attn.c_attn.weight"]:equal(before), "a refused load changes nothing")
+  raises(function() pt.ckpt.load(cdir, { model = gpt2 { eps = 1e-6 } }) end, "with eps=1e-05; this one has eps=1e-06")
+  local dropped = gpt2 { dropout = 0.1 }
+  pt.ckpt.load(cdir, { model = dropped })
+  ok(dropped:state_dict()["h.0.attn.c_attn.weight"]:equal(saved:state_dict()["h.0.attn.c_attn.weight"]),
+     "a model of dropout 0.1 loads a checkpoint saved at 0")
+  -- LLaMA: kv_heads as built (0: heads), so 0 and 4 are one model; rope_base and heads fixed.
+  local llama = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }
+  pt.ckpt.save(cdir .. "-llama", { model = pt.models.llama(llama), step = 1 })
+  llama.kv_heads = 4
+  pt.ckpt.load(cdir .. "-llama", { model = pt.models.llama(llama) })
+  llama.rope_base = 500000
+  raises(function() pt.ckpt.load(cdir .. "-llama", { model = pt.models.llama(llama) }) end,
+         "with rope_base=10000; this one has rope_base=500000")
+  llama.rope_base, llama.heads, llama.kv_heads = nil, 8, 8  -- k_proj 8 heads x 2 = 4 x 4 rows: same shapes
+  raises(function() pt.ckpt.load(cdir .. "-llama", { model = pt.models.llama(llama) }) end,
+         "was saved by a Llama with heads=4; this one has heads=8")
+  os.execute("rm -rf '" .. cdir .. "' '" .. cdir .. "-llama'")
 end)
 
 local status = H.run()
