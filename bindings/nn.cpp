@@ -341,6 +341,22 @@ const Function kMethods[] = {
     {"to", [](Args& a) {
        auto& m = a.module(1);
        std::string s = a.string(2);
+       if (m->parallel_tree()) {
+         // New tensors would leave the data-parallel hooks, the records and the optimizer on the
+         // old ones: the replicas drifted apart without an error. A conversion that changes
+         // nothing is let through.
+         const bool dtype = is_dtype_name(s);
+         for (const auto& p : m->parameters()) {
+           if (!p.defined()) continue;
+           const bool changes = dtype ? p.is_floating_point() && p.scalar_type() != parse_dtype(s)
+                                      : p.device() != torch::Device(s);
+           if (changes)
+             a.fail(1, "to('" + s + "') on a module of a parallelized model: its gradient buckets, records and "
+                    "optimizer hold the tensors it has now and would go on with them. Convert before "
+                    "pt.parallelize (pt.parallelize(model:to('" + s + "'), ...)), or see docs/precision.md for "
+                    "mixed precision");
+         }
+       }
        if (is_dtype_name(s)) {
          auto dtype = parse_dtype(s);
          for (const auto& p : m->parameters())  // float16 where LibTorch has no kernels for it: refused here

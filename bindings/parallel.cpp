@@ -348,6 +348,8 @@ parallel::TrainStepOptions train_step_options(const Args& a, int idx) {
   parallel::TrainStepOptions t;
   t.loss = o.string("loss", t.loss);
   t.accumulate = static_cast<int>(o.integer("accumulate", t.accumulate));
+  if (o.has("ignore_index") && t.loss != "cross_entropy")
+    a.fail(idx, "train_step: ignore_index is what cross_entropy skips; loss '" + t.loss + "' counts every element");
   t.ignore_index = o.integer("ignore_index", t.ignore_index);
   o.finish();
   return t;

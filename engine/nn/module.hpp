@@ -120,6 +120,10 @@ class Module : public torch::nn::Module {
   /// Held weakly: the parallelized model owns the tree, not the other way round.
   std::shared_ptr<parallel::ParallelModel> parallel_owner() const { return owner_.lock(); }
   void set_parallel_owner(std::weak_ptr<parallel::ParallelModel> owner) { owner_ = std::move(owner); }
+  /// The parallelized model whose tree this module is in (the root or any module below it), or
+  /// nullptr: its buckets, records and optimizer hold this module's tensors.
+  std::shared_ptr<parallel::ParallelModel> parallel_tree() const { return tree_.lock(); }
+  void set_parallel_tree(std::weak_ptr<parallel::ParallelModel> owner) { tree_ = std::move(owner); }
   /// The settings shown after the type when the tree is printed ("in=784, out=256").
   virtual std::string extra_repr() const { return ""; }
   /// The tree as text, one module a line, in the style of PyTorch's repr.
@@ -195,7 +199,7 @@ class Module : public torch::nn::Module {
   std::string type_;
   ForwardFn replaced_;
   bool bypass_ = false;  // inside own_forward
-  std::weak_ptr<parallel::ParallelModel> owner_;
+  std::weak_ptr<parallel::ParallelModel> owner_, tree_;
   c10::optional<uint64_t> init_seed_;
   // child()'s index, name -> child: built from LibTorch's children dict (which only hands out
   // copies) at the first lookup, and dropped whenever this module's children change (set_child,

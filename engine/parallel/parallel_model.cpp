@@ -256,6 +256,7 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   model->note_flat_slots();
   // 6. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
+  for (auto& [path, m] : tree.modules()) m->set_parallel_tree(model);
   if (stage > 0) {
     auto& all = zero_models();
     all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
@@ -375,6 +376,13 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
                 " both split the batch: use one of them");
   check_loss(options.loss);  // before any work
   if (data_parallel_) data_parallel_->check_accumulation();
+  // The step trains (dropout on) and leaves the model in the mode it found it in: a model put in
+  // eval() for evaluation between steps stays so.
+  struct RestoreMode {
+    nn::Module& m;
+    bool training;
+    ~RestoreMode() { m.train(training); }
+  } mode{*root_, root_->is_training()};
   root_->check_batch(x, y, options.loss, options.ignore_index);
   if (pipeline_)
     TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "

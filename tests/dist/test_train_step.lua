@@ -237,4 +237,41 @@ test("bad train_step options are refused at the caller's line", function()
   raises(function() twice:train_step(x, y, { accumulate = 2 }) end, "both split the batch")
 end)
 
+-- What trained on silently before: converting a parallelized model (its buckets and optimizer
+-- kept the old tensors: the replicas drifted apart), an optimizer made before parallelize
+-- (stepping the tensors tensor parallelism replaced), ignore_index with mse (ignored), and a
+-- model put in eval() left in training mode by train_step.
+test("what a parallelized model cannot honour is refused, and train_step leaves the model's mode as it was", function()
+  local here = "^[^:]*test_train_step%.lua:%d+:"
+  local mesh = pt.mesh { tensor = 2 }
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+  local e = raises(function() model:to("float64") end, "to('float64') on a module of a parallelized model")
+  ok(e:find(here), e)
+  raises(function() model:get("h.0"):to("float64") end, "on a module of a parallelized model")
+  ok(model:to("float32") == model, "a conversion that changes nothing is let through")
+  local early = pt.models.gpt2(gpt)
+  local early_opt = pt.optim.adamw(early, { lr = 1e-3 })
+  e = raises(function() pt.parallelize(early, "policies.gpt2", mesh) end,
+    "an optimizer was made from this model before pt.parallelize")
+  ok(e:find(here), e)
+  ok(early_opt:kind() == "adamw" and early:mesh() == nil, "the model is left as it was")
+  local dropped = pt.models.gpt2(gpt)
+  do local _ = pt.optim.adamw(dropped, { lr = 1e-3 }) end
+  ok(pt.parallelize(dropped, "policies.gpt2", mesh):mesh() ~= nil, "an optimizer the script dropped does not count")
+  local _, _, x, y = batches(mesh, gpt_batch)
+  e = raises(function() model:train_step(x, pt.randn(x.shape[1], gpt.seq, gpt.vocab), { loss = "mse", ignore_index = 0 }) end,
+    "ignore_index is what cross_entropy skips; loss 'mse' counts every element")
+  ok(e:find(here), e)
+  model:eval()
+  model:train_step(x, y)
+  ok(not model:is_training(), "a model in eval() stays in eval() after train_step")
+  model:train()
+  model:train_step(x, y)
+  ok(model:is_training(), "and one in train() in train()")
+  e = raises(function() pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { microbatch = 2 }) end,
+    "unknown option 'microbatch' for parallelize")
+  ok(e:find("microbatches", 1, true) and e:find("sequence_parallel", 1, true) and e:find("bucket_cap_mb", 1, true),
+    "the list names every option parallelize takes: " .. e)
+end)
+
 H.run()

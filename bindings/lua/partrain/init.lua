@@ -339,9 +339,28 @@ function pt.parallelize(model, policy, mesh, opts)
       end
       if staged then error("parallelize: recompute = 'block' is not built for pipelined models", 0) end
     end
+    -- An optimizer made from the model before now would step the tensors it had then: tensor
+    -- parallelism replaces them, and what the parallel model tells its optimizers (mixed
+    -- precision's masters, loss scaling, the step on synced gradients) reaches only those made
+    -- from it (tensor 2 x data 2 trained 4e-2 off serial training, exit 0).
+    if #core.optim.of(model) > 0 then collectgarbage(); collectgarbage() end  -- one the script dropped
+    if #core.optim.of(model) > 0 then
+      error("parallelize: an optimizer was made from this model before pt.parallelize, and would step the tensors "
+        .. "the model had then; make it from the parallelized model: opt = pt.optim.adamw(pt.parallelize(model, "
+        .. "...), ...)", 0)
+    end
     local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged)
     if not made then
       if undo then undo() end
+      -- The options left for the engine are data parallelism's; the others were taken above.
+      local unknown = tostring(result):match("unknown option '[^']*' for parallelize %(expected: [^)]*")
+      if unknown then
+        local others = { "recompute" }
+        for k in pairs(pipeline_keys) do others[#others + 1] = k end
+        for k in pairs(P.config_keys) do others[#others + 1] = k end
+        table.sort(others)
+        result = tostring(result):gsub(unknown:gsub("%p", "%%%0"), function(m) return m .. ", " .. table.concat(others, ", ") end, 1)
+      end
       error(result, 0)
     end
     if recompute == "block" then core.parallel.recompute_blocks(model, described.pipeline.blocks) end
