@@ -339,16 +339,20 @@ torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tens
   return nn::mse(output, targets, reduction);
 }
 
-torch::Tensor ParallelModel::counted(const torch::Tensor& y, const TrainStepOptions& options) const {
-  auto count = options.loss == "cross_entropy"
-                   ? y.ne(options.ignore_index).sum().to(torch::kFloat64)
-                   : torch::full({}, static_cast<double>(y.numel()), y.options().dtype(torch::kFloat64));
-  if (data_parallel_ && data_parallel_->group()->size() > 1) {
-    count = count.reshape({1}).contiguous();
-    data_parallel_->group()->all_reduce(count);
-    count = count.squeeze(0);
-  }
-  return count;
+torch::Tensor ParallelModel::counted(const torch::Tensor& y, const TrainStepOptions& options, bool refused,
+                                     bool& any_refused) const {
+  auto f64 = y.options().dtype(torch::kFloat64);
+  if (!y.is_meta()) f64 = f64.device(dist::World::instance().device());
+  auto count = refused                            ? torch::zeros({}, f64)
+               : options.loss == "cross_entropy" ? y.ne(options.ignore_index).sum().to(f64)
+                                                 : torch::full({}, static_cast<double>(y.numel()), f64);
+  any_refused = refused;
+  const auto& group = data_parallel_ ? data_parallel_->group() : nullptr;
+  if (!group || group->size() == 1) return count;
+  auto both = torch::stack({count, torch::full({}, refused ? 1.0 : 0.0, f64)});
+  group->all_reduce(both);
+  if (!both.is_meta() && !group->planned()) any_refused = both[1].item<double>() > 0;
+  return both[0];
 }
 
 torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Tensor& y,
@@ -358,6 +362,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   // A replica's ranks must hold the same batch (compared first, so that every check below refuses
   // on all of them or on none); then what the first stage's forward or the last stage's loss
   // would refuse is refused on each of them: they refuse together, before anything is sent.
+  if (pipeline_) pipeline_->check_runnable();  // its group may hold a failed step's messages
   if (mesh_) {
     agree_on_batch(mesh_->group("tensor"), x, y, "the tensor-parallel ranks of this model",
                    "each computes its part of every layer from the same batch");
@@ -366,10 +371,6 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   }
   const int n = options.accumulate;
   TORCH_CHECK(n >= 1, "train_step: accumulate must be >= 1, got ", n);
-  TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
-              "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
-              y.sizes());
-  TORCH_CHECK(x.size(0) % n == 0, "train_step: accumulate=", n, " does not divide the batch of ", x.size(0));
   if (n > 1 && data_parallel_)
     TORCH_CHECK(data_parallel_->options().grad_accumulation == 1, "train_step: accumulate=", n,
                 " and parallelize's grad_accumulation=", data_parallel_->options().grad_accumulation,
@@ -383,10 +384,30 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     bool training;
     ~RestoreMode() { m.train(training); }
   } mode{*root_, root_->is_training()};
-  root_->check_batch(x, y, options.loss, options.ignore_index);
   if (pipeline_)
     TORCH_CHECK(n == 1, "train_step: accumulate=", n, " on a pipeline: its micro-batches are parallelize's "
                 "microbatches=", pipeline_->options().microbatches);
+  // What this rank's batch makes it refuse: the replica's ranks hold the same batch (agreed
+  // above) and refuse it together; the other data replicas learn of it from the count's
+  // all-reduce below and refuse the step too, instead of waiting in the gradient sync.
+  std::exception_ptr refused;
+  try {
+    TORCH_CHECK(x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0), "train_step: the inputs and targets must be "
+                "batches of the same size, got ", x.sizes(), " and ", y.sizes());
+    TORCH_CHECK(x.size(0) % n == 0, "train_step: accumulate=", n, " does not divide the batch of ", x.size(0));
+    if (pipeline_) {
+      const int m = pipeline_->options().microbatches;
+      TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
+    }
+    root_->check_batch(x, y, options.loss, options.ignore_index);
+  } catch (...) {
+    refused = std::current_exception();
+  }
+  bool any_refused = false;
+  auto count = counted(y, options, refused != nullptr, any_refused);
+  if (refused) std::rethrow_exception(refused);
+  TORCH_CHECK(!any_refused, "train_step: another data-parallel replica's batch was refused (its ranks say why); no "
+              "replica ran this step, so they stay in step");
   sync_params();  // overlap_sync_param: the last step's parameters, before the forward reads them
   auto scaler = loss_scaler();
   const double scale = scaler ? scaler->scale() : 1.0;  // loss scaling: backward from loss x scale
@@ -396,7 +417,6 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   // micro-batch's loss summed over its targets, times data / count (count over the global
   // batch), and the data-parallel mean of the gradients is then serial training's gradient.
   // Nothing counted at all: the loss is NaN and the gradients zero, as serial training's.
-  auto count = counted(y, options);
   const double data = data_parallel_ ? static_cast<double>(data_parallel_->group()->size()) : 1.0;
   auto weight = count.clamp_min(1).reciprocal().mul_(data);
   // The sum over this rank's micro-batches, then over the data ranks: the global batch's mean.

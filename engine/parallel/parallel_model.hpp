@@ -163,8 +163,10 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   ParallelModel() { ++live_; }
   static std::vector<std::weak_ptr<ParallelModel>>& zero_models();  // those with a zero stage
   void note_flat_slots();  // fills the records' flat_buffer / flat_offset from the data parallelism
-  // The targets of `y` the loss counts (float64), summed over the data ranks: train_step's divisor.
-  torch::Tensor counted(const torch::Tensor& y, const TrainStepOptions& options) const;
+  // The targets of `y` the loss counts (float64), summed over the data ranks: train_step's
+  // divisor. The same all-reduce tells whether any data rank refused its batch (`refused` here).
+  torch::Tensor counted(const torch::Tensor& y, const TrainStepOptions& options, bool refused,
+                        bool& any_refused) const;
 
   nn::ModulePtr root_;
   std::shared_ptr<dist::Mesh> mesh_;

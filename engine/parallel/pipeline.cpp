@@ -683,6 +683,13 @@ torch::Tensor Pipeline::receive(int peer, const std::vector<int64_t>& expected) 
   return t;
 }
 
+void Pipeline::check_runnable() const {
+  TORCH_CHECK(!failed_at_renewal_ || *failed_at_renewal_ != group_->renewals(), "train_step: an earlier step of ",
+              "this pipeline failed part-way, and what it sent may still be queued between the stages, where this ",
+              "step's receives would take it: the pipeline cannot run again in this process (resume from a ",
+              "checkpoint in a new run)");
+}
+
 torch::Tensor Pipeline::tie_gradient(const Tie& tie, DataParallel* dp) const {
   // No .grad (zero_grad): none, whatever the bucket still holds from the last sync.
   if (!tie.param.defined() || !tie.param.grad().defined()) return {};
@@ -705,10 +712,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
               "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
               y.sizes());
   TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
-  TORCH_CHECK(!failed_at_renewal_ || *failed_at_renewal_ != group_->renewals(), "train_step: an earlier step of ",
-              "this pipeline failed part-way, and what it sent may still be queued between the stages, where this ",
-              "step's receives would take it: the pipeline cannot run again in this process (resume from a ",
-              "checkpoint in a new run)");
+  check_runnable();
   root_->train();
   plan::step_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);

@@ -125,6 +125,10 @@ class Pipeline {
                            const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
                            const torch::Tensor& weight, DataParallel* dp, double loss_scale = 1.0);
 
+  /// Refuses a step after one that failed part-way (its messages may still be queued in the
+  /// group, unless the group was renewed since): before anything is sent over the group.
+  void check_runnable() const;
+
   /// The global L2 norm of `params`' gradients over the whole pipeline (what clipping needs):
   /// squares summed here (a split parameter's over its tensor group in `groups`, as
   /// global_grad_norm: split_groups gives them; empty: all whole), then over the pipeline group;

@@ -416,7 +416,7 @@ test("ranks that would run different pipelines are refused at parallelize, befor
   end
 end)
 
-test("a bad batch, or different batches on the stages, is refused by every stage before anything is sent, and the pipeline trains on", function()
+test("a bad batch, or different batches on the stages, is refused by every stage (and data replica) before anything is sent, and the pipeline trains on", function()
   -- Each of these failed on one stage only (the first's forward or the last's loss) while the
   -- other waited for its message until --timeout; the pipeline then refused every later step.
   pt.manual_seed(9)
@@ -445,6 +445,15 @@ test("a bad batch, or different batches on the stages, is refused by every stage
   bad[#bad + 1] = { first and x or flipped, first and y or y:flip(0), "given different inputs and targets:" }
   bad[#bad + 1] = { first and x or x:narrow(1, 0, gpt.seq - 2), first and y or y:narrow(1, 0, gpt.seq - 2),
                     "given different inputs and targets:" }
+  if mesh:size("data") > 1 then
+    -- A bad batch on one data replica only: its ranks refuse it, and the other replica's refuse
+    -- the step too (they had gone on and waited in the gradient sync until --timeout).
+    local mine = mesh:coord().data == 0
+    local others = "another data-parallel replica's batch was refused"
+    bad[#bad + 1] = { x, mine and ids({ rows, gpt.seq }, gpt.vocab) or y, mine and "target 64 is out of range" or others }
+    bad[#bad + 1] = { mine and x:narrow(0, 0, 1) or x, mine and y:narrow(0, 0, 1) or y,
+                      mine and "microbatches=2 does not divide the batch of 1" or others }
+  end
   for _, case in ipairs(bad) do
     local err = raises(function() model:train_step(case[1], case[2], case[4]) end, case[3])
     ok(err:find("^[^:]*test_pipeline%.lua:%d+:"), "the error names the caller's line: " .. err)

@@ -237,6 +237,22 @@ test("bad train_step options are refused at the caller's line", function()
   raises(function() twice:train_step(x, y, { accumulate = 2 }) end, "both split the batch")
 end)
 
+-- A bad batch on one data rank: it refuses, and the others refuse the step too instead of
+-- waiting for it in the gradient sync (until --timeout, where a script catches the error).
+test("a batch one data rank refuses is refused on every rank, and the model trains on", function()
+  local mesh = pt.mesh {}
+  pt.manual_seed(4)
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+  local _, _, x, y = batches(mesh, gpt_batch)
+  local mine, others = pt.dist.rank() == 1, "another data-parallel replica's batch was refused"
+  local e = raises(function() model:train_step(x, mine and y:clone():fill_(gpt.vocab) or y) end,
+    mine and "target 64 is out of range" or others)
+  ok(e:find("^[^:]*test_train_step%.lua:%d+:"), "names the script's line: " .. e)
+  raises(function() model:train_step(x, mine and y:narrow(0, 0, 0) or y) end,
+    mine and "must be batches of the same size" or others)
+  ok(model:train_step(x, y):item() > 0, "the next step trains")
+end)
+
 -- What trained on silently before: converting a parallelized model (its buckets and optimizer
 -- kept the old tensors: the replicas drifted apart), an optimizer made before parallelize
 -- (stepping the tensors tensor parallelism replaced), ignore_index with mse (ignored), and a
