@@ -83,6 +83,13 @@ std::unordered_map<const nn::Module*, ModelOptimizers>& optimizers_of() {
   return registry;
 }
 
+// Every optimizer made from Lua, held weakly: pt.parallelize refuses a model whose parameters
+// one that is still alive steps (it would go on stepping the tensors the model had then).
+std::vector<std::weak_ptr<optim::Optimizer>>& all_optimizers() {
+  static std::vector<std::weak_ptr<optim::Optimizer>> all;
+  return all;
+}
+
 int make_optimizer(Args& a, const std::string& kind) {
   std::vector<torch::Tensor> params;
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) params = nn::unique_parameters(**m);
@@ -185,6 +192,9 @@ int make_optimizer(Args& a, const std::string& kind) {
                     d ? d->options().grad_accumulation : 0, "th: step after the last micro-batch");
       });
   }
+  auto& all = all_optimizers();
+  all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
+  all.push_back(opt);
   ud_push(a.L, opt, PT_OPTIMIZER_MT);
   return 1;
 }
@@ -295,6 +305,16 @@ const Function kOptim[] = {
          for (const auto& w : entry.optimizers)
            if (w.lock().get() == o)
              if (auto m = entry.model.lock()) { push_module(a.L, m); return 1; }
+       lua_pushnil(a.L);
+       return 1; }},
+    {"holding", [](Args& a) {  // holding(model): the name of a parameter a live optimizer steps, or nil
+       std::unordered_map<const c10::TensorImpl*, std::string> names;
+       for (const auto& item : a.module(1)->named_parameters(/*recurse=*/true))
+         names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+       for (const auto& w : all_optimizers())
+         if (auto o = w.lock())
+           for (const auto& p : o->params())
+             if (auto it = names.find(p.unsafeGetTensorImpl()); it != names.end()) return a.ret(it->second);
        lua_pushnil(a.L);
        return 1; }},
     {"of", [](Args& a) {  // of(model): the optimizers made for it that are still alive

@@ -268,9 +268,14 @@ test("what a parallelized model cannot honour is refused, and train_step leaves 
   local early = pt.models.gpt2(gpt)
   local early_opt = pt.optim.adamw(early, { lr = 1e-3 })
   e = raises(function() pt.parallelize(early, "policies.gpt2", mesh) end,
-    "an optimizer was made from this model before pt.parallelize")
+    "an optimizer made before pt.parallelize steps the model's parameter '")
   ok(e:find(here), e)
   ok(early_opt:kind() == "adamw" and early:mesh() == nil, "the model is left as it was")
+  local tabled = pt.models.gpt2(gpt)
+  local tabled_opt = pt.optim.sgd({ tabled:get("h.0.mlp.c_fc").weight }, { lr = 1e-3 })
+  raises(function() pt.parallelize(tabled, "policies.gpt2", mesh) end,
+    "steps the model's parameter 'h.0.mlp.c_fc.weight'")
+  ok(tabled_opt:kind() == "sgd", "an optimizer made from a table of its parameters too")
   local dropped = pt.models.gpt2(gpt)
   do local _ = pt.optim.adamw(dropped, { lr = 1e-3 }) end
   ok(pt.parallelize(dropped, "policies.gpt2", mesh):mesh() ~= nil, "an optimizer the script dropped does not count")

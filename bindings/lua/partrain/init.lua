@@ -343,11 +343,12 @@ function pt.parallelize(model, policy, mesh, opts)
     -- parallelism replaces them, and what the parallel model tells its optimizers (mixed
     -- precision's masters, loss scaling, the step on synced gradients) reaches only those made
     -- from it (tensor 2 x data 2 trained 4e-2 off serial training, exit 0).
-    if #core.optim.of(model) > 0 then collectgarbage(); collectgarbage() end  -- one the script dropped
-    if #core.optim.of(model) > 0 then
-      error("parallelize: an optimizer was made from this model before pt.parallelize, and would step the tensors "
-        .. "the model had then; make it from the parallelized model: opt = pt.optim.adamw(pt.parallelize(model, "
-        .. "...), ...)", 0)
+    if core.optim.holding(model) then collectgarbage(); collectgarbage() end  -- one the script dropped
+    local held = core.optim.holding(model)
+    if held then
+      error(("parallelize: an optimizer made before pt.parallelize steps the model's parameter '%s', and would go "
+        .. "on stepping the tensors the model had then; make it from the parallelized model: opt = "
+        .. "pt.optim.adamw(pt.parallelize(model, ...), ...)"):format(held), 0)
     end
     local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged)
     if not made then
