@@ -346,10 +346,11 @@ const Function kMethods[] = {
          // old ones: the replicas drifted apart without an error. A conversion that changes
          // nothing is let through.
          const bool dtype = is_dtype_name(s);
+         const auto to_dtype = dtype ? parse_dtype(s) : torch::kFloat32;
+         const auto to_device = dtype ? torch::Device(torch::kCPU) : torch::Device(s);
          for (const auto& p : m->parameters()) {
            if (!p.defined()) continue;
-           const bool changes = dtype ? p.is_floating_point() && p.scalar_type() != parse_dtype(s)
-                                      : p.device() != torch::Device(s);
+           const bool changes = dtype ? p.is_floating_point() && p.scalar_type() != to_dtype : p.device() != to_device;
            if (changes)
              a.fail(1, "to('" + s + "') on a module of a parallelized model: its gradient buckets, records and "
                     "optimizer hold the tensors it has now and would go on with them. Convert before "

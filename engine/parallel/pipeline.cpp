@@ -708,10 +708,6 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
                                    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
                                    const torch::Tensor& weight, DataParallel* dp, double loss_scale) {
   const int m = options_.microbatches, chunks = options_.chunks, last = stages() - 1;
-  TORCH_CHECK(x.defined() && y.defined() && x.dim() >= 1 && y.dim() >= 1 && x.size(0) == y.size(0),
-              "train_step: the inputs and targets must be batches of the same size, got ", x.sizes(), " and ",
-              y.sizes());
-  TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
   check_runnable();
   root_->train();
   plan::step_begins();  // a script's first training step begins (once): the planner counts from here

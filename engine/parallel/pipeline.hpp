@@ -115,7 +115,9 @@ class Pipeline {
   /// are noted: their gradients are summed over the ranks holding them after every step.
   static std::shared_ptr<Pipeline> cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options);
 
-  /// Runs the schedule over options.microbatches micro-batches of (x, y) (split along dim 0):
+  /// Runs the schedule over options.microbatches micro-batches of (x, y) (split along dim 0;
+  /// ParallelModel::train_step has checked the batch: the same on every rank of the pipeline,
+  /// x and y of one size, divisible by microbatches):
   /// forwards, `loss` on the last stage (a micro-batch's loss summed over its targets),
   /// backwards from that loss times `weight` (a scalar tensor: the share that turns the sums into
   /// the global batch's mean) and `loss_scale` (loss scaling), the transfers; then sums the tied
