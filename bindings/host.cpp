@@ -302,6 +302,10 @@ Options Options::table(const char* key) {
   return Options(L, abs, what_, prefix_ + key + ".");
 }
 
+void Options::also(const std::vector<std::string>& keys) {
+  known_.insert(known_.end(), keys.begin(), keys.end());
+}
+
 void Options::finish() {
   if (!idx_) return;
   lua_pushnil(L);

@@ -156,6 +156,9 @@ class Options {
   /// Pushes the raw value of `key` (recording the key) and returns true; false, pushing nothing,
   /// when it is nil.
   bool push(const char* key);
+  /// Names accepted by another reader of the same table (the Lua layer above): listed as
+  /// expected, and not refused.
+  void also(const std::vector<std::string>& keys);
   void finish();
   lua_State* state() const { return L; }
 

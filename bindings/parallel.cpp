@@ -241,9 +241,12 @@ const Function kTensorParallel[] = {
     {nullptr, nullptr}};
 
 
-// The data-parallel and ZeRO options of pt.parallelize (unknown keys are an error).
-void data_parallel_options(const Args& a, int idx, parallel::ParallelizeOptions& out) {
+// The data-parallel and ZeRO options of pt.parallelize (unknown keys are an error; `also` names
+// the options the Lua layer took, listed with these in the error).
+void data_parallel_options(const Args& a, int idx, const std::vector<std::string>& also,
+                           parallel::ParallelizeOptions& out) {
   Options o(a, idx, "parallelize");
+  o.also(also);
   parallel::DataParallelOptions d;
   d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
   d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
@@ -356,13 +359,20 @@ parallel::TrainStepOptions train_step_options(const Args& a, int idx) {
 }
 
 const Function kParallel[] = {
-    {"parallelize", [](Args& a) {  // parallelize(model, mesh, policy name|nil, dp options, apply|nil, pipeline|nil): model
+    {"parallelize", [](Args& a) {  // parallelize(model, mesh, policy name|nil, dp options, apply|nil, pipeline|nil,
+                                   //             names of the options Lua took|nil): model
        auto root = a.module(1);
        auto* mesh = mesh_test(a.L, 2);
        if (!mesh) a.expected(2, "mesh");
        parallel::ParallelizeOptions options;
        options.policy = a.string(3, "");
-       data_parallel_options(a, 4, options);
+       std::vector<std::string> also;
+       if (!a.none(7)) {
+         lua_pushvalue(a.L, 7);
+         also = string_list(a.L, "the options taken in Lua");
+         lua_pop(a.L, 1);
+       }
+       data_parallel_options(a, 4, also, options);
        options.pipeline = pipeline_options(a, 6);
        if (!a.none(5)) {
          if (lua_type(a.L, 5) != LUA_TFUNCTION) a.expected(5, "function");

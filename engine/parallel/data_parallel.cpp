@@ -59,8 +59,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   // A tied tensor (GPT-2's wte = lm_head) once: one slot in the buffers, one gradient hook. Two
   // slots would reduce it twice and, under ZeRO, step two masters of it that need not agree.
   for (auto& p : model.parameters())
-    if (p.requires_grad() &&
-        std::none_of(dp->params_.begin(), dp->params_.end(), [&](const torch::Tensor& q) { return q.is_same(p); }))
+    if (p.requires_grad() && dp->index_of_.emplace(p.unsafeGetTensorImpl(), dp->params_.size()).second)
       dp->params_.push_back(p);
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
@@ -226,13 +225,12 @@ torch::ScalarType DataParallel::reduce_dtype_for(torch::ScalarType param_dtype) 
 }
 
 torch::Tensor DataParallel::bucket_grad(const torch::Tensor& param) const {
-  for (size_t k = 0; k < params_.size(); ++k) {
-    if (!params_[k].is_same(param)) continue;
-    const auto& b = buckets_[bucket_of_[k]];
-    if ((scatters() && !b.whole) || !b.flat.defined()) return {};
-    return b.flat.narrow(0, b.offsets[slot_of_[k]], param.numel()).view(param.sizes());
-  }
-  return {};
+  const auto it = index_of_.find(param.unsafeGetTensorImpl());
+  if (it == index_of_.end()) return {};
+  const size_t k = it->second;
+  const auto& b = buckets_[bucket_of_[k]];
+  if ((scatters() && !b.whole) || !b.flat.defined()) return {};
+  return b.flat.narrow(0, b.offsets[slot_of_[k]], param.numel()).view(param.sizes());
 }
 
 torch::Tensor DataParallel::reduced_part(size_t i) const {

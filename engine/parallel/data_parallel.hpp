@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/dist/process_group.hpp"
@@ -217,6 +218,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   dist::GroupPtr group_;
   DataParallelOptions options_;
   std::vector<torch::Tensor> params_;
+  std::unordered_map<const c10::TensorImpl*, size_t> index_of_;  // parameter -> its position in params_
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks installed
   std::vector<size_t> bucket_of_, slot_of_;  // parameter -> bucket, position in it
   std::vector<Bucket> buckets_;

@@ -23,12 +23,7 @@ local pick = rng.pick
 
 local OPS = { "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B" }
 local COMM = { SEND_F = true, RECV_F = true, SEND_B = true, RECV_B = true }
-local function copy(a)
-  if type(a) ~= "table" then return a end
-  local t = {}
-  for k, v in pairs(a) do t[k] = v end
-  return t
-end
+local copy = H.shallow_copy
 
 -- A shipped schedule's lowered plan as plain tables, and its sizes.
 local function base()

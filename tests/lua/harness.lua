@@ -47,6 +47,14 @@ function H.raises(fn, pattern, msg)
   return err
 end
 
+--- A table's keys and values in a new table (one level); anything else as it is.
+function H.shallow_copy(x)
+  if type(x) ~= "table" then return x end
+  local t = {}
+  for k, v in pairs(x) do t[k] = v end
+  return t
+end
+
 --- A seeded generator that draws the same sequence on every rank and every platform (a
 --- Park-Miller step): rng.int(lo, hi) an integer in [lo, hi], rng.pick(list) an element.
 function H.rng(seed)

@@ -435,12 +435,6 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
   local junk = { "F0", "B1.c1", "RECV_F0.c0<-0", "SEND_B0->0", "X1", "F", "", 5, true, {}, { op = "F" },
                  { op = "F", mb = 0.5 }, { op = "SEND_F", mb = 0, chunk = 0, peer = -1 }, { op = "B", mb = 2^60 },
                  { op = "F", mb = 0, chunk = 0 / 0 }, { op = "RECV_B", mb = 0, chunk = 0, peer = "1" } }
-  local function copy_junk(x)
-    if type(x) ~= "table" then return x end
-    local t = {}
-    for k, v in pairs(x) do t[k] = v end
-    return t
-  end
   local tally = { refused = 0, accepted = 0 }
   local mutations = 0
   local started = os.clock()
@@ -466,7 +460,7 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
         local other = plan[math.random(0, pp - 1)]
         table.insert(other, math.random(#other + 1), table.remove(list, i))
       elseif kind == 9 then local k = math.random(i, math.min(n, i + 3)); list[i], list[k] = list[k], list[i]  -- near swap
-      else list[i] = copy_junk(junk[math.random(#junk)]) end                                         -- junk
+      else list[i] = H.shallow_copy(junk[math.random(#junk)]) end                                         -- junk
       mutations = mutations + 1
     end
     -- A quarter of the plans lose their transfers: lowering adds them again, and a refusal must

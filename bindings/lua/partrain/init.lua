@@ -350,18 +350,16 @@ function pt.parallelize(model, policy, mesh, opts)
         .. "on stepping the tensors the model had then; make it from the parallelized model: opt = "
         .. "pt.optim.adamw(pt.parallelize(model, ...), ...)"):format(held), 0)
     end
-    local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged)
+    -- The options left for the engine are data parallelism's; it lists the ones taken here beside
+    -- them when it meets one it does not know.
+    local taken = { "recompute" }
+    for k in pairs(pipeline_keys) do taken[#taken + 1] = k end
+    for k in pairs(P.config_keys) do taken[#taken + 1] = k end
+    table.sort(taken)
+    local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged,
+      taken)
     if not made then
       if undo then undo() end
-      -- The options left for the engine are data parallelism's; the others were taken above.
-      local unknown = tostring(result):match("unknown option '[^']*' for parallelize %(expected: [^)]*")
-      if unknown then
-        local others = { "recompute" }
-        for k in pairs(pipeline_keys) do others[#others + 1] = k end
-        for k in pairs(P.config_keys) do others[#others + 1] = k end
-        table.sort(others)
-        result = tostring(result):gsub(unknown:gsub("%p", "%%%0"), function(m) return m .. ", " .. table.concat(others, ", ") end, 1)
-      end
       error(result, 0)
     end
     if recompute == "block" then core.parallel.recompute_blocks(model, described.pipeline.blocks) end
