@@ -143,6 +143,11 @@ class Sequential : public Module {
   void check(const std::string& path) const override;
   c10::optional<Features> input_features() const override;   // the first layer's
   c10::optional<Features> output_features() const override;  // the last layer's
+  /// Where its ends say their widths (Linear layers, not an Embedding or a forward replaced in
+  /// the chain): inputs (batch, ..., in) of floating point numbers; cross_entropy's targets class
+  /// ids below the last layer's width (or ignore_index), one for each input row; mse's targets the
+  /// output's shape.
+  void check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
 };
 
 /// A parameter-free elementwise module (ReLU, GELU, Tanh, Sigmoid, SiLU, Softmax, LogSoftmax).

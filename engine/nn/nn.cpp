@@ -42,6 +42,13 @@ c10::optional<double> Module::attribute(const std::string&) const { return c10::
 
 void Module::check(const std::string&) const {}
 
+bool Module::forward_replaced_in_tree() const {
+  if (forward_replaced()) return true;
+  for (const auto& [name, child] : children_named())
+    if (child->forward_replaced_in_tree()) return true;
+  return false;
+}
+
 std::string Features::describe() const {
   std::ostringstream s;
   if (width < 0) return "features of any width, whole";
@@ -539,6 +546,42 @@ c10::optional<Features> Sequential::output_features() const {
   for (auto it = layers.rbegin(); it != layers.rend(); ++it)
     if (!it->second->elementwise()) return it->second->output_features();
   return c10::nullopt;
+}
+
+void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
+  // What the first layer's forward and the loss would refuse part-way (on one pipeline stage or
+  // one data replica, the others waiting for it), refused before anything runs.
+  if (forward_replaced_in_tree()) return;
+  const auto in = input_features(), out = output_features();
+  const bool takes = in && in->width > 0 && in->parts == 1;  // the input's width, whole
+  if (takes)
+    TORCH_CHECK(x.is_floating_point() && x.dim() >= 2 && x.size(-1) == in->width, type(), " takes inputs (batch, ..., ",
+                in->width, ") of floating point numbers, got ", x.sizes(), " ", x.dtype());
+  if (!out || out->width <= 0 || out->parts != 1) return;  // split outputs: the loss checks its own
+  const int64_t width = out->width;
+  auto rows = takes ? x.sizes().slice(0, x.dim() - 1).vec() : std::vector<int64_t>{};
+  if (loss == "mse") {
+    auto want = rows;
+    want.push_back(width);
+    std::ostringstream shape;
+    if (takes) shape << c10::IntArrayRef(want);
+    else shape << "(..., " << width << ")";
+    TORCH_CHECK(y.is_floating_point() && (takes ? y.sizes().vec() == want : y.dim() >= 1 && y.size(-1) == width),
+                "train_step: loss mse compares ", type(), "'s outputs ", shape.str(),
+                " with floating targets of that shape, got ", y.sizes(), " ", y.dtype());
+    return;
+  }
+  if (loss != "cross_entropy") return;  // train_step refuses an unknown loss itself
+  TORCH_CHECK(!y.is_floating_point() && !y.is_complex() && y.scalar_type() != torch::kBool,
+              "train_step: cross_entropy expects integer class ids as targets, got ", y.dtype());
+  if (takes)
+    TORCH_CHECK(y.sizes().vec() == rows, "train_step: ", type(), " gives ", width, " class scores for each of the ",
+                "input's ", c10::IntArrayRef(rows), " rows, so its targets must have that shape, got ", y.sizes());
+  if (y.numel() == 0 || y.is_meta()) return;
+  const auto counted = y.masked_fill(y == ignore_index, 0);
+  const int64_t lo = counted.min().item<int64_t>(), hi = counted.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < width, "train_step: target ", lo < 0 ? lo : hi, " is out of range for ", type(), "'s ",
+              width, " classes (targets are 0 to ", width - 1, ", or ignore_index=", ignore_index, ")");
 }
 
 Activation::Activation(std::string type, std::function<Tensor(const Tensor&)> fn)

@@ -151,12 +151,28 @@ namespace {
 // What stands in a rank's tree for a module another stage holds: no parameters, no forward.
 class Elsewhere : public nn::Module {
  public:
-  explicit Elsewhere(int stage) : nn::Module("PipelineElsewhere"), stage(stage) {}
+  /// In place of `module`: what it takes and gives stay known on every rank, so that a chain's
+  /// batch check (nn::Sequential::check_batch) is the same on every stage.
+  Elsewhere(int stage, const nn::Module& module)
+      : nn::Module("PipelineElsewhere"),
+        stage(stage),
+        input_(module.input_features()),
+        output_(module.output_features()),
+        elementwise_(module.elementwise()),
+        replaced_(module.forward_replaced_in_tree()) {}
   torch::Tensor forward(const std::vector<torch::Tensor>&) override {
     TORCH_CHECK(false, "this module lives on pipeline stage ", stage, ": run the model with model:train_step");
   }
   std::string extra_repr() const override { return "stage=" + std::to_string(stage); }
+  c10::optional<nn::Features> input_features() const override { return input_; }
+  c10::optional<nn::Features> output_features() const override { return output_; }
+  bool elementwise() const override { return elementwise_; }
+  bool forward_replaced_in_tree() const override { return replaced_; }
   int stage;
+
+ private:
+  c10::optional<nn::Features> input_, output_;
+  bool elementwise_, replaced_;
 };
 
 // Every rank must cut the model and run the schedule alike. A schedule function that returns
@@ -484,7 +500,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   // Keep this rank's modules; the others' become placeholders.
   for (auto& [name, child] : root.children_named()) {
     int s = stage_of_child(name);
-    if (s >= 0 && rank_of_stage(s) != p.rank_) root.set_child(name, std::make_shared<Elsewhere>(s));
+    if (s >= 0 && rank_of_stage(s) != p.rank_) root.set_child(name, std::make_shared<Elsewhere>(s, *child));
   }
   if (!root.has_stage_ends()) {  // a chain: the first stage's modules, then the last's
     if (p.rank_ == 0)
@@ -496,7 +512,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   for (int64_t i = 0; i < static_cast<int64_t>(block_list.size()); ++i) {
     int s = stage_of_block(i);
     if (rank_of_stage(s) == p.rank_) p.chunk_blocks_[s / p.pp_].push_back(block_list[i].second);
-    else blocks->set_child(block_list[i].first, std::make_shared<Elsewhere>(s));
+    else blocks->set_child(block_list[i].first, std::make_shared<Elsewhere>(s, *block_list[i].second));
   }
   for (const auto& t : root.parameters(/*recurse=*/true)) {
     // A deferred model's tensors are allocated on the rank's device, except under partrain plan.

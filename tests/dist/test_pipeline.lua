@@ -295,6 +295,28 @@ test("a chain model (no stage ends of its own) over pipeline 2 equals serial tra
   raises(function() pt.parallelize(Residual(), residual_policy, mesh, {}) end, "but it is not a Sequential")
 end)
 
+-- A chain has no check of its own: its ends' widths (kept on every stage, though each holds its
+-- own modules only) say what the first stage's forward and the last stage's loss would refuse.
+-- Refused on one stage alone, the other waited for it until --timeout.
+test("a chain's bad batch is refused on every stage before anything is sent, and it trains on", function()
+  pt.manual_seed(9)
+  local serial = pt.deferred(chain):materialize()
+  pt.manual_seed(9)
+  local model = pt.parallelize(pt.deferred(chain), chain_policy, mesh, { microbatches = 2 })
+  local b = BATCH / mesh:size("data")
+  local x, y = pt.randn({ b, 8 }):to("float64"), pt.randint(0, 5, { b })
+  local here = "^[^:]*test_pipeline%.lua:%d+:"
+  for _, case in ipairs {
+    { pt.randn({ b, 9 }):to("float64"), y, "Sequential takes inputs (batch, ..., 8) of floating point numbers" },
+    { x, y:clone():fill_(5), "target 5 is out of range for Sequential's 5 classes" },
+    { x, pt.randint(0, 5, { b, 8 }), "so its targets must have that shape" },
+  } do
+    local e = raises(function() model:train_step(case[1], case[2]) end, case[3])
+    ok(e:find(here), "names the script's line: " .. e)
+  end
+  chain_equals_serial("chain after refused batches", serial, model, 2)
+end)
+
 -- A chain whose first block costs far more time than its parameters say (one Linear applied 48
 -- times): by parameters the blocks weigh alike, by measured time the first one outweighs the rest.
 local Heavy = pt.nn.Module("Heavy")

@@ -253,6 +253,36 @@ test("a batch one data rank refuses is refused on every rank, and the model trai
   ok(model:train_step(x, y):item() > 0, "the next step trains")
 end)
 
+-- A model without a check of its own (an MLP, a chain of pt.nn layers): its ends' widths say what
+-- the first layer's forward and the loss would refuse part-way on one replica.
+test("an MLP's batch one data rank refuses (width, class, target shape, dtype) is refused on every rank", function()
+  local mesh = pt.mesh {}
+  pt.manual_seed(4)
+  local model = pt.parallelize(pt.models.mlp { sizes = { 12, 8, 5 } }, nil, mesh)
+  local x, y = pt.randn({ 4, 12 }), pt.randint(0, 5, { 4 })
+  local mine, others = pt.dist.rank() == 1, "another data-parallel replica's batch was refused"
+  local bad = {
+    { pt.randn({ 4, 11 }), y, "MLP takes inputs (batch, ..., 12) of floating point numbers, got [4, 11]" },
+    { pt.randint(0, 5, { 4, 12 }), y, "MLP takes inputs (batch, ..., 12) of floating point numbers, got [4, 12]" },
+    { x, pt.tensor({ 0, 1, 5, 2 }):to("int64"), "target 5 is out of range for MLP's 5 classes (targets are 0 to 4" },
+    { x, pt.tensor({ 0, -3, 1, 2 }):to("int64"), "target -3 is out of range for MLP's 5 classes" },
+    { x, pt.randint(0, 5, { 4, 2 }), "MLP gives 5 class scores for each of the input's [4] rows, so its targets must "
+      .. "have that shape, got [4, 2]" },
+    { x, pt.randn({ 4 }), "cross_entropy expects integer class ids as targets, got float" },
+  }
+  for i, case in ipairs(bad) do
+    local e = raises(function() model:train_step(mine and case[1] or x, mine and case[2] or y) end,
+      mine and case[3] or others, "bad batch " .. i)
+    ok(e:find("^[^:]*test_train_step%.lua:%d+:"), "names the script's line: " .. e)
+  end
+  -- ignore_index is not a class, and mse's targets have the outputs' shape.
+  ok(model:train_step(x, pt.tensor({ 0, -100, 4, 2 }):to("int64")):item() > 0, "ignore_index passes")
+  raises(function() model:train_step(x, mine and pt.randn({ 4, 4 }) or pt.randn({ 4, 5 }), { loss = "mse" }) end,
+    mine and "loss mse compares MLP's outputs [4, 5] with floating targets of that shape, got [4, 4]" or others)
+  ok(model:train_step(x, pt.randn({ 4, 5 }), { loss = "mse" }):item() > 0, "mse's targets of the outputs' shape train")
+  ok(model:train_step(x, y):item() > 0, "the next step trains")
+end)
+
 -- What trained on silently before: converting a parallelized model (its buckets and optimizer
 -- kept the old tensors: the replicas drifted apart), an optimizer made before parallelize
 -- (stepping the tensors tensor parallelism replaced), ignore_index with mse (ignored), and a
