@@ -615,6 +615,9 @@ const Function kConstructors[] = {
        nn::check_tree(*a.module(1));
        parallel::parameter_records(*a.module(1));
        return a.ret(); }},
+    {"_tie", [](Args& a) {  // _tie(module, name, tensor): the slot holds that very tensor (P.tie)
+       a.module(1)->set_parameter(a.string(2), a.tensor(3), /*share=*/true);
+       return a.ret(); }},
     {"_ties", [](Args& a) {  // { {name, name, ...}, ... }: names sharing one parameter
        auto groups = nn::tied_parameters(*a.module(1));
        lua_createtable(a.L, static_cast<int>(groups.size()), 0);
@@ -694,16 +697,19 @@ const Function kConstructors[] = {
        // Reduce-scattered gradients (ZeRO-2; ZeRO-1 unless reduce_scatter = false) never reach
        // .grad: scaling .grad would clip nothing the optimizer reads.
        for (const auto& p : params)
-         if (std::string name; auto owner = parallel::ParallelModel::zero_owner(p, &name))
-           if (owner->data_parallel() && owner->data_parallel()->scatters())
+         if (std::string name; auto owner = parallel::ParallelModel::owner(p, &name))
+           if (owner->zero_stage() > 0 && owner->data_parallel() && owner->data_parallel()->scatters())
              a.fail(1, "parameter '" + name + "' belongs to a model parallelized with ZeRO-" +
                            std::to_string(owner->zero_stage()) + ", whose gradients are reduce-scattered and never "
                            "reach .grad; clip with the optimizer's own option instead: pt.optim.adamw(model, { "
                            "clip_grad_norm = " + std::to_string(max_norm) + " })");
-       // Given the model, its split parameters are found in its tree; a list of tensors counts whole.
+       // Split parameters are found in the tree of the parallelized model they belong to (given, or
+       // found from a table of its parameters); the tensors of no model count whole.
        auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
-       auto owner = model ? parallel::ParallelModel::of(**model) : nullptr;
-       auto groups = model ? parallel::split_groups(**model, params) : std::vector<dist::GroupPtr>{};
+       auto owner = model ? parallel::ParallelModel::of(**model)
+                          : parallel::ParallelModel::owner(params, "pt.nn.clip_grad_norm");
+       nn::Module* tree = model ? model->get() : owner ? owner->root().get() : nullptr;
+       auto groups = tree ? parallel::split_groups(*tree, params) : std::vector<dist::GroupPtr>{};
        double norm = owner && owner->pipeline()
                          ? owner->pipeline()->grad_norm(params, groups)  // over every stage, a tied tensor once
                          : parallel::global_grad_norm(params, groups);

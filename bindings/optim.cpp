@@ -91,10 +91,28 @@ std::vector<std::weak_ptr<optim::Optimizer>>& all_optimizers() {
 }
 
 int make_optimizer(Args& a, const std::string& kind) {
+  // The module's trainable parameters (a frozen one, requires_grad = false, is left out, as
+  // data parallelism and ZeRO leave it out), or the table's, each of which must be trainable.
   std::vector<torch::Tensor> params;
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) params = nn::unique_parameters(**m);
-  else if (a.is_table(1)) params = a.tensors(1);
-  else a.expected(1, "module or table of parameters");
+  nn::ModulePtr model;  // the module given, or the parallelized model the table's parameters are of
+  const std::string what = "pt.optim." + kind;
+  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+    model = *m;
+    for (const auto& p : nn::unique_parameters(*model))
+      if (p.requires_grad()) params.push_back(p);
+    if (params.empty())
+      throw std::invalid_argument(what + ": the " + model->type() + " has no trainable parameters (every one has "
+                                  "requires_grad = false)");
+  } else if (a.is_table(1)) {
+    params = a.tensors(1);
+    for (size_t i = 0; i < params.size(); ++i)
+      if (params[i].defined() && (!params[i].requires_grad() || !params[i].is_leaf()))
+        throw std::invalid_argument(what + ": parameter #" + std::to_string(i + 1) + " of the table " +
+                                    (params[i].is_leaf() ? "is frozen (requires_grad = false)" : "is not a leaf tensor "
+                                    "(computed from others)") + ": an optimizer steps trainable leaf tensors only");
+  } else {
+    a.expected(1, "module or table of parameters");
+  }
   optim::OptimizerOptions o;
   o.kind = kind;
   if (kind == "adamw") o.weight_decay = 0.01;  // PyTorch's AdamW default
@@ -129,44 +147,77 @@ int make_optimizer(Args& a, const std::string& kind) {
   }
   o.loss_scale = read_loss_scale(a, t, kind);
   t.finish();
+  // A table of a parallelized model's parameters (param groups, a subset) is wired to the model
+  // as an optimizer made from the model is: clipping's norm over its groups and stages, loss
+  // scaling in its train_step, its masters. Without that the table's optimizer clipped by each
+  // rank's own norm and stepped loss-scaled gradients unscaled, exit 0.
+  // A module of a parallelized model (not its root) counts as a table of its parameters.
+  const bool whole = model && parallel::ParallelModel::of(*model);
+  auto pm = whole   ? parallel::ParallelModel::of(*model)
+            : model ? model->parallel_tree()
+                    : parallel::ParallelModel::owner(params, what);
+  if (pm && !whole) {
+    if (pm->zero_stage() > 0) {  // a plain optimizer over a ZeRO model's parameters would miss its shards
+      std::string name;
+      parallel::ParallelModel::owner(params.front(), &name);
+      throw std::invalid_argument(what + ": parameter '" + name + "' belongs to a model parallelized with ZeRO-" +
+                                  std::to_string(pm->zero_stage()) + ", whose optimizer must be made from the model "
+                                  "itself (" + what + "(model, ...)): it keeps this rank's shard of the gradients, "
+                                  "master weights and state");
+    }
+    model = pm->root();
+  }
+  // One optimizer with loss scaling a parallelized model, and no other beside it: train_step
+  // scales the loss by one scale, which every optimizer of the model's gradients must undo.
+  if (pm) {
+    auto& entry = optimizers_of()[model.get()];
+    auto live = [&] {
+      std::vector<std::shared_ptr<optim::Optimizer>> out;
+      if (entry.model.lock() == model)
+        for (const auto& w : entry.optimizers)
+          if (auto o = w.lock()) out.push_back(o);
+      return out;
+    };
+    auto others = live();
+    if (!others.empty()) {
+      lua_gc(a.L, LUA_GCCOLLECT, 0);  // ones the script dropped
+      others = live();
+    }
+    const bool scaled = o.loss_scale.kind != "none";
+    for (const auto& other : others)
+      if (scaled || other->loss_scaler())
+        throw std::invalid_argument(what + ": the model already has an optimizer, and " +
+                                    (scaled ? std::string("this one") : std::string("that one")) + " scales the loss: "
+                                    "train_step scales it by one scale, which every optimizer of the model would have "
+                                    "to undo; use one optimizer (with param groups as tables of parameters: one "
+                                    "optimizer a table is the limit with loss scaling)");
+  }
   // A model parallelized with a zero stage gets the distributed optimizer: its shard of master
   // weights and state, clipping by the global norm over the shards (engine/parallel/zero.hpp).
-  std::shared_ptr<parallel::ParallelModel> zero_model;
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT))
-    if (auto pm = parallel::ParallelModel::of(**m); pm && pm->zero_stage() > 0) zero_model = pm;
-  if (!zero_model)  // a plain optimizer over a ZeRO model's parameters would miss its shards
-    for (const auto& p : params)
-      if (std::string name; auto owner = parallel::ParallelModel::zero_owner(p, &name)) {
-        throw std::invalid_argument("pt.optim." + kind + ": parameter '" + name + "' belongs to a model parallelized "
-                                    "with ZeRO-" + std::to_string(owner->zero_stage()) + ", whose optimizer must "
-                                    "be made from the model itself (pt.optim." + kind + "(model, ...)): it keeps "
-                                    "this rank's shard of the gradients, master weights and state");
-      }
-  auto opt = zero_model ? parallel::make_zero_optimizer(zero_model, o) : std::make_shared<optim::Optimizer>(params, o);
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
+  const bool zero = pm && pm->zero_stage() > 0;
+  auto opt = zero ? parallel::make_zero_optimizer(pm, o) : std::make_shared<optim::Optimizer>(params, o);
+  if (pm) {
     // Mixed precision and loss scaling on a parallelized model: its records point at the masters
     // (a plain optimizer's: ZeRO's are shards), its train_step scales the loss, and every rank of
     // its mesh agrees on an overflow.
-    if (auto pm = parallel::ParallelModel::of(**m)) {
-      if (!zero_model)
-        for (const auto& p : opt->params())
-          if (auto master = opt->master(p); master.defined()) pm->set_master(p, master);
-      if (opt->loss_scaler()) {
-        pm->set_loss_scaler(opt->loss_scaler());
-        opt->set_overflow_group(pm->mesh()->group("world"));
-      }
+    if (!zero)
+      for (const auto& p : opt->params())
+        if (auto master = opt->master(p); master.defined()) pm->set_master(p, master);
+    if (opt->loss_scaler()) {
+      pm->set_loss_scaler(opt->loss_scaler());
+      opt->set_overflow_group(pm->mesh()->group("world"));
     }
   }
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT); m && !zero_model) {
+  if (model && !zero) {
     // Split parameters (found through the model's tree): the norm for clipping spans their group.
-    auto groups = parallel::split_groups(**m, opt->params());
+    auto groups = parallel::split_groups(*model, opt->params());
     if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
       opt->set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
         return parallel::global_grad_norm(params, groups);
       });
     // Pipeline stages: the norm spans every stage (the pipeline group), a tied tensor once, split
     // parameters over their tensor group.
-    if (auto pm = parallel::ParallelModel::of(**m); pm && pm->pipeline()) {
+    if (pm && pm->pipeline()) {
       std::weak_ptr<parallel::Pipeline> pipeline = pm->pipeline();
       opt->set_grad_norm([pipeline, groups](const std::vector<torch::Tensor>& params) {
         auto p = pipeline.lock();
@@ -175,14 +226,14 @@ int make_optimizer(Args& a, const std::string& kind) {
       });
     }
   }
-  if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
-    auto& entry = optimizers_of()[m->get()];
-    if (entry.model.lock() != *m) entry = ModelOptimizers{*m, {}};
+  if (model) {
+    auto& entry = optimizers_of()[model.get()];
+    if (entry.model.lock() != model) entry = ModelOptimizers{model, {}};
     auto& mine = entry.optimizers;
     mine.erase(std::remove_if(mine.begin(), mine.end(), [](const auto& w) { return w.expired(); }), mine.end());
     mine.push_back(opt);
     // Cube's build_optimizer: on a data-parallel model, step only on synced gradients.
-    std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(m->get());
+    std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(model.get());
     if (!dp.expired())
       opt->add_step_check([dp] {
         auto d = dp.lock();

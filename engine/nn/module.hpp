@@ -161,8 +161,11 @@ class Module : public torch::nn::Module {
   /// Whether `name` is a parameter slot of this module, even an empty one (Linear's bias when
   /// bias=false): reading it gives nothing rather than an error.
   bool has_slot(const std::string& name) const { return parameters_.contains(name); }
-  /// Adds a parameter (trainable) or replaces the one already called `name`.
-  void set_parameter(const std::string& name, const Tensor& value);
+  /// Adds a parameter (trainable) or replaces the one already called `name`. With `share`, the
+  /// slot holds `value` itself as it is (a tie to another module's parameter: a frozen one stays
+  /// frozen and still the same tensor); without, a tensor that does not require grad is made a
+  /// trainable one sharing its storage.
+  void set_parameter(const std::string& name, const Tensor& value, bool share = false);
   /// Adds a buffer (saved and moved, not trained) or replaces the one already called `name`.
   void set_buffer(const std::string& name, const Tensor& value);
 

@@ -267,15 +267,15 @@ Tensor Module::own_tensor(const std::string& name) const {
   return {};
 }
 
-void Module::set_parameter(const std::string& name, const Tensor& value) {
+void Module::set_parameter(const std::string& name, const Tensor& value, bool share) {
   TORCH_CHECK(value.defined(), "parameter '", name, "' of ", type_, " must be a tensor");
   TORCH_CHECK(!named_buffers(false).find(name), type_, " already has a buffer called '", name, "'");
   TORCH_CHECK(value.is_leaf(), "parameter '", name, "' of ", type_, " must be a leaf tensor (one computed from "
               "others would not be trained); detach it first");
   // The caller's tensor is left as it was: the parameter shares its storage.
-  Tensor p = value.requires_grad() ? value : value.detach().requires_grad_(true);
+  Tensor p = value.requires_grad() || share ? value : value.detach().requires_grad_(true);
   if (auto* existing = parameters_.find(name)) *existing = p;
-  else register_parameter(name, p, /*requires_grad=*/true);
+  else register_parameter(name, p, /*requires_grad=*/p.requires_grad());
 }
 
 void Module::reset_tensor(const std::string& name, Tensor&, at::Generator&) const {

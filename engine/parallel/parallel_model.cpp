@@ -257,24 +257,22 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   // 6. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
   for (auto& [path, m] : tree.modules()) m->set_parallel_tree(model);
-  if (stage > 0) {
-    auto& all = zero_models();
-    all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
-    all.push_back(model);
-  }
+  auto& all = models();
+  all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
+  all.push_back(model);
   return model;
 }
 
 ParallelModel::~ParallelModel() { --live_; }
 
-std::vector<std::weak_ptr<ParallelModel>>& ParallelModel::zero_models() {
-  static std::vector<std::weak_ptr<ParallelModel>> models;
-  return models;
+std::vector<std::weak_ptr<ParallelModel>>& ParallelModel::models() {
+  static std::vector<std::weak_ptr<ParallelModel>> all;
+  return all;
 }
 
-std::shared_ptr<ParallelModel> ParallelModel::zero_owner(const torch::Tensor& param, std::string* name) {
+std::shared_ptr<ParallelModel> ParallelModel::owner(const torch::Tensor& param, std::string* name) {
   if (!param.defined()) return nullptr;
-  for (const auto& w : zero_models())
+  for (const auto& w : models())
     if (auto model = w.lock())
       for (const auto& r : model->records_)
         if (r.param.defined() && r.param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
@@ -282,6 +280,30 @@ std::shared_ptr<ParallelModel> ParallelModel::zero_owner(const torch::Tensor& pa
           return model;
         }
   return nullptr;
+}
+
+std::shared_ptr<ParallelModel> ParallelModel::owner(const std::vector<torch::Tensor>& params,
+                                                    const std::string& what) {
+  std::shared_ptr<ParallelModel> found;
+  size_t first = 0;  // the position of found's first parameter
+  std::string first_name;
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::string name;
+    auto model = owner(params[i], &name);
+    if (!model || found == model) continue;
+    TORCH_CHECK(!found, what, ": the parameters #", first + 1, " ('", first_name, "') and #", i + 1, " ('", name,
+                "') belong to two parallelized models: one optimizer (or clipping) a model");
+    found = model;
+    first = i;
+    first_name = name;
+  }
+  if (!found) return nullptr;
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(!params[i].defined() || owner(params[i]) == found, what, ": parameter #", i + 1, " of the table is "
+                "not one of the parallelized model's (#", first + 1, " '", first_name, "' is): its gradient would not "
+                "be synced over the model's ranks; list the model's parameters only, or make the optimizer from the "
+                "model");
+  return found;
 }
 
 void ParallelModel::note_flat_slots() {

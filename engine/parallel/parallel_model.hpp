@@ -99,11 +99,17 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
   /// The parallelized model `module` is the root of, or nullptr.
   static std::shared_ptr<ParallelModel> of(const nn::Module& module) { return module.parallel_owner(); }
-  /// The model parallelized with ZeRO (stage > 0) that holds `param`, or nullptr: an optimizer
-  /// over its parameters must be the model's own (made from the model: make_zero_optimizer), not
-  /// a plain one, which would miss the shards. `name`, when given, gets the parameter's name.
-  /// (The models searched are a process-wide list of weak references to those with a stage.)
-  static std::shared_ptr<ParallelModel> zero_owner(const torch::Tensor& param, std::string* name = nullptr);
+  /// The parallelized model that holds `param`, or nullptr: an optimizer made from a table of
+  /// its parameters is wired to it as one made from the model (clipping's norm over its groups,
+  /// loss scaling, masters), and one over a ZeRO model's must be made from the model
+  /// (make_zero_optimizer: a plain one would miss the shards). `name`, when given, gets the
+  /// parameter's name. (The models searched are a process-wide list of weak references.)
+  static std::shared_ptr<ParallelModel> owner(const torch::Tensor& param, std::string* name = nullptr);
+  /// The parallelized model a list of parameters belongs to, or nullptr when none of them is
+  /// one's. A list with one model's parameters and any other tensor (another model's, or one of
+  /// no model: its gradient would not be synced over the model's ranks) is refused, naming it by
+  /// its position; `what` begins the message ("pt.optim.adamw").
+  static std::shared_ptr<ParallelModel> owner(const std::vector<torch::Tensor>& params, const std::string& what);
   /// How many ParallelModels are alive in this process (tests of their lifetime).
   static int64_t live() { return live_.load(); }
 
@@ -161,7 +167,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
  private:
   ParallelModel() { ++live_; }
-  static std::vector<std::weak_ptr<ParallelModel>>& zero_models();  // those with a zero stage
+  static std::vector<std::weak_ptr<ParallelModel>>& models();  // every one alive, for owner()
   void note_flat_slots();  // fills the records' flat_buffer / flat_offset from the data parallelism
   // The targets of `y` the loss counts (float64), summed over the data ranks: train_step's
   // divisor. The same all-reduce tells whether any data rank refused its batch (`refused` here).

@@ -364,10 +364,11 @@ ColumnParallelLinear::ColumnParallelLinear(const nn::Linear& serial, dist::Group
   auto split = Sharding::split(group, 0, {logical_out, in}, parts, padded);
   out = padded;
   torch::NoGradGuard no_grad;
-  register_parameter("weight", local_part(serial.weight().detach(), split, r));
+  // A frozen parameter stays frozen (requires_grad as the serial layer's).
+  register_parameter("weight", local_part(serial.weight().detach(), split, r), serial.weight().requires_grad());
   if (serial.bias().defined()) {
     auto bias_split = Sharding::split(group, 0, {logical_out}, parts, padded);
-    register_parameter("bias", local_part(serial.bias().detach(), bias_split, r));
+    register_parameter("bias", local_part(serial.bias().detach(), bias_split, r), serial.bias().requires_grad());
     if (t > 1) bias_split_ = bias_split;
   } else {
     register_parameter("bias", Tensor(), false);
@@ -445,8 +446,10 @@ RowParallelLinear::RowParallelLinear(const nn::Linear& serial, dist::GroupPtr g,
     : nn::Unary("RowParallelLinear"), group(std::move(g)), in(serial.options.in), out(serial.options.out),
       input_is_parallel(parallel_input), sequence_parallel(sequence) {
   torch::NoGradGuard no_grad;
-  register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"));
-  if (serial.bias().defined()) register_parameter("bias", serial.bias().detach().clone());  // whole
+  register_parameter("weight", shard(serial.weight().detach(), 1, group->rank(), group->size(), "row-parallel weight"),
+                     serial.weight().requires_grad());
+  if (serial.bias().defined())
+    register_parameter("bias", serial.bias().detach().clone(), serial.bias().requires_grad());  // whole
   else register_parameter("bias", Tensor(), false);
   if (group->size() > 1) weight_split_ = Sharding::split(group, 1, {out, in});
 }
@@ -492,14 +495,14 @@ std::string RowParallelLinear::extra_repr() const {
 ParallelLayerNorm::ParallelLayerNorm(const nn::LayerNorm& serial, dist::GroupPtr g, bool sequence, bool fused_kernel)
     : nn::Unary("ParallelLayerNorm"), group(std::move(g)), dim(serial.options.dim), eps(serial.options.eps),
       sequence_parallel(sequence), fused(fused_kernel) {
-  register_parameter("weight", serial.weight(), serial.weight().defined());
-  register_parameter("bias", serial.bias(), serial.bias().defined());
+  register_parameter("weight", serial.weight(), serial.weight().defined() && serial.weight().requires_grad());
+  register_parameter("bias", serial.bias(), serial.bias().defined() && serial.bias().requires_grad());
 }
 
 ParallelLayerNorm::ParallelLayerNorm(const nn::RMSNorm& serial, dist::GroupPtr g, bool sequence)
     : nn::Unary("ParallelRMSNorm"), group(std::move(g)), dim(serial.options.dim), eps(serial.options.eps),
       sequence_parallel(sequence), fused(false), rms(true) {
-  register_parameter("weight", serial.weight(), serial.weight().defined());
+  register_parameter("weight", serial.weight(), serial.weight().defined() && serial.weight().requires_grad());
 }
 
 Tensor ParallelLayerNorm::forward(const Tensor& x) {
@@ -541,7 +544,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(const nn::Embedding& serial, dist
   torch::NoGradGuard no_grad;
   auto full = torch::zeros({padded, dim}, serial.weight().options().requires_grad(false));
   full.narrow(0, 0, count).copy_(serial.weight().detach());
-  register_parameter("weight", full.narrow(0, first, padded / t).clone());
+  register_parameter("weight", full.narrow(0, first, padded / t).clone(), serial.weight().requires_grad());
   if (t > 1) weight_split_ = Sharding::split(group, 0, {count, dim}, {}, padded);
 }
 

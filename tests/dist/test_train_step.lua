@@ -26,14 +26,15 @@ end
 -- Trains `make()` serially (the hand-written loop, on whole batches) and parallelized through
 -- model:train_step (on this rank's slices) from the same weights: losses each step and every
 -- parameter at the end must agree within the dtype's tolerance.
-local function equal_to_serial(what, mesh, make, policy, opts, make_batch, dtype, step_opts, steps)
+-- `optim(model)`, if given, makes both optimizers (else AdamW from the model, lr 1e-3).
+local function equal_to_serial(what, mesh, make, policy, opts, make_batch, dtype, step_opts, steps, optim)
   local tol = TOL[dtype]
+  optim = optim or function(m) return pt.optim.adamw(m, { lr = 1e-3 }) end
   pt.manual_seed(21)
   local serial = make():to(dtype)
   pt.manual_seed(21)
   local model = pt.parallelize(make():to(dtype), policy, mesh, opts)
-  local so = pt.optim.adamw(serial, { lr = 1e-3 })
-  local po = pt.optim.adamw(model, { lr = 1e-3 })
+  local so, po = optim(serial), optim(model)
   for step = 1, steps or 5 do
     local gx, gy, x, y = batches(mesh, make_batch)
     local out = serial(gx)
@@ -281,6 +282,79 @@ test("an MLP's batch one data rank refuses (width, class, target shape, dtype) i
     mine and "loss mse compares MLP's outputs [4, 5] with floating targets of that shape, got [4, 4]" or others)
   ok(model:train_step(x, pt.randn({ 4, 5 }), { loss = "mse" }):item() > 0, "mse's targets of the outputs' shape train")
   ok(model:train_step(x, y):item() > 0, "the next step trains")
+end)
+
+-- Frozen parameters (requires_grad = false) stay frozen through tensor parallelism (its layers
+-- had made them trainable again: 3e-2 off serial) and the optimizer made from the model leaves
+-- them out, as serial training does; with ZeRO too.
+test("frozen parameters stay frozen through tensor parallelism and ZeRO, and train as serial (float64)", function()
+  local frozen = { ["h.0.attn.c_attn.weight"] = true, ["h.0.ln_1.weight"] = true, ["wte.weight"] = true,
+                   ["h.0.mlp.c_proj.bias"] = true, ["lm_head.weight"] = true }  -- tied to wte
+  local function make()
+    local m = pt.models.gpt2(gpt)
+    for name, p in m:named_parameters() do if frozen[name] then p:requires_grad_(false) end end
+    return m
+  end
+  for _, opts in ipairs { {}, { zero = { stage = 2 } } } do
+    local mesh = pt.mesh { tensor = 2, zero = opts.zero and 2 or nil }
+    pt.manual_seed(21)
+    local before = make():to("float64"):state_dict()
+    local what = opts.zero and "frozen, zero 2" or "frozen"
+    local model = equal_to_serial(what, mesh, make, "policies.gpt2", opts, gpt_batch, "float64", nil, 3,
+      function(m) return pt.optim.adamw(m, { lr = 1e-2 }) end)
+    local full = model:full_state_dict()
+    for name in pairs(frozen) do
+      eq((full[name] - before[name]):abs():max():item(), 0, what .. ": " .. name .. " did not move")
+    end
+    for name, p in model:named_parameters() do
+      eq(p.requires_grad, not frozen[name], what .. ": " .. name .. "'s requires_grad")
+    end
+    for _, r in ipairs(model:records()) do eq(r.trainable, not frozen[r.name], what .. ": record " .. r.name) end
+  end
+  raises(function()
+    local m = pt.models.mlp { sizes = { 4, 2 } }
+    for _, p in ipairs(m:parameters()) do p:requires_grad_(false) end
+    pt.optim.adamw(m)
+  end, "pt.optim.adamw: the MLP has no trainable parameters (every one has requires_grad = false)")
+end)
+
+-- An optimizer made from a table of a parallelized model's parameters (param groups, a subset) is
+-- wired to the model as one made from the model: it clipped by each rank's own norm and stepped
+-- loss-scaled gradients unscaled, exit 0.
+test("an optimizer made from a table of a parallelized model's parameters clips and scales as one from the model",
+  function()
+  local mesh = pt.mesh { tensor = 2 }
+  local clipped = function(m) return pt.optim.adamw(m:parameters(), { lr = 1e-2, clip_grad_norm = 0.05 }) end
+  equal_to_serial("table, clipped", mesh, function() return pt.models.gpt2(gpt) end, "policies.gpt2", nil, gpt_batch,
+    "float64", nil, 3, clipped)
+  -- A static power-of-two scale changes no number: from the table as from the model.
+  local function run(optim)
+    pt.manual_seed(21)
+    local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+    local opt = optim(model)
+    pt.manual_seed(3)
+    for _ = 1, 3 do
+      local _, _, x, y = batches(mesh, gpt_batch)
+      model:train_step(x, y)
+      opt:step(); opt:zero_grad()
+    end
+    return model:full_state_dict()
+  end
+  local plain = run(function(m) return pt.optim.sgd(m, { lr = 0.5 }) end)
+  local scaled = run(function(m) return pt.optim.sgd(m:parameters(), { lr = 0.5, loss_scale = 1024 }) end)
+  for name, t in pairs(plain) do eq((scaled[name] - t):abs():max():item(), 0, "loss scale from a table: " .. name) end
+  -- What such a table cannot hold, and a second optimizer beside one that scales the loss.
+  local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh)
+  local params = model:parameters()
+  raises(function() pt.optim.adamw({ params[1], pt.zeros(3):requires_grad_(true) }) end,
+    "pt.optim.adamw: parameter #2 of the table is not one of the parallelized model's")
+  local frozen = pt.zeros(3)
+  raises(function() pt.optim.adamw({ frozen }) end,
+    "pt.optim.adamw: parameter #1 of the table is frozen (requires_grad = false)")
+  local keep = pt.optim.sgd(model, { lr = 0.1 })
+  raises(function() pt.optim.sgd(params, { lr = 0.1, loss_scale = 1024 }) end,
+    "pt.optim.sgd: the model already has an optimizer, and this one scales the loss")
+  ok(keep, "the first optimizer is alive")
 end)
 
 -- What trained on silently before: converting a parallelized model (its buckets and optimizer

@@ -175,7 +175,7 @@ function P.tie(model, a, b)
   if not ok or not pt.is_tensor(pb) then error(("tie: '%s' is not a parameter"):format(b), 2) end
   local ok_a, pa = pcall(function() return ma[na] end)
   if not ok_a or not pt.is_tensor(pa) then error(("tie: '%s' is not a parameter"):format(a), 2) end
-  local set_ok, err = pcall(function() ma[na] = pb end)
+  local set_ok, err = pcall(core.nn._tie, ma, na, pb)  -- that very tensor: a frozen one stays frozen
   if not set_ok then error(("tie: %s"):format(strip_internal(err)), 2) end
 end
 
