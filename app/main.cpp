@@ -362,6 +362,10 @@ int run_main(int argc, char** argv) {
         return fail("--trace '" + trace_file + "' is not a regular file (expected the JSON file to write)");
       if (!partrain::app::writable_beside(trace_file))
         return fail("--trace '" + trace_file + "': its folder does not exist");
+      if (auto refused = partrain::util::may_replace(trace_file, partrain::parallel::is_trace_head,
+                                                     "a trace partrain wrote");
+          !refused.empty())
+        return fail("--trace " + refused);
       auto slash = trace_file.find_last_of('/');
       auto dir = slash == std::string::npos ? std::string(".") : slash == 0 ? std::string("/") : trace_file.substr(0, slash);
       if (access(dir.c_str(), W_OK) != 0) return fail("--trace '" + trace_file + "': its folder is not writable");
@@ -378,6 +382,13 @@ int run_main(int argc, char** argv) {
         return fail("--metrics '" + metrics_file + "' is not a regular file (expected the JSON-lines file to append to)");
       if (!partrain::app::writable_beside(metrics_file))
         return fail("--metrics '" + metrics_file + "': its folder does not exist");
+      // Appended to and, on a resume, rewritten: a file of JSON records only (a script given by
+      // mistake had been rewritten to the records alone).
+      if (auto refused = partrain::util::may_replace(
+              metrics_file, [](const std::string& head) { return !head.empty() && head[0] == '{'; },
+              "a JSON-lines metrics file");
+          !refused.empty())
+        return fail("--metrics " + refused);
       setenv("PARTRAIN_METRICS", metrics_file.c_str(), 1);  // every rank inherits it; rank 0 writes
     }
   } catch (const std::exception& e) {

@@ -267,6 +267,9 @@ int run_parity(int argc, char** argv, int first) {
   }
   if (!out.empty() && util::is_plain_dir(out)) return say(kUsage, "-o '" + out + "' is a folder; give a file name");
   if (!out.empty() && !writable_beside(out)) return say(kUsage, "-o '" + out + "': its folder does not exist");
+  if (!out.empty())
+    if (auto refused = util::may_replace(out, is_report_page, "an HTML report"); !refused.empty())
+      return say(kUsage, "-o " + refused);
 
   Side sides[2] = {{"A", positional[0], {}, "", ""}, {"B", positional[1], {}, "", ""}};
   Scratch scratch;

@@ -495,6 +495,8 @@ pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 12px; }
 
 }  // namespace
 
+bool is_report_page(const std::string& head) { return head.rfind("<!DOCTYPE html>", 0) == 0; }
+
 std::string report_html(const std::vector<Metrics>& runs, const ReportOptions& options) {
   std::ostringstream html;
   html << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>" << escape(options.title)
@@ -568,6 +570,8 @@ int run_report(int argc, char** argv, int first) {
   if (out.empty()) return fail("-o is empty (expected the HTML file to write)");
   if (util::is_plain_dir(out)) return fail("-o '" + out + "' is a folder; give a file name");
   if (!writable_beside(out)) return fail("-o '" + out + "': its folder does not exist");
+  if (auto refused = util::may_replace(out, is_report_page, "an HTML report"); !refused.empty())
+    return fail("-o " + refused);
   try {
     std::vector<Metrics> runs;
     for (const auto& input : inputs) {

@@ -21,6 +21,9 @@ struct ReportOptions {
 /// bounded (raises naming it when it is not a Chrome trace).
 std::string report_html(const std::vector<Metrics>& runs, const ReportOptions& options);
 
+/// Whether a file's first bytes are those of a page report_html writes (what -o may replace).
+bool is_report_page(const std::string& head);
+
 /// `partrain report ...`; argv[first] is the first word after `report`. Returns the exit status.
 int run_report(int argc, char** argv, int first);
 

@@ -173,7 +173,7 @@ const Function kCkpt[] = {
        }
        ckpt::SaveOptions o;
        o.full = t.boolean("full", false);
-       o.num_kept = static_cast<int>(t.integer("num_kept", 0));
+       o.num_kept = t.int32("num_kept", 0);
        if (o.num_kept < 0) throw std::invalid_argument("num_kept must be >= 0 (0 keeps every checkpoint)");
        if (t.has("tag") && t.string("tag", "").empty())
          throw std::invalid_argument("bad checkpoint tag '': leave 'tag' out for step-<step>");

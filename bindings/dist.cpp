@@ -58,7 +58,7 @@ const Function kGroupMethods[] = {
        bool async = async_option(a, a.is_string(3) ? 4 : 3, "all_reduce");
        return finish(a, group(a, 1)->all_reduce(a.tensor(2), op, async), async, 2); }},
     {"broadcast", [](Args& a) {  // broadcast(t [, root = 0] [, { async = false }])
-       int root = a.is_number(3) ? static_cast<int>(a.integer(3)) : 0;
+       int root = a.is_number(3) ? a.int32(3) : 0;
        bool async = async_option(a, a.is_number(3) ? 4 : 3, "broadcast");
        return finish(a, group(a, 1)->broadcast(a.tensor(2), root, async), async, 2); }},
     {"all_gather", [](Args& a) {  // all_gather(t [, { async = false }]): parts [, work]
@@ -82,10 +82,10 @@ const Function kGroupMethods[] = {
        return 1; }},
     {"send", [](Args& a) {
        bool async = async_option(a, 4, "send");
-       return finish(a, group(a, 1)->send(a.tensor(2), static_cast<int>(a.integer(3)), async), async, 0); }},
+       return finish(a, group(a, 1)->send(a.tensor(2), a.int32(3), async), async, 0); }},
     {"recv", [](Args& a) {
        bool async = async_option(a, 4, "recv");
-       return finish(a, group(a, 1)->recv(a.tensor(2), static_cast<int>(a.integer(3)), async), async, 2); }},
+       return finish(a, group(a, 1)->recv(a.tensor(2), a.int32(3), async), async, 2); }},
     {"barrier", [](Args& a) {
        bool async = async_option(a, 2, "barrier");
        return finish(a, group(a, 1)->barrier(async), async, 0); }},
@@ -121,7 +121,7 @@ const Function kMeshMethods[] = {
        return 1; }},
     {"ranks", [](Args& a) {  // ranks(kind [, rank]): members of that rank's group of kind
        auto& m = mesh(a, 1);
-       return push_ints(a.L, m->layout().group_of(a.string(2), static_cast<int>(a.integer(3, m->rank())))); }},
+       return push_ints(a.L, m->layout().group_of(a.string(2), a.int32(3, m->rank()))); }},
     {"__tostring", [](Args& a) { return a.ret(mesh(a, 1)->describe()); }},
     {nullptr, nullptr}};
 
@@ -149,10 +149,10 @@ const Function kDist[] = {
     {"mesh", [](Args& a) {
        Options o(a, 1, "mesh");
        dist::MeshOptions m;
-       m.tensor = static_cast<int>(o.integer("tensor", m.tensor));
-       m.pipeline = static_cast<int>(o.integer("pipeline", m.pipeline));
-       m.data = static_cast<int>(o.integer("data", m.data));
-       m.zero = static_cast<int>(o.integer("zero", m.zero));
+       m.tensor = o.int32("tensor", m.tensor);
+       m.pipeline = o.int32("pipeline", m.pipeline);
+       m.data = o.int32("data", m.data);
+       m.zero = o.int32("zero", m.zero);
        o.finish();
        ud_push(a.L, std::make_shared<dist::Mesh>(m, world()), PT_MESH_MT);
        return 1; }},

@@ -7,9 +7,12 @@
 
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iomanip>
+#include <limits>
 #include <sstream>
 
 #include "bindings/lua.hpp"
@@ -66,15 +69,27 @@ double Args::number(int i) const {
   return lua_tonumber(L, i);
 }
 
+namespace {
+// Whether x is a whole number an int64_t holds (casting one that is not is undefined).
+bool whole_int64(double x) { return x >= -0x1p63 && x < 0x1p63 && x == std::trunc(x); }
+}  // namespace
+
 int64_t Args::integer(int i) const {
   if (!is_number(i)) expected(i, "integer");
   double x = lua_tonumber(L, i);
-  if (x != static_cast<double>(static_cast<int64_t>(x))) {
+  if (!whole_int64(x)) {
     std::ostringstream msg;
-    msg << "integer expected, got " << x;
+    msg << std::setprecision(17) << "integer expected, got " << x;
     fail(i, msg.str());
   }
   return static_cast<int64_t>(x);
+}
+
+int Args::int32(int i) const {
+  int64_t v = integer(i);
+  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max())
+    fail(i, "integer out of range (-2147483648 to 2147483647), got " + std::to_string(v));
+  return static_cast<int>(v);
 }
 
 bool Args::boolean(int i) const {
@@ -211,7 +226,7 @@ void Options::wrong(const char* key, const char* expected) {
   std::string got = luaL_typename(L, -1);
   if (lua_type(L, -1) == LUA_TNUMBER) {
     std::ostringstream s;
-    s << "number " << lua_tonumber(L, -1);
+    s << std::setprecision(17) << "number " << lua_tonumber(L, -1);
     got = s.str();
   } else if (lua_type(L, -1) == LUA_TSTRING) {
     got = std::string("string '") + lua_tostring(L, -1) + "'";
@@ -238,10 +253,19 @@ double Options::number(const char* key, double fallback) {
 int64_t Options::integer(const char* key, int64_t fallback) {
   if (!push(key)) return fallback;
   double x = lua_tonumber(L, -1);
-  if (lua_type(L, -1) != LUA_TNUMBER || x != static_cast<double>(static_cast<int64_t>(x)))
-    wrong(key, "an integer");
+  if (lua_type(L, -1) != LUA_TNUMBER || !whole_int64(x)) wrong(key, "an integer");
   lua_pop(L, 1);
   return static_cast<int64_t>(x);
+}
+
+int Options::int32(const char* key, int fallback) {
+  if (!push(key)) return fallback;
+  double x = lua_tonumber(L, -1);
+  if (lua_type(L, -1) != LUA_TNUMBER || !whole_int64(x) || x < std::numeric_limits<int>::min() ||
+      x > std::numeric_limits<int>::max())
+    wrong(key, "an integer from -2147483648 to 2147483647");
+  lua_pop(L, 1);
+  return static_cast<int>(x);
 }
 
 bool Options::boolean(const char* key, bool fallback) {
@@ -287,9 +311,12 @@ std::vector<int64_t> Options::ints(const char* key, std::vector<int64_t> fallbac
   std::vector<int64_t> out;
   auto xs = numbers(key, {});
   for (size_t k = 0; k < xs.size(); ++k) {
-    if (xs[k] != static_cast<double>(static_cast<int64_t>(xs[k])))
+    if (!whole_int64(xs[k])) {
+      std::ostringstream got;
+      got << std::setprecision(17) << xs[k];
       throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be a table of integers, "
-                                  "element " + std::to_string(k + 1) + " is " + std::to_string(xs[k]));
+                                  "element " + std::to_string(k + 1) + " is " + got.str());
+    }
     out.push_back(static_cast<int64_t>(xs[k]));
   }
   return out;

@@ -103,6 +103,10 @@ class Args {
   double number(int i, double fallback) const { return none(i) ? fallback : number(i); }
   int64_t integer(int i) const;
   int64_t integer(int i, int64_t fallback) const { return none(i) ? fallback : integer(i); }
+  /// An integer that fits in 32 bits (a size, a rank, a count the engine holds as int): larger
+  /// ones are refused as given, never cut to their low bits (2^32 + 1 is not 1).
+  int int32(int i) const;
+  int int32(int i, int fallback) const { return none(i) ? fallback : int32(i); }
   bool boolean(int i) const;
   bool boolean(int i, bool fallback) const { return none(i) ? fallback : boolean(i); }
   std::string string(int i) const;
@@ -147,6 +151,8 @@ class Options {
   bool has(const char* key);
   double number(const char* key, double fallback);
   int64_t integer(const char* key, int64_t fallback);
+  /// As integer(), refusing one that does not fit in 32 bits.
+  int int32(const char* key, int fallback);
   bool boolean(const char* key, bool fallback);
   std::string string(const char* key, const std::string& fallback);
   std::vector<int64_t> ints(const char* key, std::vector<int64_t> fallback);

@@ -236,8 +236,8 @@ const Function kTensorParallel[] = {
        auto g = group(a, 4);
        return a.ret(nn::dropout_part(a.tensor(1), a.number(2), a.boolean(3, true), a.integer(5, 1), g->size(), g->rank())); }},
     {"shard", [](Args& a) {  // shard(t, dim, rank, parts)
-       return a.ret(parallel::shard(a.tensor(1), a.integer(2), static_cast<int>(a.integer(3)),
-                                    static_cast<int>(a.integer(4)), "shard")); }},
+       return a.ret(parallel::shard(a.tensor(1), a.integer(2), a.int32(3),
+                                    a.int32(4), "shard")); }},
     {nullptr, nullptr}};
 
 
@@ -250,7 +250,7 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
   parallel::DataParallelOptions d;
   d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
   d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
-  d.grad_accumulation = static_cast<int>(o.integer("grad_accumulation", d.grad_accumulation));
+  d.grad_accumulation = o.int32("grad_accumulation", d.grad_accumulation);
   d.broadcast_buffers = o.boolean("broadcast_buffers", d.broadcast_buffers);
   if (o.has("reduce_dtype")) {
     auto name = o.string("reduce_dtype", "");
@@ -262,7 +262,7 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
   if (o.has("zero")) {
     Options z = o.table("zero");
     parallel::ZeroOptions zero;
-    zero.stage = static_cast<int>(z.integer("stage", 1));
+    zero.stage = z.int32("stage", 1);
     if (zero.stage < 0 || zero.stage > 2)
       throw std::invalid_argument("zero stage=" + std::to_string(zero.stage) + " is not supported: stages 0, 1, 2");
     if (z.has("reduce_bucket_size")) {
@@ -303,8 +303,8 @@ c10::optional<parallel::PipelineOptions> pipeline_options(const Args& a, int idx
   parallel::PipelineOptions p;
   p.blocks = o.string("blocks", "");
   p.schedule = o.string("schedule", "");
-  p.chunks = static_cast<int>(o.integer("chunks", 1));
-  p.microbatches = static_cast<int>(o.integer("microbatches", 1));
+  p.chunks = o.int32("chunks", 1);
+  p.microbatches = o.int32("microbatches", 1);
   p.balance.method = o.string("balance", "uniform");
   p.balance.sizes = o.ints("sizes", {});
   p.bubble = o.number("bubble", -1);           // the pre-flight check's predictions (for the planner)
@@ -350,7 +350,7 @@ parallel::TrainStepOptions train_step_options(const Args& a, int idx) {
   Options o(a, idx, "train_step");
   parallel::TrainStepOptions t;
   t.loss = o.string("loss", t.loss);
-  t.accumulate = static_cast<int>(o.integer("accumulate", t.accumulate));
+  t.accumulate = o.int32("accumulate", t.accumulate);
   if (o.has("ignore_index") && t.loss != "cross_entropy")
     a.fail(idx, "train_step: ignore_index is what cross_entropy skips; loss '" + t.loss + "' counts every element");
   t.ignore_index = o.integer("ignore_index", t.ignore_index);

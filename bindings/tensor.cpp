@@ -432,7 +432,7 @@ const Function kFunctions[] = {
     {"get_threads", [](Args& a) { return a.ret(double(at::get_num_threads())); }},
     {"set_threads", [](Args& a) {
        int64_t n = a.integer(1);
-       if (n < 1) a.fail(1, "threads must be >= 1, got " + std::to_string(n));
+       if (n < 1 || n > 1024) a.fail(1, "threads must be 1 to 1024, got " + std::to_string(n));
        at::set_num_threads(static_cast<int>(n));
        return a.ret(); }},
     {"cuda_available", [](Args& a) { return a.ret(compat::cuda_available()); }},
@@ -471,7 +471,7 @@ int cuda_index(Args& a, int i, const char* name) {
     throw std::runtime_error(std::string("pt.cuda.") + name + ": CUDA is not available in this build (LibTorch " +
                              compat::torch_version() + " without CUDA)");
   if (a.none(i)) return compat::cuda_current_device();
-  if (a.is_number(i)) return static_cast<int>(a.integer(i));
+  if (a.is_number(i)) return a.int32(i);
   auto spec = a.string(i);
   torch::Device d = parse_device(spec);
   if (!d.is_cuda()) a.fail(i, "a CUDA device expected, got '" + spec + "'");

@@ -72,6 +72,10 @@ nlohmann::json parse_header(const std::string& text, std::string* duplicate) {
 
 void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                        const models::HfNames* hf) {
+  // Over a .safetensors file only (its 8-byte header length, then the header's '{').
+  auto refused = util::may_replace(path, [](const std::string& head) { return head.size() > 8 && head[8] == '{'; },
+                                   "a .safetensors file");
+  TORCH_CHECK(refused.empty(), "export: ", refused);
   nlohmann::json header = {{"__metadata__", {{"format", "pt"}, {"producer", "partrain"}}}};
   std::vector<torch::Tensor> blobs;
   uint64_t offset = 0;

@@ -14,6 +14,8 @@
 
 namespace partrain::parallel {
 
+bool is_trace_head(const std::string& head) { return head.rfind("{\"displayTimeUnit\"", 0) == 0; }
+
 namespace {
 
 constexpr int kMaxTraceSteps = 1000;  // a trace of more steps would be too large to open
@@ -173,6 +175,8 @@ void StepTrace::end_step(const std::string& row) {
   json << "\n]}\n";
   TORCH_CHECK(!util::is_plain_dir(options_.path), "trace: '", options_.path, "' is a folder (expected the JSON file "
               "to write)");
+  auto refused = util::may_replace(options_.path, is_trace_head, "a trace partrain wrote");
+  TORCH_CHECK(refused.empty(), "trace: ", refused);
   util::write_atomic(options_.path, json.str());
 }
 

@@ -22,6 +22,9 @@ enum class TraceKind { Step, Forward, Backward, SendActivation, SendGradient, Re
 
 /// This process's step trace. Off unless configured (from PARTRAIN_TRACE and PARTRAIN_TRACE_STEPS,
 /// which `partrain --trace FILE --trace-steps K` sets for every rank, or by configure()).
+/// Whether a file's first bytes are those of a trace StepTrace writes (what --trace may replace).
+bool is_trace_head(const std::string& head);
+
 class StepTrace {
  public:
   using Clock = std::chrono::steady_clock;

@@ -439,6 +439,8 @@ bool begins_with_magic(const std::string& bytes) {
 }
 
 void save(const Plan& plan, const std::string& path) {
+  auto refused = util::may_replace(path, begins_with_magic, "a partrain plan");
+  TORCH_CHECK(refused.empty(), "plan --save: ", refused);
   std::ostringstream out(std::ios::binary);
   {
     cereal::BinaryOutputArchive ar(out);

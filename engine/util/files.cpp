@@ -130,6 +130,21 @@ void write_sync_close(int fd, const std::string& path, const std::string& bytes)
 
 }  // namespace
 
+std::string may_replace(const std::string& path, const std::function<bool(const std::string&)>& ours,
+                        const std::string& kind) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return "";
+  if (!S_ISREG(st.st_mode)) return "'" + path + "' is " + kind_of(st.st_mode) + ", not a file to write " + kind + " to";
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+  std::string head(64, '\0');
+  ssize_t n = fd >= 0 ? ::read(fd, head.data(), head.size()) : -1;
+  if (fd >= 0) ::close(fd);
+  head.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  if (st.st_size == 0 || ours(head)) return "";
+  return "'" + path + "' exists and is not " + kind + " (a file given by mistake is not replaced: remove it, or "
+         "name another)";
+}
+
 void write_new(const std::string& path, const std::string& bytes) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", std::strerror(errno));
@@ -142,6 +157,11 @@ void write_new(const std::string& path, const std::string& bytes) {
 }
 
 void write_atomic(const std::string& path, const std::string& bytes) {
+  // The rename would put a regular file in place of whatever is there: a device (/dev/null), a
+  // FIFO, a link (its target left as it was), a folder. Only a regular file is replaced.
+  if (struct stat st; ::lstat(path.c_str(), &st) == 0)
+    TORCH_CHECK(S_ISREG(st.st_mode), "cannot write '", path, "': it is ", kind_of(st.st_mode),
+                ", and only a regular file (or a new one) is written there");
   static thread_local std::mt19937_64 random{std::random_device{}()};
   std::string dir = dir_of(path), name = path.substr(path.find_last_of('/') + 1);
   std::string tmp;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace partrain::util {
@@ -39,8 +40,16 @@ void write_new(const std::string& path, const std::string& bytes);
 
 /// Writes `bytes` to `path` so that a reader sees the old file or the new one, never a part:
 /// a temporary beside it, created with O_EXCL | O_NOFOLLOW (a link planted there is not
-/// followed), flushed to disk, renamed over `path`, and the folder flushed.
+/// followed), flushed to disk, renamed over `path`, and the folder flushed. A `path` that exists
+/// and is not a regular file (a device, a FIFO, a link, a folder) is refused, naming what it is.
 void write_atomic(const std::string& path, const std::string& bytes);
+
+/// Whether an output may be written at `path`: "" when nothing is there, or a regular file whose
+/// first bytes (up to 64) `ours` recognizes as the kind about to be written (a report over a
+/// report); else why not, naming the path and `kind` ("an HTML report"): a training script or a
+/// metrics file given as the output by mistake is never replaced.
+std::string may_replace(const std::string& path, const std::function<bool(const std::string&)>& ours,
+                        const std::string& kind);
 
 /// Flushes a file or folder to disk (best effort: errors are ignored).
 void fsync_path(const std::string& path);

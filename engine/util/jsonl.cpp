@@ -62,16 +62,22 @@ size_t drop_records(const std::string& path, double drop_from, const std::string
   std::string text = read_regular(path, what, max_bytes);
   std::string kept;
   kept.reserve(text.size());
-  size_t dropped = 0, start = 0;
+  size_t dropped = 0, start = 0, number = 0;
   while (start < text.size()) {
+    ++number;
     size_t nl = text.find('\n', start);
     bool complete = nl != std::string::npos;
     std::string line = text.substr(start, complete ? nl - start : std::string::npos);
     start = complete ? nl + 1 : text.size();
     bool keep = false;
     if (complete) {
+      // A whole line that is no record: not a file of these records (a script or notes given by
+      // mistake), which rewriting would destroy. Only a last line cut short by a crash is dropped.
       auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      keep = j.is_object();
+      TORCH_CHECK(j.is_object(), "the ", what, " '", path, "' has a line ", number, " that is not a JSON record (",
+                  line.substr(0, 40), line.size() > 40 ? "..." : "", "): it is not a file of partrain's records, and "
+                  "is left as it is; name another file");
+      keep = true;
       if (keep && drop_from >= 0 && j.contains("step") && j["step"].is_number())
         keep = j["step"].get<double>() < drop_from;
     }

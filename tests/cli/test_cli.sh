@@ -193,5 +193,32 @@ refuse "partrain repl refuses a script after it" "repl takes partrain's flags on
 refuse "partrain flags before plan are refused, briefly" "plan takes no partrain flags before it" -- "$bin" --threads 2 plan --world 2 "$tmp/cfg.lua"
 settle_refusals
 
+# --- outputs: never written over a device, a FIFO, a link, or a file of another kind -------------
+mkdir -p "$tmp/out"
+printf 'local pt = require "partrain"\nfor s = 1, 3 do pt.log { step = s, loss = 1 / s } end\n' > "$tmp/out/log.lua"
+cp "$tmp/out/log.lua" "$tmp/out/keep.lua"
+"$bin" --metrics "$tmp/out/m.jsonl" "$tmp/out/log.lua" >/dev/null
+mkfifo "$tmp/out/fifo"
+ln -s "$tmp/out/m.jsonl" "$tmp/out/link"
+check "report -o over its own metrics file is refused" 1 "-o '$tmp/out/m.jsonl' exists and is not an HTML report" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/m.jsonl"
+check "report -o over a script is refused" 1 "exists and is not an HTML report" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/keep.lua"
+check "report -o of a device is refused" 1 "-o '/dev/null' is a character device" -- "$bin" report "$tmp/out/m.jsonl" -o /dev/null
+check "report -o of a FIFO is refused" 1 "is a FIFO" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/fifo"
+check "report -o of a link is refused" 1 "is a symbolic link" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/link"
+check "report -o writes a new page" 0 "wrote $tmp/out/r.html" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/r.html"
+check "report -o replaces a page it wrote" 0 "wrote $tmp/out/r.html" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/r.html"
+check "parity -o over an input is refused" 2 "exists and is not an HTML report" -- "$bin" parity "$tmp/out/m.jsonl" "$tmp/out/m.jsonl" -o "$tmp/out/m.jsonl"
+check "--metrics naming a script is refused before it runs" 1 "--metrics '$tmp/out/keep.lua' exists and is not a JSON-lines metrics file" -- "$bin" --metrics "$tmp/out/keep.lua" "$tmp/out/keep.lua"
+check "--trace naming a script is refused before it runs" 1 "--trace '$tmp/out/keep.lua' exists and is not a trace partrain wrote" -- "$bin" --trace "$tmp/out/keep.lua" "$tmp/out/keep.lua"
+check "plan --save over a script is refused" 1 "exists and is not a partrain plan" -- "$bin" plan --world 2 --save "$tmp/out/keep.lua" "$tmp/par.lua"
+printf 'local pt = require "partrain"\npt.ckpt.save(arg[1], { model = pt.models.mlp { sizes = { 4, 2 } }, step = 1 })\n' > "$tmp/out/save.lua"
+"$bin" "$tmp/out/save.lua" "$tmp/out/ck" >/dev/null
+check "ckpt export over the checkpoint's own data file is refused" 1 "exists and is not a .safetensors file" -- "$bin" ckpt export "$tmp/out/ck" "$tmp/out/ck/step-00000001/rank-00000.bin"
+check "ckpt export to a device is refused" 1 "'/dev/null' is a character device" -- "$bin" ckpt export "$tmp/out/ck" /dev/null
+check "the script given as an output is intact" 0 "" -- cmp "$tmp/out/log.lua" "$tmp/out/keep.lua"
+check "and the device is still one" 0 "" -- test -c /dev/null
+printf '{"step":1,"loss":1}\nnot a record\n' > "$tmp/out/notes.jsonl"
+check "a metrics file with a line that is not a record is left as it is, not rewritten" 1 "has a line 2 that is not a JSON record" -- "$bin" --metrics "$tmp/out/notes.jsonl" "$tmp/out/log.lua"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

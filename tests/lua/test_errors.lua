@@ -85,4 +85,26 @@ test("a callback the optimizer step runs that raises, uncaught, ends the script 
   ok(not out:find("Exception raised from", 1, true) and not out:find("terminate", 1, true), "no C++ trace:\n" .. out)
 end)
 
+-- 2^32 + 1 had been cut to 1: num_kept kept one checkpoint and deleted the rest, a mesh of
+-- tensor = 2^32 + 1 ran as 1, zero = { stage = 2^32 + 2 } as ZeRO-2.
+test("integers past 32 bits are refused as given, never cut to their low bits", function()
+  local dir = os.tmpname() .. "-kept"
+  local m = pt.models.mlp { sizes = { 4, 2 } }
+  for s = 1, 3 do pt.ckpt.save(dir, { model = m, step = s }) end
+  H.raises(function() pt.ckpt.save(dir, { model = m, step = 4, num_kept = 2 ^ 32 + 1 }) end,
+    "option 'num_kept' for pt.ckpt.save must be an integer from -2147483648 to 2147483647, got number 4294967297")
+  local kept = 0
+  for s = 1, 3 do
+    local f = io.open(("%s/step-%08d/manifest.bin"):format(dir, s), "rb")
+    if f then kept = kept + 1; f:close() end
+  end
+  H.eq(kept, 3, "every checkpoint is kept")
+  os.execute("rm -rf '" .. dir .. "'")
+  H.raises(function() pt.mesh { tensor = 2 ^ 32 + 1 } end, "got number 4294967297")
+  H.raises(function() pt.parallelize(pt.models.mlp { sizes = { 4, 2 } }, nil, pt.mesh {}, { zero = { stage = 2 ^ 32 + 2 } }) end,
+    "option 'zero.stage' for parallelize must be an integer from -2147483648 to 2147483647, got number 4294967298")
+  H.raises(function() pt.set_threads(2 ^ 40) end, "threads must be 1 to 1024")
+  H.raises(function() pt.mesh { tensor = 1e300 } end, "got number 1.0000000000000001e+300")
+end)
+
 H.run()
