@@ -3,9 +3,12 @@
 // its policy) and resume.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <set>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -49,25 +52,40 @@ json json_of(lua_State* L, int idx, const std::string& where, int depth = 0) {
   switch (lua_type(L, idx)) {
     case LUA_TNUMBER: {
       double x = lua_tonumber(L, idx);
-      if (x == static_cast<double>(static_cast<int64_t>(x)) && std::abs(x) < 9.0e15) return static_cast<int64_t>(x);
+      if (!std::isfinite(x))  // JSON has no NaN or infinity: it had come back as nil
+        throw std::invalid_argument(where + " is " + (x != x ? "NaN" : "infinite") + ": user values hold finite numbers");
+      if (std::abs(x) < 9.0e15 && x == std::trunc(x)) return static_cast<int64_t>(x);
       return x;
     }
     case LUA_TSTRING: return std::string(lua_tostring(L, idx));
     case LUA_TBOOLEAN: return static_cast<bool>(lua_toboolean(L, idx));
     case LUA_TTABLE: {
-      size_t n = lua_objlen(L, idx);
-      json out = n > 0 ? json::array() : json::object();
+      size_t n = lua_objlen(L, idx), count = 0;
       lua_pushnil(L);
       while (lua_next(L, idx)) {
-        if (n > 0) {
-          if (lua_type(L, -2) != LUA_TNUMBER) throw std::invalid_argument(where + " mixes a list with named fields");
-          out.push_back(json_of(L, -1, where, depth + 1));
-        } else {
-          if (lua_type(L, -2) != LUA_TSTRING)
-            throw std::invalid_argument(where + " has a key that is not a string");
-          std::string key = lua_tostring(L, -2);
-          out[key] = json_of(L, -1, where + "." + key, depth + 1);
+        ++count;
+        lua_pop(L, 1);
+      }
+      if (n > 0) {
+        // A list is its elements 1..n in order, and nothing else: a list with holes ({[1] = 1,
+        // [3] = 3}) or named fields beside it would not come back as it was.
+        if (count != n)
+          throw std::invalid_argument(where + " is not a list of elements 1 to " + std::to_string(n) + " alone (it has " +
+                                      std::to_string(count) + " keys: holes, or named fields beside the list)");
+        json out = json::array();
+        for (size_t i = 1; i <= n; ++i) {
+          lua_rawgeti(L, idx, static_cast<int>(i));
+          out.push_back(json_of(L, -1, where + "[" + std::to_string(i) + "]", depth + 1));
+          lua_pop(L, 1);
         }
+        return out;
+      }
+      json out = json::object();
+      lua_pushnil(L);
+      while (lua_next(L, idx)) {
+        if (lua_type(L, -2) != LUA_TSTRING) throw std::invalid_argument(where + " has a key that is not a string");
+        std::string key = lua_tostring(L, -2);
+        out[key] = json_of(L, -1, where + "." + key, depth + 1);
         lua_pop(L, 1);
       }
       return out;
@@ -122,6 +140,22 @@ ckpt::State state_of(Args& a, Options& t) {
     if (!o && !lua_isnil(L, -1)) throw std::invalid_argument("'optim' must be an optimizer");
     if (o) s.optimizer = o->get();
     lua_pop(L, 1);
+    // The model's optimizer, not another's: its state would be saved as this model's (another
+    // model's AdamW after one step loaded as a step count with no moments).
+    if (o) {
+      auto made_for = model_of_optimizer(o->get());
+      bool ours = made_for && made_for.get() == s.model;
+      if (!ours) {  // made from a table of tensors or a module of the model: they must be this model's
+        std::unordered_set<const c10::TensorImpl*> mine;
+        for (const auto& p : s.model->parameters(/*recurse=*/true)) mine.insert(p.unsafeGetTensorImpl());
+        ours = std::all_of((*o)->params().begin(), (*o)->params().end(),
+                           [&](const torch::Tensor& p) { return mine.count(p.unsafeGetTensorImpl()) > 0; });
+      }
+      if (!ours)
+        throw std::invalid_argument("'optim' is not an optimizer of this model (it was made for " +
+                                    (made_for ? "a " + made_for->type() : std::string("other tensors")) +
+                                    "): give the optimizer made from the model");
+    }
   }
   if (t.push("data")) {
     auto* d = ud_test<std::shared_ptr<data::Loader>>(L, -1, PT_LOADER_MT);

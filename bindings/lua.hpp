@@ -19,6 +19,10 @@ class Mesh;
 class ProcessGroup;
 using GroupPtr = std::shared_ptr<ProcessGroup>;
 }
+namespace partrain::optim {
+class Optimizer;
+}
+
 namespace partrain::parallel {
 class DataParallel;
 }
@@ -271,6 +275,10 @@ void open_plan(lua_State* L, int core);
 void open_repl(lua_State* L, int core);
 void open_ckpt(lua_State* L, int core);
 void open_files(lua_State* L, int core);
+
+/// The module an optimizer was made from (or the parallelized model whose parameters it was made
+/// from), or nullptr: one made from a table of other tensors, or whose model is gone.
+nn::ModulePtr model_of_optimizer(const optim::Optimizer* opt);
 
 /// The data-parallel state of `model` when pt.parallelize made it parallel, or nullptr.
 std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);

@@ -349,14 +349,22 @@ const Function kOptimizerMethods[] = {
                     std::to_string(o->steps_taken()) + ")"); }},
     {nullptr, nullptr}};
 
+}  // namespace
+
+nn::ModulePtr model_of_optimizer(const optim::Optimizer* opt) {
+  for (const auto& [key, entry] : optimizers_of())
+    for (const auto& w : entry.optimizers)
+      if (w.lock().get() == opt)
+        if (auto m = entry.model.lock()) return m;
+  return nullptr;
+}
+
+namespace {
+
 const Function kOptim[] = {
     {"model_of", [](Args& a) {  // model_of(opt): the model it was made for, or nil
-       auto* o = optimizer(a, 1).get();
-       for (const auto& [key, entry] : optimizers_of())
-         for (const auto& w : entry.optimizers)
-           if (w.lock().get() == o)
-             if (auto m = entry.model.lock()) { push_module(a.L, m); return 1; }
-       lua_pushnil(a.L);
+       if (auto m = model_of_optimizer(optimizer(a, 1).get())) push_module(a.L, m);
+       else lua_pushnil(a.L);
        return 1; }},
     {"holding", [](Args& a) {  // holding(model): the name of a parameter a live optimizer steps, or nil
        std::unordered_map<const c10::TensorImpl*, std::string> names;

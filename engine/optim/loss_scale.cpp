@@ -11,8 +11,10 @@ namespace partrain::optim {
 void validate(const LossScaleOptions& o) {
   TORCH_CHECK(o.kind == "none" || o.kind == "static" || o.kind == "dynamic",
               "loss_scale must be a number or \"dynamic\", got kind '", o.kind, "'");
+  // A scale float32 cannot hold (or only as a denormal) skips every step as an overflow, forever.
   auto positive = [](const char* name, double v) {
-    TORCH_CHECK(std::isfinite(v) && v > 0, name, " must be a finite number > 0, got ", v);
+    TORCH_CHECK(std::isfinite(v) && v >= 0x1p-126 && v <= 0x1p127, name,
+                " must be a number float32 holds, from 2^-126 to 2^127, got ", v);
   };
   if (o.kind == "static") positive("loss_scale", o.scale);
   if (o.kind != "dynamic") return;

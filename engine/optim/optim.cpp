@@ -17,13 +17,14 @@ void validate(const ScheduleOptions& s) {
   TORCH_CHECK(s.kind == "constant" || s.kind == "cosine" || s.kind == "linear",
               "schedule kind must be constant, cosine or linear, got '", s.kind, "'");
   TORCH_CHECK(s.warmup >= 0, "schedule warmup must be >= 0, got ", s.warmup);
-  TORCH_CHECK(s.min_lr >= 0, "schedule min_lr must be >= 0, got ", s.min_lr);
+  TORCH_CHECK(std::isfinite(s.min_lr) && s.min_lr >= 0, "schedule min_lr must be a finite number >= 0, got ", s.min_lr);
   if (s.kind != "constant")
     TORCH_CHECK(s.total > s.warmup, "a ", s.kind, " schedule needs total > warmup, got total=",
                 s.total, " warmup=", s.warmup);
 }
 
 double scheduled_lr(const ScheduleOptions& s, double lr, int64_t step) {
+  TORCH_CHECK(step >= 0, "scheduled_lr: step must be >= 0, got ", step);
   if (step < s.warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup);
   if (s.kind == "constant") return lr;
   if (step >= s.total) return s.min_lr;
@@ -73,11 +74,12 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
                   "models; a float64 parameter's gradients do not underflow: drop loss_scale");
     scaler_ = std::make_shared<LossScaler>(options_.loss_scale);
   }
-  TORCH_CHECK(options_.lr >= 0, k, ": lr must be >= 0, got ", options_.lr);
-  TORCH_CHECK(options_.weight_decay >= 0, k, ": weight_decay must be >= 0, got ",
-              options_.weight_decay);
-  TORCH_CHECK(options_.clip_grad_norm >= 0, k, ": clip_grad_norm must be >= 0, got ",
-              options_.clip_grad_norm);
+  // Finite: an infinite or NaN rate, decay or norm trains every weight to NaN with no error.
+  check_lr(options_.lr);
+  TORCH_CHECK(std::isfinite(options_.weight_decay) && options_.weight_decay >= 0, k,
+              ": weight_decay must be a finite number >= 0, got ", options_.weight_decay);
+  TORCH_CHECK(std::isfinite(options_.clip_grad_norm) && options_.clip_grad_norm >= 0, k,
+              ": clip_grad_norm must be a finite number >= 0, got ", options_.clip_grad_norm);
   validate(options_.schedule);
   const auto& fused = options_.fused;
   TORCH_CHECK(fused == "off" || fused == "on" || fused == "auto", k, ": fused must be on, off or auto, got '", fused, "'");
@@ -297,6 +299,15 @@ int64_t Optimizer::state_bytes() const {
     }
   }
   return bytes + master_bytes();
+}
+
+void Optimizer::check_lr(double lr) const {
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0, options_.kind, ": lr must be a finite number >= 0, got ", lr);
+}
+
+void Optimizer::set_lr(double lr) {
+  check_lr(lr);
+  options_.lr = lr;
 }
 
 double Optimizer::lr() const { return scheduled_lr(options_.schedule, options_.lr, steps_); }

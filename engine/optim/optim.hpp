@@ -123,7 +123,8 @@ class Optimizer {
   /// The lr the next step will use.
   double lr() const;
   /// Replaces the base lr (the schedule scales from it).
-  void set_lr(double lr) { options_.lr = lr; }
+  /// The base rate (a finite number >= 0; anything else is refused).
+  void set_lr(double lr);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   const OptimizerOptions& options() const { return options_; }
@@ -164,6 +165,7 @@ class Optimizer {
   void set_grad_norm(std::function<double(const std::vector<torch::Tensor>&)> norm) { norm_ = std::move(norm); }
 
  private:
+  void check_lr(double lr) const;
   void apply_lr(double lr);
   // The update itself: impl_'s step, or the fused kernel over the same state.
   void update();

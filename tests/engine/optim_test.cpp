@@ -136,5 +136,5 @@ TEST(LossScaler, RefusesOptionsNamingTheValue) {
   optim::LossScaleOptions st;
   st.kind = "static";
   st.scale = 0;
-  EXPECT_EQ(error_of([&] { optim::LossScaler s(st); }), "loss_scale must be a finite number > 0, got 0");
+  EXPECT_EQ(error_of([&] { optim::LossScaler s(st); }), "loss_scale must be a number float32 holds, from 2^-126 to 2^127, got 0");
 }

@@ -117,11 +117,28 @@ test("bad optimizer input is refused by name", function()
   raises(function() pt.optim.sgd({ w }, { lr = "fast" }) end, "option 'lr' for sgd must be a number, got string 'fast'")
   raises(function() pt.optim.sgd({ w }, { momentun = 0.9 }) end, "unknown option 'momentun' for sgd")
   raises(function() pt.optim.adam({ w }, { momentum = 0.9 }) end, "unknown option 'momentum' for adam")
-  raises(function() pt.optim.sgd({ w }, { lr = -1 }) end, "lr must be >= 0")
+  raises(function() pt.optim.sgd({ w }, { lr = -1 }) end, "lr must be a finite number >= 0")
   raises(function() pt.optim.sgd({}, { lr = 1 }) end, "got no parameters")
   raises(function() pt.optim.sgd(42) end, "module or table of parameters expected, got number")
-  raises(function() pt.optim.sgd({ pt.ones(1) }) end, "requires grad")
+  raises(function() pt.optim.sgd({ pt.ones(1) }) end, "parameter #1 of the table is frozen (requires_grad = false)")
   raises(function() pt.optim.sgd({ w }, { schedule = { kind = "cosine" } }) end, "needs total > warmup")
+end)
+
+-- Non-finite rates and scales float32 cannot hold trained every weight to NaN, or skipped every
+-- step, with exit 0.
+test("a non-finite lr, decay or norm, and a loss scale float32 cannot hold, are refused", function()
+  local m = pt.models.mlp { sizes = { 4, 2 } }
+  raises(function() pt.optim.sgd(m, { lr = 1 / 0 }) end, "sgd: lr must be a finite number >= 0, got inf")
+  raises(function() pt.optim.adamw(m, { weight_decay = 0 / 0 }) end, "weight_decay must be a finite number >= 0")
+  raises(function() pt.optim.adamw(m, { clip_grad_norm = 1 / 0 }) end, "clip_grad_norm must be a finite number >= 0")
+  local o = pt.optim.sgd(m, { lr = 0.1 })
+  for _, bad in ipairs { 0 / 0, -1, 1 / 0 } do
+    raises(function() o:set_lr(bad) end, "sgd: lr must be a finite number >= 0")
+  end
+  near(o:lr(), 0.1, 0, "the rate stays what it was")
+  raises(function() pt.optim.sgd(m, { loss_scale = 1e300 }) end, "loss_scale must be a number float32 holds")
+  raises(function() pt.optim.sgd(m, { loss_scale = 1e-300 }) end, "loss_scale must be a number float32 holds")
+  raises(function() pt.optim.scheduled_lr({ kind = "cosine", total = 10 }, 0.1, -1) end, "step must be >= 0, got -1")
 end)
 
 H.run()

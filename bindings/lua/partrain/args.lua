@@ -69,8 +69,16 @@ local function convert(name, kind, text)
     return b
   end
   local x = tonumber(text)
+  -- Finite only: --lr inf or nan trained every weight to NaN; an integer exactly as written
+  -- (2^53 + 1 would round to another).
   if x == nil or (kind == "integer" and x ~= math.floor(x)) then
     error(("--%s expects %s, got '%s'"):format(name, kind == "integer" and "an integer" or "a number", text), 0)
+  end
+  if x ~= x or x == math.huge or x == -math.huge then
+    error(("--%s expects a finite number, got '%s'"):format(name, text), 0)
+  end
+  if kind == "integer" and math.abs(x) >= 2 ^ 53 then
+    error(("--%s expects an integer below 2^53 in size, got '%s'"):format(name, text), 0)
   end
   return x
 end
