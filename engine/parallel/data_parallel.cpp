@@ -58,9 +58,13 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   }
   // A tied tensor (GPT-2's wte = lm_head) once: one slot in the buffers, one gradient hook. Two
   // slots would reduce it twice and, under ZeRO, step two masters of it that need not agree.
-  for (auto& p : model.parameters())
-    if (p.requires_grad() && dp->index_of_.emplace(p.unsafeGetTensorImpl(), dp->params_.size()).second)
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    if (p.requires_grad() && dp->index_of_.emplace(p.unsafeGetTensorImpl(), dp->params_.size()).second) {
       dp->params_.push_back(p);
+      dp->names_.push_back(item.key());
+    }
+  }
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
   auto holds = [](const std::vector<torch::Tensor>& list, const torch::Tensor& p) {
@@ -129,6 +133,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   for (auto& b : dp->buckets_)
     dp->stats_.bytes += b.padded * static_cast<int64_t>(c10::elementSize(keys[b.buffer].first));
   dp->filled_.assign(dp->params_.size(), 0);
+  dp->used_.assign(dp->params_.size(), 0);
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
@@ -186,6 +191,7 @@ void DataParallel::fill(Bucket& b, size_t slot) {
   auto& p = params_[k];
   auto slice = b.flat.narrow(0, b.offsets[slot], p.numel());
   const auto& grad = p.grad();
+  if (grad.defined()) used_[k] = 1;
   if (!grad.defined()) slice.zero_();  // no gradient this pass counts as zeros (every rank sends every bucket)
   else if (grad.data_ptr() != slice.data_ptr()) slice.copy_(grad.reshape({-1}));  // not already in place
   // Reduce-scattered (ZeRO-2, ZeRO-1's default): the gradient is in the bucket now; autograd's
@@ -361,6 +367,13 @@ void DataParallel::finish_here() {
   pass_.clear();
   if (!syncing_) return;  // ZeRO-2's passes before the sync's: reduced into the shard, no more
   syncing_ = false;
+  // Which parameters got a gradient on some data rank since the last sync (one small all-reduce
+  // behind the buckets'): one that got none anywhere keeps no .grad, as serial training leaves
+  // it, so the optimizer skips it; counted as zeros, AdamW's decay and moments had moved it.
+  // (partrain plan's meta tensors hold no counts: the all-reduce is planned, nothing is read.)
+  const auto device = buffer_options_.front().device();
+  auto used = torch::tensor(std::vector<float>(used_.begin(), used_.end())).to(device);
+  auto used_work = group_->size() > 1 ? group_->all_reduce(used, dist::ReduceOp::Sum, /*async=*/true) : dist::Work();
   parts_hold_sync_ = scatters() && !sharded() &&
                      std::any_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return !b.whole; });
   auto backward_end = Clock::now();
@@ -381,12 +394,23 @@ void DataParallel::finish_here() {
   stats_.last_exposed_seconds = std::chrono::duration<double>(done - backward_end).count();
   stats_.sync_seconds += stats_.last_sync_seconds;
   stats_.exposed_seconds += stats_.last_exposed_seconds;
+  used_work.wait();
+  std::vector<char> unused(params_.size(), 0);
+  if (!device.is_meta() && !group_->planned()) {
+    auto counts = used.cpu();
+    for (size_t k = 0; k < params_.size(); ++k) unused[k] = counts.data_ptr<float>()[k] == 0;
+  }
+  std::fill(used_.begin(), used_.end(), 0);
   // Each .grad becomes a view of its bucket: no copy back, and no new gradient memory a step
   // (DDP's gradient_as_bucket_view). The next sync overwrites the bucket, so a .grad kept across
   // steps changes with it. A reduce-scattered bucket's parameters have no .grad
   // (sync_shard_grad gathers them).
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];
+    if (unused[k]) {
+      params_[k].mutable_grad() = torch::Tensor();
+      continue;
+    }
     if (scatters() && !b.whole) continue;
     auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
     if (slice.scalar_type() == params_[k].scalar_type()) params_[k].mutable_grad() = slice;
@@ -394,6 +418,14 @@ void DataParallel::finish_here() {
     else params_[k].mutable_grad() = slice.to(params_[k].scalar_type());
   }
   passes_ = 0;
+  // ZeRO steps its masters' shards whole, a parameter without a gradient as zeros: refused on
+  // every rank alike (the counts are the group's), after the sync, rather than moved.
+  if (options_.zero_stage > 0)
+    for (size_t k = 0; k < params_.size(); ++k)
+      TORCH_CHECK(!unused[k], "ZeRO: parameter '", names_[k], "' got no gradient on any data rank since the last ",
+                  "sync; ZeRO's optimizer would step it as zeros (its moments and weight decay moving it, where ",
+                  "serial training leaves it): a model whose forward skips parameters trains without ZeRO, or freeze ",
+                  "them (requires_grad = false) before pt.parallelize");
 }
 
 void DataParallel::gather_shards() {

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -218,6 +219,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   dist::GroupPtr group_;
   DataParallelOptions options_;
   std::vector<torch::Tensor> params_;
+  std::vector<std::string> names_;  // each parameter's name in the model (the first, for a tied one)
+  std::vector<char> used_;          // parameter -> it got a gradient on this rank since the last sync
   std::unordered_map<const c10::TensorImpl*, size_t> index_of_;  // parameter -> its position in params_
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks installed
   std::vector<size_t> bucket_of_, slot_of_;  // parameter -> bucket, position in it

@@ -155,4 +155,61 @@ H.test("bad parallelize input is refused by name", function()
   H.raises(function() pt.parallelize(model, nil, mesh) end, "already data-parallel")
 end)
 
+-- A parameter the forward skips: serial training leaves it without a gradient and the optimizer
+-- skips it; synced as zeros, AdamW's moments and decay had moved it (1.6e-1 after 4 steps, exit
+-- 0). `extra` is used on step 1 only, `other` on data rank 0 only (the mean still reaches every
+-- rank), `never` never. Under ZeRO such a step is refused on every rank.
+local Skips = pt.nn.Module "Skips"
+function Skips:__init()
+  self.fc = pt.nn.Linear(4, 3); self.extra = pt.nn.Linear(3, 3); self.other = pt.nn.Linear(3, 3)
+  self.never = pt.nn.Linear(3, 3)
+end
+function Skips:forward(x)
+  local h = self.fc(x)
+  if self.use_extra then h = self.extra(h) end
+  if self.use_other then h = self.other(h) end
+  return h
+end
+
+H.test("a parameter no data rank used keeps no gradient and is not stepped, as in serial training (float64)", function()
+  pt.manual_seed(1); local serial = Skips():to("float64")
+  pt.manual_seed(1); local model = pt.parallelize(Skips():to("float64"), nil, mesh)
+  local so, po = pt.optim.adamw(serial, { lr = 0.1 }), pt.optim.adamw(model, { lr = 0.1 })
+  local d = mesh:coord().data
+  for step = 1, 4 do
+    local x, y = pt.randn({ 4 * dp, 4 }):double(), pt.randint(0, 3, { 4 * dp })
+    data_group:broadcast(x, 0); data_group:broadcast(y, 0)
+    serial.use_extra, model.use_extra = step == 1, step == 1
+    -- `other`: serially on data rank 0's rows only; in parallel on data rank 0 only.
+    serial.use_other = false
+    local head = serial(x:narrow(0, 0, 4))
+    serial.use_other = true
+    local first = serial(x:narrow(0, 0, 4))
+    serial.use_other = false
+    local rest = dp > 1 and serial(x:narrow(0, 4, 4 * (dp - 1))) or nil
+    local out = rest and pt.cat({ first, rest }, 0) or first
+    pt.nn.cross_entropy(out, y):backward()
+    H.ok(head, "the serial forward ran")
+    model.use_other = d == 0
+    model:train_step(x:narrow(0, d * 4, 4), y:narrow(0, d * 4, 4))
+    H.eq(model:get("never").weight.grad == nil, true, "never used: no gradient")
+    H.eq(model:get("extra").weight.grad == nil, step ~= 1, "extra: a gradient on step 1 only")
+    so:step(); po:step(); so:zero_grad(); po:zero_grad()
+  end
+  local want = serial:state_dict()
+  for name, t in pairs(model:state_dict()) do
+    H.near(t, want[name], 1e-10, "parameter " .. name)
+  end
+end)
+
+if dp % 2 == 0 then
+  H.test("ZeRO refuses a step in which a parameter got no gradient on any data rank, on every rank", function()
+    local zmesh = pt.mesh { zero = 2 }
+    pt.manual_seed(1)
+    local model = pt.parallelize(Skips(), nil, zmesh, { zero = { stage = 1 } })
+    local x, y = pt.randn({ 4, 4 }), pt.randint(0, 3, { 4 })
+    H.raises(function() model:train_step(x, y) end, "ZeRO: parameter 'extra.weight' got no gradient on any data rank")
+  end)
+end
+
 H.run()
