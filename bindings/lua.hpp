@@ -276,6 +276,10 @@ void open_repl(lua_State* L, int core);
 void open_ckpt(lua_State* L, int core);
 void open_files(lua_State* L, int core);
 
+/// The name (as in `named`) of a tensor a live optimizer steps, or "": replacing it would leave
+/// that optimizer stepping the old tensor. Optimizers the script dropped are collected first.
+std::string held_by_optimizer(lua_State* L, const torch::OrderedDict<std::string, torch::Tensor>& named);
+
 /// The module an optimizer was made from (or the parallelized model whose parameters it was made
 /// from), or nullptr: one made from a table of other tensors, or whose model is gone.
 nn::ModulePtr model_of_optimizer(const optim::Optimizer* opt);

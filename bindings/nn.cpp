@@ -158,6 +158,25 @@ void push_module_via(lua_State* L, int cache, const ModulePtr& m) {
 }
 
 // Parameters from a module or a table of tensors.
+// A parameter or module a live optimizer steps is not replaced: the optimizer would go on
+// stepping the old tensors while the forward used the new ones (the new layer moved by 0, exit 0).
+void refuse_replacing_held(lua_State* L, const nn::Module& parent, const std::string& key) {
+  torch::OrderedDict<std::string, Tensor> named;
+  std::string what;
+  if (auto old = parent.child(key)) {
+    named = old->named_parameters(/*recurse=*/true);
+    what = "its parameter ";
+  } else if (parent.has_slot(key) && parent.param(key).defined()) {
+    named.insert(key, parent.param(key));
+  }
+  if (named.is_empty()) return;
+  auto held = held_by_optimizer(L, named);
+  if (!held.empty())
+    throw std::invalid_argument("cannot replace " + parent.type() + "." + key + ": a live optimizer steps " + what +
+                                "'" + held + "', and would go on stepping the old tensor; change the model before "
+                                "making its optimizer (or make a new optimizer after)");
+}
+
 std::vector<Tensor> params_of(const Args& a, int i) {
   if (auto* m = ud_test<ModulePtr>(a.L, i, PT_MODULE_MT)) return nn::unique_parameters(**m);
   if (a.is_table(i)) return a.tensors(i);
@@ -323,6 +342,7 @@ const Function kMethods[] = {
        std::string parent_path = dot == std::string::npos ? "" : path.substr(0, dot);
        auto parent = root->find(parent_path);
        if (!parent || path.empty()) a.fail(2, "no module at '" + path + "' in " + root->type());
+       refuse_replacing_held(a.L, *parent, dot == std::string::npos ? path : path.substr(dot + 1));
        parent->set_child(dot == std::string::npos ? path : path.substr(dot + 1), a.module(3));
        return a.ret(); }},
     {"state_dict", [](Args& a) {  // this rank's tensors (its parts of split ones): smp's local_state_dict
@@ -496,6 +516,7 @@ const Function kMeta[] = {
          lua_rawset(a.L, -3);
          lua_pop(a.L, 1);
        };
+       refuse_replacing_held(a.L, *m, key);
        if (auto* child = ud_test<ModulePtr>(a.L, 3, PT_MODULE_MT)) {
          m->set_child(key, *child);
          forget_field();

@@ -351,6 +351,22 @@ const Function kOptimizerMethods[] = {
 
 }  // namespace
 
+std::string held_by_optimizer(lua_State* L, const torch::OrderedDict<std::string, torch::Tensor>& named) {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : named) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  auto find = [&]() -> std::string {
+    for (const auto& w : all_optimizers())
+      if (auto o = w.lock())
+        for (const auto& p : o->params())
+          if (auto it = names.find(p.unsafeGetTensorImpl()); it != names.end()) return it->second;
+    return "";
+  };
+  auto name = find();
+  if (name.empty()) return name;
+  lua_gc(L, LUA_GCCOLLECT, 0);  // one the script dropped and Lua has not collected yet
+  return find();
+}
+
 nn::ModulePtr model_of_optimizer(const optim::Optimizer* opt) {
   for (const auto& [key, entry] : optimizers_of())
     for (const auto& w : entry.optimizers)
@@ -367,14 +383,9 @@ const Function kOptim[] = {
        else lua_pushnil(a.L);
        return 1; }},
     {"holding", [](Args& a) {  // holding(model): the name of a parameter a live optimizer steps, or nil
-       std::unordered_map<const c10::TensorImpl*, std::string> names;
-       for (const auto& item : a.module(1)->named_parameters(/*recurse=*/true))
-         names.emplace(item.value().unsafeGetTensorImpl(), item.key());
-       for (const auto& w : all_optimizers())
-         if (auto o = w.lock())
-           for (const auto& p : o->params())
-             if (auto it = names.find(p.unsafeGetTensorImpl()); it != names.end()) return a.ret(it->second);
-       lua_pushnil(a.L);
+       auto name = held_by_optimizer(a.L, a.module(1)->named_parameters(/*recurse=*/true));
+       if (name.empty()) lua_pushnil(a.L);
+       else lua_pushstring(a.L, name.c_str());
        return 1; }},
     {"of", [](Args& a) {  // of(model): the optimizers made for it that are still alive
        auto& all = optimizers_of();

@@ -3,7 +3,10 @@
 // Lua tables that come back (shape, totable) are ordinary 1-based Lua arrays.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <ctime>
+#include <iomanip>
+#include <limits>
 #include <sstream>
 
 #include "bindings/lua.hpp"
@@ -386,6 +389,26 @@ const Function kFunctions[] = {
        // ask for {dtype = "int64"} (or call :long()) for integer tensors such as class ids.
        auto dtype = bools && !values.empty() ? torch::kBool : torch::kFloat32;
        auto opts = creation_options(a, 2, "tensor", dtype);
+       // Into an integer dtype, each number as it is: NaN, infinity, a fraction or one out of the
+       // dtype's range had become another number (1.5 -> 1, 2^63 -> -2^63, NaN -> -9.2e18).
+       const auto type = c10::typeMetaToScalarType(opts.dtype());
+       if (c10::isIntegralType(type, /*includeBool=*/false)) {
+         double lo = 0, hi = 0;
+         AT_DISPATCH_INTEGRAL_TYPES(type, "tensor", [&] {
+           lo = static_cast<double>(std::numeric_limits<scalar_t>::min());
+           hi = static_cast<double>(std::numeric_limits<scalar_t>::max());
+         });
+         for (size_t k = 0; k < values.size(); ++k) {
+           const double x = values[k];
+           if (!(x == std::trunc(x) && x >= lo && x <= hi && x < 0x1p63)) {
+             std::ostringstream got;
+             if (x != x) got << "NaN";
+             else got << std::setprecision(17) << x;
+             a.fail(1, "element " + std::to_string(k + 1) + " is " + got.str() + ", not an integer " +
+                           std::string(c10::toString(type)) + " holds");
+           }
+         }
+       }
        auto t = torch::tensor(values, torch::kFloat64).reshape(shape).to(opts.dtype()).to(opts.device());
        return a.ret(t.set_requires_grad(opts.requires_grad())); }},
     {"zeros", [](Args& a) { auto [s, o] = shape_and_options(a); return a.ret(torch::zeros(s, o)); }},

@@ -110,8 +110,9 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
 namespace {
 
 // The tensors of one .safetensors file under the file's own names (read_safetensors's checks).
-std::map<std::string, torch::Tensor> read_file_names(const std::string& path) {
-  int fd = util::open_regular(path, "safetensors file");
+// `links`: Refuse for an index's shards, which sit beside it (a link would lead out of the folder).
+std::map<std::string, torch::Tensor> read_file_names(const std::string& path, util::Links links = util::Links::Follow) {
+  int fd = util::open_regular(path, "safetensors file", links);
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
@@ -286,7 +287,7 @@ std::map<std::string, torch::Tensor> read_safetensors_index(const std::string& i
   std::map<std::string, torch::Tensor> raw;
   for (const auto& [file, names] : files) {
     const std::string path = (dir == "." ? "" : dir) + file;
-    for (auto& [name, t] : read_file_names(path)) {
+    for (auto& [name, t] : read_file_names(path, util::Links::Refuse)) {
       if (!names.count(name))
         TORCH_CHECK(false, "'", path, "' holds tensor '", shown(name), "', which the index '", index_path, "' ",
                     index["weight_map"].contains(name) ? "puts in another file" : "does not list");

@@ -402,7 +402,10 @@ test("pipeline options that cannot run are refused at the caller's line", functi
   local one = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 1 }
   raises(function() pt.parallelize(pt.models.gpt2(one), "policies.gpt2", mesh, {}) end, "1 block cannot fill 2 stages")
   raises(function() pt.parallelize(pt.models.mlp { sizes = { 4, 4 } }, nil, mesh, {}) end,
-    "the policy for MLP has no pipeline description")
+    "pipeline=2: the policy for MLP has no pipeline description")
+  -- No policy passed in: the registered one describes the stages (policies.md: nil selects it).
+  local cut = pt.parallelize(pt.models.gpt2(gpt), nil, mesh, { microbatches = 2 })
+  eq(cut:pipeline().size, 2, "GPT-2 with policy nil is cut as policies.gpt2 describes")
   refused({ microbatches = 0 }, "microbatches must be a positive integer")
   refused({ schedule = "gpipe" }, "needs a mesh with pipeline > 1", pt.mesh {})
   local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { microbatches = 2 })

@@ -286,4 +286,19 @@ test("pt shows its documented functions and keeps the library's internals inside
   end
 end)
 
+-- An optimizer made before a layer or parameter is replaced would go on stepping the old tensors
+-- (the new layer moved by 0, exit 0): the replacement is refused while it lives.
+test("a layer or parameter a live optimizer steps cannot be replaced", function()
+  local m = pt.nn.Sequential(pt.nn.Linear(4, 8), pt.nn.ReLU(), pt.nn.Linear(8, 2))
+  local opt = pt.optim.sgd(m, { lr = 0.1 })
+  raises(function() m:set("0", pt.nn.Linear(4, 8)) end,
+    "cannot replace Sequential.0: a live optimizer steps its parameter 'weight'")
+  raises(function() m:get("0").weight = pt.ones(8, 4):requires_grad_(true) end,
+    "cannot replace Linear.weight: a live optimizer steps 'weight'")
+  ok(opt, "the optimizer is alive")
+  opt = nil
+  m:set("0", pt.nn.Linear(4, 8))  -- once it is gone (collected), the model may change
+  ok(m:get("0"), "replaced after the optimizer was dropped")
+end)
+
 H.run()

@@ -173,6 +173,13 @@ test("Hugging Face's sharded layout: an index and its files, refused when they d
   refused(indexed, "is not a safetensors index", "a weight_map that is not an object")
   write(indexed, '{"weight_map":{"0.bias":"a.safetensors","0.bias":"b.safetensors"}}')
   refused(indexed, "names a tensor twice", "a tensor twice in the weight_map")
+  -- A shard that is a link leads out of the folder (it had been imported): refused.
+  os.execute("mkdir -p '" .. root .. "/outside' && mv '" .. dir .. "/model-00001-of-00002.safetensors' '" .. root
+    .. "/outside/shard.safetensors' && ln -s '" .. root .. "/outside/shard.safetensors' '" .. dir
+    .. "/model-00001-of-00002.safetensors'")
+  index('{"0.bias":"model-00001-of-00002.safetensors","0.weight":"model-00002-of-00002.safetensors"}')
+  raises(function() pt.ckpt.import_safetensors(model(), indexed) end,
+    "model-00001-of-00002.safetensors' is a symbolic link", "an index's shard that is a link")
 end)
 
 local status = H.run()

@@ -185,4 +185,14 @@ test("tostring shows shape, dtype and values", function()
   ok(s:find("1.5"), s)
 end)
 
+-- Into an integer dtype each number as it is: NaN had become -9.2e18, 2^63 INT64_MIN, 1.5 1.
+test("pt.tensor into an integer dtype refuses what the dtype cannot hold exactly", function()
+  raises(function() pt.tensor({ 1, 0 / 0 }, { dtype = "int64" }) end, "element 2 is NaN, not an integer Long holds")
+  raises(function() pt.tensor({ 2 ^ 63 }, { dtype = "int64" }) end, "element 1 is 9.2233720368547758e+18")
+  raises(function() pt.tensor({ 1e300 }, { dtype = "int32" }) end, "not an integer Int holds")
+  raises(function() pt.tensor({ 1.5 }, { dtype = "int64" }) end, "element 1 is 1.5")
+  raises(function() pt.tensor({ 256 }, { dtype = "uint8" }) end, "element 1 is 256, not an integer Byte holds")
+  eq(pt.tensor({ -2 ^ 63, 2 ^ 53 }, { dtype = "int64" }):select(0, 1):item(), 2 ^ 53, "the range's ends are taken")
+end)
+
 H.run()

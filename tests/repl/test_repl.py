@@ -147,6 +147,13 @@ with tempfile.TemporaryDirectory() as home:
     check("shards() lists logical and local shapes and who holds which slice",
           "h.0.attn.c_attn.weight" in out and "[48, 16]" in out and "[24, 16]" in out and every in out
           and "ranks 0" in out, out)
+    out = s.chunk("shards('[')")
+    check("shards() with a malformed pattern says so, not from inside the helper",
+          "shards: '[' is not a valid Lua pattern" in out and "repl.lua:" not in out.split("stack traceback")[0], out)
+    out = s.chunk("mesh(1)")
+    check("mesh() given a number says what it takes", "mesh: the argument must be a mesh" in out, out)
+    out = s.chunk("mem('x')")
+    check("mem() given a string says what it takes", "mem: the model must be a module" in out, out)
     out = s.chunk("mesh()")
     check("mesh() shows each rank's coordinates", "rank 0: tensor 0" in out and f"rank {last}: tensor 1" in out, out)
     out = s.chunk("opt = pt.optim.adamw(model); pt.loss_fn(model)(model(pt.randint(0, 64, {2, 8})), "

@@ -235,6 +235,10 @@ local function pipeline_description(model, policy, mesh, opts)
   end
   local stages = type(policy) == "table" and policy.pipeline
   if not stages then
+    if policy == nil then
+      error(("pipeline=%d: no policy with a pipeline description is registered for %s: pass one with pipeline = "
+        .. "{ blocks, first, last }"):format(pp, model:type()), 0)
+    end
     error(("pipeline=%d: the policy for %s has no pipeline description (blocks, first, last)"):format(pp, model:type()), 0)
   end
   local schedule = opts.schedule or "1f1b"
@@ -320,7 +324,14 @@ function pt.parallelize(model, policy, mesh, opts)
     end
     if policy ~= nil and type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
     local cfg = P.config(shard, 3)
-    local staged = pipeline_description(model, policy, mesh, pipe)
+    -- A pipeline without a policy passed in is cut as the model's registered policy describes
+    -- (policies.md: nil selects it); at tensor 1 that policy is not applied.
+    local describes = policy
+    if describes == nil and mesh:size("pipeline") > 1 then
+      describes = P.registry[model:type()]
+      if type(describes) == "string" then describes = require(describes) end
+    end
+    local staged = pipeline_description(model, describes, mesh, pipe)
     -- The engine composes the parallelisms in its order (engine/parallel/parallel_model.cpp);
     -- tensor parallelism is this policy, applied by the sharder when the engine calls for it.
     -- (`undo` is kept only until the composer returns; the model is not kept anywhere by Lua:

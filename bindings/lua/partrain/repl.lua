@@ -255,8 +255,14 @@ function R.helpers(stop)
   end
 
   --- The model shards() and mem() look at: the argument, else the last one made parallel.
-  local function model_of(m)
-    if m ~= nil then return m end
+  local function model_of(m, helper)
+    if m ~= nil then
+      if not core.nn.is_module(m) then
+        error(("%s: the model must be a module (or nil: the last one pt.parallelize made), got %s"):format(helper,
+          type(m)), 3)
+      end
+      return m
+    end
     local last = pt.parallelized()
     if not last then error("no model: pass one, or make one with pt.parallelize", 3) end
     return last
@@ -284,7 +290,10 @@ function R.helpers(stop)
   --- shape, local shape, split dimension, which ranks hold which slice, bytes a rank.
   function H.shards(pattern, model)
     if type(pattern) == "userdata" then pattern, model = nil, pattern end
-    model = model_of(model)
+    if pattern ~= nil and type(pattern) ~= "string" then
+      error("shards: the pattern must be a string (a Lua pattern over parameter names), got " .. type(pattern), 2)
+    end
+    model = model_of(model, "shards")
     local mesh = pt.mesh_of(model)
     local staged = stages_text(model)
     -- Whole parameters are held by every rank of this rank's stage (all ranks without a pipeline).
@@ -300,7 +309,12 @@ function R.helpers(stop)
     local lines = { ("%-32s %-14s %-14s %-5s %-10s %s"):format("parameter", "shape", "local", "split", "bytes/rank", "held by") }
     local total = 0
     for _, row in ipairs(pt.tp.shards(model)) do
-      if not pattern or row.name:find(pattern) then
+      local found, hit = true, nil
+      if pattern then found, hit = pcall(string.find, row.name, pattern) end
+      if not found then
+        error(("shards: '%s' is not a valid Lua pattern (escape magic characters with %%: %%[ for [)"):format(pattern), 2)
+      end
+      if not pattern or hit then
         total = total + row.bytes
         local held
         if row.dim then
@@ -329,6 +343,9 @@ function R.helpers(stop)
   --- With a pipeline, also its group and the stages this rank holds (of the model pt.parallelize
   --- made last over this mesh).
   function H.mesh(m)
+    if m ~= nil and getmetatable(m) ~= debug.getregistry()["partrain.Mesh"] then
+      error("mesh: the argument must be a mesh (or nil: the last parallelized model's), got " .. type(m), 2)
+    end
     local model = pt.parallelized()
     m = m or pt.mesh_of(model) or pt.mesh {}
     local c = m:coord()
@@ -347,7 +364,7 @@ function R.helpers(stop)
   --- (pt.memory_report), the ZeRO stage and zero group when the optimizer is sharded, the bytes
   --- tensors hold on the CPU now and at their peak, and the process's resident memory.
   function H.mem(model)
-    local r = pt.memory_report(model_of(model))
+    local r = pt.memory_report(model_of(model, "mem"))
     local zero = ""
     if r.zero_stage == 1 then
       zero = (" | ZeRO-1 over %d ranks (optimizer and masters: this rank's shard)"):format(r.zero_group)
