@@ -241,6 +241,9 @@ int make_optimizer(Args& a, const std::string& kind) {
                     " backward pass(es) since the last sync, and grad_accumulation=",
                     d ? d->options().grad_accumulation : 0, " syncs on every ",
                     d ? d->options().grad_accumulation : 0, "th: step after the last micro-batch");
+        // A hand-written loop's sync (train_step settles its own on the loss's all-reduce): the
+        // parameters no data rank gave a gradient are left without one.
+        if (d) d->settle_unused();
       });
   }
   auto& all = all_optimizers();

@@ -367,13 +367,7 @@ void DataParallel::finish_here() {
   pass_.clear();
   if (!syncing_) return;  // ZeRO-2's passes before the sync's: reduced into the shard, no more
   syncing_ = false;
-  // Which parameters got a gradient on some data rank since the last sync (one small all-reduce
-  // behind the buckets'): one that got none anywhere keeps no .grad, as serial training leaves
-  // it, so the optimizer skips it; counted as zeros, AdamW's decay and moments had moved it.
-  // (partrain plan's meta tensors hold no counts: the all-reduce is planned, nothing is read.)
-  const auto device = buffer_options_.front().device();
-  auto used = torch::tensor(std::vector<float>(used_.begin(), used_.end())).to(device);
-  auto used_work = group_->size() > 1 ? group_->all_reduce(used, dist::ReduceOp::Sum, /*async=*/true) : dist::Work();
+
   parts_hold_sync_ = scatters() && !sharded() &&
                      std::any_of(buckets_.begin(), buckets_.end(), [](const Bucket& b) { return !b.whole; });
   auto backward_end = Clock::now();
@@ -394,23 +388,17 @@ void DataParallel::finish_here() {
   stats_.last_exposed_seconds = std::chrono::duration<double>(done - backward_end).count();
   stats_.sync_seconds += stats_.last_sync_seconds;
   stats_.exposed_seconds += stats_.last_exposed_seconds;
-  used_work.wait();
-  std::vector<char> unused(params_.size(), 0);
-  if (!device.is_meta() && !group_->planned()) {
-    auto counts = used.cpu();
-    for (size_t k = 0; k < params_.size(); ++k) unused[k] = counts.data_ptr<float>()[k] == 0;
-  }
+  // Which parameters got a gradient here since the last sync: settle_unused() finds, with the
+  // other data ranks' counts, those that got none anywhere.
+  synced_used_ = used_;
   std::fill(used_.begin(), used_.end(), 0);
+  unsettled_ = true;
   // Each .grad becomes a view of its bucket: no copy back, and no new gradient memory a step
   // (DDP's gradient_as_bucket_view). The next sync overwrites the bucket, so a .grad kept across
   // steps changes with it. A reduce-scattered bucket's parameters have no .grad
   // (sync_shard_grad gathers them).
   for (size_t k = 0; k < params_.size(); ++k) {
     auto& b = buckets_[bucket_of_[k]];
-    if (unused[k]) {
-      params_[k].mutable_grad() = torch::Tensor();
-      continue;
-    }
     if (scatters() && !b.whole) continue;
     auto slice = b.flat.narrow(0, b.offsets[slot_of_[k]], params_[k].numel()).view(params_[k].sizes());
     if (slice.scalar_type() == params_[k].scalar_type()) params_[k].mutable_grad() = slice;
@@ -418,14 +406,55 @@ void DataParallel::finish_here() {
     else params_[k].mutable_grad() = slice.to(params_[k].scalar_type());
   }
   passes_ = 0;
-  // ZeRO steps its masters' shards whole, a parameter without a gradient as zeros: refused on
-  // every rank alike (the counts are the group's), after the sync, rather than moved.
-  if (options_.zero_stage > 0)
-    for (size_t k = 0; k < params_.size(); ++k)
-      TORCH_CHECK(!unused[k], "ZeRO: parameter '", names_[k], "' got no gradient on any data rank since the last ",
-                  "sync; ZeRO's optimizer would step it as zeros (its moments and weight decay moving it, where ",
-                  "serial training leaves it): a model whose forward skips parameters trains without ZeRO, or freeze ",
-                  "them (requires_grad = false) before pt.parallelize");
+  if (group_->size() == 1) {
+    settle_unused(used_counts());  // this rank's counts are the group's
+  } else if (!counts_elsewhere_) {
+    // A hand-written loop's sync: the counts' all-reduce runs behind it while the script goes on
+    // to opt:step(), which settles them (train_step carries them on its loss's all-reduce).
+    counts_ = used_counts().to(buffer_options_.front().device());
+    counts_work_ = group_->all_reduce(counts_, dist::ReduceOp::Sum, /*async=*/true);
+    counts_pending_ = true;
+  }
+}
+
+torch::Tensor DataParallel::used_counts() const {
+  return torch::tensor(std::vector<double>(synced_used_.begin(), synced_used_.end()), torch::kFloat64);
+}
+
+void DataParallel::settle_unused(const torch::Tensor& counts) {
+  if (!unsettled_) return;
+  unsettled_ = false;
+  if (counts.is_meta() || group_->planned()) return;  // partrain plan: nothing to read
+  auto summed = counts.to(torch::kCPU, torch::kFloat64).contiguous();
+  TORCH_CHECK(summed.numel() == static_cast<int64_t>(params_.size()), "data parallelism: ", summed.numel(),
+              " gradient counts for ", params_.size(), " parameters");
+  const double* n = summed.data_ptr<double>();
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (n[k] != 0) continue;
+    // ZeRO steps its masters' shards whole, a parameter without a gradient as zeros: refused on
+    // every rank alike (the counts are the group's), rather than moved.
+    TORCH_CHECK(options_.zero_stage == 0, "ZeRO: parameter '", names_[k], "' got no gradient on any data rank since ",
+                "the last sync; ZeRO's optimizer would step it as zeros (its moments and weight decay moving it, ",
+                "where serial training leaves it): a model whose forward skips parameters trains without ZeRO, or ",
+                "freeze them (requires_grad = false) before pt.parallelize");
+    params_[k].mutable_grad() = torch::Tensor();
+  }
+}
+
+void DataParallel::settle_unused() {
+  if (counts_pending_) {
+    counts_pending_ = false;
+    counts_work_.wait();
+    settle_unused(counts_);
+    counts_ = torch::Tensor();
+  }
+  if (!unsettled_) return;
+  auto counts = used_counts();
+  if (group_->size() > 1) {
+    counts = counts.to(buffer_options_.front().device());
+    group_->all_reduce(counts, dist::ReduceOp::Sum);
+  }
+  settle_unused(counts);
 }
 
 void DataParallel::gather_shards() {

@@ -146,6 +146,19 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// Clears every parameter's .grad and, under ZeRO-2, zeroes the shards (what backward passes
   /// have added up since).
   void zero_grad();
+  /// A parameter that got no gradient on any data rank since the last sync keeps no .grad, as
+  /// serial training leaves it, so the optimizer skips it (counted as zeros in the buckets,
+  /// AdamW's moments and decay had moved it). used_counts(): this rank's count a parameter
+  /// (float64, 1 or 0) for the last sync; settle_unused(counts) takes their sum over the data
+  /// group (train_step carries it on the loss's all-reduce) and drops the .grad of those at 0,
+  /// once a sync; under ZeRO, which steps its shards whole, such a parameter is refused, on every
+  /// rank alike. settle_unused() all-reduces the counts itself (a hand-written loop's step).
+  torch::Tensor used_counts() const;
+  void settle_unused(const torch::Tensor& counts);
+  void settle_unused();
+  bool unsettled() const { return unsettled_; }
+  /// Set by train_step around its step: the sync leaves the counts to it.
+  void set_counts_elsewhere(bool elsewhere) { counts_elsewhere_ = elsewhere; }
   int passes_since_sync() const { return passes_; }
   const DataParallelOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
@@ -221,6 +234,12 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;  // each parameter's name in the model (the first, for a tied one)
   std::vector<char> used_;          // parameter -> it got a gradient on this rank since the last sync
+  std::vector<char> synced_used_;   // ... as the last sync left it, until settled
+  bool unsettled_ = false;          // a sync's counts not yet settled (settle_unused)
+  bool counts_elsewhere_ = false;   // train_step carries the counts on its loss's all-reduce
+  bool counts_pending_ = false;     // a hand-written loop's counts, all-reduced behind the sync
+  torch::Tensor counts_;
+  dist::Work counts_work_;
   std::unordered_map<const c10::TensorImpl*, size_t> index_of_;  // parameter -> its position in params_
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks installed
   std::vector<size_t> bucket_of_, slot_of_;  // parameter -> bucket, position in it

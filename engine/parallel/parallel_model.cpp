@@ -440,13 +440,27 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   // batch), and the data-parallel mean of the gradients is then serial training's gradient.
   // Nothing counted at all: the loss is NaN and the gradients zero, as serial training's.
   const double data = data_parallel_ ? static_cast<double>(data_parallel_->group()->size()) : 1.0;
+  // The sync leaves data parallelism's gradient counts to the loss's all-reduce below.
+  struct CountsHere {
+    DataParallel* dp;
+    ~CountsHere() {
+      if (dp) dp->set_counts_elsewhere(false);
+    }
+  } counts_here{data_parallel_.get()};
+  if (data_parallel_) data_parallel_->set_counts_elsewhere(true);
   auto weight = count.clamp_min(1).reciprocal().mul_(data);
   // The sum over this rank's micro-batches, then over the data ranks: the global batch's mean.
   auto global_mean = [&](torch::Tensor sum, torch::ScalarType dtype) {
     if (data > 1) {
-      sum = sum.reshape({1}).contiguous();
+      // The loss's all-reduce carries data parallelism's gradient counts for the sync this step
+      // made (DataParallel::settle_unused): no collective of their own.
+      const bool counts = data_parallel_->unsettled();
+      sum = sum.reshape({1}).to(torch::kFloat64);
+      if (counts) sum = torch::cat({sum, data_parallel_->used_counts().to(sum.device())});
+      sum = sum.contiguous();
       data_parallel_->group()->all_reduce(sum);
-      sum = sum.squeeze(0);
+      if (counts) data_parallel_->settle_unused(sum.narrow(0, 1, sum.numel() - 1));
+      sum = sum.narrow(0, 0, 1).squeeze(0);
     }
     return (sum / count.to(sum.device())).to(dtype);
   };

@@ -77,6 +77,7 @@ class ZeroShards : public optim::Distributed {
   }
 
   void prepare() override {
+    dp_->settle_unused();  // a step on gradients a parameter got on no data rank is refused
     wait_params();  // overlap_sync_param: the last step's gathers, before the parameters are read
     torch::NoGradGuard no_grad;
     auto model = model_.lock();
