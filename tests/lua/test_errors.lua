@@ -107,4 +107,12 @@ test("integers past 32 bits are refused as given, never cut to their low bits", 
   H.raises(function() pt.mesh { tensor = 1e300 } end, "got number 1.0000000000000001e+300")
 end)
 
+test("a bad sharding option names the script line, not partrain's own", function()
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 4, 2 } }\n'
+    .. 'pt.parallelize(m, nil, pt.mesh {}, { probe = "yes" })\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, "partrain: " .. path .. ":3: sharding option 'probe' must be", "the script's line first")
+  ok(not out:match("^[^\n]*init%.lua:%d+:"), "no line of partrain's library in the message:\n" .. out)
+end)
+
 H.run()

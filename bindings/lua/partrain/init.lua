@@ -323,7 +323,7 @@ function pt.parallelize(model, policy, mesh, opts)
       policy = result
     end
     if policy ~= nil and type(policy) ~= "table" then error("parallelize: the policy must be a table, a module name or nil", 0) end
-    local cfg = P.config(shard, 3)
+    local cfg = P.config(shard, 0)  -- rethrow below names the caller's line
     -- A pipeline without a policy passed in is cut as the model's registered policy describes
     -- (policies.md: nil selects it); at tensor 1 that policy is not applied.
     local describes = policy

@@ -350,9 +350,9 @@ P.config_keys = CONFIG
 P.probe_limit = 16 * 1024 * 1024
 
 --- Fills in and checks a configuration table; an unknown key or a wrong type is an error
---- (at `level`). Returns a new table.
+--- (at `level`; 0: no position, for a caller that adds its own). Returns a new table.
 function P.config(opts, level)
-  level = (level or 1) + 1
+  level = level == 0 and 0 or (level or 1) + 1
   local cfg = {}
   for k, v in pairs(opts or {}) do
     if CONFIG[k] == nil then
