@@ -38,11 +38,19 @@ test("a bad argument that trips inside the library is moved to the user's line, 
   has(out, "partrain: " .. path .. ":3: attempt to call local 'fn' (a number value) (raised in partrain/init.lua:", "relocated")
 end)
 
-test("an engine error passed on by a library wrapper names the user's line once (pt.ckpt.save)", function()
-  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
-    .. 'pt.ckpt.save(os.tmpname() .. "-ck", { model = m, tag = "../x" })\n')
+-- Runs `call` as line 3 of a script whose line 2 makes an MLP `m`: it must fail (status 1) with
+-- `want` right after the script's line 3. Returns the output.
+local function fails_at_line_3(call, want, what)
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 4, 2 } }\n'
+    .. call .. '\n')
   ok(status == 1, "exit status 1, got " .. tostring(status))
-  has(out, "partrain: " .. path .. ":3: bad checkpoint tag '../x'", "named once")
+  has(out, "partrain: " .. path .. ":3: " .. want, what)
+  return out
+end
+
+test("an engine error passed on by a library wrapper names the user's line once (pt.ckpt.save)", function()
+  fails_at_line_3('pt.ckpt.save(os.tmpname() .. "-ck", { model = m, tag = "../x" })', "bad checkpoint tag '../x'",
+    "named once")
 end)
 
 test("a library refusal caught by pcall(f, ...) names the line of that pcall", function()
@@ -108,10 +116,8 @@ test("integers past 32 bits are refused as given, never cut to their low bits", 
 end)
 
 test("a bad sharding option names the script line, not partrain's own", function()
-  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 4, 2 } }\n'
-    .. 'pt.parallelize(m, nil, pt.mesh {}, { probe = "yes" })\n')
-  ok(status == 1, "exit status 1, got " .. tostring(status))
-  has(out, "partrain: " .. path .. ":3: sharding option 'probe' must be", "the script's line first")
+  local out = fails_at_line_3('pt.parallelize(m, nil, pt.mesh {}, { probe = "yes" })', "sharding option 'probe' must be",
+    "the script's line first")
   ok(not out:match("^[^\n]*init%.lua:%d+:"), "no line of partrain's library in the message:\n" .. out)
 end)
 
