@@ -75,6 +75,10 @@ void serialize(Archive& ar, ConfigEntry& c) {
   ar(c.name, c.value);
 }
 template <class Archive>
+void serialize(Archive& ar, ParamSteps& p) {
+  ar(p.name, p.steps);
+}
+template <class Archive>
 void serialize(Archive& ar, Manifest& m) {
   ar(m.step, m.world, m.tensor, m.data, m.pipeline, m.zero, m.model_type, m.policy, m.optimizer, m.optimizer_steps,
      m.samples_seen, m.user_json, m.full, m.tensors, m.files, m.rng);
@@ -82,6 +86,7 @@ void serialize(Archive& ar, Manifest& m) {
   if (!Archive::is_loading::value || reading_format >= 5) ar(m.loss_scale);
   if (!Archive::is_loading::value || reading_format >= 6) ar(m.cuda_rng);
   if (!Archive::is_loading::value || reading_format >= 7) ar(m.config);
+  if (!Archive::is_loading::value || reading_format >= 8) ar(m.param_steps);
 }
 
 const TensorEntry* Manifest::find(const std::string& name) const {
@@ -399,9 +404,10 @@ struct RankPart {
   std::vector<TensorEntry> tensors;
   FileEntry file;  // name empty: the rank wrote nothing
   std::string rng, cuda_rng;  // cuda_rng: empty on a CPU rank
+  std::vector<ParamSteps> steps;  // the parameters it wrote whose state took fewer steps
   template <class Archive>
   void serialize(Archive& ar) {
-    ar(tensors, file, rng, cuda_rng);
+    ar(tensors, file, rng, cuda_rng, steps);
   }
 };
 
@@ -846,6 +852,16 @@ void validate(const Manifest& m, const std::string& path) {
   for (const auto& [param, slots] : slots_of)
     if (slots != optimizer_slots().at(m.optimizer))
       bad("has only part of the " + m.optimizer + " state of '" + param + "'");
+  // Step counts: of parameters with state, within the optimizer's, each named once.
+  std::set<std::string> counted;
+  for (const auto& p : m.param_steps) {
+    const std::string name = printable(p.name, 1024) ? "'" + p.name + "'" : "a parameter";
+    if (!slots_of.count(p.name) || !counted.insert(p.name).second)
+      bad("has a step count for " + name + ", which has no optimizer state or another count");
+    if (m.optimizer == "sgd" || p.steps < 0 || p.steps > m.optimizer_steps)
+      bad("has step count " + std::to_string(p.steps) + " for " + name + " of an optimizer (" + m.optimizer +
+          ") after " + std::to_string(m.optimizer_steps) + " step(s)");
+  }
   // Each data file: its pieces tile it exactly, and its CRC-32 is theirs combined.
   for (size_t i = 0; i < m.files.size(); ++i) {
     auto& ps = by_file[i];
@@ -1038,17 +1054,20 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
         split = nullptr;
         writer = pipe ? stage && coord.data == 0 && coord.tensor == 0 : rank == 0;
       }
-      if (!writer) return;
+      if (!writer) return false;
       if (!file) file = std::make_unique<DataFile>(join(tmp, name));
       part.tensors.push_back(entry_for(key, value, split));  // full: value is already logical
       add_pieces(*file, part.tensors.back(), value, split, -1);
+      return true;
     };
     for (const auto& h : held(*state.model)) {
       auto s = parallel::sharding_of(*state.model, h.local);
-      store("model/" + h.logical, h.param, s, h.first);
-      if (state.optimizer)
-        for (const auto& [slot, t] : state.optimizer->param_state(h.param))
-          store("optim/" + h.logical + "/" + slot, t, s, h.first);
+      const bool wrote = store("model/" + h.logical, h.param, s, h.first);
+      if (!state.optimizer) continue;
+      for (const auto& [slot, t] : state.optimizer->param_state(h.param))
+        store("optim/" + h.logical + "/" + slot, t, s, h.first);
+      const int64_t steps = state.optimizer->param_steps(h.param);
+      if (wrote && steps >= 0 && steps != state.optimizer->steps_taken()) part.steps.push_back({h.logical, steps});
     }
     if (file) part.file = file->finish(name);
     part.rng = rng_state();
@@ -1091,8 +1110,10 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
     m.user_json = state.user_json;
     m.full = options.full;
     std::map<std::string, size_t> index;
+    std::map<std::string, int64_t> param_steps;  // a split parameter's slices' writers all report it
     for (const auto& bytes : parts) {
       RankPart part = part_from(bytes);
+      for (const auto& p : part.steps) param_steps[p.name] = p.steps;
       int32_t file = -1;
       if (!part.file.name.empty()) {
         file = static_cast<int32_t>(m.files.size());
@@ -1112,6 +1133,7 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
       m.rng.push_back(std::move(part.rng));
       m.cuda_rng.push_back(std::move(part.cuda_rng));
     }
+    for (const auto& [name, steps] : param_steps) m.param_steps.push_back({name, steps});
     // Only a run that used CUDA stores its states: a CPU run's manifest holds none.
     if (std::all_of(m.cuda_rng.begin(), m.cuda_rng.end(), [](const auto& r) { return r.empty(); })) m.cuda_rng.clear();
     validate(m, join(tmp, "manifest.bin"));  // what a load will demand, checked before it is written
@@ -1331,6 +1353,11 @@ std::string describe(const Manifest& m) {
     << " x pipeline " << m.pipeline << ", zero " << m.zero << (m.full ? "; full (consolidated)" : "; partial (per-rank shards)")
     << "\nmodel " << m.model_type << (m.policy.empty() ? "" : ", policy " + m.policy);
   if (!m.optimizer.empty()) s << "; optimizer " << m.optimizer << " after " << m.optimizer_steps << " step(s)";
+  if (!m.param_steps.empty()) {
+    s << "\nparameters that stepped fewer times (no gradient on the others):";
+    for (size_t i = 0; i < m.param_steps.size(); ++i)
+      s << (i ? ", " : " ") << m.param_steps[i].name << " " << m.param_steps[i].steps;
+  }
   if (!m.config.empty()) {
     s << "\nmodel config:";
     for (size_t i = 0; i < m.config.size(); ++i)
@@ -1423,6 +1450,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
   std::vector<Held> params;
   std::vector<torch::Tensor> values;
   std::vector<std::map<std::string, torch::Tensor>> slots;
+  std::vector<int64_t> steps;  // each parameter's state's step count; -1: the optimizer's
   bool with_optimizer = false;
   together(group, "loading the checkpoint", [&] {
     check_tag(tag);
@@ -1470,6 +1498,20 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     torch::NoGradGuard no_grad;
     values.resize(params.size());
     slots.resize(params.size());
+    steps.assign(params.size(), -1);
+    if (with_optimizer) {
+      std::map<std::string, int64_t> counted;
+      for (const auto& p : m.param_steps) counted[p.name] = p.steps;
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto it = counted.find(params[i].logical);
+        if (it == counted.end()) continue;
+        steps[i] = it->second;
+        TORCH_CHECK(!state.optimizer->distributed(), "the checkpoint '", tag_dir, "' holds the state of '",
+                    it->first, "' after ", it->second, " of the optimizer's ", m.optimizer_steps,
+                    " steps (it had no gradient on the others); ZeRO steps every parameter on every step and ",
+                    "cannot resume it: load it without zero, or train on without the optimizer's state");
+      }
+    }
     as_damage([&] {
       for (size_t i = 0; i < params.size(); ++i) {
         const auto& [name, local, p, first] = params[i];
@@ -1503,7 +1545,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     }
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].param.copy_(values[i]);
-      if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i]);  // none: cleared
+      if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i], steps[i]);  // none: cleared
     }
     if (rank < static_cast<int>(m.rng.size()) && !m.rng[rank].empty()) {
       try {

@@ -41,8 +41,9 @@ namespace partrain::ckpt {
 /// pipeline that saved it is recorded (PipelineLayout). Versions 3 (no pipeline layout) and 2
 /// (a count of equal parts instead of their sizes) are read; version 1 (no checksum of the
 /// manifest) is refused. Version 5 adds the optimizer's loss-scaler state (version 4 has none),
-/// version 6 each rank's CUDA generator state, version 7 the model's configuration.
-constexpr uint32_t kFormatVersion = 7;
+/// version 6 each rank's CUDA generator state, version 7 the model's configuration, version 8 the
+/// step counts of parameters whose optimizer state took fewer steps than the optimizer.
+constexpr uint32_t kFormatVersion = 8;
 /// The oldest format this partrain reads.
 constexpr uint32_t kOldestReadableFormat = 2;
 
@@ -83,6 +84,13 @@ struct PipelineLayout {
   std::vector<int64_t> bounds;
 };
 
+/// A parameter whose optimizer state took fewer steps than the optimizer (it had no gradient on
+/// the others, and Adam skipped it): its bias correction reads its own count.
+struct ParamSteps {
+  std::string name;  ///< the parameter's logical name
+  int64_t steps = 0;
+};
+
 /// One setting of the configuration of the model that saved a checkpoint (nn::ConfigField).
 struct ConfigEntry {
   std::string name;
@@ -112,6 +120,10 @@ struct Manifest {
   /// shown by inspect; a load refuses a model whose fixed settings (heads) differ from it. Empty
   /// for a model that has none, and before format 7 (nothing is compared).
   std::vector<ConfigEntry> config;
+  /// Format 8 on: the parameters whose optimizer state took fewer steps than optimizer_steps;
+  /// every other one with state took them all. Before format 8 none is recorded (a load gives
+  /// every parameter the optimizer's count).
+  std::vector<ParamSteps> param_steps;
   const TensorEntry* find(const std::string& name) const;
 };
 

@@ -175,12 +175,13 @@ Text::Text(const TextOptions& o) : options(o) {
   };
   header_ = o.header;
   int64_t stated = -1;  // the token count a header states
-  if (o.header == -1) header_ = size >= kLlmcHeader && read_i32(data_) == kLlmcMagic ? kLlmcHeader : 0;
+  if (o.header == -1) header_ = size >= 4 && read_i32(data_) == kLlmcMagic ? kLlmcHeader : 0;
   if (header_ == kLlmcHeader && size >= kLlmcHeader && read_i32(data_) == kLlmcMagic) {
     if (read_i32(data_ + 4) != 1) fail("has llm.c's header with version " + std::to_string(read_i32(data_ + 4)) +
                                        " (expected 1: uint16 tokens)");
     if (o.dtype != TextOptions::Storage::UInt16) fail("has llm.c's header, whose tokens are uint16: read it with dtype = \"uint16\"");
     stated = read_i32(data_ + 8);
+    if (stated < 0) fail("has llm.c's header stating " + std::to_string(stated) + " tokens (expected a count >= 0)");
   }
   if (header_ > size) fail("has " + std::to_string(size) + " bytes, fewer than its header of " + std::to_string(header_));
   if ((size - header_) % width != 0)

@@ -194,6 +194,7 @@ Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
   TORCH_CHECK(o.vocab > 0 && o.seq > 0 && o.dim > 0 && o.heads > 0 && o.layers > 0,
               "gpt2 needs positive sizes: vocab=", o.vocab, " seq=", o.seq, " dim=", o.dim, " heads=", o.heads,
               " layers=", o.layers);
+  TORCH_CHECK(o.layers <= kMaxLayers, "gpt2: layers must be at most ", kMaxLayers, ", got ", o.layers);
   TORCH_CHECK(o.dim % o.heads == 0, "gpt2: heads=", o.heads, " does not divide dim=", o.dim);
   TORCH_CHECK(o.dropout >= 0 && o.dropout < 1, "gpt2: dropout must be in [0, 1), got ", o.dropout);
   set_child("wte", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.vocab, o.dim)));

@@ -168,6 +168,7 @@ Llama::Llama(const LlamaOptions& o) : nn::Unary("Llama"), options(o) {
   TORCH_CHECK(o.vocab > 0 && o.seq > 0 && o.dim > 0 && o.heads > 0 && o.layers > 0 && o.kv_heads >= 0 && o.hidden >= 0,
               "llama needs positive sizes: vocab=", o.vocab, " seq=", o.seq, " dim=", o.dim, " heads=", o.heads,
               " layers=", o.layers, " (kv_heads=", o.kv_heads, " and hidden=", o.hidden, " may be 0: the default)");
+  TORCH_CHECK(o.layers <= kMaxLayers, "llama: layers must be at most ", kMaxLayers, ", got ", o.layers);
   TORCH_CHECK(o.dim % o.heads == 0, "llama: heads=", o.heads, " does not divide dim=", o.dim);
   TORCH_CHECK(o.heads % kv_heads_of(o) == 0, "llama: kv_heads=", o.kv_heads, " does not divide heads=", o.heads,
               " (each key/value head serves an equal group of query heads)");

@@ -11,6 +11,10 @@
 
 namespace partrain::models {
 
+/// The most blocks a transformer family builds: beyond any model trained (GPT-3 has 96), and a
+/// bound that a mistyped count (2^32 + 1) meets at once rather than after hours of building.
+constexpr int64_t kMaxLayers = 65536;
+
 /// The layers of a sequence-parallel region must agree: a norm that sees T/t positions without
 /// summing its gradients over the group (or one that sums them while seeing all T) trains
 /// differently from the serial model without any error. Fails naming the layers that are on and off.

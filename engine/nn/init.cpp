@@ -5,6 +5,9 @@
 
 #include "engine/compat.hpp"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <limits>
 #include <unordered_set>
 
@@ -97,8 +100,34 @@ bool has_meta(const Module& root) {
   return false;
 }
 
+namespace {
+// Refuses to allocate more than the machine's memory on the CPU: Linux hands out the pages, and
+// its out-of-memory killer ends the process part-way through initialization with no message.
+void check_fits_in_memory(const Module& root, const torch::Device& device) {
+  if (!device.is_cpu()) return;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tied tensor once
+  double bytes = 0, elements = 0;
+  auto add = [&](const Tensor& t) {
+    if (!t.defined() || !t.is_meta() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+    elements += static_cast<double>(t.numel());
+    bytes += static_cast<double>(t.numel()) * static_cast<double>(t.element_size());
+  };
+  for (const auto& p : root.parameters(/*recurse=*/true)) add(p);
+  for (const auto& b : root.buffers(/*recurse=*/true)) add(b);
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return;
+  const double memory = static_cast<double>(pages) * static_cast<double>(page);
+  char text[160];
+  std::snprintf(text, sizeof text, "%.3g elements (%.3g GB) of parameters and buffers, more than this machine's %.3g GB",
+                elements, bytes / 1e9, memory / 1e9);
+  TORCH_CHECK(bytes <= memory, "the ", root.type(), " model takes ", text, " of memory: build it smaller, or inside ",
+              "pt.deferred and give each rank its part with pt.parallelize (a pipeline stage, a tensor shard)");
+}
+}  // namespace
+
 void materialize(Module& root, torch::Device device, const std::function<Tensor(const MetaTensor&)>& make,
                  const std::unordered_map<std::string, std::string>& canonical) {
+  check_fits_in_memory(root, device);
   auto tied = canonical_names(root);
   std::unordered_map<const c10::TensorImpl*, Tensor> done;  // a tied tensor: made once
   for (const auto& [path, m] : const_cast<Module&>(root).modules()) {

@@ -187,9 +187,29 @@ std::map<std::string, torch::Tensor> Optimizer::param_state(const torch::Tensor&
   return distributed_ ? distributed_->param_state(*this, param) : local_state(param);
 }
 
-void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots) {
-  if (distributed_) distributed_->set_param_state(*this, param, slots);
-  else set_local_state(param, slots);
+void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots,
+                                int64_t steps) {
+  TORCH_CHECK(steps >= -1 && steps <= steps_, options_.kind, ": a parameter's state cannot have taken ", steps,
+              " steps; the optimizer has taken ", steps_);
+  if (distributed_) {
+    // A sharded optimizer steps its shards whole: every parameter on every step.
+    TORCH_CHECK(steps < 0 || steps == steps_ || slots.empty(), "ZeRO cannot take the state of a parameter that ",
+                "stepped ", steps, " of the optimizer's ", steps_, " steps (it had no gradient on the others)");
+    distributed_->set_param_state(*this, param, slots);
+  } else {
+    set_local_state(param, slots, steps);
+  }
+}
+
+int64_t Optimizer::param_steps(const torch::Tensor& param) const {
+  if (options_.kind == "sgd") return -1;
+  if (distributed_) return steps_;  // it steps every parameter (see set_param_state)
+  const auto i = index_of(param);
+  auto it = impl_->state().find(compat::optimizer_state_key(i >= 0 ? work_[i] : param));
+  if (it == impl_->state().end()) return -1;
+  if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) return s->step();
+  if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) return s->step();
+  return -1;
 }
 
 std::map<std::string, torch::Tensor> Optimizer::local_state(const torch::Tensor& param) const {
@@ -216,7 +236,9 @@ std::map<std::string, torch::Tensor> Optimizer::local_state(const torch::Tensor&
   return out;
 }
 
-void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& given) {
+void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& given,
+                                int64_t steps) {
+  if (steps < 0) steps = steps_;
   const auto i = index_of(param);  // -1: a tensor this optimizer does not update (frozen): state kept as given
   auto slots = given;
   if (i >= 0) {
@@ -249,13 +271,13 @@ void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::
   }
   if (options_.kind == "adamw") {
     auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(steps_);
+    s->step(steps);
     s->exp_avg(slot("exp_avg"));
     s->exp_avg_sq(slot("exp_avg_sq"));
     impl_->state()[key] = std::move(s);
   } else if (options_.kind == "adam") {
     auto s = std::make_unique<torch::optim::AdamParamState>();
-    s->step(steps_);
+    s->step(steps);
     s->exp_avg(slot("exp_avg"));
     s->exp_avg_sq(slot("exp_avg_sq"));
     impl_->state()[key] = std::move(s);

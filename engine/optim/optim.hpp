@@ -149,11 +149,20 @@ class Optimizer {
   /// Replaces a parameter's state (slots as param_state gives them), as of steps_taken(). Without
   /// "master" a low-precision parameter's master takes the parameter's value; with one, a float32
   /// parameter takes the master's (full precision back from a bfloat16 run's checkpoint).
-  void set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots);
+  /// `steps`: how many steps the state has taken (Adam's bias correction reads it); -1: as many
+  /// as the optimizer, steps_taken(). A distributed optimizer steps every parameter on every step
+  /// and refuses another count.
+  void set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots,
+                       int64_t steps = -1);
+  /// How many steps `param`'s state has taken: fewer than steps_taken() for a parameter that had
+  /// no gradient on some (Adam and AdamW skip it); -1 when it has no state or the optimizer keeps
+  /// no count (SGD).
+  int64_t param_steps(const torch::Tensor& param) const;
   /// The state of one of the tensors this optimizer steps (under ZeRO: a master shard), by slot;
   /// and its replacement. param_state/set_param_state are these unless a Distributed maps them.
   std::map<std::string, torch::Tensor> local_state(const torch::Tensor& tensor) const;
-  void set_local_state(const torch::Tensor& tensor, const std::map<std::string, torch::Tensor>& slots);
+  void set_local_state(const torch::Tensor& tensor, const std::map<std::string, torch::Tensor>& slots,
+                       int64_t steps = -1);
   /// Makes this a distributed optimizer (see Distributed); null: a plain one.
   void set_distributed(std::shared_ptr<Distributed> d) { distributed_ = std::move(d); }
   const std::shared_ptr<Distributed>& distributed() const { return distributed_; }

@@ -118,9 +118,10 @@ with tempfile.TemporaryDirectory() as work:
               ("flash_attention", 0.0)]
     tail = struct.pack("<Q", len(config)) + b"".join(
         struct.pack("<Q", len(n)) + n.encode() + struct.pack("<d", v) for n, v in config)
-    check("the manifest is format 7 and ends with the model's configuration",
-          head[27:31] == struct.pack("<I", 7) and payload.endswith(tail), repr(payload[-200:]))
-    payload = payload[:-len(tail)]
+    no_counts = struct.pack("<Q", 0)  # format 8: no parameter stepped fewer times than the optimizer
+    check("the manifest is format 8 and ends with the model's configuration, then no per-parameter step counts",
+          head[27:31] == struct.pack("<I", 8) and payload.endswith(tail + no_counts), repr(payload[-200:]))
+    payload = payload[:-len(tail + no_counts)]
     head = head[:27] + struct.pack("<IQI", 6, len(payload), zlib.crc32(payload))
     open(manifest, "wb").write(head + payload)
     rc, out = train("mismatch", old, "pp2", "heads=2")

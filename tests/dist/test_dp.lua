@@ -216,6 +216,37 @@ if dp % 2 == 0 then
     local x, y = pt.randn({ 4, 4 }), pt.randint(0, 3, { 4 })
     H.raises(function() model:train_step(x, y) end, "ZeRO: parameter 'extra.weight' got no gradient on any data rank")
   end)
+
+  H.test("a checkpoint whose parameter stepped fewer times than the optimizer resumes under data parallelism, " ..
+         "and ZeRO refuses it on every rank, naming the parameter", function()
+    local dir = "/tmp/partrain-test-dp-steps-" .. (os.getenv("MASTER_PORT") or "0")
+    pt.manual_seed(1)
+    local model = pt.parallelize(Skips():to("float64"), nil, mesh)
+    local opt = pt.optim.adamw(model, { lr = 0.1 })
+    for step = 1, 2 do
+      model.use_extra = step == 1
+      model:train_step(pt.randn({ 4, 4 }):double(), pt.randint(0, 3, { 4 }))
+      opt:step(); opt:zero_grad()
+    end
+    pt.ckpt.save(dir, { model = model, optim = opt, step = 2, overwrite = true })
+    pt.manual_seed(1)
+    local again = pt.parallelize(Skips():to("float64"), nil, mesh)
+    local again_opt = pt.optim.adamw(again, { lr = 0.1 })
+    pt.ckpt.load(dir, { model = again, optim = again_opt })
+    for _, model_ in ipairs({ model, again }) do
+      model_.use_extra = true
+      model_:train_step(pt.ones({ 4, 4 }):double(), pt.tensor({ 0, 1, 2, 0 }, { dtype = "int64" }))
+    end
+    opt:step(); again_opt:step()
+    local want = model:state_dict()
+    for name, t in pairs(again:state_dict()) do H.ok(t:equal(want[name]), name .. ": as if never interrupted") end
+    pt.manual_seed(1)
+    local zmodel = pt.parallelize(Skips():to("float64"), nil, pt.mesh { zero = 2 }, { zero = { stage = 1 } })
+    local zopt = pt.optim.adamw(zmodel, { lr = 0.1 })
+    H.raises(function() pt.ckpt.load(dir, { model = zmodel, optim = zopt }) end,
+             "holds the state of 'extra.weight' after 1 of the optimizer's 2 steps")
+    if rank == 0 then os.execute("rm -rf '" .. dir .. "'") end
+  end)
 end
 
 H.run()

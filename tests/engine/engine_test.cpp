@@ -380,6 +380,44 @@ TEST(Ckpt, FormatThreeManifestsReadWithoutPipelineLayout) {
   ::rmdir(tag.c_str());
 }
 
+// A parameter Adam skipped on a step (no gradient) keeps its own step count in the manifest; a
+// count for a parameter without state, a second count, or one past the optimizer's is refused.
+TEST(Ckpt, StepCountsAreOfParametersWithStateWithinTheOptimizers) {
+  auto model = std::make_shared<nn::Linear>(nn::LinearOptions(2, 2));
+  optim::OptimizerOptions o;
+  o.kind = "adamw";
+  optim::Optimizer opt(model->parameters(/*recurse=*/true), o);
+  auto weight = model->param("weight"), bias = model->param("bias");
+  for (int step = 1; step <= 2; ++step) {
+    weight.mutable_grad() = torch::ones_like(weight);
+    bias.mutable_grad() = step == 1 ? torch::ones_like(bias) : torch::Tensor();  // bias: step 1 only
+    opt.step();
+  }
+  EXPECT_EQ(opt.param_steps(weight), 2);
+  EXPECT_EQ(opt.param_steps(bias), 1);
+  const std::string dir = temp_path("_steps");
+  ckpt::State state;
+  state.model = model.get();
+  state.optimizer = &opt;
+  state.step = 2;
+  ckpt::save(dir, state, {});
+  auto m = ckpt::read_manifest(dir + "/step-00000002");
+  ASSERT_EQ(m.param_steps.size(), 1u) << "only the parameter that stepped fewer times";
+  EXPECT_EQ(m.param_steps[0].name, "bias");
+  EXPECT_EQ(m.param_steps[0].steps, 1);
+  m.param_steps[0].steps = 3;
+  EXPECT_NE(error_of([&] { ckpt::validate(m, "m"); }).find("has step count 3 for 'bias' of an optimizer (adamw) after 2"),
+            std::string::npos);
+  m.param_steps = {{"bias", 1}, {"bias", 1}};
+  EXPECT_NE(error_of([&] { ckpt::validate(m, "m"); }).find("a step count for 'bias', which has no optimizer state or "
+                                                            "another count"), std::string::npos);
+  m.param_steps = {{"nothing", 1}};
+  EXPECT_NE(error_of([&] { ckpt::validate(m, "m"); }).find("a step count for 'nothing'"), std::string::npos);
+  m.param_steps = {{"weight", 0}};
+  EXPECT_NO_THROW(ckpt::validate(m, "m"));
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 // ---- The collective ledger -----------------------------------------------------------------
 
 namespace ledger = partrain::dist::ledger;

@@ -140,6 +140,52 @@ test("user values that would not round-trip, and another model's optimizer, are 
   os.execute("rm -rf '" .. where .. "'")
 end)
 
+-- A parameter without a gradient on some steps: AdamW skips it there, so its bias correction
+-- counts fewer steps than the optimizer. A load had given it the optimizer's count (its weights
+-- then moved otherwise than an uninterrupted run's).
+local Sometimes = pt.nn.Module "Sometimes"
+function Sometimes:__init()
+  self.fc = pt.nn.Linear(4, 3); self.extra = pt.nn.Linear(3, 3)
+end
+function Sometimes:forward(x)
+  local h = self.fc(x)
+  if self.use_extra then h = self.extra(h) end
+  return h
+end
+
+test("a parameter unused on some steps resumes with its own AdamW step count, bit for bit (float64)", function()
+  local where = os.tmpname() .. "-steps"
+  local function make()
+    pt.manual_seed(5)
+    local m = Sometimes():to("float64")
+    return m, pt.optim.adamw(m, { lr = 0.05, weight_decay = 0.1 })
+  end
+  local function step(m, opt, k)
+    pt.manual_seed(100 + k)
+    local x, y = pt.randn({ 6, 4 }):double(), pt.randint(0, 3, { 6 })
+    m.use_extra = k == 2 or k == 5  -- 'extra' steps on steps 2 and 5 only
+    opt:zero_grad()
+    pt.nn.cross_entropy(m(x), y):backward()
+    opt:step()
+  end
+  local straight, sopt = make()
+  for k = 1, 6 do step(straight, sopt, k) end
+  local m, opt = make()
+  for k = 1, 3 do step(m, opt, k) end
+  local tag = pt.ckpt.save(where, { model = m, optim = opt, step = 3 })
+  local summary = io.open(where .. "/" .. tag .. "/summary.txt"):read("a")
+  ok(summary:find("parameters that stepped fewer times (no gradient on the others): extra.bias 1, extra.weight 1\n",
+                  1, true), "the summary lists extra's 1 step, and fc (every step) not: " .. summary)
+  local resumed, ropt = make()
+  pt.ckpt.load(where, { model = resumed, optim = ropt })
+  for k = 4, 6 do step(resumed, ropt, k) end
+  local want = straight:state_dict()
+  for name, t in pairs(resumed:state_dict()) do
+    ok(t:equal(want[name]), name .. " equals the uninterrupted run's")
+  end
+  os.execute("rm -rf '" .. where .. "'")
+end)
+
 H.run()
 os.execute("rm -rf '" .. dir .. "'")
 return status

@@ -177,7 +177,15 @@ test("damaged token files are refused, naming the file and the problem", functio
   local neg = token_file({ 1, 2, 4294967295, 3, 4 }, 4)
   raises(function() pt.data.tokens { path = neg, seq = 2, batch = 2, dtype = "int32", shuffle = false }:next() end,
     "holds a negative token id")
-  for _, p in ipairs({ bad_count, v2, odd, neg, short }) do os.remove(p) end
+  -- llm.c's count is an int32: a negative one had skipped the comparison.
+  local negative_count = token_file(toks, 2, { count = 2 ^ 32 - 5 })
+  raises(function() pt.data.tokens { path = negative_count, seq = 4 } end, "header stating -5 tokens")
+  -- A file cut inside llm.c's header had been read as raw tokens, the magic number among them.
+  local cut = os.tmpname()
+  f = io.open(cut, "wb"); f:write(le(20240520, 4), le(1, 4), le(3, 4), "\1\0"); f:close()
+  raises(function() pt.data.tokens { path = cut, seq = 1 } end, "has 14 bytes, fewer than its header of 1024")
+  ok(pt.data.tokens { path = cut, seq = 1, batch = 1, header = "none" }, "header = 'none' reads it raw, as asked")
+  for _, p in ipairs({ bad_count, v2, odd, neg, short, negative_count, cut }) do os.remove(p) end
 end)
 
 test("pt.evaluate averages the loss over a loader's batches without gradients, restoring mode and position", function()

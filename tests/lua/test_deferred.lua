@@ -85,4 +85,20 @@ test("what cannot be initialized by name is refused, naming it", function()
   eq(pt.nn.Linear(2, 2).weight.device, "cpu", "deferral ends with pt.deferred")
 end)
 
+test("a model larger than the machine's memory is refused before anything is allocated; deferred it is built", function()
+  -- 3 * 2^40 elements in c_attn alone: more than any machine this runs on. Allocated, Linux's
+  -- out-of-memory killer would end the process part-way, with no message.
+  local huge = { vocab = 50, seq = 16, dim = 2 ^ 20, heads = 1, layers = 1 }
+  raises(function() pt.models.gpt2(huge) end, "the GPT2 model takes 1.32e+13 elements")
+  raises(function() pt.models.gpt2(huge) end, "build it smaller, or inside pt.deferred")
+  local meta = pt.deferred(function() return pt.models.gpt2(huge) end)
+  ok(meta:is_meta(), "deferred: on the meta device, holding no memory")
+  raises(function() meta:materialize() end, "more than this machine's")
+  -- A mistyped count is refused at once rather than building 2^32 blocks.
+  raises(function() pt.models.gpt2 { vocab = 50, seq = 16, dim = 8, heads = 1, layers = 2 ^ 32 + 1 } end,
+         "gpt2: layers must be at most 65536, got 4294967297")
+  raises(function() pt.models.llama { vocab = 50, seq = 16, dim = 8, heads = 1, layers = 65537 } end,
+         "llama: layers must be at most 65536, got 65537")
+end)
+
 H.run()
