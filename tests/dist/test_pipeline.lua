@@ -408,6 +408,10 @@ test("pipeline options that cannot run are refused at the caller's line", functi
   eq(cut:pipeline().size, 2, "GPT-2 with policy nil is cut as policies.gpt2 describes")
   refused({ microbatches = 0 }, "microbatches must be a positive integer")
   refused({ schedule = "gpipe" }, "needs a mesh with pipeline > 1", pt.mesh {})
+  -- A schedule function that never returns is interrupted on every rank, naming its line.
+  refused({ schedule = function() while true do end end, schedule_timeout = 0.2 },
+    "did not finish within schedule_timeout = 0.2 s (interrupted at")
+  refused({ schedule_timeout = 0 }, "schedule_timeout must be a number of seconds > 0, got 0")
   local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, { microbatches = 2 })
   raises(function() model:train_step(pt.zeros({ 3, gpt.seq }, { dtype = "int64" }),
     pt.zeros({ 3, gpt.seq }, { dtype = "int64" })) end, "microbatches=2 does not divide the batch of 3")

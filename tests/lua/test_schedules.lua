@@ -327,6 +327,14 @@ test("a user-written schedule goes through the same lowering and check", functio
   raises(function() P.build(function() error({}) end, 2, 2) end, "the function raised an error that is a table, not a message")
   raises(function() P.build(function() error() end, 2, 2) end, "the function raised an error that is nil, not a message")
   raises(function() P.build(function() return 3 end, 2, 2) end, "a plan must be a table")
+  -- One that never returns is interrupted, even when it catches errors; the time limit is checked.
+  local t0 = os.clock()
+  raises(function() P.build(function() while true do pcall(function() while true do end end) end end, 2, 2, 1, 0.2) end,
+    "did not finish within schedule_timeout = 0.2 s (interrupted at")
+  ok(os.clock() - t0 < 5, "interrupted within seconds")
+  raises(function() P.build("1f1b", 2, 2, 1, -1) end, "schedule_timeout must be a number of seconds > 0, got -1")
+  raises(function() P.build("1f1b", 2, 2, 1, 1 / 0) end, "schedule_timeout must be a number of seconds > 0, got inf")
+  eq(#P.build("1f1b", 2, 2, 1, 5)[0], 8, "a schedule that returns in time is built")
 end)
 
 -- A second, simpler validator: run any rank whose next action is possible, one action at a time

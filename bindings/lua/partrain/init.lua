@@ -276,7 +276,7 @@ local function pipeline_description(model, policy, mesh, opts)
       :format(n, n == 1 and "block" or "blocks", stage_count, pp, chunks, stages.blocks), 0)
   end
   local pipeline = require "partrain.pipeline"
-  local plan, report = pipeline.build(schedule, pp, microbatches, chunks)
+  local plan, report = pipeline.build(schedule, pp, microbatches, chunks, opts.schedule_timeout)
   local flat, peaks = {}, {}
   for r = 0, pp - 1 do
     peaks[r + 1] = report.ranks[r].peak
@@ -300,7 +300,8 @@ function pt.parallelize(model, policy, mesh, opts)
   local ok, err = pcall(function()
     local P = require "partrain.policy"
     local shard, dp, pipe = {}, {}, {}
-    local pipeline_keys = { schedule = true, microbatches = true, chunks = true, balance = true, sample = true }
+    local pipeline_keys = { schedule = true, microbatches = true, chunks = true, balance = true, sample = true,
+                            schedule_timeout = true }
     local recompute = (opts or {}).recompute
     if recompute ~= nil and recompute ~= false and recompute ~= "none" and recompute ~= "block" then
       error(("parallelize: recompute must be 'block' or 'none', got %s"):format(tostring(recompute)), 0)

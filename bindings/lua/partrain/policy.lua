@@ -81,6 +81,41 @@ end
 
 local function fail(at, fmt, ...) error(at .. ": " .. fmt:format(...), 0) end
 
+local TIMEOUT = setmetatable({}, { __tostring = function() return "interrupted: its time is up" end })
+
+-- Runs fn(...) in protected mode, interrupted after `seconds`: true, results... or false and the
+-- error as raised (`option` names the limit in the message of an interruption: policy_timeout for
+-- a policy's functions, schedule_timeout for a pipeline schedule's). A count hook checks the
+-- clock; LuaJIT runs hooks only in its interpreter, so the JIT is off (and its traces flushed)
+-- for the call. Once the time is up the hook raises at every instruction, so a loop that catches
+-- errors (pcall in a loop) cannot outlast it.
+local function bounded(seconds, option, fn, ...)
+  local had_jit = jit and jit.status()
+  if jit then jit.off(); jit.flush() end
+  local deadline, interrupted = core.now() + seconds, nil
+  local old_hook, old_mask, old_count = debug.gethook()
+  local function hook()
+    if interrupted or core.now() > deadline then
+      -- Only in the user's code: partrain's own (this function, after the call returns) goes on.
+      local info = debug.getinfo(2, "Sl")
+      if not info or internal(info.source) then return end
+      if not interrupted then
+        interrupted = (info.currentline or 0) > 0 and (info.short_src .. ":" .. info.currentline) or info.short_src
+        debug.sethook(hook, "", 1)
+      end
+      error(TIMEOUT, 0)
+    end
+  end
+  debug.sethook(hook, "", 1000)
+  local results = { pcall(fn, ...) }
+  if old_hook then debug.sethook(old_hook, old_mask, old_count) else debug.sethook() end
+  if had_jit then jit.on() end
+  if interrupted then
+    return false, ("did not finish within %s = %g s (interrupted at %s)"):format(option, seconds, interrupted)
+  end
+  return unpack(results, 1, table.maxn(results))
+end
+
 -- A message without the locations inside partrain's own Lua files that lead it (those of the
 -- sharder's calls into the engine): the user's location is added in their place.
 -- The user's line that led into partrain, which engine errors begin with, goes too: the caller
@@ -412,7 +447,7 @@ function P.begin(model) return require("partrain.sharder").begin(model) end
 
 -- What partrain/sharder.lua shares with this file.
 P._shape = { STYLE = STYLE, check_modules = check_modules, entry_where = entry_where, defined_at = defined_at,
-             fail = fail, strip_internal = strip_internal, sorted_keys = sorted_keys, internal = internal }
+             fail = fail, strip_internal = strip_internal, sorted_keys = sorted_keys, bounded = bounded }
 
 --- The policies partrain ships, by model type.
 P.registry = { GPT2 = "policies.gpt2", Llama = "policies.llama", MLP = "policies.mlp", SimpleModel = "policies.simple" }

@@ -9,8 +9,8 @@ local P = require "partrain.policy"
 
 local S = {}
 local check_modules, entry_where, defined_at = P._shape.check_modules, P._shape.entry_where, P._shape.defined_at
-local fail, strip_internal, sorted_keys, internal = P._shape.fail, P._shape.strip_internal, P._shape.sorted_keys,
-  P._shape.internal
+local fail, strip_internal, sorted_keys, bounded = P._shape.fail, P._shape.strip_internal, P._shape.sorted_keys,
+  P._shape.bounded
 
 -- Planning -----------------------------------------------------------------------------------
 
@@ -157,40 +157,6 @@ end
 
 -- Policy code under a time bound ---------------------------------------------------------------
 
-local TIMEOUT = setmetatable({}, { __tostring = function() return "interrupted: the policy's time is up" end })
-
--- Runs fn(...) in protected mode, interrupted after `seconds`: true, results... or false, message.
--- A count hook checks the clock; LuaJIT runs hooks only in its interpreter, so the JIT is off
--- (and its traces flushed) for the call. Once the time is up the hook raises at every instruction,
--- so a loop that catches errors (pcall in a loop) cannot outlast it.
-local function bounded(seconds, fn, ...)
-  local had_jit = jit and jit.status()
-  if jit then jit.off(); jit.flush() end
-  local deadline, interrupted = core.now() + seconds, nil
-  local old_hook, old_mask, old_count = debug.gethook()
-  local function hook()
-    if interrupted or core.now() > deadline then
-      -- Only in the user's code: partrain's own (this function, after the call returns) goes on.
-      local info = debug.getinfo(2, "Sl")
-      if not info or internal(info.source) then return end
-      if not interrupted then
-        interrupted = (info.currentline or 0) > 0 and (info.short_src .. ":" .. info.currentline) or info.short_src
-        debug.sethook(hook, "", 1)
-      end
-      error(TIMEOUT, 0)
-    end
-  end
-  debug.sethook(hook, "", 1000)
-  local results = { pcall(fn, ...) }
-  if old_hook then debug.sethook(old_hook, old_mask, old_count) else debug.sethook() end
-  if had_jit then jit.on() end
-  if interrupted then
-    return false, ("did not finish within policy_timeout = %g s (interrupted at %s)"):format(seconds, interrupted)
-  end
-  if not results[1] then return false, tostring(results[2]) end
-  return unpack(results, 1, table.maxn(results))
-end
-
 -- Applying -------------------------------------------------------------------------------------
 
 local function name_of(policy) return policy.name or "?" end
@@ -277,8 +243,8 @@ local function run(model, policy, mesh, cfg, at)
   local splitting = cfg.tensor_parallel and cfg.tensor > 1
   local timeout = cfg.policy_timeout
   local function call(what, fn, ...)
-    local ok, result = bounded(timeout, fn, ...)
-    if not ok then fail(at, "%s of policy %s failed: %s", what, name_of(policy), result) end
+    local ok, result = bounded(timeout, "policy_timeout", fn, ...)
+    if not ok then fail(at, "%s of policy %s failed: %s", what, name_of(policy), tostring(result)) end
     return result
   end
   -- One serial model to cut from: the tensor group's ranks hold rank 0's weights (they differ
@@ -289,9 +255,9 @@ local function run(model, policy, mesh, cfg, at)
     local given
     inputs, given = probe_inputs(model, cfg)
     if inputs then
-      local ok, record = bounded(timeout, core.tp._probe, model, inputs)
+      local ok, record = bounded(timeout, "policy_timeout", core.tp._probe, model, inputs)
       if ok then serial = record
-      elseif given then fail(at, "the serial %s fails on the probe input: %s", model:type(), record) end
+      elseif given then fail(at, "the serial %s fails on the probe input: %s", model:type(), tostring(record)) end
     end
   end
   local ties = core.nn._ties(model)
@@ -340,8 +306,8 @@ function S.apply(model, policy, mesh, cfg, at)
     error(err, 0)
   end
   if serial then  -- the probe: the sharded model must compute what the serial one did
-    local ran, sharded = bounded(cfg.policy_timeout, core.tp._probe, model, inputs)
-    local problem = not ran and ("its forward fails on the probe batch: " .. strip_internal(sharded))
+    local ran, sharded = bounded(cfg.policy_timeout, "policy_timeout", core.tp._probe, model, inputs)
+    local problem = not ran and ("its forward fails on the probe batch: " .. strip_internal(tostring(sharded)))
     if ran then problem = core.tp._probe_compare(serial, sharded, core.parallel.vocab_head(model) ~= nil) end
     if problem then
       problem = ("%s: policy %s splits %s wrong: %s (the probe compares one batch with the serial model; "

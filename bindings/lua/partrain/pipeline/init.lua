@@ -61,16 +61,25 @@ local function has_transfers(plan, pp)
   return false
 end
 
---- P.schedule(schedule, pp, microbatches, chunks): the plan the schedule returns, normalized
---- (strings parsed, fields checked) and named, not lowered nor checked. `schedule` is a shipped
---- name or a function (pp, microbatches, chunks) -> { [rank] = { actions... } }.
-function P.schedule(schedule, pp, microbatches, chunks)
+--- The seconds a schedule function may take unless told otherwise (parallelize's schedule_timeout).
+P.timeout = 60
+
+--- P.schedule(schedule, pp, microbatches, chunks, timeout): the plan the schedule returns,
+--- normalized (strings parsed, fields checked) and named, not lowered nor checked. `schedule` is
+--- a shipped name or a function (pp, microbatches, chunks) -> { [rank] = { actions... } }; one
+--- still running after `timeout` seconds (default P.timeout) is interrupted and refused.
+function P.schedule(schedule, pp, microbatches, chunks, timeout)
   local name
   return guarded(function() return name end, function()
     local fn
     fn, name = resolve(schedule)
     C.check_sizes(pp, microbatches, chunks or 1)
-    local ok, plan = pcall(fn, pp, microbatches, chunks or 1)
+    timeout = timeout == nil and P.timeout or timeout
+    if type(timeout) ~= "number" or not (timeout > 0 and timeout < math.huge) then
+      C.refuse("schedule_timeout must be a number of seconds > 0, got %s", tostring(timeout))
+    end
+    local ok, plan = require("partrain.policy")._shape.bounded(timeout, "schedule_timeout", fn, pp, microbatches,
+      chunks or 1)
     if not ok then
       C.refuse("%s", type(plan) == "string" and plan or ("the function raised an error that is %s, not a message"):format(
         plan == nil and "nil" or "a " .. type(plan)))
@@ -108,11 +117,11 @@ function P.check(plan, pp, microbatches, chunks)
   end)
 end
 
---- P.build(schedule, pp, microbatches, chunks): schedule, lower and check in one; returns the
---- plan the executor will run and its report. A refusal names the action by its place in the
---- list the schedule returned, also when lowering added the transfers.
-function P.build(schedule, pp, microbatches, chunks)
-  local plan = P.schedule(schedule, pp, microbatches, chunks)
+--- P.build(schedule, pp, microbatches, chunks, timeout): schedule, lower and check in one;
+--- returns the plan the executor will run and its report. A refusal names the action by its
+--- place in the list the schedule returned, also when lowering added the transfers.
+function P.build(schedule, pp, microbatches, chunks, timeout)
+  local plan = P.schedule(schedule, pp, microbatches, chunks, timeout)
   return guarded(function() return plan.name end, function()
     local origin
     if not has_transfers(plan, pp) then plan, origin = lower(plan, pp, chunks or 1) end
