@@ -179,6 +179,17 @@ test("--config: unknown keys and wrong types name the file and line; no io, os o
   raises(function() pt.args(spec, { "--config", config }) end, "must return a table of option values, got number")
   write(config, "while true do end\n")
   raises(function() pt.args(spec, { "--config", config }) end, "runs too long")
+  -- Memory: a string doubled in a loop (gigabytes in 30 instructions), or string.rep as a
+  -- function or a method, is stopped before it takes more than 64 MB.
+  write(config, "local s = 'x'\nfor i = 1, 40 do s = s .. s end\nreturn {}\n")
+  raises(function() pt.args(spec, { "--config", config }) end, "uses more than 64 MB of memory")
+  write(config, "local s = string.rep('x', 2^30)\nreturn {}\n")
+  raises(function() pt.args(spec, { "--config", config }) end, "makes a string of 1073741824 bytes with string.rep")
+  write(config, "local s = ('ab'):rep(2^29)\nreturn {}\n")
+  raises(function() pt.args(spec, { "--config", config }) end, config .. ":1: makes a string of 1073741824 bytes")
+  eq(("ab"):rep(2), "abab", "string.rep is itself again after the config file")
+  write(config, "return { name = ('x'):rep(1000) }\n")
+  eq(#pt.args(spec, { "--config", config }).name, 1000, "a reasonable string.rep is read")
   raises(function() pt.args(spec, { "--config", "/tmp" }) end, "'/tmp' is a folder")
   raises(function() pt.args(spec, { "--config" }) end, "--config needs a file")
   raises(function() pt.args(spec, { "--config", config, "--config", config }) end, "--config given twice")

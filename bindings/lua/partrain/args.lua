@@ -127,6 +127,7 @@ local function sandbox()
 end
 
 local kMaxInstructions = 10000000   -- a config file is data: a loop this long is a mistake
+local kMaxMemoryMB = 64              -- and so is more memory than this (its text is at most 1 MiB)
 
 -- The option values a config file returns, checked against the kinds: { key = value }.
 local function read_config(path, kinds, known)
@@ -134,12 +135,34 @@ local function read_config(path, kinds, known)
   if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
   local chunk, err = loadstring(text, "@" .. path)
   if not chunk then error(("config file %s"):format(err), 0) end
-  setfenv(chunk, sandbox())
-  if jit then jit.off(chunk, true) end  -- the instruction limit below needs the interpreter
+  local env = sandbox()
+  setfenv(chunk, env)
+  if jit then jit.off(chunk, true) end  -- the limits below need the interpreter
+  -- Instructions and memory, checked at every instruction: a string doubled in a loop reaches
+  -- gigabytes in a few dozen. string.rep (also as a method: strings index the global string
+  -- table) is bounded the same way before it allocates.
   local hook, mask, count = debug.gethook()  -- a hook set before (the REPL's) is put back after
-  debug.sethook(function() error(("config file '%s' runs too long (more than %d instructions); it should only "
-    .. "return a table"):format(path, kMaxInstructions), 2) end, "", kMaxInstructions)
+  local base, steps, rep = collectgarbage("count"), 0, string.rep
+  local function too_much(what) return what .. "; a config file should only return a table" end
+  string.rep = function(text, n, ...)
+    if type(text) == "string" and type(n) == "number" and #text * n > kMaxMemoryMB * 2 ^ 20 then
+      error(too_much(("makes a string of %.0f bytes with string.rep (more than %d MB)"):format(#text * n,
+        kMaxMemoryMB)), 2)
+    end
+    return rep(text, n, ...)
+  end
+  env.string.rep = string.rep
+  debug.sethook(function()
+    steps = steps + 1
+    local problem = steps > kMaxInstructions and ("runs too long (more than %d instructions)"):format(kMaxInstructions)
+      or collectgarbage("count") - base > kMaxMemoryMB * 1024 and ("uses more than %d MB of memory"):format(kMaxMemoryMB)
+    if problem then
+      debug.sethook()  -- the file has no pcall to go on with: one error stops it
+      error(too_much(problem), 2)
+    end
+  end, "", 1)
   local ok, values = pcall(chunk)
+  string.rep = rep
   if hook then debug.sethook(hook, mask, count) else debug.sethook() end
   if not ok then error(("config file %s"):format(tostring(values)), 0) end
   if type(values) ~= "table" then
