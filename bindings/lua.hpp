@@ -12,6 +12,7 @@
 
 #include <torch/torch.h>
 
+#include "engine/compat.hpp"
 #include "engine/nn/module.hpp"
 
 namespace partrain::dist {
@@ -314,6 +315,6 @@ void push_module(lua_State* L, const std::shared_ptr<nn::Module>& m);
 /// Parses a dtype name ("float32", "float", "int64", "long", "bool", ...); throws on others.
 c10::ScalarType parse_dtype(const std::string& name);
 bool is_dtype_name(const std::string& name);
-std::string dtype_name(c10::ScalarType t);
+using compat::dtype_name;
 
 }  // namespace partrain::lua

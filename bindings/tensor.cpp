@@ -537,12 +537,6 @@ c10::ScalarType parse_dtype(const std::string& name) {
                               "int16, int8, uint8 or bool)");
 }
 
-std::string dtype_name(c10::ScalarType t) {
-  for (const auto& d : kDtypes)
-    if (d.type == t) return d.name;
-  return c10::toString(t);
-}
-
 // Lua sees a tensor as a small userdata, so its collector never feels the megabytes behind it:
 // activations and batches would pile up until a collection happened to run, and every step would
 // write into fresh, cold memory. So a tensor handed to Lua counts as that many bytes allocated:

@@ -17,6 +17,10 @@ namespace partrain::compat {
 /// The LibTorch version as "major.minor.patch".
 std::string torch_version();
 
+/// The name partrain gives a dtype in messages and in Lua ("float32", "bfloat16", "int64", ...),
+/// the same whichever name LibTorch's version prints for it.
+std::string dtype_name(c10::ScalarType t);
+
 /// GELU with the tanh approximation (GPT-2's). The option's spelling is the same in 1.13 and 2.x,
 /// but keeping the call here lets a future rename stay in one place.
 torch::Tensor gelu_tanh(const torch::Tensor& x);

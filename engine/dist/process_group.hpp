@@ -15,6 +15,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/torch.h>
 
+#include "engine/compat.hpp"
+
 #include "engine/dist/ledger.hpp"
 
 namespace partrain::dist {
@@ -26,8 +28,7 @@ using torch::Tensor;
 enum class ReduceOp { Sum, Mean, Min, Max, Product };
 ReduceOp parse_reduce_op(const std::string& name);  // "sum", "mean", "avg", "min", "max", "product"
 std::string to_string(ReduceOp op);
-/// The name partrain gives a dtype in messages ("float32", "bfloat16", "int64", ...).
-std::string dtype_name(c10::ScalarType t);
+using compat::dtype_name;
 
 class ProcessGroup;
 

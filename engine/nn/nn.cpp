@@ -382,7 +382,12 @@ void Linear::reset_tensor(const std::string& name, Tensor& t, at::Generator& gen
 Tensor Linear::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.in, "Linear(", options.in, ", ", options.out,
               ") expects input (..., ", options.in, "), got ", x.sizes());
-  return F::linear(x, weight(), bias());
+  const auto& w = weight();
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "Linear(", options.in, ", ", options.out, ") holds ",
+              compat::dtype_name(w.scalar_type()), " weights; its input is ", compat::dtype_name(x.scalar_type()),
+              ": convert the input (x:to(\"", compat::dtype_name(w.scalar_type()), "\")) or the model (model:to(\"",
+              compat::dtype_name(x.scalar_type()), "\"))");
+  return F::linear(x, w, bias());
 }
 
 namespace {
@@ -420,7 +425,8 @@ void Embedding::reset_tensor(const std::string& name, Tensor& t, at::Generator& 
 }
 
 Tensor Embedding::forward(const Tensor& ids) {
-  TORCH_CHECK(!ids.is_floating_point(), "Embedding expects integer ids, got ", ids.dtype());
+  TORCH_CHECK(!ids.is_floating_point() && ids.scalar_type() != torch::kBool, "Embedding expects integer ids, got ",
+              compat::dtype_name(ids.scalar_type()));
   return F::embedding(ids, weight());
 }
 
@@ -556,7 +562,7 @@ void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
   const bool takes = in && in->width > 0 && in->parts == 1;  // the input's width, whole
   if (takes)
     TORCH_CHECK(x.is_floating_point() && x.dim() >= 2 && x.size(-1) == in->width, type(), " takes inputs (batch, ..., ",
-                in->width, ") of floating point numbers, got ", x.sizes(), " ", x.dtype());
+                in->width, ") of floating point numbers, got ", x.sizes(), " ", compat::dtype_name(x.scalar_type()));
   if (!out || out->width <= 0 || out->parts != 1) return;  // split outputs: the loss checks its own
   const int64_t width = out->width;
   auto rows = takes ? x.sizes().slice(0, x.dim() - 1).vec() : std::vector<int64_t>{};
@@ -568,12 +574,12 @@ void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
     else shape << "(..., " << width << ")";
     TORCH_CHECK(y.is_floating_point() && (takes ? y.sizes().vec() == want : y.dim() >= 1 && y.size(-1) == width),
                 "train_step: loss mse compares ", type(), "'s outputs ", shape.str(),
-                " with floating targets of that shape, got ", y.sizes(), " ", y.dtype());
+                " with floating targets of that shape, got ", y.sizes(), " ", compat::dtype_name(y.scalar_type()));
     return;
   }
   if (loss != "cross_entropy") return;  // train_step refuses an unknown loss itself
   TORCH_CHECK(!y.is_floating_point() && !y.is_complex() && y.scalar_type() != torch::kBool,
-              "train_step: cross_entropy expects integer class ids as targets, got ", y.dtype());
+              "train_step: cross_entropy expects integer class ids as targets, got ", compat::dtype_name(y.scalar_type()));
   if (takes)
     TORCH_CHECK(y.sizes().vec() == rows, "train_step: ", type(), " gives ", width, " class scores for each of the ",
                 "input's ", c10::IntArrayRef(rows), " rows, so its targets must have that shape, got ", y.sizes());
@@ -623,13 +629,15 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   TORCH_CHECK(logits.dim() >= 1 && logits.dim() == targets.dim() + 1,
               "cross_entropy expects logits (..., C) and targets (...), got ", logits.sizes(),
               " and ", targets.sizes());
-  TORCH_CHECK(!targets.is_floating_point(), "cross_entropy expects integer class ids, got ",
-              targets.dtype());
+  TORCH_CHECK(!targets.is_floating_point() && targets.scalar_type() != torch::kBool,
+              "cross_entropy expects integer class ids, got ", compat::dtype_name(targets.scalar_type()));
   auto flat = logits.reshape({-1, logits.size(-1)});  // (N, C)
+  // Any integer ids, as the embedding takes them: LibTorch's kernel reads int64 alone.
+  const auto ids = targets.scalar_type() == torch::kLong ? targets : targets.to(torch::kLong);
   if (is_low_precision(flat)) flat = flat.to(torch::kFloat32);  // the softmax and the loss in float32
   auto options = F::CrossEntropyFuncOptions().ignore_index(ignore_index);
   if (summed("cross_entropy", reduction)) options.reduction(torch::kSum);
-  return F::cross_entropy(flat, targets.reshape({-1}), options);
+  return F::cross_entropy(flat, ids.reshape({-1}), options);
 }
 
 Tensor mse(const Tensor& prediction, const Tensor& target, const std::string& reduction) {

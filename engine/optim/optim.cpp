@@ -95,7 +95,10 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
     fused_ = possible;
   }
   if (k == "sgd") {
-    TORCH_CHECK(options_.momentum >= 0, "sgd: momentum must be >= 0, got ", options_.momentum);
+    TORCH_CHECK(std::isfinite(options_.momentum) && options_.momentum >= 0,
+                "sgd: momentum must be a finite number >= 0, got ", options_.momentum);
+    TORCH_CHECK(std::isfinite(options_.dampening) && options_.dampening >= 0 && options_.dampening <= 1,
+                "sgd: dampening must be in [0, 1], got ", options_.dampening);
     TORCH_CHECK(!options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
                 "sgd: nesterov needs momentum > 0 and dampening = 0");
     impl_ = std::make_unique<torch::optim::SGD>(
@@ -108,6 +111,9 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
     TORCH_CHECK(options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 &&
                     options_.beta2 < 1,
                 k, ": betas must be in [0, 1), got ", options_.beta1, ", ", options_.beta2);
+    // eps = 0 divides a never-moved element's zero moment by zero: NaN weights.
+    TORCH_CHECK(std::isfinite(options_.eps) && options_.eps > 0, k, ": eps must be a finite number > 0, got ",
+                options_.eps);
     auto betas = std::make_tuple(options_.beta1, options_.beta2);
     if (k == "adam")
       impl_ = std::make_unique<torch::optim::Adam>(

@@ -392,6 +392,8 @@ test("pipeline options that cannot run are refused at the caller's line", functi
   refused({ schedule = "interleaved", microbatches = 3, chunks = 2 }, "multiple")
   refused({ balance = "by_flops" }, "balance must be 'uniform', 'parameters', 'time' or a list")
   refused({ balance = { 2, 1 } }, "gives 3 blocks in all, the model has 4")
+  refused({ balance = { 1.5, 2.5 } }, "balance[1] (the blocks of stage 0) must be a positive integer, got 1.5")
+  refused({ balance = { 2, 2, x = 1 } }, "balance must be a list of blocks a stage, got a table with key x")
   if mesh:size("data") == 1 then
     refused({ chunks = 4, schedule = "interleaved", microbatches = 4 }, "4 blocks cannot fill 8 stages")
   end

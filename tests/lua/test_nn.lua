@@ -257,7 +257,19 @@ test("losses: cross_entropy and mse", function()
     "ignore_index")
   near(pt.nn.mse(pt.tensor { 1.0, 2.0 }, pt.tensor { 0.0, 0.0 }), pt.tensor(2.5))
   raises(function() pt.nn.cross_entropy(logits, pt.tensor { 0.5, 1.5 }) end, "integer class ids")
+  raises(function() pt.nn.cross_entropy(logits, pt.tensor { true, false }) end, "integer class ids, got bool")
+  -- int32 ids, as the embedding takes them (LibTorch's kernel had said "expected scalar type Long but found Int")
+  eq(pt.nn.cross_entropy(logits, y:to("int32")):item(), pt.nn.cross_entropy(logits, y):item(), "int32 targets")
   raises(function() pt.nn.mse(pt.ones(2), pt.ones(3)) end, "equal shapes")
+end)
+
+test("a Linear given another dtype than its weights' names both and the two ways out", function()
+  local l = pt.nn.Linear(4, 3)
+  -- LibTorch's own text was "mat1 and mat2 must have the same dtype"
+  raises(function() l(pt.randn({ 2, 4 }):double()) end,
+    'Linear(4, 3) holds float32 weights; its input is float64: convert the input (x:to("float32")) or the model '
+    .. '(model:to("float64"))')
+  eq(l(pt.randn({ 2, 4 })):size(1), 3, "the same dtype runs")
 end)
 
 test("pt.models holds one constructor a registered family, and names a model's family", function()

@@ -122,6 +122,11 @@ test("bad optimizer input is refused by name", function()
   raises(function() pt.optim.sgd(42) end, "module or table of parameters expected, got number")
   raises(function() pt.optim.sgd({ pt.ones(1) }) end, "parameter #1 of the table is frozen (requires_grad = false)")
   raises(function() pt.optim.sgd({ w }, { schedule = { kind = "cosine" } }) end, "needs total > warmup")
+  -- LibTorch's text had been "Invalid epsilon value: -1"; eps = 0 divides a zero moment by zero.
+  raises(function() pt.optim.adam({ w }, { eps = -1 }) end, "adam: eps must be a finite number > 0, got -1")
+  raises(function() pt.optim.adamw({ w }, { eps = 0 }) end, "adamw: eps must be a finite number > 0, got 0")
+  raises(function() pt.optim.adamw({ w }, { eps = 0 / 0 }) end, "adamw: eps must be a finite number > 0")
+  raises(function() pt.optim.sgd({ w }, { momentum = 0.9, dampening = 1 / 0 }) end, "sgd: dampening must be in [0, 1], got inf")
 end)
 
 -- Non-finite rates and scales float32 cannot hold trained every weight to NaN, or skipped every

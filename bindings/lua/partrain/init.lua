@@ -255,7 +255,16 @@ local function pipeline_description(model, policy, mesh, opts)
   local microbatches = count("microbatches", opts.microbatches, pp)
   local chunks = count("chunks", opts.chunks, 1)
   local balance, sizes = opts.balance or "uniform", nil
-  if type(balance) == "table" then balance, sizes = "explicit", balance
+  if type(balance) == "table" then
+    balance, sizes = "explicit", balance
+    for i, v in pairs(sizes) do
+      if type(i) ~= "number" or i < 1 or i > #sizes or i ~= math.floor(i) then
+        error(("parallelize: balance must be a list of blocks a stage, got a table with key %s"):format(tostring(i)), 0)
+      elseif type(v) ~= "number" or v < 1 or v ~= math.floor(v) or v > 2 ^ 31 then
+        error(("parallelize: balance[%d] (the blocks of stage %d) must be a positive integer, got %s"):format(i, i - 1,
+          tostring(v)), 0)
+      end
+    end
   elseif balance ~= "uniform" and balance ~= "parameters" and balance ~= "time" then
     error(("parallelize: balance must be 'uniform', 'parameters', 'time' or a list of blocks a stage, got %s"):format(tostring(balance)), 0)
   end
