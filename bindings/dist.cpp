@@ -82,10 +82,10 @@ const Function kGroupMethods[] = {
        return 1; }},
     {"send", [](Args& a) {
        bool async = async_option(a, 4, "send");
-       return finish(a, group(a, 1)->send(a.tensor(2), a.int32(3), async), async, 0); }},
+       return finish(a, group(a, 1)->send(a.tensor(2), a.int32(3), async, /*tag=*/0, /*described=*/true), async, 0); }},
     {"recv", [](Args& a) {
        bool async = async_option(a, 4, "recv");
-       return finish(a, group(a, 1)->recv(a.tensor(2), a.int32(3), async), async, 2); }},
+       return finish(a, group(a, 1)->recv(a.tensor(2), a.int32(3), async, /*tag=*/0, /*described=*/true), async, 2); }},
     {"barrier", [](Args& a) {
        bool async = async_option(a, 2, "barrier");
        return finish(a, group(a, 1)->barrier(async), async, 0); }},

@@ -630,26 +630,57 @@ void ProcessGroup::all_gather_flat(Tensor& flat) const {
   ledger_set(ticket, ledger::State::Completed);
 }
 
-Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag) const {
+namespace {
+// A described send's header: its own channel beside the tensor's (tags below it are the caller's).
+constexpr int kHeaderTag = 1 << 24;
+}  // namespace
+
+Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag, bool described) const {
   check(t, "send");
   TORCH_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on ", describe(), ": bad destination ", dst);
+  TORCH_CHECK(tag >= 0 && tag < kHeaderTag, "send on ", describe(), ": tag must be in [0, 2^24), got ", tag);
   if (impl_ || recorded_only()) record("send", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
   const int64_t ticket =
       verify(0, "send to group rank " + std::to_string(dst), t, ledger::Op::Send, /*collective=*/false, 0, 0, dst, tag);
+  std::function<void()> after;
+  if (described && impl_) {
+    // Posted first and waited last, never alone: a rank that sends before it receives (a ring)
+    // must not block on its header.
+    std::vector<Tensor> header{
+        torch::tensor({int64_t(t.scalar_type()), t.numel()}, torch::kInt64).to(World::instance().device())};
+    auto sent = impl_->group->send(header, dst, kHeaderTag + tag);
+    after = [sent, header, timeout = options_.timeout] { wait_for(*sent, timeout); };
+  }
   std::vector<Tensor> ts{t};
-  return run("send", [&] { return impl_->group->send(ts, dst, tag); }, async, {}, ticket);
+  return run("send", [&] { return impl_->group->send(ts, dst, tag); }, async, std::move(after), ticket);
 }
 
-Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag) const {
+Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag, bool described) const {
   check(t, "recv");
   TORCH_CHECK(src >= 0 && src < size() && src != rank_, "recv on ", describe(), ": bad source ", src);
+  TORCH_CHECK(tag >= 0 && tag < kHeaderTag, "recv on ", describe(), ": tag must be in [0, 2^24), got ", tag);
   if (impl_ || recorded_only()) record("recv", static_cast<int64_t>(t.nbytes()));
   if (recorded_only()) return Work();
   const int64_t ticket =
       verify(0, "recv from group rank " + std::to_string(src), t, ledger::Op::Recv, /*collective=*/false, 0, 0, src, tag);
+  std::function<void()> after;
+  if (described && impl_) {
+    std::vector<Tensor> header{torch::zeros({2}, torch::kInt64).to(World::instance().device())};
+    auto got = impl_->group->recv(header, src, kHeaderTag + tag);
+    after = [got, header, timeout = options_.timeout, dtype = t.scalar_type(), numel = t.numel(), src,
+             where = describe()] {
+      wait_for(*got, timeout);
+      auto h = header[0].cpu();
+      const auto sent_dtype = static_cast<c10::ScalarType>(h[0].item<int64_t>());
+      const int64_t sent_numel = h[1].item<int64_t>();
+      TORCH_CHECK(sent_dtype == dtype && sent_numel == numel, "recv from group rank ", src, " on ", where,
+                  ": it sent ", sent_numel, " ", dtype_name(sent_dtype), " elements; this tensor holds ", numel, " ",
+                  dtype_name(dtype), " (a send and its recv must agree in dtype and element count)");
+    };
+  }
   std::vector<Tensor> ts{t};
-  return run("recv", [&] { return impl_->group->recv(ts, src, tag); }, async, {}, ticket);
+  return run("recv", [&] { return impl_->group->recv(ts, src, tag); }, async, std::move(after), ticket);
 }
 
 Work ProcessGroup::barrier(bool async) const {

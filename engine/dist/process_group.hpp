@@ -135,8 +135,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// Point to point, to or from group rank `dst`/`src`. Messages between two ranks with the same
   /// `tag` arrive in the order they were sent; different tags are separate channels (a pipeline's
   /// activations and gradients).
-  Work send(const Tensor& t, int dst, bool async = false, int tag = 0) const;
-  Work recv(Tensor& t, int src, bool async = false, int tag = 0) const;
+  /// With `described`, a small header (dtype and element count) travels beside the tensor, on a
+  /// channel of its own, and the receive refuses a tensor of another dtype or size (point to
+  /// point itself carries none: a smaller send partly fills the receive, another dtype is
+  /// reinterpreted). What pt.dist's send and recv use; a pipeline sends its own headers.
+  Work send(const Tensor& t, int dst, bool async = false, int tag = 0, bool described = false) const;
+  Work recv(Tensor& t, int src, bool async = false, int tag = 0, bool described = false) const;
   Work barrier(bool async = false) const;
 
   /// What this group's collectives moved since creation (or reset_traffic): calls and bytes by

@@ -383,10 +383,12 @@ Tensor Linear::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.in, "Linear(", options.in, ", ", options.out,
               ") expects input (..., ", options.in, "), got ", x.sizes());
   const auto& w = weight();
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "Linear(", options.in, ", ", options.out, ") holds ",
-              compat::dtype_name(w.scalar_type()), " weights; its input is ", compat::dtype_name(x.scalar_type()),
-              ": convert the input (x:to(\"", compat::dtype_name(w.scalar_type()), "\")) or the model (model:to(\"",
-              compat::dtype_name(x.scalar_type()), "\"))");
+  if (x.scalar_type() != w.scalar_type()) {
+    const auto held = compat::dtype_name(w.scalar_type()), given = compat::dtype_name(x.scalar_type());
+    TORCH_CHECK(false, "Linear(", options.in, ", ", options.out, ") holds ", held, " weights; its input is ", given,
+                ": convert the input (x:to(\"", held, "\"))",
+                x.is_floating_point() ? " or the model (model:to(\"" + given + "\"))" : std::string());
+  }
   return F::linear(x, w, bias());
 }
 

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "engine/compat.hpp"
 #include "engine/nn/functional.hpp"
 
 namespace partrain::parallel {
@@ -581,8 +582,8 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
                   local_logits.sizes().slice(0, targets.dim()).equals(targets.sizes()),
               "vocab-parallel cross_entropy expects logits (..., V/t) and targets (...), got ", local_logits.sizes(),
               " and ", targets.sizes());
-  TORCH_CHECK(!targets.is_floating_point(), "vocab-parallel cross_entropy expects integer class ids, got ",
-              targets.dtype());
+  TORCH_CHECK(!targets.is_floating_point() && targets.scalar_type() != torch::kBool,
+              "vocab-parallel cross_entropy expects integer class ids, got ", compat::dtype_name(targets.scalar_type()));
   const int64_t t = group->size(), part = local_logits.size(-1);
   TORCH_CHECK(vocab > 0 && (vocab + t - 1) / t == part, "vocab-parallel cross_entropy: logits of ", part,
               " columns a rank over tensor=", t, " do not hold a vocabulary of ", vocab, " (expected ",
@@ -596,7 +597,8 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
   auto flat = local_logits.reshape({-1, part});
   // bfloat16 and float16 logits: the softmax and the loss in float32, as the serial loss does.
   if (flat.scalar_type() == torch::kBFloat16 || flat.scalar_type() == torch::kHalf) flat = flat.to(torch::kFloat32);
-  auto flat_targets = targets.reshape({-1});
+  // Any integer ids, as the serial loss takes them (the kernel below gathers by int64).
+  auto flat_targets = targets.reshape({-1}).to(torch::kLong);
   auto losses = VocabParallelCrossEntropy::apply(flat, flat_targets, key_of(group), vocab, ignore_index);
   if (reduction == "sum") return losses.sum();
   auto counted = flat_targets.ne(ignore_index).sum().to(losses.scalar_type());

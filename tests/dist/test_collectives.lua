@@ -61,6 +61,27 @@ test("broadcast, all_gather, reduce_scatter, send/recv, barrier", function()
   raises(function() W:send(b, rank) end, "bad destination")
 end)
 
+-- Point to point carries no description of its data: a smaller send had partly filled the
+-- receiving tensor and one of another dtype with as many bytes had been reinterpreted, exit 0.
+test("a send and its recv that disagree in dtype or element count are refused on the receiving rank, async too", function()
+  local peer = rank % 2 == 0 and rank + 1 or rank - 1  -- pairs (0, 1), (2, 3): even ranks send
+  if peer >= world then return end
+  if rank % 2 == 0 then
+    W:send(pt.tensor({ 1, 2, 3, 4 }):double(), peer)  -- 32 bytes, as many as 8 float32
+    W:send(pt.tensor({ 1, 2, 3, 4 }), peer)
+    W:send(pt.tensor({ 0, 1, 2, 3, 4, 5 }), peer)
+    W:send(pt.tensor({ 5, 6 }), peer, { async = true }):wait()
+  else
+    raises(function() W:recv(pt.zeros(8), peer) end, "it sent 4 float64 elements; this tensor holds 8 float32")
+    raises(function() W:recv(pt.zeros(6), peer) end, "it sent 4 float32 elements; this tensor holds 6 float32")
+    local grid = W:recv(pt.zeros({ 2, 3 }), peer)
+    near(grid, { { 0, 1, 2 }, { 3, 4, 5 } }, 0, "6 elements received as 2 x 3: shapes may differ")
+    local work = W:recv(pt.zeros(3), peer, { async = true })
+    raises(function() work:wait() end, "it sent 2 float32 elements; this tensor holds 3 float32")
+  end
+  W:barrier()
+end)
+
 -- The flat reduce-scatter and all-gather (a ring on Gloo) against all-reduce-then-slice and
 -- all_gather, on the world (4 ranks) and on groups of 2, for sum and mean, three dtypes, and
 -- lengths that are not a multiple of the group (padded, as ZeRO pads its buckets).

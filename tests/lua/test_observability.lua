@@ -188,6 +188,20 @@ test("--config: unknown keys and wrong types name the file and line; no io, os o
   write(config, "local s = ('ab'):rep(2^29)\nreturn {}\n")
   raises(function() pt.args(spec, { "--config", config }) end, config .. ":1: makes a string of 1073741824 bytes")
   eq(("ab"):rep(2), "abab", "string.rep is itself again after the config file")
+  -- string.rep as it reads its arguments: numbers as text, counts as text, a separator between.
+  for _, body in ipairs { "string.rep(12345678, 2^27)", "('12345678'):rep('134217728')",
+                          "string.rep('', 2^20, ('y'):rep(1023) .. 'z')" } do
+    write(config, "local s = " .. body .. "\nreturn {}\n")
+    raises(function() pt.args(spec, { "--config", config }) end, "makes a string of 10737", body)
+  end
+  -- Stopped for running too long, the caller's hook and string.rep are put back.
+  local function mine() end
+  debug.sethook(mine, "", 1000000)
+  write(config, "for i = 1, 2e7 do end\nreturn {}\n")
+  raises(function() pt.args(spec, { "--config", config }) end, config .. ":1: runs too long")
+  eq(debug.gethook(), mine, "the caller's hook is back")
+  debug.sethook()
+  eq(("ab"):rep(2, "-"), "ab-ab", "string.rep is itself again")
   write(config, "return { name = ('x'):rep(1000) }\n")
   eq(#pt.args(spec, { "--config", config }).name, 1000, "a reasonable string.rep is read")
   raises(function() pt.args(spec, { "--config", "/tmp" }) end, "'/tmp' is a folder")

@@ -144,19 +144,26 @@ local function read_config(path, kinds, known)
   local hook, mask, count = debug.gethook()  -- a hook set before (the REPL's) is put back after
   local base, steps, rep = collectgarbage("count"), 0, string.rep
   local function too_much(what) return what .. "; a config file should only return a table" end
-  string.rep = function(text, n, ...)
-    if type(text) == "string" and type(n) == "number" and #text * n > kMaxMemoryMB * 2 ^ 20 then
-      error(too_much(("makes a string of %.0f bytes with string.rep (more than %d MB)"):format(#text * n,
-        kMaxMemoryMB)), 2)
+  string.rep = function(text, n, sep)
+    -- As string.rep reads them: numbers as text, text as counts; the separator between copies.
+    local t, k = type(text) == "number" and tostring(text) or text, tonumber(n)
+    local s = type(sep) == "number" and tostring(sep) or sep
+    if type(t) == "string" and k and k > 0 then
+      local bytes = #t * k + (type(s) == "string" and #s * (k - 1) or 0)
+      if bytes > kMaxMemoryMB * 2 ^ 20 then
+        error(too_much(("makes a string of %.0f bytes with string.rep (more than %d MB)"):format(bytes, kMaxMemoryMB)), 2)
+      end
     end
-    return rep(text, n, ...)
+    return rep(text, n, sep)
   end
   env.string.rep = string.rep
   debug.sethook(function()
     steps = steps + 1
     local problem = steps > kMaxInstructions and ("runs too long (more than %d instructions)"):format(kMaxInstructions)
       or collectgarbage("count") - base > kMaxMemoryMB * 1024 and ("uses more than %d MB of memory"):format(kMaxMemoryMB)
-    if problem then
+    -- Only in the file's own code: this function's lines after it returns (putting string.rep
+    -- and the caller's hook back) must run to the end.
+    if problem and debug.getinfo(2, "S").source == "@" .. path then
       debug.sethook()  -- the file has no pcall to go on with: one error stops it
       error(too_much(problem), 2)
     end
