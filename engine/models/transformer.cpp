@@ -1,6 +1,7 @@
 // Checks and lookups the transformer families share (see transformer.hpp).
 #include "engine/models/transformer.hpp"
 
+#include "engine/nn/functional.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 namespace partrain::models {
@@ -42,14 +43,6 @@ void check_vocab_head(const nn::Module& root, const std::string& path, const std
               "with gather_output = true");
 }
 
-namespace {
-// The smallest and largest of an integer tensor (one transfer from a device).
-std::pair<int64_t, int64_t> extremes(const nn::Tensor& t) {
-  auto both = torch::stack({t.min(), t.max()}).to(torch::kCPU, torch::kInt64);
-  return {both[0].item<int64_t>(), both[1].item<int64_t>()};
-}
-}  // namespace
-
 void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vocab, int64_t seq, int64_t offset,
                      bool values) {
   TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point() && !ids.is_complex() && ids.scalar_type() != torch::kBool,
@@ -57,7 +50,7 @@ void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vo
   TORCH_CHECK(offset + ids.size(1) <= seq, model, ": sequence of ", offset + ids.size(1), " tokens is longer than seq=",
               seq);
   if (!values || ids.numel() == 0) return;
-  auto [lo, hi] = extremes(ids);
+  auto [lo, hi] = nn::extremes(ids);
   TORCH_CHECK(lo >= 0 && hi < vocab, model, ": token id ", lo < 0 ? lo : hi, " is out of range for vocab=", vocab,
               " (ids are 0 to ", vocab - 1, ")");
 }
@@ -79,7 +72,7 @@ void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
   TORCH_CHECK(targets.sizes() == ids.sizes(), "train_step: ", model, " predicts a token at each of the input's ",
               ids.sizes(), " positions, so its targets must have that shape, got ", targets.sizes());
   if (targets.numel() == 0 || targets.is_meta()) return;
-  auto [lo, hi] = extremes(targets.masked_fill(targets == ignore_index, 0));
+  auto [lo, hi] = nn::extremes(targets.masked_fill(targets == ignore_index, 0));
   TORCH_CHECK(lo >= 0 && hi < vocab, "train_step: target ", lo < 0 ? lo : hi, " is out of range for ", model,
               "'s vocab=", vocab, " (targets are 0 to ", vocab - 1, ", or ignore_index=", ignore_index, ")");
 }

@@ -7,6 +7,11 @@
 
 namespace partrain::nn {
 
+std::pair<int64_t, int64_t> extremes(const Tensor& t) {
+  auto both = torch::stack({t.min(), t.max()}).to(torch::kCPU, torch::kInt64);
+  return {both[0].item<int64_t>(), both[1].item<int64_t>()};
+}
+
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1, "rms_norm expects a tensor with at least one dimension");
   TORCH_CHECK(eps >= 0 && std::isfinite(eps), "rms_norm: eps must be a finite number >= 0, got ", eps);

@@ -1,8 +1,11 @@
 // The functional building blocks of LLaMA-era models, as PyTorch and Hugging Face define them:
 // RMSNorm, grouped-query scaled dot-product attention, rotary position embeddings (the
-// rotate-half convention), and the negative log-likelihood loss. Modules and models call these,
-// and Lua reaches them through pt.nn.
+// rotate-half convention), and the negative log-likelihood loss; and the range read that the
+// checks of token and class ids share. Modules and models call these, and Lua reaches them
+// through pt.nn.
 #pragma once
+
+#include <utility>
 
 #include <torch/torch.h>
 
@@ -13,6 +16,10 @@ using torch::Tensor;
 /// x / sqrt(mean(x^2 over the last dimension) + eps), times `weight` when defined, as Hugging
 /// Face's LlamaRMSNorm: the statistics in float32 whatever x's dtype, the result in x's dtype.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
+
+/// The smallest and largest element of a non-empty integer tensor, read with one transfer from
+/// its device (the checks of token ids and class ids).
+std::pair<int64_t, int64_t> extremes(const Tensor& t);
 
 struct AttentionOptions {
   Tensor mask;           ///< boolean (true: attend) or additive float, broadcast to (B, H, T, S)

@@ -587,7 +587,7 @@ void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
                 "input's ", c10::IntArrayRef(rows), " rows, so its targets must have that shape, got ", y.sizes());
   if (y.numel() == 0 || y.is_meta()) return;
   const auto counted = y.masked_fill(y == ignore_index, 0);
-  const int64_t lo = counted.min().item<int64_t>(), hi = counted.max().item<int64_t>();
+  const auto [lo, hi] = extremes(counted);
   TORCH_CHECK(lo >= 0 && hi < width, "train_step: target ", lo < 0 ? lo : hi, " is out of range for ", type(), "'s ",
               width, " classes (targets are 0 to ", width - 1, ", or ignore_index=", ignore_index, ")");
 }
