@@ -284,12 +284,24 @@ std::shared_ptr<ParallelModel> ParallelModel::owner(const torch::Tensor& param, 
 
 std::shared_ptr<ParallelModel> ParallelModel::owner(const std::vector<torch::Tensor>& params,
                                                     const std::string& what) {
+  // Every live model's parameters by tensor, once: a lookup a parameter, not a scan.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::shared_ptr<ParallelModel>, const std::string*>> index;
+  for (const auto& w : models())
+    if (auto model = w.lock())
+      for (const auto& r : model->records_)
+        if (r.param.defined()) index.emplace(r.param.unsafeGetTensorImpl(), std::make_pair(model, &r.name));
+  auto owner_of = [&](const torch::Tensor& param, std::string* name) -> std::shared_ptr<ParallelModel> {
+    auto it = param.defined() ? index.find(param.unsafeGetTensorImpl()) : index.end();
+    if (it == index.end()) return nullptr;
+    if (name) *name = *it->second.second;
+    return it->second.first;
+  };
   std::shared_ptr<ParallelModel> found;
   size_t first = 0;  // the position of found's first parameter
   std::string first_name;
   for (size_t i = 0; i < params.size(); ++i) {
     std::string name;
-    auto model = owner(params[i], &name);
+    auto model = owner_of(params[i], &name);
     if (!model || found == model) continue;
     TORCH_CHECK(!found, what, ": the parameters #", first + 1, " ('", first_name, "') and #", i + 1, " ('", name,
                 "') belong to two parallelized models: one optimizer (or clipping) a model");
@@ -299,7 +311,7 @@ std::shared_ptr<ParallelModel> ParallelModel::owner(const std::vector<torch::Ten
   }
   if (!found) return nullptr;
   for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(!params[i].defined() || owner(params[i]) == found, what, ": parameter #", i + 1, " of the table is "
+    TORCH_CHECK(!params[i].defined() || owner_of(params[i], nullptr) == found, what, ": parameter #", i + 1, " of the table is "
                 "not one of the parallelized model's (#", first + 1, " '", first_name, "' is): its gradient would not "
                 "be synced over the model's ranks; list the model's parameters only, or make the optimizer from the "
                 "model");
