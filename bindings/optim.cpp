@@ -90,12 +90,11 @@ std::vector<std::weak_ptr<optim::Optimizer>>& all_optimizers() {
   return all;
 }
 
-int make_optimizer(Args& a, const std::string& kind) {
-  // The module's trainable parameters (a frozen one, requires_grad = false, is left out, as
-  // data parallelism and ZeRO leave it out), or the table's, each of which must be trainable.
+// The parameters pt.optim.<kind> steps: the module's trainable ones (a frozen one,
+// requires_grad = false, is left out, as data parallelism and ZeRO leave it out), or the table's,
+// each of which must be trainable. `model`: the module given, else null.
+std::vector<torch::Tensor> optimizer_params(Args& a, const std::string& what, nn::ModulePtr& model) {
   std::vector<torch::Tensor> params;
-  nn::ModulePtr model;  // the module given, or the parallelized model the table's parameters are of
-  const std::string what = "pt.optim." + kind;
   if (auto* m = ud_test<nn::ModulePtr>(a.L, 1, PT_MODULE_MT)) {
     model = *m;
     for (const auto& p : nn::unique_parameters(*model))
@@ -113,6 +112,11 @@ int make_optimizer(Args& a, const std::string& kind) {
   } else {
     a.expected(1, "module or table of parameters");
   }
+  return params;
+}
+
+// pt.optim.<kind>'s options table (argument 2).
+optim::OptimizerOptions read_optimizer_options(Args& a, const std::string& kind) {
   optim::OptimizerOptions o;
   o.kind = kind;
   if (kind == "adamw") o.weight_decay = 0.01;  // PyTorch's AdamW default
@@ -147,6 +151,90 @@ int make_optimizer(Args& a, const std::string& kind) {
   }
   o.loss_scale = read_loss_scale(a, t, kind);
   t.finish();
+  return o;
+}
+
+// The live optimizers made for `model` (ones the script dropped collected first when any is found).
+std::vector<std::shared_ptr<optim::Optimizer>> live_optimizers(lua_State* L, const nn::ModulePtr& model) {
+  auto& entry = optimizers_of()[model.get()];
+  auto live = [&] {
+    std::vector<std::shared_ptr<optim::Optimizer>> out;
+    if (entry.model.lock() == model)
+      for (const auto& w : entry.optimizers)
+        if (auto o = w.lock()) out.push_back(o);
+    return out;
+  };
+  auto found = live();
+  if (!found.empty()) {
+    lua_gc(L, LUA_GCCOLLECT, 0);
+    found = live();
+  }
+  return found;
+}
+
+// Wires an optimizer of a parallelized model's parameters to the model: mixed precision's masters
+// in its records (a plain optimizer's: ZeRO's are shards), loss scaling in its train_step with
+// every rank of its mesh agreeing on an overflow, and clipping's norm over split parameters'
+// groups and over the pipeline's stages (a tied tensor once).
+void wire_to_model(optim::Optimizer& opt, const std::shared_ptr<parallel::ParallelModel>& pm,
+                   const nn::ModulePtr& model, bool zero) {
+  if (pm) {
+    if (!zero)
+      for (const auto& p : opt.params())
+        if (auto master = opt.master(p); master.defined()) pm->set_master(p, master);
+    if (opt.loss_scaler()) {
+      pm->set_loss_scaler(opt.loss_scaler());
+      opt.set_overflow_group(pm->mesh()->group("world"));
+    }
+  }
+  if (!model || zero) return;
+  auto groups = parallel::split_groups(*model, opt.params());
+  if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
+    opt.set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
+      return parallel::global_grad_norm(params, groups);
+    });
+  if (pm && pm->pipeline()) {
+    std::weak_ptr<parallel::Pipeline> pipeline = pm->pipeline();
+    opt.set_grad_norm([pipeline, groups](const std::vector<torch::Tensor>& params) {
+      auto p = pipeline.lock();
+      TORCH_CHECK(p, "clipping: the pipelined model this optimizer was made for is gone");
+      return p->grad_norm(params, groups);  // split parameters over their tensor group too
+    });
+  }
+}
+
+// Records `opt` as one of `model`'s (the REPL's mem(), the loss-scale check) and of all made
+// from Lua; on a data-parallel model, steps only on synced gradients (Cube's build_optimizer).
+void register_optimizer(const std::shared_ptr<optim::Optimizer>& opt, const nn::ModulePtr& model) {
+  if (model) {
+    auto& entry = optimizers_of()[model.get()];
+    if (entry.model.lock() != model) entry = ModelOptimizers{model, {}};
+    auto& mine = entry.optimizers;
+    mine.erase(std::remove_if(mine.begin(), mine.end(), [](const auto& w) { return w.expired(); }), mine.end());
+    mine.push_back(opt);
+    std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(model.get());
+    if (!dp.expired())
+      opt->add_step_check([dp] {
+        auto d = dp.lock();
+        TORCH_CHECK(!d || d->synced(), "optimizer step on unsynced gradients: ", d ? d->passes_since_sync() : 0,
+                    " backward pass(es) since the last sync, and grad_accumulation=",
+                    d ? d->options().grad_accumulation : 0, " syncs on every ",
+                    d ? d->options().grad_accumulation : 0, "th: step after the last micro-batch");
+        // A hand-written loop's sync (train_step settles its own on the loss's all-reduce): the
+        // parameters no data rank gave a gradient are left without one.
+        if (d) d->settle_unused();
+      });
+  }
+  auto& all = all_optimizers();
+  all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
+  all.push_back(opt);
+}
+
+int make_optimizer(Args& a, const std::string& kind) {
+  const std::string what = "pt.optim." + kind;
+  nn::ModulePtr model;  // the module given, or the parallelized model the table's parameters are of
+  auto params = optimizer_params(a, what, model);
+  const auto o = read_optimizer_options(a, kind);
   // A table of a parallelized model's parameters (param groups, a subset) is wired to the model
   // as an optimizer made from the model is: clipping's norm over its groups and stages, loss
   // scaling in its train_step, its masters. Without that the table's optimizer clipped by each
@@ -170,21 +258,8 @@ int make_optimizer(Args& a, const std::string& kind) {
   // One optimizer with loss scaling a parallelized model, and no other beside it: train_step
   // scales the loss by one scale, which every optimizer of the model's gradients must undo.
   if (pm) {
-    auto& entry = optimizers_of()[model.get()];
-    auto live = [&] {
-      std::vector<std::shared_ptr<optim::Optimizer>> out;
-      if (entry.model.lock() == model)
-        for (const auto& w : entry.optimizers)
-          if (auto o = w.lock()) out.push_back(o);
-      return out;
-    };
-    auto others = live();
-    if (!others.empty()) {
-      lua_gc(a.L, LUA_GCCOLLECT, 0);  // ones the script dropped
-      others = live();
-    }
     const bool scaled = o.loss_scale.kind != "none";
-    for (const auto& other : others)
+    for (const auto& other : live_optimizers(a.L, model))
       if (scaled || other->loss_scaler())
         throw std::invalid_argument(what + ": the model already has an optimizer, and " +
                                     (scaled ? std::string("this one") : std::string("that one")) + " scales the loss: "
@@ -196,59 +271,8 @@ int make_optimizer(Args& a, const std::string& kind) {
   // weights and state, clipping by the global norm over the shards (engine/parallel/zero.hpp).
   const bool zero = pm && pm->zero_stage() > 0;
   auto opt = zero ? parallel::make_zero_optimizer(pm, o) : std::make_shared<optim::Optimizer>(params, o);
-  if (pm) {
-    // Mixed precision and loss scaling on a parallelized model: its records point at the masters
-    // (a plain optimizer's: ZeRO's are shards), its train_step scales the loss, and every rank of
-    // its mesh agrees on an overflow.
-    if (!zero)
-      for (const auto& p : opt->params())
-        if (auto master = opt->master(p); master.defined()) pm->set_master(p, master);
-    if (opt->loss_scaler()) {
-      pm->set_loss_scaler(opt->loss_scaler());
-      opt->set_overflow_group(pm->mesh()->group("world"));
-    }
-  }
-  if (model && !zero) {
-    // Split parameters (found through the model's tree): the norm for clipping spans their group.
-    auto groups = parallel::split_groups(*model, opt->params());
-    if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
-      opt->set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
-        return parallel::global_grad_norm(params, groups);
-      });
-    // Pipeline stages: the norm spans every stage (the pipeline group), a tied tensor once, split
-    // parameters over their tensor group.
-    if (pm && pm->pipeline()) {
-      std::weak_ptr<parallel::Pipeline> pipeline = pm->pipeline();
-      opt->set_grad_norm([pipeline, groups](const std::vector<torch::Tensor>& params) {
-        auto p = pipeline.lock();
-        TORCH_CHECK(p, "clipping: the pipelined model this optimizer was made for is gone");
-        return p->grad_norm(params, groups);  // split parameters over their tensor group too
-      });
-    }
-  }
-  if (model) {
-    auto& entry = optimizers_of()[model.get()];
-    if (entry.model.lock() != model) entry = ModelOptimizers{model, {}};
-    auto& mine = entry.optimizers;
-    mine.erase(std::remove_if(mine.begin(), mine.end(), [](const auto& w) { return w.expired(); }), mine.end());
-    mine.push_back(opt);
-    // Cube's build_optimizer: on a data-parallel model, step only on synced gradients.
-    std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(model.get());
-    if (!dp.expired())
-      opt->add_step_check([dp] {
-        auto d = dp.lock();
-        TORCH_CHECK(!d || d->synced(), "optimizer step on unsynced gradients: ", d ? d->passes_since_sync() : 0,
-                    " backward pass(es) since the last sync, and grad_accumulation=",
-                    d ? d->options().grad_accumulation : 0, " syncs on every ",
-                    d ? d->options().grad_accumulation : 0, "th: step after the last micro-batch");
-        // A hand-written loop's sync (train_step settles its own on the loss's all-reduce): the
-        // parameters no data rank gave a gradient are left without one.
-        if (d) d->settle_unused();
-      });
-  }
-  auto& all = all_optimizers();
-  all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
-  all.push_back(opt);
+  wire_to_model(*opt, pm, model, zero);
+  register_optimizer(opt, model);
   ud_push(a.L, opt, PT_OPTIMIZER_MT);
   return 1;
 }
