@@ -255,8 +255,14 @@ int ckpt_export(const std::string& path, const std::string& tag, const std::stri
     if (e.name.rfind("model/", 0) == 0) tensors[e.name.substr(6)] = ckpt::read_tensor(folder, m, e);
   const auto* family = models::family_of_type(m.model_type);
   const auto* hf = family && family->has_hf() ? &family->hf : nullptr;
+  // A tie is stored once in a checkpoint (by its first name): Hugging Face stores the source
+  // alone too. A tensor under the tied name is the model's own (LLaMA with tie = false) and is
+  // kept, unless it merely repeats its source.
   if (hf)
-    for (const auto& [tied, source] : hf->tied) tensors.erase(tied);  // Hugging Face stores the source alone
+    for (const auto& [tied, source] : hf->tied) {
+      auto t = tensors.find(tied), s = tensors.find(source);
+      if (t != tensors.end() && s != tensors.end() && t->second.equal(s->second)) tensors.erase(t);
+    }
   ckpt::write_safetensors(out, tensors, hf);
   std::cout << "wrote " << tensors.size() << " tensors of step " << m.step << " to " << out
             << (hf ? " (" + hf->layout + " layout)" : "") << std::endl;

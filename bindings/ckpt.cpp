@@ -274,15 +274,27 @@ const Function kCkpt[] = {
        if (hf)
          for (const auto& [tied, source] : hf->tied)
            if (ties(*m, tied, source)) tensors.erase(tied);  // Hugging Face stores the source alone
-       if (dist::World::instance().initialized() ? dist::World::instance().rank() == 0 : true) {
-         if (shard_mb > 0) {
-           if (!util::is_plain_dir(path) && ::mkdir(path.c_str(), 0755) != 0)
-             throw std::runtime_error("cannot make the folder '" + path + "' for a sharded export: " + std::strerror(errno));
-           ckpt::write_safetensors_sharded(path, tensors, hf, static_cast<int64_t>(shard_mb * 1024 * 1024));
-         } else {
-           ckpt::write_safetensors(path, tensors, hf);
+       auto& world = dist::World::instance();
+       std::string failed;  // rank 0's error, or ""
+       if (world.initialized() ? world.rank() == 0 : true) {
+         try {
+           if (shard_mb > 0) {
+             if (!util::is_plain_dir(path) && ::mkdir(path.c_str(), 0755) != 0)
+               throw std::runtime_error("cannot make the folder '" + path + "' for a sharded export: " +
+                                        std::strerror(errno));
+             ckpt::write_safetensors_sharded(path, tensors, hf, static_cast<int64_t>(shard_mb * 1024 * 1024));
+           } else {
+             ckpt::write_safetensors(path, tensors, hf);
+           }
+         } catch (const std::exception& e) {
+           failed = e.what();
+           if (failed.empty()) failed = "failed";
          }
        }
+       // Every rank returns once the file is in place (a rank reading it next must find it), or
+       // fails with rank 0's error.
+       if (world.initialized()) failed = dist::all_gather_strings(world.world(), failed).front();
+       if (!failed.empty()) throw std::runtime_error(failed);
        return a.ret(); }},
     // import_safetensors(model, path): loads logical weights into the (possibly split) model.
     {"import_safetensors", [](Args& a) {

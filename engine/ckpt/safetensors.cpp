@@ -82,6 +82,8 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
   std::map<std::string, torch::Tensor> named;  // by the file's names: sorted, as safetensors writes them
   for (const auto& [name, t] : tensors) {
     auto hf_name = hf ? hf->to_hf(name) : name;
+    TORCH_CHECK(hf_name != "__metadata__", "safetensors: a tensor cannot be named '__metadata__' (the format's name "
+                "for the file's metadata): rename the parameter to export it");
     TORCH_CHECK(named.emplace(hf_name, hf && hf->transposed(name) ? t.detach().t() : t).second, "safetensors: ",
                 "two tensors take the name '", hf_name, "' in the ", hf ? hf->layout : "", " layout");
   }
@@ -131,6 +133,9 @@ std::map<std::string, torch::Tensor> read_file_names(const std::string& path, ut
   std::string text(n, '\0');
   if (!read_at(fd, &text[0], n, 8)) bad("is truncated");
   if (text.empty() || text[0] != '{') bad("is not a safetensors file (its header does not start with '{')");
+  // JSON has no raw NUL, and the parser would take one for the end of its input (what follows unread).
+  if (auto nul = text.find('\0'); nul != std::string::npos)
+    bad("has a NUL byte in its safetensors header (byte " + std::to_string(nul) + " of " + std::to_string(n) + ")");
   if (json_depth(text) > kMaxJsonDepth) bad("has a safetensors header nested deeper than " + std::to_string(kMaxJsonDepth));
   nlohmann::json header;
   std::string duplicate;

@@ -29,7 +29,9 @@ int64_t context_of(const nn::Module& model) {
 
 // The next token of each row from the last position's logits (B, V).
 Tensor pick(Tensor logits, const GenerateOptions& o) {
-  logits = logits.to(torch::kFloat32);
+  // In float64: a float64 model's near-tie is decided in its own precision, and a tiny
+  // temperature or top_p stays in range where float32 would overflow.
+  logits = logits.to(torch::kFloat64);
   if (o.temperature == 0) return logits.argmax(-1, true);
   logits = logits / o.temperature;
   const double neg_inf = -std::numeric_limits<double>::infinity();
@@ -51,7 +53,8 @@ Tensor pick(Tensor logits, const GenerateOptions& o) {
 KvCache* KvCache::current() { return active; }
 
 std::pair<Tensor, Tensor> KvCache::extend(const nn::Module& attention, const Tensor& k, const Tensor& v) {
-  auto& entry = kv[&attention];
+  // One entry a use within a forward: a block that appears twice in the model keeps two.
+  auto& entry = kv[{&attention, uses[&attention]++}];
   if (entry.first.defined()) {
     entry.first = torch::cat({entry.first, k}, 2);
     entry.second = torch::cat({entry.second, v}, 2);
@@ -95,6 +98,7 @@ Tensor generate(nn::Module& model, const Tensor& ids, const GenerateOptions& o) 
   Tensor tokens = ids;
   Tensor input = ids;
   for (int64_t step = 0; step < o.max_new; ++step) {
+    cache.uses.clear();
     auto logits = model.forward(std::vector<Tensor>{input}).select(1, -1);  // (B, V or V/t)
     auto split = parallel::split_logits_of(logits);
     if (split) logits = parallel::gather_split_logits(logits, *split);

@@ -17,7 +17,10 @@ using torch::Tensor;
 /// input starts at. Active (KvCache::current) only inside generate().
 struct KvCache {
   int64_t offset = 0;                                       ///< positions already cached
-  std::map<const nn::Module*, std::pair<Tensor, Tensor>> kv;  ///< attention module -> (k, v), (B, H, S, d)
+  /// (attention module, its n-th use in a forward) -> (k, v), (B, H, S, d): a module that appears
+  /// twice in the model (a shared block) runs twice a forward, on other inputs each time.
+  std::map<std::pair<const nn::Module*, int>, std::pair<Tensor, Tensor>> kv;
+  std::map<const nn::Module*, int> uses;  ///< uses of each module in the forward under way
   /// The cache generate() has made active on this thread, or nullptr.
   static KvCache* current();
   /// Appends k and v (B, H, T, d) for `attention` and returns everything cached for it.

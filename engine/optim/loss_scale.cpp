@@ -79,7 +79,9 @@ double LossScaler::update(bool found_inf) {
   if (++state_.good_steps >= options_.scale_window) {
     state_.good_steps = 0;
     state_.hysteresis = options_.delayed_shift;
-    state_.scale *= options_.scale_factor;
+    // Within what float32 holds: beyond, the scale itself overflows, every step is skipped and
+    // backing off (inf / factor) never brings it back.
+    state_.scale = std::min(state_.scale * options_.scale_factor, 0x1p127);
   }
   return before;
 }

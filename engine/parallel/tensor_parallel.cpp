@@ -554,7 +554,15 @@ const Sharding* VocabParallelEmbedding::sharding_of(const std::string& name) con
 }
 
 Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
-  TORCH_CHECK(!ids.is_floating_point(), "VocabParallelEmbedding expects integer ids, got ", ids.dtype());
+  TORCH_CHECK(!ids.is_floating_point() && ids.scalar_type() != torch::kBool,
+              "VocabParallelEmbedding expects integer ids, got ", compat::dtype_name(ids.scalar_type()));
+  // An id outside the vocabulary is outside every rank's rows: it would embed as zeros on all of
+  // them, without an error (a policy's own forward may call this without the model's id check).
+  if (ids.numel() > 0 && !ids.is_meta()) {
+    auto [lo, hi] = nn::extremes(ids);
+    TORCH_CHECK(lo >= 0 && hi < count, "VocabParallelEmbedding: token id ", lo < 0 ? lo : hi,
+                " is out of range for the vocabulary of ", count, " (ids are 0 to ", count - 1, ")");
+  }
   const int64_t rows = padded / group->size();
   auto outside = ids.lt(first).logical_or(ids.ge(first + rows));
   auto local = (ids - first).masked_fill(outside, 0);

@@ -249,4 +249,21 @@ if dp % 2 == 0 then
   end)
 end
 
+-- Rank 0 writes the file; the others had returned at once, and one reading it next found the
+-- previous export (or none), exit 0.
+H.test("export_safetensors returns on every rank once the file is in place; a failed write fails every rank", function()
+  local path = "/tmp/partrain-test-export-" .. (os.getenv("MASTER_PORT") or "0") .. ".safetensors"
+  pt.manual_seed(3)
+  local model = pt.models.mlp { sizes = { 4, 6, 3 } }
+  for i = 1, 5 do
+    pt.no_grad(function() model:get("0").weight:fill_(i) end)
+    pt.ckpt.export_safetensors(model, path)
+    local fresh = pt.models.mlp { sizes = { 4, 6, 3 } }
+    pt.ckpt.import_safetensors(fresh, path)
+    H.ok(fresh:get("0").weight:equal(model:get("0").weight), "export " .. i .. " is the one every rank reads")
+  end
+  H.raises(function() pt.ckpt.export_safetensors(model, "/nonexistent-folder/x.safetensors") end, "/nonexistent-folder")
+  if rank == 0 then os.remove(path) end
+end)
+
 H.run()

@@ -193,4 +193,19 @@ test("split parameters are known as split by the layer holding them, and asked b
     "give fused or parts, not both")
 end)
 
+-- A policy's own forward (sequence parallelism's) calls the vocab-parallel embedding without the
+-- model's id check: an id outside the vocabulary embedded as zeros on every rank, exit 0.
+test("the vocab-parallel embedding refuses an id outside the vocabulary, under sequence parallelism too", function()
+  for _, family in ipairs { "gpt2", "llama" } do
+    pt.manual_seed(4)
+    local cfg = { vocab = 51, seq = 8, dim = 16, heads = 4, layers = 1 }
+    local model = pt.parallelize(pt.models[family](cfg), "policies." .. family, mesh, { sequence_parallel = true })
+    for _, id in ipairs { 51, 1000, -7 } do
+      local ids = pt.tensor({ { 1, 2, id, 3, 4, 5, 6, 7 } }, { dtype = "int64" })
+      raises(function() model(ids) end, ("VocabParallelEmbedding: token id %d is out of range for the vocabulary of 51"):format(id))
+    end
+    ok(model(pt.tensor({ { 1, 2, 50, 3, 4, 5, 6, 7 } }, { dtype = "int64" })), family .. ": ids in range run")
+  end
+end)
+
 H.run()

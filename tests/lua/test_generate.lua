@@ -47,6 +47,41 @@ for name, model in pairs(models()) do
   end)
 end
 
+-- A block that appears twice (weights shared, ALBERT-style) runs twice a forward on other inputs:
+-- the cache had kept one entry a module, both uses appending to it (other tokens, exit 0).
+H.test("a model whose blocks share one module: the cache gives the tokens recomputation gives (float64)", function()
+  for _, family in ipairs { "gpt2", "llama" } do
+    pt.manual_seed(1)
+    local m = pt.models[family] { vocab = 64, seq = 32, dim = 32, heads = 4, layers = 2, dtype = "float64" }
+    local blocks = family == "gpt2" and "h" or "layers"
+    pt.no_grad(function() for _, p in m:named_parameters() do if #p.shape == 2 then p:mul_(10) end end end)
+    m:get(blocks):set("1", m:get(blocks .. ".0"))
+    local one = pt.tensor({ { 3, 14, 15, 9, 2 } }, { dtype = "int64" })
+    local cached = m:generate(one, { max_new = 12, temperature = 0 })
+    local full = m:generate(one, { max_new = 12, temperature = 0, cache = false })
+    H.ok(cached:equal(full), family .. ": cached " .. tostring(cached) .. " vs " .. tostring(full))
+  end
+end)
+
+-- Two logits that differ in float64 and round to one float32: greedy had picked in float32.
+H.test("a float64 model's greedy token is its float64 argmax", function()
+  pt.manual_seed(3)
+  local m = pt.models.gpt2 { vocab = 16, seq = 16, dim = 8, heads = 2, layers = 1, dtype = "float64" }
+  local one = pt.tensor({ { 3, 4, 5 } }, { dtype = "int64" })
+  local w = pt.randn(8, { dtype = "float64" })
+  pt.no_grad(function()
+    local W = pt.zeros(16, 8, { dtype = "float64" })
+    W:select(0, 0):copy_(w)
+    W:select(0, 1):copy_(w * (1 + 1e-9))
+    m.lm_head.weight:copy_(W)
+    if m(one):select(1, -1):select(1, 0):item() < 0 then m.lm_head.weight:mul_(-1) end
+  end)
+  local logits = pt.no_grad(function() return m(one):select(1, -1) end)
+  H.ok(logits:select(1, 1):item() > logits:select(1, 0):item(), "token 1 leads in float64")
+  H.ok(logits:select(1, 1):float():item() == logits:select(1, 0):float():item(), "a tie in float32")
+  H.eq(m:generate(one, { max_new = 1, temperature = 0 }):select(1, -1):item(), 1, "greedy takes token 1")
+end)
+
 H.test("only the transformer families generate", function()
   H.raises(function() pt.models.mlp { sizes = { 4, 4 } }:generate(prompt) end, "generate needs a GPT2 or a Llama")
 end)

@@ -256,6 +256,22 @@ test("an injected overflow skips the step, halves the scale, and training recove
   eq(opt:steps(), 4)
 end)
 
+-- Grown past what float32 holds, the scale had become inf: every step skipped, and backing off
+-- (inf / factor) never brought it back, exit 0.
+test("a dynamic scale grows no further than 2^127, and training goes on stepping", function()
+  pt.manual_seed(14)
+  local m = pt.models.mlp { sizes = { 4, 8, 2 } }
+  local opt = pt.optim.sgd(m, { lr = 0.1, loss_scale = "dynamic",
+                                loss_scale_options = { init_scale = 2 ^ 100, scale_window = 1, scale_factor = 1e300 } })
+  local x, y = pt.randn(5, 4), pt.zeros(5, 2)
+  for step = 1, 4 do
+    opt:zero_grad(); opt:scale_loss(pt.nn.mse(m(x), y)):backward()
+    local _, skipped = opt:step()
+    ok(opt:loss_scale() <= 2 ^ 127, "step " .. step .. ": the scale is finite, " .. tostring(opt:loss_scale()))
+    if step > 2 then eq(skipped, nil, "step " .. step .. " is taken") end
+  end
+end)
+
 test("delayed_shift, consecutive_hysteresis and min_scale govern the backoff", function()
   local w = pt.tensor({ 1.0, 2.0 }, { requires_grad = true })
   local opt = pt.optim.sgd({ w }, { lr = 0.1, loss_scale = "dynamic",

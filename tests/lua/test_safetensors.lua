@@ -149,6 +149,33 @@ test("the file itself: too short, a header past its end, not JSON, not an object
   refused(empty, "holds neither model.safetensors.index.json nor model.safetensors", "a folder without weights")
 end)
 
+-- A tensor called __metadata__ had overwritten the header's metadata: a file nothing could read.
+-- A NUL byte ends the JSON parser's input: what followed it had gone unread.
+test("export refuses a tensor named __metadata__; import refuses a NUL byte in the header", function()
+  local M = pt.nn.Module "Meta"
+  function M:__init() self:register_parameter("__metadata__", pt.zeros(2)) end
+  raises(function() pt.ckpt.export_safetensors(M(), root .. "/meta.safetensors") end,
+    "a tensor cannot be named '__metadata__'")
+  refused(file(good_header .. "\0garbage", bias .. weight), "has a NUL byte in its safetensors header", "a NUL byte")
+end)
+
+-- An untied LLaMA's lm_head is its own tensor; `partrain ckpt export` had dropped it as a tie.
+test("partrain ckpt export keeps an untied LLaMA's lm_head, and drops nothing of a tied one", function()
+  local bin = assert(os.getenv("PARTRAIN_BIN"), "PARTRAIN_BIN names the partrain executable")
+  for _, tie in ipairs { false, true } do
+    pt.manual_seed(2)
+    local m = pt.models.llama { vocab = 32, seq = 8, dim = 16, heads = 2, layers = 1, tie = tie }
+    local dir, out = root .. "/llama-" .. tostring(tie), root .. "/llama-" .. tostring(tie) .. ".safetensors"
+    pt.ckpt.save(dir, { model = m, step = 1 })
+    eq(os.execute(("'%s' ckpt export '%s' '%s' > /dev/null"):format(bin, dir, out)), 0, "ckpt export, tie=" .. tostring(tie))
+    pt.manual_seed(9)
+    local fresh = pt.models.llama { vocab = 32, seq = 8, dim = 16, heads = 2, layers = 1, tie = tie }
+    pt.ckpt.import_safetensors(fresh, out)
+    local want = m:state_dict()
+    for name, t in pairs(fresh:state_dict()) do ok(t:equal(want[name]), "tie=" .. tostring(tie) .. ": " .. name) end
+  end
+end)
+
 test("Hugging Face's sharded layout: an index and its files, refused when they disagree or lead elsewhere", function()
   local dir = root .. "/sharded"
   os.execute("mkdir -p '" .. dir .. "'")
