@@ -379,10 +379,21 @@ void Linear::reset_tensor(const std::string& name, Tensor& t, at::Generator& gen
   t.uniform_(-bound, bound, gen);
 }
 
+namespace {
+// A deferred model's weights hold no values until materialized; LibTorch's own error is a
+// dispatcher dump. Meta inputs (the planner's shapes-only runs) are fine.
+void refuse_meta(const Tensor& weight, const Tensor& input, const std::string& layer) {
+  TORCH_CHECK(!weight.defined() || !weight.is_meta() || input.is_meta(), layer, "'s weight is on the meta device ",
+              "(built inside pt.deferred) and holds no values yet: call model:materialize() first, or let ",
+              "pt.parallelize materialize this rank's part");
+}
+}  // namespace
+
 Tensor Linear::forward(const Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options.in, "Linear(", options.in, ", ", options.out,
               ") expects input (..., ", options.in, "), got ", x.sizes());
   const auto& w = weight();
+  refuse_meta(w, x, "Linear(" + std::to_string(options.in) + ", " + std::to_string(options.out) + ")");
   if (x.scalar_type() != w.scalar_type()) {
     const auto held = compat::dtype_name(w.scalar_type()), given = compat::dtype_name(x.scalar_type());
     TORCH_CHECK(false, "Linear(", options.in, ", ", options.out, ") holds ", held, " weights; its input is ", given,
@@ -427,6 +438,7 @@ void Embedding::reset_tensor(const std::string& name, Tensor& t, at::Generator& 
 }
 
 Tensor Embedding::forward(const Tensor& ids) {
+  refuse_meta(weight(), ids, "Embedding(" + std::to_string(options.count) + ", " + std::to_string(options.dim) + ")");
   TORCH_CHECK(!ids.is_floating_point() && ids.scalar_type() != torch::kBool, "Embedding expects integer ids, got ",
               compat::dtype_name(ids.scalar_type()));
   return F::embedding(ids, weight());

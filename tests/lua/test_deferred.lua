@@ -81,6 +81,11 @@ test("what cannot be initialized by name is refused, naming it", function()
   raises(function() m:materialize() end, "Scale cannot initialize its tensor 's'")
   raises(function() pt.deferred(function() return 3 end) end, "returned number, not a model")
   raises(function() pt.deferred(function() error("broken build") end) end, "broken build")
+  -- A forward before materialize had printed LibTorch's dispatcher dump.
+  local unmade = pt.deferred(function() return pt.models.mlp { sizes = { 4, 3 } } end)
+  raises(function() unmade(pt.randn(2, 4)) end, "Linear(4, 3)'s weight is on the meta device (built inside pt.deferred)")
+  local lm = pt.deferred(function() return pt.models.gpt2(small) end)
+  raises(function() lm(pt.tensor({ { 1, 2 } }, { dtype = "int64" })) end, "call model:materialize() first")
   -- Whatever happened inside, layers made afterwards are real again.
   eq(pt.nn.Linear(2, 2).weight.device, "cpu", "deferral ends with pt.deferred")
 end)
