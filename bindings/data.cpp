@@ -92,6 +92,8 @@ const Function kLoaderMethods[] = {
     {"start_epoch", [](Args& a) { auto& l = loader(a, 1); l->start_epoch(a.integer(2, l->epoch() + 1)); return a.ret(); }},
     {"epoch", [](Args& a) { return a.ret(double(loader(a, 1)->epoch())); }},
     {"position", [](Args& a) { return a.ret(double(loader(a, 1)->position())); }},
+    // _place(epoch, position): back to exactly there (pt.evaluate's restore)
+    {"_place", [](Args& a) { loader(a, 1)->set_place(a.integer(2), a.integer(3)); return a.ret(); }},
     {"batches_per_epoch", [](Args& a) { return a.ret(double(loader(a, 1)->batches_per_epoch())); }},
     {"samples_seen", [](Args& a) { return a.ret(double(loader(a, 1)->samples_seen())); }},
     {"seek", [](Args& a) {  // seek(samples): continue as after that many global samples

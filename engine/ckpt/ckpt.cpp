@@ -1494,6 +1494,15 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     TORCH_CHECK(!state.data || m.samples_seen < 0 || state.data->batches_per_epoch() > 0, "the checkpoint '", tag_dir,
                 "' holds a data position (", m.samples_seen, " samples), but the data loader given has no batch to ",
                 "seek in (an empty dataset, or fewer samples than a batch with drop_last)");
+    if (state.data && m.samples_seen >= 0) {
+      const int64_t lands = state.data->seek_lands_at(m.samples_seen);
+      if (lands != m.samples_seen)
+        loaded.notes.push_back("the data position, " + std::to_string(m.samples_seen) + " samples, is not a whole " +
+                               "number of this loader's batches of " + std::to_string(state.data->options().batch) +
+                               " into its epoch (another batch size saved it): the data resumes at " +
+                               std::to_string(lands) + ", and " + std::to_string(m.samples_seen - lands) +
+                               " samples are seen again");
+    }
     // Read everything.
     torch::NoGradGuard no_grad;
     values.resize(params.size());
@@ -1576,6 +1585,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
                                      : std::string("saved on the CPU")) +
                       "); " + device.str() + " keeps this run's");
     }
+    notes.insert(notes.begin(), loaded.notes.begin(), loaded.notes.end());  // the reading step's
     loaded = {tag, m.step, m.user_json, notes};
   });
   return loaded;

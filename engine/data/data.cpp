@@ -309,4 +309,17 @@ void Loader::seek(int64_t samples) {
   position_ = (samples % per_epoch) / options_.batch;
 }
 
+int64_t Loader::seek_lands_at(int64_t samples) const {
+  int64_t per_epoch = options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
+  if (samples < 0 || per_epoch <= 0) return samples;
+  return samples / per_epoch * per_epoch + (samples % per_epoch) / options_.batch * options_.batch;
+}
+
+void Loader::set_place(int64_t epoch, int64_t position) {
+  TORCH_CHECK(position >= 0 && position <= batches_per_epoch(), "loader: position ", position, " is not within an ",
+              "epoch of ", batches_per_epoch(), " batches");
+  start_epoch(epoch);
+  position_ = position;
+}
+
 }  // namespace partrain::data

@@ -114,6 +114,13 @@ class Loader {
   /// Goes to where samples_seen() == `samples` (a checkpoint's data position): the same batches
   /// follow as after that many samples, whatever the data-parallel size.
   void seek(int64_t samples);
+  /// Where seek(`samples`) lands, as samples_seen() then: `samples` itself, or fewer when it is
+  /// not a whole number of this loader's batches into its epoch (a run resumed with another
+  /// batch size: the batch that holds it is taken again).
+  int64_t seek_lands_at(int64_t samples) const;
+  /// Goes back to batch `position` of `epoch` exactly (what pt.evaluate puts back after using
+  /// the loader: an epoch's end stays its end, where seek(samples_seen()) would begin the next).
+  void set_place(int64_t epoch, int64_t position);
   /// The order in which `epoch` visits the dataset.
   std::vector<int64_t> order(int64_t epoch) const;
   const LoaderOptions& options() const { return options_; }

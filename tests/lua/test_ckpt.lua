@@ -48,6 +48,23 @@ test("save then load restores weights, optimizer state, data position and the us
   eq(got[2], want[2], "the second step after loading")
 end)
 
+-- A run resumed with another batch size: the position is not a whole number of its batches, and
+-- the batch holding it is taken again. That had gone unsaid.
+test("a data position that is not a whole number of the loader's batches is said, with the samples seen again", function()
+  local where = os.tmpname() .. "-batch"
+  local model, opt, data = setup(1)
+  for _ = 1, 3 do data:next() end  -- 12 samples of batches of 4
+  pt.ckpt.save(where, { model = model, optim = opt, data = data, step = 3 })
+  local wider = pt.data.text { path = "data/kjv.txt", seq = 6, batch = 8, seed = 3 }
+  local r = pt.ckpt.load(where, { model = model, optim = opt, data = wider })
+  eq(wider:samples_seen(), 8, "the batch of 8 holding sample 12 is taken again")
+  ok(r.notes[1] and r.notes[1]:find("the data position, 12 samples, is not a whole number of this loader's batches of 8", 1, true)
+     and r.notes[1]:find("resumes at 8, and 4 samples are seen again", 1, true), "the note: " .. tostring(r.notes[1]))
+  local same = pt.data.text { path = "data/kjv.txt", seq = 6, batch = 4, seed = 3 }
+  eq(#pt.ckpt.load(where, { model = model, optim = opt, data = same }).notes, 0, "the same batch size: no note")
+  os.execute("rm -rf '" .. where .. "'")
+end)
+
 test("num_kept keeps the newest tags; resume on an empty folder is nil", function()
   local model, opt = setup(1)
   for step = 10, 14 do pt.ckpt.save(dir, { model = model, optim = opt, step = step, num_kept = 2 }) end

@@ -207,6 +207,18 @@ test("pt.evaluate averages the loss over a loader's batches without gradients, r
   for _, p in model:named_parameters() do ok(p.grad == nil, "no gradient was made") end
   raises(function() pt.evaluate(model, val, { batches = 0 }) end, "batches must be a whole number from 1")
   raises(function() pt.evaluate(model, val, { steps = 2 }) end, "no option 'steps'")
+  -- At an epoch's end the loader stays at its end: restored by its sample count it had begun the
+  -- next epoch, and a `for x, y in loader:batches()` loop around the call never ended.
+  val:start_epoch(2)
+  local walked = 0
+  for _ in val:batches() do
+    walked = walked + 1
+    if not val:has_next() then pt.evaluate(model, val, { batches = 1 }) end
+    if walked > val:batches_per_epoch() then break end
+  end
+  eq(walked, val:batches_per_epoch(), "evaluating at the epoch's end leaves one epoch walked")
+  eq(val:epoch(), 2, "the same epoch")
+  eq(val:has_next(), false, "still at its end")
 end)
 
 H.run()

@@ -346,4 +346,21 @@ r = run(["plan", "--world", "4", SCRIPT, *PIPE, "--schedule", "interleaved", "--
 check("chunks that do not fit the blocks are refused at the script's line",
       r.returncode != 0 and "4 blocks cannot fill 8 stages" in r.stderr and "gpt2_step.lua:" in r.stderr, r.stderr)
 
+# Checkpoints under plan: meta tensors hold no values. A save had written garbage sizes (and left a
+# scratch folder in the user's checkpoint folder); now save, load and resume leave files alone.
+with tempfile.TemporaryDirectory() as work:
+    script = os.path.join(work, "saves.lua")
+    folder = os.path.join(work, "ckpt")
+    with open(script, "w") as f:
+        f.write('local pt = require "partrain"\n'
+                'local m = pt.parallelize(pt.models.mlp { sizes = { 4, 8, 2 } }, nil, pt.mesh {})\n'
+                'local opt = pt.optim.sgd(m, { lr = 0.1 })\n'
+                f'assert(pt.ckpt.save("{folder}", {{ model = m, optim = opt, step = 0 }}) == nil)\n'
+                f'assert(pt.ckpt.load("{folder}", {{ model = m }}) == nil)\n'
+                'm:train_step(pt.randn(4, 4), pt.randint(0, 2, { 4 }))\n'
+                'opt:step()\n')
+    r = run(["plan", "--world", "2", script])
+    check("under plan, pt.ckpt.save and load return nil and leave the checkpoint folder alone",
+          r.returncode == 0 and not os.path.exists(folder), r.stdout[-1000:] + r.stderr[-2000:])
+
 finish("plan")

@@ -477,6 +477,8 @@ function pt.ckpt.save(dir, what)
     for k, v in pairs(t.user or {}) do user[k] = v end
     t.user = user
   end
+  -- A plan runs on shapes alone (meta tensors hold no values) and leaves the user's files as they are.
+  if core.plan.planning() then return nil end
   local tag, notes = ckpt_call(2, core.ckpt.save, dir, t)  -- not a tail call: error levels count this frame
   ckpt_notes(2, "save", notes)
   return tag
@@ -503,6 +505,7 @@ end
 --- and data loader, whatever layout saved it.
 function pt.ckpt.load(dir, tag, what)
   if what == nil and type(tag) == "table" then tag, what = nil, tag end
+  if core.plan.planning() then return nil end  -- as resume: a load changes no layout
   local loaded = load_at(2, "load", dir, tag, what)  -- not tail calls: error levels count these frames
   return loaded
 end
@@ -700,7 +703,9 @@ function pt.evaluate(model, loader, opts)
       tostring(batches)), 2)
   end
   local loss_of = opts.loss or pt.loss_fn(model)
-  local seen = loader:samples_seen()
+  -- Put back exactly: at an epoch's end seek(samples_seen()) would begin the next epoch, and a
+  -- `for x, y in loader:batches()` loop around this call would never end.
+  local epoch, position = loader:epoch(), loader:position()
   local training = model:is_training()
   model:eval()
   loader:start_epoch(0)
@@ -713,7 +718,7 @@ function pt.evaluate(model, loader, opts)
     return sum / batches
   end)
   model:train(training)
-  loader:seek(seen)
+  loader:_place(epoch, position)
   if not ok then rethrow(total, 2) end
   local mesh = pt.mesh_of(model)
   if mesh and mesh:size("data") > 1 then
