@@ -123,7 +123,7 @@ std::pair<std::string, long> file_line(const std::string& site) {
 // Whether a rank waiting at `mine` has gone past a call at `theirs`: a later line of the same file,
 // or the end of the run.
 bool ahead(const std::string& mine, const std::string& theirs) {
-  if (!mine.empty() && mine[0] == '(') return true;  // "(end of run)"
+  if (mine == dist::ledger::kEndOfRun) return true;
   auto [f1, l1] = file_line(mine);
   auto [f2, l2] = file_line(theirs);
   return l1 >= 0 && l2 >= 0 && f1 == f2 && l1 > l2;
@@ -148,7 +148,11 @@ const Call* collective_numbered(const GroupCopy& g, int64_t seq) {
 
 }  // namespace
 
-bool in_call(const Copy& ledger) { return ledger.valid && blocked_in(ledger).call != nullptr; }
+bool in_script_call(const Copy& ledger) {
+  if (!ledger.valid) return false;
+  const Call* call = blocked_in(ledger).call;
+  return call && call->site != dist::ledger::kEndOfRun;
+}
 
 Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigger, int64_t now_ns) {
   Diagnosis d;

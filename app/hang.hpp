@@ -34,8 +34,10 @@ struct Diagnosis {
 /// ranks timed out waiting in a collective".
 Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigger, int64_t now_ns);
 
-/// Whether the ledger shows its rank blocked in a call (waiting, or just timed out or failed in it).
-bool in_call(const dist::ledger::Copy& ledger);
+/// Whether the ledger shows its rank blocked in a call its script made (waiting, or just timed
+/// out or failed in it); not rank 0's wait for the others at the end of the run, which has no time
+/// limit (a rank's long work after the others have ended is no hang).
+bool in_script_call(const dist::ledger::Copy& ledger);
 
 /// Every rank's state and its last `tail` calls per group, a line each, indented.
 std::string dump(const std::vector<RankView>& ranks, int64_t now_ns, size_t tail);

@@ -706,12 +706,13 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       }
       bool all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.running || r.report; });
       // The ledgers tell sooner: once the ranks asked have had a second to answer, ranks without a
-      // report that are in no call will not report; those in one will, within moments.
+      // report that are in no call will not report (nor will rank 0 waiting for the others at the
+      // end of the run: that wait has no time limit); those in one will, within moments.
       if (!all_heard && Clock::now() >= lines_asked + std::chrono::seconds(1))
         all_heard = std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) {
           if (!r.running || r.report) return true;
           auto ledger = dist::ledger::read(r.ledger);
-          return ledger.valid && !hang::in_call(ledger);
+          return ledger.valid && !hang::in_script_call(ledger);
         });
       if (all_heard || Clock::now() >= *settle_until) {
         for (size_t i = 0; i < ranks.size(); ++i)
@@ -735,11 +736,15 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         hang_asked_at.reset();
       } else if (Clock::now() - progress_at >= hang_timeout) {
         if (!hang_asked_at) {
-          if (!hang::diagnose(views(), "", monotonic_ns()).culprits.empty()) {
+          const auto now = views();
+          const bool script_waits = std::any_of(now.begin(), now.end(), [](const hang::RankView& v) {
+            return v.running && hang::in_script_call(v.ledger);
+          });
+          if (script_waits && !hang::diagnose(now, "", monotonic_ns()).culprits.empty()) {
             ask_lines();
             hang_asked_at = Clock::now();
           } else {
-            progress_at = Clock::now();  // nobody waits: long work without calls is no hang
+            progress_at = Clock::now();  // nobody waits in the script: long work without calls is no hang
           }
         } else if (Clock::now() - *hang_asked_at >= std::chrono::seconds(1)) {
           std::ostringstream trigger;

@@ -18,6 +18,7 @@
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/ledger.hpp"
+#include "engine/dist/world.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
@@ -601,6 +602,31 @@ void answer_line_requests(lua_State* L) {
   if (sigaction(SIGUSR1, &sa, nullptr) == 0) dist::ledger::region()->line_ready = 1;
 }
 
+// os.exit with a successful status (none, true, 0) first ends this rank's part of the run as the
+// script's end does: rank 0 waits there for the others, whose store it serves (World::shutdown),
+// and the others say they are done, so rank 0 does not wait for them in vain. Then it exits as
+// Lua's own os.exit does, which stays in the registry.
+int exit_after_run(Args& a) {
+  lua_State* L = a.L;
+  const bool success = a.none(1) || (lua_isboolean(L, 1) ? lua_toboolean(L, 1) != 0
+                                                          : lua_isnumber(L, 1) && lua_tonumber(L, 1) == 0);
+  if (success) dist::World::instance().shutdown();
+  lua_getfield(L, LUA_REGISTRYINDEX, "partrain.os_exit");
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, LUA_MULTRET);
+  return lua_gettop(L);
+}
+
+void replace_os_exit(lua_State* L) {
+  lua_getglobal(L, "os");
+  lua_getfield(L, -1, "exit");
+  lua_setfield(L, LUA_REGISTRYINDEX, "partrain.os_exit");
+  static const Function exit{"os.exit", exit_after_run};
+  push_function(L, exit);
+  lua_setfield(L, -2, "exit");
+  lua_pop(L, 1);
+}
+
 void stop_answering(lua_State* L) {
   if (asked_state.load() != L) return;
   dist::ledger::region()->line_ready = 0;  // the launcher stops asking; a late signal finds no state
@@ -650,6 +676,7 @@ Host::Host() : L_(luaL_newstate()), alive_(std::make_shared<bool>(true)) {
   lua_setfield(L_, -2, "partrain.core");
   lua_pop(L_, 2);
   answer_line_requests(L_);
+  replace_os_exit(L_);
 }
 
 Host::~Host() {

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -103,13 +104,22 @@ void put(const std::string& k, const std::string& value) {
   store().set(k, std::vector<uint8_t>(value.begin(), value.end()));
 }
 
-// Waits for `k` without a deadline: the store answers as soon as rank 0 sets it. A store that
-// stops answering means rank 0 (its server) has ended.
-std::string take(const std::string& k) {
+// Waits for `k`, which rank `from` sets, without a deadline (an idle prompt or a long chunk is
+// no error), unless `from` ends its process first (os.exit in a chunk): then nothing. A store
+// that stops answering means rank 0 (its server) has ended.
+std::optional<std::string> take(const std::string& k, int from) {
+  const std::string ended = dist::World::ended_key(from);
   try {
-    store().wait({k}, c10d::Store::kNoTimeout);
-    auto v = store().get(k);
-    return std::string(v.begin(), v.end());
+    while (true) {
+      try {
+        store().wait({k}, std::chrono::milliseconds(200));
+        auto v = store().get(k);
+        return std::string(v.begin(), v.end());
+      } catch (const std::exception& e) {
+        if (message_of(e).find("timed out") == std::string::npos) throw;
+      }
+      if (store().check({ended})) return std::nullopt;
+    }
   } catch (const std::exception& e) {
     throw std::runtime_error("the REPL lost rank 0, which serves the rendezvous store (it has ended?): " +
                              message_of(e));
@@ -365,10 +375,10 @@ const Function kRepl[] = {
        return a.ret(); }},
     {"repl_receive", [](Args& a) {  // other ranks: repl_receive(session, n) -> code | nil at the end
        int64_t session = a.integer(1), n = a.integer(2);
-       std::string v = take(key(session, n, "chunk"));
-       if (v.empty() || v[0] != 'c') return a.ret();
+       auto v = take(key(session, n, "chunk"), 0);  // rank 0 gone: the session is over
+       if (!v || v->empty() || (*v)[0] != 'c') return a.ret();
        put(key(session, n, "took/" + std::to_string(dist::World::instance().rank())), "");
-       return a.ret(v.substr(1)); }},
+       return a.ret(v->substr(1)); }},
     // repl_exchange(session, n, output, exit): every rank posts its output and whether the chunk
     // called exit(); rank 0 gets { output of rank 0, of rank 1, ... }, the others nil, and every
     // rank gets whether to leave (exit() on any rank ends the REPL on all). Groups left at
@@ -383,7 +393,11 @@ const Function kRepl[] = {
        std::string verdict;
        if (world.rank() == 0) {
          for (int r = 0; r < world.size(); ++r) {
-           std::string p = take(key(session, n, "out/" + std::to_string(r)));
+           // A rank that ended its process in the chunk (os.exit) leaves the others no world to
+           // go on in: the session ends on every rank.
+           std::string p = take(key(session, n, "out/" + std::to_string(r)), r)
+                               .value_or("x" + posting("rank " + std::to_string(r) + " ended its process (os.exit) "
+                                                       "in this chunk; the REPL ends on every rank\n"));
            leave = leave || p[0] == 'x';
            all.push_back(parse_posting(p.substr(1)));
          }
@@ -398,7 +412,7 @@ const Function kRepl[] = {
            }
          }
        } else {
-         verdict = take(key(session, n, "renew"));
+         verdict = take(key(session, n, "renew"), 0).value_or("x");  // rank 0 gone: leave
        }
        leave = verdict[0] == 'x';
        std::set<std::string> keys;

@@ -691,6 +691,20 @@ Work ProcessGroup::barrier(bool async) const {
   return run("barrier", [&] { return impl_->group->barrier(o); }, async, {}, ticket);
 }
 
+void ProcessGroup::recorded_wait(const std::function<void()>& wait) const {
+  char site[ledger::kSite];
+  ledger::fill_site(site);
+  const int64_t ticket = book_ ? book_->start(ledger::Op::Barrier, 0, -1, 0, 0, -1, 0, site) : -1;
+  ledger_set(ticket, ledger::State::Waiting);
+  try {
+    wait();
+  } catch (...) {
+    ledger_set(ticket, ledger::State::TimedOut);
+    throw;
+  }
+  ledger_set(ticket, ledger::State::Completed);
+}
+
 std::vector<std::string> all_gather_strings(const GroupPtr& group, const std::string& mine) {
   if (!group || group->size() == 1) return {mine};
   const auto device = World::instance().device();  // exchanged there, read on the host
@@ -950,15 +964,58 @@ std::vector<GroupPtr> World::groups() const {
 
 void World::shutdown() {
   if (!initialized_) return;
-  if (world_ && world_->size() > 1) {
-    ledger::SiteOverride site("(end of run)");  // no script line: the script has returned
-    world_->barrier();
-  }
+  if (world_ && world_->size() > 1 && store_) end_of_run();
   world_.reset();
   store_.reset();
   server_.reset();
   groups_.clear();
   initialized_ = false;
+}
+
+// Each rank says in the store that its script has ended and leaves; rank 0, which serves the
+// store, waits for all of them first. So a rank may end early (os.exit(0)) and rank 0 may work
+// on alone (an evaluation, an export) for as long as it likes: no rank waits for another at the
+// end under a timeout. Under the launcher, which ends the run when a rank fails, rank 0's wait has
+// no time limit; a rank started by hand has no launcher to watch the others, so there the wait is
+// bounded by the timeout.
+void World::end_of_run() {
+  const auto key = [](int r) { return ended_key(r); };
+  const int n = options_.world_size;
+  try {
+    store_->set(key(options_.rank), std::vector<uint8_t>{1});  // rank 0's too: a REPL's ranks watch it
+  } catch (const std::exception&) {
+    if (options_.rank == 0) throw;
+    // The store is gone: rank 0 has ended, so nobody waits for this rank's word.
+  }
+  if (options_.rank != 0) return;
+  std::vector<std::string> others;
+  for (int r = 1; r < n; ++r) others.push_back(key(r));
+  ledger::SiteOverride site(ledger::kEndOfRun);  // no script line: the script has returned
+  const bool watched = ledger::shared();          // a launcher watches every rank
+  world_->recorded_wait([&] {
+    if (watched) {
+      // In slices, each a fresh request: a store wait's timer is finite.
+      while (true) {
+        try {
+          store_->wait(others, std::chrono::minutes(10));
+          return;
+        } catch (const std::exception& e) {
+          if (compat::message_of(e).find("timed out") == std::string::npos) throw;
+        }
+      }
+    }
+    try {
+      store_->wait(others, options_.timeout);
+    } catch (const std::exception&) {
+      std::string missing;
+      int count = 0;
+      for (int r = 1; r < n; ++r)
+        if (!store_->check({key(r)})) missing += (count++ ? ", " : "") + std::to_string(r);
+      TORCH_CHECK(false, "rank 0 ended its script and waited ", options_.timeout.count() / 1000, " s for ",
+                  count == 1 ? "rank " : "ranks ", missing, " to end (rank 0 serves the ranks' store, so it "
+                  "leaves last; with no launcher watching the ranks, this wait is bounded: raise it with --timeout)");
+    }
+  });
 }
 
 // ---- Layout and Mesh -----------------------------------------------------------------------

@@ -22,6 +22,7 @@ constexpr int kName = 64;                // bytes of a group's name and of its k
 constexpr int kRanks = 256;              // members listed per group (a larger group lists its first 256)
 constexpr int kChannels = 16;            // point-to-point (peer, tag) channels counted per group
 constexpr int32_t kRingTag = 0x7a00;     // the tag of the sends and receives inside ring collectives
+constexpr const char* kEndOfRun = "(end of run)";  // the site of rank 0's wait for the others at the end
 
 /// What a call is. Collectives are numbered in their group; sends and receives on their channel.
 enum class Op : uint8_t { None, AllReduce, Broadcast, AllGather, ReduceScatter, Barrier, Send, Recv };

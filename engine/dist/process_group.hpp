@@ -142,6 +142,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   Work send(const Tensor& t, int dst, bool async = false, int tag = 0, bool described = false) const;
   Work recv(Tensor& t, int src, bool async = false, int tag = 0, bool described = false) const;
   Work barrier(bool async = false) const;
+  /// Runs `wait` recorded in the ledger as a barrier at the current call site, though no
+  /// collective runs: how rank 0's wait for the others at the end of the run shows in a hang
+  /// summary. An exception from `wait` marks the entry timed out and passes on.
+  void recorded_wait(const std::function<void()>& wait) const;
 
   /// What this group's collectives moved since creation (or reset_traffic): calls and bytes by
   /// operation. Bytes count the whole message: an all-reduce's tensor, an all-gather's gathered

@@ -79,8 +79,14 @@ class World {
   /// The groups made so far that are still alive, the world group first.
   std::vector<GroupPtr> groups() const;
 
-  /// Waits for every rank (bounded by the timeout), then drops the groups and the store.
+  /// Ends this rank's part of the run, then drops the groups and the store: each rank says so in
+  /// the store; rank 0, which serves it, waits until every rank has (without a time limit under
+  /// the launcher, which ends the run if a rank fails; else within the timeout). Call it on every
+  /// rank after its last collective.
   void shutdown();
+  /// The store key a rank sets once its script has ended (shutdown(), or os.exit(0) mid-script):
+  /// who waits in the store for that rank can see it is gone.
+  static std::string ended_key(int rank) { return "partrain/ended/" + std::to_string(rank); }
 
  private:
   World() = default;
@@ -91,6 +97,7 @@ class World {
   std::unique_ptr<StoreServer> server_;  // rank 0's
   GroupPtr world_;
   int groups_made_ = 0;
+  void end_of_run();
   std::vector<std::weak_ptr<ProcessGroup>> groups_;
 };
 

@@ -6,7 +6,8 @@
 # pt.breakpoint() without -i says how to stop there; bad sizes, ports and environments are clear
 # errors; torchrun-style environments run a single rank; a rank that never arrives at the rendezvous
 # is named within one timeout; printed lines leave as they are printed, to a file or through the
-# launcher. Usage: test_launcher.sh PATH/TO/partrain
+# launcher; at the end of the run rank 0 may work on alone and a rank may os.exit(0) early, past
+# --timeout, and a rank that skipped the last collective is named. Usage: test_launcher.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 worker="$(realpath tests/dist/worker.lua)"
@@ -146,6 +147,36 @@ out=$(RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port P
 took=$(( ($(ms) - start) / 1000 - base ))
 has "$out" "rank 0 serves the rendezvous: it never started serving it"; report $? "a lone rank names rank 0 as the one missing" "$out"
 report $(( took > 3 )) "a lone rank waits one timeout (2 s), not two (took ${took} s more than a bare start)" "$out"
+
+# --- the end of the run ------------------------------------------------------------------------
+# No rank waits for another at the end under the collectives' timeout: each says it has ended and
+# leaves, and rank 0 (which serves the store) waits for that word, under the launcher without limit.
+head='local pt = require "partrain"; local rank = pt.dist.rank(); pt.dist.world():all_reduce(pt.ones(2))'
+out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 1 -e "$head; if rank == 0 then os.execute('sleep 3'); print('rank 0 alone, done') end" 2>&1)
+status=$?
+report $(( status != 0 )) "rank 0 may work on alone past --timeout after the others have ended (status $status)" "$out"
+has "$out" "rank 0 alone, done"; report $? "... and its work finishes" "$out"
+out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 1 -e "$head; if rank == 1 then os.exit(0) end; os.execute('sleep 2'); print('rank 0 after rank 1 left')" 2>&1)
+status=$?
+report $(( status != 0 )) "a rank may end early with os.exit(0) while rank 0 goes on past --timeout (status $status)" "$out"
+has "$out" "rank 0 after rank 1 left"; report $? "... and rank 0's work finishes" "$out"
+out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 60 --hang-timeout 1 -e "$head; if rank == 1 then os.execute('sleep 3') end" 2>&1)
+status=$?
+report $(( status != 0 )) "rank 0 waiting at the end for a rank's long last work is no hang under --hang-timeout (status $status)" "$out"
+out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 2 -e "$head; if rank == 1 then pt.dist.world():all_reduce(pt.ones(2)) end" 2>&1)
+status=$?
+report $(( status != 1 )) "a rank that skips the last collective still ends the run with status 1 (status $status)" "$out"
+has "$out" "rank 0 (local rank 0" && has "$out" "waits in barrier at (end of run) instead"
+report $? "... naming it as the rank the others waited for, waiting at the end of the run" "$out"
+port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+for r in 0 1; do  # started by hand: no launcher watches rank 1, so rank 0's wait is bounded
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port PARTRAIN_TIMEOUT=1 \
+    "$bin" --threads 1 -e "$head; if rank == 1 then os.execute('sleep 4') end" >"$tmp/bounded.$r" 2>&1 &
+done
+wait
+out=$(cat "$tmp/bounded.0")
+has "$out" "rank 0 ended its script and waited 1 s for rank 1 to end"
+report $? "without the launcher, rank 0's wait at the end is bounded by the timeout and names the rank" "$out"
 
 # --- output ----------------------------------------------------------------------------------
 out=$("$bin" --nproc-per-node 2 --threads 1 "$worker" --mode sum 2>&1)

@@ -29,23 +29,4 @@ test("after a step that failed part-way, train_step is refused at the caller's l
   ok(err:find("^[^:]*test_pipeline_failed_step%.lua:%d+:"), "the error names the caller's line: " .. err)
 end)
 
--- The last stage failed at once, the first only after --timeout: the last waits for the first
--- to be done (a file, as the group cannot be trusted any more) so that both reach the end of
--- the run's barrier together, within its --timeout. A case of its own, run after the one above
--- (H.run runs them in order) whether that one passed or not.
-test("both stages reach the end of the run together", function()
-  local done = (os.getenv("TMPDIR") or "/tmp") .. "/partrain-failed-step-" .. os.getenv("MASTER_PORT")
-  if mesh:coord().pipeline == 0 then
-    assert(io.open(done, "w")):close()
-  else
-    local waited = 0
-    while not io.open(done) and waited < 60 do
-      os.execute("sleep 0.1")
-      waited = waited + 0.1
-    end
-    os.remove(done)
-    ok(waited < 60, "the first stage finished within a minute")
-  end
-end)
-
 H.run()

@@ -8,7 +8,8 @@ pt.breakpoint()) on a pty, types chunks, and checks what rank 0 prints: outputs 
 =expr, multi-line chunks, per-rank errors with tracebacks, the helpers, Ctrl-C interrupting an
 endless loop on every rank without ending the session, Ctrl-C landing inside a collective
 (ranks left at different points of it) bringing every rank back to a prompt where collectives
-work again, a prompt left idle longer than --timeout, tab completion, and exit(). Under
+work again, a prompt left idle longer than --timeout, tab completion, exit(), and os.exit(0) on one
+rank ending the session everywhere. Under
 timeout(1), a background process group that may not read the terminal, pt.breakpoint() and -i
 say so instead of hanging.
 """
@@ -78,14 +79,14 @@ class Session:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 try:
-                    while os.read(self.fd, 65536):
-                        pass
+                    while data := os.read(self.fd, 65536):
+                        self.buffer += data.decode(errors="replace").replace("\r\n", "\n")
                 except OSError:
                     pass
                 return os.waitstatus_to_exitcode(status)
             try:
                 if select.select([self.fd], [], [], 0.2)[0]:
-                    os.read(self.fd, 65536)
+                    self.buffer += os.read(self.fd, 65536).decode(errors="replace").replace("\r\n", "\n")
             except OSError:
                 pass
         os.kill(self.pid, signal.SIGKILL)
@@ -282,6 +283,18 @@ with tempfile.TemporaryDirectory() as home:
           f"[rank {last}] {last}" in out and "timed out" not in out, repr(out))
     s.send(f"on({last}, exit)\n")
     check("exit() on one rank ends the REPL on every rank, cleanly", s.wait() == 0)
+
+    # ---- os.exit(0) on one rank: its process ends, and so does the session, on every rank -----
+    for who in (last, 0):
+        s = Session("--timeout", "2", "repl", home=home)
+        s.read_until(r"\n> $")
+        s.send(f"on({who}, function() os.exit(0) end)\n")
+        code = s.wait(30)
+        check(f"os.exit(0) in a chunk on rank {who} ends the session on every rank with status 0, not a hang",
+              code == 0, f"exit code {code}: {s.buffer[-600:]!r}")
+        if who != 0:
+            check("... saying which rank ended its process", f"rank {who} ended its process (os.exit)" in s.buffer,
+                  repr(s.buffer[-600:]))
 
     # ---- partrain -i script.lua, and Ctrl-D -------------------------------------------------
     script = os.path.join(home, "script.lua")
