@@ -176,7 +176,8 @@ bool signals_saved = false;
 
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
 
-// Writes complete lines from `buffer` to `to`, each with `prefix`.
+// Writes complete lines from `buffer` to `to`, each with `prefix`; with `flush_partial`, the rest
+// too (a line without its newline: tagged, it is ended; untagged, left as the rank wrote it).
 void emit_lines(std::string& buffer, std::ostream& to, const std::string& prefix, bool flush_partial,
                 std::deque<std::string>* keep = nullptr) {
   size_t start = 0, nl;
@@ -191,7 +192,8 @@ void emit_lines(std::string& buffer, std::ostream& to, const std::string& prefix
   }
   buffer.erase(0, start);
   if (flush_partial && !buffer.empty()) {
-    to << prefix << buffer << '\n';
+    to << prefix << buffer;
+    if (!prefix.empty()) to << '\n';  // a tagged line ends; an untagged stream passes through as written
     if (keep) keep->push_back(buffer);
     buffer.clear();
   }

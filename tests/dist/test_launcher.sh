@@ -181,6 +181,8 @@ report $? "without the launcher, rank 0's wait at the end is bounded by the time
 # --- output ----------------------------------------------------------------------------------
 out=$("$bin" --nproc-per-node 2 --threads 1 "$worker" --mode sum 2>&1)
 has "$out" "rank 0 of 2: sum 3" && ! has "$out" "rank 1 of 2"; report $? "by default only rank 0's stdout is shown" "$out"
+bytes=$("$bin" --nproc-per-node 2 --threads 1 -e 'io.write("no newline")' 2>/dev/null | od -An -c | tr -s ' ')
+[ "$bytes" = " n o n e w l i n e" ]; report $? "rank 0's stdout passes through as written, a last line without its newline too" "$bytes"
 out=$("$bin" --nproc-per-node 2 --threads 1 --tee "$worker" --mode sum 2>&1)
 has "$out" "[rank 1] rank 1 of 2: sum 3"; report $? "--tee shows every rank's stdout with its rank" "$out"
 

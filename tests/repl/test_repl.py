@@ -122,6 +122,14 @@ with tempfile.TemporaryDirectory() as home:
     out = s.chunk("=1 + 1")
     check("=expr prints the value, grouped when every rank agrees", out == f"{every} 2\n", repr(out))
 
+    out = s.chunk("=1, nil, 3")
+    check("=a, nil, b shows every value, the nil and those after it", out == f"{every} 1\tnil\t3\n", repr(out))
+
+    for bad, shown in (("0.5", "0.5"), ("0/0", "nan"), ("1/0", "inf")):
+        out = s.chunk(f"on({bad}, print)")
+        check(f"on({bad}) is refused, naming the rank, not run nowhere",
+              f"on: rank {shown} is not one of the ranks 0..{RANKS - 1}" in out, repr(out))
+
     out = s.chunk("=pt.dist.rank() % 2")
     want = "[ranks 0,2] 0\n[ranks 1,3] 1\n" if RANKS == 4 else "[rank 0] 0\n[rank 1] 1\n"
     check("identical outputs are grouped by the ranks that printed them", out == want, repr(out))

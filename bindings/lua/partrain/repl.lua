@@ -212,14 +212,15 @@ function R.loop(env, banner)
       local output = captured(function()
         local fn, err = compile(code, scope)
         if not fn then print(err) return end
-        local results = { core.repl_try(fn) }
+        -- n counts the nils too: =1, nil, 3 shows three values.
+        local results = (function(...) return { n = select("#", ...), ... } end)(core.repl_try(fn))
         if results[1] == false then
           -- The traceback down to the chunk; the REPL's own frames below it say nothing.
           print((results[2]:gsub("\n%s*%[C%]: in function 'repl_try'.*$", "")))
           return
         end
         local shown = {}
-        for i = 2, #results do shown[#shown + 1] = show(results[i]) end
+        for i = 2, results.n do shown[#shown + 1] = show(results[i]) end
         if #shown > 0 then print(table.concat(shown, "\t")) end
       end)
       local outputs, leave = { output }, done
@@ -250,7 +251,9 @@ function R.helpers(stop)
   --- Runs fn on one rank only; the others return nothing.
   function H.on(r, fn, ...)
     if type(r) ~= "number" or type(fn) ~= "function" then error("on(rank, fn): a rank number and a function expected", 2) end
-    if r < 0 or r >= world then error(("on: rank %d is not in 0..%d"):format(r, world - 1), 2) end
+    if r ~= r or r % 1 ~= 0 or r < 0 or r >= world then  -- a fraction or NaN would run nowhere
+      error(("on: rank %s is not one of the ranks 0..%d"):format(tostring(r), world - 1), 2)
+    end
     if rank == r then return fn(...) end
   end
 
