@@ -111,7 +111,7 @@ int run_rank(const RankRun& run) {
     auto& trace = partrain::parallel::StepTrace::instance();
     if (!trace.options().path.empty() && trace.recorded() == 0 && partrain::dist::World::instance().rank() == 0)
       std::cerr << "partrain: --trace: the script ran no model:train_step, so no trace was written to '"
-                << trace.options().path << "'" << std::endl;
+                << trace.file() << "'" << std::endl;
     std::fflush(stdout);
     partrain::util::startup_mark("script ended");
     partrain::dist::World::instance().shutdown();  // wait for the others before leaving

@@ -59,6 +59,15 @@ std::string quoted(const std::string& s) {
   return out + "\"";
 }
 
+// The launcher's restart count for this attempt (0: the first; a malformed value reads as 0).
+int restart_count() {
+  const char* text = std::getenv("PARTRAIN_RESTART_COUNT");
+  if (!text || !*text) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(text, &end, 10);
+  return *end || n < 0 || n > 1000000 ? 0 : static_cast<int>(n);
+}
+
 std::string micros(int64_t ns) {  // microseconds with three decimals, as Chrome's ts and dur
   char buf[32];
   std::snprintf(buf, sizeof buf, "%lld.%03lld", static_cast<long long>(ns / 1000), static_cast<long long>(ns % 1000));
@@ -95,6 +104,16 @@ void StepTrace::configure(TraceOptions options) {
   active_ = false;
   events_.clear();
   gathered_.clear();
+}
+
+std::string StepTrace::file() const {
+  const int attempt = restart_count();
+  if (options_.path.empty() || attempt == 0) return options_.path;
+  const auto slash = options_.path.find_last_of('/');
+  const auto dot = options_.path.find_last_of('.');
+  const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash + 1);
+  const std::string stem = has_ext ? options_.path.substr(0, dot) : options_.path;
+  return stem + ".restart" + std::to_string(attempt) + (has_ext ? options_.path.substr(dot) : "");
 }
 
 bool StepTrace::begin_step() {
@@ -163,7 +182,7 @@ void StepTrace::end_step(const std::string& row) {
   gathered_.resize(all.size());
   std::ostringstream json;
   json << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"partrain\",\"steps\":" << step_
-       << "},\"traceEvents\":[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"partrain\"}}";
+       << ",\"restart\":" << restart_count() << "},\"traceEvents\":[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"partrain\"}}";
   for (size_t r = 0; r < all.size(); ++r) {
     auto cut = all[r].find('\n');
     gathered_[r] += all[r].substr(cut + 1);
@@ -173,11 +192,11 @@ void StepTrace::end_step(const std::string& row) {
   }
   for (const auto& events : gathered_) json << events;
   json << "\n]}\n";
-  TORCH_CHECK(!util::is_plain_dir(options_.path), "trace: '", options_.path, "' is a folder (expected the JSON file "
-              "to write)");
-  auto refused = util::may_replace(options_.path, is_trace_head, "a trace partrain wrote");
+  const std::string path = file();
+  TORCH_CHECK(!util::is_plain_dir(path), "trace: '", path, "' is a folder (expected the JSON file to write)");
+  auto refused = util::may_replace(path, is_trace_head, "a trace partrain wrote");
   TORCH_CHECK(refused.empty(), "trace: ", refused);
-  util::write_atomic(options_.path, json.str());
+  util::write_atomic(path, json.str());
 }
 
 }  // namespace partrain::parallel

@@ -32,6 +32,11 @@ class StepTrace {
   static StepTrace& instance();
   void configure(TraceOptions options);
   const TraceOptions& options() const { return options_; }
+  /// The file this process writes: the path, or after a restart (PARTRAIN_RESTART_COUNT = n > 0)
+  /// the path with ".restart<n>" before its extension ("trace.restart1.json"), so that a restarted
+  /// attempt, whose first steps are not the run's, keeps the first attempt's trace and says which
+  /// it is. "" when off.
+  std::string file() const;
 
   /// Called by every rank at the start of a training step; returns whether this step is
   /// recorded. The first recorded step puts the ranks on one time axis: the world group gathers

@@ -3,8 +3,9 @@ and interleaved with 2 chunks) every rank's row holds exactly one forward and on
 micro-batch and chunk of each traced step, in the schedule's order, every receive holds the wait
 inside it, events on a row never overlap and run forward in time, each transfer's receive ends
 after its send starts on the other rank (the clocks are aligned), and only --trace-steps steps are
-kept; a data-parallel run traces its forward, backward and sync; a folder, a missing folder or a
-bad step count are refused with a message naming them.
+kept; a data-parallel run traces its forward, backward and sync; a restarted attempt writes a
+trace of its own beside the first; a folder, a missing folder or a bad step count are refused with
+a message naming them.
 Usage: test_trace.py PATH/TO/partrain"""
 import json
 import os
@@ -133,6 +134,19 @@ if rc == 0:
         got = [(e["args"]["step"], e["name"]) for e in by_rank.get(r, []) if e["cat"] != "step"]
         want = [(s, n) for s in (1, 2) for n in ("F0", "B0", "sync")]
         check(f"data parallel: rank {r} traces F0, B0 and sync in each of its 2 steps", got == want, got)
+
+# A restarted attempt's first steps are not the run's: it writes PATH.restart1.json beside the
+# first attempt's trace, which is kept, and each says which attempt it is.
+path = os.path.join(tmp, "restarted.json")
+rc, out, err = run(["--nproc-per-node", "2", "--threads", "1", "--max-restarts", "1", "--restart-backoff", "0",
+                    "--trace", path, "--trace-steps", "1", SCRIPT, "--pipeline", "1", "--steps", "2", "--fail_first"])
+again = os.path.join(tmp, "restarted.restart1.json")
+check("after a restart, the first attempt's trace is kept and the second writes PATH.restart1.json",
+      rc == 0 and os.path.exists(path) and os.path.exists(again), f"rc {rc}: {err[-1500:]}")
+if rc == 0 and os.path.exists(path) and os.path.exists(again):
+    check("... each trace names its attempt (otherData.restart 0 and 1)",
+          load(path)["otherData"].get("restart") == 0 and load(again)["otherData"].get("restart") == 1,
+          (load(path)["otherData"], load(again)["otherData"]))
 
 # Refusals, before any rank starts: each names the value and says what was expected.
 os.makedirs(os.path.join(tmp, "folder"), exist_ok=True)

@@ -3,7 +3,7 @@
 -- trace against the compute order this script prints: "order RANK: F0.c0 F1.c0 B0.c0 ...".
 --   partrain --nproc-per-node 2 --trace t.json tests/trace/trace_run.lua --pipeline 2 --schedule 1f1b
 local pt = require "partrain"
-local cfg = pt.args { pipeline = 2, schedule = "1f1b", microbatches = 4, chunks = 1, steps = 3 }
+local cfg = pt.args { pipeline = 2, schedule = "1f1b", microbatches = 4, chunks = 1, steps = 3, fail_first = false }
 local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 4 }
 
 local mesh = pt.mesh { pipeline = cfg.pipeline }
@@ -27,3 +27,5 @@ for step = 1, cfg.steps do
   opt:step(); opt:zero_grad()
   if pt.dist.rank() == 0 then print(("step %d loss %.4f"):format(step, loss:item())) end
 end
+-- --fail_first: the first attempt fails after its steps, so that --max-restarts runs a second.
+if cfg.fail_first and pt.dist.restart_count() == 0 then error("the first attempt fails after its steps") end
