@@ -59,6 +59,20 @@ class Work {
 void set_check_collectives(bool on);
 bool check_collectives();
 
+/// While one lives on this thread, the collectives started are checked as above even with the
+/// check off, but without the script line (ranks may reach one collective from different lines):
+/// every rank of the group must call the same operation with the same dtype, shape and root, in
+/// the same place of the sequence of checked calls. What pt.dist's blocking collectives do, so
+/// that a size that differs between ranks is an error, not a result partly made of another
+/// rank's numbers.
+class AgreedCall {
+ public:
+  AgreedCall();
+  ~AgreedCall();
+  AgreedCall(const AgreedCall&) = delete;
+  AgreedCall& operator=(const AgreedCall&) = delete;
+};
+
 /// Where a collective is called from, for messages, the check above and the ledger: a function the
 /// Lua boundary installs that writes the user's script line running now ("train.lua:42") into
 /// `buf` (at most `n` bytes with the terminating zero), or "" when it cannot tell (another

@@ -1,6 +1,6 @@
 -- Ranks that disagree on a collective, one way per --mode; run by test_mismatch.py at 2 ranks.
--- Without --check-collectives the shape and dtype cases must end with a clear error (never
--- SIGABRT from Gloo's threads); with it, every case is refused naming each rank's call and line.
+-- Unchecked, pt.dist's blocking calls refuse any but a skip, async ones end clearly (never SIGABRT);
+-- with --check-collectives every case is refused naming each rank's call and line.
 local pt = require "partrain"
 local mode = arg[1]
 local W = pt.dist.world()
@@ -35,6 +35,9 @@ elseif mode == "library" then  -- a collective inside partrain's own Lua (pt.tp.
   pt.parallelize(model, nil, mesh)
   local name = "0.weight"
   if r == 0 then pt.tp.gather(model, name) else mesh:group("tensor"):barrier() end -- line 37
+elseif mode == "size_async" then  -- async calls are not checked: Gloo's own failure must still be clear
+  local t = pt.ones(r == 0 and 4 or 1000)
+  W:all_reduce(t, { async = true }):wait()            -- line 40
 else
   error("unknown mode " .. tostring(mode))
 end

@@ -1,8 +1,9 @@
 """Ranks that disagree on a collective (tests/dist/mismatch.lua, 2 ranks through the launcher).
 
-Without --check-collectives, a shape or dtype mismatch that Gloo trips over on one of its own
-threads must end the run with exit status 1 and a message naming the rank, the collective and the
-script line, never SIGABRT. With --check-collectives every kind of disagreement (size, dtype, shape
+Without --check-collectives, pt.dist's blocking collectives refuse ranks that disagree on the
+operation, dtype, shape or root, naming each rank's call; an async size mismatch that Gloo trips
+over on one of its own threads must end the run with exit status 1 and a message naming the rank,
+the collective and the script line, never SIGABRT. With --check-collectives every kind of disagreement (size, dtype, shape
 with the same element count, reduce op, a call skipped and made up later, broadcast root, a
 collective inside partrain's own Lua) is refused before any data moves, naming each rank's call and
 the user's line.
@@ -32,13 +33,13 @@ def run(mode, checked):
     return p.returncode, p.stdout + p.stderr
 
 
-# Unchecked: Gloo receives more bytes than the tensor holds on one rank's transport thread.
-for mode, line in [("size", 12), ("dtype", 15), ("gather", 29)]:
-    rc, out = run(mode, checked=False)
-    check(f"unchecked {mode}: exit status 1, not a signal", rc == 1 and "SIG" not in out, out)
-    check(f"unchecked {mode}: names the rank, the collective and the line",
-          re.search(r"partrain: rank \d: a collective failed because the ranks disagree on it", out) is not None
-          and f"at tests/dist/mismatch.lua:{line} on group 'world'" in out, out)
+# Unchecked, an async call: Gloo receives more bytes than the tensor holds on one rank's transport
+# thread, and the run still ends with a clear error.
+rc, out = run("size_async", checked=False)
+check("unchecked async size: exit status 1, not a signal", rc == 1 and "SIG" not in out, out)
+check("unchecked async size: names the rank, the collective and the line",
+      re.search(r"partrain: rank \d: a collective failed because the ranks disagree on it", out) is not None
+      and "at tests/dist/mismatch.lua:40 on group 'world'" in out, out)
 
 # Checked: each rank's call listed, with its own line.
 cases = {
@@ -52,6 +53,17 @@ cases = {
     "root": ["rank 0: broadcast from group rank 0 of", "rank 1: broadcast from group rank 1 of"],
     "library": ["rank 0: all_gather of float32 [4, 4] at tests/dist/mismatch.lua:37", "rank 1: barrier at tests/dist/mismatch.lua:37"],
 }
+# Without --check-collectives, pt.dist's blocking collectives still check that the ranks agree on
+# the operation, dtype, shape and root (not the line): every case but the skip is refused alike.
+for mode, wants in cases.items():
+    if mode in ("skip", "library"):  # the same call from other lines; a barrier inside partrain's Lua
+        continue
+    rc, out = run(mode, checked=False)
+    check(f"unchecked {mode}: refused with exit status 1, not a signal", rc == 1 and "finished" not in out
+          and "SIG" not in out, out)
+    check(f"unchecked {mode}: each rank's call is named", "the ranks called different collectives" in out
+          and all(w in out for w in wants) and "pt.dist's collectives check this" in out, out)
+
 for mode, wants in cases.items():
     rc, out = run(mode, checked=True)
     check(f"checked {mode}: refused with exit status 1", rc == 1 and "finished" not in out, out)
