@@ -627,6 +627,13 @@ void replace_os_exit(lua_State* L) {
   lua_pop(L, 1);
 }
 
+// The state whose garbage is collected before the first training step's memory is noted.
+std::atomic<lua_State*> collected_state{nullptr};
+
+void collect_before_first_step() {
+  if (lua_State* L = collected_state.load()) lua_gc(L, LUA_GCCOLLECT, 0);
+}
+
 void stop_answering(lua_State* L) {
   if (asked_state.load() != L) return;
   dist::ledger::region()->line_ready = 0;  // the launcher stops asking; a late signal finds no state
@@ -677,10 +684,14 @@ Host::Host() : L_(luaL_newstate()), alive_(std::make_shared<bool>(true)) {
   lua_pop(L_, 2);
   answer_line_requests(L_);
   replace_os_exit(L_);
+  collected_state = L_;
+  plan::set_before_first_step(collect_before_first_step);
 }
 
 Host::~Host() {
   stop_answering(L_);
+  lua_State* mine = L_;
+  if (collected_state.compare_exchange_strong(mine, nullptr)) plan::set_before_first_step(nullptr);
   *alive_ = false;
   // Finalizers run inside lua_close while the state is still usable; mark it dying after.
   lua_close(L_);

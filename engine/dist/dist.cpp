@@ -301,6 +301,7 @@ void ProcessGroup::renew() {
   retired->push_back(std::move(impl_->group));
   impl_->group = std::move(fresh);
   started_ = 0;
+  sequence_ = 0;  // the check's call numbers start level too
   if (book_) book_->restart();
 }
 

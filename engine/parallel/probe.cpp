@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/plan/plan.hpp"
 
 namespace partrain::parallel {
 
@@ -89,6 +90,7 @@ ProbeRecord run_probe(nn::Module& model, const std::vector<Tensor>& inputs) {
     if (!p.device().is_cpu() && std::find(devices.begin(), devices.end(), p.device()) == devices.end())
       devices.push_back(p.device());
   RngGuard rng(devices);
+  plan::FirstStepGuard first_step;  // its forward is not the script's first step
   EvalGuard eval(model);
   torch::AutoGradMode grad_mode(true);
 

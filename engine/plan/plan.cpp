@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -166,9 +167,16 @@ void set_planning(bool on) {
   nn::set_parameter_options(on ? torch::TensorOptions().device(torch::kMeta) : torch::TensorOptions());
 }
 
+namespace {
+std::atomic<void (*)()> before_first_step{nullptr};
+}  // namespace
+
+void set_before_first_step(void (*fn)()) { before_first_step = fn; }
+
 void step_begins() {
   if (first_step_.begun) return;
   first_step_.begun = true;
+  if (auto fn = before_first_step.load()) fn();
   first_step_.base = memory(counted_device()).allocated;
   traffic_base_.clear();
   for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
@@ -186,6 +194,16 @@ const FirstStep& first_step() { return first_step_; }
 void reset_first_step() {
   first_step_ = FirstStep{};
   traffic_base_.clear();
+}
+
+struct FirstStepGuard::Saved {
+  FirstStep step;
+  std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic;
+};
+FirstStepGuard::FirstStepGuard() : saved_(new Saved{first_step_, traffic_base_}) {}
+FirstStepGuard::~FirstStepGuard() {
+  first_step_ = saved_->step;
+  traffic_base_ = std::move(saved_->traffic);
 }
 
 // ---- Building a rank's plan ----------------------------------------------------------------

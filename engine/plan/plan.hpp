@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -58,10 +59,28 @@ struct FirstStep {
   bool hooked = false;       ///< the first optimizer step's hook has run
 };
 void step_begins();
+/// Runs before the first step's memory is noted (once): the Lua host collects its garbage there,
+/// so that tensors already dead (a serial model pt.parallelize replaced) are not freed during
+/// the forward, which would count against its activations. nullptr: nothing.
+void set_before_first_step(void (*fn)());
 void forward_ends();
 void first_step_hooked();
 const FirstStep& first_step();
 void reset_first_step();
+/// Forwards that are not the script's training (the policy probe, the stage timing) run under
+/// one: the first step's record (and the traffic it counts from) is put back as it was, so a
+/// forward of theirs that passes through Lua (a policy's sequence-parallel forward) begins no step.
+class FirstStepGuard {
+ public:
+  FirstStepGuard();
+  ~FirstStepGuard();
+  FirstStepGuard(const FirstStepGuard&) = delete;
+  FirstStepGuard& operator=(const FirstStepGuard&) = delete;
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
+};
 
 // ---- The plan ------------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ end
 for _ = 1, pipelined and 0 or cfg.steps do
   local tokens = pt.randint(0, cfg.vocab, { local_batch, cfg.seq + 1 })
   local x, y = tokens:narrow(1, 0, cfg.seq):contiguous(), tokens:narrow(1, 1, cfg.seq):contiguous()
+  collectgarbage()  -- garbage freed during the forward (a replaced serial model) would count against it
   local before = pt.memory().allocated
   local loss = loss_of(model(x), y)
   activations = activations or pt.memory().allocated - before

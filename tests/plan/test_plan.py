@@ -84,6 +84,20 @@ for layout in (["--tensor", "2"], ["--tensor", "4"]):
     check(f"{name}: the plan lists the step's collectives by group", "tensor" in kinds
           and ("data" in kinds) == (layout[1] == "2"), planned["ranks"][0]["collectives"])
 
+# ---- Sequence parallelism: the first step's activations, as the engine counts them ---------------
+# The policy's sequence-parallel forward runs in Lua: the probe's pass through it must not begin
+# the first step, and garbage freed during the forward (the serial model pt.parallelize replaced)
+# must not count against it. Both had made pt.plan.first_step().activations wrong (even negative).
+planned = plan(4, "--tensor", "2", "--sequence_parallel")
+measured = real(4, "--tensor", "2", "--sequence_parallel")
+engine_off = max(abs(m["engine_activations"] - m["activations"]) / m["activations"] for m in measured)
+plan_off = max(abs(r["activation_bytes"] - m["activations"]) / m["activations"]
+               for r, m in zip(planned["ranks"], measured))
+check(f"sequence parallel: pt.plan.first_step().activations matches the bytes the forward left allocated "
+      f"within 2 % (worst {engine_off:.4%})", engine_off <= 0.02, measured[0])
+check(f"sequence parallel: the planned activations match the real forward's within 2 % (worst {plan_off:.4%})",
+      plan_off <= 0.02, (planned["ranks"][0]["activation_bytes"], measured[0]))
+
 # ---- ZeRO and bfloat16: each column against a real run ------------------------------------------
 # At data 4, ZeRO-1 and ZeRO-2 (float32 and bfloat16) and a plain bfloat16 run: the planned
 # optimizer-state, master-weight and gradient bytes of every rank against what a real run's tensors
