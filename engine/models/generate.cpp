@@ -33,7 +33,9 @@ Tensor pick(Tensor logits, const GenerateOptions& o) {
   // temperature or top_p stays in range where float32 would overflow.
   logits = logits.to(torch::kFloat64);
   if (o.temperature == 0) return logits.argmax(-1, true);
-  logits = logits / o.temperature;
+  // Shifted so that the largest is 0 first: the same distribution, and a temperature as small as
+  // 1e-310 sends the others to -inf rather than the largest to +inf (inf - inf: NaN).
+  logits = (logits - logits.amax(-1, true)) / o.temperature;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   if (o.top_k > 0 && o.top_k < logits.size(-1)) {
     auto kth = std::get<0>(logits.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);

@@ -31,6 +31,9 @@ for name, model in pairs(models()) do
     local greedy = model:generate(prompt, { max_new = 8, temperature = 0 })
     H.ok(model:generate(prompt, { max_new = 8, top_k = 1 }):equal(greedy), "top_k = 1")
     H.ok(model:generate(prompt, { max_new = 8, top_p = 1e-6 }):equal(greedy), "top_p near 0")
+    for _, t in ipairs { 1e-300, 1e-310 } do  -- logits / t had overflowed to inf, and softmax to NaN
+      H.ok(model:generate(prompt, { max_new = 8, temperature = t }):equal(greedy), "temperature " .. t .. " is greedy")
+    end
     pt.manual_seed(11)
     local a = model:generate(prompt, { max_new = 8, temperature = 1.5, top_k = 10, top_p = 0.9 })
     pt.manual_seed(11)
