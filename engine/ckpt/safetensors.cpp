@@ -30,11 +30,12 @@ const std::map<c10::ScalarType, std::string>& safetensors_types() {
 
 constexpr uint64_t kMaxSafetensorsHeader = 100ull << 20;
 
-// A name from a file as a message shows it: control characters escaped, at most 200 bytes.
-std::string shown(const std::string& name) {
+// A name from a file as a message shows it: control characters (with `ascii`, every byte outside
+// printable ASCII) escaped, at most 200 bytes.
+std::string shown(const std::string& name, bool ascii = false) {
   std::string out;
   for (unsigned char c : name.substr(0, 200)) {
-    if (c < 0x20 || c == 0x7f) {
+    if (c < 0x20 || c == 0x7f || (ascii && c > 0x7f)) {
       char buf[8];
       std::snprintf(buf, sizeof buf, "\\x%02x", c);
       out += buf;
@@ -142,7 +143,7 @@ std::map<std::string, torch::Tensor> read_file_names(const std::string& path, ut
   try {
     header = parse_header(text, &duplicate);
   } catch (const std::exception& e) {
-    bad(std::string("has a safetensors header that is not JSON (") + e.what() + ")");
+    bad("has a safetensors header that is not JSON (" + shown(e.what(), true) + ")");  // what() quotes the input
   }
   if (!duplicate.empty()) bad(duplicate);
   if (!header.is_object()) bad("has a safetensors header that is not an object");
@@ -164,6 +165,9 @@ std::map<std::string, torch::Tensor> read_file_names(const std::string& path, ut
     }
     auto fail = [&](const std::string& why) { bad("tensor '" + shown(name) + "': " + why); };
     if (name.empty()) bad("has a tensor with an empty name");
+    // A control character (a NUL above all) would cut or garble every later message naming it.
+    if (std::any_of(name.begin(), name.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; }))
+      fail("its name holds a control character");
     if (!info.is_object()) fail("its entry is not an object");
     for (const auto& [k, v] : info.items())
       if (k != "dtype" && k != "shape" && k != "data_offsets") fail("unknown key '" + shown(k) + "'");
@@ -272,7 +276,7 @@ std::map<std::string, torch::Tensor> read_safetensors_index(const std::string& i
   try {
     index = parse_header(text, &duplicate);
   } catch (const std::exception& e) {
-    bad(std::string("is not JSON (") + e.what() + ")");
+    bad("is not JSON (" + shown(e.what(), true) + ")");
   }
   if (!duplicate.empty()) bad("names a tensor twice in its weight_map");
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())

@@ -157,6 +157,21 @@ test("export refuses a tensor named __metadata__; import refuses a NUL byte in t
   raises(function() pt.ckpt.export_safetensors(M(), root .. "/meta.safetensors") end,
     "a tensor cannot be named '__metadata__'")
   refused(file(good_header .. "\0garbage", bias .. weight), "has a NUL byte in its safetensors header", "a NUL byte")
+  -- An escaped NUL (or another control character) in a name would cut or garble later messages.
+  refused(file('{"0.bi\\u0000as":' .. entry("F32", "[3]", 0, 12) .. "}", bias),
+          "tensor '0.bi\\x00as': its name holds a control character", "\\u0000 in a name")
+end)
+
+-- A header length past the JSON's end: the parser's message quotes what it read, the data's bytes
+-- among them; they are shown escaped and cut, never raw.
+test("a header that runs into the data shows the bytes the parser read escaped and bounded", function()
+  local path = root .. "/overlong.safetensors"
+  local header = '{"0.bias":' .. entry("F32", "[3]", 0, 12) .. "}"
+  local data = ("\255\254abc"):rep(100)
+  write(path, le64(#header + #data) .. header .. data)
+  local err = raises(function() pt.ckpt.import_safetensors(pt.models.mlp { sizes = { 2, 3 } }, path) end, "not JSON")
+  ok(not err:find("[%z\1-\8\128-\255]"), "no raw data byte in the message: " .. err)
+  ok(#err < 1200, "the message is bounded (" .. #err .. " bytes)")
 end)
 
 -- An untied LLaMA's lm_head is its own tensor; `partrain ckpt export` had dropped it as a tie.
