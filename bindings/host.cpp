@@ -6,14 +6,19 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
@@ -534,6 +539,74 @@ std::string dir_of(const std::string& file) {
   return slash == std::string::npos ? "." : file.substr(0, slash);
 }
 
+// The backstop of partrain.policy's bounded calls. Lua's hooks interrupt user code past its time
+// limit, but not code they cannot reach: a loop in an xpcall message handler (LuaJIT runs the
+// handler of an error raised by a hook with hooks off) or a long C call. A deadline armed here
+// ends the process with its message once it has passed, so such code is an error, not a hang.
+class Deadlines {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static Deadlines& instance() {
+    static auto* d = new Deadlines();  // never destroyed: its thread may outlive static destructors
+    return *d;
+  }
+  int64_t arm(double seconds, std::string message) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!started_) {
+      std::thread([this] { watch(); }).detach();
+      started_ = true;
+    }
+    const auto at = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    armed_[++next_] = {at, std::move(message)};
+    changed_.notify_all();
+    return next_;
+  }
+  void note(int64_t token, std::string message) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto it = armed_.find(token); it != armed_.end()) it->second.second = std::move(message);
+  }
+  void disarm(int64_t token) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    armed_.erase(token);
+    changed_.notify_all();
+  }
+
+ private:
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      if (armed_.empty()) {
+        changed_.wait(lock);
+        continue;
+      }
+      auto first = armed_.begin();
+      for (auto it = armed_.begin(); it != armed_.end(); ++it)
+        if (it->second.first < first->second.first) first = it;
+      if (Clock::now() >= first->second.first) dist::fatal_exit(first->second.second);
+      changed_.wait_until(lock, first->second.first);
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<int64_t, std::pair<Clock::time_point, std::string>> armed_;
+  int64_t next_ = 0;
+  bool started_ = false;
+};
+
+const Function kDeadlines[] = {
+    // _deadline_arm(seconds, message) -> token: the process ends with `message` once `seconds` pass.
+    {"_deadline_arm", [](Args& a) {
+       const double seconds = a.number(1);
+       if (!(seconds > 0 && seconds < 1e9)) a.fail(1, "seconds in (0, 1e9) expected");
+       return a.ret(double(Deadlines::instance().arm(seconds, a.string(2)))); }},
+    {"_deadline_note", [](Args& a) {  // _deadline_note(token, message): the message it would end with
+       Deadlines::instance().note(a.integer(1), a.string(2));
+       return a.ret(); }},
+    {"_deadline_disarm", [](Args& a) {
+       Deadlines::instance().disarm(a.integer(1));
+       return a.ret(); }},
+    {nullptr, nullptr}};
+
 int open_core(lua_State* L) {
   lua_newtable(L);
   int core = lua_gettop(L);
@@ -546,6 +619,7 @@ int open_core(lua_State* L) {
   open_repl(L, core);
   open_ckpt(L, core);
   open_files(L, core);
+  set_functions(L, core, kDeadlines);
   // core._where(): the user's file:line running now (the first frame outside partrain's Lua), as
   // engine errors name it; "" when there is none.
   lua_pushcfunction(L, [](lua_State* S) {

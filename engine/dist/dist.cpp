@@ -118,6 +118,16 @@ int64_t hash_text(const std::string& text) {
   return static_cast<int64_t>(h >> 1);
 }
 
+// Reports `msg` ("partrain: ..."), writes it to stderr and ends the process with status 1.
+[[noreturn]] void end_process(std::string msg) {
+  if (auto report = fatal_reporter.load()) report(msg.substr(std::string("partrain: ").size()));
+  msg += "\n";
+  if (::write(STDERR_FILENO, msg.data(), msg.size()) < 0) {
+  }
+  std::fflush(stdout);
+  _exit(1);
+}
+
 [[noreturn]] void on_terminate() {
   std::string what;
   if (auto e = std::current_exception()) {
@@ -149,15 +159,15 @@ int64_t hash_text(const std::string& text) {
   if (gloo)
     msg += "\n  Every rank of a group must run the same collectives in the same order, with the same shapes and "
            "dtypes; run with --check-collectives to see each rank's call.";
-  if (auto report = fatal_reporter.load()) report(msg.substr(std::string("partrain: ").size()));
-  msg += "\n";
-  if (::write(STDERR_FILENO, msg.data(), msg.size()) < 0) {
-  }
-  std::fflush(stdout);
-  _exit(1);
+  end_process(msg);
 }
 
 }  // namespace
+
+void fatal_exit(const std::string& message) {
+  end_process("partrain: " + (this_rank >= 0 ? "rank " + std::to_string(this_rank.load()) + ": " : std::string()) +
+              message);
+}
 
 // ---- Waiting -------------------------------------------------------------------------------
 

@@ -91,6 +91,9 @@ void install_terminate_handler();
 /// Called with the terminate handler's message before the process exits (the launcher's report
 /// channel, so that it can name the rank that failed first); none by default.
 void set_fatal_reporter(void (*report)(const std::string& message));
+/// Ends the process now, from any thread, with "partrain: rank N: <message>" on stderr (and to the
+/// reporter above) and exit status 1: for work that cannot be stopped any other way.
+[[noreturn]] void fatal_exit(const std::string& message);
 
 /// A check that collectives call every few milliseconds while they wait, installed by the REPL
 /// while it runs a chunk: when it returns true (Ctrl-C), the wait ends with an error saying

@@ -332,6 +332,23 @@ test("a user-written schedule goes through the same lowering and check", functio
   raises(function() P.build(function() while true do pcall(function() while true do end end) end end, 2, 2, 1, 0.2) end,
     "did not finish within schedule_timeout = 0.2 s (interrupted at")
   ok(os.clock() - t0 < 5, "interrupted within seconds")
+  -- A loop in an xpcall message handler runs without hooks (LuaJIT calls the handler of a hook's
+  -- error with hooks off): the backstop ends the process, naming the limit and the line, instead
+  -- of a hang. In a process of its own.
+  local bin = assert(os.getenv("PARTRAIN_BIN"), "PARTRAIN_BIN names the partrain executable")
+  local script = os.tmpname()
+  local f = assert(io.open(script, "w"))
+  f:write('local P = require "partrain.pipeline"\n',
+          'P.build(function() xpcall(function() while true do end end, function() while true do end end) end, 2, 2, 1, 0.5)\n',
+          'print("not reached")\n')
+  f:close()
+  local started = os.time()
+  local out = io.popen(("timeout 60 '%s' '%s' 2>&1; echo \"status $?\""):format(bin, script)):read("*a")
+  os.remove(script)
+  ok(out:find("did not finish within schedule_timeout = 0.5 s and could not be interrupted", 1, true)
+     and out:find("(interrupted at " .. script .. ":2)", 1, true) and out:find("status 1\n", 1, true)
+     and not out:find("not reached", 1, true), "an xpcall handler that loops ends the process with the limit: " .. out)
+  ok(os.time() - started < 30, "within seconds, not at the outer timeout")
   raises(function() P.build("1f1b", 2, 2, 1, -1) end, "schedule_timeout must be a number of seconds > 0, got -1")
   raises(function() P.build("1f1b", 2, 2, 1, 1 / 0) end, "schedule_timeout must be a number of seconds > 0, got inf")
   eq(#P.build("1f1b", 2, 2, 1, 5)[0], 8, "a schedule that returns in time is built")

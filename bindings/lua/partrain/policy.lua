@@ -94,6 +94,12 @@ local function bounded(seconds, option, fn, ...)
   if jit then jit.off(); jit.flush() end
   local deadline, interrupted = core.now() + seconds, nil
   local old_hook, old_mask, old_count = debug.gethook()
+  -- The backstop: code the hook cannot reach (a loop in an xpcall message handler, which LuaJIT
+  -- runs without hooks when a hook raised the error; a long C call) ends the process, twice the
+  -- limit (and 5 s) later, rather than running on.
+  local stuck = ("did not finish within %s = %g s and could not be interrupted (a loop in an xpcall message "
+    .. "handler, or a long C call, runs where the limit cannot reach it); the process ends"):format(option, seconds)
+  local backstop = core._deadline_arm(2 * seconds + 5, stuck)
   local function hook()
     if interrupted or core.now() > deadline then
       -- Only in the user's code: partrain's own (this function, after the call returns) goes on.
@@ -101,6 +107,7 @@ local function bounded(seconds, option, fn, ...)
       if not info or internal(info.source) then return end
       if not interrupted then
         interrupted = (info.currentline or 0) > 0 and (info.short_src .. ":" .. info.currentline) or info.short_src
+        core._deadline_note(backstop, stuck .. " (interrupted at " .. interrupted .. ")")
         debug.sethook(hook, "", 1)
       end
       error(TIMEOUT, 0)
@@ -108,6 +115,7 @@ local function bounded(seconds, option, fn, ...)
   end
   debug.sethook(hook, "", 1000)
   local results = { pcall(fn, ...) }
+  core._deadline_disarm(backstop)
   if old_hook then debug.sethook(old_hook, old_mask, old_count) else debug.sethook() end
   if had_jit then jit.on() end
   if interrupted then
