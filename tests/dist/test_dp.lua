@@ -261,6 +261,7 @@ H.test("export_safetensors returns on every rank once the file is in place; a fa
     local fresh = pt.models.mlp { sizes = { 4, 6, 3 } }
     pt.ckpt.import_safetensors(fresh, path)
     H.ok(fresh:get("0").weight:equal(model:get("0").weight), "export " .. i .. " is the one every rank reads")
+    pt.dist.barrier()  -- every rank has read export i before rank 0 writes export i + 1 over it
   end
   H.raises(function() pt.ckpt.export_safetensors(model, "/nonexistent-folder/x.safetensors") end, "/nonexistent-folder")
   if rank == 0 then os.remove(path) end
