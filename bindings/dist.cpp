@@ -1,7 +1,6 @@
 // Process groups and the mesh in Lua: pt.dist (this rank, the world, the collectives) and
 // pt.mesh { tensor = t, pipeline = p, data = d, zero = z }. Parallelisms: bindings/parallel.cpp.
 #include <map>
-#include <optional>
 #include <sstream>
 
 #include "bindings/lua.hpp"
@@ -57,19 +56,16 @@ const Function kGroupMethods[] = {
     {"all_reduce", [](Args& a) {  // all_reduce(t [, op = "sum"] [, { async = false }])
        auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");
        bool async = async_option(a, a.is_string(3) ? 4 : 3, "all_reduce");
-       std::optional<dist::AgreedCall> agreed;
-       if (!async) agreed.emplace();
+       dist::AgreedCall agreed(!async);
        return finish(a, group(a, 1)->all_reduce(a.tensor(2), op, async), async, 2); }},
     {"broadcast", [](Args& a) {  // broadcast(t [, root = 0] [, { async = false }])
        int root = a.is_number(3) ? a.int32(3) : 0;
        bool async = async_option(a, a.is_number(3) ? 4 : 3, "broadcast");
-       std::optional<dist::AgreedCall> agreed;
-       if (!async) agreed.emplace();
+       dist::AgreedCall agreed(!async);
        return finish(a, group(a, 1)->broadcast(a.tensor(2), root, async), async, 2); }},
     {"all_gather", [](Args& a) {  // all_gather(t [, { async = false }]): parts [, work]
        bool async = async_option(a, 3, "all_gather");
-       std::optional<dist::AgreedCall> agreed;
-       if (!async) agreed.emplace();
+       dist::AgreedCall agreed(!async);
        std::vector<torch::Tensor> parts;
        auto w = group(a, 1)->all_gather(a.tensor(2), parts, async);
        a.ret(parts);
@@ -79,8 +75,7 @@ const Function kGroupMethods[] = {
     {"reduce_scatter", [](Args& a) {  // reduce_scatter(output, { inputs... } [, op] [, { async }])
        auto op = dist::parse_reduce_op(a.is_string(4) ? a.string(4) : "sum");
        bool async = async_option(a, a.is_string(4) ? 5 : 4, "reduce_scatter");
-       std::optional<dist::AgreedCall> agreed;
-       if (!async) agreed.emplace();
+       dist::AgreedCall agreed(!async);
        return finish(a, group(a, 1)->reduce_scatter(a.tensor(2), a.tensors(3), op, async), async, 2); }},
     {"reduce_scatter_flat", [](Args& a) {  // reduce_scatter_flat(flat [, op]): this rank's part (a view)
        auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");

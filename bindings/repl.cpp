@@ -115,8 +115,7 @@ std::optional<std::string> take(const std::string& k, int from) {
         store().wait({k}, std::chrono::milliseconds(200));
         auto v = store().get(k);
         return std::string(v.begin(), v.end());
-      } catch (const std::exception& e) {
-        if (message_of(e).find("timed out") == std::string::npos) throw;
+      } catch (const dist::StoreTimeout&) {
       }
       if (store().check({ended})) return std::nullopt;
     }

@@ -1566,7 +1566,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
     }
     // The CUDA generator: restored on a CUDA rank that finds one; a checkpoint and a run that
     // disagree on CUDA load all the same, with a note (the CPU state above still holds).
-    std::vector<std::string> notes;
+    auto& notes = loaded.notes;
     const auto& device = dist::World::instance().device();
     const bool saved_cuda = rank < static_cast<int>(m.cuda_rng.size()) && !m.cuda_rng[rank].empty();
     if (saved_cuda && device.is_cuda()) {
@@ -1585,8 +1585,9 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
                                      : std::string("saved on the CPU")) +
                       "); " + device.str() + " keeps this run's");
     }
-    notes.insert(notes.begin(), loaded.notes.begin(), loaded.notes.end());  // the reading step's
-    loaded = {tag, m.step, m.user_json, notes};
+    loaded.tag = tag;
+    loaded.step = m.step;
+    loaded.user_json = m.user_json;
   });
   return loaded;
 }

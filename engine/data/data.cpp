@@ -296,21 +296,24 @@ std::vector<Tensor> Loader::next() {
   return batch;
 }
 
+int64_t Loader::samples_per_epoch() const {
+  return options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
+}
+
 int64_t Loader::samples_seen() const {
-  int64_t per_epoch = options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
-  return epoch_ * per_epoch + std::min<int64_t>(position_ * options_.batch, dataset_->size());
+  return epoch_ * samples_per_epoch() + std::min<int64_t>(position_ * options_.batch, dataset_->size());
 }
 
 void Loader::seek(int64_t samples) {
   TORCH_CHECK(samples >= 0, "data position must be >= 0, got ", samples);
-  int64_t per_epoch = options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
+  const int64_t per_epoch = samples_per_epoch();
   TORCH_CHECK(per_epoch > 0, "cannot seek in an empty dataset");
   start_epoch(samples / per_epoch);
   position_ = (samples % per_epoch) / options_.batch;
 }
 
 int64_t Loader::seek_lands_at(int64_t samples) const {
-  int64_t per_epoch = options_.drop_last ? batches_per_epoch() * options_.batch : dataset_->size();
+  const int64_t per_epoch = samples_per_epoch();
   if (samples < 0 || per_epoch <= 0) return samples;
   return samples / per_epoch * per_epoch + (samples % per_epoch) / options_.batch * options_.batch;
 }

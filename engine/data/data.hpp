@@ -127,6 +127,7 @@ class Loader {
   Dataset& dataset() { return *dataset_; }
 
  private:
+  int64_t samples_per_epoch() const;  // what one epoch visits: whole batches only with drop_last
   std::shared_ptr<Dataset> dataset_;
   LoaderOptions options_;
   int64_t epoch_ = 0;

@@ -79,8 +79,8 @@ namespace {
 thread_local int agreed_calls = 0;  // AgreedCall objects alive on this thread
 }  // namespace
 
-AgreedCall::AgreedCall() { ++agreed_calls; }
-AgreedCall::~AgreedCall() { --agreed_calls; }
+AgreedCall::AgreedCall(bool on) : on_(on) { agreed_calls += on; }
+AgreedCall::~AgreedCall() { agreed_calls -= on_; }
 
 // ---- Call sites and the last collective ----------------------------------------------------
 
@@ -872,6 +872,20 @@ World& World::instance() {
   return world;
 }
 
+namespace {
+// The ranks in [first, n) whose key(rank) `store` lacks, as "rank 2" or "ranks 1, 3" ("" when it
+// has them all), and how many.
+std::pair<std::string, int> ranks_without(c10d::Store& store, int first, int n, std::string (*key)(int)) {
+  std::string list;
+  int count = 0;
+  for (int r = first; r < n; ++r)
+    if (!store.check({key(r)})) list += (count++ ? ", " : "") + std::to_string(r);
+  return {count ? (count == 1 ? "rank " : "ranks ") + list : list, count};
+}
+
+std::string arrived_key(int rank) { return "partrain/arrived/" + std::to_string(rank); }
+}  // namespace
+
 void World::init(const WorldOptions& options) {
   TORCH_CHECK(!initialized_, "the world is already initialized");
   options_ = options;
@@ -910,25 +924,23 @@ void World::init(const WorldOptions& options) {
     }
     // Every rank says it has arrived and waits for the others: a rank that never comes is named.
     std::vector<std::string> arrivals;
-    for (int r = 0; r < options.world_size; ++r) arrivals.push_back("partrain/arrived/" + std::to_string(r));
+    for (int r = 0; r < options.world_size; ++r) arrivals.push_back(arrived_key(r));
     try {
       store_->set(arrivals[options.rank], std::vector<uint8_t>{1});
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       store_->wait(arrivals, std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
-      std::string missing;
-      int count = 0;
+      std::pair<std::string, int> missing;
       try {
-        for (int r = 0; r < options.world_size; ++r)
-          if (!store_->check({arrivals[r]})) missing += (count++ ? ", " : "") + std::to_string(r);
+        missing = ranks_without(*store_, 0, options.world_size, arrived_key);
       } catch (const std::exception&) {
-        missing.clear();  // the store itself is gone (rank 0 ended): say what failed
+        missing = {};  // the store itself is gone (rank 0 ended): say what failed
       }
       TORCH_CHECK(false, "rendezvous at ", where, " failed: ",
-                  missing.empty() ? compat::message_of(e) + (options.rank == 0 ? "" : " (rank 0, which serves the "
-                                                             "rendezvous, is gone: its error says which ranks never arrived)")
-                                  : (count == 1 ? "rank " : "ranks ") + missing + (count == 1 ? " has" : " have") +
-                                        " not arrived within the timeout of " +
+                  missing.second == 0
+                      ? compat::message_of(e) + (options.rank == 0 ? "" : " (rank 0, which serves the "
+                                                 "rendezvous, is gone: its error says which ranks never arrived)")
+                      : missing.first + (missing.second == 1 ? " has" : " have") + " not arrived within the timeout of " +
                                         std::to_string(options.timeout.count() / 1000) + " s (world of " +
                                         std::to_string(options.world_size) + "; raise it with --timeout)");
     }
@@ -1000,17 +1012,16 @@ void World::shutdown() {
 // no time limit; a rank started by hand has no launcher to watch the others, so there the wait is
 // bounded by the timeout.
 void World::end_of_run() {
-  const auto key = [](int r) { return ended_key(r); };
   const int n = options_.world_size;
   try {
-    store_->set(key(options_.rank), std::vector<uint8_t>{1});  // rank 0's too: a REPL's ranks watch it
+    store_->set(ended_key(options_.rank), std::vector<uint8_t>{1});  // rank 0's too: a REPL's ranks watch it
   } catch (const std::exception&) {
     if (options_.rank == 0) throw;
     // The store is gone: rank 0 has ended, so nobody waits for this rank's word.
   }
   if (options_.rank != 0) return;
   std::vector<std::string> others;
-  for (int r = 1; r < n; ++r) others.push_back(key(r));
+  for (int r = 1; r < n; ++r) others.push_back(ended_key(r));
   ledger::SiteOverride site(ledger::kEndOfRun);  // no script line: the script has returned
   const bool watched = ledger::shared();          // a launcher watches every rank
   world_->recorded_wait([&] {
@@ -1020,20 +1031,15 @@ void World::end_of_run() {
         try {
           store_->wait(others, std::chrono::minutes(10));
           return;
-        } catch (const std::exception& e) {
-          if (compat::message_of(e).find("timed out") == std::string::npos) throw;
+        } catch (const StoreTimeout&) {
         }
       }
     }
     try {
       store_->wait(others, options_.timeout);
-    } catch (const std::exception&) {
-      std::string missing;
-      int count = 0;
-      for (int r = 1; r < n; ++r)
-        if (!store_->check({key(r)})) missing += (count++ ? ", " : "") + std::to_string(r);
+    } catch (const StoreTimeout&) {
       TORCH_CHECK(false, "rank 0 ended its script and waited ", options_.timeout.count() / 1000, " s for ",
-                  count == 1 ? "rank " : "ranks ", missing, " to end (rank 0 serves the ranks' store, so it "
+                  ranks_without(*store_, 1, n, ended_key).first, " to end (rank 0 serves the ranks' store, so it "
                   "leaves last; with no launcher watching the ranks, this wait is bounded: raise it with --timeout)");
     }
   });

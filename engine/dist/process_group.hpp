@@ -67,10 +67,13 @@ bool check_collectives();
 /// rank's numbers.
 class AgreedCall {
  public:
-  AgreedCall();
+  explicit AgreedCall(bool on = true);  // off: nothing (an async call is not checked)
   ~AgreedCall();
   AgreedCall(const AgreedCall&) = delete;
   AgreedCall& operator=(const AgreedCall&) = delete;
+
+ private:
+  bool on_;
 };
 
 /// Where a collective is called from, for messages, the check above and the ledger: a function the

@@ -870,8 +870,9 @@ void RendezvousStore::wait(const std::vector<std::string>& keys, const std::chro
   std::string b = with_keys(kWait, keys);
   put_u64(b, uint64_t(std::max<int64_t>(0, timeout.count())));
   auto answer = request(b, timeout);
-  TORCH_CHECK(answer[0] != 'T', "timed out after ", timeout.count(), " ms waiting for key(s) ", key_list(keys),
-              " in the rendezvous store at ", where());
+  if (answer[0] == 'T')
+    throw StoreTimeout("timed out after " + std::to_string(timeout.count()) + " ms waiting for key(s) " +
+                       key_list(keys) + " in the rendezvous store at " + where());
 }
 
 c10::intrusive_ptr<c10d::Store> RendezvousStore::clone() {

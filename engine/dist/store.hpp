@@ -8,12 +8,19 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace partrain::dist {
+
+/// What RendezvousStore::wait throws when its keys are not all set within its timeout (any other
+/// failure is another error): a caller that waits in slices tells the two apart by type.
+struct StoreTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 /// Bounds of what crosses the wire, checked before anything is allocated.
 constexpr size_t kMaxStoreKey = 64 * 1024;            ///< bytes of a key
