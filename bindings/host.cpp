@@ -362,11 +362,25 @@ void Options::finish() {
 
 namespace {
 
-// Whether a frame runs partrain's own Lua library (sources "@<dir>/partrain/...").
-bool in_library(const lua_Debug& ar) {
-  static const std::string library = "@" + find_paths().lua + "/partrain/";
-  return ar.source && std::strncmp(ar.source, library.c_str(), library.size()) == 0;
+// The name of partrain's own Lua file a frame runs, relative to where partrain keeps it
+// ("partrain/init.lua", "policies/gpt2.lua"), or nullptr when the frame runs someone else's:
+// the library and the shipped policies are partrain's, so their errors and collectives are
+// named by the user's line that led into them. A user's own policy file is the user's.
+const char* library_file(const lua_Debug& ar) {
+  static const Paths paths = find_paths();
+  static const std::string roots[] = {"@" + paths.lua + "/", "@" + paths.policies + "/"};
+  static const char* const folders[] = {"partrain/", "policies/"};
+  if (!ar.source) return nullptr;
+  for (int i = 0; i < 2; ++i) {
+    const std::string& root = roots[i];
+    if (std::strncmp(ar.source, root.c_str(), root.size()) != 0) continue;
+    const char* rest = ar.source + root.size();
+    if (std::strncmp(rest, folders[i], std::strlen(folders[i])) == 0) return rest;
+  }
+  return nullptr;
 }
+
+bool in_library(const lua_Debug& ar) { return library_file(ar) != nullptr; }
 
 thread_local lua_State* active = nullptr;
 
@@ -410,9 +424,7 @@ void relocate_library_error(lua_State* L) {
     bool is_user = false;
     std::string user = user_location(L, &is_user);
     if (!is_user) return;  // only library frames: keep the library's line
-    std::string file = ar.short_src;
-    file = file.substr(file.find_last_of('/') + 1);
-    msg = user + ": " + msg.substr(end + 2) + " (raised in partrain/" + file + ":" +
+    msg = user + ": " + msg.substr(end + 2) + " (raised in " + library_file(ar) + ":" +
           msg.substr(prefix.size(), end - prefix.size()) + ")";
     lua_pushlstring(L, msg.data(), msg.size());
     lua_replace(L, 1);
@@ -436,9 +448,12 @@ int traceback_handler(lua_State* L) {
 
 int plain_handler(lua_State* L) {
   if (!lua_isstring(L, 1)) {
-    if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
-    lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    if (!(luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)))
+      lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    lua_replace(L, 1);
   }
+  relocate_library_error(L);
+  lua_settop(L, 1);
   return 1;
 }
 

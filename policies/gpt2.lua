@@ -15,7 +15,7 @@ local P = require "partrain.policy"
 local function sequence_parallel_forward(group)
   return function(self, ids)
     local T, seq = ids.shape[2], self:attribute("seq")
-    if T > seq then error(("GPT2: sequence of %d tokens is longer than seq=%d"):format(T, seq), 2) end
+    if T > seq then error(("GPT2: sequence of %d tokens is longer than seq=%d"):format(T, seq)) end
     local x = self.wte(ids) + self.wpe(pt.arange(T, { device = ids.device }))
     x = pt.tp.split_sequence(x:dropout(self:attribute("dropout"), self:is_training()), group)
     return self.lm_head(self.ln_f(self.h(x)))

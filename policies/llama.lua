@@ -15,7 +15,7 @@ local P = require "partrain.policy"
 local function sequence_parallel_forward(group)
   return function(self, ids)
     local T, seq = ids.shape[2], self:attribute("seq")
-    if T > seq then error(("Llama: sequence of %d tokens is longer than seq=%d"):format(T, seq), 2) end
+    if T > seq then error(("Llama: sequence of %d tokens is longer than seq=%d"):format(T, seq)) end
     local x = pt.tp.split_sequence(self.embed_tokens(ids), group)
     return self.lm_head(self.norm(self.layers(x)))
   end

@@ -208,4 +208,30 @@ test("the vocab-parallel embedding refuses an id outside the vocabulary, under s
   end
 end)
 
+
+-- Sequence parallelism replaces the model's forward with one written in the shipped policy: an
+-- error raised there (by the policy itself, or by the engine below it) had named the policy's
+-- line (policies/llama.lua:19), or no line at all, instead of the script's.
+test("an error inside a shipped policy's forward names the script's line", function()
+  for _, family in ipairs { "gpt2", "llama" } do
+    pt.manual_seed(4)
+    local cfg = { vocab = 51, seq = 8, dim = 16, heads = 4, layers = 1 }
+    local model = pt.parallelize(pt.models[family](cfg), "policies." .. family, mesh, { sequence_parallel = true })
+    local here = debug.getinfo(1, "S").short_src .. ":"
+    local function line() return here .. debug.getinfo(2, "l").currentline .. ": " end
+    local cases = {
+      { pt.tensor({ { 1, 2, 99, 3, 4, 5, 6, 7 } }, { dtype = "int64" }), "token id 99 is out of range" },
+      { pt.zeros({ 1, 9 }, { dtype = "int64" }), "sequence of 9 tokens is longer than seq=8 (raised in policies/" .. family .. ".lua:" },
+    }
+    if t > 1 then
+      cases[3] = { pt.zeros({ 1, 2 * t - 1 }, { dtype = "int64" }), "does not split into tensor=" .. t .. " equal parts" }
+    end
+    for _, case in ipairs(cases) do
+      local at
+      local err = raises(function() at = line(); local out = model(case[1]); return out end, case[2])
+      eq(err:sub(1, #at), at, family .. ": the error begins with the script's line: " .. err)
+    end
+  end
+end)
+
 H.run()
