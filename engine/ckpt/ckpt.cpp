@@ -11,6 +11,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <cmath>
@@ -73,6 +74,7 @@ void serialize(Archive& ar, PipelineLayout& p) {
 template <class Archive>
 void serialize(Archive& ar, ConfigEntry& c) {
   ar(c.name, c.value);
+  if (!Archive::is_loading::value || reading_format >= 9) ar(c.text);
 }
 template <class Archive>
 void serialize(Archive& ar, ParamSteps& p) {
@@ -331,6 +333,18 @@ std::string value_text(double v) {
   if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof buf, "%.17g", v);
   return buf;
 }
+
+// "a GPT2", "an MLP": a model type with its article, an acronym read letter by letter.
+std::string with_article(const std::string& type) {
+  const bool acronym = type.size() > 1 && std::isupper(static_cast<unsigned char>(type[0])) &&
+                       std::isupper(static_cast<unsigned char>(type[1]));
+  const bool vowel = !type.empty() && (std::strchr("AEIOUaeiou", type[0]) ||
+                                       (acronym && std::strchr("FHLMNRSX", type[0])));
+  return (vowel ? "an " : "a ") + type;
+}
+
+// A recorded setting as it is written in a model's options: the name, or the number.
+std::string setting_text(const ConfigEntry& c) { return c.text.empty() ? value_text(c.value) : c.text; }
 
 // Appends `local` (this rank's part of a tensor split as `s`, or the whole tensor) as pieces.
 void add_pieces(DataFile& file, TensorEntry& e, const torch::Tensor& local, const parallel::Sharding* s, int32_t file_index) {
@@ -1096,7 +1110,7 @@ Saved save(const std::string& dir, const State& state, const SaveOptions& option
       m.data = m.zero = m.world;
     }
     m.model_type = state.model->type();
-    for (const auto& f : state.model->config()) m.config.push_back({f.name, f.value});
+    for (const auto& f : state.model->config()) m.config.push_back({f.name, f.value, f.text});
     m.policy = state.policy;
     if (state.optimizer) {
       m.optimizer = state.optimizer->options().kind;
@@ -1361,7 +1375,7 @@ std::string describe(const Manifest& m) {
   if (!m.config.empty()) {
     s << "\nmodel config:";
     for (size_t i = 0; i < m.config.size(); ++i)
-      s << (i ? ", " : " ") << m.config[i].name << "=" << value_text(m.config[i].value);
+      s << (i ? ", " : " ") << m.config[i].name << "=" << setting_text(m.config[i]);
   }
   if (m.loss_scale.size() == 4)
     s << "\nloss scale " << m.loss_scale[0] << " (" << int64_t(m.loss_scale[1]) << " good step(s) since the last change, "
@@ -1476,11 +1490,12 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       for (const auto& f : state.model->config()) {
         auto saved =
             std::find_if(m.config.begin(), m.config.end(), [&](const ConfigEntry& c) { return c.name == f.name; });
-        if (f.fixed && saved != m.config.end() && saved->value != f.value)
-          TORCH_CHECK(false, "the checkpoint '", tag_dir, "' was saved by a ", m.model_type, " with ", f.name, "=",
-                      value_text(saved->value), "; this one has ", f.name, "=", value_text(f.value),
+        const ConfigEntry mine{f.name, f.value, f.text};
+        if (f.fixed && saved != m.config.end() && setting_text(*saved) != setting_text(mine))
+          TORCH_CHECK(false, "the checkpoint '", tag_dir, "' was saved by ", with_article(m.model_type), " with ", f.name, "=",
+                      setting_text(*saved), "; this one has ", f.name, "=", setting_text(mine),
                       ", which computes another function with the same shapes: build it with ", f.name, "=",
-                      value_text(saved->value));
+                      setting_text(*saved));
       }
     for (const auto& [name, local, p, first] : params) {
       auto s = parallel::sharding_of(*state.model, local);

@@ -42,8 +42,9 @@ namespace partrain::ckpt {
 /// (a count of equal parts instead of their sizes) are read; version 1 (no checksum of the
 /// manifest) is refused. Version 5 adds the optimizer's loss-scaler state (version 4 has none),
 /// version 6 each rank's CUDA generator state, version 7 the model's configuration, version 8 the
-/// step counts of parameters whose optimizer state took fewer steps than the optimizer.
-constexpr uint32_t kFormatVersion = 8;
+/// step counts of parameters whose optimizer state took fewer steps than the optimizer, version 9
+/// settings that are names (an MLP's activation) beside the numbers.
+constexpr uint32_t kFormatVersion = 9;
 /// The oldest format this partrain reads.
 constexpr uint32_t kOldestReadableFormat = 2;
 
@@ -95,6 +96,7 @@ struct ParamSteps {
 struct ConfigEntry {
   std::string name;
   double value = 0;
+  std::string text;  ///< a setting that is a name (format 9 on); empty for a number
 };
 
 struct Manifest {

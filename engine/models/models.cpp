@@ -12,6 +12,14 @@ namespace {
 class Mlp : public nn::Sequential {
  public:
   Mlp() { rename("MLP"); }
+  // The activation changes the function and no shape; sizes, bias and whether there is a
+  // dropout are pinned by the parameters' shapes and names, and its probability may change
+  // when a run resumes.
+  std::vector<nn::ConfigField> config() const override {
+    for (const auto& [name, child] : children_named())
+      if (dynamic_cast<const nn::Activation*>(child.get())) return {{"activation", 0, true, child->type()}};
+    return {};  // two sizes: one Linear, no activation
+  }
 };
 }  // namespace
 

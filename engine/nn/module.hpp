@@ -46,6 +46,9 @@ struct ConfigField {
   /// another one: a load refuses it. Settings that the shapes already pin (dim, layers) or that
   /// a run may change when it resumes (dropout) are not fixed.
   bool fixed = false;
+  /// A setting that is a name (an MLP's activation) rather than a number: compared as text, and
+  /// `value` unused. Empty for a number.
+  std::string text;
 };
 
 class Module : public torch::nn::Module {

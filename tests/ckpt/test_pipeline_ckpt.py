@@ -117,10 +117,11 @@ with tempfile.TemporaryDirectory() as work:
     config = [("vocab", 64), ("seq", 8), ("dim", 16), ("heads", 4), ("layers", 4), ("dropout", 0.0), ("eps", 1e-5),
               ("flash_attention", 0.0)]
     tail = struct.pack("<Q", len(config)) + b"".join(
-        struct.pack("<Q", len(n)) + n.encode() + struct.pack("<d", v) for n, v in config)
+        struct.pack("<Q", len(n)) + n.encode() + struct.pack("<d", v) + struct.pack("<Q", 0)  # format 9: no text
+        for n, v in config)
     no_counts = struct.pack("<Q", 0)  # format 8: no parameter stepped fewer times than the optimizer
-    check("the manifest is format 8 and ends with the model's configuration, then no per-parameter step counts",
-          head[27:31] == struct.pack("<I", 8) and payload.endswith(tail + no_counts), repr(payload[-200:]))
+    check("the manifest is format 9 and ends with the model's configuration, then no per-parameter step counts",
+          head[27:31] == struct.pack("<I", 9) and payload.endswith(tail + no_counts), repr(payload[-200:]))
     payload = payload[:-len(tail + no_counts)]
     head = head[:27] + struct.pack("<IQI", 6, len(payload), zlib.crc32(payload))
     open(manifest, "wb").write(head + payload)

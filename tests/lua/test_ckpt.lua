@@ -95,7 +95,7 @@ test("bad input is refused by name", function()
   ok(true)
 end)
 
-test("the model's configuration is saved; a load refuses other heads (same shapes), not another dropout", function()
+test("the model's configuration is saved; a load refuses other heads or activation (same shapes), not another dropout", function()
   local cdir = dir .. "-config"
   local function gpt2(changes)
     local cfg = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 2 }
@@ -131,7 +131,25 @@ test("the model's configuration is saved; a load refuses other heads (same shape
   llama.rope_base, llama.heads, llama.kv_heads = nil, 8, 8  -- k_proj 8 heads x 2 = 4 x 4 rows: same shapes
   raises(function() pt.ckpt.load(cdir .. "-llama", { model = pt.models.llama(llama) }) end,
          "was saved by a Llama with heads=4; this one has heads=8")
-  os.execute("rm -rf '" .. cdir .. "' '" .. cdir .. "-llama'")
+  -- The MLP: its activation is a name, recorded as one (format 9); a dropout other than 0 may
+  -- change (whether there is one at all changes the layers' names).
+  local function mlp(activation, dropout)
+    pt.manual_seed(5)
+    return pt.models.mlp { sizes = { 6, 8, 8, 3 }, activation = activation, dropout = dropout or 0.1 }
+  end
+  pt.ckpt.save(cdir .. "-mlp", { model = mlp(), step = 1 })
+  f = assert(io.open(cdir .. "-mlp/step-00000001/summary.txt"))
+  summary = f:read("*a")
+  f:close()
+  ok(summary:find("model config: activation=ReLU", 1, true), "inspect shows the activation: " .. summary)
+  local gelu = mlp "GELU"
+  before = gelu:state_dict()["0.weight"]:clone()
+  raises(function() pt.ckpt.load(cdir .. "-mlp", { model = gelu }) end,
+         "was saved by an MLP with activation=ReLU; this one has activation=GELU, which computes another function "
+         .. "with the same shapes: build it with activation=ReLU")
+  ok(gelu:state_dict()["0.weight"]:equal(before), "a refused load changes nothing")
+  pt.ckpt.load(cdir .. "-mlp", { model = mlp("ReLU", 0.25) })
+  os.execute("rm -rf '" .. cdir .. "' '" .. cdir .. "-llama' '" .. cdir .. "-mlp'")
 end)
 
 local status = -- What would not come back as it was saved is refused at save: a list with holes came back with
