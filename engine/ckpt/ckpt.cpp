@@ -765,8 +765,9 @@ void validate(const Manifest& m, const std::string& path) {
   if (m.config.size() > 256)
     bad("has " + std::to_string(m.config.size()) + " model configuration settings (at most 256)");
   for (const auto& c : m.config)
-    if (c.name.empty() || !printable(c.name, 64) || !settings.insert(c.name).second || !std::isfinite(c.value))
-      bad("has a model configuration setting that is not a name, once, with a finite value");
+    if (c.name.empty() || !printable(c.name, 64) || !settings.insert(c.name).second || !std::isfinite(c.value) ||
+        !printable(c.text, 64))
+      bad("has a model configuration setting that is not a name, once, with a finite value or a printable text");
 
   std::set<std::string> file_names;
   for (const auto& f : m.files) {

@@ -380,6 +380,31 @@ TEST(Ckpt, FormatThreeManifestsReadWithoutPipelineLayout) {
   ::rmdir(tag.c_str());
 }
 
+// An MLP's activation is recorded as text (format 9); a text that is not printable, or too long
+// for a setting's name, is refused as damage before any message shows it.
+TEST(Ckpt, ConfigurationTextIsRecordedAndBounded) {
+  models::MlpOptions o;
+  o.sizes = {3, 4, 2};
+  o.activation = "Tanh";
+  auto model = models::mlp(o);
+  const std::string dir = temp_path("_config_text");
+  ckpt::State state;
+  state.model = model.get();
+  state.step = 1;
+  ckpt::save(dir, state, {});
+  auto m = ckpt::read_manifest(dir + "/step-00000001");
+  ASSERT_EQ(m.config.size(), 1u);
+  EXPECT_EQ(m.config[0].name, "activation");
+  EXPECT_EQ(m.config[0].text, "Tanh");
+  m.config[0].text = "Ta" + std::string(1, '\x1b') + "nh";
+  EXPECT_NE(error_of([&] { ckpt::validate(m, "m"); }).find("a printable text"), std::string::npos);
+  m.config[0].text = std::string(65, 'x');
+  EXPECT_NE(error_of([&] { ckpt::validate(m, "m"); }).find("a printable text"), std::string::npos);
+  m.config[0].text = "GELU";
+  EXPECT_NO_THROW(ckpt::validate(m, "m"));
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 // A parameter Adam skipped on a step (no gradient) keeps its own step count in the manifest; a
 // count for a parameter without state, a second count, or one past the optimizer's is refused.
 TEST(Ckpt, StepCountsAreOfParametersWithStateWithinTheOptimizers) {
