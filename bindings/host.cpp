@@ -695,8 +695,20 @@ void answer_line_requests(lua_State* L) {
 // script's end does: rank 0 waits there for the others, whose store it serves (World::shutdown),
 // and the others say they are done, so rank 0 does not wait for them in vain. Then it exits as
 // Lua's own os.exit does, which stays in the registry.
+// A number's status as the system will report it: LuaJIT truncates it to an int and the system
+// keeps its low 8 bits, so os.exit(256) and os.exit(0.5) end with status 0 and must count as
+// ending; one outside an int's range is 1 (LuaJIT's conversion of it depends on the machine).
+int exit_status_of(double n) {
+  if (!(n > -2147483649.0 && n < 2147483648.0)) return 1;
+  return static_cast<int>(static_cast<int64_t>(n)) & 0xff;
+}
+
 int exit_after_run(Args& a) {
   lua_State* L = a.L;
+  if (!a.none(1) && !lua_isboolean(L, 1) && lua_isnumber(L, 1)) {
+    lua_pushinteger(L, exit_status_of(lua_tonumber(L, 1)));  // the status that will be seen, passed as it is
+    lua_replace(L, 1);
+  }
   const bool success = a.none(1) || (lua_isboolean(L, 1) ? lua_toboolean(L, 1) != 0
                                                           : lua_isnumber(L, 1) && lua_tonumber(L, 1) == 0);
   if (success) dist::World::instance().shutdown();

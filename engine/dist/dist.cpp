@@ -357,7 +357,7 @@ Work ProcessGroup::run(const std::string& op, const std::function<c10::intrusive
 namespace {
 const char* op_names[] = {"?", "all_reduce(sum)", "all_reduce(mean)", "all_reduce(min)", "all_reduce(max)",
                           "all_reduce(product)", "broadcast", "all_gather", "barrier"};
-constexpr int kRecord = 16;  // call, op, dtype, ndim, 7 dims and a fold of any more, site, root, 2 spare
+constexpr int kRecord = 16;  // call, op, dtype, ndim, 7 dims and a fold of any more, site, root, reduce, 1 spare
 }  // namespace
 
 int64_t ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t, ledger::Op lop, bool collective,
@@ -391,6 +391,7 @@ int64_t ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t
   }
   m[12] = full_check ? hash_text(site) : 0;  // an agreed call may come from another line
   m[13] = root;
+  m[14] = reduce;  // the flat reduce-scatter's op code is one for every reduce op
   // Built on the host, exchanged on this rank's device (NCCL takes device tensors only), read
   // back on the host.
   const auto device = World::instance().device();

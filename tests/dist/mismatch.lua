@@ -38,6 +38,8 @@ elseif mode == "library" then  -- a collective inside partrain's own Lua (pt.tp.
 elseif mode == "size_async" then  -- async calls are not checked: Gloo's own failure must still be clear
   local t = pt.ones(r == 0 and 4 or 1000)
   W:all_reduce(t, { async = true }):wait()            -- line 40
+elseif mode == "flat_op" then  -- the flat reduce-scatter's op had been left out of the comparison
+  W:reduce_scatter_flat(pt.ones(4) * (r + 1), r == 0 and "sum" or "max") -- line 42
 else
   error("unknown mode " .. tostring(mode))
 end

@@ -160,6 +160,16 @@ out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 1 -e "$head; if rank == 1 
 status=$?
 report $(( status != 0 )) "a rank may end early with os.exit(0) while rank 0 goes on past --timeout (status $status)" "$out"
 has "$out" "rank 0 after rank 1 left"; report $? "... and rank 0's work finishes" "$out"
+# The system keeps a status's low 8 bits and LuaJIT truncates a fraction: these end with status 0,
+# so they are an ending too (they had left rank 0 waiting for word that never came, forever).
+for code in 256 0.5; do
+  out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 --timeout 5 -e "$head; if rank == 1 then os.exit($code) end; print('rank 0 done')" 2>&1)
+  status=$?
+  report $(( status != 0 )) "os.exit($code) on a rank ends with status 0 and is an ending: the run finishes (status $status)" "$out"
+done
+out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 --timeout 5 -e "$head; if rank == 1 then os.exit(257) end; os.execute('sleep 30')" 2>&1)
+status=$?
+report $(( status != 1 )) "os.exit(257) ends with status 1, a failure: the run stops at once (status $status)" "$out"
 out=$("$bin" --nproc-per-node 2 --threads 1 --timeout 60 --hang-timeout 1 -e "$head; if rank == 1 then os.execute('sleep 3') end" 2>&1)
 status=$?
 report $(( status != 0 )) "rank 0 waiting at the end for a rank's long last work is no hang under --hang-timeout (status $status)" "$out"

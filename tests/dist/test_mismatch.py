@@ -52,6 +52,8 @@ cases = {
     "gather": ["all_gather of float32 [3] at tests/dist/mismatch.lua:29", "all_gather of float32 [5] at tests/dist/mismatch.lua:29"],
     "root": ["rank 0: broadcast from group rank 0 of", "rank 1: broadcast from group rank 1 of"],
     "library": ["rank 0: all_gather of float32 [4, 4] at tests/dist/mismatch.lua:37", "rank 1: barrier at tests/dist/mismatch.lua:37"],
+    "flat_op": ["rank 0: reduce_scatter(sum) of float32 [4] at tests/dist/mismatch.lua:42",
+                "rank 1: reduce_scatter(max) of float32 [4] at tests/dist/mismatch.lua:42"],
 }
 # Without --check-collectives, pt.dist's blocking collectives still check that the ranks agree on
 # the operation, dtype, shape and root (not the line): every case but the skip is refused alike.

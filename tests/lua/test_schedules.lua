@@ -352,6 +352,7 @@ test("a user-written schedule goes through the same lowering and check", functio
   raises(function() P.build("1f1b", 2, 2, 1, -1) end, "schedule_timeout must be a number of seconds > 0, got -1")
   raises(function() P.build("1f1b", 2, 2, 1, 1 / 0) end, "schedule_timeout must be a number of seconds > 0, got inf")
   eq(#P.build("1f1b", 2, 2, 1, 5)[0], 8, "a schedule that returns in time is built")
+  eq(#P.build("1f1b", 2, 2, 1, 1e9)[0], 8, "a limit of 1e9 s (none, in effect) is taken: its backstop is capped")
 end)
 
 -- A second, simpler validator: run any rank whose next action is possible, one action at a time
