@@ -647,6 +647,18 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         (which == 0 ? r.out : which == 1 ? r.err : r.report_fd) = -1;
       }
     }
+    // A rank's output pipes stay open while a process it started holds them (`os.execute("cmd &")`,
+    // or a command left running when a time limit's backstop ended the rank): a second after the
+    // rank ended, all it wrote has been read, and the run does not wait for that process.
+    for (auto& r : ranks) {
+      if (r.running || (r.out < 0 && r.err < 0) || monotonic_ns() - r.ended_ns < 1000000000) continue;
+      if (r.err >= 0) emit_lines(r.err_line, std::cerr, prefix(r), true, &r.last_err);
+      if (r.out >= 0 && (r.rank == 0 || o.tee)) emit_lines(r.out_line, std::cout, o.tee ? prefix(r) : "", !live_partial);
+      for (int* fd : {&r.out, &r.err}) {
+        if (*fd >= 0) close(*fd);
+        *fd = -1;
+      }
+    }
     // Reap.
     for (auto& r : ranks) {
       if (!r.running) continue;

@@ -643,6 +643,14 @@ int open_core(lua_State* L) {
     return 1;
   });
   lua_setfield(L, core, "_where");
+  // core._unyielding(fn, ...): fn(...) behind a C frame, so a coroutine.yield inside it is an
+  // error rather than a way out that leaves the caller's limits armed.
+  lua_pushcfunction(L, [](lua_State* S) {
+    luaL_checktype(S, 1, LUA_TFUNCTION);
+    lua_call(S, lua_gettop(S) - 1, LUA_MULTRET);
+    return lua_gettop(S);
+  });
+  lua_setfield(L, core, "_unyielding");
   lua_pushstring(L, PARTRAIN_VERSION);
   lua_setfield(L, core, "version");
   return 1;

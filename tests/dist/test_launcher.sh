@@ -167,6 +167,12 @@ for code in 256 0.5; do
   status=$?
   report $(( status != 0 )) "os.exit($code) on a rank ends with status 0 and is an ending: the run finishes (status $status)" "$out"
 done
+# A process a rank started and left running holds the rank's output pipes: the run does not wait for it.
+started=$SECONDS
+out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 -e "$head; if rank == 1 then os.execute('sleep 30 &') end; print('done')" 2>&1)
+status=$?
+report $(( status != 0 || SECONDS - started > 20 )) "a command a rank left running in the background does not hold the run (status $status, $((SECONDS - started)) s)" "$out"
+has "$out" "done"; report $? "... and rank 0's output is all there" "$out"
 out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 --timeout 5 -e "$head; if rank == 1 then os.exit(257) end; os.execute('sleep 30')" 2>&1)
 status=$?
 report $(( status != 1 )) "os.exit(257) ends with status 1, a failure: the run stops at once (status $status)" "$out"

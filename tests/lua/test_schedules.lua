@@ -353,6 +353,14 @@ test("a user-written schedule goes through the same lowering and check", functio
   raises(function() P.build("1f1b", 2, 2, 1, 1 / 0) end, "schedule_timeout must be a number of seconds > 0, got inf")
   eq(#P.build("1f1b", 2, 2, 1, 5)[0], 8, "a schedule that returns in time is built")
   eq(#P.build("1f1b", 2, 2, 1, 1e9)[0], 8, "a limit of 1e9 s (none, in effect) is taken: its backstop is capped")
+  -- A schedule that yields out of the build had left its limit armed: the hook raised in the
+  -- script's own code a moment later.
+  local built, why = coroutine.wrap(function() return pcall(P.build, function() coroutine.yield() end, 2, 2, 1, 0.2) end)()
+  eq(built, false, "a schedule that yields is refused")
+  ok(tostring(why):find("yield across", 1, true), "... saying it yielded: " .. tostring(why))
+  local loops, started_at = 0, os.clock()
+  while os.clock() - started_at < 0.6 do loops = loops + 1 end
+  ok(loops > 0, "the limit is gone once the build has returned: a loop past it runs on")
 end)
 
 -- A second, simpler validator: run any rank whose next action is possible, one action at a time

@@ -114,7 +114,9 @@ local function bounded(seconds, option, fn, ...)
     end
   end
   debug.sethook(hook, "", 1000)
-  local results = { pcall(fn, ...) }
+  -- Behind a C frame: a yield out of fn would leave the hook, the JIT setting and the backstop
+  -- armed for whatever runs next.
+  local results = { pcall(core._unyielding, fn, ...) }
   core._deadline_disarm(backstop)
   if old_hook then debug.sethook(old_hook, old_mask, old_count) else debug.sethook() end
   if had_jit then jit.on() end
