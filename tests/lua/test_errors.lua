@@ -61,6 +61,24 @@ test("a library refusal caught by pcall(f, ...) names the line of that pcall", f
   has(out, path .. ":3: parallelize option 'microbatches' needs a mesh with pipeline > 1", "the pcall's line")
 end)
 
+-- A script's own pcall sees the message as raised: relocation runs only in partrain's handlers,
+-- so a library function checks its arguments itself (these had tripped inside partrain's Lua,
+-- naming its line, or raised with no line at all).
+test("library functions given a wrong argument name the caller's line, under the script's own pcall too", function()
+  local cases = {
+    { "pt.nn.GELU(5)", "GELU: options must be a table ({ approximate = 'tanh' }), got a number" },
+    { "pt.args.describe(5)", "pt.args.describe: expected the options table, got a number" },
+    { "pt.args.describe({}, 5)", "pt.args.describe: the config file must be a path (a string), got a number" },
+    { "pt.metrics.json(function() end)", "pt.metrics: a function cannot be written as JSON" },
+  }
+  for _, case in ipairs(cases) do
+    local status, out, path = run('local pt = require "partrain"\nlocal ok, err = pcall(function()\n  local v = '
+      .. case[1] .. '\nend)\nprint(err)\n')
+    ok(status == 0, case[1] .. ": exit status 0, got " .. tostring(status))
+    has(out, path .. ":3: " .. case[2], case[1])
+  end
+end)
+
 test("an error object that is not a string is described, with a traceback", function()
   local status, out = run('error({})\n')
   ok(status == 1, "exit status 1")

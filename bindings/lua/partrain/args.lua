@@ -279,6 +279,10 @@ end
 --- The resolved options of the script's command line as one compact block: "config: a=1 b=x ...",
 --- wrapped at about 100 columns.
 function args.describe(cfg, config_file)
+  if type(cfg) ~= "table" then error(("pt.args.describe: expected the options table, got a %s"):format(type(cfg)), 2) end
+  if config_file ~= nil and type(config_file) ~= "string" then
+    error(("pt.args.describe: the config file must be a path (a string), got a %s"):format(type(config_file)), 2)
+  end
   local names = {}
   for k in pairs(cfg) do names[#names + 1] = k end
   table.sort(names)

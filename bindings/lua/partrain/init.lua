@@ -101,6 +101,9 @@ function nn.SiLU() return core.nn.activation "SiLU" end
 function nn.Softmax(dim) return core.nn.activation("Softmax", dim or -1) end
 function nn.LogSoftmax(dim) return core.nn.activation("LogSoftmax", dim or -1) end
 function nn.GELU(options)
+  if options ~= nil and type(options) ~= "table" then
+    error(("GELU: options must be a table ({ approximate = 'tanh' }), got a %s"):format(type(options)), 2)
+  end
   local approximate = options and options.approximate or "none"
   if approximate ~= "none" and approximate ~= "tanh" then
     error(("GELU: approximate must be 'none' or 'tanh', got '%s'"):format(tostring(approximate)), 2)

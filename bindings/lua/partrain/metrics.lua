@@ -62,7 +62,12 @@ function encode(v, seen)
   error(("pt.metrics: a %s cannot be written as JSON (numbers, strings, booleans and tables of them can)"):format(
     core.is_tensor(v) and "tensor of several elements" or t), 0)
 end
-metrics.json = encode
+--- A value as JSON text; what cannot be written is an error at the caller's line.
+function metrics.json(v)
+  local ok, text = pcall(encode, v)
+  if not ok then error(text, 2) end
+  return text
+end
 
 -- The file -------------------------------------------------------------------------------------
 --- The metrics file of this run: the one pt.metrics(path) chose, else $PARTRAIN_METRICS (set by
