@@ -699,10 +699,6 @@ void answer_line_requests(lua_State* L) {
   if (sigaction(SIGUSR1, &sa, nullptr) == 0) dist::ledger::region()->line_ready = 1;
 }
 
-// os.exit with a successful status (none, true, 0) first ends this rank's part of the run as the
-// script's end does: rank 0 waits there for the others, whose store it serves (World::shutdown),
-// and the others say they are done, so rank 0 does not wait for them in vain. Then it exits as
-// Lua's own os.exit does, which stays in the registry.
 // A number's status as the system will report it: LuaJIT truncates it to an int and the system
 // keeps its low 8 bits, so os.exit(256) and os.exit(0.5) end with status 0 and must count as
 // ending; one outside an int's range is 1 (LuaJIT's conversion of it depends on the machine).
@@ -711,6 +707,10 @@ int exit_status_of(double n) {
   return static_cast<int>(static_cast<int64_t>(n)) & 0xff;
 }
 
+// os.exit with a successful status (none, true, 0, or a number the system reports as 0) first
+// ends this rank's part of the run as the script's end does: rank 0 waits there for the others,
+// whose store it serves (World::shutdown), and the others say they are done, so rank 0 does not
+// wait for them in vain. Then it exits as Lua's own os.exit does, which stays in the registry.
 int exit_after_run(Args& a) {
   lua_State* L = a.L;
   if (!a.none(1) && !lua_isboolean(L, 1) && lua_isnumber(L, 1)) {
