@@ -344,7 +344,7 @@ std::string with_article(const std::string& type) {
 }
 
 // A recorded setting as it is written in a model's options: the name, or the number.
-std::string setting_text(const ConfigEntry& c) { return c.text.empty() ? value_text(c.value) : c.text; }
+std::string setting_text(double value, const std::string& text) { return text.empty() ? value_text(value) : text; }
 
 // Appends `local` (this rank's part of a tensor split as `s`, or the whole tensor) as pieces.
 void add_pieces(DataFile& file, TensorEntry& e, const torch::Tensor& local, const parallel::Sharding* s, int32_t file_index) {
@@ -1376,7 +1376,7 @@ std::string describe(const Manifest& m) {
   if (!m.config.empty()) {
     s << "\nmodel config:";
     for (size_t i = 0; i < m.config.size(); ++i)
-      s << (i ? ", " : " ") << m.config[i].name << "=" << setting_text(m.config[i]);
+      s << (i ? ", " : " ") << m.config[i].name << "=" << setting_text(m.config[i].value, m.config[i].text);
   }
   if (m.loss_scale.size() == 4)
     s << "\nloss scale " << m.loss_scale[0] << " (" << int64_t(m.loss_scale[1]) << " good step(s) since the last change, "
@@ -1491,12 +1491,11 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
       for (const auto& f : state.model->config()) {
         auto saved =
             std::find_if(m.config.begin(), m.config.end(), [&](const ConfigEntry& c) { return c.name == f.name; });
-        const ConfigEntry mine{f.name, f.value, f.text};
-        if (f.fixed && saved != m.config.end() && setting_text(*saved) != setting_text(mine))
-          TORCH_CHECK(false, "the checkpoint '", tag_dir, "' was saved by ", with_article(m.model_type), " with ", f.name, "=",
-                      setting_text(*saved), "; this one has ", f.name, "=", setting_text(mine),
-                      ", which computes another function with the same shapes: build it with ", f.name, "=",
-                      setting_text(*saved));
+        if (!f.fixed || saved == m.config.end() || (saved->text == f.text && saved->value == f.value)) continue;
+        const std::string was = setting_text(saved->value, saved->text);
+        TORCH_CHECK(false, "the checkpoint '", tag_dir, "' was saved by ", with_article(m.model_type), " with ", f.name,
+                    "=", was, "; this one has ", f.name, "=", setting_text(f.value, f.text),
+                    ", which computes another function with the same shapes: build it with ", f.name, "=", was);
       }
     for (const auto& [name, local, p, first] : params) {
       auto s = parallel::sharding_of(*state.model, local);

@@ -99,7 +99,7 @@ local function bounded(seconds, option, fn, ...)
   -- limit (and 5 s) later, rather than running on.
   local stuck = ("did not finish within %s = %g s and could not be interrupted (a loop in an xpcall message "
     .. "handler, or a long C call, runs where the limit cannot reach it); the process ends"):format(option, seconds)
-  local backstop = core._deadline_arm(math.min(2 * seconds + 5, 9e8), stuck)  -- a limit of 1e9 s is "none"
+  local backstop = core._deadline_arm(2 * seconds + 5, stuck)
   local function hook()
     if interrupted or core.now() > deadline then
       -- Only in the user's code: partrain's own (this function, after the call returns) goes on.
