@@ -81,6 +81,31 @@ namespace {
 bool whole_int64(double x) { return x >= -0x1p63 && x < 0x1p63 && x == std::trunc(x); }
 }  // namespace
 
+std::string stray_key(lua_State* L, int t, int n) {
+  if (t < 0 && t > LUA_REGISTRYINDEX) t = lua_gettop(L) + t + 1;
+  lua_pushnil(L);
+  while (lua_next(L, t)) {
+    lua_pop(L, 1);  // the value
+    std::ostringstream key;
+    if (lua_type(L, -1) == LUA_TNUMBER) {
+      double k = lua_tonumber(L, -1);
+      if (k >= 1 && k <= n && k == std::trunc(k)) continue;
+      key << std::setprecision(17) << "[" << k << "]";
+    } else if (lua_type(L, -1) == LUA_TSTRING) {
+      size_t len;
+      const char* text = lua_tolstring(L, -1, &len);
+      bool plain = len > 0 && len <= 40;
+      for (size_t c = 0; plain && c < len; ++c) plain = text[c] >= 0x20 && text[c] < 0x7f;
+      key << (plain ? "'" + std::string(text, len) + "'" : std::string("a string key"));
+    } else {
+      key << "a " << luaL_typename(L, -1) << " key";
+    }
+    lua_pop(L, 1);  // the key: the traversal ends here
+    return key.str();
+  }
+  return "";
+}
+
 int64_t Args::integer(int i) const {
   if (!is_number(i)) expected(i, "integer");
   double x = lua_tonumber(L, i);
@@ -128,10 +153,11 @@ std::vector<int64_t> Args::ints(int i, int* end) const {
       bool ok = lua_type(L, -1) == LUA_TNUMBER;
       double x = lua_tonumber(L, -1);
       lua_pop(L, 1);
-      if (!ok || x != static_cast<double>(static_cast<int64_t>(x)))
-        fail(i, "table of integers expected, element " + std::to_string(k) + " is not one");
+      if (!ok || !whole_int64(x)) fail(i, "table of integers expected, element " + std::to_string(k) + " is not one");
       out.push_back(static_cast<int64_t>(x));
     }
+    std::string stray = stray_key(L, i, n);
+    if (!stray.empty()) fail(i, "a list of integers expected, but the table also has the key " + stray);
     if (end) *end = i + 1;
     return out;
   }
@@ -157,6 +183,8 @@ std::vector<torch::Tensor> Args::tensors(int i) const {
     if (!t) fail(i, "table of tensors expected, element " + std::to_string(k) + " is not a tensor");
     out.push_back(*t);
   }
+  std::string stray = stray_key(L, i, n);
+  if (!stray.empty()) fail(i, "a list of tensors expected, but the table also has the key " + stray);
   return out;
 }
 
@@ -309,7 +337,11 @@ std::vector<double> Options::numbers(const char* key, std::vector<double> fallba
     lua_pop(L, 1);
     out.push_back(x);
   }
+  std::string stray = stray_key(L, -1, n);
   lua_pop(L, 1);
+  if (!stray.empty())
+    throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be a list of numbers, "
+                                "but the table also has the key " + stray);
   return out;
 }
 
@@ -433,12 +465,33 @@ void relocate_library_error(lua_State* L) {
   }
 }
 
-int traceback_handler(lua_State* L) {
-  if (!lua_isstring(L, 1)) {  // an error object that is not a string: describe it
-    if (!(luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)))
-      lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
-    lua_replace(L, 1);
+// An error object that is not a string is replaced by its __tostring, called under protection:
+// one that raises or returns no text is described by its type instead, where a raise inside the
+// handler would have left Lua's bare "error in error handling".
+void describe_error_object(lua_State* L) {
+  if (lua_isstring(L, 1)) return;
+  const char* type = luaL_typename(L, 1);
+  if (!luaL_getmetafield(L, 1, "__tostring")) {
+    lua_pushfstring(L, "(error object is a %s value)", type);
+  } else {
+    lua_pushvalue(L, 1);
+    int status = lua_pcall(L, 1, 1, 0);
+    if (status == 0 && lua_isstring(L, -1)) {
+      // its own text
+    } else if (status == 0) {
+      lua_pushfstring(L, "(error object is a %s value; its __tostring returned a %s)", type,
+                      luaL_typename(L, -1));
+    } else {
+      const char* why = lua_isstring(L, -1) ? lua_tostring(L, -1) : luaL_typename(L, -1);
+      lua_pushfstring(L, "(error object is a %s value; its __tostring raised: %s)", type, why);
+    }
   }
+  lua_replace(L, 1);
+  lua_settop(L, 1);
+}
+
+int traceback_handler(lua_State* L) {
+  describe_error_object(L);
   relocate_library_error(L);
   lua_getfield(L, LUA_REGISTRYINDEX, "partrain.traceback");
   lua_pushvalue(L, 1);
@@ -448,11 +501,7 @@ int traceback_handler(lua_State* L) {
 }
 
 int plain_handler(lua_State* L) {
-  if (!lua_isstring(L, 1)) {
-    if (!(luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)))
-      lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
-    lua_replace(L, 1);
-  }
+  describe_error_object(L);
   relocate_library_error(L);
   lua_settop(L, 1);
   return 1;
@@ -645,6 +694,29 @@ int open_core(lua_State* L) {
     return 1;
   });
   lua_setfield(L, core, "_where");
+  // core._raise(msg [, level = 1]): raises msg at the user's line, as engine errors are located,
+  // even where the caller of partrain's function is pcall itself (`pcall(pt.log, 5)`), whose
+  // frame Lua's error levels name nothing for. Without a user frame (under an engine callback),
+  // where error(msg, level) in the calling function would. Like error, it raises anything but a
+  // string or number unchanged.
+  lua_pushcfunction(L, [](lua_State* S) {
+    const int level = luaL_optint(S, 2, 1);
+    lua_settop(S, 1);
+    if (!lua_isstring(S, 1)) return lua_error(S);
+    {
+      bool is_user = false;
+      std::string where = user_location(S, &is_user);
+      if (is_user) lua_pushlstring(S, (where + ": ").data(), where.size() + 2);
+    }  // nothing of C++ is left to destroy when lua_error unwinds
+    if (lua_gettop(S) == 1) {
+      if (level > 0) luaL_where(S, level);
+      else lua_pushliteral(S, "");
+    }
+    lua_pushvalue(S, 1);
+    lua_concat(S, 2);
+    return lua_error(S);
+  });
+  lua_setfield(L, core, "_raise");
   // core._unyielding(fn, ...): fn(...) behind a C frame, so a coroutine.yield inside it is an
   // error rather than a way out that leaves the caller's limits armed.
   lua_pushcfunction(L, [](lua_State* S) {

@@ -234,6 +234,11 @@ std::string user_location(lua_State* L, bool* is_user = nullptr);
 /// whether the line is the user's.
 bool user_location(lua_State* L, char* buf, size_t n, int first = 1);
 
+/// The first key of the table at `t` that reading it as a list of n elements would skip (a name,
+/// or an index outside 1..n after a hole), as a message shows it; "" when there is none. A list
+/// with such a key would lose it silently: { 2, 3, dtype = "float64" } is no shape.
+std::string stray_key(lua_State* L, int t, int n);
+
 /// A Lua value held in the registry for as long as an engine object needs it; released when
 /// dropped unless the state has closed first. Calls go through active_state(main()).
 class LuaRef {

@@ -391,7 +391,7 @@ int64_t ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t
   }
   m[12] = full_check ? hash_text(site) : 0;  // an agreed call may come from another line
   m[13] = root;
-  m[14] = reduce;  // the flat reduce-scatter's op code is one for every reduce op
+  m[14] = reduce;  // the reduce-scatters' op codes are one for every reduce op
   // Built on the host, exchanged on this rank's device (NCCL takes device tensors only), read
   // back on the host.
   const auto device = World::instance().device();
@@ -468,9 +468,12 @@ Work ProcessGroup::all_reduce(Tensor& t, ReduceOp op, bool async) const {
 
 Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) const {
   check(t, name);
+  // The reduce-scatter of stacked inputs is agreed on as itself (code 11), not as the all-reduce
+  // that carries it: a rank's all-reduce of the same shape is another call.
   const bool scatter = std::strcmp(name, "reduce_scatter") == 0;
-  const int64_t ticket = verify(1 + static_cast<int>(op), name, t, scatter ? ledger::Op::ReduceScatter : ledger::Op::AllReduce,
-                                true, 0, 1 + static_cast<int>(op));
+  const std::string label = scatter ? "reduce_scatter(" + to_string(op) + ")" : name;
+  const int64_t ticket = verify(scatter ? 11 : 1 + static_cast<int>(op), label, t,
+                                scatter ? ledger::Op::ReduceScatter : ledger::Op::AllReduce, true, 0, 1 + static_cast<int>(op));
   // What travels: Gloo has no bfloat16 reductions (LibTorch 1.13), so a bfloat16 tensor is summed
   // as float32 and rounded once, written back when the collective completes.
   Tensor wire = lacks_bfloat16(t, options_.backend) ? t.to(torch::kFloat32) : t;

@@ -40,6 +40,8 @@ elseif mode == "size_async" then  -- async calls are not checked: Gloo's own fai
   W:all_reduce(t, { async = true }):wait()            -- line 40
 elseif mode == "flat_op" then  -- the flat reduce-scatter's op had been left out of the comparison
   W:reduce_scatter_flat(pt.ones(4) * (r + 1), r == 0 and "sum" or "max") -- line 42
+elseif mode == "scatter_vs_reduce" then  -- the same bytes moved, but another call: had passed as the same all-reduce
+  if r == 0 then W:reduce_scatter(pt.zeros(2), { pt.ones(2), pt.ones(2) }) else W:all_reduce(pt.ones(2, 2)) end -- line 44
 else
   error("unknown mode " .. tostring(mode))
 end

@@ -5,7 +5,8 @@ operation, dtype, shape or root, naming each rank's call; an async size mismatch
 over on one of its own threads must end the run with exit status 1 and a message naming the rank,
 the collective and the script line, never SIGABRT. With --check-collectives every kind of disagreement (size, dtype, shape
 with the same element count, reduce op, a call skipped and made up later, broadcast root, a
-collective inside partrain's own Lua) is refused before any data moves, naming each rank's call and
+collective inside partrain's own Lua, a reduce-scatter against an all-reduce of its stacked
+inputs) is refused before any data moves, naming each rank's call and
 the user's line.
 
     python3 tests/dist/test_mismatch.py build/partrain
@@ -54,6 +55,9 @@ cases = {
     "library": ["rank 0: all_gather of float32 [4, 4] at tests/dist/mismatch.lua:37", "rank 1: barrier at tests/dist/mismatch.lua:37"],
     "flat_op": ["rank 0: reduce_scatter(sum) of float32 [4] at tests/dist/mismatch.lua:42",
                 "rank 1: reduce_scatter(max) of float32 [4] at tests/dist/mismatch.lua:42"],
+    # The reduce-scatter of a list is carried by an all-reduce of the stacked inputs, [2, 2] here.
+    "scatter_vs_reduce": ["rank 0: reduce_scatter(sum) of float32 [2, 2] at tests/dist/mismatch.lua:44",
+                          "rank 1: all_reduce(sum) of float32 [2, 2] at tests/dist/mismatch.lua:44"],
 }
 # Without --check-collectives, pt.dist's blocking collectives still check that the ranks agree on
 # the operation, dtype, shape and root (not the line): every case but the skip is refused alike.

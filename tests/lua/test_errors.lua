@@ -33,9 +33,25 @@ test("an engine error behind a library wrapper names the script line (pt.mesh)",
 end)
 
 test("a bad argument that trips inside the library is moved to the user's line, keeping where it was raised", function()
-  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\nm:apply(5)\n')
+  -- A table whose __call is not a function passes apply's check and trips where it is called.
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+    .. 'm:apply(setmetatable({}, { __call = 5 }))\n')
   ok(status == 1, "exit status 1, got " .. tostring(status))
-  has(out, "partrain: " .. path .. ":3: attempt to call local 'fn' (a number value) (raised in partrain/init.lua:", "relocated")
+  has(out, "partrain: " .. path .. ":3: attempt to call local 'fn' (a table value) (raised in partrain/init.lua:", "relocated")
+end)
+
+test("a library function's argument check names the caller's line, even when the caller is pcall itself", function()
+  -- Lua's error levels name the caller's caller, here pcall, which has no line: these had none.
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+    .. 'print(pcall(pt.log, 5))\nprint(pcall(pt.tp.shards, {}))\nprint(pcall(m.apply, m, 5))\n'
+    .. 'print(pcall(pt.nn.GELU, { approx = "tanh" }))\nm:apply(5)\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, "false\t" .. path .. ":3: pt.log expects a table of fields, got number", "pt.log")
+  has(out, "false\t" .. path .. ":4: pt.tp.shards: a module expected, got table", "pt.tp.shards")
+  has(out, "false\t" .. path .. ":5: apply: a function expected (it is called with each module and its path), got number",
+    "apply checks its function")
+  has(out, "false\t" .. path .. ":6: GELU has no option 'approx' (options: approximate)", "GELU's unknown option")
+  has(out, "partrain: " .. path .. ":7: apply: a function expected", "uncaught, the same line")
 end)
 
 -- Runs `call` as line 3 of a script whose line 2 makes an MLP `m`: it must fail (status 1) with
@@ -87,6 +103,25 @@ test("an error object that is not a string is described, with a traceback", func
   status, out = run('error(setmetatable({}, { __tostring = function() return "custom error" end }))\n')
   has(out, "partrain: custom error", "its __tostring")
   has(out, "stack traceback:", "traceback for an object with __tostring")
+end)
+
+test("an error object whose __tostring raises or returns no text is described, not 'error in error handling'", function()
+  local status, out, path = run('error(setmetatable({}, { __tostring = function() error("no text") end }))\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, "partrain: (error object is a table value; its __tostring raised: " .. path .. ":1: no text)", "its raise")
+  has(out, "stack traceback:", "traceback")
+  ok(not out:find("error in error handling", 1, true), "no bare 'error in error handling':\n" .. out)
+  status, out = run('error(setmetatable({}, { __tostring = function() return {} end }))\n')
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, "partrain: (error object is a table value; its __tostring returned a table)", "what it returned")
+  -- The same through an engine callback's handler: a hook the optimizer step runs.
+  status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+    .. 'local opt = pt.optim.sgd(m, { lr = 0.1 })\nrequire("partrain.plan").at_first_step = function() '
+    .. 'error(setmetatable({}, { __tostring = function() error("no text") end })) end\nopt:step()\n',
+    "PARTRAIN_PLAN=" .. os.tmpname() .. "-plan PARTRAIN_PLAN_MODE=override")
+  ok(status == 1, "exit status 1, got " .. tostring(status))
+  has(out, "(error object is a table value; its __tostring raised: " .. path .. ":4: no text)", "through the callback")
+  ok(not out:find("error in error handling", 1, true), "no bare 'error in error handling':\n" .. out)
 end)
 
 -- The first optimizer step calls partrain.plan's hook when a plan is involved; a hook that raises

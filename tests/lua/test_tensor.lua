@@ -195,4 +195,20 @@ test("pt.tensor into an integer dtype refuses what the dtype cannot hold exactly
   eq(pt.tensor({ -2 ^ 63, 2 ^ 53 }, { dtype = "int64" }):select(0, 1):item(), 2 ^ 53, "the range's ends are taken")
 end)
 
+test("a list with other keys beside its elements is refused, never read without them", function()
+  -- { 2, 3, dtype = "float64" } had made a float32 2x3 tensor: the key was dropped unseen.
+  raises(function() pt.zeros({ 2, 3, dtype = "float64" }) end, "a list of integers expected, but the table also has the key 'dtype'")
+  raises(function() pt.ones({ a = 1 }) end, "the table also has the key 'a'")
+  raises(function() pt.zeros({ 2, nil, 3 }) end, "the table also has the key [3]")
+  raises(function() pt.ones(2, 3):sum({ 0, [5] = 1 }) end, "the table also has the key [5]")
+  raises(function() pt.cat({ pt.ones(2), pt.ones(2), dim = 0 }) end, "a list of tensors expected, but the table also has the key 'dim'")
+  raises(function() pt.tensor({ { 1, 2 }, { 3, 4, [0] = 1 } }) end, "a table also has the key [0]")
+  raises(function() pt.tensor({ 1, 2, [true] = 3 }) end, "a table also has the key a boolean key")
+  raises(function() pt.nn.ModuleList({ pt.nn.Identity(), x = pt.nn.Identity() }) end, "the table also has the key 'x'")
+  raises(function() pt.optim.adamw(pt.models.mlp { sizes = { 2, 2 } }, { betas = { 0.9, 0.99, eps = 1 } }) end,
+    "must be a list of numbers, but the table also has the key 'eps'")
+  eq(pt.zeros({ 2, 3 }):numel(), 6, "a plain list is a shape")
+  eq(pt.tensor({}):numel(), 0, "an empty table is an empty tensor")
+end)
+
 H.run()

@@ -9,6 +9,7 @@
 -- over it. Unknown options, missing values and values of the wrong type are errors that name the
 -- option (and the config file's line); --help lists them all.
 local core = require "partrain.core"
+local raise = core._raise
 
 local args = {}
 
@@ -17,14 +18,14 @@ local OPTION = {}   -- marks a pt.args.option(default, description)
 
 local function description_of(fn, description)
   if description ~= nil and type(description) ~= "string" then
-    error(("%s: the description must be a string, got %s"):format(fn, type(description)), 3)
+    raise(("%s: the description must be a string, got %s"):format(fn, type(description)), 3)
   end
   return description
 end
 
 --- Declares a number option whose default is a whole number but which takes any number.
 function args.number(default, description)
-  if type(default) ~= "number" then error("pt.args.number expects a number, got " .. type(default), 2) end
+  if type(default) ~= "number" then raise("pt.args.number expects a number, got " .. type(default), 2) end
   return setmetatable({ default = default, description = description_of("pt.args.number", description) }, NUMBER)
 end
 
@@ -32,7 +33,7 @@ end
 function args.option(default, description)
   local t = type(default)
   if t ~= "number" and t ~= "string" and t ~= "boolean" and getmetatable(default) ~= NUMBER then
-    error("pt.args.option expects a number, string or boolean default, got " .. t, 2)
+    raise("pt.args.option expects a number, string or boolean default, got " .. t, 2)
   end
   return setmetatable({ default = default, description = description_of("pt.args.option", description) }, OPTION)
 end
@@ -151,7 +152,7 @@ local function read_config(path, kinds, known)
     if type(t) == "string" and k and k > 0 then
       local bytes = #t * k + (type(s) == "string" and #s * (k - 1) or 0)
       if bytes > kMaxMemoryMB * 2 ^ 20 then
-        error(too_much(("makes a string of %.0f bytes with string.rep (more than %d MB)"):format(bytes, kMaxMemoryMB)), 2)
+        raise(too_much(("makes a string of %.0f bytes with string.rep (more than %d MB)"):format(bytes, kMaxMemoryMB)), 2)
       end
     end
     return rep(text, n, sep)
@@ -165,7 +166,7 @@ local function read_config(path, kinds, known)
     -- and the caller's hook back) must run to the end.
     if problem and debug.getinfo(2, "S").source == "@" .. path then
       debug.sethook()  -- the file has no pcall to go on with: one error stops it
-      error(too_much(problem), 2)
+      raise(too_much(problem), 2)
     end
   end, "", 1)
   local ok, values = pcall(chunk)
@@ -279,9 +280,9 @@ end
 --- The resolved options of the script's command line as one compact block: "config: a=1 b=x ...",
 --- wrapped at about 100 columns.
 function args.describe(cfg, config_file)
-  if type(cfg) ~= "table" then error(("pt.args.describe: expected the options table, got a %s"):format(type(cfg)), 2) end
+  if type(cfg) ~= "table" then raise(("pt.args.describe: expected the options table, got a %s"):format(type(cfg)), 2) end
   if config_file ~= nil and type(config_file) ~= "string" then
-    error(("pt.args.describe: the config file must be a path (a string), got a %s"):format(type(config_file)), 2)
+    raise(("pt.args.describe: the config file must be a path (a string), got a %s"):format(type(config_file)), 2)
   end
   local names = {}
   for k in pairs(cfg) do names[#names + 1] = k end
@@ -306,11 +307,11 @@ return setmetatable(args, {
   --- arg). For the script's own arguments, the result is also kept as args.resolved (the run
   --- header of the metrics file and checkpoints' user data store it) and printed on rank 0.
   __call = function(_, spec, argv)
-    if type(spec) ~= "table" then error("pt.args expects a table of defaults, got " .. type(spec), 2) end
+    if type(spec) ~= "table" then raise("pt.args expects a table of defaults, got " .. type(spec), 2) end
     local own = argv == nil
     argv = argv or _G.arg or {}
     local ok, result, config_file = pcall(parse, spec, argv)
-    if not ok then error(result, 2) end
+    if not ok then raise(result, 2) end
     if own then
       local copy = {}
       for k, v in pairs(result) do copy[k] = v end

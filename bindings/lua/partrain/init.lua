@@ -2,6 +2,9 @@
 -- The C half (partrain.core) brings tensors, modules, optimizers and loaders; this file gathers
 -- them into one table and adds what is clearer in Lua: module classes, iterators, pt.args, pt.log.
 local core = require "partrain.core"
+-- raise(msg, level): an error at the user's line, as the engine's are (even when the user's caller is
+-- pcall itself), or where error(msg, level) would put it when no user code is running.
+local raise = core._raise
 
 local pt = { version = core.version }
 
@@ -84,12 +87,12 @@ pt.model_family = core.model_families.family_of
 --- of the model built normally (built-in families) or of any other deferred build after the
 --- same pt.manual_seed. docs/pipeline.md.
 function pt.deferred(fn)
-  if type(fn) ~= "function" then error("pt.deferred: a function that builds the model expected, got " .. type(fn), 2) end
+  if type(fn) ~= "function" then raise("pt.deferred: a function that builds the model expected, got " .. type(fn), 2) end
   local was = core.nn._defer(true)
   local ok, model = pcall(fn)
   core.nn._defer(was)
   if not ok then error(model, 0) end
-  if not core.nn.is_module(model) then error("pt.deferred: the function returned " .. type(model) .. ", not a model", 2) end
+  if not core.nn.is_module(model) then raise("pt.deferred: the function returned " .. type(model) .. ", not a model", 2) end
   core.nn._seed_if_unset(model)
   return model
 end
@@ -102,18 +105,21 @@ function nn.Softmax(dim) return core.nn.activation("Softmax", dim or -1) end
 function nn.LogSoftmax(dim) return core.nn.activation("LogSoftmax", dim or -1) end
 function nn.GELU(options)
   if options ~= nil and type(options) ~= "table" then
-    error(("GELU: options must be a table ({ approximate = 'tanh' }), got a %s"):format(type(options)), 2)
+    raise(("GELU: options must be a table ({ approximate = 'tanh' }), got a %s"):format(type(options)), 2)
+  end
+  for k in pairs(options or {}) do
+    if k ~= "approximate" then raise(("GELU has no option '%s' (options: approximate)"):format(tostring(k)), 2) end
   end
   local approximate = options and options.approximate or "none"
   if approximate ~= "none" and approximate ~= "tanh" then
-    error(("GELU: approximate must be 'none' or 'tanh', got '%s'"):format(tostring(approximate)), 2)
+    raise(("GELU: approximate must be 'none' or 'tanh', got '%s'"):format(tostring(approximate)), 2)
   end
   return core.nn.activation(approximate == "tanh" and "GELUTanh" or "GELU")
 end
 
 --- A tensor that a Lua-defined module should train: assigning it to `self.name` registers it.
 function nn.Parameter(t)
-  if not pt.is_tensor(t) then error("nn.Parameter expects a tensor, got " .. type(t), 2) end
+  if not pt.is_tensor(t) then raise("nn.Parameter expects a tensor, got " .. type(t), 2) end
   return t:detach():requires_grad_(true)
 end
 
@@ -125,9 +131,9 @@ end
 --- Children and parameters assigned to self become engine nodes (policies, state_dict and
 --- checkpoints see them); other values are plain Lua fields.
 function nn.Module(name, parent)
-  if type(name) ~= "string" then error("nn.Module expects a type name (string), got " .. type(name), 2) end
+  if type(name) ~= "string" then raise("nn.Module expects a type name (string), got " .. type(name), 2) end
   if parent ~= nil and type(parent) ~= "table" then
-    error("nn.Module: the parent of " .. name .. " must be a class, got " .. type(parent), 2)
+    raise("nn.Module: the parent of " .. name .. " must be a class, got " .. type(parent), 2)
   end
   local class = { __name = name, __parent = parent }
   return setmetatable(class, {
@@ -155,7 +161,7 @@ end
 -- A module where `what` needs one (errors at the caller's line: `m.named_modules()` for `m:`).
 local function need_module(m, what, level)
   if not core.nn.is_module(m) then
-    error(("%s: a module expected, got %s (call it with a colon: m:%s(...))"):format(what, type(m), what), level + 1)
+    raise(("%s: a module expected, got %s (call it with a colon: m:%s(...))"):format(what, type(m), what), level + 1)
   end
 end
 
@@ -173,6 +179,10 @@ end
 --- Calls fn(module, path) on every module of the tree.
 function Module:apply(fn)
   need_module(self, "apply", 2)
+  local mt = getmetatable(fn)
+  if type(fn) ~= "function" and not (type(mt) == "table" and mt.__call) then
+    raise("apply: a function expected (it is called with each module and its path), got " .. type(fn), 2)
+  end
   for path, m in self:named_modules() do fn(m, path) end
   return self
 end
@@ -304,11 +314,11 @@ local function pipeline_description(model, policy, mesh, opts)
 end
 
 function pt.parallelize(model, policy, mesh, opts)
-  if not core.nn.is_module(model) then error("parallelize: argument #1 must be a module, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("parallelize: argument #1 must be a module, got " .. type(model), 2) end
   if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
-    error("parallelize: bad argument #3 (mesh expected, got " .. type(mesh) .. ")", 2)
+    raise("parallelize: bad argument #3 (mesh expected, got " .. type(mesh) .. ")", 2)
   end
-  if opts ~= nil and type(opts) ~= "table" then error("parallelize: bad argument #4 (options table expected, got " .. type(opts) .. ")", 2) end
+  if opts ~= nil and type(opts) ~= "table" then raise("parallelize: bad argument #4 (options table expected, got " .. type(opts) .. ")", 2) end
   local ok, err = pcall(function()
     local P = require "partrain.policy"
     local shard, dp, pipe = {}, {}, {}
@@ -434,17 +444,17 @@ local save_only = { "step", "user", "full", "num_kept", "tag", "overwrite" }
 -- The targets table with the model's mesh and policy filled in, after checking its keys.
 local function ckpt_state(fn, what, level)
   if type(what) ~= "table" then
-    error(("pt.ckpt.%s: a table { model = ..., optim = ..., data = ... } expected, got %s"):format(fn, type(what)), level + 1)
+    raise(("pt.ckpt.%s: a table { model = ..., optim = ..., data = ... } expected, got %s"):format(fn, type(what)), level + 1)
   end
   local t = {}
   for k, v in pairs(what) do
     if not ckpt_keys[k] then
-      error(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, mesh, step, user, full, num_kept, tag, "
+      raise(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, mesh, step, user, full, num_kept, tag, "
         .. "overwrite)"):format(fn, tostring(k)), level + 1)
     end
     t[k] = v
   end
-  if not core.nn.is_module(t.model) then error(("pt.ckpt.%s: 'model' must be a module"):format(fn), level + 1) end
+  if not core.nn.is_module(t.model) then raise(("pt.ckpt.%s: 'model' must be a module"):format(fn), level + 1) end
   t.mesh = t.mesh or core.parallel.mesh(t.model)
   return t
 end
@@ -470,7 +480,7 @@ end
 --- Every rank calls it; each writes its own shards (full = true: rank 0 writes every tensor
 --- whole). A valid checkpoint already under the tag is refused unless overwrite = true.
 function pt.ckpt.save(dir, what)
-  if type(dir) ~= "string" then error("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
+  if type(dir) ~= "string" then raise("pt.ckpt.save: bad argument #1 (folder name expected)", 2) end
   local t = ckpt_state("save", what, 2)
   t.policy = core.parallel.policy(t.model)
   -- The script's resolved options (pt.args) go with it, as user.config, unless the user table has its own.
@@ -489,11 +499,11 @@ end
 
 -- The load behind pt.ckpt.load and resume; errors point `level` frames above its caller.
 local function load_at(level, fn, dir, tag, what)
-  if type(dir) ~= "string" then error(("pt.ckpt.%s: bad argument #1 (folder name expected)"):format(fn), level + 1) end
-  if tag ~= nil and type(tag) ~= "string" then error("pt.ckpt.load: bad argument #2 (tag string expected)", level + 1) end
+  if type(dir) ~= "string" then raise(("pt.ckpt.%s: bad argument #1 (folder name expected)"):format(fn), level + 1) end
+  if tag ~= nil and type(tag) ~= "string" then raise("pt.ckpt.load: bad argument #2 (tag string expected)", level + 1) end
   local t = ckpt_state(fn, what, level + 1)
   for _, k in ipairs(save_only) do
-    if t[k] ~= nil then error(("pt.ckpt.%s: '%s' is a key of save, not of %s (it takes model, optim, data; "
+    if t[k] ~= nil then raise(("pt.ckpt.%s: '%s' is a key of save, not of %s (it takes model, optim, data; "
       .. "the tag is argument #2 of load)"):format(fn, k, fn), level + 1) end
   end
   local loaded
@@ -517,7 +527,7 @@ end
 --- valid checkpoint in dir (falling back past damaged ones, saying so on stderr), or nil when
 --- dir holds no checkpoint at all (a fresh start) or under `partrain plan`.
 function pt.ckpt.resume(dir, what)
-  if type(dir) ~= "string" then error("pt.ckpt.resume: bad argument #1 (folder name expected)", 2) end
+  if type(dir) ~= "string" then raise("pt.ckpt.resume: bad argument #1 (folder name expected)", 2) end
   -- A plan describes the layout, which a resume does not change: no need to read the files.
   if core.plan.planning() then return nil end
   local loaded = load_at(2, "resume", dir, nil, what)
@@ -535,7 +545,7 @@ pt.ckpt.tags = core.ckpt.tags
 --- pt.ckpt.verify(path) -> ok, problems: a tag folder, or a checkpoint folder whole (every tag,
 --- newest), as `partrain ckpt verify` checks it; problems are "path: what" strings.
 function pt.ckpt.verify(path)
-  if type(path) ~= "string" then error("pt.ckpt.verify: bad argument #1 (folder name expected)", 2) end
+  if type(path) ~= "string" then raise("pt.ckpt.verify: bad argument #1 (folder name expected)", 2) end
   local ok, problems = ckpt_call(2, core.ckpt.verify, path)
   return ok, problems
 end
@@ -563,7 +573,7 @@ pt.reset_peak_memory = core.reset_peak
 --- whose part is scratch) and the masters' float32 gradients; optimizer the moments; master the
 --- float32 master weights (under ZeRO this rank's shard).
 function pt.memory_report(model)
-  if not core.nn.is_module(model) then error("pt.memory_report: a module expected, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("pt.memory_report: a module expected, got " .. type(model), 2) end
   local r = pt.memory()
   for k, v in pairs(core.plan.held(model, pt.optim.of(model))) do r[k] = v end
   return r
@@ -606,11 +616,11 @@ end
 -- split (a tensor alone does not know).
 local function check_name(fn, model, name, level)
   if not core.nn.is_module(model) then
-    error(("pt.tp.%s: a module expected as argument #1, got %s (pass the model and the parameter's name: "
+    raise(("pt.tp.%s: a module expected as argument #1, got %s (pass the model and the parameter's name: "
       .. "pt.tp.%s(model, \"h.0.attn.c_attn.weight\"))"):format(fn, type(model), fn), level + 1)
   end
   if type(name) ~= "string" then
-    error(("pt.tp.%s: bad argument #2 (a parameter's dotted name expected, got %s)"):format(fn, type(name)), level + 1)
+    raise(("pt.tp.%s: bad argument #2 (a parameter's dotted name expected, got %s)"):format(fn, type(name)), level + 1)
   end
 end
 
@@ -635,7 +645,7 @@ end
 --- nil when whole), parts, fused, slices = { [group rank + 1] = { {start, length}, ... } }, ranks (the
 --- tensor group's global ranks, or nil), bytes (this rank's) }.
 function pt.tp.shards(model)
-  if not core.nn.is_module(model) then error("pt.tp.shards: a module expected, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("pt.tp.shards: a module expected, got " .. type(model), 2) end
   local rows = {}
   for name, p in model:named_parameters() do
     local s = core.parallel.sharding(model, name)
@@ -661,7 +671,7 @@ end
 --- The loss to use with `model`'s logits: cross-entropy, computed from vocabulary-split logits
 --- without gathering them when a policy split the output head. loss(logits, targets [, { ignore_index }]).
 function pt.loss_fn(model)
-  if not core.nn.is_module(model) then error("pt.loss_fn: a module expected, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("pt.loss_fn: a module expected, got " .. type(model), 2) end
   local split = core.parallel.vocab_head(model)   -- found in the tree: { group, vocab, path } or nil
   if not split then
     return function(logits, targets, opts)
@@ -674,7 +684,7 @@ function pt.loss_fn(model)
     -- The logits must be (a view of) the vocabulary head's output: anything else (the head was
     -- not the model's last layer, or they were gathered) would be read as split when it is not.
     if pt.is_tensor(logits) and not core.plan.planning() and not core.tp.split_logits(logits) then
-      error(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (%s): "
+      raise(("pt.loss_fn(model): these logits (%s) are not the split output of %s's vocabulary head (%s): "
         .. "is it the model's output layer? Whole logits take pt.nn.cross_entropy"):format(
         table.concat(logits.shape, "x"), model:type(), split.path), 2)
     end
@@ -689,20 +699,20 @@ end
 --- over the data-parallel ranks (each reads its slice): a validation loss. `loss` defaults to
 --- pt.loss_fn(model). The model's mode and the loader's position are restored.
 function pt.evaluate(model, loader, opts)
-  if not core.nn.is_module(model) then error("pt.evaluate: a module expected, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("pt.evaluate: a module expected, got " .. type(model), 2) end
   if type(loader) ~= "userdata" or not pcall(function() return loader.batches_per_epoch end) then
-    error("pt.evaluate: argument #2 must be a loader (pt.data.text, pt.data.tokens, ...), got " .. type(loader), 2)
+    raise("pt.evaluate: argument #2 must be a loader (pt.data.text, pt.data.tokens, ...), got " .. type(loader), 2)
   end
   opts = opts or {}
-  if type(opts) ~= "table" then error("pt.evaluate: options must be a table, got " .. type(opts), 2) end
+  if type(opts) ~= "table" then raise("pt.evaluate: options must be a table, got " .. type(opts), 2) end
   for k in pairs(opts) do
-    if k ~= "batches" and k ~= "loss" then error(("pt.evaluate has no option '%s' (options: batches, loss)"):format(tostring(k)), 2) end
+    if k ~= "batches" and k ~= "loss" then raise(("pt.evaluate has no option '%s' (options: batches, loss)"):format(tostring(k)), 2) end
   end
-  if model:pipeline() then error("pt.evaluate: a pipelined model runs only through model:train_step", 2) end
+  if model:pipeline() then raise("pt.evaluate: a pipelined model runs only through model:train_step", 2) end
   local available = loader:batches_per_epoch()
   local batches = opts.batches or available
   if type(batches) ~= "number" or batches < 1 or batches % 1 ~= 0 or batches > available then
-    error(("pt.evaluate: batches must be a whole number from 1 to %d (the loader's epoch), got %s"):format(available,
+    raise(("pt.evaluate: batches must be a whole number from 1 to %d (the loader's epoch), got %s"):format(available,
       tostring(batches)), 2)
   end
   local loss_of = opts.loss or pt.loss_fn(model)
@@ -735,7 +745,7 @@ end
 --- The data-parallel handle of a model made parallel by pt.parallelize (or nil): hooks,
 --- synced(), stats(). The same as model:data_parallel().
 function pt.data_parallel(model)
-  if not core.nn.is_module(model) then error("pt.data_parallel: a module expected, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("pt.data_parallel: a module expected, got " .. type(model), 2) end
   return core.parallel.data_parallel(model)
 end
 
@@ -752,28 +762,28 @@ local live = require "partrain.live"   -- the in-place progress line, which othe
 --- opts.rank: which rank prints (a rank number, or "all"; default 0). Every call with a step is
 --- a record of rank 0's, whichever rank prints.
 function pt.log(fields, opts)
-  if type(fields) ~= "table" then error("pt.log expects a table of fields, got " .. type(fields), 2) end
+  if type(fields) ~= "table" then raise("pt.log expects a table of fields, got " .. type(fields), 2) end
   local who = 0
   if opts ~= nil then
-    if type(opts) ~= "table" then error("pt.log: options must be a table ({ rank = 0 | N | \"all\" }), got " .. type(opts), 2) end
+    if type(opts) ~= "table" then raise("pt.log: options must be a table ({ rank = 0 | N | \"all\" }), got " .. type(opts), 2) end
     for k in pairs(opts) do
-      if k ~= "rank" then error(("pt.log has no option '%s' (options: rank)"):format(tostring(k)), 2) end
+      if k ~= "rank" then raise(("pt.log has no option '%s' (options: rank)"):format(tostring(k)), 2) end
     end
     if opts.rank ~= nil then who = opts.rank end
     local world = pt.dist.world_size()
     if who ~= "all" and (type(who) ~= "number" or who % 1 ~= 0 or who < 0 or who >= world) then
-      error(("pt.log: rank must be a rank from 0 to %d or \"all\", got %s"):format(world - 1,
+      raise(("pt.log: rank must be a rank from 0 to %d or \"all\", got %s"):format(world - 1,
         type(who) == "string" and "'" .. who .. "'" or tostring(who)), 2)
     end
   end
   if fields.step ~= nil and type(fields.step) ~= "number" then
-    error("pt.log: step must be a number, got " .. type(fields.step), 2)
+    raise("pt.log: step must be a number, got " .. type(fields.step), 2)
   end
   local values, keys = {}, {}
   for k, v in pairs(fields) do
-    if type(k) ~= "string" then error("pt.log: field names must be strings, got " .. type(k), 2) end
+    if type(k) ~= "string" then raise("pt.log: field names must be strings, got " .. type(k), 2) end
     if pt.is_tensor(v) then
-      if v:numel() ~= 1 then error(("pt.log: field '%s' is a tensor of %d elements; one expected"):format(k, v:numel()), 2) end
+      if v:numel() ~= 1 then raise(("pt.log: field '%s' is a tensor of %d elements; one expected"):format(k, v:numel()), 2) end
       v = v:item()
     end
     values[k] = v

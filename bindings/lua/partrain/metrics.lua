@@ -2,6 +2,7 @@
 -- header, a record for every pt.log step, per-rank memory. Rank 0 writes it, each line with one
 -- write() on an O_APPEND descriptor, so a killed run keeps every completed line.
 local core = require "partrain.core"
+local raise = core._raise
 
 local metrics = {}
 
@@ -65,7 +66,7 @@ end
 --- A value as JSON text; what cannot be written is an error at the caller's line.
 function metrics.json(v)
   local ok, text = pcall(encode, v)
-  if not ok then error(text, 2) end
+  if not ok then raise(text, 2) end
   return text
 end
 
@@ -94,7 +95,7 @@ end
 --- Chooses the metrics file from Lua (false: none), over $PARTRAIN_METRICS.
 function metrics.set(path)
   if path ~= false and (type(path) ~= "string" or path == "") then
-    error("pt.metrics: a file name (string) or false expected, got " .. (path == "" and "''" or type(path)), 2)
+    raise("pt.metrics: a file name (string) or false expected, got " .. (path == "" and "''" or type(path)), 2)
   end
   if path ~= state.chosen then close() end
   state.chosen = path
@@ -102,7 +103,7 @@ end
 
 --- Adds fields to the run header (peak_tflops, ...), when it is not written yet.
 function metrics.describe(fields)
-  if type(fields) ~= "table" then error("pt.metrics.describe: a table of header fields expected, got " .. type(fields), 2) end
+  if type(fields) ~= "table" then raise("pt.metrics.describe: a table of header fields expected, got " .. type(fields), 2) end
   for k, v in pairs(fields) do state.extra[k] = v end
 end
 
@@ -145,10 +146,10 @@ end
 --- Appends a record (a table; "time" is added) on rank 0; other ranks do nothing. A record
 --- with a step drops, the first time, the file's records from that step on (a resume).
 function metrics.write(record)
-  if type(record) ~= "table" then error("pt.metrics.write: a table expected, got " .. type(record), 2) end
+  if type(record) ~= "table" then raise("pt.metrics.write: a table expected, got " .. type(record), 2) end
   local step = record.step
   if step ~= nil and type(step) ~= "number" then
-    error("pt.metrics.write: 'step' must be a number, got " .. type(step), 2)
+    raise("pt.metrics.write: 'step' must be a number, got " .. type(step), 2)
   end
   local file = open_for(step)
   if not file then return false end
@@ -156,7 +157,7 @@ function metrics.write(record)
   for k, v in pairs(record) do r[k] = v end
   r.time = r.time or core.unix_time()
   local ok, line = pcall(encode, r)
-  if not ok then error(line, 2) end
+  if not ok then raise(line, 2) end
   file:append(line)
   return true
 end
@@ -170,9 +171,9 @@ end
 --- the run report shows.
 local STATE = { "params", "grads", "optimizer", "master" }
 function metrics.memory(step, model)
-  if step ~= nil and type(step) ~= "number" then error("pt.metrics.memory: step must be a number, got " .. type(step), 2) end
+  if step ~= nil and type(step) ~= "number" then raise("pt.metrics.memory: step must be a number, got " .. type(step), 2) end
   if model ~= nil and not core.nn.is_module(model) then
-    error("pt.metrics.memory: model must be a module, got " .. type(model), 2)
+    raise("pt.metrics.memory: model must be a module, got " .. type(model), 2)
   end
   local world, rank = core.dist.world_size(), core.dist.rank()
   local width = model and 1 + #STATE or 1
@@ -214,7 +215,7 @@ end
 
 --- Writes the planner's per-rank summary (text) as { event = "plan", text }.
 function metrics.plan(text)
-  if type(text) ~= "string" then error("pt.metrics.plan: text expected, got " .. type(text), 2) end
+  if type(text) ~= "string" then raise("pt.metrics.plan: text expected, got " .. type(text), 2) end
   return metrics.write { event = "plan", text = text }
 end
 
@@ -222,7 +223,7 @@ return setmetatable(metrics, {
   --- pt.metrics(path): chooses the metrics file (false: none).
   __call = function(_, path)
     if path ~= false and (type(path) ~= "string" or path == "") then
-      error("pt.metrics: a file name (string) or false expected, got " .. (path == "" and "''" or type(path)), 2)
+      raise("pt.metrics: a file name (string) or false expected, got " .. (path == "" and "''" or type(path)), 2)
     end
     metrics.set(path)
   end,

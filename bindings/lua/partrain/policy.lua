@@ -24,6 +24,7 @@
 --   }
 local pt = require "partrain"
 local core = require "partrain.core"
+local raise = core._raise
 
 local P = {}
 
@@ -205,8 +206,8 @@ P.divide_by_tensor = setmetatable({ kind = "divide_by_tensor" }, STYLE)
 
 --- Ties parameter `a` to parameter `b` (dotted paths): after it they are one tensor.
 function P.tie(model, a, b)
-  if not core.nn.is_module(model) then error("P.tie: argument #1 must be the model, got " .. type(model), 2) end
-  if type(a) ~= "string" or type(b) ~= "string" then error("P.tie: the parameters must be dotted paths (strings)", 2) end
+  if not core.nn.is_module(model) then raise("P.tie: argument #1 must be the model, got " .. type(model), 2) end
+  if type(a) ~= "string" or type(b) ~= "string" then raise("P.tie: the parameters must be dotted paths (strings)", 2) end
   local function split(path)
     local owner, name = path:match("^(.*)%.([^.]+)$")
     return owner or "", name or path
@@ -214,14 +215,14 @@ function P.tie(model, a, b)
   local oa, na = split(a)
   local ob, nb = split(b)
   local ma, mb = model:get(oa), model:get(ob)
-  if not ma then error(("tie: no module '%s' in %s"):format(oa, model:type()), 2) end
-  if not mb then error(("tie: no module '%s' in %s"):format(ob, model:type()), 2) end
+  if not ma then raise(("tie: no module '%s' in %s"):format(oa, model:type()), 2) end
+  if not mb then raise(("tie: no module '%s' in %s"):format(ob, model:type()), 2) end
   local ok, pb = pcall(function() return mb[nb] end)
-  if not ok or not pt.is_tensor(pb) then error(("tie: '%s' is not a parameter"):format(b), 2) end
+  if not ok or not pt.is_tensor(pb) then raise(("tie: '%s' is not a parameter"):format(b), 2) end
   local ok_a, pa = pcall(function() return ma[na] end)
-  if not ok_a or not pt.is_tensor(pa) then error(("tie: '%s' is not a parameter"):format(a), 2) end
+  if not ok_a or not pt.is_tensor(pa) then raise(("tie: '%s' is not a parameter"):format(a), 2) end
   local set_ok, err = pcall(core.nn._tie, ma, na, pb)  -- that very tensor: a frozen one stays frozen
-  if not set_ok then error(("tie: %s"):format(strip_internal(err)), 2) end
+  if not set_ok then raise(("tie: %s"):format(strip_internal(err)), 2) end
 end
 
 -- The shape of a policy ----------------------------------------------------------------------
@@ -401,11 +402,11 @@ function P.config(opts, level)
   local cfg = {}
   for k, v in pairs(opts or {}) do
     if CONFIG[k] == nil then
-      error(("unknown sharding option '%s' (options: %s)"):format(tostring(k), table.concat(sorted_keys(CONFIG), ", ")), level)
+      raise(("unknown sharding option '%s' (options: %s)"):format(tostring(k), table.concat(sorted_keys(CONFIG), ", ")), level)
     end
     if k == "policy_timeout" then
       if type(v) ~= "number" or not (v > 0) or v == math.huge then
-        error(("sharding option 'policy_timeout' must be a number of seconds > 0, got %s"):format(tostring(v)), level)
+        raise(("sharding option 'policy_timeout' must be a number of seconds > 0, got %s"):format(tostring(v)), level)
       end
     elseif k == "probe" then
       local ok = type(v) == "boolean" or v == "auto" or pt.is_tensor(v)
@@ -414,11 +415,11 @@ function P.config(opts, level)
         for _, x in ipairs(v) do ok = ok and pt.is_tensor(x) end
       end
       if not ok then
-        error(("sharding option 'probe' must be true, false, \"auto\", an input tensor or a list of them, got %s"):format(
+        raise(("sharding option 'probe' must be true, false, \"auto\", an input tensor or a list of them, got %s"):format(
           type(v) == "string" and ("'" .. v .. "'") or type(v)), level)
       end
     elseif type(v) ~= "boolean" then
-      error(("sharding option '%s' must be a boolean, got %s"):format(k, type(v)), level)
+      raise(("sharding option '%s' must be a boolean, got %s"):format(k, type(v)), level)
     end
     cfg[k] = v
   end
@@ -426,7 +427,7 @@ function P.config(opts, level)
     if cfg[k] == nil then cfg[k] = default end
   end
   if cfg.sequence_overlap and not cfg.sequence_parallel then
-    error("sharding option sequence_overlap needs sequence_parallel = true", level)
+    raise("sharding option sequence_overlap needs sequence_parallel = true", level)
   end
   return cfg
 end
@@ -441,9 +442,9 @@ end
 --- and the error names the policy's file:line (for a plain table not made by P.policy, the line
 --- of the call).
 function P.apply(model, policy, mesh, cfg)
-  if not core.nn.is_module(model) then error("P.apply: argument #1 must be a module, got " .. type(model), 2) end
+  if not core.nn.is_module(model) then raise("P.apply: argument #1 must be a module, got " .. type(model), 2) end
   if getmetatable(mesh) ~= debug.getregistry()["partrain.Mesh"] then
-    error("P.apply: argument #3 must be a mesh (pt.mesh {...}), got " .. type(mesh), 2)
+    raise("P.apply: argument #3 must be a mesh (pt.mesh {...}), got " .. type(mesh), 2)
   end
   cfg = P.config(cfg, 2)
   local at = declared[policy] or P.where(1)

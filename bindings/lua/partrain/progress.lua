@@ -2,6 +2,7 @@
 -- line on rank 0's terminal, pt.log lines (and metrics records) every few steps, memory records
 -- after the first step and at the end. pt.flops_per_token: a model's training FLOPs per token.
 local core = require "partrain.core"
+local raise = core._raise
 local live = require "partrain.live"
 
 local progress = {}
@@ -15,14 +16,14 @@ local function sizes_of_options(family, o, level)
     local v = o[key]
     if v == nil then v = fallback end
     if type(v) ~= "number" or v % 1 ~= 0 or v < 0 then
-      error(("pt.flops_per_token: %s must be a whole number, got %s"):format(key, tostring(v)), level + 2)  -- size() is a frame more
+      raise(("pt.flops_per_token: %s must be a whole number, got %s"):format(key, tostring(v)), level + 2)  -- size() is a frame more
     end
     return v
   end
   local s = { family = family, vocab = size("vocab"), dim = size("dim"), layers = size("layers") }
   local heads = size("heads")
   if heads == 0 or s.dim % heads ~= 0 then
-    error(("pt.flops_per_token: heads=%d does not divide dim=%d"):format(heads, s.dim), level + 1)
+    raise(("pt.flops_per_token: heads=%d does not divide dim=%d"):format(heads, s.dim), level + 1)
   end
   if family == "llama" then
     local kv = size("kv_heads", 0)
@@ -37,10 +38,10 @@ end
 local function sizes_of_model(model, level)
   local family = core.model_families.family_of(model)
   if not family or (family.name ~= "gpt2" and family.name ~= "llama") then
-    error("pt.flops_per_token: a GPT-2 or LLaMA model (pt.models.gpt2 / llama) or a table of its options expected", level + 1)
+    raise("pt.flops_per_token: a GPT-2 or LLaMA model (pt.models.gpt2 / llama) or a table of its options expected", level + 1)
   end
   if core.parallel.mesh(model) then
-    error("pt.flops_per_token: this model is parallelized, and a rank holds only its part: count the whole model "
+    raise("pt.flops_per_token: this model is parallelized, and a rank holds only its part: count the whole model "
       .. "before pt.parallelize, or pass its options ({ family = \"" .. family.name .. "\", vocab, dim, heads, layers, ... })",
       level + 1)
   end
@@ -85,18 +86,18 @@ end
 function progress.flops_per_token(what, seq, level)
   level = level or 1
   if type(seq) ~= "number" or seq % 1 ~= 0 or seq < 1 then
-    error(("pt.flops_per_token: seq (tokens a sequence) must be a whole number >= 1, got %s"):format(tostring(seq)), level + 1)
+    raise(("pt.flops_per_token: seq (tokens a sequence) must be a whole number >= 1, got %s"):format(tostring(seq)), level + 1)
   end
   local s
   if core.nn.is_module(what) then
     s = sizes_of_model(what, level + 1)
   elseif type(what) == "table" then
     if what.family ~= "gpt2" and what.family ~= "llama" then
-      error(("pt.flops_per_token: family must be \"gpt2\" or \"llama\", got %s"):format(tostring(what.family)), level + 1)
+      raise(("pt.flops_per_token: family must be \"gpt2\" or \"llama\", got %s"):format(tostring(what.family)), level + 1)
     end
     s = sizes_of_options(what.family, what, level + 1)
   else
-    error("pt.flops_per_token: a GPT-2 or LLaMA model or a table of its options expected, got " .. type(what), level + 1)
+    raise("pt.flops_per_token: a GPT-2 or LLaMA model or a table of its options expected, got " .. type(what), level + 1)
   end
   local n = compute_parameters(s)
   return 6 * n + 12 * s.layers * s.dim * seq, n
@@ -175,24 +176,24 @@ end
 function progress.new(opts, level)
   level = level or 1
   opts = opts or {}
-  if type(opts) ~= "table" then error("pt.progress: a table of options expected, got " .. type(opts), level + 1) end
+  if type(opts) ~= "table" then raise("pt.progress: a table of options expected, got " .. type(opts), level + 1) end
   for k, v in pairs(opts) do
     local kind = option_kinds[k]
     if not kind then
       local known = {}
       for name in pairs(option_kinds) do known[#known + 1] = name end
       table.sort(known)
-      error(("pt.progress has no option '%s' (options: %s)"):format(tostring(k), table.concat(known, ", ")), level + 1)
+      raise(("pt.progress has no option '%s' (options: %s)"):format(tostring(k), table.concat(known, ", ")), level + 1)
     end
     local ok = (kind == "boolean" and type(v) == "boolean") or (kind == "module" and core.nn.is_module(v))
       or (type(v) == "number" and v == v and v >= 0 and v < math.huge and (kind ~= "integer" or v % 1 == 0))
     if not ok then
-      error(("pt.progress: %s must be %s, got %s"):format(k, kind == "boolean" and "true or false"
+      raise(("pt.progress: %s must be %s, got %s"):format(k, kind == "boolean" and "true or false"
         or kind == "module" and "a module (the model)"
         or kind == "integer" and "a whole number >= 0" or "a finite number >= 0", tostring(v)), level + 1)
     end
   end
-  if opts.every == 0 then error("pt.progress: every must be 1 or more", level + 1) end
+  if opts.every == 0 then raise("pt.progress: every must be 1 or more", level + 1) end
   local self = setmetatable({
     total = opts.total and opts.total > 0 and opts.total or nil,
     tokens = opts.tokens or 0,
@@ -251,10 +252,10 @@ end
 --- every `every` steps, at the first step and at `total`. Every rank calls it, each step.
 function Progress:step(step, fields)
   if type(step) ~= "number" or step % 1 ~= 0 then
-    error("progress:step: the step (a whole number) expected as argument #1, got " .. tostring(step), 2)
+    raise("progress:step: the step (a whole number) expected as argument #1, got " .. tostring(step), 2)
   end
   fields = fields or {}
-  if type(fields) ~= "table" then error("progress:step: fields must be a table, got " .. type(fields), 2) end
+  if type(fields) ~= "table" then raise("progress:step: fields must be a table, got " .. type(fields), 2) end
   local now = core.now()
   if not self.first_step then
     self.first_step, self.first_done = step, now

@@ -3,6 +3,7 @@
 -- `partrain -i script.lua`, `partrain repl`, or pt.breakpoint() inside a script.
 local pt = require "partrain"
 local core = require "partrain.core"
+local raise = core._raise
 
 local R = {}
 
@@ -250,9 +251,9 @@ function R.helpers(stop)
 
   --- Runs fn on one rank only; the others return nothing.
   function H.on(r, fn, ...)
-    if type(r) ~= "number" or type(fn) ~= "function" then error("on(rank, fn): a rank number and a function expected", 2) end
+    if type(r) ~= "number" or type(fn) ~= "function" then raise("on(rank, fn): a rank number and a function expected", 2) end
     if r ~= r or r % 1 ~= 0 or r < 0 or r >= world then  -- a fraction or NaN would run nowhere
-      error(("on: rank %s is not one of the ranks 0..%d"):format(tostring(r), world - 1), 2)
+      raise(("on: rank %s is not one of the ranks 0..%d"):format(tostring(r), world - 1), 2)
     end
     if rank == r then return fn(...) end
   end
@@ -261,13 +262,13 @@ function R.helpers(stop)
   local function model_of(m, helper)
     if m ~= nil then
       if not core.nn.is_module(m) then
-        error(("%s: the model must be a module (or nil: the last one pt.parallelize made), got %s"):format(helper,
+        raise(("%s: the model must be a module (or nil: the last one pt.parallelize made), got %s"):format(helper,
           type(m)), 3)
       end
       return m
     end
     local last = pt.parallelized()
-    if not last then error("no model: pass one, or make one with pt.parallelize", 3) end
+    if not last then raise("no model: pass one, or make one with pt.parallelize", 3) end
     return last
   end
 
@@ -294,7 +295,7 @@ function R.helpers(stop)
   function H.shards(pattern, model)
     if type(pattern) == "userdata" then pattern, model = nil, pattern end
     if pattern ~= nil and type(pattern) ~= "string" then
-      error("shards: the pattern must be a string (a Lua pattern over parameter names), got " .. type(pattern), 2)
+      raise("shards: the pattern must be a string (a Lua pattern over parameter names), got " .. type(pattern), 2)
     end
     model = model_of(model, "shards")
     local mesh = pt.mesh_of(model)
@@ -315,7 +316,7 @@ function R.helpers(stop)
       local found, hit = true, nil
       if pattern then found, hit = pcall(string.find, row.name, pattern) end
       if not found then
-        error(("shards: '%s' is not a valid Lua pattern (escape magic characters with %%: %%[ for [)"):format(pattern), 2)
+        raise(("shards: '%s' is not a valid Lua pattern (escape magic characters with %%: %%[ for [)"):format(pattern), 2)
       end
       if not pattern or hit then
         total = total + row.bytes
@@ -347,7 +348,7 @@ function R.helpers(stop)
   --- made last over this mesh).
   function H.mesh(m)
     if m ~= nil and getmetatable(m) ~= debug.getregistry()["partrain.Mesh"] then
-      error("mesh: the argument must be a mesh (or nil: the last parallelized model's), got " .. type(m), 2)
+      raise("mesh: the argument must be a mesh (or nil: the last parallelized model's), got " .. type(m), 2)
     end
     local model = pt.parallelized()
     m = m or pt.mesh_of(model) or pt.mesh {}
