@@ -81,27 +81,36 @@ namespace {
 bool whole_int64(double x) { return x >= -0x1p63 && x < 0x1p63 && x == std::trunc(x); }
 }  // namespace
 
+std::string key_text(lua_State* L, int k) {
+  std::ostringstream key;
+  switch (lua_type(L, k)) {
+    case LUA_TNUMBER: key << std::setprecision(17) << "[" << lua_tonumber(L, k) << "]"; break;
+    case LUA_TSTRING: {
+      size_t len;
+      const char* text = lua_tolstring(L, k, &len);  // a string already: the traversal is safe
+      bool plain = len > 0 && len <= 40;
+      for (size_t c = 0; plain && c < len; ++c) plain = text[c] >= 0x20 && text[c] < 0x7f;
+      if (plain) key << "'" << std::string(text, len) << "'";
+      else key << "[a string of " << len << " bytes" << (len > 0 && len <= 40 ? ", not all printable" : "") << "]";
+      break;
+    }
+    default: key << "[a " << luaL_typename(L, k) << "]";
+  }
+  return key.str();
+}
+
 std::string stray_key(lua_State* L, int t, int n) {
   if (t < 0 && t > LUA_REGISTRYINDEX) t = lua_gettop(L) + t + 1;
   lua_pushnil(L);
   while (lua_next(L, t)) {
     lua_pop(L, 1);  // the value
-    std::ostringstream key;
     if (lua_type(L, -1) == LUA_TNUMBER) {
       double k = lua_tonumber(L, -1);
       if (k >= 1 && k <= n && k == std::trunc(k)) continue;
-      key << std::setprecision(17) << "[" << k << "]";
-    } else if (lua_type(L, -1) == LUA_TSTRING) {
-      size_t len;
-      const char* text = lua_tolstring(L, -1, &len);
-      bool plain = len > 0 && len <= 40;
-      for (size_t c = 0; plain && c < len; ++c) plain = text[c] >= 0x20 && text[c] < 0x7f;
-      key << (plain ? "'" + std::string(text, len) + "'" : std::string("a string key"));
-    } else {
-      key << "a " << luaL_typename(L, -1) << " key";
     }
+    std::string key = key_text(L, -1);
     lua_pop(L, 1);  // the key: the traversal ends here
-    return key.str();
+    return key;
   }
   return "";
 }
@@ -381,7 +390,8 @@ void Options::finish() {
     bool known = false;
     for (const auto& k : known_) known = known || k == key;
     if (!known) {
-      std::string name = key.empty() ? std::string("[") + luaL_typename(L, -1) + " key]" : key;
+      std::string shown = key_text(L, -1);  // a long or unprintable name is described, not echoed
+      std::string name = shown[0] == '\'' ? key : shown;
       lua_pop(L, 1);
       std::string list;
       for (const auto& k : known_) list += (list.empty() ? "" : ", ") + k;
@@ -703,11 +713,14 @@ int open_core(lua_State* L) {
     const int level = luaL_optint(S, 2, 1);
     lua_settop(S, 1);
     if (!lua_isstring(S, 1)) return lua_error(S);
+    bool located = false;  // at the user's line already (an engine error passed on)
     {
       bool is_user = false;
-      std::string where = user_location(S, &is_user);
-      if (is_user) lua_pushlstring(S, (where + ": ").data(), where.size() + 2);
+      std::string where = user_location(S, &is_user) + ": ";
+      located = is_user && std::strncmp(lua_tostring(S, 1), where.c_str(), where.size()) == 0;
+      if (is_user && !located) lua_pushlstring(S, where.data(), where.size());
     }  // nothing of C++ is left to destroy when lua_error unwinds
+    if (located) return lua_error(S);
     if (lua_gettop(S) == 1) {
       if (level > 0) luaL_where(S, level);
       else lua_pushliteral(S, "");
@@ -717,6 +730,16 @@ int open_core(lua_State* L) {
     return lua_error(S);
   });
   lua_setfield(L, core, "_raise");
+  // core._key_text(k): a table key as messages show it ('name', [3], [a string of 900 bytes]).
+  lua_pushcfunction(L, [](lua_State* S) {
+    luaL_checkany(S, 1);
+    {
+      std::string text = key_text(S, 1);
+      lua_pushlstring(S, text.data(), text.size());
+    }
+    return 1;
+  });
+  lua_setfield(L, core, "_key_text");
   // core._unyielding(fn, ...): fn(...) behind a C frame, so a coroutine.yield inside it is an
   // error rather than a way out that leaves the caller's limits armed.
   lua_pushcfunction(L, [](lua_State* S) {

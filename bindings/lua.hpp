@@ -234,8 +234,12 @@ std::string user_location(lua_State* L, bool* is_user = nullptr);
 /// whether the line is the user's.
 bool user_location(lua_State* L, char* buf, size_t n, int first = 1);
 
+/// The key at stack index k as a message shows it: 'name' (a short printable string), [3], or
+/// what it is ([a boolean], [a string of 900 bytes]); never the raw bytes of a long or
+/// unprintable string.
+std::string key_text(lua_State* L, int k);
 /// The first key of the table at `t` that reading it as a list of n elements would skip (a name,
-/// or an index outside 1..n after a hole), as a message shows it; "" when there is none. A list
+/// or an index outside 1..n after a hole), as key_text shows it; "" when there is none. A list
 /// with such a key would lose it silently: { 2, 3, dtype = "float64" } is no shape.
 std::string stray_key(lua_State* L, int t, int n);
 

@@ -588,7 +588,7 @@ const Function kConstructors[] = {
            lua_pop(a.L, 1);
          }
          std::string stray = stray_key(a.L, 1, n);
-         if (!stray.empty()) a.fail(1, "ModuleList: a list of modules expected, but the table also has the key " + stray);
+         if (!stray.empty()) a.fail(1, "a list of modules expected, but the table also has the key " + stray);
        } else {
          for (int i = 1; i <= a.top(); ++i) list->append(a.module(i));
        }

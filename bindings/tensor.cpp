@@ -96,7 +96,7 @@ void flatten_table(lua_State* L, int idx, size_t depth, std::vector<int64_t>& sh
     lua_pop(L, 1);
   }
   std::string stray = stray_key(L, idx, n);
-  if (!stray.empty()) throw std::invalid_argument("tensor(): a row is a list, but a table also has the key " + stray);
+  if (!stray.empty()) throw std::invalid_argument("tensor(): nested tables are lists of elements, but one also has the key " + stray);
 }
 
 void push_table_of(lua_State* L, const Tensor& t, int64_t dim, const double* data,

@@ -54,6 +54,25 @@ test("a library function's argument check names the caller's line, even when the
   has(out, "partrain: " .. path .. ":7: apply: a function expected", "uncaught, the same line")
 end)
 
+test("an error already at the caller's line is passed on once, and unknown keys are shown safely", function()
+  local status, out, path = run('local pt = require "partrain"\nlocal m = pt.models.mlp { sizes = { 2, 2 } }\n'
+    .. 'print(pcall(pt.args, { a = 1 }, { "--config", "/nonexistent.lua" }))\n'
+    .. 'print(pcall(pt.nn.GELU, { ["x\\27[2J\\rX"] = 1 }))\n'
+    .. 'print(pcall(pt.nn.GELU, { [("k"):rep(1000)] = 1 }))\n'
+    .. 'print(pcall(pt.nn.Linear, 2, 2, { [("b"):rep(50)] = true }))\n'
+    .. 'print(pcall(pt.args, { a = 1 }, { "--a", 5 }))\n'
+    .. 'print(m:apply(setmetatable({}, { __call = function() end, __metatable = "locked" })) == m)\n')
+  ok(status == 0, "exit status 0, got " .. tostring(status) .. ":\n" .. out)
+  has(out, "false\t" .. path .. ":3: cannot read the config file", "the line once")
+  ok(not out:find(path .. ":3: " .. path .. ":3:", 1, true), "not twice:\n" .. out)
+  has(out, "false\t" .. path .. ":4: GELU has no option [a string of 7 bytes, not all printable]", "unprintable key described")
+  ok(not out:find("\27", 1, true), "no escape byte echoed")
+  has(out, "false\t" .. path .. ":5: GELU has no option [a string of 1000 bytes]", "long key described")
+  has(out, "unknown option '[a string of 50 bytes]' for Linear", "the engine's option reader alike")
+  has(out, "false\t" .. path .. ":7: pt.args: argv[2] must be a string, got number", "argv's elements checked")
+  has(out, "true", "a callable whose metatable is locked is still callable")
+end)
+
 -- Runs `call` as line 3 of a script whose line 2 makes an MLP `m`: it must fail (status 1) with
 -- `want` right after the script's line 3. Returns the output.
 local function fails_at_line_3(call, want, what)

@@ -202,8 +202,8 @@ test("a list with other keys beside its elements is refused, never read without 
   raises(function() pt.zeros({ 2, nil, 3 }) end, "the table also has the key [3]")
   raises(function() pt.ones(2, 3):sum({ 0, [5] = 1 }) end, "the table also has the key [5]")
   raises(function() pt.cat({ pt.ones(2), pt.ones(2), dim = 0 }) end, "a list of tensors expected, but the table also has the key 'dim'")
-  raises(function() pt.tensor({ { 1, 2 }, { 3, 4, [0] = 1 } }) end, "a table also has the key [0]")
-  raises(function() pt.tensor({ 1, 2, [true] = 3 }) end, "a table also has the key a boolean key")
+  raises(function() pt.tensor({ { 1, 2 }, { 3, 4, [0] = 1 } }) end, "one also has the key [0]")
+  raises(function() pt.tensor({ 1, 2, [true] = 3 }) end, "one also has the key [a boolean]")
   raises(function() pt.nn.ModuleList({ pt.nn.Identity(), x = pt.nn.Identity() }) end, "the table also has the key 'x'")
   raises(function() pt.optim.adamw(pt.models.mlp { sizes = { 2, 2 } }, { betas = { 0.9, 0.99, eps = 1 } }) end,
     "must be a list of numbers, but the table also has the key 'eps'")

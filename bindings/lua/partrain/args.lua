@@ -217,6 +217,9 @@ local function parse(spec, argv)
   table.sort(known)
   local takes_config = kinds.config == nil   -- a script's own --config option wins
 
+  for i = 1, #argv do
+    if type(argv[i]) ~= "string" then error(("pt.args: argv[%d] must be a string, got %s"):format(i, type(argv[i])), 0) end
+  end
   -- --config FILE first, wherever it stands: its values are the defaults the flags override.
   local config_file
   local words = {}
@@ -308,6 +311,7 @@ return setmetatable(args, {
   --- header of the metrics file and checkpoints' user data store it) and printed on rank 0.
   __call = function(_, spec, argv)
     if type(spec) ~= "table" then raise("pt.args expects a table of defaults, got " .. type(spec), 2) end
+    if argv ~= nil and type(argv) ~= "table" then raise("pt.args: argv must be a list of strings, got " .. type(argv), 2) end
     local own = argv == nil
     argv = argv or _G.arg or {}
     local ok, result, config_file = pcall(parse, spec, argv)

@@ -108,7 +108,7 @@ function nn.GELU(options)
     raise(("GELU: options must be a table ({ approximate = 'tanh' }), got a %s"):format(type(options)), 2)
   end
   for k in pairs(options or {}) do
-    if k ~= "approximate" then raise(("GELU has no option '%s' (options: approximate)"):format(tostring(k)), 2) end
+    if k ~= "approximate" then raise(("GELU has no option %s (options: approximate)"):format(core._key_text(k)), 2) end
   end
   local approximate = options and options.approximate or "none"
   if approximate ~= "none" and approximate ~= "tanh" then
@@ -179,7 +179,7 @@ end
 --- Calls fn(module, path) on every module of the tree.
 function Module:apply(fn)
   need_module(self, "apply", 2)
-  local mt = getmetatable(fn)
+  local mt = debug.getmetatable(fn)  -- the real one, though __metatable hides it
   if type(fn) ~= "function" and not (type(mt) == "table" and mt.__call) then
     raise("apply: a function expected (it is called with each module and its path), got " .. type(fn), 2)
   end
@@ -449,8 +449,8 @@ local function ckpt_state(fn, what, level)
   local t = {}
   for k, v in pairs(what) do
     if not ckpt_keys[k] then
-      raise(("pt.ckpt.%s: unknown key '%s' (expected model, optim, data, mesh, step, user, full, num_kept, tag, "
-        .. "overwrite)"):format(fn, tostring(k)), level + 1)
+      raise(("pt.ckpt.%s: unknown key %s (expected model, optim, data, mesh, step, user, full, num_kept, tag, "
+        .. "overwrite)"):format(fn, core._key_text(k)), level + 1)
     end
     t[k] = v
   end
@@ -706,7 +706,7 @@ function pt.evaluate(model, loader, opts)
   opts = opts or {}
   if type(opts) ~= "table" then raise("pt.evaluate: options must be a table, got " .. type(opts), 2) end
   for k in pairs(opts) do
-    if k ~= "batches" and k ~= "loss" then raise(("pt.evaluate has no option '%s' (options: batches, loss)"):format(tostring(k)), 2) end
+    if k ~= "batches" and k ~= "loss" then raise(("pt.evaluate has no option %s (options: batches, loss)"):format(core._key_text(k)), 2) end
   end
   if model:pipeline() then raise("pt.evaluate: a pipelined model runs only through model:train_step", 2) end
   local available = loader:batches_per_epoch()
@@ -767,7 +767,7 @@ function pt.log(fields, opts)
   if opts ~= nil then
     if type(opts) ~= "table" then raise("pt.log: options must be a table ({ rank = 0 | N | \"all\" }), got " .. type(opts), 2) end
     for k in pairs(opts) do
-      if k ~= "rank" then raise(("pt.log has no option '%s' (options: rank)"):format(tostring(k)), 2) end
+      if k ~= "rank" then raise(("pt.log has no option %s (options: rank)"):format(core._key_text(k)), 2) end
     end
     if opts.rank ~= nil then who = opts.rank end
     local world = pt.dist.world_size()

@@ -165,7 +165,7 @@ local function style(kind, needs, allowed)
       local expected = allowed[k]
       if not expected then
         local names = sorted_keys(allowed)
-        fail(at, "P.%s has no option '%s' (options: %s)", kind, tostring(k), #names > 0 and table.concat(names, ", ") or "none")
+        fail(at, "P.%s has no option %s (options: %s)", kind, core._key_text(k), #names > 0 and table.concat(names, ", ") or "none")
       end
       if type(v) ~= expected then fail(at, "P.%s option '%s' must be a %s, got %s", kind, k, expected, type(v)) end
       if k == "fused" and (v < 1 or v ~= math.floor(v) or v ~= v or v == math.huge) then
@@ -271,7 +271,7 @@ local function check_modules(modules, at)
     local ew = entry_where(entry, at)
     for k in pairs(entry) do
       if k ~= "attributes" and k ~= "replace" and k ~= "methods" then
-        fail(ew, "modules.%s has no field '%s' (fields: attributes, methods, replace)", key, tostring(k))
+        fail(ew, "modules.%s has no field %s (fields: attributes, methods, replace)", key, core._key_text(k))
       end
     end
     if entry.replace ~= nil then
@@ -288,7 +288,7 @@ local function check_modules(modules, at)
         if r[1] == "" then fail(rw, "modules.%s.replace[%d]: the path is empty (the module itself cannot be replaced)", key, i) end
         for k in pairs(r) do
           if k ~= 1 and k ~= 2 and k ~= "ignore_if_missing" then
-            fail(rw, "modules.%s.replace[%d] has no field '%s' (fields: ignore_if_missing)", key, i, tostring(k))
+            fail(rw, "modules.%s.replace[%d] has no field %s (fields: ignore_if_missing)", key, i, core._key_text(k))
           end
         end
         if r.ignore_if_missing ~= nil and type(r.ignore_if_missing) ~= "boolean" then
@@ -330,7 +330,7 @@ local function check_policy(spec, at)
   for _, k in ipairs(sorted_keys(spec)) do
     local v, want = spec[k], FIELDS[k]
     if not want then
-      fail(at, "policy has no field '%s' (fields: modules, name, pipeline, postprocess, preprocess, targets)", tostring(k))
+      fail(at, "policy has no field %s (fields: modules, name, pipeline, postprocess, preprocess, targets)", core._key_text(k))
     end
     if want == "table or function" then
       if type(v) ~= "table" and type(v) ~= "function" then
@@ -350,7 +350,7 @@ local function check_policy(spec, at)
   if spec.pipeline then
     for _, k in ipairs(sorted_keys(spec.pipeline)) do
       local v, want = spec.pipeline[k], PIPELINE[k]
-      if not want then fail(at, "pipeline has no field '%s' (fields: blocks, first, last)", tostring(k)) end
+      if not want then fail(at, "pipeline has no field %s (fields: blocks, first, last)", core._key_text(k)) end
       if want == "string" and type(v) ~= "string" then fail(at, "pipeline.%s must be a string, got %s", k, type(v)) end
       if want == "list" then
         if type(v) ~= "table" or not is_list(v) then fail(at, "pipeline.%s must be a list of module paths", k) end
@@ -402,7 +402,7 @@ function P.config(opts, level)
   local cfg = {}
   for k, v in pairs(opts or {}) do
     if CONFIG[k] == nil then
-      raise(("unknown sharding option '%s' (options: %s)"):format(tostring(k), table.concat(sorted_keys(CONFIG), ", ")), level)
+      raise(("unknown sharding option %s (options: %s)"):format(core._key_text(k), table.concat(sorted_keys(CONFIG), ", ")), level)
     end
     if k == "policy_timeout" then
       if type(v) ~= "number" or not (v > 0) or v == math.huge then

@@ -183,7 +183,7 @@ function progress.new(opts, level)
       local known = {}
       for name in pairs(option_kinds) do known[#known + 1] = name end
       table.sort(known)
-      raise(("pt.progress has no option '%s' (options: %s)"):format(tostring(k), table.concat(known, ", ")), level + 1)
+      raise(("pt.progress has no option %s (options: %s)"):format(core._key_text(k), table.concat(known, ", ")), level + 1)
     end
     local ok = (kind == "boolean" and type(v) == "boolean") or (kind == "module" and core.nn.is_module(v))
       or (type(v) == "number" and v == v and v >= 0 and v < math.huge and (kind ~= "integer" or v % 1 == 0))

@@ -16,6 +16,7 @@
 -- communication takes none; a rank starts each action as soon as the one before it ended and its
 -- input has arrived. makespan = the latest end over ranks; bubble = sum over ranks of
 -- (makespan - busy time) / (pp * makespan). For 1F1B and GPipe this is (pp-1)/(m+pp-1).
+local core = require "partrain.core"
 local A = require "partrain.pipeline.actions"
 
 local C = {}
@@ -56,7 +57,7 @@ local function normalize_action(a, r, i, pp, microbatches, chunks)
     refuse("rank %d, action %d: an action must be a table or a string, got %s", r, i, type(a))
   end
   for k in pairs(a) do
-    if not FIELDS[k] then refuse("%s: an action has no field '%s' (fields: op, mb, chunk, peer)", at(r, i, a), tostring(k)) end
+    if not FIELDS[k] then refuse("%s: an action has no field %s (fields: op, mb, chunk, peer)", at(r, i, a), core._key_text(k)) end
   end
   if not (A.COMPUTE[a.op] or A.COMM[a.op]) then
     refuse("%s: op must be one of %s, got %s", at(r, i, a), table.concat(A.OPS, ", "), A.format(a.op))

@@ -155,7 +155,7 @@ function P.describe(plan, opts)
     if type(plan) ~= "table" then C.refuse("describe takes a plan, got %s", type(plan)) end
     if type(opts) ~= "table" then C.refuse("describe's options must be a table, got %s", type(opts)) end
     for k in pairs(opts) do
-      if k ~= "timeline" and k ~= "transfers" then C.refuse("describe has no option '%s' (options: timeline, transfers)", tostring(k)) end
+      if k ~= "timeline" and k ~= "transfers" then C.refuse("describe has no option %s (options: timeline, transfers)", core._key_text(k)) end
     end
   end)
   local pp, mbs, chunks = sizes_of(plan)
