@@ -99,7 +99,14 @@ const Function kLoaderMethods[] = {
     {"seek", [](Args& a) {  // seek(samples): continue as after that many global samples
        int64_t n = a.integer(2);
        if (n < 0) a.fail(2, "samples must be >= 0, got " + std::to_string(n));
-       loader(a, 1)->seek(n);
+       // The loader moves by whole batches: a count between two had been rounded down, and the
+       // samples between seen again without a word. (A checkpoint's resume says so in a note.)
+       auto& l = loader(a, 1);
+       if (int64_t lands = l->seek_lands_at(n); lands != n)
+         a.fail(2, std::to_string(n) + " samples do not end a batch of " + std::to_string(l->options().batch) +
+                       " (the loader moves by whole batches): seek to " + std::to_string(lands) + " or " +
+                       std::to_string(lands + l->options().batch));
+       l->seek(n);
        return a.ret(); }},
     {"size", [](Args& a) { return a.ret(double(loader(a, 1)->dataset().size())); }},
     {"batch_size", [](Args& a) { return a.ret(double(loader(a, 1)->options().batch)); }},

@@ -716,7 +716,8 @@ const Function kConstructors[] = {
     {"clip_grad_norm", [](Args& a) {  // split parameters' norms add up over their tensor group
        auto params = params_of(a, 1);
        double max_norm = a.number(2);
-       if (max_norm <= 0) a.fail(2, "max_norm must be > 0");
+       if (!(max_norm > 0) || !std::isfinite(max_norm))  // NaN had passed and clipped nothing
+         a.fail(2, "max_norm must be a finite number > 0, got " + std::to_string(max_norm));
        // Reduce-scattered gradients (ZeRO-2; ZeRO-1 unless reduce_scatter = false) never reach
        // .grad: scaling .grad would clip nothing the optimizer reads.
        for (const auto& p : params)

@@ -9,8 +9,10 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <sstream>
 
@@ -277,6 +279,10 @@ std::vector<int64_t> Loader::order(int64_t epoch) const {
 
 void Loader::start_epoch(int64_t epoch) {
   TORCH_CHECK(epoch >= 0, "epoch must be >= 0, got ", epoch);
+  // samples_seen() counts epoch * samples_per_epoch: past int64 it had wrapped to nonsense.
+  const int64_t per_epoch = std::max<int64_t>(samples_per_epoch(), 1);
+  TORCH_CHECK(epoch <= std::numeric_limits<int64_t>::max() / per_epoch - 1, "epoch ", epoch, " is past what the ",
+              "loader can count (", std::numeric_limits<int64_t>::max() / per_epoch - 1, " epochs of ", per_epoch, " samples)");
   epoch_ = epoch;
   position_ = 0;
   order_ = order(epoch);

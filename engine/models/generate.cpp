@@ -70,7 +70,7 @@ Tensor generate(nn::Module& model, const Tensor& ids, const GenerateOptions& o) 
   TORCH_CHECK(ids.dim() == 2 && !ids.is_floating_point() && ids.size(1) > 0,
               "generate expects a prompt of int64 ids (B, T) with T >= 1, got ", ids.sizes(), " ", ids.dtype());
   TORCH_CHECK(o.max_new >= 0, "generate: max_new must be >= 0, got ", o.max_new);
-  TORCH_CHECK(o.temperature >= 0 && std::isfinite(o.temperature), "generate: temperature must be >= 0, got ",
+  TORCH_CHECK(o.temperature >= 0 && std::isfinite(o.temperature), "generate: temperature must be a finite number >= 0, got ",
               o.temperature);
   TORCH_CHECK(o.top_k >= 0, "generate: top_k must be >= 0, got ", o.top_k);
   TORCH_CHECK(o.top_p > 0 && o.top_p <= 1, "generate: top_p must be in (0, 1], got ", o.top_p);

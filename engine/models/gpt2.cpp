@@ -197,6 +197,7 @@ Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
   TORCH_CHECK(o.layers <= kMaxLayers, "gpt2: layers must be at most ", kMaxLayers, ", got ", o.layers);
   TORCH_CHECK(o.dim % o.heads == 0, "gpt2: heads=", o.heads, " does not divide dim=", o.dim);
   TORCH_CHECK(o.dropout >= 0 && o.dropout < 1, "gpt2: dropout must be in [0, 1), got ", o.dropout);
+  TORCH_CHECK(o.eps >= 0 && std::isfinite(o.eps), "gpt2: eps must be a finite number >= 0, got ", o.eps);
   set_child("wte", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.vocab, o.dim)));
   set_child("wpe", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.seq, o.dim)));
   auto h = std::make_shared<nn::Sequential>();

@@ -174,7 +174,8 @@ Llama::Llama(const LlamaOptions& o) : nn::Unary("Llama"), options(o) {
               " (each key/value head serves an equal group of query heads)");
   TORCH_CHECK((o.dim / o.heads) % 2 == 0, "llama: the head size dim/heads=", o.dim / o.heads,
               " must be even (rotary embeddings rotate pairs)");
-  TORCH_CHECK(o.eps > 0 && o.rope_base > 0, "llama: eps and rope_base must be > 0, got ", o.eps, " and ", o.rope_base);
+  TORCH_CHECK(o.eps > 0 && o.rope_base > 0 && std::isfinite(o.eps) && std::isfinite(o.rope_base),
+              "llama: eps and rope_base must be finite numbers > 0, got ", o.eps, " and ", o.rope_base);
   set_child("embed_tokens", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.vocab, o.dim)));
   auto layers = std::make_shared<nn::Sequential>();
   for (int64_t i = 0; i < o.layers; ++i) layers->append(std::make_shared<LlamaBlock>(o));

@@ -26,6 +26,8 @@ class Mlp : public nn::Sequential {
 nn::ModulePtr mlp(const MlpOptions& o) {
   TORCH_CHECK(o.sizes.size() >= 2, "mlp needs at least two sizes (input and output), got ",
               o.sizes.size());
+  // NaN or a negative probability had built no Dropout at all, without a word.
+  TORCH_CHECK(o.dropout >= 0 && o.dropout < 1, "mlp: dropout must be in [0, 1), got ", o.dropout);
   return nn::build_initialized([&] {  // each weight by its name, as a deferred build has it
     auto model = std::make_shared<Mlp>();
     for (size_t i = 0; i + 1 < o.sizes.size(); ++i) {

@@ -35,6 +35,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "scaled_dot_product_attention: ", hq, " query heads are not a multiple of ",
               hkv, " key/value heads (grouped-query attention needs each group the same size)");
   TORCH_CHECK(o.dropout >= 0 && o.dropout < 1, "scaled_dot_product_attention: dropout must be in [0, 1), got ", o.dropout);
+  TORCH_CHECK(!o.scale || std::isfinite(*o.scale), "scaled_dot_product_attention: scale must be a finite number, got ",
+              *o.scale);
   Tensor kk = k, vv = v;
   if (hkv != hq) {  // each k/v head serves hq/hkv consecutive query heads
     kk = k.repeat_interleave(hq / hkv, 1);

@@ -456,6 +456,7 @@ std::string Embedding::extra_repr() const {
 
 LayerNorm::LayerNorm(const LayerNormOptions& o) : Unary("LayerNorm"), options(o) {
   TORCH_CHECK(o.dim > 0, "LayerNorm needs a positive dim, got ", o.dim);
+  TORCH_CHECK(o.eps >= 0 && std::isfinite(o.eps), "LayerNorm: eps must be a finite number >= 0, got ", o.eps);
   if (o.affine) {
     register_parameter("weight", torch::ones({o.dim}, parameter_options()));
     register_parameter("bias", torch::zeros({o.dim}, parameter_options()));

@@ -5,6 +5,7 @@
 #include "engine/util/startup.hpp"
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <iostream>
 #include <unordered_set>
@@ -13,11 +14,21 @@
 
 namespace partrain::optim {
 
+namespace {
+// A rate, decay or momentum float32 arithmetic can hold: finite, and at most float32's largest
+// (1e39 is finite as a double, yet turned every float32 weight to NaN without an error).
+bool usable_factor(double x) { return std::isfinite(x) && x >= 0 && x <= std::numeric_limits<float>::max(); }
+constexpr const char* kFactorRange = " must be a finite number from 0 to 3.4e38 (float32's largest), got ";
+}  // namespace
+
 void validate(const ScheduleOptions& s) {
   TORCH_CHECK(s.kind == "constant" || s.kind == "cosine" || s.kind == "linear",
               "schedule kind must be constant, cosine or linear, got '", s.kind, "'");
   TORCH_CHECK(s.warmup >= 0, "schedule warmup must be >= 0, got ", s.warmup);
-  TORCH_CHECK(std::isfinite(s.min_lr) && s.min_lr >= 0, "schedule min_lr must be a finite number >= 0, got ", s.min_lr);
+  TORCH_CHECK(usable_factor(s.min_lr), "schedule min_lr", kFactorRange, s.min_lr);
+  TORCH_CHECK(s.kind != "constant" || (s.total == 0 && s.min_lr == 0),
+              "schedule total and min_lr shape a decay: give kind = \"cosine\" or \"linear\" with them (a constant "
+              "schedule keeps the base rate after its warmup), got total=", s.total, " min_lr=", s.min_lr);
   if (s.kind != "constant")
     TORCH_CHECK(s.total > s.warmup, "a ", s.kind, " schedule needs total > warmup, got total=",
                 s.total, " warmup=", s.warmup);
@@ -25,6 +36,7 @@ void validate(const ScheduleOptions& s) {
 
 double scheduled_lr(const ScheduleOptions& s, double lr, int64_t step) {
   TORCH_CHECK(step >= 0, "scheduled_lr: step must be >= 0, got ", step);
+  TORCH_CHECK(usable_factor(lr), "scheduled_lr: lr", kFactorRange, lr);
   if (step < s.warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup);
   if (s.kind == "constant") return lr;
   if (step >= s.total) return s.min_lr;
@@ -76,10 +88,8 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
   }
   // Finite: an infinite or NaN rate, decay or norm trains every weight to NaN with no error.
   check_lr(options_.lr);
-  TORCH_CHECK(std::isfinite(options_.weight_decay) && options_.weight_decay >= 0, k,
-              ": weight_decay must be a finite number >= 0, got ", options_.weight_decay);
-  TORCH_CHECK(std::isfinite(options_.clip_grad_norm) && options_.clip_grad_norm >= 0, k,
-              ": clip_grad_norm must be a finite number >= 0, got ", options_.clip_grad_norm);
+  TORCH_CHECK(usable_factor(options_.weight_decay), k, ": weight_decay", kFactorRange, options_.weight_decay);
+  TORCH_CHECK(usable_factor(options_.clip_grad_norm), k, ": clip_grad_norm", kFactorRange, options_.clip_grad_norm);
   validate(options_.schedule);
   const auto& fused = options_.fused;
   TORCH_CHECK(fused == "off" || fused == "on" || fused == "auto", k, ": fused must be on, off or auto, got '", fused, "'");
@@ -95,8 +105,7 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
     fused_ = possible;
   }
   if (k == "sgd") {
-    TORCH_CHECK(std::isfinite(options_.momentum) && options_.momentum >= 0,
-                "sgd: momentum must be a finite number >= 0, got ", options_.momentum);
+    TORCH_CHECK(usable_factor(options_.momentum), "sgd: momentum", kFactorRange, options_.momentum);
     TORCH_CHECK(std::isfinite(options_.dampening) && options_.dampening >= 0 && options_.dampening <= 1,
                 "sgd: dampening must be in [0, 1], got ", options_.dampening);
     TORCH_CHECK(!options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
@@ -330,7 +339,7 @@ int64_t Optimizer::state_bytes() const {
 }
 
 void Optimizer::check_lr(double lr) const {
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0, options_.kind, ": lr must be a finite number >= 0, got ", lr);
+  TORCH_CHECK(usable_factor(lr), options_.kind, ": lr", kFactorRange, lr);
 }
 
 void Optimizer::set_lr(double lr) {

@@ -159,6 +159,20 @@ test("split = train / val takes the first and last parts; the position is kept a
   os.remove(path)
 end)
 
+test("seek between two batches and an epoch past what the loader counts are refused", function()
+  local toks = ids(201)
+  local path = token_file(toks, 2, {})
+  local l = pt.data.tokens { path = path, seq = 4, batch = 2, shuffle = false }
+  -- seek(3) had landed at 2 and served sample 2 again without a word.
+  raises(function() l:seek(3) end, "3 samples do not end a batch of 2 (the loader moves by whole batches): seek to 2 or 4")
+  l:seek(4)
+  eq(l:samples_seen(), 4, "a whole number of batches is taken as given")
+  -- samples_seen() had wrapped past int64 (epoch 2^62 of 50 samples).
+  raises(function() l:start_epoch(2 ^ 62) end, "is past what the loader can count")
+  eq(l:samples_seen(), 4, "the refused epoch left the loader where it was")
+  os.remove(path)
+end)
+
 test("damaged token files are refused, naming the file and the problem", function()
   local toks = ids(50)
   local bad_count = token_file(toks, 2, { count = 49 })
@@ -186,6 +200,18 @@ test("damaged token files are refused, naming the file and the problem", functio
   raises(function() pt.data.tokens { path = cut, seq = 1 } end, "has 14 bytes, fewer than its header of 1024")
   ok(pt.data.tokens { path = cut, seq = 1, batch = 1, header = "none" }, "header = 'none' reads it raw, as asked")
   for _, p in ipairs({ bad_count, v2, odd, neg, short, negative_count, cut }) do os.remove(p) end
+end)
+
+test("pt.evaluate's loss must be a function: train_step's loss names are refused, naming the caller's line", function()
+  local toks = ids(201)
+  local path = token_file(toks, 2, {})
+  local l = pt.data.tokens { path = path, seq = 4, batch = 2, shuffle = false }
+  local model = pt.models.gpt2 { vocab = 256, seq = 4, dim = 8, heads = 2, layers = 1 }
+  -- It had tripped inside the library: "attempt to call upvalue 'loss_of' (a string value)".
+  local err = raises(function() pt.evaluate(model, l, { loss = "mse" }) end,
+    "pt.evaluate: loss must be a function (output, target) -> loss tensor, such as pt.nn.mse, got string")
+  ok(err:find("test_data.lua:%d+: pt.evaluate") and not err:find("raised in", 1, true), err)
+  os.remove(path)
 end)
 
 test("pt.evaluate averages the loss over a loader's batches without gradients, restoring mode and position", function()

@@ -44,7 +44,7 @@ for name, model in pairs(models()) do
   H.test(name .. ": bad options and prompts are refused", function()
     H.raises(function() model:generate(prompt, { max_new = 40 }) end, "pass the model's seq=32")
     H.raises(function() model:generate(prompt, { top_p = 0 }) end, "top_p must be in (0, 1]")
-    H.raises(function() model:generate(prompt, { temperature = -1 }) end, "temperature must be >= 0")
+    H.raises(function() model:generate(prompt, { temperature = -1 }) end, "temperature must be a finite number >= 0")
     H.raises(function() model:generate(prompt:float()) end, "expects a prompt of int64 ids")
     H.raises(function() model:generate(prompt, { beams = 2 }) end, "beams")
   end)

@@ -63,7 +63,10 @@ test("pt.log's rank option: a rank number or \"all\", anything else refused at t
   raises(function() pt.log({ step = 1 }, { rank = 1 }) end, "rank must be a rank from 0 to 0 or \"all\", got 1")
   raises(function() pt.log({ step = 1 }, { rank = "some" }) end, "got 'some'")
   raises(function() pt.log({ step = 1 }, { ranks = 0 }) end, "pt.log has no option 'ranks'")
-  raises(function() pt.log({ step = "one" }) end, "step must be a number")
+  raises(function() pt.log({ step = "one" }) end, "step must be a finite number, got string")
+  -- A NaN step had been printed, and written to the metrics file as null; a table as its address.
+  raises(function() pt.log({ step = 0 / 0 }) end, "step must be a finite number, got")
+  raises(function() pt.log({ step = 1, x = {} }) end, "field 'x' is a table; numbers, strings, booleans and one-element tensors are logged")
   local err = raises(function() pt.log({ loss = pt.zeros(2) }) end, "tensor of 2 elements")
   ok(err:find("test_observability.lua:%d+:"), err)
 end)

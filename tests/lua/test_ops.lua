@@ -62,6 +62,22 @@ H.test("rms_norm and nn.RMSNorm: x / sqrt(mean(x^2) + eps) * weight, values and 
   H.raises(function() nn.RMSNorm(8, { eps = -1 }) end, "eps must be a finite number >= 0")
 end)
 
+-- Each of these had been accepted: the norms and the attention then gave NaN, and the MLP built no
+-- Dropout at all.
+H.test("values that give NaN or drop a layer are refused where the layer or model is made", function()
+  H.raises(function() nn.LayerNorm(8, { eps = -1 }) end, "LayerNorm: eps must be a finite number >= 0, got -1")
+  H.raises(function() nn.LayerNorm(8, { eps = 0 / 0 }) end, "LayerNorm: eps must be a finite number >= 0")
+  H.raises(function() pt.models.gpt2 { vocab = 8, seq = 4, dim = 8, heads = 2, layers = 1, eps = 1 / 0 } end,
+    "gpt2: eps must be a finite number >= 0, got inf")
+  H.raises(function() pt.models.llama { vocab = 8, seq = 4, dim = 8, heads = 2, layers = 1, rope_base = 1 / 0 } end,
+    "llama: eps and rope_base must be finite numbers > 0")
+  H.raises(function() pt.models.mlp { sizes = { 2, 3, 2 }, dropout = 0 / 0 } end, "mlp: dropout must be in [0, 1)")
+  H.raises(function() pt.models.mlp { sizes = { 2, 3, 2 }, dropout = -0.5 } end, "mlp: dropout must be in [0, 1), got -0.5")
+  local q = pt.randn({ 1, 1, 2, 4 })
+  H.raises(function() nn.scaled_dot_product_attention(q, q, q, { scale = 0 / 0 }) end,
+    "scaled_dot_product_attention: scale must be a finite number")
+end)
+
 -- Attention one head at a time: softmax(q k^T * scale + mask) v, with key/value head h // group.
 local function attention_ref(q, k, v, causal, mask)
   local B, Hq, T, d = unpack(q.shape)

@@ -117,7 +117,7 @@ test("bad optimizer input is refused by name", function()
   raises(function() pt.optim.sgd({ w }, { lr = "fast" }) end, "option 'lr' for sgd must be a number, got string 'fast'")
   raises(function() pt.optim.sgd({ w }, { momentun = 0.9 }) end, "unknown option 'momentun' for sgd")
   raises(function() pt.optim.adam({ w }, { momentum = 0.9 }) end, "unknown option 'momentum' for adam")
-  raises(function() pt.optim.sgd({ w }, { lr = -1 }) end, "lr must be a finite number >= 0")
+  raises(function() pt.optim.sgd({ w }, { lr = -1 }) end, "lr must be a finite number from 0 to 3.4e38")
   raises(function() pt.optim.sgd({}, { lr = 1 }) end, "got no parameters")
   raises(function() pt.optim.sgd(42) end, "module or table of parameters expected, got number")
   raises(function() pt.optim.sgd({ pt.ones(1) }) end, "parameter #1 of the table is frozen (requires_grad = false)")
@@ -133,17 +133,34 @@ end)
 -- step, with exit 0.
 test("a non-finite lr, decay or norm, and a loss scale float32 cannot hold, are refused", function()
   local m = pt.models.mlp { sizes = { 4, 2 } }
-  raises(function() pt.optim.sgd(m, { lr = 1 / 0 }) end, "sgd: lr must be a finite number >= 0, got inf")
-  raises(function() pt.optim.adamw(m, { weight_decay = 0 / 0 }) end, "weight_decay must be a finite number >= 0")
-  raises(function() pt.optim.adamw(m, { clip_grad_norm = 1 / 0 }) end, "clip_grad_norm must be a finite number >= 0")
+  raises(function() pt.optim.sgd(m, { lr = 1 / 0 }) end, "sgd: lr must be a finite number from 0 to 3.4e38 (float32's largest), got inf")
+  raises(function() pt.optim.adamw(m, { weight_decay = 0 / 0 }) end, "weight_decay must be a finite number from 0 to 3.4e38")
+  raises(function() pt.optim.adamw(m, { clip_grad_norm = 1 / 0 }) end, "clip_grad_norm must be a finite number from 0 to 3.4e38")
   local o = pt.optim.sgd(m, { lr = 0.1 })
   for _, bad in ipairs { 0 / 0, -1, 1 / 0 } do
-    raises(function() o:set_lr(bad) end, "sgd: lr must be a finite number >= 0")
+    raises(function() o:set_lr(bad) end, "sgd: lr must be a finite number from 0 to 3.4e38")
   end
   near(o:lr(), 0.1, 0, "the rate stays what it was")
   raises(function() pt.optim.sgd(m, { loss_scale = 1e300 }) end, "loss_scale must be a number float32 holds")
   raises(function() pt.optim.sgd(m, { loss_scale = 1e-300 }) end, "loss_scale must be a number float32 holds")
   raises(function() pt.optim.scheduled_lr({ kind = "cosine", total = 10 }, 0.1, -1) end, "step must be >= 0, got -1")
+end)
+
+-- Finite as doubles but past float32's largest, these had trained every float32 weight to NaN
+-- (decay, momentum) or failed at the first step with LibTorch's overflow text (lr).
+test("rates, decays and momenta past float32's range, and schedule options that would do nothing, are refused", function()
+  local m = pt.models.mlp { sizes = { 4, 2 } }
+  raises(function() pt.optim.adamw(m, { weight_decay = 1e39 }) end, "adamw: weight_decay must be a finite number from 0 to 3.4e38")
+  raises(function() pt.optim.sgd(m, { momentum = 1e39 }) end, "sgd: momentum must be a finite number from 0 to 3.4e38")
+  raises(function() pt.optim.sgd(m, { lr = 1e300 }) end, "sgd: lr must be a finite number from 0 to 3.4e38")
+  raises(function() pt.optim.sgd(m, { lr = 0.1 }):set_lr(1e300) end, "sgd: lr must be a finite number from 0 to 3.4e38")
+  raises(function() pt.optim.scheduled_lr({}, 0 / 0, 1) end, "scheduled_lr: lr must be a finite number from 0 to 3.4e38")
+  raises(function() pt.optim.scheduled_lr({}, -1, 1) end, "scheduled_lr: lr must be a finite number from 0 to 3.4e38 (float32's largest), got -1")
+  -- A constant schedule (the default kind) had ignored total and min_lr without a word.
+  raises(function() pt.optim.scheduled_lr({ total = 2, min_lr = 0.5 }, 0.1, 3) end, "schedule total and min_lr shape a decay")
+  raises(function() pt.optim.sgd(m, { lr = 0.1, schedule = { min_lr = 0.01 } }) end, "give kind = \"cosine\" or \"linear\"")
+  raises(function() pt.nn.clip_grad_norm(m, 0 / 0) end, "max_norm must be a finite number > 0")
+  near(pt.optim.scheduled_lr({ warmup = 2 }, 0.1, 5), 0.1, 1e-12, "a constant schedule with a warmup still works")
 end)
 
 H.run()

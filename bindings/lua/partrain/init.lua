@@ -715,6 +715,11 @@ function pt.evaluate(model, loader, opts)
     raise(("pt.evaluate: batches must be a whole number from 1 to %d (the loader's epoch), got %s"):format(available,
       tostring(batches)), 2)
   end
+  local mt = debug.getmetatable(opts.loss)
+  if opts.loss ~= nil and type(opts.loss) ~= "function" and not (type(mt) == "table" and mt.__call) then
+    raise("pt.evaluate: loss must be a function (output, target) -> loss tensor, such as pt.nn.mse, got "
+      .. type(opts.loss) .. (type(opts.loss) == "string" and " (train_step's loss names are not taken here)" or ""), 2)
+  end
   local loss_of = opts.loss or pt.loss_fn(model)
   -- Put back exactly: at an epoch's end seek(samples_seen()) would begin the next epoch, and a
   -- `for x, y in loader:batches()` loop around this call would never end.
@@ -776,8 +781,9 @@ function pt.log(fields, opts)
         type(who) == "string" and "'" .. who .. "'" or tostring(who)), 2)
     end
   end
-  if fields.step ~= nil and type(fields.step) ~= "number" then
-    raise("pt.log: step must be a number, got " .. type(fields.step), 2)
+  if fields.step ~= nil and (type(fields.step) ~= "number" or fields.step ~= fields.step or math.abs(fields.step) == math.huge) then
+    raise("pt.log: step must be a finite number, got " .. (type(fields.step) == "number" and tostring(fields.step)
+      or type(fields.step)), 2)  -- a NaN step had been printed, and written to the metrics file as null
   end
   local values, keys = {}, {}
   for k, v in pairs(fields) do
@@ -785,6 +791,11 @@ function pt.log(fields, opts)
     if pt.is_tensor(v) then
       if v:numel() ~= 1 then raise(("pt.log: field '%s' is a tensor of %d elements; one expected"):format(k, v:numel()), 2) end
       v = v:item()
+    end
+    local t = type(v)
+    if t ~= "number" and t ~= "string" and t ~= "boolean" then  -- had been printed as its address
+      raise(("pt.log: field %s is a %s; numbers, strings, booleans and one-element tensors are logged"):format(
+        core._key_text(k), t), 2)
     end
     values[k] = v
     if k ~= "step" and k ~= "epoch" then keys[#keys + 1] = k end
