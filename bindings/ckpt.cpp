@@ -60,21 +60,17 @@ json json_of(lua_State* L, int idx, const std::string& where, int depth = 0) {
     case LUA_TSTRING: return std::string(lua_tostring(L, idx));
     case LUA_TBOOLEAN: return static_cast<bool>(lua_toboolean(L, idx));
     case LUA_TTABLE: {
-      size_t n = lua_objlen(L, idx), count = 0;
-      lua_pushnil(L);
-      while (lua_next(L, idx)) {
-        ++count;
-        lua_pop(L, 1);
-      }
+      const int n = static_cast<int>(lua_objlen(L, idx));
       if (n > 0) {
         // A list is its elements 1..n in order, and nothing else: a list with holes ({[1] = 1,
         // [3] = 3}) or named fields beside it would not come back as it was.
-        if (count != n)
-          throw std::invalid_argument(where + " is not a list of elements 1 to " + std::to_string(n) + " alone (it has " +
-                                      std::to_string(count) + " keys: holes, or named fields beside the list)");
+        std::string stray = stray_key(L, idx, n);
+        if (!stray.empty())
+          throw std::invalid_argument(where + " is not a list of elements 1 to " + std::to_string(n) +
+                                      " alone: it also has the key " + stray + " (a hole, or a named field beside the list)");
         json out = json::array();
-        for (size_t i = 1; i <= n; ++i) {
-          lua_rawgeti(L, idx, static_cast<int>(i));
+        for (int i = 1; i <= n; ++i) {
+          lua_rawgeti(L, idx, i);
           out.push_back(json_of(L, -1, where + "[" + std::to_string(i) + "]", depth + 1));
           lua_pop(L, 1);
         }

@@ -713,15 +713,15 @@ int open_core(lua_State* L) {
     const int level = luaL_optint(S, 2, 1);
     lua_settop(S, 1);
     if (!lua_isstring(S, 1)) return lua_error(S);
+    bool is_user = false;
     bool located = false;  // at the user's line already (an engine error passed on)
     {
-      bool is_user = false;
       std::string where = user_location(S, &is_user) + ": ";
       located = is_user && std::strncmp(lua_tostring(S, 1), where.c_str(), where.size()) == 0;
       if (is_user && !located) lua_pushlstring(S, where.data(), where.size());
     }  // nothing of C++ is left to destroy when lua_error unwinds
     if (located) return lua_error(S);
-    if (lua_gettop(S) == 1) {
+    if (!is_user) {
       if (level > 0) luaL_where(S, level);
       else lua_pushliteral(S, "");
     }

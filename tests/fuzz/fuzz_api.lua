@@ -56,31 +56,18 @@ local function walk(t, prefix, depth)
 end
 walk(pt, "pt", 0)
 
--- The methods of an object: its metatable's __index tables, or for a module the method table
--- every module shares (pt.nn.Module classes add theirs on top).
+-- The methods of an object: the method table its metatable's __index resolves through (a
+-- function for tensors and modules, so their method tables are named here).
 local function methods_of(what, obj)
-  local tables = {}
-  if what == "model" then
-    tables[1] = debug.getregistry()["partrain.Module"] and debug.getregistry()["partrain.Module"].__index
-  end
-  local mt = getmetatable(obj)
-  if mt and type(mt.__index) == "table" then tables[#tables + 1] = mt.__index end
-  if what == "tensor" then tables[#tables + 1] = pt.Tensor end
-  if what == "model" then tables[#tables + 1] = require("partrain.core").Module end
-  local names, fns = {}, {}
-  for _, t in ipairs(tables) do
-    if type(t) == "table" then
-      for k, v in pairs(t) do
-        if type(k) == "string" and not k:match("^_") and type(v) == "function" and not fns[k] then
-          names[#names + 1] = k
-          fns[k] = v
-        end
-      end
-    end
+  local index = what == "tensor" and pt.Tensor or what == "model" and require("partrain.core").Module
+    or getmetatable(obj).__index
+  local names = {}
+  for k, v in pairs(index) do
+    if type(k) == "string" and not k:match("^_") and type(v) == "function" then names[#names + 1] = k end
   end
   table.sort(names)
   for _, k in ipairs(names) do
-    targets[#targets + 1] = { name = what .. ":" .. k, fn = fns[k], self = obj }
+    targets[#targets + 1] = { name = what .. ":" .. k, fn = index[k], self = obj }
   end
 end
 for _, what in ipairs { "tensor", "model", "optimizer", "loader", "mesh", "group" } do methods_of(what, objects[what]) end

@@ -152,7 +152,7 @@ test("the model's configuration is saved; a load refuses other heads or activati
   os.execute("rm -rf '" .. cdir .. "' '" .. cdir .. "-llama' '" .. cdir .. "-mlp'")
 end)
 
-local status = -- What would not come back as it was saved is refused at save: a list with holes came back with
+-- What would not come back as it was saved is refused at save: a list with holes came back with
 -- its values in other slots, NaN and infinity as nil; another model's optimizer was saved as
 -- this model's (a step count with no moments).
 test("user values that would not round-trip, and another model's optimizer, are refused at save", function()
@@ -160,7 +160,7 @@ test("user values that would not round-trip, and another model's optimizer, are 
   local where = os.tmpname() .. "-user"
   raises(function() pt.ckpt.save(where, { model = m, user = { [1] = 1, [3] = 3 } }) end,
     "user is not a list of elements 1 to")
-  raises(function() pt.ckpt.save(where, { model = m, user = { 1, 2, x = 3 } }) end, "named fields beside the list")
+  raises(function() pt.ckpt.save(where, { model = m, user = { 1, 2, x = 3 } }) end, "user is not a list of elements 1 to 2 alone: it also has the key 'x'")
   raises(function() pt.ckpt.save(where, { model = m, user = { x = 0 / 0 } }) end, "user.x is NaN")
   raises(function() pt.ckpt.save(where, { model = m, user = { y = { 1 / 0 } } }) end, "user.y[1] is infinite")
   raises(function() pt.ckpt.save(where, { model = m, optim = pt.optim.adamw(pt.models.mlp { sizes = { 4, 2 } }) }) end,

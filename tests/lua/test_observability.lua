@@ -59,6 +59,21 @@ test("pt.log writes a record a step, with time; a resumed run's first step drops
   os.remove(path)
 end)
 
+-- pt.metrics.write had written a NaN step as null, dropping none of the records a resumed run
+-- repeats; pt.log checked only that it was a number.
+test("a record's step must be a finite number, in pt.metrics.write as in pt.log: the file keeps its records", function()
+  local path = os.tmpname()
+  local before = '{"event":"run","time":1}\n{"step":1,"loss":3}\n{"step":2,"loss":2.5}\n'
+  write(path, before)
+  pt.metrics(path)
+  raises(function() pt.metrics.write { step = 0 / 0, loss = 1 } end, "pt.metrics.write: step must be a finite number, got")
+  raises(function() pt.metrics.write { step = 1 / 0 } end, "pt.metrics.write: step must be a finite number, got inf")
+  raises(function() pt.metrics.write { step = "3" } end, "pt.metrics.write: step must be a finite number, got string")
+  pt.metrics(false)
+  eq(read(path), before, "nothing dropped or written")
+  os.remove(path)
+end)
+
 test("pt.log's rank option: a rank number or \"all\", anything else refused at the caller's line", function()
   raises(function() pt.log({ step = 1 }, { rank = 1 }) end, "rank must be a rank from 0 to 0 or \"all\", got 1")
   raises(function() pt.log({ step = 1 }, { rank = "some" }) end, "got 'some'")

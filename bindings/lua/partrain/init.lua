@@ -9,15 +9,9 @@ local raise = core._raise
 local pt = { version = core.version }
 
 --- Re-raises an error a pcall caught around an engine call so that it names the caller's line
---- once: the user's line (the first frame outside partrain's own Lua), which an engine error
---- already begins with, or else the frame `level` above the caller of rethrow. (Lua's own level
---- names nothing when the user's caller is pcall itself: `pcall(pt.parallelize, ...)`.)
-local function rethrow(err, level)
-  local msg, user = tostring(err), core._where()
-  if user ~= "" and msg:sub(1, #user + 2) == user .. ": " then error(msg, 0) end
-  if user ~= "" then error(user .. ": " .. msg, 0) end
-  error(msg, level + 1)
-end
+--- once: the user's line, which an engine error already begins with, or else the frame `level`
+--- above the caller of rethrow.
+local function rethrow(err, level) raise(tostring(err), level + 1) end
 pt._rethrow = rethrow
 
 -- `require` of Lua files through a loader of partrain's own, the same search as Lua's, which
@@ -148,6 +142,13 @@ function nn.Module(name, parent)
 end
 
 local Module = core.Module    -- methods every module has, built-in or Lua-defined
+
+-- Whether x can be called: a function, or a value whose metatable (the real one, though a
+-- __metatable field hides it) has __call.
+local function callable(x)
+  local mt = debug.getmetatable(x)
+  return type(x) == "function" or (type(mt) == "table" and mt.__call ~= nil)
+end
 core.Module_mt.__call = function(self, ...) return self:forward(...) end
 
 local function pairs_iter(names, values)
@@ -179,8 +180,7 @@ end
 --- Calls fn(module, path) on every module of the tree.
 function Module:apply(fn)
   need_module(self, "apply", 2)
-  local mt = debug.getmetatable(fn)  -- the real one, though __metatable hides it
-  if type(fn) ~= "function" and not (type(mt) == "table" and mt.__call) then
+  if not callable(fn) then
     raise("apply: a function expected (it is called with each module and its path), got " .. type(fn), 2)
   end
   for path, m in self:named_modules() do fn(m, path) end
@@ -715,8 +715,7 @@ function pt.evaluate(model, loader, opts)
     raise(("pt.evaluate: batches must be a whole number from 1 to %d (the loader's epoch), got %s"):format(available,
       tostring(batches)), 2)
   end
-  local mt = debug.getmetatable(opts.loss)
-  if opts.loss ~= nil and type(opts.loss) ~= "function" and not (type(mt) == "table" and mt.__call) then
+  if opts.loss ~= nil and not callable(opts.loss) then
     raise("pt.evaluate: loss must be a function (output, target) -> loss tensor, such as pt.nn.mse, got "
       .. type(opts.loss) .. (type(opts.loss) == "string" and " (train_step's loss names are not taken here)" or ""), 2)
   end
@@ -781,10 +780,7 @@ function pt.log(fields, opts)
         type(who) == "string" and "'" .. who .. "'" or tostring(who)), 2)
     end
   end
-  if fields.step ~= nil and (type(fields.step) ~= "number" or fields.step ~= fields.step or math.abs(fields.step) == math.huge) then
-    raise("pt.log: step must be a finite number, got " .. (type(fields.step) == "number" and tostring(fields.step)
-      or type(fields.step)), 2)  -- a NaN step had been printed, and written to the metrics file as null
-  end
+  pt.metrics._check_step(fields.step, "pt.log", 2)  -- before anything is printed
   local values, keys = {}, {}
   for k, v in pairs(fields) do
     if type(k) ~= "string" then raise("pt.log: field names must be strings, got " .. type(k), 2) end

@@ -143,14 +143,22 @@ local function open_for(step)
   return state.file
 end
 
+--- Refuses, at the caller's `level`, a record's step that is not nil or a finite number: a NaN
+--- step had been written as null (and, as a resumed run's first step, dropped none of the
+--- records the run repeats).
+function metrics._check_step(step, fn, level)
+  if step ~= nil and (type(step) ~= "number" or step ~= step or math.abs(step) == math.huge) then
+    raise(("%s: step must be a finite number, got %s"):format(fn, type(step) == "number" and tostring(step) or type(step)),
+      level + 1)
+  end
+end
+
 --- Appends a record (a table; "time" is added) on rank 0; other ranks do nothing. A record
 --- with a step drops, the first time, the file's records from that step on (a resume).
 function metrics.write(record)
   if type(record) ~= "table" then raise("pt.metrics.write: a table expected, got " .. type(record), 2) end
   local step = record.step
-  if step ~= nil and type(step) ~= "number" then
-    raise("pt.metrics.write: 'step' must be a number, got " .. type(step), 2)
-  end
+  metrics._check_step(step, "pt.metrics.write", 2)
   local file = open_for(step)
   if not file then return false end
   local r = {}

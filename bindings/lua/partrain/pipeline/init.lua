@@ -21,8 +21,7 @@ local function guarded(name_of, fn, ...)
   if getmetatable(err) ~= C.REFUSAL then error(err, 0) end
   local name = name_of()
   local msg = "pipeline schedule" .. (name and (" '" .. name .. "'") or "") .. ": " .. err.msg
-  local where = core._where()
-  error((where ~= "" and where .. ": " or "") .. msg, 0)
+  core._raise(msg, 0)
 end
 
 --- The action a text names ("F3.c0", "SEND_F3.c0->1", "RECV_B2.c1<-3"; ".c0" may be left out).
