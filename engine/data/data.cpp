@@ -24,32 +24,53 @@ namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
-// The most a dataset file may inflate to: far above MNIST's 47 MB, far below a gzip bomb.
+// The most data an IDX file may hold once inflated: far above MNIST's 47 MB, far below a gzip bomb.
 constexpr size_t kMaxInflated = size_t(4) << 30;
 
-// Reads the whole of a gzip or plain file (zlib reads both) into memory: a regular file only
-// (a FIFO or a device would block or never end), at most kMaxInflated bytes once inflated.
-std::vector<uint8_t> read_all(const std::string& path) {
-  int fd = util::open_regular(path, "dataset file");
-  gzFile f = gzdopen(fd, "rb");
-  if (!f) ::close(fd);
-  TORCH_CHECK(f, "cannot open '", path, "': ", errno_text());
-  std::vector<uint8_t> out;
-  uint8_t chunk[1 << 16];
-  int n;
-  while ((n = gzread(f, chunk, sizeof(chunk))) > 0) {
-    if (out.size() + static_cast<size_t>(n) > kMaxInflated) {
-      gzclose(f);
-      TORCH_CHECK(false, "'", path, "' inflates to more than ", kMaxInflated >> 30, " GiB; not a dataset partrain reads");
-    }
-    out.insert(out.end(), chunk, chunk + n);
+// A gzip or plain file (zlib reads both) read front to back: a regular file only (a FIFO or a
+// device would block or never end). Each read is checked: a damaged stream is an error, and so is
+// one cut short, which gzread itself reports as a plain end of file.
+class Inflating {
+ public:
+  explicit Inflating(const std::string& path) : path_(path) {
+    int fd = util::open_regular(path, "dataset file");
+    file_ = gzdopen(fd, "rb");
+    if (!file_) ::close(fd);
+    TORCH_CHECK(file_, "cannot open '", path, "': ", errno_text());
   }
-  int err = 0;
-  std::string message = n < 0 ? gzerror(f, &err) : "";
-  gzclose(f);
-  TORCH_CHECK(n == 0, "cannot read '", path, "': ", message);
-  return out;
-}
+  ~Inflating() { gzclose(file_); }
+  Inflating(const Inflating&) = delete;
+  Inflating& operator=(const Inflating&) = delete;
+
+  /// Reads up to `count` bytes into `out`; fewer only at the end of the data.
+  size_t read(uint8_t* out, size_t count) {
+    size_t got = 0;
+    while (got < count) {
+      const unsigned ask = static_cast<unsigned>(std::min<size_t>(count - got, 1u << 30));
+      const int n = gzread(file_, out + got, ask);
+      int err = Z_OK;
+      const char* message = gzerror(file_, &err);
+      TORCH_CHECK(n >= 0, "cannot read '", path_, "': ", message);
+      TORCH_CHECK(err != Z_BUF_ERROR, "'", path_, "' is cut short: its gzip stream ends before its checksum (",
+                  message, ")");
+      if (n == 0) break;
+      got += static_cast<size_t>(n);
+    }
+    return got;
+  }
+
+  /// Counts the bytes left (none are kept), stopping once past `limit`.
+  size_t skip_rest(size_t limit) {
+    uint8_t chunk[1 << 16];
+    size_t total = 0, n;
+    while (total <= limit && (n = read(chunk, sizeof chunk)) > 0) total += n;
+    return total;
+  }
+
+ private:
+  std::string path_;
+  gzFile file_ = nullptr;
+};
 
 uint32_t big_endian(const uint8_t* p) {
   return (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | uint32_t(p[3]);
@@ -65,39 +86,45 @@ uint64_t splitmix64(uint64_t x) {
 }  // namespace
 
 Tensor read_idx(const std::string& path) {
-  auto bytes = read_all(path);
-  TORCH_CHECK(bytes.size() >= 4 && bytes[0] == 0 && bytes[1] == 0,
-              "'", path, "' is not an IDX file (bad magic number)");
+  // Read as a stream, straight into the tensor: the header first, then exactly the data it
+  // promises (bounded before anything is allocated), then a check that nothing follows.
+  Inflating in(path);
+  uint8_t head[4 + 4 * 255];
+  const size_t got = in.read(head, 4);
+  TORCH_CHECK(got == 4 && head[0] == 0 && head[1] == 0, "'", path, "' is not an IDX file (bad magic number)");
   torch::ScalarType type;
   size_t width;
-  switch (bytes[2]) {
+  switch (head[2]) {
     case 0x08: type = torch::kUInt8; width = 1; break;
     case 0x09: type = torch::kInt8; width = 1; break;
     case 0x0B: type = torch::kInt16; width = 2; break;
     case 0x0C: type = torch::kInt32; width = 4; break;
     case 0x0D: type = torch::kFloat32; width = 4; break;
     case 0x0E: type = torch::kFloat64; width = 8; break;
-    default: TORCH_CHECK(false, "'", path, "' has unknown IDX element type 0x", std::hex,
-                         int(bytes[2]));
+    default: TORCH_CHECK(false, "'", path, "' has unknown IDX element type 0x", std::hex, int(head[2]));
   }
-  size_t ndim = bytes[3];
-  TORCH_CHECK(ndim >= 1 && bytes.size() >= 4 + 4 * ndim, "'", path, "' is truncated (header)");
+  const size_t ndim = head[3];
+  TORCH_CHECK(ndim >= 1 && in.read(head + 4, 4 * ndim) == 4 * ndim, "'", path, "' is truncated (header)");
   std::vector<int64_t> shape;
-  size_t count = 1;
-  for (size_t d = 0; d < ndim; ++d) {
-    shape.push_back(big_endian(&bytes[4 + 4 * d]));
-    TORCH_CHECK(!__builtin_mul_overflow(count, static_cast<size_t>(shape.back()), &count) &&
-                    count <= bytes.size(),
-                "'", path, "' is truncated or corrupt: its header promises more data than the file holds");
-  }
-  size_t offset = 4 + 4 * ndim;
-  TORCH_CHECK(bytes.size() - offset == count * width, "'", path, "' is truncated or too long: ",
-              "header says ", count * width, " bytes of data, file has ", bytes.size() - offset);
+  for (size_t d = 0; d < ndim; ++d) shape.push_back(big_endian(&head[4 + 4 * d]));
+  // A dimension of 0 anywhere makes an empty tensor, whatever the others say.
+  size_t bytes = std::count(shape.begin(), shape.end(), 0) ? 0 : width;
+  for (size_t d = 0; d < ndim && bytes > 0; ++d)
+    TORCH_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(shape[d]), &bytes) && bytes <= kMaxInflated,
+                "'", path, "' is corrupt or not a dataset partrain reads: its header promises more than ",
+                kMaxInflated >> 30, " GiB of data");
   auto out = torch::empty(shape, torch::TensorOptions().dtype(type));
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  auto* data = static_cast<uint8_t*>(out.data_ptr());
+  const size_t held = in.read(data, bytes);
+  // What follows is counted up to a bound, not inflated to its end (a small file can inflate to
+  // gigabytes of zeros).
+  constexpr size_t kCounted = size_t(1) << 20;
+  const size_t more = held == bytes ? in.skip_rest(kCounted) : 0;
+  TORCH_CHECK(held == bytes && more == 0, "'", path, "' is truncated or too long: header says ", bytes,
+              " bytes of data, file has ", held + more, more > kCounted ? " or more" : "");
   // IDX stores multi-byte values big-endian.
-  for (size_t i = 0; i < count; ++i)
-    for (size_t b = 0; b < width; ++b) dst[i * width + b] = bytes[offset + i * width + width - 1 - b];
+  if (width > 1)
+    for (size_t i = 0; i < bytes; i += width) std::reverse(data + i, data + i + width);
   return out;
 }
 
@@ -109,6 +136,11 @@ Mnist::Mnist(const MnistOptions& o) : options(o) {
   std::string prefix = o.root + "/" + (o.split == "train" ? "train" : "t10k");
   auto raw_images = read_idx(prefix + "-images-idx3-ubyte.gz");
   auto raw_labels = read_idx(prefix + "-labels-idx1-ubyte.gz");
+  // MNIST's files hold unsigned bytes: pixels 0-255 and class ids. Another IDX type scaled by 1/255
+  // would train on numbers of another range without a word.
+  for (const auto& [file, t] : {std::pair{"images", &raw_images}, std::pair{"labels", &raw_labels}})
+    TORCH_CHECK(t->scalar_type() == torch::kUInt8, "MNIST ", file, " in '", o.root, "' hold ", t->scalar_type(),
+                " values, not unsigned bytes (IDX type 0x08): read other IDX files with pt.data.read_idx");
   TORCH_CHECK(raw_images.dim() == 3 && raw_labels.dim() == 1 &&
                   raw_images.size(0) == raw_labels.size(0),
               "MNIST files in '", o.root, "' disagree: images ", raw_images.sizes(), ", labels ",
@@ -124,7 +156,7 @@ std::vector<Tensor> Mnist::batch(const std::vector<int64_t>& indices) const {
 
 std::string Mnist::describe() const {
   std::ostringstream s;
-  s << "mnist(" << options.split << ", " << size() << " samples of " << images.size(1) << ")";
+  s << "mnist(" << options.root << ", " << options.split << ", " << size() << " samples of " << images.size(1) << ")";
   return s.str();
 }
 

@@ -220,6 +220,19 @@ TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
   }
   std::ofstream(plain, std::ios::binary).write(reinterpret_cast<const char*>(idx), sizeof(idx) - 2);
   EXPECT_NE(error_of([&] { data::read_idx(plain); }).find("is truncated"), std::string::npos);
+  // A gzip stream cut inside its trailer inflates to all the data, but its checksum was never
+  // read: gzread calls that an end of file, and the reader must not.
+  std::string zipped;
+  {
+    std::ifstream in(gz, std::ios::binary);
+    zipped.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::ofstream(gz, std::ios::binary | std::ios::trunc).write(zipped.data(), static_cast<std::streamsize>(zipped.size() - 3));
+  EXPECT_NE(error_of([&] { data::read_idx(gz); }).find("is cut short"), std::string::npos);
+  // A dimension of 0 makes an empty tensor, however large the others: no data follows.
+  const unsigned char empty[] = {0, 0, 0x0D, 2, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0};
+  std::ofstream(plain, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(empty), sizeof(empty));
+  EXPECT_EQ(data::read_idx(plain).sizes(), (std::vector<int64_t>{4294967295, 0}));
   EXPECT_NE(error_of([] { data::read_idx("/no/such/file.idx"); }).find("cannot read the dataset file '/no/such/file.idx'"),
             std::string::npos);
   std::remove(plain.c_str());

@@ -11,6 +11,7 @@ one class from a seed, runs partrain on each with a time bound, and classifies t
 Anything but refused/accepted (and accepted only where the driver allows it) is a failure.
 Every driver prints one line a class with its counts, then the summary table that
 docs/fuzz.md shows, and exits non-zero on any failure."""
+import json
 import os
 import re
 import signal
@@ -149,3 +150,59 @@ def kill_tree(pid):
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
+
+
+def run_batched(argv, cwd, work, cases, line, tally_crash, what):
+    """Runs a batched runner (ckpt_batch.lua, data_batch.lua) over `cases` (tuples whose first
+    item is the case's index), restarting after a case that kills the process or stalls 20 s.
+    `argv(list_file, results_file)` is the command; `line(case)` the case's line in the list. The
+    runner appends one JSON line a case (tests/fuzz/results.lua), the first {"ready": true}.
+    Returns {index: result}; a case the process died on goes to tally_crash(index, kind, detail)."""
+    results, pending = {}, list(cases)
+    while pending:
+        lst = os.path.join(work, f"list-{pending[0][0]}")
+        out = os.path.join(work, f"results-{pending[0][0]}")
+        with open(lst, "w") as f:
+            f.writelines(line(c) + "\n" for c in pending)
+        open(out, "w").close()
+        log = open(out + ".stderr", "w+")  # a file, not a pipe: notes must never fill a pipe and stall
+        p = subprocess.Popen(argv(lst, out), cwd=cwd, stdout=subprocess.DEVNULL, stderr=log,
+                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        done, last, stalled = 0, time.monotonic(), False
+        while p.poll() is None:
+            time.sleep(0.05)
+            lines = open(out, errors="replace").read().splitlines()
+            if len(lines) > done:
+                done, last = len(lines), time.monotonic()
+            elif time.monotonic() - last > 20:
+                os.killpg(p.pid, 9)
+                p.wait()
+                stalled = True
+        log.seek(0)
+        err = log.read()
+        log.close()
+        lines = [json.loads(text) for text in open(out, errors="replace").read().splitlines()]
+        if not lines or not lines[0].get("ready"):
+            raise SystemExit(f"{what} could not set up (rc={p.returncode}):\n{err[-3000:]}")
+        for r in lines[1:]:
+            results[r["index"]] = r
+        pending = [c for c in pending if c[0] not in results]
+        if pending:
+            i = pending.pop(0)[0]  # the case the process was on when it died or stalled
+            tally_crash(i, "hang" if stalled else "crash", f"rc={p.returncode}: {err[-1500:]}")
+    return results
+
+
+def special_file(path, rng):
+    """Puts at `path` something a reader must refuse without waiting on it: a FIFO, a link to
+    /dev/zero, a folder, an empty file, or nothing. Returns which."""
+    what = rng.choice(["fifo", "devzero", "folder", "empty", "missing"])
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "devzero":
+        os.symlink("/dev/zero", path)
+    elif what == "folder":
+        os.makedirs(path)
+    elif what == "empty":
+        open(path, "wb").close()
+    return what

@@ -27,13 +27,11 @@ tag), unclear (a refusal without its file, or verify and load disagreeing), cras
 
 Usage: fuzz_ckpt.py PARTRAIN [--seed N] [--cases N] [--staged-cases N]
 """
-import json
 import os
 import random
 import re
 import shutil
 import struct
-import subprocess
 import sys
 import time
 import zlib
@@ -297,41 +295,8 @@ def judge(case, cls, r):
 def run_batch(mode, work, items, tally_crash):
     """Runs ckpt_batch.lua over `items` [(index, path)], restarting after a case that kills the
     process or stalls; returns {index: result}."""
-    results, pending = {}, list(items)
-    while pending:
-        lst = os.path.join(work, f"list-{pending[0][0]}")
-        out = os.path.join(work, f"results-{pending[0][0]}")
-        with open(lst, "w") as f:
-            f.writelines(f"{i}\t{p}\n" for i, p in pending)
-        open(out, "w").close()
-        log = open(out + ".stderr", "w+")  # a file, not a pipe: notes must never fill a pipe and stall
-        p = subprocess.Popen([BIN, "--threads", "1", BATCH, mode, work, lst, out], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-        done, last, stalled = 0, time.monotonic(), False
-        while p.poll() is None:
-            time.sleep(0.05)
-            lines = open(out, errors="replace").read().splitlines()
-            if len(lines) > done:
-                done, last = len(lines), time.monotonic()
-            elif time.monotonic() - last > 20:
-                os.killpg(p.pid, 9)
-                p.wait()
-                stalled = True
-        log.seek(0)
-        err = log.read()
-        log.close()
-        lines = [json.loads(line) for line in open(out, errors="replace").read().splitlines()]
-        if not lines or not lines[0].get("ready"):
-            raise SystemExit(f"ckpt_batch.lua {mode} could not set up (rc={p.returncode}):\n{err[-3000:]}")
-        for r in lines[1:]:
-            results[r["index"]] = r
-        finished = {i for i, _ in pending if i in results}
-        pending = [(i, path) for i, path in pending if i not in finished]
-        if pending:
-            i, _ = pending.pop(0)  # the case the process was on when it died or stalled
-            tally_crash(i, "hang" if stalled else "crash", f"rc={p.returncode}: {err[-1500:]}")
-    return results
+    return common.run_batched(lambda lst, out: [BIN, "--threads", "1", BATCH, mode, work, lst, out], ROOT, work,
+                              items, lambda c: f"{c[0]}\t{c[1]}", tally_crash, f"ckpt_batch.lua {mode}")
 
 
 def main():

@@ -466,15 +466,7 @@ def main():
             cls = CLASSES[i % len(CLASSES)]
             path = os.path.join(work, f"case-{i}.safetensors")
             if cls == "not a file":
-                what = rng.choice(["fifo", "devzero", "folder", "empty", "missing"])
-                if what == "fifo":
-                    os.mkfifo(path)
-                elif what == "devzero":
-                    os.symlink("/dev/zero", path)
-                elif what == "folder":
-                    os.makedirs(path)
-                elif what == "empty":
-                    open(path, "wb").close()
+                what = common.special_file(path, rng)
                 expected, raw = Bad(what), b""
             else:
                 raw, what = mutate(cls, base_header, base_data, rng)

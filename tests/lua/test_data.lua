@@ -92,6 +92,28 @@ test("a missing or damaged IDX file is an error naming the file", function()
   raises(function() pt.data.mnist { split = "validation" } end, "split must be 'train' or 'test'")
 end)
 
+test("MNIST files must hold unsigned bytes: an IDX file of another type is refused, not scaled by 1/255", function()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir " .. dir) == 0)
+  local function write(name, bytes)
+    local f = assert(io.open(dir .. "/" .. name, "wb"))
+    f:write(bytes)
+    f:close()
+  end
+  -- Two 1x2 images and two labels, plain IDX (zlib reads a file without gzip's magic as it is).
+  write("train-images-idx3-ubyte.gz", "\0\0\8\3\0\0\0\2\0\0\0\1\0\0\0\2\0\255\10\20")
+  write("train-labels-idx1-ubyte.gz", "\0\0\8\1\0\0\0\2\3\4")
+  local x, y = pt.data.mnist { root = dir, batch = 2, shuffle = false }:next()
+  for i, want in ipairs({ 0, 1, 10 / 255, 20 / 255 }) do near(x:reshape({ -1 }):totable()[i], want, 1e-7, "pixel " .. i) end
+  eq(table.concat(y:totable(), ","), "3,4", "labels")
+  -- The same pixels as int16: 255 would have become 255.0 / 255 * 256 and more.
+  write("train-images-idx3-ubyte.gz", "\0\0\11\3\0\0\0\2\0\0\0\1\0\0\0\2\0\0\1\0\0\10\0\20")
+  raises(function() pt.data.mnist { root = dir, batch = 2 } end,
+         "MNIST images in '" .. dir .. "' hold Short values, not unsigned bytes")
+  os.execute("rm -r " .. dir)
+end)
+
 test("datasets are read from regular files only: a folder, a FIFO or a device is refused, never waited on", function()
   local dir = os.tmpname()
   os.remove(dir)
