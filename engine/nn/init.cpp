@@ -4,8 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "engine/compat.hpp"
-
-#include <unistd.h>
+#include "engine/util/memory.hpp"
 
 #include <cstdio>
 #include <limits>
@@ -101,7 +100,8 @@ bool has_meta(const Module& root) {
 }
 
 namespace {
-// Refuses to allocate more than the machine's memory on the CPU: Linux hands out the pages, and
+// Refuses to allocate more than the memory this process may use on the CPU (the machine's, or its
+// container's cgroup limit): Linux hands out the pages, and
 // its out-of-memory killer ends the process part-way through initialization with no message.
 void check_fits_in_memory(const Module& root, const torch::Device& device) {
   if (!device.is_cpu()) return;
@@ -114,13 +114,11 @@ void check_fits_in_memory(const Module& root, const torch::Device& device) {
   };
   for (const auto& p : root.parameters(/*recurse=*/true)) add(p);
   for (const auto& b : root.buffers(/*recurse=*/true)) add(b);
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return;
-  const double memory = static_cast<double>(pages) * static_cast<double>(page);
+  const auto limit = util::memory_limit();
+  if (limit.bytes <= 0) return;
   char text[160];
-  std::snprintf(text, sizeof text, "%.3g elements (%.3g GB) of parameters and buffers, more than this machine's %.3g GB",
-                elements, bytes / 1e9, memory / 1e9);
-  TORCH_CHECK(bytes <= memory, "the ", root.type(), " model takes ", text, " of memory: build it smaller, or inside ",
+  std::snprintf(text, sizeof text, "%.3g elements (%.3g GB) of parameters and buffers, more than ", elements, bytes / 1e9);
+  TORCH_CHECK(bytes <= limit.bytes, "the ", root.type(), " model takes ", text, limit.what, ": build it smaller, or inside ",
               "pt.deferred and give each rank its part with pt.parallelize (a pipeline stage, a tensor shard)");
 }
 }  // namespace

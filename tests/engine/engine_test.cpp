@@ -29,6 +29,7 @@
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/plan/memory.hpp"
+#include "engine/util/memory.hpp"
 #include "tests/engine/testing.hpp"
 
 using namespace partrain;
@@ -237,6 +238,44 @@ TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
             std::string::npos);
   std::remove(plain.c_str());
   std::remove(gz.c_str());
+}
+
+// The memory guard's limit: a container's cgroup (v1 or v2, on its own folder or one above it,
+// as a container sees it) when smaller than the machine, the machine otherwise.
+TEST(Memory, CgroupLimitsBelowTheMachineCount) {
+  const std::string root = temp_path("-cgroup"), proc = root + "/cgroup";
+  auto write = [](const std::string& path, const std::string& text) {
+    std::system(("mkdir -p '" + path.substr(0, path.rfind('/')) + "'").c_str());
+    std::ofstream(path) << text;
+  };
+  const double machine = util::memory_limit(root + "/none").bytes;
+  ASSERT_GT(machine, 0);
+  EXPECT_NE(util::memory_limit(root + "/none").what.find("this machine's"), std::string::npos);
+  // v1, on the process's own cgroup.
+  write(proc, "9:pids:/\n4:memory:/docker/abc\n1:cpu,cpuacct:/\n");
+  write(root + "/memory/docker/abc/memory.limit_in_bytes", "1000000000\n");
+  auto limit = util::memory_limit(proc, root);
+  EXPECT_EQ(limit.bytes, 1e9);
+  EXPECT_NE(limit.what.find("the 1 GB of memory its cgroup allows"), std::string::npos) << limit.what;
+  // v1 as a container sees it: its own cgroup at the mount's root; "unlimited" above it.
+  std::system(("rm -r '" + root + "/memory/docker'").c_str());
+  write(root + "/memory/memory.limit_in_bytes", "2000000000\n");
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, 2e9);
+  write(root + "/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, machine);
+  // v2: "max" on the own folder, a number on the parent; the smallest along the path counts.
+  write(proc, "0::/user.slice/job\n");
+  write(root + "/user.slice/job/memory.max", "max\n");
+  write(root + "/user.slice/memory.max", "3000000000\n");
+  write(root + "/memory.max", "4000000000\n");
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, 3e9);
+  // A path that climbs out, or a file that is no number, is ignored.
+  write(proc, "0::/../escape\n");
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, machine);
+  write(proc, "0::/user.slice\n");
+  write(root + "/user.slice/memory.max", "12 GB\n");
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, 4e9);
+  std::system(("rm -r '" + root + "'").c_str());
 }
 
 // A dataset whose sample i is the number i, to see exactly which samples a loader hands out.
