@@ -1,6 +1,8 @@
 // Data loaders in Lua (pt.data.mnist, pt.data.text, pt.data.tokens) and byte conversions: thin userdata over the
 // engine's loaders; batching stays in C++, and batches land on the rank's device.
 #include <cstring>
+#include <iomanip>
+#include <sstream>
 
 #include "bindings/lua.hpp"
 #include "engine/data/data.hpp"
@@ -65,8 +67,12 @@ int push_corpus(Args& a, const char* what, bool tokens) {
                lua_tonumber(L, -1) == static_cast<double>(static_cast<int64_t>(lua_tonumber(L, -1))))
         x.header = static_cast<int64_t>(lua_tonumber(L, -1));
       else {
+        std::ostringstream got;  // the value (a string as the key reader shows it), or its type
+        if (lua_type(L, -1) == LUA_TNUMBER) got << std::setprecision(17) << lua_tonumber(L, -1);
+        else if (lua_type(L, -1) == LUA_TSTRING) got << key_text(L, -1);
+        else got << "a " << luaL_typename(L, -1);
         lua_pop(L, 1);
-        throw std::invalid_argument("tokens: header must be 'auto', 'none' or a whole number of bytes");
+        throw std::invalid_argument("tokens: header must be 'auto', 'none' or a whole number of bytes >= 0, got " + got.str());
       }
       lua_pop(L, 1);
     }
@@ -105,7 +111,7 @@ const Function kLoaderMethods[] = {
        if (int64_t lands = l->seek_lands_at(n); lands != n)
          a.fail(2, std::to_string(n) + " samples do not end a batch of " + std::to_string(l->options().batch) +
                        " (the loader moves by whole batches): seek to " + std::to_string(lands) + " or " +
-                       std::to_string(lands + l->options().batch));
+                       std::to_string(l->seek_next_after(n)));
        l->seek(n);
        return a.ret(); }},
     {"size", [](Args& a) { return a.ret(double(loader(a, 1)->dataset().size())); }},

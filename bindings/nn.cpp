@@ -705,6 +705,9 @@ const Function kConstructors[] = {
        double base = t.number("base", 10000.0);
        auto dtype = parse_dtype(t.string("dtype", "float32"));
        t.finish();
+       // A count of positions (0, 1, ..., n-1) or a tensor of them.
+       if (a.is_number(2) && a.integer(2) < 0)
+         a.fail(2, "positions must be a count >= 0 or a tensor of positions, got " + std::to_string(a.integer(2)));
        Tensor positions = a.is_number(2) ? torch::arange(a.integer(2), torch::TensorOptions().dtype(torch::kInt64).device(
                                                  dist::World::instance().device()))
                                          : a.tensor(2);

@@ -281,7 +281,8 @@ Loader::Loader(std::shared_ptr<Dataset> dataset, LoaderOptions o)
     : dataset_(std::move(dataset)), options_(o) {
   TORCH_CHECK(dataset_, "loader needs a dataset");
   TORCH_CHECK(o.batch > 0, "batch must be positive, got ", o.batch);
-  TORCH_CHECK(o.shard_count >= 1 && o.shard_rank >= 0 && o.shard_rank < o.shard_count,
+  TORCH_CHECK(o.shard_count >= 1, "shard_count must be 1 or more (the data-parallel slices), got ", o.shard_count);
+  TORCH_CHECK(o.shard_rank >= 0 && o.shard_rank < o.shard_count,
               "shard_rank=", o.shard_rank, " must be in [0, shard_count=", o.shard_count, ")");
   TORCH_CHECK(o.batch % o.shard_count == 0, "batch=", o.batch,
               " does not divide into shard_count=", o.shard_count, " equal slices");
@@ -354,6 +355,14 @@ int64_t Loader::seek_lands_at(int64_t samples) const {
   const int64_t per_epoch = samples_per_epoch();
   if (samples < 0 || per_epoch <= 0) return samples;
   return samples / per_epoch * per_epoch + (samples % per_epoch) / options_.batch * options_.batch;
+}
+
+int64_t Loader::seek_next_after(int64_t samples) const {
+  const int64_t per_epoch = samples_per_epoch();
+  if (samples < 0 || per_epoch <= 0) return samples;
+  // The next batch's start, or the epoch's end where the last batch is short (drop_last=false).
+  const int64_t epoch_end = (samples / per_epoch + 1) * per_epoch;
+  return std::min(seek_lands_at(samples) + options_.batch, epoch_end);
 }
 
 void Loader::set_place(int64_t epoch, int64_t position) {

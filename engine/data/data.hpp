@@ -118,6 +118,9 @@ class Loader {
   /// not a whole number of this loader's batches into its epoch (a run resumed with another
   /// batch size: the batch that holds it is taken again).
   int64_t seek_lands_at(int64_t samples) const;
+  /// The first place past `samples` that seek() reaches exactly: the next batch's start, or the
+  /// end of the epoch (the next one's start) when the batch holding `samples` ends it.
+  int64_t seek_next_after(int64_t samples) const;
   /// Goes back to batch `position` of `epoch` exactly (what pt.evaluate puts back after using
   /// the loader: an epoch's end stays its end, where seek(samples_seen()) would begin the next).
   void set_place(int64_t epoch, int64_t position);

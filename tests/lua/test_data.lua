@@ -181,12 +181,23 @@ test("split = train / val takes the first and last parts; the position is kept a
   os.remove(path)
 end)
 
-test("seek between two batches and an epoch past what the loader counts are refused", function()
+test("seek between two batches, an epoch past what the loader counts, and option values out of range are refused", function()
   local toks = ids(201)
   local path = token_file(toks, 2, {})
   local l = pt.data.tokens { path = path, seq = 4, batch = 2, shuffle = false }
   -- seek(3) had landed at 2 and served sample 2 again without a word.
   raises(function() l:seek(3) end, "3 samples do not end a batch of 2 (the loader moves by whole batches): seek to 2 or 4")
+  -- Without drop_last the last batch is short: the place after it is the epoch's end (50), not
+  -- 48 + 4, which seek would refuse in turn.
+  local short = pt.data.tokens { path = path, seq = 4, batch = 4, shuffle = false, drop_last = false }
+  raises(function() short:seek(49) end, "49 samples do not end a batch of 4 (the loader moves by whole batches): seek to 48 or 50")
+  short:seek(50)
+  eq(short:samples_seen(), 50, "the epoch's end is a place seek reaches")
+  -- Options with values out of range name the value.
+  raises(function() pt.data.tokens { path = path, seq = 4, header = -1 } end, "whole number of bytes >= 0, got -1")
+  raises(function() pt.data.tokens { path = path, seq = 4, header = "skip" } end, "whole number of bytes >= 0, got 'skip'")
+  raises(function() pt.data.tokens { path = path, seq = 4, batch = 2, shard_count = 0 } end,
+         "shard_count must be 1 or more (the data-parallel slices), got 0")
   l:seek(4)
   eq(l:samples_seen(), 4, "a whole number of batches is taken as given")
   -- samples_seen() had wrapped past int64 (epoch 2^62 of 50 samples).

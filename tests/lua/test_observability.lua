@@ -150,7 +150,8 @@ end)
 
 test("pt.progress: options checked; MFU is TFLOP/s over the peak of every device", function()
   raises(function() pt.progress { totl = 5 } end, "pt.progress has no option 'totl'")
-  raises(function() pt.progress { every = 0 } end, "every must be 1 or more")
+  raises(function() pt.progress { every = 0 } end, "every must be a whole number >= 1, got 0")
+  raises(function() pt.progress { every = -1 } end, "every must be a whole number >= 1, got -1")
   raises(function() pt.progress { tokens = -1 } end, "tokens must be a finite number >= 0, got -1")
   raises(function() pt.progress { enabled = "no" } end, "enabled must be true or false")
   local p = pt.progress { tokens = 1000, flops_per_token = 6e9, peak_tflops = 12 }

@@ -154,6 +154,7 @@ H.test("rotary embeddings: Hugging Face's rotate-half layout, element by element
       return a * cos + rot * sin
     end, { x }, 1e-12, "apply_rotary")
   H.raises(function() nn.rotary_tables(7, 4) end, "even head size")
+  H.raises(function() nn.rotary_tables(4, -1) end, "positions must be a count >= 0 or a tensor of positions, got -1")
   H.raises(function() nn.apply_rotary(x, cos:narrow(-1, 0, 4), sin:narrow(-1, 0, 4)) end, "do not fit x")
 end)
 

@@ -185,15 +185,15 @@ function progress.new(opts, level)
       table.sort(known)
       raise(("pt.progress has no option %s (options: %s)"):format(core._key_text(k), table.concat(known, ", ")), level + 1)
     end
+    local least = k == "every" and 1 or 0  -- a line every 0 steps means nothing
     local ok = (kind == "boolean" and type(v) == "boolean") or (kind == "module" and core.nn.is_module(v))
-      or (type(v) == "number" and v == v and v >= 0 and v < math.huge and (kind ~= "integer" or v % 1 == 0))
+      or (type(v) == "number" and v == v and v >= least and v < math.huge and (kind ~= "integer" or v % 1 == 0))
     if not ok then
       raise(("pt.progress: %s must be %s, got %s"):format(k, kind == "boolean" and "true or false"
         or kind == "module" and "a module (the model)"
-        or kind == "integer" and "a whole number >= 0" or "a finite number >= 0", tostring(v)), level + 1)
+        or kind == "integer" and ("a whole number >= %d"):format(least) or "a finite number >= 0", tostring(v)), level + 1)
     end
   end
-  if opts.every == 0 then raise("pt.progress: every must be 1 or more", level + 1) end
   local self = setmetatable({
     total = opts.total and opts.total > 0 and opts.total or nil,
     tokens = opts.tokens or 0,
