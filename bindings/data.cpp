@@ -68,7 +68,7 @@ int push_corpus(Args& a, const char* what, bool tokens) {
         x.header = static_cast<int64_t>(lua_tonumber(L, -1));
       else {
         std::ostringstream got;  // the value (a string as the key reader shows it), or its type
-        if (lua_type(L, -1) == LUA_TNUMBER) got << std::setprecision(17) << lua_tonumber(L, -1);
+        if (lua_type(L, -1) == LUA_TNUMBER) got << std::setprecision(14) << lua_tonumber(L, -1);
         else if (lua_type(L, -1) == LUA_TSTRING) got << key_text(L, -1);
         else got << "a " << luaL_typename(L, -1);
         lua_pop(L, 1);

@@ -34,6 +34,8 @@ class Inflating {
  public:
   explicit Inflating(const std::string& path) : path_(path) {
     int fd = util::open_regular(path, "dataset file");
+    struct stat st {};
+    if (::fstat(fd, &st) == 0) file_bytes_ = static_cast<uint64_t>(st.st_size);
     file_ = gzdopen(fd, "rb");
     if (!file_) ::close(fd);
     TORCH_CHECK(file_, "cannot open '", path, "': ", errno_text());
@@ -59,6 +61,11 @@ class Inflating {
     return got;
   }
 
+  /// Whether the file is read as it is (no gzip magic), known after the first read: then its
+  /// size bounds what it can hold.
+  bool plain() { return gzdirect(file_) == 1; }
+  uint64_t file_bytes() const { return file_bytes_; }
+
   /// Counts the bytes left (none are kept), stopping once past `limit`.
   size_t skip_rest(size_t limit) {
     uint8_t chunk[1 << 16];
@@ -70,6 +77,7 @@ class Inflating {
  private:
   std::string path_;
   gzFile file_ = nullptr;
+  uint64_t file_bytes_ = 0;
 };
 
 uint32_t big_endian(const uint8_t* p) {
@@ -107,13 +115,29 @@ Tensor read_idx(const std::string& path) {
   TORCH_CHECK(ndim >= 1 && in.read(head + 4, 4 * ndim) == 4 * ndim, "'", path, "' is truncated (header)");
   std::vector<int64_t> shape;
   for (size_t d = 0; d < ndim; ++d) shape.push_back(big_endian(&head[4 + 4 * d]));
-  // A dimension of 0 anywhere makes an empty tensor, whatever the others say.
+  // A dimension of 0 anywhere makes an empty tensor, whatever the others say; the others must
+  // still make sizes and strides a tensor can count (LibTorch multiplies them in int64).
+  int64_t extent = 1;
+  for (int64_t d : shape)
+    TORCH_CHECK(!__builtin_mul_overflow(extent, std::max<int64_t>(d, 1), &extent), "'", path,
+                "' is corrupt: its dimensions ", c10::IntArrayRef(shape), " are past what a tensor can count");
   size_t bytes = std::count(shape.begin(), shape.end(), 0) ? 0 : width;
   for (size_t d = 0; d < ndim && bytes > 0; ++d)
     TORCH_CHECK(!__builtin_mul_overflow(bytes, static_cast<size_t>(shape[d]), &bytes) && bytes <= kMaxInflated,
                 "'", path, "' is corrupt or not a dataset partrain reads: its header promises more than ",
                 kMaxInflated >> 30, " GiB of data");
-  auto out = torch::empty(shape, torch::TensorOptions().dtype(type));
+  // A plain file's size bounds its data before anything is allocated (a gzip stream's does not).
+  const uint64_t header = 4 + 4 * ndim;
+  if (in.plain() && in.file_bytes() >= header)
+    TORCH_CHECK(bytes == in.file_bytes() - header, "'", path, "' is truncated or too long: header says ", bytes,
+                " bytes of data, file has ", in.file_bytes() - header);
+  Tensor out;
+  try {
+    out = torch::empty(shape, torch::TensorOptions().dtype(type));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "'", path, "' promises ", bytes, " bytes of data, which cannot be allocated: ",
+                e.what_without_backtrace());
+  }
   auto* data = static_cast<uint8_t*>(out.data_ptr());
   const size_t held = in.read(data, bytes);
   // What follows is counted up to a bound, not inflated to its end (a small file can inflate to
@@ -145,7 +169,7 @@ Mnist::Mnist(const MnistOptions& o) : options(o) {
                   raw_images.size(0) == raw_labels.size(0),
               "MNIST files in '", o.root, "' disagree: images ", raw_images.sizes(), ", labels ",
               raw_labels.sizes());
-  images = raw_images.reshape({raw_images.size(0), -1}).to(torch::kFloat32).div_(255.0);  // (N, 784)
+  images = raw_images.reshape({raw_images.size(0), raw_images.size(1) * raw_images.size(2)}).to(torch::kFloat32).div_(255.0);  // (N, 784)
   labels = raw_labels.to(torch::kInt64);                                                 // (N)
 }
 
@@ -361,8 +385,11 @@ int64_t Loader::seek_next_after(int64_t samples) const {
   const int64_t per_epoch = samples_per_epoch();
   if (samples < 0 || per_epoch <= 0) return samples;
   // The next batch's start, or the epoch's end where the last batch is short (drop_last=false).
-  const int64_t epoch_end = (samples / per_epoch + 1) * per_epoch;
-  return std::min(seek_lands_at(samples) + options_.batch, epoch_end);
+  const int64_t lands = seek_lands_at(samples);
+  int64_t epoch_end, next;
+  if (__builtin_add_overflow(samples - samples % per_epoch, per_epoch, &epoch_end)) epoch_end = INT64_MAX;
+  if (__builtin_add_overflow(lands, options_.batch, &next)) next = INT64_MAX;
+  return std::min(next, epoch_end);
 }
 
 void Loader::set_place(int64_t epoch, int64_t position) {

@@ -234,6 +234,15 @@ TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
   const unsigned char empty[] = {0, 0, 0x0D, 2, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0};
   std::ofstream(plain, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(empty), sizeof(empty));
   EXPECT_EQ(data::read_idx(plain).sizes(), (std::vector<int64_t>{4294967295, 0}));
+  // ... but not when the others multiply past what LibTorch counts in int64.
+  const unsigned char past[] = {0, 0, 0x08, 4, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 2, 0, 0, 0, 0};
+  std::ofstream(plain, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(past), sizeof(past));
+  EXPECT_NE(error_of([&] { data::read_idx(plain); }).find("are past what a tensor can count"), std::string::npos);
+  // A plain file promising 4 GiB in 12 bytes is refused by its size, before anything is allocated.
+  const unsigned char promise[] = {0, 0, 0x08, 2, 0, 1, 0, 0, 0, 0, 0xff, 0xff};
+  std::ofstream(plain, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(promise), sizeof(promise));
+  EXPECT_NE(error_of([&] { data::read_idx(plain); }).find("header says 4294901760 bytes of data, file has 0"),
+            std::string::npos);
   EXPECT_NE(error_of([] { data::read_idx("/no/such/file.idx"); }).find("cannot read the dataset file '/no/such/file.idx'"),
             std::string::npos);
   std::remove(plain.c_str());
@@ -251,30 +260,33 @@ TEST(Memory, CgroupLimitsBelowTheMachineCount) {
   const double machine = util::memory_limit(root + "/none").bytes;
   ASSERT_GT(machine, 0);
   EXPECT_NE(util::memory_limit(root + "/none").what.find("this machine's"), std::string::npos);
+  // Limits below the machine's memory, whatever its size: an eighth, a quarter, ...
+  auto part = [&](int eighths) { return static_cast<int64_t>(machine / 8) * eighths; };
+  auto text = [&](int eighths) { return std::to_string(part(eighths)) + "\n"; };
   // v1, on the process's own cgroup.
   write(proc, "9:pids:/\n4:memory:/docker/abc\n1:cpu,cpuacct:/\n");
-  write(root + "/memory/docker/abc/memory.limit_in_bytes", "1000000000\n");
+  write(root + "/memory/docker/abc/memory.limit_in_bytes", text(1));
   auto limit = util::memory_limit(proc, root);
-  EXPECT_EQ(limit.bytes, 1e9);
-  EXPECT_NE(limit.what.find("the 1 GB of memory its cgroup allows"), std::string::npos) << limit.what;
+  EXPECT_EQ(limit.bytes, part(1));
+  EXPECT_NE(limit.what.find("of memory its cgroup allows"), std::string::npos) << limit.what;
   // v1 as a container sees it: its own cgroup at the mount's root; "unlimited" above it.
   std::system(("rm -r '" + root + "/memory/docker'").c_str());
-  write(root + "/memory/memory.limit_in_bytes", "2000000000\n");
-  EXPECT_EQ(util::memory_limit(proc, root).bytes, 2e9);
+  write(root + "/memory/memory.limit_in_bytes", text(2));
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, part(2));
   write(root + "/memory/memory.limit_in_bytes", "9223372036854771712\n");
   EXPECT_EQ(util::memory_limit(proc, root).bytes, machine);
   // v2: "max" on the own folder, a number on the parent; the smallest along the path counts.
   write(proc, "0::/user.slice/job\n");
   write(root + "/user.slice/job/memory.max", "max\n");
-  write(root + "/user.slice/memory.max", "3000000000\n");
-  write(root + "/memory.max", "4000000000\n");
-  EXPECT_EQ(util::memory_limit(proc, root).bytes, 3e9);
+  write(root + "/user.slice/memory.max", text(3));
+  write(root + "/memory.max", text(4));
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, part(3));
   // A path that climbs out, or a file that is no number, is ignored.
   write(proc, "0::/../escape\n");
   EXPECT_EQ(util::memory_limit(proc, root).bytes, machine);
   write(proc, "0::/user.slice\n");
   write(root + "/user.slice/memory.max", "12 GB\n");
-  EXPECT_EQ(util::memory_limit(proc, root).bytes, 4e9);
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, part(4));
   std::system(("rm -r '" + root + "'").c_str());
 }
 

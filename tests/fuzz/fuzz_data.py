@@ -89,9 +89,12 @@ def parse_idx(data):
     if ndim < 1 or len(data) < 4 + 4 * ndim:
         raise Bad("header cut short")
     dims = list(struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim]))
-    count = 1
+    count = extent = 1
     for d in dims:
         count *= d
+        extent *= max(d, 1)
+    if extent >= 1 << 63:  # a tensor's sizes and strides are counted in int64, even when one is 0
+        raise Bad("dimensions past int64")
     body = data[4 + 4 * ndim:]
     if len(body) != count * width:
         raise Bad(f"{count * width} bytes promised, {len(body)} held")
@@ -268,8 +271,9 @@ def damage_idx(rng, cls):
             dims.reverse()
         else:
             dims[i] = rng.randint(0, 9)
-        if rng.random() < 0.3:  # a huge dimension beside a zero one: no data at all
-            dims = [(1 << 32) - 1] + [0] * (ndim - 1) if ndim > 1 else [0]
+        if rng.random() < 0.3:  # huge dimensions beside a zero one: no data at all
+            dims = [rng.choice([(1 << 32) - 1, 1 << 31, 5]) for _ in range(ndim)]
+            dims[rng.randrange(ndim)] = 0
             data = data[:header]
         data = data[:4] + struct.pack(f">{ndim}I", *dims) + data[header:]
         what = f"{cls} {choice}"
@@ -296,7 +300,7 @@ def damage_idx(rng, cls):
 
 
 def lua_string(s):
-    return '"' + "".join(c if c.isalnum() or c in "/._- " else "\\%d" % ord(c) for c in s) + '"'
+    return '"' + "".join(c if c.isalnum() or c in "/._- " else "\\%03d" % ord(c) for c in s) + '"'
 
 
 def lua_table(o):
