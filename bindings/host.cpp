@@ -81,20 +81,20 @@ namespace {
 bool whole_int64(double x) { return x >= -0x1p63 && x < 0x1p63 && x == std::trunc(x); }
 }  // namespace
 
-std::string key_text(lua_State* L, int k) {
+std::string key_text(lua_State* L, int k, const std::string& prefix) {
   std::ostringstream key;
   switch (lua_type(L, k)) {
-    case LUA_TNUMBER: key << std::setprecision(17) << "[" << lua_tonumber(L, k) << "]"; break;
+    case LUA_TNUMBER: key << prefix << std::setprecision(17) << "[" << lua_tonumber(L, k) << "]"; break;
     case LUA_TSTRING: {
       size_t len;
       const char* text = lua_tolstring(L, k, &len);  // a string already: the traversal is safe
       bool plain = len > 0 && len <= 40;
       for (size_t c = 0; plain && c < len; ++c) plain = text[c] >= 0x20 && text[c] < 0x7f;
-      if (plain) key << "'" << std::string(text, len) << "'";
-      else key << "[a string of " << len << " bytes" << (len > 0 && len <= 40 ? ", not all printable" : "") << "]";
+      if (plain) key << "'" << prefix << std::string(text, len) << "'";
+      else key << prefix << "[a string of " << len << " bytes" << (len > 0 && len <= 40 ? ", not all printable" : "") << "]";
       break;
     }
-    default: key << "[a " << luaL_typename(L, k) << "]";
+    default: key << prefix << "[a " << luaL_typename(L, k) << "]";
   }
   return key.str();
 }
@@ -113,6 +113,16 @@ std::string stray_key(lua_State* L, int t, int n) {
     return key;
   }
   return "";
+}
+
+void refuse_stray_key(lua_State* L, int t, int n, const std::string& what) {
+  std::string stray = stray_key(L, t, n);
+  if (!stray.empty()) throw std::invalid_argument(what + ", but the table also has the key " + stray);
+}
+
+void Args::list_only(int i, int n, const char* what) const {
+  std::string stray = stray_key(L, i, n);
+  if (!stray.empty()) fail(i, std::string("a list of ") + what + " expected, but the table also has the key " + stray);
 }
 
 int64_t Args::integer(int i) const {
@@ -165,8 +175,7 @@ std::vector<int64_t> Args::ints(int i, int* end) const {
       if (!ok || !whole_int64(x)) fail(i, "table of integers expected, element " + std::to_string(k) + " is not one");
       out.push_back(static_cast<int64_t>(x));
     }
-    std::string stray = stray_key(L, i, n);
-    if (!stray.empty()) fail(i, "a list of integers expected, but the table also has the key " + stray);
+    list_only(i, n, "integers");
     if (end) *end = i + 1;
     return out;
   }
@@ -192,8 +201,7 @@ std::vector<torch::Tensor> Args::tensors(int i) const {
     if (!t) fail(i, "table of tensors expected, element " + std::to_string(k) + " is not a tensor");
     out.push_back(*t);
   }
-  std::string stray = stray_key(L, i, n);
-  if (!stray.empty()) fail(i, "a list of tensors expected, but the table also has the key " + stray);
+  list_only(i, n, "tensors");
   return out;
 }
 
@@ -346,11 +354,8 @@ std::vector<double> Options::numbers(const char* key, std::vector<double> fallba
     lua_pop(L, 1);
     out.push_back(x);
   }
-  std::string stray = stray_key(L, -1, n);
+  refuse_stray_key(L, -1, n, "option '" + prefix_ + key + "' for " + what_ + " must be a list of numbers");
   lua_pop(L, 1);
-  if (!stray.empty())
-    throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be a list of numbers, "
-                                "but the table also has the key " + stray);
   return out;
 }
 
@@ -390,12 +395,11 @@ void Options::finish() {
     bool known = false;
     for (const auto& k : known_) known = known || k == key;
     if (!known) {
-      std::string shown = key_text(L, -1);  // a long or unprintable name is described, not echoed
-      std::string name = shown[0] == '\'' ? key : shown;
+      std::string name = key_text(L, -1, prefix_);  // a long or unprintable name is described, not echoed
       lua_pop(L, 1);
       std::string list;
       for (const auto& k : known_) list += (list.empty() ? "" : ", ") + k;
-      throw std::invalid_argument("unknown option '" + prefix_ + name + "' for " + what_ +
+      throw std::invalid_argument("unknown option " + name + " for " + what_ +
                                   (list.empty() ? " (it takes no options)" : " (expected: " + list + ")"));
     }
   }

@@ -100,6 +100,8 @@ class Args {
 
   [[noreturn]] void fail(int i, const std::string& what) const;
   [[noreturn]] void expected(int i, const char* what) const;
+  /// Refuses argument i, a list of n `what` ("tensors"), when its table has a stray key.
+  void list_only(int i, int n, const char* what) const;
 
   torch::Tensor& tensor(int i) const;
   /// A tensor, or a number turned into a 0-dim tensor like `like`.
@@ -236,12 +238,15 @@ bool user_location(lua_State* L, char* buf, size_t n, int first = 1);
 
 /// The key at stack index k as a message shows it: 'name' (a short printable string), [3], or
 /// what it is ([a boolean], [a string of 900 bytes]); never the raw bytes of a long or
-/// unprintable string.
-std::string key_text(lua_State* L, int k);
+/// unprintable string. `prefix` goes before the name ('schedule.kind', schedule.[3]).
+std::string key_text(lua_State* L, int k, const std::string& prefix = "");
 /// The first key of the table at `t` that reading it as a list of n elements would skip (a name,
 /// or an index outside 1..n after a hole), as key_text shows it; "" when there is none. A list
 /// with such a key would lose it silently: { 2, 3, dtype = "float64" } is no shape.
 std::string stray_key(lua_State* L, int t, int n);
+/// Throws "<what>, but the table also has the key <key>" when the table at `t` has a stray key
+/// (see stray_key): for a list read by partrain's own readers.
+void refuse_stray_key(lua_State* L, int t, int n, const std::string& what);
 
 /// A Lua value held in the registry for as long as an engine object needs it; released when
 /// dropped unless the state has closed first. Calls go through active_state(main()).

@@ -587,8 +587,7 @@ const Function kConstructors[] = {
            list->append(*m);
            lua_pop(a.L, 1);
          }
-         std::string stray = stray_key(a.L, 1, n);
-         if (!stray.empty()) a.fail(1, "a list of modules expected, but the table also has the key " + stray);
+         a.list_only(1, n, "modules");
        } else {
          for (int i = 1; i <= a.top(); ++i) list->append(a.module(i));
        }

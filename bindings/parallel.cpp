@@ -291,9 +291,7 @@ std::vector<std::string> string_list(lua_State* L, const char* what) {
     out.emplace_back(lua_tostring(L, -1));
     lua_pop(L, 1);
   }
-  std::string stray = stray_key(L, -1, static_cast<int>(out.size()));
-  if (!stray.empty())
-    throw std::invalid_argument(std::string("pipeline: ") + what + " must be a list of names, but the table also has the key " + stray);
+  refuse_stray_key(L, -1, static_cast<int>(out.size()), std::string("pipeline: ") + what + " must be a list of names");
   return out;
 }
 

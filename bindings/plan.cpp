@@ -28,8 +28,7 @@ std::vector<const optim::Optimizer*> optimizers_at(const Args& a) {
       if (!o) a.fail(2, "table of optimizers expected");
       optimizers.push_back(o->get());
     }
-    std::string stray = stray_key(a.L, 2, static_cast<int>(optimizers.size()));
-    if (!stray.empty()) a.fail(2, "a list of optimizers expected, but the table also has the key " + stray);
+    a.list_only(2, static_cast<int>(optimizers.size()), "optimizers");
   }
   return optimizers;
 }

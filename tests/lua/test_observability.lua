@@ -61,7 +61,7 @@ end)
 
 -- pt.metrics.write had written a NaN step as null, dropping none of the records a resumed run
 -- repeats; pt.log checked only that it was a number.
-test("a record's step must be a finite number, in pt.metrics.write as in pt.log: the file keeps its records", function()
+test("a record's step must be a finite number, in pt.metrics.write, pt.metrics.memory and pt.log: the file keeps its records", function()
   local path = os.tmpname()
   local before = '{"event":"run","time":1}\n{"step":1,"loss":3}\n{"step":2,"loss":2.5}\n'
   write(path, before)
@@ -69,6 +69,8 @@ test("a record's step must be a finite number, in pt.metrics.write as in pt.log:
   raises(function() pt.metrics.write { step = 0 / 0, loss = 1 } end, "pt.metrics.write: step must be a finite number, got")
   raises(function() pt.metrics.write { step = 1 / 0 } end, "pt.metrics.write: step must be a finite number, got inf")
   raises(function() pt.metrics.write { step = "3" } end, "pt.metrics.write: step must be a finite number, got string")
+  -- pt.metrics.memory checks its step before its collective, on every rank alike.
+  raises(function() pt.metrics.memory(0 / 0) end, "pt.metrics.memory: step must be a finite number, got")
   pt.metrics(false)
   eq(read(path), before, "nothing dropped or written")
   os.remove(path)

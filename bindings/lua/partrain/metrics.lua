@@ -179,7 +179,7 @@ end
 --- the run report shows.
 local STATE = { "params", "grads", "optimizer", "master" }
 function metrics.memory(step, model)
-  if step ~= nil and type(step) ~= "number" then raise("pt.metrics.memory: step must be a number, got " .. type(step), 2) end
+  metrics._check_step(step, "pt.metrics.memory", 2)  -- on every rank, before the collective
   if model ~= nil and not core.nn.is_module(model) then
     raise("pt.metrics.memory: model must be a module, got " .. type(model), 2)
   end
