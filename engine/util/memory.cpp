@@ -49,19 +49,33 @@ MemoryLimit memory_limit(const std::string& proc_cgroup, const std::string& cgro
     const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
     if (b == std::string::npos) continue;
     const std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1);
-    std::string path = line.substr(b + 1), base, file;
+    std::string path = line.substr(b + 1), file;
+    std::vector<std::string> bases;
     std::istringstream names(controllers);
     bool memory = false;
     for (std::string name; std::getline(names, name, ',');) memory = memory || name == "memory";
-    if (memory) base = cgroup_root + "/memory", file = "memory.limit_in_bytes";
-    else if (id == "0" && controllers.empty()) base = cgroup_root, file = "memory.max";
-    else continue;
+    // v1 mounts a controller at /sys/fs/cgroup/memory, or several together at a folder named by
+    // their list as this line gives it ("4:cpu,memory:/job" at /sys/fs/cgroup/cpu,memory).
+    if (memory) {
+      file = "memory.limit_in_bytes";
+      bases.push_back(cgroup_root + "/memory");
+      if (controllers != "memory" && controllers.find('/') == std::string::npos &&
+          controllers.find("..") == std::string::npos)
+        bases.push_back(cgroup_root + "/" + controllers);
+    } else if (id == "0" && controllers.empty()) {
+      file = "memory.max";
+      bases.push_back(cgroup_root);
+    } else {
+      continue;
+    }
     if (path.empty() || path[0] != '/' || path.find("/..") != std::string::npos) continue;
     while (true) {
-      const double bytes = read_limit(base + (path == "/" ? "" : path) + "/" + file);
-      if (bytes > 0 && (limit.bytes <= 0 || bytes < limit.bytes)) {
-        limit.bytes = bytes;
-        limit.what = "the " + gigabytes(bytes) + " of memory its cgroup allows (a container's limit)";
+      for (const std::string& base : bases) {
+        const double bytes = read_limit(base + (path == "/" ? "" : path) + "/" + file);
+        if (bytes > 0 && (limit.bytes <= 0 || bytes < limit.bytes)) {
+          limit.bytes = bytes;
+          limit.what = "the " + gigabytes(bytes) + " of memory its cgroup allows (a container's limit)";
+        }
       }
       if (path == "/") break;
       path = path.substr(0, path.rfind('/'));

@@ -275,6 +275,13 @@ TEST(Memory, CgroupLimitsBelowTheMachineCount) {
   EXPECT_EQ(util::memory_limit(proc, root).bytes, part(2));
   write(root + "/memory/memory.limit_in_bytes", "9223372036854771712\n");
   EXPECT_EQ(util::memory_limit(proc, root).bytes, machine);
+  // v1 with the memory controller mounted together with another, at a folder named by both.
+  std::system(("rm -r '" + root + "/memory'").c_str());
+  write(proc, "9:pids:/\n5:cpu,memory:/job\n");
+  write(root + "/cpu,memory/job/memory.limit_in_bytes", text(3));
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, part(3));
+  write(proc, "5:memory,../x:/job\n");  // a controller list that would climb out is not a folder
+  EXPECT_EQ(util::memory_limit(proc, root).bytes, machine);
   // v2: "max" on the own folder, a number on the parent; the smallest along the path counts.
   write(proc, "0::/user.slice/job\n");
   write(root + "/user.slice/job/memory.max", "max\n");
