@@ -117,7 +117,8 @@ void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<tor
                  const std::vector<torch::Tensor>& steps, double lr, double beta1, double beta2,
                  double weight_decay, double eps);
 
-/// An exception's message without LibTorch's C++ backtrace.
+/// An exception's message without LibTorch's C++ backtrace, a NaN in it written "nan" as Lua
+/// writes it (C++ streams write one with its sign bit set "-nan").
 std::string message_of(const std::exception& e);
 
 /// Calls `fn` each time autograd has accumulated a new gradient into the leaf `param`'s .grad

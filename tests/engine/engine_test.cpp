@@ -22,6 +22,7 @@
 #include <sstream>
 
 #include "engine/ckpt/ckpt.hpp"
+#include "engine/compat.hpp"
 #include "engine/data/data.hpp"
 #include "engine/dist/ledger.hpp"
 #include "engine/models/gpt2.hpp"
@@ -251,6 +252,22 @@ TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
 
 // The memory guard's limit: a container's cgroup (v1 or v2, on its own folder or one above it,
 // as a container sees it) when smaller than the machine, the machine otherwise.
+TEST(Messages, NanStandingAloneReadsWithoutSign) {
+  const double nan = -std::numeric_limits<double>::quiet_NaN();
+  std::ostringstream made;
+  made << "got " << nan << ", (" << nan << ") [" << nan << "]";
+  ASSERT_NE(made.str().find("-nan"), std::string::npos) << "this C++ library writes a signed NaN as " << made.str();
+  EXPECT_EQ(compat::message_of(std::invalid_argument(made.str())), "got nan, (nan) [nan]");
+  try {
+    TORCH_CHECK(false, "eps must be finite, got ", nan);
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(compat::message_of(e), "eps must be finite, got nan");
+  }
+  // Words and names that hold "-nan" are left as they are.
+  const std::string names = "file 'a-nan.txt', 'x/-nan' and not-nan-at-all: -nano";
+  EXPECT_EQ(compat::message_of(std::runtime_error(names)), names);
+}
+
 TEST(Memory, CgroupLimitsBelowTheMachineCount) {
   const std::string root = temp_path("-cgroup"), proc = root + "/cgroup";
   auto write = [](const std::string& path, const std::string& text) {

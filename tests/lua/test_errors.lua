@@ -187,6 +187,20 @@ test("integers past 32 bits are refused as given, never cut to their low bits", 
   H.raises(function() pt.mesh { tensor = 1e300 } end, "got number 1.0000000000000001e+300")
 end)
 
+test("a NaN in a message reads nan, as Lua prints it, not C++'s -nan", function()
+  local nan = 0 / 0
+  local cases = {
+    { function() pt.nn.Dropout(nan) end, "Dropout probability must be in [0, 1), got nan" },
+    { function() pt.nn.LayerNorm(4, { eps = nan }) end, "eps must be a finite number >= 0, got nan" },
+    { function() pt.nn.Linear(nan, 2) end, "integer expected, got nan)" },
+    { function() pt.mesh { tensor = nan } end, "got number nan" },
+  }
+  for i, c in ipairs(cases) do
+    local msg = H.raises(c[1], c[2])
+    ok(not msg:find("-nan", 1, true), "case " .. i .. " has no -nan: " .. msg)
+  end
+end)
+
 test("a bad sharding option names the script line, not partrain's own", function()
   local out = fails_at_line_3('pt.parallelize(m, nil, pt.mesh {}, { probe = "yes" })', "sharding option 'probe' must be",
     "the script's line first")
