@@ -346,11 +346,12 @@ const Function kMeta[] = {
        if (t.requires_grad()) s << ", requires_grad";
        s << ")";
        if (t.numel() > 1000) return a.ret(s.str());
+       if (t.numel() == 0) return a.ret(s.str());
        std::ostringstream body;
        body << t;  // ATen's text ends with a "[ CPUFloatType{2,3} ]" line the header already says
        std::string text = body.str();
        auto last = text.rfind("\n[");
-       if (t.dim() > 0 && last != std::string::npos) text.resize(last);
+       if (last != std::string::npos) text.resize(last);
        return a.ret(s.str() + "\n" + text); }},
     // Fields that are not methods: shape, dtype, device, grad, requires_grad, is_leaf.
     {"__field", [](Args& a) {

@@ -12,6 +12,14 @@ std::pair<int64_t, int64_t> extremes(const Tensor& t) {
   return {both[0].item<int64_t>(), both[1].item<int64_t>()};
 }
 
+c10::optional<int64_t> class_id_outside(const Tensor& ids, int64_t classes, int64_t ignore_index) {
+  if (ids.numel() == 0 || ids.is_meta()) return c10::nullopt;
+  const auto [lo, hi] = extremes(ids.masked_fill(ids == ignore_index, 0));
+  if (lo < 0) return lo;
+  if (hi >= classes) return hi;
+  return c10::nullopt;
+}
+
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1, "rms_norm expects a tensor with at least one dimension");
   TORCH_CHECK(eps >= 0 && std::isfinite(eps), "rms_norm: eps must be a finite number >= 0, got ", eps);
@@ -121,9 +129,9 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, int64_t ignore_i
   auto ids = targets.reshape({-1}).to(torch::kInt64);
   auto counted = ids.ne(ignore_index);
   const int64_t classes = flat.size(1);
-  auto out_of_range = counted.logical_and(ids.lt(0).logical_or(ids.ge(classes)));
-  TORCH_CHECK(!out_of_range.any().item<bool>(), "nll_loss: a target is outside 0..", classes - 1,
-              " (and not the ignore_index ", ignore_index, ")");
+  const auto outside = class_id_outside(ids, classes, ignore_index);
+  TORCH_CHECK(!outside, "nll_loss: target ", outside.value_or(0), " is out of range for ", classes,
+              " classes (targets are 0 to ", classes - 1, ", or ignore_index=", ignore_index, ")");
   auto safe = ids.masked_fill(counted.logical_not(), 0);
   auto picked = -flat.gather(1, safe.unsqueeze(1)).squeeze(1) * counted.to(flat.scalar_type());
   if (reduction == "none") return picked.view(targets.sizes());

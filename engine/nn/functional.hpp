@@ -21,6 +21,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps);
 /// its device (the checks of token ids and class ids).
 std::pair<int64_t, int64_t> extremes(const Tensor& t);
 
+/// A class id of `ids` outside 0..classes-1 that is not `ignore_index` (the smallest one below,
+/// else the largest above), or none: losses check their targets with it before LibTorch's
+/// kernel, which on a GPU would stop the device on one (a device-side assert).
+c10::optional<int64_t> class_id_outside(const Tensor& ids, int64_t classes, int64_t ignore_index);
+
 struct AttentionOptions {
   Tensor mask;           ///< boolean (true: attend) or additive float, broadcast to (B, H, T, S)
   bool causal = false;   ///< position t attends to positions <= t (with T = S, or aligned to the end)

@@ -598,11 +598,9 @@ void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
   if (takes)
     TORCH_CHECK(y.sizes().vec() == rows, "train_step: ", type(), " gives ", width, " class scores for each of the ",
                 "input's ", c10::IntArrayRef(rows), " rows, so its targets must have that shape, got ", y.sizes());
-  if (y.numel() == 0 || y.is_meta()) return;
-  const auto counted = y.masked_fill(y == ignore_index, 0);
-  const auto [lo, hi] = extremes(counted);
-  TORCH_CHECK(lo >= 0 && hi < width, "train_step: target ", lo < 0 ? lo : hi, " is out of range for ", type(), "'s ",
-              width, " classes (targets are 0 to ", width - 1, ", or ignore_index=", ignore_index, ")");
+  const auto outside = class_id_outside(y, width, ignore_index);
+  TORCH_CHECK(!outside, "train_step: target ", outside.value_or(0), " is out of range for ", type(), "'s ", width,
+              " classes (targets are 0 to ", width - 1, ", or ignore_index=", ignore_index, ")");
 }
 
 Activation::Activation(std::string type, std::function<Tensor(const Tensor&)> fn)
@@ -650,6 +648,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   // Any integer ids, as the embedding takes them: LibTorch's kernel reads int64 alone.
   const auto ids = targets.scalar_type() == torch::kLong ? targets : targets.to(torch::kLong);
   if (is_low_precision(flat)) flat = flat.to(torch::kFloat32);  // the softmax and the loss in float32
+  const auto outside = class_id_outside(ids, flat.size(1), ignore_index);
+  TORCH_CHECK(!outside, "cross_entropy: target ", outside.value_or(0), " is out of range for ", flat.size(1),
+              " classes (targets are 0 to ", flat.size(1) - 1, ", or ignore_index=", ignore_index, ")");
   auto options = F::CrossEntropyFuncOptions().ignore_index(ignore_index);
   if (summed("cross_entropy", reduction)) options.reduction(torch::kSum);
   return F::cross_entropy(flat, ids.reshape({-1}), options);

@@ -261,6 +261,15 @@ test("losses: cross_entropy and mse", function()
   -- int32 ids, as the embedding takes them (LibTorch's kernel had said "expected scalar type Long but found Int")
   eq(pt.nn.cross_entropy(logits, y:to("int32")):item(), pt.nn.cross_entropy(logits, y):item(), "int32 targets")
   raises(function() pt.nn.mse(pt.ones(2), pt.ones(3)) end, "equal shapes")
+  -- A class id out of range is refused by partrain, before LibTorch's kernel: on a GPU that
+  -- kernel stops the device (a device-side assert); on the CPU it said "Target 3 is out of bounds."
+  local msg = "cross_entropy: target 3 is out of range for 3 classes (targets are 0 to 2, or ignore_index=-100)"
+  raises(function() pt.nn.cross_entropy(logits, pt.tensor({ 0, 3 }):long()) end, msg)
+  raises(function() pt.nn.cross_entropy(logits, pt.tensor({ -1, 3 }):long()) end, "target -1 is out of range")
+  raises(function() pt.nn.cross_entropy(logits, pt.tensor({ 7, 0 }):long(), { ignore_index = 0 }) end,
+    "target 7 is out of range for 3 classes (targets are 0 to 2, or ignore_index=0)")
+  near(pt.nn.cross_entropy(logits, pt.tensor({ 7, 0 }):long(), { ignore_index = 7 }),
+    -(logits:log_softmax(1):select(0, 1):select(0, 0)), 1e-6, "the ignored id may be out of range")
 end)
 
 test("a Linear given another dtype than its weights' names both and the two ways out", function()

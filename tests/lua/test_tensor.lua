@@ -183,6 +183,9 @@ test("tostring shows shape, dtype and values", function()
   local s = tostring(pt.tensor { 1.5, 2.5 })
   ok(s:find("tensor%(%[2%], float32%)"), s)
   ok(s:find("1.5"), s)
+  -- LibTorch's own footer ("[ CPUFloatType{} ]") is dropped for one number and for no numbers too.
+  eq(tostring(pt.tensor(2.5)), "tensor([], float32)\n2.5")
+  eq(tostring(pt.zeros { 0, 3 }), "tensor([0, 3], float32)")
 end)
 
 -- Into an integer dtype each number as it is: NaN had become -9.2e18, 2^63 INT64_MIN, 1.5 1.
