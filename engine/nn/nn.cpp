@@ -441,6 +441,14 @@ Tensor Embedding::forward(const Tensor& ids) {
   refuse_meta(weight(), ids, "Embedding(" + std::to_string(options.count) + ", " + std::to_string(options.dim) + ")");
   TORCH_CHECK(!ids.is_floating_point() && ids.scalar_type() != torch::kBool, "Embedding expects integer ids, got ",
               compat::dtype_name(ids.scalar_type()));
+  // On the CPU, where reading them costs little, ids out of range are named (LibTorch says "index
+  // out of range in self"). On a GPU that read would stop the stream at every lookup; the model
+  // families and train_step's batch check read them once a step instead.
+  if (ids.is_cpu() && ids.numel() > 0) {
+    const auto [lo, hi] = extremes(ids);
+    TORCH_CHECK(lo >= 0 && hi < options.count, "Embedding(", options.count, ", ", options.dim, "): id ",
+                lo < 0 ? lo : hi, " is out of range (ids are 0 to ", options.count - 1, ")");
+  }
   return F::embedding(ids, weight());
 }
 
