@@ -1530,10 +1530,6 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
         auto it = counted.find(params[i].logical);
         if (it == counted.end()) continue;
         steps[i] = it->second;
-        TORCH_CHECK(!state.optimizer->distributed(), "the checkpoint '", tag_dir, "' holds the state of '",
-                    it->first, "' after ", it->second, " of the optimizer's ", m.optimizer_steps,
-                    " steps (it had no gradient on the others); ZeRO steps every parameter on every step and ",
-                    "cannot resume it: load it without zero, or train on without the optimizer's state");
       }
     }
     as_damage([&] {

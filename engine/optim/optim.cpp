@@ -207,10 +207,7 @@ void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::
   TORCH_CHECK(steps >= -1 && steps <= steps_, options_.kind, ": a parameter's state cannot have taken ", steps,
               " steps; the optimizer has taken ", steps_);
   if (distributed_) {
-    // A sharded optimizer steps its shards whole: every parameter on every step.
-    TORCH_CHECK(steps < 0 || steps == steps_ || slots.empty(), "ZeRO cannot take the state of a parameter that ",
-                "stepped ", steps, " of the optimizer's ", steps_, " steps (it had no gradient on the others)");
-    distributed_->set_param_state(*this, param, slots);
+    distributed_->set_param_state(*this, param, slots, steps);
   } else {
     set_local_state(param, slots, steps);
   }
@@ -218,7 +215,7 @@ void Optimizer::set_param_state(const torch::Tensor& param, const std::map<std::
 
 int64_t Optimizer::param_steps(const torch::Tensor& param) const {
   if (options_.kind == "sgd") return -1;
-  if (distributed_) return steps_;  // it steps every parameter (see set_param_state)
+  if (distributed_) return distributed_->param_steps(*this, param);
   const auto i = index_of(param);
   auto it = impl_->state().find(compat::optimizer_state_key(i >= 0 ? work_[i] : param));
   if (it == impl_->state().end()) return -1;

@@ -78,9 +78,12 @@ class Distributed {
   /// A model parameter's state, shaped as the parameter (a collective over the shard's group:
   /// every member calls it for the same parameters in the same order).
   virtual std::map<std::string, torch::Tensor> param_state(const Optimizer& opt, const torch::Tensor& param) const = 0;
-  /// Replaces a model parameter's part of the shard's state from slots shaped as the parameter.
+  /// Replaces a model parameter's part of the shard's state from slots shaped as the parameter,
+  /// as of `steps` steps (-1: the optimizer's).
   virtual void set_param_state(Optimizer& opt, const torch::Tensor& param,
-                               const std::map<std::string, torch::Tensor>& slots) = 0;
+                               const std::map<std::string, torch::Tensor>& slots, int64_t steps) = 0;
+  /// How many steps a model parameter's state has taken (Optimizer::param_steps).
+  virtual int64_t param_steps(const Optimizer& opt, const torch::Tensor& param) const = 0;
 };
 
 /// The optimizer. A bfloat16 or float16 parameter gets a float32 master copy that the update runs
@@ -150,8 +153,7 @@ class Optimizer {
   /// "master" a low-precision parameter's master takes the parameter's value; with one, a float32
   /// parameter takes the master's (full precision back from a bfloat16 run's checkpoint).
   /// `steps`: how many steps the state has taken (Adam's bias correction reads it); -1: as many
-  /// as the optimizer, steps_taken(). A distributed optimizer steps every parameter on every step
-  /// and refuses another count.
+  /// as the optimizer, steps_taken().
   void set_param_state(const torch::Tensor& param, const std::map<std::string, torch::Tensor>& slots,
                        int64_t steps = -1);
   /// How many steps `param`'s state has taken: fewer than steps_taken() for a parameter that had

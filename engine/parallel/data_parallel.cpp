@@ -429,14 +429,10 @@ void DataParallel::settle_unused(const torch::Tensor& counts) {
   TORCH_CHECK(summed.numel() == static_cast<int64_t>(params_.size()), "data parallelism: ", summed.numel(),
               " gradient counts for ", params_.size(), " parameters");
   const double* n = summed.data_ptr<double>();
+  unused_.assign(params_.size(), 0);
   for (size_t k = 0; k < params_.size(); ++k) {
     if (n[k] != 0) continue;
-    // ZeRO steps its masters' shards whole, a parameter without a gradient as zeros: refused on
-    // every rank alike (the counts are the group's), rather than moved.
-    TORCH_CHECK(options_.zero_stage == 0, "ZeRO: parameter '", names_[k], "' got no gradient on any data rank since ",
-                "the last sync; ZeRO's optimizer would step it as zeros (its moments and weight decay moving it, ",
-                "where serial training leaves it): a model whose forward skips parameters trains without ZeRO, or ",
-                "freeze them (requires_grad = false) before pt.parallelize");
+    unused_[k] = 1;  // ZeRO's optimizer leaves this parameter's shard pieces without a gradient
     params_[k].mutable_grad() = torch::Tensor();
   }
 }

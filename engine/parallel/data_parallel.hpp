@@ -151,12 +151,14 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// AdamW's moments and decay had moved it). used_counts(): this rank's count a parameter
   /// (float64, 1 or 0) for the last sync; settle_unused(counts) takes their sum over the data
   /// group (train_step carries it on the loss's all-reduce) and drops the .grad of those at 0,
-  /// once a sync; under ZeRO, which steps its shards whole, such a parameter is refused, on every
-  /// rank alike. settle_unused() all-reduces the counts itself (a hand-written loop's step).
+  /// once a sync; unused(k) then says so on every rank alike (ZeRO's optimizer skips them).
+  /// settle_unused() all-reduces the counts itself (a hand-written loop's step).
   torch::Tensor used_counts() const;
   void settle_unused(const torch::Tensor& counts);
   void settle_unused();
   bool unsettled() const { return unsettled_; }
+  /// Whether parameter k (of params()) got no gradient on any data rank in the sync last settled.
+  bool unused(size_t k) const { return k < unused_.size() && unused_[k]; }
   /// Set by train_step around its step: the sync leaves the counts to it.
   void set_counts_elsewhere(bool elsewhere) { counts_elsewhere_ = elsewhere; }
   int passes_since_sync() const { return passes_; }
@@ -236,6 +238,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<char> used_;          // parameter -> it got a gradient on this rank since the last sync
   std::vector<char> synced_used_;   // ... as the last sync left it, until settled
   bool unsettled_ = false;          // a sync's counts not yet settled (settle_unused)
+  std::vector<char> unused_;        // by parameter: no gradient on any data rank (the last settled sync)
   bool counts_elsewhere_ = false;   // train_step carries the counts on its loss's all-reduce
   bool counts_pending_ = false;     // a hand-written loop's counts, all-reduced behind the sync
   torch::Tensor counts_;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <unordered_map>
 
@@ -20,6 +21,7 @@ struct Segment {
   size_t master;          // which master (one per flat buffer)
   int64_t master_offset;  // where it sits in that master
   int64_t length;
+  size_t first_piece = 0, pieces = 0;  // its pieces in ZeroShards::pieces_, in order
 };
 
 class ZeroShards : public optim::Distributed {
@@ -48,15 +50,29 @@ class ZeroShards : public optim::Distributed {
       auto dtype = buffer.dtype() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
       auto options = torch::TensorOptions().dtype(dtype).device(buffer.device());
       masters_.push_back(torch::zeros({length[i]}, options));
-      // What the optimizer steps: the master in pieces, each a leaf viewing its storage. On the
-      // CPU one AdamW step over a 1.6 M-element tensor took 25 ms against 2.1 ms for the same
-      // elements in 128 Ki pieces (every temporary of the update stays in cache); a device keeps
-      // one piece a master (one kernel per operation).
-      const int64_t piece = buffer.device().is_cpu() ? kCpuPiece : std::max<int64_t>(length[i], 1);
-      piece_begin_.push_back(pieces_.size());
-      piece_length_.push_back(piece);
-      for (int64_t at = 0; at < length[i]; at += piece)
-        pieces_.push_back({i, at, masters_[i].narrow(0, at, std::min(piece, length[i] - at)).detach().requires_grad_(true)});
+      // What the optimizer steps: the master in pieces, each a leaf viewing its storage and
+      // holding one parameter's elements (or padding), so that a parameter that got no gradient
+      // is skipped with its own state and step count, as serial training skips it. On the CPU
+      // a piece is at most 128 Ki elements: one AdamW step over a 1.6 M-element tensor took 25
+      // ms against 2.1 ms for the same elements in such pieces (every temporary of the update
+      // stays in cache).
+      const int64_t most = buffer.device().is_cpu() ? kCpuPiece : std::numeric_limits<int64_t>::max();
+      auto cut = [&](int64_t begin, int64_t end, size_t segment) {
+        for (int64_t at = begin; at < end; at += std::min(most, end - at))
+          pieces_.push_back({i, at, segment,
+                             masters_[i].narrow(0, at, std::min(most, end - at)).detach().requires_grad_(true)});
+      };
+      int64_t covered = 0;  // segments lie in their master in order
+      for (size_t k = 0; k < segments_.size(); ++k) {
+        auto& g = segments_[k];
+        if (g.master != i) continue;
+        cut(covered, g.master_offset, kPadding);
+        g.first_piece = pieces_.size();
+        cut(g.master_offset, g.master_offset + g.length, k);
+        g.pieces = pieces_.size() - g.first_piece;
+        covered = g.master_offset + g.length;
+      }
+      cut(covered, length[i], kPadding);
       // ZeRO-2: the gradient shard IS data parallelism's shard buffer where the dtypes agree (no
       // copy a step); a buffer of another dtype (reduce_dtype bfloat16) is cast into one of ours.
       const bool shared = dp_->sharded() && dp_->shards()[i].scalar_type() == dtype;
@@ -66,6 +82,8 @@ class ZeroShards : public optim::Distributed {
     torch::NoGradGuard no_grad;
     for (const auto& s : segments_) master_part(s).copy_(param_part(s));
     for (const auto& p : params) versions_.push_back(p._version());
+    steps_.assign(params.size(), 0);
+    stepped_.assign(params.size(), 0);
     groups_ = split_groups(model->module(), params);
   }
 
@@ -77,7 +95,7 @@ class ZeroShards : public optim::Distributed {
   }
 
   void prepare() override {
-    dp_->settle_unused();  // a step on gradients a parameter got on no data rank is refused
+    dp_->settle_unused();  // which parameters got a gradient on no data rank: their pieces get none
     wait_params();  // overlap_sync_param: the last step's gathers, before the parameters are read
     torch::NoGradGuard no_grad;
     auto model = model_.lock();
@@ -102,7 +120,13 @@ class ZeroShards : public optim::Distributed {
       if (shared_[b.buffer] && !b.whole) continue;  // grads_ is the shard buffer itself
       grads_[b.buffer].narrow(0, bucket_master_[i], b.padded / zero_->size()).copy_(dp_->reduced_part(i));
     }
-    for (auto& q : pieces_) q.tensor.mutable_grad() = grads_[q.master].narrow(0, q.offset, q.tensor.numel());
+    // A parameter no data rank gave a gradient keeps none, and the optimizer skips its pieces
+    // (its moments, weight decay and step count stay), as it skips the parameter in serial
+    // training; every rank of the zero group knows it from the same counts.
+    for (auto& q : pieces_)
+      q.tensor.mutable_grad() = q.segment != kPadding && dp_->unused(segments_[q.segment].param)
+                                    ? torch::Tensor()
+                                    : grads_[q.master].narrow(0, q.offset, q.tensor.numel());
   }
 
   double clip(double max_norm) override {
@@ -122,6 +146,8 @@ class ZeroShards : public optim::Distributed {
     const int z = zero_->size(), r = zero_->rank();
     const auto& params = dp_->params();
     const auto& buckets = dp_->buckets();
+    for (size_t k = 0; k < params.size(); ++k)  // the same on every rank: the counts are the group's
+      if (!dp_->unused(k)) ++steps_[k], stepped_[k] = 1;
     if (overlap_) {
       // Each bucket's updated part, cast to the parameters' dtype, all-gathered asynchronously
       // (in bucket order on every rank); wait_params() copies the parts into the parameters.
@@ -189,59 +215,60 @@ class ZeroShards : public optim::Distributed {
     std::map<std::string, torch::Tensor> out;
     const auto k = index_of(param);
     if (k < 0) return out;
-    std::vector<std::map<std::string, torch::Tensor>> states;
-    for (const auto& q : pieces_) states.push_back(opt.local_state(q.tensor));
-    if (states.front().empty()) return out;  // before the first step: no state on any rank
     const auto& p = dp_->params()[k];
+    // Each slot: zeros but for this rank's segments, summed over the zero group: the whole. Every
+    // member gathers the same slots: which ones follows from the optimizer and the step counts,
+    // which are the same on every rank.
     auto gather = [&](const std::function<torch::Tensor(size_t)>& source) {
-      // (numel,) zeros but for this rank's segments, summed over the zero group: the whole.
       auto full = torch::zeros({p.numel()}, masters_.front().options());
       for (const auto& s : segments_)
         if (static_cast<int64_t>(s.param) == k)
-          for_pieces(s, [&](size_t q, int64_t at, int64_t from, int64_t n) {
-            full.narrow(0, s.param_offset + from, n).copy_(source(q).narrow(0, at, n));
-          });
+          for_pieces(s, [&](size_t q, int64_t from, int64_t n) { full.narrow(0, s.param_offset + from, n).copy_(source(q)); });
       zero_->all_reduce(full);
       return full.view(p.sizes());
     };
-    for (const auto& [slot, t] : states.front()) out[slot] = gather([&, name = slot](size_t q) { return states[q].at(name); });
+    if (stepped_[k])  // a parameter that has not stepped yet has no state, as in serial training
+      for (const std::string& slot : state_slots(opt.options()))
+        out[slot] = gather([&](size_t q) { return opt.local_state(pieces_[q].tensor).at(slot); });
     if (p.scalar_type() != masters_.front().scalar_type())
       out["master"] = gather([&](size_t q) { return pieces_[q].tensor.detach(); });
     return out;
   }
 
+  int64_t param_steps(const optim::Optimizer& opt, const torch::Tensor& param) const override {
+    const auto k = index_of(param);
+    if (k < 0 || !stepped_[k] || state_slots(opt.options()).empty()) return -1;
+    return steps_[k];
+  }
+
   void set_param_state(optim::Optimizer& opt, const torch::Tensor& param,
-                       const std::map<std::string, torch::Tensor>& slots) override {
+                       const std::map<std::string, torch::Tensor>& slots, int64_t steps) override {
     wait_params();  // a gather still in flight would overwrite what this loads
     torch::NoGradGuard no_grad;
     const auto k = index_of(param);
     if (k < 0) return;
-    if (slots.empty()) {  // a checkpoint without state: the optimizer starts afresh
-      for (const auto& q : pieces_) opt.set_local_state(q.tensor, {});
-      return;
-    }
     const auto& p = dp_->params()[k];
     for (const auto& [slot, t] : slots)
       TORCH_CHECK(t.numel() == p.numel(), "ZeRO: state '", slot, "' of a parameter of ", p.numel(), " elements has ",
                   t.numel());
-    std::map<size_t, std::map<std::string, torch::Tensor>> touched;  // piece -> its state, as written
+    auto state = slots;
+    state.erase("master");
+    if (steps < 0) steps = opt.steps_taken();
     for (const auto& s : segments_) {
       if (static_cast<int64_t>(s.param) != k) continue;
-      for_pieces(s, [&](size_t q, int64_t at, int64_t from, int64_t n) {
-        auto it = touched.find(q);
-        if (it == touched.end()) it = touched.emplace(q, opt.local_state(pieces_[q].tensor)).first;
-        for (const auto& [slot, t] : slots) {
-          if (slot == "master") continue;
-          auto& into = it->second[slot];
-          if (!into.defined()) into = torch::zeros_like(pieces_[q].tensor.detach());
-          into.narrow(0, at, n).copy_(t.reshape({-1}).narrow(0, s.param_offset + from, n));
-        }
+      // Each piece holds this parameter's elements alone: its state is the slots' part.
+      for_pieces(s, [&](size_t q, int64_t from, int64_t n) {
+        std::map<std::string, torch::Tensor> part;
+        for (const auto& [slot, t] : state)
+          part[slot] = t.reshape({-1}).narrow(0, s.param_offset + from, n).clone();
+        opt.set_local_state(pieces_[q].tensor, part, steps);
       });
       auto master = slots.count("master") ? slots.at("master") : p.detach();
       master_part(s).copy_(master.reshape({-1}).narrow(0, s.param_offset, s.length));
     }
     versions_[k] = p._version();  // the master is the one loaded (or the parameter's value)
-    for (auto& [q, state] : touched) opt.set_local_state(pieces_[q].tensor, state);
+    stepped_[k] = !state.empty();  // the same on every rank: each loads the same checkpoint
+    steps_[k] = state.empty() ? 0 : steps;
   }
 
   ZeroBytes bytes(const optim::Optimizer& opt) const {
@@ -264,18 +291,17 @@ class ZeroShards : public optim::Distributed {
 
  private:
   torch::Tensor master_part(const Segment& s) const { return masters_[s.master].narrow(0, s.master_offset, s.length); }
-  // Calls f(piece, offset in the piece, offset in the segment, length) for each piece the
-  // segment's elements of its master fall in, in order.
+  // Calls f(piece, offset in the segment, length) for each of the segment's pieces, in order.
   template <typename F>
   void for_pieces(const Segment& s, F&& f) const {
-    const int64_t piece = piece_length_[s.master];
-    for (int64_t from = 0; from < s.length;) {
-      const int64_t at = s.master_offset + from;
-      const size_t q = piece_begin_[s.master] + static_cast<size_t>(at / piece);
-      const int64_t n = std::min(s.length - from, piece - at % piece);
-      f(q, at % piece, from, n);
-      from += n;
-    }
+    for (size_t q = s.first_piece; q < s.first_piece + s.pieces; ++q)
+      f(q, pieces_[q].offset - s.master_offset, pieces_[q].tensor.numel());
+  }
+  // The slots of a parameter's state once it has stepped, as Optimizer::local_state names them.
+  static std::vector<std::string> state_slots(const optim::OptimizerOptions& o) {
+    if (o.kind == "adam" || o.kind == "adamw") return {"exp_avg", "exp_avg_sq"};
+    if (o.kind == "sgd" && o.momentum != 0) return {"momentum_buffer"};
+    return {};
   }
   torch::Tensor param_part(const Segment& s) const {
     return dp_->params()[s.param].detach().reshape({-1}).narrow(0, s.param_offset, s.length);
@@ -332,15 +358,19 @@ class ZeroShards : public optim::Distributed {
   // it (by index into DataParallel::params()): a lower-precision parameter written since then
   // gives its master its value at the next step.
   std::vector<int64_t> versions_;
+  // How many steps each parameter (by index into DataParallel::params()) has taken, and whether
+  // it has optimizer state: one that got no gradient on a step is skipped, as in serial training.
+  std::vector<int64_t> steps_;
+  std::vector<char> stepped_;
+  static constexpr size_t kPadding = static_cast<size_t>(-1);
   struct Piece {
     size_t master = 0;
     int64_t offset = 0;      // where it starts in its master
+    size_t segment = 0;      // the segment it is part of (kPadding: the padding after a bucket's parameters)
     torch::Tensor tensor;    // a leaf viewing masters_[master]: what the optimizer steps
   };
   static constexpr int64_t kCpuPiece = int64_t{1} << 17;
   std::vector<Piece> pieces_;          // every master's, master by master, in order
-  std::vector<size_t> piece_begin_;    // each master's first piece in pieces_
-  std::vector<int64_t> piece_length_;  // each master's piece length (its last may be shorter)
   std::vector<torch::Tensor> grads_;    // (shard,) their gradients
   std::vector<bool> shared_;            // grads_[i] is data parallelism's shard buffer i itself
   std::vector<dist::GroupPtr> groups_;  // each parameter's tensor group when split, else null
