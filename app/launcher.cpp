@@ -886,8 +886,8 @@ std::string read_secret_file(const std::string& path) {
   };
   char mode[8];
   std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
-  if (st.st_mode & (S_IROTH | S_IWOTH))
-    fail(std::string("can be read or written by every user (mode ") + mode + "): chmod 600 it");
+  if (st.st_mode & (S_IRGRP | S_IWGRP | S_IROTH | S_IWOTH))
+    fail(std::string("can be read or written by users other than its owner (mode ") + mode + "): chmod 600 it");
   if (st.st_size > off_t(dist::kMaxSecret + 64))
     fail("holds " + std::to_string(st.st_size) + " bytes; a secret is 16 to " + std::to_string(dist::kMaxSecret));
   std::string secret(size_t(st.st_size), '\0');

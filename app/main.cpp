@@ -230,7 +230,9 @@ int run_main(int argc, char** argv) {
   // partrain's own flags come before the script; everything from the script on is the script's.
   // plan, ckpt, report, parity and repl are always subcommands, whatever files the working folder holds.
   int split = partrain::app::split_at_script(app, 1, argc, argv);
-  std::string word = split < argc ? argv[split] : "";
+  // After `--` the next word is the script, even one named like a subcommand.
+  const bool after_dashes = split > 1 && std::string(argv[split - 1]) == "--";
+  std::string word = split < argc && !after_dashes ? argv[split] : "";
   if (word == "plan" || word == "ckpt" || word == "report" || word == "parity") {
     if (split != 1)
       return fail(word + " takes no partrain flags before it: partrain " + word +
@@ -242,7 +244,7 @@ int run_main(int argc, char** argv) {
     return partrain::app::run_parity(argc, argv, split + 1);
   }
   std::vector<char*> flags(argv, argv + split);
-  bool repl = word == "repl";
+  bool repl = word == "repl", script_given = false;
   if (repl) {  // `partrain [flags] repl [flags]`: the REPL alone, flags on either side
     int after = partrain::app::split_at_script(app, split + 1, argc, argv);
     if (after < argc)
@@ -250,6 +252,7 @@ int run_main(int argc, char** argv) {
                   "' (partrain repl --nproc-per-node 2; a script named repl runs as ./repl)");
     flags.insert(flags.end(), argv + split + 1, argv + argc);
   } else if (split < argc) {
+    script_given = true;
     script = argv[split];
     for (int i = split + 1; i < argc; ++i) script_args.emplace_back(argv[i]);
   }
@@ -284,33 +287,23 @@ int run_main(int argc, char** argv) {
   if (bad.empty() && app.count("--master-port")) bad = parse_count("--master-port", port_text, 1, 65535, launch.master_port);
   if (bad.empty() && app.count("--max-restarts"))
     bad = parse_count("--max-restarts", restarts_text, 0, partrain::app::kMaxRestarts, launch.max_restarts);
-  if (bad.empty() && app.count("--restart-backoff")) {
-    char* end = nullptr;
-    double v = std::strtod(backoff_text.c_str(), &end);
-    if (backoff_text.empty() || !end || *end || !(v >= 0 && v <= partrain::app::kMaxBackoff))
-      bad = "--restart-backoff '" + backoff_text + "' is not a number of seconds from 0 to 3600";
-    else
-      launch.restart_backoff = v;
-  }
+  using partrain::app::parse_seconds;
+  if (bad.empty() && app.count("--restart-backoff"))
+    bad = parse_seconds("--restart-backoff", backoff_text, 0, partrain::app::kMaxBackoff, false, launch.restart_backoff);
   if (bad.empty() && app.count("--hang-timeout")) {
-    char* end = nullptr;
-    double v = std::strtod(hang_text.c_str(), &end);
-    if (hang_text.empty() || !end || *end || !(v >= 0 && v <= partrain::app::kMaxHangTimeout))
-      bad = "--hang-timeout '" + hang_text + "' is not a number of seconds from 0 (off) to 604800";
-    else if (!app.count("--nproc-per-node"))
+    // At least a second: below it a rank computing between two collectives reads as a hang.
+    double v = 0;
+    bad = parse_seconds("--hang-timeout", hang_text, 1, partrain::app::kMaxHangTimeout, /*zero_is_off=*/true, v);
+    if (bad.empty() && !app.count("--nproc-per-node"))
       bad = "--hang-timeout needs the launcher: partrain --nproc-per-node N --hang-timeout S script.lua";
     else
       launch.hang_timeout = v;
   }
   if (bad.empty() && app.count("--node-timeout")) {
-    char* end = nullptr;
-    double v = std::strtod(node_timeout_text.c_str(), &end);
-    if (node_timeout_text.empty() || !end || *end ||
-        !(v >= partrain::app::kMinNodeTimeout && v <= partrain::app::kMaxNodeTimeout))
-      bad = "--node-timeout '" + node_timeout_text + "' is not a number of seconds from " +
-            std::to_string(int(partrain::app::kMinNodeTimeout)) + " to " +
-            std::to_string(int(partrain::app::kMaxNodeTimeout));
-    else if (launch.nnodes < 2)
+    double v = 0;
+    bad = parse_seconds("--node-timeout", node_timeout_text, partrain::app::kMinNodeTimeout,
+                        partrain::app::kMaxNodeTimeout, false, v);
+    if (bad.empty() && launch.nnodes < 2)
       bad = "--node-timeout is for jobs over several nodes: it needs --nnodes 2 or more";
     else
       launch.node_timeout = v;
@@ -323,16 +316,18 @@ int run_main(int argc, char** argv) {
   if (bad.empty() && app.count("--trace-steps")) bad = parse_count("--trace-steps", trace_steps_text, 1, 1000, trace_steps);
   if (bad.empty() && app.count("--trace-steps") && trace_file.empty()) bad = "--trace-steps needs --trace FILE";
   if (bad.empty() && app.count("--trace") && trace_file.empty()) bad = "--trace is empty (expected a file to write)";
+  if (bad.empty() && app.count("--plan") && plan_file.empty()) bad = "--plan is empty (expected a plan file)";
   if (!bad.empty()) return fail(bad);
   if (plan_mode != "match" && plan_mode != "override" && plan_mode != "moo")
     return fail("--plan-mode '" + plan_mode + "' is not one of match, override, moo");
 
+  if (script_given && script.empty()) return fail("the script's name is empty (expected a Lua file to run)");
   if (chunks.empty() && script.empty() && !interactive)
     return fail("nothing to run: give a script or -e CODE (partrain --help shows how)");
-  bool launcher_flags = app.count("--nnodes") || app.count("--node-rank") || app.count("--master-addr") ||
-                        app.count("--master-port") || app.count("--tee") || app.count("--rdzv-secret-file");
-  if (launcher_flags && nproc == 0) return fail("--nnodes, --node-rank, --master-addr, --master-port, --tee and "
-                                                "--rdzv-secret-file need --nproc-per-node");
+  for (const char* flag : {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--tee", "--rdzv-secret-file"})
+    if (app.count(flag) && nproc == 0)
+      return fail(std::string(flag) + " is for the launcher: it needs --nproc-per-node (partrain --nproc-per-node N " +
+                  flag + " ... script.lua)");
   if (app.count("--rdzv-secret-file") && launch.secret_file.empty())
     return fail("--rdzv-secret-file is empty (expected the file holding the job's secret)");
   // Files the command line names: regular files only (a FIFO would hang the run, a folder is
@@ -372,38 +367,56 @@ int run_main(int argc, char** argv) {
       setenv("PARTRAIN_TRACE", trace_file.c_str(), 1);  // every rank inherits it
       setenv("PARTRAIN_TRACE_STEPS", std::to_string(trace_steps).c_str(), 1);
     }
-    // --metrics: a file rank 0 appends to (never a folder, a device or a FIFO), in a folder that exists.
-    if (app.count("--metrics")) {
-      if (metrics_file.empty()) return fail("--metrics is empty (expected a file to append JSON lines to)");
+    // --metrics (or PARTRAIN_METRICS, which it sets): a file rank 0 appends to (never a folder, a
+    // device or a FIFO), in a folder that exists.
+    const char* metrics_env = std::getenv("PARTRAIN_METRICS");
+    const bool metrics_flag = app.count("--metrics") > 0;
+    if (metrics_flag || (metrics_env && *metrics_env)) {
+      const std::string name = metrics_flag ? "--metrics" : "PARTRAIN_METRICS";
+      if (!metrics_flag) metrics_file = metrics_env;
+      if (metrics_file.empty()) return fail(name + " is empty (expected a file to append JSON lines to)");
       if (partrain::util::is_plain_dir(metrics_file))
-        return fail("--metrics '" + metrics_file + "' is a folder (expected the JSON-lines file to append to)");
+        return fail(name + " '" + metrics_file + "' is a folder (expected the JSON-lines file to append to)");
       struct stat st;  // lstat: a dangling link or a link loop is there too, and is no file to append to
       if (lstat(metrics_file.c_str(), &st) == 0 && !partrain::util::is_regular(metrics_file))
-        return fail("--metrics '" + metrics_file + "' is not a regular file (expected the JSON-lines file to append to)");
+        return fail(name + " '" + metrics_file + "' is not a regular file (expected the JSON-lines file to append to)");
       if (!partrain::app::writable_beside(metrics_file))
-        return fail("--metrics '" + metrics_file + "': its folder does not exist");
+        return fail(name + " '" + metrics_file + "': its folder does not exist");
       // Appended to and, on a resume, rewritten: a file of JSON records only (a script given by
       // mistake had been rewritten to the records alone).
       if (auto refused = partrain::util::may_replace(
               metrics_file, [](const std::string& head) { return !head.empty() && head[0] == '{'; },
               "a JSON-lines metrics file");
           !refused.empty())
-        return fail("--metrics " + refused);
+        return fail(name + " " + refused);
       setenv("PARTRAIN_METRICS", metrics_file.c_str(), 1);  // every rank inherits it; rank 0 writes
     }
   } catch (const std::exception& e) {
     return fail(partrain::compat::message_of(e));
   }
-  if (app.count("--device")) {  // checked once here; every rank inherits it and resolves its own
-    if (device.empty()) return fail("--device is empty (expected cpu, cuda or cuda:N)");
+  // --device (or PARTRAIN_DEVICE, which it sets): checked once here, before any rank starts;
+  // every rank inherits it and resolves its own.
+  const char* device_env = std::getenv("PARTRAIN_DEVICE");
+  if (app.count("--device") || device_env) {
+    const std::string name = app.count("--device") ? "--device" : "PARTRAIN_DEVICE";
+    if (!app.count("--device")) device = device_env;
+    if (device.empty()) return fail(name + " is empty (expected cpu, cuda or cuda:N)");
     try {
       // The launcher must not touch CUDA (its ranks are forked from it): there the spelling only.
       if (nproc > 0) partrain::dist::check_device_spec(device);
       else partrain::dist::resolve_device(device, 0);
     } catch (const std::exception& e) {
-      return fail("--device: " + partrain::compat::message_of(e));
+      return fail(name + ": " + partrain::compat::message_of(e));
     }
     setenv("PARTRAIN_DEVICE", device.c_str(), 1);
+  }
+  // PARTRAIN_HOME names an installation: one without partrain's Lua library is a mistake, not a
+  // reason to use another copy.
+  if (const char* home = std::getenv("PARTRAIN_HOME")) {
+    const std::string init = std::string(home) + "/lua/partrain/init.lua";
+    if (!partrain::util::is_regular(init))
+      return fail(std::string("PARTRAIN_HOME '") + home + "' is not a partrain installation (it has no " +
+                  "lua/partrain/init.lua; unset it to use this partrain's own)");
   }
   if (check_collectives) setenv("PARTRAIN_CHECK_COLLECTIVES", "1", 1);  // ranks inherit it
   if (no_progress) setenv("PARTRAIN_PROGRESS", "0", 1);

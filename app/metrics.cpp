@@ -128,6 +128,9 @@ void for_each_line(const std::string& path, const ReadOptions& options, F&& on_l
 std::string metrics_file_of(const std::string& path) {
   if (util::is_plain_dir(path)) {
     std::string file = path + (path.back() == '/' ? "" : "/") + "metrics.jsonl";
+    struct stat st;
+    TORCH_CHECK(::lstat(file.c_str(), &st) != 0 || util::is_regular(file), "the run folder '", path, "' holds a ",
+                "metrics.jsonl that is not a regular file (a link, a FIFO or a device); a run writes a regular one");
     TORCH_CHECK(util::is_regular(file), "the run folder '", path, "' holds no metrics.jsonl (a run folder holds the "
                 "metrics file a run wrote: partrain --metrics ", file, " ...)");
     return file;

@@ -246,6 +246,9 @@ int run_parity(int argc, char** argv, int first) {
       if (i + 1 >= argc) return say(kUsage, name + " needs a value");
       value = argv[++i];
     }
+    // An empty value had read as the flag not given (-o "" wrote no page, exit 0).
+    if (value.empty()) return say(kUsage, name + " is empty (expected " +
+                                              (name == "--steps" ? "a number of steps" : name == "--tol" ? "a relative difference" : "the HTML file to write") + ")");
     (name == "--steps" ? steps_text : name == "--tol" ? tol_text : out) = value;
   }
   if (positional.size() != 2)

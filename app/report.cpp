@@ -552,7 +552,8 @@ int run_report(int argc, char** argv, int first) {
   std::string out = "report.html", trace, title = "partrain run report";
   app.add_option("runs", inputs, "metrics files (JSONL) or run folders holding metrics.jsonl")->required();
   app.add_option("-o,--output", out, "the HTML file to write (default report.html)");
-  app.add_option("--trace", trace, "a Chrome trace (partrain --trace) to draw as the pipeline timeline");
+  app.add_option("--trace", trace, "a Chrome trace (partrain --trace) to draw as the pipeline timeline")
+      ->check(non_empty("a trace file"));
   app.add_option("--title", title, "the page's heading");
   std::vector<char*> args{argv[0]};
   for (int i = first; i < argc; ++i) args.push_back(argv[i]);

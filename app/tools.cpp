@@ -5,10 +5,13 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <climits>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -60,6 +63,29 @@ std::string parse_count(const std::string& flag, const std::string& text, long l
   return "";
 }
 
+std::string parse_seconds(const std::string& flag, const std::string& text, double lo, double hi, bool zero_is_off,
+                          double& out) {
+  std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+  std::ostringstream range;
+  range << "a number of seconds from " << lo << " to " << hi << (zero_is_off ? ", or 0 (off)" : "");
+  bool decimal = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.');
+  for (char c : text)
+    decimal = decimal && (std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == 'e' || c == 'E' ||
+                          c == '+' || c == '-');
+  char* end = nullptr;
+  const double v = decimal ? std::strtod(text.c_str(), &end) : 0;
+  if (!decimal || !end || *end != '\0' || !std::isfinite(v))
+    return flag + " '" + shown + "' is not " + range.str();
+  if (!(v >= lo && v <= hi) && !(zero_is_off && v == 0)) return flag + " " + shown + " is out of range: " + range.str();
+  out = v;
+  return "";
+}
+
+CLI::Validator non_empty(const std::string& what) {
+  return CLI::Validator([what](std::string& value) { return value.empty() ? "is empty (expected " + what + ")" : ""; },
+                        "", "non-empty");
+}
+
 int parse_failed(CLI::App& app, const CLI::ParseError& e) {
   if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
   std::string what = e.what();
@@ -79,6 +105,7 @@ int split_at_script(CLI::App& app, int from, int argc, char** argv) {
   int split = from;
   while (split < argc) {
     std::string word = argv[split];
+    if (word == "--") return split + 1;  // what follows is the script, whatever it looks like
     if (word.empty() || word[0] != '-' || word == "-") break;
     ++split;
     auto* option = word.rfind("--", 0) == 0 ? app.get_option_no_throw(word.substr(0, word.find('=')))
@@ -102,7 +129,8 @@ int run_plan(int argc, char** argv, int first) {
   app.add_option("--world", world_text, "ranks to plan for, 1-65536 (virtual: nothing is started)")->required();
   app.add_option("--nproc-per-node", nproc_text, "ranks a machine, dividing --world (default: all on one); sets LOCAL_RANK");
   app.add_flag("--json", json, "print the plan as JSON");
-  app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan");
+  app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan")
+      ->check(non_empty("the file to write the plan to"));
   app.add_flag("-v,--verbose", verbose, "show what rank 0's script prints (the others stay quiet)");
   int split = split_at_script(app, first, argc, argv);
   std::vector<std::string> rest;
@@ -126,6 +154,9 @@ int run_plan(int argc, char** argv, int first) {
     close(util::open_regular(rest[0], "script"));
     if (!save.empty() && util::is_plain_dir(save)) return fail("plan: --save '" + save + "' is a folder; give a file name");
     if (!save.empty() && !writable_beside(save)) return fail("plan: --save '" + save + "': its folder does not exist");
+    // What plan::save refuses (a file that is not a plan, a link, a FIFO), refused before
+    // planning: at --world 65536 planning takes minutes.
+    if (!save.empty()) plan::check_save(save);
   } catch (const std::exception& e) {
     return fail("plan: " + compat::message_of(e));
   }
@@ -191,6 +222,23 @@ int run_plan(int argc, char** argv, int first) {
 // ---- partrain ckpt -------------------------------------------------------------------------
 
 namespace {
+
+// Whether `path`, existing or not, is `folder` or lies inside it (after links and `..` are resolved).
+bool within(const std::string& path, const std::string& folder) {
+  auto resolved = [](std::string p) {
+    std::string tail;
+    while (true) {  // the longest part that exists, resolved; the rest as written
+      char buffer[PATH_MAX];
+      if (::realpath(p.c_str(), buffer)) return std::string(buffer) + tail;
+      auto slash = p.find_last_of('/');
+      if (slash == std::string::npos) return (::realpath(".", buffer) ? std::string(buffer) : std::string(".")) + "/" + p + tail;
+      tail = p.substr(slash) + tail;
+      p = slash == 0 ? "/" : p.substr(0, slash);
+    }
+  };
+  const std::string a = resolved(path), b = resolved(folder);
+  return a == b || (a.size() > b.size() && a.compare(0, b.size(), b) == 0 && a[b.size()] == '/');
+}
 
 // Whether `path` is one tag's folder (it holds a manifest.bin, of whatever kind) rather than a
 // checkpoint folder of tags.
@@ -281,22 +329,24 @@ int run_ckpt(int argc, char** argv, int first) {
   app.require_subcommand(1);
   std::string dir, dst, out, tag, tensor_text, data_text, pipeline_text;
   auto* inspect = app.add_subcommand("inspect", "describe a checkpoint (the newest, or --tag)");
-  inspect->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
-  inspect->add_option("--tag", tag, "which tag (default: newest)");
+  inspect->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required()->check(non_empty("a folder"));
+  inspect->add_option("--tag", tag, "which tag (default: newest)")->check(non_empty("a tag name"));
   auto* verify = app.add_subcommand("verify", "verify every tag: files, sizes, checksums, coverage");
-  verify->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
+  verify->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required()->check(non_empty("a folder"));
   auto* convert = app.add_subcommand("convert", "rewrite a checkpoint as another layout would have saved it");
-  convert->add_option("src", dir, "the checkpoint folder (or tag folder) to read")->required();
-  convert->add_option("dst", dst, "the checkpoint folder to write (the tag keeps its name)")->required();
+  convert->add_option("src", dir, "the checkpoint folder (or tag folder) to read")->required()->check(non_empty("a folder"));
+  convert->add_option("dst", dst, "the checkpoint folder to write (the tag keeps its name)")
+      ->required()
+      ->check(non_empty("a folder"));
   convert->add_option("--tensor", tensor_text, "tensor-parallel size of the new layout, 1-65536 (default 1)");
   convert->add_option("--data", data_text, "data-parallel size of the new layout, 1-65536 (default 1)");
   convert->add_option("--pipeline", pipeline_text,
                       "pipeline-parallel size of the new layout, 1-65536 and at most the model's blocks (default 1)");
-  convert->add_option("--tag", tag, "which tag (default: newest)");
+  convert->add_option("--tag", tag, "which tag (default: newest)")->check(non_empty("a tag name"));
   auto* exp = app.add_subcommand("export", "write the model's logical weights as .safetensors");
-  exp->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required();
-  exp->add_option("out", out, "the .safetensors file to write")->required();
-  exp->add_option("--tag", tag, "which tag (default: newest)");
+  exp->add_option("dir", dir, "a checkpoint folder or one tag's folder")->required()->check(non_empty("a folder"));
+  exp->add_option("out", out, "the .safetensors file to write")->required()->check(non_empty("a file name"));
+  exp->add_option("--tag", tag, "which tag (default: newest)")->check(non_empty("a tag name"));
   if (first < argc && argv[first][0] != '-') {
     std::string command = argv[first];
     if (command != "inspect" && command != "verify" && command != "convert" && command != "export")
@@ -326,6 +376,10 @@ int run_ckpt(int argc, char** argv, int first) {
   if (bad.empty() && *convert && ::stat(dst.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
     bad = "the destination '" + dst + "' exists and is not a folder";
   if (bad.empty() && *convert && !writable_beside(dst)) bad = "the destination '" + dst + "': its folder does not exist";
+  if (bad.empty() && *convert && is_tag_folder(dst))
+    bad = "the destination '" + dst + "' is one tag's folder (it holds a manifest.bin); give the checkpoint folder " +
+          "the converted tag goes into";
+
   if (bad.empty() && *exp && util::is_plain_dir(out)) bad = "the output '" + out + "' is a folder; give a file name";
   if (bad.empty() && *exp && !writable_beside(out)) bad = "the output '" + out + "': its folder does not exist";
   if (!bad.empty()) return fail("ckpt: " + bad);
@@ -334,6 +388,8 @@ int run_ckpt(int argc, char** argv, int first) {
     if (*verify) return ckpt_verify(dir);
     if (*exp) return ckpt_export(dir, tag, out);
     std::string folder = tag_folder(dir, tag);
+    TORCH_CHECK(!within(dst, folder), "the destination '", dst, "' is inside the tag being converted ('", folder,
+                "'); give a folder outside it");
     ckpt::convert(folder, dst, tensor, data, pipeline);
     std::cout << "wrote " << folder.substr(folder.find_last_of('/') + 1) << " to " << dst << " as tensor " << tensor
               << " x data " << data << " x pipeline " << pipeline << std::endl;

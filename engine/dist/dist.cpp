@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -770,9 +772,11 @@ int env_int(const char* name, int fallback, int lo, int hi) {
   const char* v = env(name);
   if (!v) return fallback;
   char* end = nullptr;
+  errno = 0;
   long x = std::strtol(v, &end, 10);
-  TORCH_CHECK(end && *end == '\0' && x >= lo && x <= hi, "environment variable ", name, "='", v,
-              "' is not an integer in [", lo, ", ", hi, "]");
+  // strtol skips leading spaces and takes a sign: "' 0'" and "+1" are not the integers written.
+  TORCH_CHECK(std::isdigit(static_cast<unsigned char>(v[0])) && end && *end == '\0' && errno == 0 && x >= lo && x <= hi,
+              "environment variable ", name, "='", v, "' is not an integer in [", lo, ", ", hi, "]");
   return static_cast<int>(x);
 }
 

@@ -456,9 +456,13 @@ bool begins_with_magic(const std::string& bytes) {
   return length == n && bytes.compare(8, n, kMagic) == 0;
 }
 
-void save(const Plan& plan, const std::string& path) {
+void check_save(const std::string& path) {
   auto refused = util::may_replace(path, begins_with_magic, "a partrain plan");
-  TORCH_CHECK(refused.empty(), "plan --save: ", refused);
+  TORCH_CHECK(refused.empty(), "--save ", refused);
+}
+
+void save(const Plan& plan, const std::string& path) {
+  check_save(path);
   std::ostringstream out(std::ios::binary);
   {
     cereal::BinaryOutputArchive ar(out);

@@ -193,6 +193,9 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
 
 /// Writes the plan (cereal, binary, behind a magic and a version) to `path` atomically.
 void save(const Plan& plan, const std::string& path);
+/// Throws what save would refuse about `path` itself (a file that is not a plan, a link, a FIFO,
+/// a device), so that a caller can refuse before the work of making the plan.
+void check_save(const std::string& path);
 /// Reads a plan; a missing, truncated or foreign file is an error naming it.
 Plan load(const std::string& path);
 /// Whether the regular file at `path` begins as a plan does (its magic), whatever its version

@@ -153,7 +153,42 @@ refuse "partrain ckpt inspect of a missing folder names it" "cannot read the che
 refuse "partrain ckpt verify of a file names it" "'$tmp/cfg.lua' is not a folder" -- "$bin" ckpt verify "$tmp/cfg.lua"
 refuse "partrain ckpt export into a folder is refused" "the output '$tmp' is a folder" -- "$bin" ckpt export "$tmp" "$tmp"
 refuse "partrain ckpt with an unknown command names it" "ckpt: 'bogus' is not a command" -- "$bin" ckpt bogus "$tmp"
+# An empty value had read as the flag not given: --plan "" trained without the check, plan
+# --save "" saved nothing, ckpt --tag "" took the newest, all with status 0.
+refuse "--plan '' is refused" "--plan is empty (expected a plan file)" -- "$bin" --plan "" -e ""
+refuse "plan --save '' is refused" "--save: is empty (expected the file to write the plan to)" -- "$bin" plan --world 1 --save "" "$tmp/cfg.lua"
+refuse "ckpt inspect --tag '' is refused" "--tag: is empty (expected a tag name)" -- "$bin" ckpt inspect "$tmp" --tag ""
+refuse "ckpt export to '' is refused" "out: is empty (expected a file name)" -- "$bin" ckpt export "$tmp" ""
+refuse "report --trace '' is refused" "--trace: is empty (expected a trace file)" -- "$bin" report "$tmp/none.jsonl" --trace ""
+refuse "an empty script name is refused as itself" "the script's name is empty" -- "$bin" "" a
+# Seconds: decimal numbers in the range; --hang-timeout below 1 s had stopped healthy runs.
+refuse "--hang-timeout 1e-300 is out of range" "--hang-timeout 1e-300 is out of range: a number of seconds from 1 to 604800, or 0 (off)" -- "$bin" --nproc-per-node 1 --hang-timeout 1e-300 -e ""
+refuse "--hang-timeout 0x10 is not decimal" "--hang-timeout '0x10' is not a number of seconds" -- "$bin" --nproc-per-node 1 --hang-timeout 0x10 -e ""
+refuse "--hang-timeout ' 5' is refused" "--hang-timeout ' 5' is not a number of seconds" -- "$bin" --nproc-per-node 1 --hang-timeout " 5" -e ""
+refuse "--restart-backoff inf is refused" "--restart-backoff 'inf' is not a number of seconds from 0 to 3600" -- "$bin" --nproc-per-node 1 --restart-backoff inf -e ""
+# The environment variables that stand in for flags are checked as the flags are, before any rank starts.
+printf 'x = 1\n' > "$tmp/victim.lua"
+refuse "PARTRAIN_METRICS naming a script is refused before the run" "PARTRAIN_METRICS '$tmp/victim.lua' exists and is not a JSON-lines metrics file" -- env PARTRAIN_METRICS="$tmp/victim.lua" "$bin" -e ""
+refuse "PARTRAIN_METRICS naming a folder is refused" "PARTRAIN_METRICS '$tmp' is a folder" -- env PARTRAIN_METRICS="$tmp" "$bin" -e ""
+refuse "an empty PARTRAIN_DEVICE is refused" "PARTRAIN_DEVICE is empty" -- env PARTRAIN_DEVICE= "$bin" -e ""
+refuse "a bad PARTRAIN_DEVICE is refused before ranks start" "PARTRAIN_DEVICE: unknown device 'tpu'" -- env PARTRAIN_DEVICE=tpu "$bin" --nproc-per-node 2 -e ""
+refuse "a PARTRAIN_HOME that is no installation is refused" "PARTRAIN_HOME '$tmp' is not a partrain installation" -- env PARTRAIN_HOME="$tmp" "$bin" -e ""
+refuse "RANK with a leading space is refused" "environment variable RANK=' 0' is not an integer" -- env RANK=" 0" WORLD_SIZE=1 "$bin" -e ""
 settle_refusals
+# plan --save over a file that is not a plan is refused before planning, not minutes later.
+start=$(date +%s%N)
+check "plan --save over a script is refused before planning" 1 "plan: --save '$tmp/victim.lua' exists and is not a partrain plan" -- "$bin" plan --world 4096 --save "$tmp/victim.lua" "$tmp/cfg.lua"
+took=$(( ($(date +%s%N) - start) / 1000000 ))
+if [ "$took" -lt 5000 ]; then passed=$((passed + 1)); echo "[ OK ] ... in ${took} ms"
+else failed=$((failed + 1)); echo "[FAIL] plan --save's refusal took ${took} ms (planned first?)"; fi
+check "parity -o '' is refused" 2 "-o is empty (expected the HTML file to write)" -- "$bin" parity a.jsonl b.jsonl -o ""
+check "parity --tol= is refused" 2 "--tol is empty" -- "$bin" parity a.jsonl b.jsonl --tol=
+# `--` makes the next word the script, even one that looks like a flag or a subcommand; its
+# arguments all reach it (the first had been dropped).
+printf 'print("n=" .. #arg, table.concat(arg, ","))\n' > "$tmp/-dash.lua"
+check "-- then a script named like a flag keeps every argument" 0 "n=3	one,two,three" -- env -C "$tmp" "$bin" -- -dash.lua one two three
+cp "$tmp/-dash.lua" "$tmp/plan"
+check "-- then a script named plan runs it" 0 "n=1	x" -- env -C "$tmp" "$bin" -- plan x
 out=$(timeout 60 "$bin" --threads 1024 -e 'print("ran")' 2>&1); status=$?
 [ $status -eq 0 ] && grep -q ran <<<"$out"; if [ $? = 0 ]; then passed=$((passed + 1)); echo "[ OK ] --threads 1024 (the top of the range) runs"
 else failed=$((failed + 1)); echo "[FAIL] --threads 1024 (the top of the range) runs (status $status)"; echo "$out" | head; fi
@@ -215,6 +250,11 @@ printf 'local pt = require "partrain"\npt.ckpt.save(arg[1], { model = pt.models.
 "$bin" "$tmp/out/save.lua" "$tmp/out/ck" >/dev/null
 check "ckpt export over the checkpoint's own data file is refused" 1 "exists and is not a .safetensors file" -- "$bin" ckpt export "$tmp/out/ck" "$tmp/out/ck/step-00000001/rank-00000.bin"
 check "ckpt export to a device is refused" 1 "'/dev/null' is a character device" -- "$bin" ckpt export "$tmp/out/ck" /dev/null
+# A destination inside the tag had nested a checkpoint in it, status 0.
+check "ckpt convert into a tag's folder is refused" 1 "the destination '$tmp/out/ck/step-00000001' is one tag's folder" -- "$bin" ckpt convert "$tmp/out/ck" "$tmp/out/ck/step-00000001"
+check "ckpt convert inside the tag it converts is refused" 1 "is inside the tag being converted" -- "$bin" ckpt convert "$tmp/out/ck" "$tmp/out/ck/step-00000001/../step-00000001/x"
+mkdir -p "$tmp/out/fiforun" && mkfifo "$tmp/out/fiforun/metrics.jsonl"
+check "report of a run folder whose metrics.jsonl is a FIFO says so" 1 "holds a metrics.jsonl that is not a regular file" -- "$bin" report "$tmp/out/fiforun" -o "$tmp/out/f.html"
 check "the script given as an output is intact" 0 "" -- cmp "$tmp/out/log.lua" "$tmp/out/keep.lua"
 check "and the device is still one" 0 "" -- test -c /dev/null
 printf '{"step":1,"loss":1}\nnot a record\n' > "$tmp/out/notes.jsonl"

@@ -145,7 +145,7 @@ report $(( ${waited:-99} >= 10 || took >= 60 )) "--hang-timeout 2 names the hang
 out=$("$bin" --hang-timeout 5 -e '' 2>&1); status=$?
 has "$out" "--hang-timeout needs the launcher"; report $(( status == 0 ? 1 : $? )) "--hang-timeout without the launcher is refused" "$out"
 out=$("$bin" --nproc-per-node 2 --hang-timeout abc -e '' 2>&1); status=$?
-has "$out" "--hang-timeout 'abc' is not a number of seconds from 0 (off) to 604800"; report $(( status == 0 ? 1 : $? )) "a bad --hang-timeout is refused" "$out"
+has "$out" "--hang-timeout 'abc' is not a number of seconds from 1 to 604800, or 0 (off)"; report $(( status == 0 ? 1 : $? )) "a bad --hang-timeout is refused" "$out"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -109,7 +109,7 @@ has "$out" "environment variable RANK='x' is not an integer in [0, 1]"; report $
 out=$("$bin" --nproc-per-node 2 --nnodes 2 -e '' 2>&1)
 has "$out" "--nnodes 2 needs --master-addr"; report $? "several nodes need --master-addr" "$out"
 out=$("$bin" --tee -e '' 2>&1)
-has "$out" "need --nproc-per-node"; report $? "launcher flags without --nproc-per-node are refused" "$out"
+has "$out" "--tee is for the launcher: it needs --nproc-per-node"; report $? "launcher flags without --nproc-per-node are refused, naming the flag given" "$out"
 
 # --- torchrun-style: the environment makes each process one rank ----------------------------
 port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')

@@ -192,7 +192,10 @@ def with_file(content, mode, *flags):
 good = secrets.token_hex(32) + "\n"
 rc, out, path = with_file(good, 0o644)
 check("a secret file others can read is refused, naming it and its mode",
-      rc != 0 and f"--rdzv-secret-file '{path}' can be read or written by every user (mode 0644)" in out, out)
+      rc != 0 and f"--rdzv-secret-file '{path}' can be read or written by users other than its owner (mode 0644)" in out, out)
+rc, out, path = with_file(good, 0o640)
+check("a secret file its group can read is refused too ('readable by you alone')",
+      rc != 0 and "(mode 0640): chmod 600 it" in out, out)
 rc, out, path = with_file("short\n", 0o600)
 check("a secret under 16 bytes is refused", rc != 0 and "holds a secret of 5 bytes (expected 16 to 1024" in out, out)
 rc, out, path = with_file(good, 0o600)
@@ -209,7 +212,8 @@ check("several nodes without --rdzv-secret-file are refused", run.returncode != 
       "--nnodes 2 needs --rdzv-secret-file FILE" in run.stderr, run.stderr)
 run = subprocess.run([binary, "--rdzv-secret-file", path, "-e", ""], capture_output=True, text=True, timeout=30,
                      cwd=root, env=env)
-check("--rdzv-secret-file without the launcher is refused", run.returncode != 0 and "need --nproc-per-node" in run.stderr,
+check("--rdzv-secret-file without the launcher is refused", run.returncode != 0 and
+      "--rdzv-secret-file is for the launcher: it needs --nproc-per-node" in run.stderr,
       run.stderr)
 
 # --- torchrun-style ranks present PARTRAIN_RDZV_SECRET when it is set -------------------------

@@ -63,7 +63,7 @@ for bad in "--node-timeout 2" "--node-timeout x" "--node-timeout 604801"; do
   out=$("$bin" --nproc-per-node 1 --nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29999 $bad tests/ckpt/train.lua 2>&1)
   status=$?
   report $(( status == 0 )) "'$bad' is refused (status $status)" "$out"
-  has "$out" "--node-timeout '${bad#* }' is not a number of seconds from 3 to 604800"; report $? "'$bad': the message names the flag and the range" "$out"
+  has "$out" "a number of seconds from 3 to 604800" && has "$out" "--node-timeout"; report $? "'$bad': the message names the flag and the range" "$out"
 done
 out=$("$bin" --nproc-per-node 1 --node-timeout 5 tests/ckpt/train.lua 2>&1)
 has "$out" "--node-timeout is for jobs over several nodes"; report $? "--node-timeout on one node is refused" "$out"

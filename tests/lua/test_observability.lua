@@ -190,6 +190,14 @@ test("--config: unknown keys and wrong types name the file and line; no io, os o
   raises(function() pt.args(spec, { "--config", config }) end, config .. ":3: unknown option 'stpes' (known: --fp16")
   write(config, "return {\n  name = 'x',\n  steps = 2.5 }\n")
   raises(function() pt.args(spec, { "--config", config }) end, config .. ":3: option 'steps' expects an integer, got number 2.5")
+  -- Checked as flags are: lr = 0/0 and 2^60 steps had been taken, status 0.
+  write(config, "return {\n  lr = 0/0 }\n")
+  raises(function() pt.args(spec, { "--config", config }) end, config .. ":2: option 'lr' expects a finite number, got nan")
+  write(config, "return { lr = math.huge }\n")
+  raises(function() pt.args(spec, { "--config", config }) end, ":1: option 'lr' expects a finite number, got inf")
+  write(config, "return { steps = 2^60 }\n")
+  raises(function() pt.args(spec, { "--config", config }) end,
+    ":1: option 'steps' expects an integer below 2^53 in size, got 1152921504606846976")
   write(config, "return { fp16 = 'yes' }\n")
   raises(function() pt.args(spec, { "--config", config }) end, ":1: option 'fp16' expects true or false, got string 'yes'")
   write(config, "os.execute('true')\nreturn {}\n")

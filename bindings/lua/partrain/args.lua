@@ -196,6 +196,14 @@ local function read_config(path, kinds, known)
       error(("config file %s: option '%s' expects %s, got %s %s"):format(where, k, expected, type(v),
         type(v) == "string" and "'" .. v .. "'" or tostring(v)), 0)
     end
+    -- As on the command line: finite numbers only (lr = 0/0 had trained every weight to NaN),
+    -- and integers exactly as written.
+    if type(v) == "number" and (v ~= v or v == math.huge or v == -math.huge) then
+      error(("config file %s: option '%s' expects a finite number, got %s"):format(where, k, tostring(v)), 0)
+    end
+    if kind == "integer" and math.abs(v) >= 2 ^ 53 then
+      error(("config file %s: option '%s' expects an integer below 2^53 in size, got %.0f"):format(where, k, v), 0)
+    end
     out[key] = v
   end
   return out
