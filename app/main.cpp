@@ -229,6 +229,14 @@ int run_main(int argc, char** argv) {
 
   // partrain's own flags come before the script; everything from the script on is the script's.
   // plan, ckpt, report, parity and repl are always subcommands, whatever files the working folder holds.
+  // PARTRAIN_HOME names an installation: one without partrain's Lua library is a mistake, not a
+  // reason to use another copy (checked before plan, which runs Lua too).
+  if (const char* home = std::getenv("PARTRAIN_HOME"); home && *home) {
+    const std::string init = std::string(home) + "/lua/partrain/init.lua";
+    if (!partrain::util::is_regular(init))
+      return fail(std::string("PARTRAIN_HOME '") + home + "' is not a partrain installation (it has no " +
+                  "lua/partrain/init.lua; unset it to use this partrain's own)");
+  }
   int split = partrain::app::split_at_script(app, 1, argc, argv);
   // After `--` the next word is the script, even one named like a subcommand.
   const bool after_dashes = split > 1 && std::string(argv[split - 1]) == "--";
@@ -296,8 +304,7 @@ int run_main(int argc, char** argv) {
     bad = parse_seconds("--hang-timeout", hang_text, 1, partrain::app::kMaxHangTimeout, /*zero_is_off=*/true, v);
     if (bad.empty() && !app.count("--nproc-per-node"))
       bad = "--hang-timeout needs the launcher: partrain --nproc-per-node N --hang-timeout S script.lua";
-    else
-      launch.hang_timeout = v;
+    if (bad.empty()) launch.hang_timeout = v;
   }
   if (bad.empty() && app.count("--node-timeout")) {
     double v = 0;
@@ -305,8 +312,7 @@ int run_main(int argc, char** argv) {
                         partrain::app::kMaxNodeTimeout, false, v);
     if (bad.empty() && launch.nnodes < 2)
       bad = "--node-timeout is for jobs over several nodes: it needs --nnodes 2 or more";
-    else
-      launch.node_timeout = v;
+    if (bad.empty()) launch.node_timeout = v;
   }
   if (bad.empty() && (app.count("--max-restarts") || app.count("--restart-backoff")) && !app.count("--nproc-per-node"))
     bad = std::string(app.count("--max-restarts") ? "--max-restarts" : "--restart-backoff") +
@@ -396,8 +402,8 @@ int run_main(int argc, char** argv) {
   }
   // --device (or PARTRAIN_DEVICE, which it sets): checked once here, before any rank starts;
   // every rank inherits it and resolves its own.
-  const char* device_env = std::getenv("PARTRAIN_DEVICE");
-  if (app.count("--device") || device_env) {
+  const char* device_env = std::getenv("PARTRAIN_DEVICE");  // empty: the default, as a rank reads it
+  if (app.count("--device") || (device_env && *device_env)) {
     const std::string name = app.count("--device") ? "--device" : "PARTRAIN_DEVICE";
     if (!app.count("--device")) device = device_env;
     if (device.empty()) return fail(name + " is empty (expected cpu, cuda or cuda:N)");
@@ -410,14 +416,7 @@ int run_main(int argc, char** argv) {
     }
     setenv("PARTRAIN_DEVICE", device.c_str(), 1);
   }
-  // PARTRAIN_HOME names an installation: one without partrain's Lua library is a mistake, not a
-  // reason to use another copy.
-  if (const char* home = std::getenv("PARTRAIN_HOME")) {
-    const std::string init = std::string(home) + "/lua/partrain/init.lua";
-    if (!partrain::util::is_regular(init))
-      return fail(std::string("PARTRAIN_HOME '") + home + "' is not a partrain installation (it has no " +
-                  "lua/partrain/init.lua; unset it to use this partrain's own)");
-  }
+
   if (check_collectives) setenv("PARTRAIN_CHECK_COLLECTIVES", "1", 1);  // ranks inherit it
   if (no_progress) setenv("PARTRAIN_PROGRESS", "0", 1);
   if (!plan_file.empty()) {

@@ -358,7 +358,7 @@ const Function kOptimizerMethods[] = {
     // shard_grad_bytes, grad_buffer_bytes, scratch_bytes, gathers_in_flight } of this rank (under
     // ZeRO-2 the shard is part of grad_buffer_bytes, scratch_bytes the scratch pool's part;
     // gathers_in_flight: overlap_sync_param's all-gathers not yet waited for; pieces: the
-    // tensors the update steps, the masters cut to at most 128 Ki elements on the CPU).
+    // tensors the update steps: the masters cut at parameters' ends, and at 128 Ki elements on the CPU).
     {"zero", [](Args& a) {
        auto z = parallel::zero_bytes(*optimizer(a, 1));
        if (!z) { lua_pushnil(a.L); return 1; }

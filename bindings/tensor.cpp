@@ -352,7 +352,7 @@ const Function kMeta[] = {
        std::string text = body.str();
        auto last = text.rfind("\n[");
        if (last != std::string::npos) text.resize(last);
-       return a.ret(s.str() + "\n" + text); }},
+       return a.ret(s.str() + "\n" + compat::unsigned_nan(text)); }},
     // Fields that are not methods: shape, dtype, device, grad, requires_grad, is_leaf.
     {"__field", [](Args& a) {
        const Tensor& t = T(1);

@@ -215,12 +215,13 @@ void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<tor
 #endif
 }
 
-namespace {
-// C++ streams print a NaN whose sign bit is set, as 0/0 makes one, as "-nan"; Lua prints "nan".
-// A NaN has no sign to speak of, so a message says "nan" where a number stands alone.
 std::string unsigned_nan(std::string text) {
-  auto before = [](char c) { return c == ' ' || c == '(' || c == '[' || c == ',' || c == '=' || c == ':'; };
-  auto after = [](char c) { return c == ' ' || c == ')' || c == ']' || c == ',' || c == ';' || c == '\n'; };
+  auto before = [](char c) {
+    return c == ' ' || c == '(' || c == '[' || c == '{' || c == ',' || c == '=' || c == ':' || c == '\n';
+  };
+  auto after = [](char c) {
+    return c == ' ' || c == ')' || c == ']' || c == '}' || c == ',' || c == ';' || c == ':' || c == '\n';
+  };
   for (size_t at = text.find("-nan"); at != std::string::npos; at = text.find("-nan", at + 1)) {
     const size_t end = at + 4;
     if ((at == 0 || before(text[at - 1])) && (end == text.size() || after(text[end]) ||
@@ -229,7 +230,6 @@ std::string unsigned_nan(std::string text) {
   }
   return text;
 }
-}  // namespace
 
 std::string message_of(const std::exception& e) {
   if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return unsigned_nan(c10->what_without_backtrace());

@@ -117,6 +117,11 @@ void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<tor
                  const std::vector<torch::Tensor>& steps, double lr, double beta1, double beta2,
                  double weight_decay, double eps);
 
+/// `text` with each "-nan" that stands alone as a number written "nan", as Lua writes a NaN: C++
+/// streams write one whose sign bit is set (0/0 makes one) "-nan", and a NaN has no sign to speak
+/// of. A name that holds "-nan" ("a-nan.txt", "'-nan'") is left as it is.
+std::string unsigned_nan(std::string text);
+
 /// An exception's message without LibTorch's C++ backtrace, a NaN in it written "nan" as Lua
 /// writes it (C++ streams write one with its sign bit set "-nan").
 std::string message_of(const std::exception& e);

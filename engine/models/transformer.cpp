@@ -71,10 +71,9 @@ void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
               "train_step: cross_entropy expects integer class ids as targets, got ", targets.dtype());
   TORCH_CHECK(targets.sizes() == ids.sizes(), "train_step: ", model, " predicts a token at each of the input's ",
               ids.sizes(), " positions, so its targets must have that shape, got ", targets.sizes());
-  if (targets.numel() == 0 || targets.is_meta()) return;
-  auto [lo, hi] = nn::extremes(targets.masked_fill(targets == ignore_index, 0));
-  TORCH_CHECK(lo >= 0 && hi < vocab, "train_step: target ", lo < 0 ? lo : hi, " is out of range for ", model,
-              "'s vocab=", vocab, " (targets are 0 to ", vocab - 1, ", or ignore_index=", ignore_index, ")");
+  const auto outside = nn::class_id_outside(targets, vocab, ignore_index);
+  TORCH_CHECK(!outside, "train_step: target ", outside.value_or(0), " is out of range for ", model, "'s vocab=", vocab,
+              " (targets are 0 to ", vocab - 1, ", or ignore_index=", ignore_index, ")");
 }
 
 }  // namespace partrain::models

@@ -172,9 +172,11 @@ ModulePtr make_activation(const std::string& name, int64_t dim = -1);
 
 /// Cross-entropy of logits (N, C) or (..., C) against class ids (N) or (...): reduction "mean"
 /// (over the counted targets) or "sum". Targets equal to `ignore_index` do not count. bfloat16
-/// and float16 logits are computed in float32 (the loss comes back float32).
+/// and float16 logits are computed in float32 (the loss comes back float32). A class id outside
+/// 0..C-1 is refused naming it (`check_ids`: one read of the targets' extremes; a caller that
+/// checked the batch already passes false).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index = -100,
-                     const std::string& reduction = "mean");
+                     const std::string& reduction = "mean", bool check_ids = true);
 /// Squared error, reduction "mean" (over the elements) or "sum" (in float32 for bfloat16 and
 /// float16 inputs).
 Tensor mse(const Tensor& prediction, const Tensor& target, const std::string& reduction = "mean");

@@ -646,7 +646,8 @@ bool summed(const std::string& what, const std::string& reduction) {
 }
 }  // namespace
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const std::string& reduction) {
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const std::string& reduction,
+                     bool check_ids) {
   TORCH_CHECK(logits.dim() >= 1 && logits.dim() == targets.dim() + 1,
               "cross_entropy expects logits (..., C) and targets (...), got ", logits.sizes(),
               " and ", targets.sizes());
@@ -656,7 +657,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   // Any integer ids, as the embedding takes them: LibTorch's kernel reads int64 alone.
   const auto ids = targets.scalar_type() == torch::kLong ? targets : targets.to(torch::kLong);
   if (is_low_precision(flat)) flat = flat.to(torch::kFloat32);  // the softmax and the loss in float32
-  const auto outside = class_id_outside(ids, flat.size(1), ignore_index);
+  const auto outside = check_ids ? class_id_outside(ids, flat.size(1), ignore_index) : c10::nullopt;
   TORCH_CHECK(!outside, "cross_entropy: target ", outside.value_or(0), " is out of range for ", flat.size(1),
               " classes (targets are 0 to ", flat.size(1) - 1, ", or ignore_index=", ignore_index, ")");
   auto options = F::CrossEntropyFuncOptions().ignore_index(ignore_index);

@@ -300,8 +300,13 @@ void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::
   }
 }
 
+std::vector<std::string> state_slots(const OptimizerOptions& o) {
+  if (o.kind == "sgd") return o.momentum != 0.0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  return {"exp_avg", "exp_avg_sq"};  // adam, adamw: the two moments
+}
+
 int64_t Optimizer::planned_state_bytes() const {
-  int slots = options_.kind == "sgd" ? (options_.momentum != 0.0 ? 1 : 0) : 2;  // adam, adamw: two moments
+  const auto slots = static_cast<int64_t>(state_slots(options_).size());
   int64_t bytes = 0;
   for (const auto& p : params_) {
     if (!p.requires_grad()) continue;

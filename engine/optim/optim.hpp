@@ -47,6 +47,10 @@ struct OptimizerOptions {
   LossScaleOptions loss_scale;   ///< kind "none": no loss scaling
 };
 
+/// The slots of a parameter's state once it has stepped, as Optimizer::param_state names them
+/// (a master aside): Adam's and AdamW's two moments, SGD's momentum buffer when it has momentum.
+std::vector<std::string> state_slots(const OptimizerOptions& options);
+
 /// Whether a parameter of `dtype` gets a float32 master copy (bfloat16, float16).
 bool needs_master(torch::ScalarType dtype);
 

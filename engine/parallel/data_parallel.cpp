@@ -134,6 +134,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     dp->stats_.bytes += b.padded * static_cast<int64_t>(c10::elementSize(keys[b.buffer].first));
   dp->filled_.assign(dp->params_.size(), 0);
   dp->used_.assign(dp->params_.size(), 0);
+  dp->unused_.assign(dp->params_.size(), 1);  // no gradient yet
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
@@ -285,6 +286,10 @@ void DataParallel::check_accumulation() const {
 
 void DataParallel::zero_grad() {
   parts_hold_sync_ = false;
+  // No parameter has a gradient until a pass gives it one: a step before the next sync skips
+  // every parameter, as serial training does with no gradients.
+  std::fill(used_.begin(), used_.end(), 0);
+  unused_.assign(params_.size(), 1);
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   torch::NoGradGuard no_grad;
   for (auto& s : shards_) s.zero_();
@@ -389,9 +394,12 @@ void DataParallel::finish_here() {
   stats_.sync_seconds += stats_.last_sync_seconds;
   stats_.exposed_seconds += stats_.last_exposed_seconds;
   // Which parameters got a gradient here since the last sync: settle_unused() finds, with the
-  // other data ranks' counts, those that got none anywhere.
+  // other data ranks' counts, those that got none anywhere. A reduce-scattered bucket's counts
+  // go on until zero_grad (ZeRO's optimizer's): a gradient an earlier pass left in the shard (two
+  // train_steps an opt:step()) has no .grad for the next pass's fill to see. Elsewhere a kept
+  // .grad is seen, and the optimizer's zero_grad does not come here.
   synced_used_ = used_;
-  std::fill(used_.begin(), used_.end(), 0);
+  if (!scatters()) std::fill(used_.begin(), used_.end(), 0);
   unsettled_ = true;
   // Each .grad becomes a view of its bucket: no copy back, and no new gradient memory a step
   // (DDP's gradient_as_bucket_view). The next sync overwrites the bucket, so a .grad kept across
@@ -424,14 +432,20 @@ torch::Tensor DataParallel::used_counts() const {
 void DataParallel::settle_unused(const torch::Tensor& counts) {
   if (!unsettled_) return;
   unsettled_ = false;
-  if (counts.is_meta() || group_->planned()) return;  // partrain plan: nothing to read
+  if (counts.is_meta() || group_->planned()) {  // partrain plan: nothing to read; every parameter steps
+    unused_.assign(params_.size(), 0);
+    return;
+  }
   auto summed = counts.to(torch::kCPU, torch::kFloat64).contiguous();
   TORCH_CHECK(summed.numel() == static_cast<int64_t>(params_.size()), "data parallelism: ", summed.numel(),
               " gradient counts for ", params_.size(), " parameters");
   const double* n = summed.data_ptr<double>();
   unused_.assign(params_.size(), 0);
   for (size_t k = 0; k < params_.size(); ++k) {
-    if (n[k] != 0) continue;
+    // A parameter tied across pipeline stages (a whole bucket) counts as used: each stage sees
+    // only its own holder's use before the tie's gradients are summed over the pipeline, and
+    // the stages must step their copies alike (the sum, zeros where no stage used it).
+    if (n[k] != 0 || buckets_[bucket_of_[k]].whole) continue;
     unused_[k] = 1;  // ZeRO's optimizer leaves this parameter's shard pieces without a gradient
     params_[k].mutable_grad() = torch::Tensor();
   }

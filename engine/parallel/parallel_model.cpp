@@ -357,11 +357,15 @@ torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tens
       return vocab_parallel_cross_entropy(output, targets, head->group, head->logical_out, options.ignore_index,
                                           reduction);
     }
+    // On a device the batch check (check_batch: the model families, chains of built-in layers)
+    // read the targets once this step; the loss does not stop the stream again each micro-batch.
+    // On the CPU, where the read costs little, every model's targets are checked here.
+    const bool check_ids = targets.is_cpu();
     // The serial loss takes (N, C) and (N): flatten leading dimensions as a language model has them.
     if (output.dim() > 2 && targets.dim() == output.dim() - 1)
       return nn::cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), options.ignore_index,
-                               reduction);
-    return nn::cross_entropy(output, targets, options.ignore_index, reduction);
+                               reduction, check_ids);
+    return nn::cross_entropy(output, targets, options.ignore_index, reduction, check_ids);
   }
   check_loss(options.loss);
   if (auto* head = vocab_head_of(*root_)) {

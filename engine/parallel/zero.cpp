@@ -228,7 +228,7 @@ class ZeroShards : public optim::Distributed {
       return full.view(p.sizes());
     };
     if (stepped_[k])  // a parameter that has not stepped yet has no state, as in serial training
-      for (const std::string& slot : state_slots(opt.options()))
+      for (const std::string& slot : optim::state_slots(opt.options()))
         out[slot] = gather([&](size_t q) { return opt.local_state(pieces_[q].tensor).at(slot); });
     if (p.scalar_type() != masters_.front().scalar_type())
       out["master"] = gather([&](size_t q) { return pieces_[q].tensor.detach(); });
@@ -237,7 +237,7 @@ class ZeroShards : public optim::Distributed {
 
   int64_t param_steps(const optim::Optimizer& opt, const torch::Tensor& param) const override {
     const auto k = index_of(param);
-    if (k < 0 || !stepped_[k] || state_slots(opt.options()).empty()) return -1;
+    if (k < 0 || !stepped_[k] || opt.options().kind == "sgd") return -1;  // SGD keeps no count
     return steps_[k];
   }
 
@@ -297,12 +297,7 @@ class ZeroShards : public optim::Distributed {
     for (size_t q = s.first_piece; q < s.first_piece + s.pieces; ++q)
       f(q, pieces_[q].offset - s.master_offset, pieces_[q].tensor.numel());
   }
-  // The slots of a parameter's state once it has stepped, as Optimizer::local_state names them.
-  static std::vector<std::string> state_slots(const optim::OptimizerOptions& o) {
-    if (o.kind == "adam" || o.kind == "adamw") return {"exp_avg", "exp_avg_sq"};
-    if (o.kind == "sgd" && o.momentum != 0) return {"momentum_buffer"};
-    return {};
-  }
+
   torch::Tensor param_part(const Segment& s) const {
     return dp_->params()[s.param].detach().reshape({-1}).narrow(0, s.param_offset, s.length);
   }

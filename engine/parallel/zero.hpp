@@ -43,8 +43,9 @@ struct ZeroBytes {
   int64_t shared_grad = 0;
   /// overlap_sync_param: buckets whose all-gather of updated parameters is in flight now.
   int gathers_in_flight = 0;
-  /// The tensors the optimizer steps: the masters cut into pieces (on the CPU of at most 128 Ki
-  /// elements, which keeps the update's temporaries in cache; one a master on a device).
+  /// The tensors the optimizer steps: the masters cut into pieces, each one parameter's elements
+  /// or padding (on the CPU of at most 128 Ki elements, which keeps the update's temporaries in
+  /// cache), so that a parameter without a gradient is skipped with its own state.
   int pieces = 0;
 };
 

@@ -170,7 +170,7 @@ refuse "--restart-backoff inf is refused" "--restart-backoff 'inf' is not a numb
 printf 'x = 1\n' > "$tmp/victim.lua"
 refuse "PARTRAIN_METRICS naming a script is refused before the run" "PARTRAIN_METRICS '$tmp/victim.lua' exists and is not a JSON-lines metrics file" -- env PARTRAIN_METRICS="$tmp/victim.lua" "$bin" -e ""
 refuse "PARTRAIN_METRICS naming a folder is refused" "PARTRAIN_METRICS '$tmp' is a folder" -- env PARTRAIN_METRICS="$tmp" "$bin" -e ""
-refuse "an empty PARTRAIN_DEVICE is refused" "PARTRAIN_DEVICE is empty" -- env PARTRAIN_DEVICE= "$bin" -e ""
+refuse "an empty PARTRAIN_HOME counts as unset, a bad one is refused before plan runs" "PARTRAIN_HOME '$tmp' is not a partrain installation" -- env PARTRAIN_HOME="$tmp" "$bin" plan --world 1 "$tmp/cfg.lua"
 refuse "a bad PARTRAIN_DEVICE is refused before ranks start" "PARTRAIN_DEVICE: unknown device 'tpu'" -- env PARTRAIN_DEVICE=tpu "$bin" --nproc-per-node 2 -e ""
 refuse "a PARTRAIN_HOME that is no installation is refused" "PARTRAIN_HOME '$tmp' is not a partrain installation" -- env PARTRAIN_HOME="$tmp" "$bin" -e ""
 refuse "RANK with a leading space is refused" "environment variable RANK=' 0' is not an integer" -- env RANK=" 0" WORLD_SIZE=1 "$bin" -e ""
@@ -181,6 +181,7 @@ check "plan --save over a script is refused before planning" 1 "plan: --save '$t
 took=$(( ($(date +%s%N) - start) / 1000000 ))
 if [ "$took" -lt 5000 ]; then passed=$((passed + 1)); echo "[ OK ] ... in ${took} ms"
 else failed=$((failed + 1)); echo "[FAIL] plan --save's refusal took ${took} ms (planned first?)"; fi
+check "an empty PARTRAIN_DEVICE is the default device, as a rank reads it" 0 "ran" -- env PARTRAIN_DEVICE= PARTRAIN_HOME= "$bin" -e 'print("ran")'
 check "parity -o '' is refused" 2 "-o is empty (expected the HTML file to write)" -- "$bin" parity a.jsonl b.jsonl -o ""
 check "parity --tol= is refused" 2 "--tol is empty" -- "$bin" parity a.jsonl b.jsonl --tol=
 # `--` makes the next word the script, even one that looks like a flag or a subcommand; its

@@ -157,8 +157,9 @@ end)
 
 -- A parameter the forward skips: serial training leaves it without a gradient and the optimizer
 -- skips it; synced as zeros, AdamW's moments and decay had moved it (1.6e-1 after 4 steps, exit
--- 0). `extra` is used on step 1 only, `other` on data rank 0 only (the mean still reaches every
--- rank), `never` never. Under ZeRO such a step is refused on every rank.
+-- 0). In the tests below `extra` is used on some steps only, `other` on data rank 0 only (the
+-- mean still reaches every rank), `never` never. ZeRO skips such a parameter too (it had refused
+-- the step).
 local Skips = pt.nn.Module "Skips"
 function Skips:__init()
   self.fc = pt.nn.Linear(4, 3); self.extra = pt.nn.Linear(3, 3); self.other = pt.nn.Linear(3, 3)
@@ -229,6 +230,33 @@ if dp % 2 == 0 then
       trains_skipping_like_serial(stage, function(m) return pt.optim.sgd(m, { lr = 0.1, momentum = 0.9 }) end)
     end)
   end
+
+  -- Under ZeRO-2 a pass's gradient leaves .grad for the shard: a parameter used in the first of
+  -- two train_steps and not the second had been counted unused at the second sync, and its
+  -- gradient in the shard dropped without a word. And an opt:step() after opt:zero_grad() with no
+  -- backward steps nothing, as serial training (the last sync's flags had stayed).
+  H.test("ZeRO-2 steps a parameter used in the first of two train_steps an opt:step() and none after zero_grad, " ..
+         "as serial training does (float64)", function()
+    pt.manual_seed(1); local serial = Skips():to("float64")
+    pt.manual_seed(1)
+    local model = pt.parallelize(Skips():to("float64"), nil, pt.mesh { zero = 2 }, { zero = { stage = 2 } })
+    local so, po = pt.optim.adamw(serial, { lr = 0.1 }), pt.optim.adamw(model, { lr = 0.1 })
+    local d = pt.mesh({ zero = 2 }):coord().data
+    for step = 1, 3 do
+      for half = 1, 2 do
+        local x, y = pt.randn({ 4 * dp, 4 }):double(), pt.randint(0, 3, { 4 * dp })
+        data_group:broadcast(x, 0); data_group:broadcast(y, 0)
+        serial.use_extra, model.use_extra = half == 1, half == 1
+        pt.nn.cross_entropy(serial(x), y):backward()
+        model:train_step(x:narrow(0, d * 4, 4), y:narrow(0, d * 4, 4))
+      end
+      so:step(); po:step()
+      so:zero_grad(); po:zero_grad()
+      so:step(); po:step()  -- no gradient at all: nothing moves
+    end
+    local want = serial:state_dict()
+    for name, t in pairs(model:state_dict()) do H.near(t, want[name], 1e-10, "parameter " .. name) end
+  end)
 
   H.test("a checkpoint whose parameter stepped fewer times than the optimizer resumes under data parallelism " ..
          "and under ZeRO-1 and ZeRO-2, whichever saved it, as if never interrupted", function()

@@ -250,8 +250,7 @@ TEST(Data, IdxReadsGzipAndPlainAndRefusesDamage) {
   std::remove(gz.c_str());
 }
 
-// The memory guard's limit: a container's cgroup (v1 or v2, on its own folder or one above it,
-// as a container sees it) when smaller than the machine, the machine otherwise.
+// A NaN in a message reads "nan", as Lua writes it, wherever it stands as a number.
 TEST(Messages, NanStandingAloneReadsWithoutSign) {
   const double nan = -std::numeric_limits<double>::quiet_NaN();
   std::ostringstream made;
@@ -266,8 +265,11 @@ TEST(Messages, NanStandingAloneReadsWithoutSign) {
   // Words and names that hold "-nan" are left as they are.
   const std::string names = "file 'a-nan.txt', 'x/-nan' and not-nan-at-all: -nano";
   EXPECT_EQ(compat::message_of(std::runtime_error(names)), names);
+  EXPECT_EQ(compat::unsigned_nan("{-nan}: -nan:\n-nan"), "{nan}: nan:\nnan");
 }
 
+// The memory guard's limit: a container's cgroup (v1 or v2, on its own folder or one above it,
+// as a container sees it) when smaller than the machine, the machine otherwise.
 TEST(Memory, CgroupLimitsBelowTheMachineCount) {
   const std::string root = temp_path("-cgroup"), proc = root + "/cgroup";
   auto write = [](const std::string& path, const std::string& text) {

@@ -186,6 +186,7 @@ test("tostring shows shape, dtype and values", function()
   -- LibTorch's own footer ("[ CPUFloatType{} ]") is dropped for one number and for no numbers too.
   eq(tostring(pt.tensor(2.5)), "tensor([], float32)\n2.5")
   eq(tostring(pt.zeros { 0, 3 }), "tensor([0, 3], float32)")
+  eq(tostring(pt.tensor { 0 / 0, 1 }):find("-nan", 1, true), nil, "a NaN prints nan, as Lua prints it")
 end)
 
 -- Into an integer dtype each number as it is: NaN had become -9.2e18, 2^63 INT64_MIN, 1.5 1.
