@@ -62,6 +62,11 @@ check "pt.args reads overrides" 0 "epochs	1" -- "$bin" "$tmp/cfg.lua" --epochs 1
 check "pt.args refuses unknown keys" 1 "cfg.lua:2: unknown option --epoch (known: --epochs)" -- "$bin" "$tmp/cfg.lua" --epoch 1
 check "pt.args checks types" 1 "--epochs expects an integer, got 'x'" -- "$bin" "$tmp/cfg.lua" --epochs x
 check "pt.args --help lists the options" 0 "--epochs" -- "$bin" "$tmp/cfg.lua" --help
+check "a partrain flag after the script is told where it goes" 1 "unknown option --nproc-per-node (known: --epochs); --nproc-per-node is partrain's own flag: it goes before the script (partrain --nproc-per-node ... $tmp/cfg.lua)" -- "$bin" "$tmp/cfg.lua" --nproc-per-node 2
+# Every flag partrain --help lists gets that hint (the list in args.lua keeps up with the command).
+flags=$("$bin" --help | grep -oE '^ +(-[a-z], ?)?--[a-z-]+' | sed 's/.*--//' | grep -vx help | tr '\n' ' ')
+printf 'local pt = require "partrain"\nlocal missing = {}\nfor _, f in ipairs(arg) do\n  local ok, err = pcall(pt.args, { epochs = 3 }, { "--" .. f, "1" })\n  if ok or not tostring(err):find("is partrain.s own flag") then missing[#missing + 1] = f end\nend\nprint(#arg .. " flags, without the hint: " .. table.concat(missing, " "))\nos.exit(#missing == 0 and #arg > 20 and 0 or 1)\n' > "$tmp/flags.lua"
+check "pt.args knows every flag of partrain --help" 0 "flags, without the hint: " -- "$bin" "$tmp/flags.lua" $flags
 
 mkdir -p "$tmp/proj"
 printf 'return { answer = 42 }\n' > "$tmp/proj/helper.lua"

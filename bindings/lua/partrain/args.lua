@@ -131,6 +131,15 @@ local kMaxInstructions = 10000000   -- a config file is data: a loop this long i
 local kMaxMemoryMB = 64              -- and so is more memory than this (its text is at most 1 MiB)
 
 -- The option values a config file returns, checked against the kinds: { key = value }.
+-- The partrain command's own flags (`partrain --help`; tests/cli/test_cli.sh checks that this
+-- list holds them all): one given after the script reaches the script, which is told where it goes.
+local partrain_flags = {}
+for name in ([[check-collectives device execute hang-timeout interactive master-addr master-port max-restarts
+  metrics nnodes no-progress node-rank node-timeout nproc-per-node plan plan-mode rdzv-secret-file
+  restart-backoff tee threads timeout trace trace-steps version]]):gmatch("%S+") do
+  partrain_flags[name] = true
+end
+
 local function read_config(path, kinds, known)
   local text = core.files.read_config(path)
   if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
@@ -270,7 +279,11 @@ local function parse(spec, argv)
       key, value = key:sub(4), "false"
     end
     if kinds[key] == nil then
-      error(("unknown option --%s (known: %s)"):format(name, table.concat(known, ", ")), 0)
+      local hint = partrain_flags[name]
+        and ("; --%s is partrain's own flag: it goes before the script (partrain --%s ... %s)"):format(name, name,
+          arg and arg[0] or "script.lua")
+        or ""
+      error(("unknown option --%s (known: %s)%s"):format(name, table.concat(known, ", "), hint), 0)
     end
     if value == nil then
       local nextword = words[i + 1]
