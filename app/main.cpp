@@ -230,13 +230,14 @@ int run_main(int argc, char** argv) {
   // partrain's own flags come before the script; everything from the script on is the script's.
   // plan, ckpt, report, parity and repl are always subcommands, whatever files the working folder holds.
   // PARTRAIN_HOME names an installation: one without partrain's Lua library is a mistake, not a
-  // reason to use another copy (checked before plan, which runs Lua too).
-  if (const char* home = std::getenv("PARTRAIN_HOME"); home && *home) {
-    const std::string init = std::string(home) + "/lua/partrain/init.lua";
-    if (!partrain::util::is_regular(init))
-      return fail(std::string("PARTRAIN_HOME '") + home + "' is not a partrain installation (it has no " +
-                  "lua/partrain/init.lua; unset it to use this partrain's own)");
-  }
+  // reason to use another copy. Checked where Lua runs (a script, -e, the REPL, plan); --help,
+  // --version, ckpt, report and parity run none.
+  auto bad_home = []() -> std::string {
+    const char* home = std::getenv("PARTRAIN_HOME");
+    if (!home || !*home || partrain::util::is_regular(std::string(home) + "/lua/partrain/init.lua")) return "";
+    return std::string("PARTRAIN_HOME '") + home + "' is not a partrain installation (it has no " +
+           "lua/partrain/init.lua; unset it to use this partrain's own)";
+  };
   int split = partrain::app::split_at_script(app, 1, argc, argv);
   // After `--` the next word is the script, even one named like a subcommand.
   const bool after_dashes = split > 1 && std::string(argv[split - 1]) == "--";
@@ -246,7 +247,10 @@ int run_main(int argc, char** argv) {
       return fail(word + " takes no partrain flags before it: partrain " + word +
                   (word == "plan" ? " --world N script.lua" : word == "ckpt" ? " inspect DIR"
                    : word == "report" ? " RUN_DIR -o report.html" : " A B"));
-    if (word == "plan") return partrain::app::run_plan(argc, argv, split + 1);
+    if (word == "plan") {
+      if (auto bad = bad_home(); !bad.empty()) return fail(bad);
+      return partrain::app::run_plan(argc, argv, split + 1);
+    }
     if (word == "ckpt") return partrain::app::run_ckpt(argc, argv, split + 1);
     if (word == "report") return partrain::app::run_report(argc, argv, split + 1);
     return partrain::app::run_parity(argc, argv, split + 1);
@@ -278,6 +282,7 @@ int run_main(int argc, char** argv) {
     return partrain::app::parse_failed(app, e);
   }
   if (repl) interactive = true;
+  if (auto bad = bad_home(); !bad.empty()) return fail(bad);
 
   // Numbers: each in its range, or a short message naming the flag, the value and the range.
   int threads = 0, timeout = 0, nproc = 0;

@@ -211,8 +211,8 @@ Tensor Gpt2::forward(const Tensor& ids) { return head(child("h")->forward({embed
 
 Tensor Gpt2::embed(const Tensor& ids) { return at::dropout(embeddings(ids), options.dropout, is_training()); }
 
-void Gpt2::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
-  check_lm_batch("GPT2", x, y, options.vocab, options.seq, loss, ignore_index, sequence_group(*this));
+bool Gpt2::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
+  return check_lm_batch("GPT2", x, y, options.vocab, options.seq, loss, ignore_index, sequence_group(*this));
 }
 
 Tensor Gpt2::embeddings(const Tensor& ids) {

@@ -86,7 +86,7 @@ class Gpt2 : public nn::Unary {
   /// sequence before dropout, as that forward does: its blocks and ln_f then see T/t positions
   /// and lm_head gathers them.
   bool has_stage_ends() const override { return true; }
-  void check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
+  bool check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
   Tensor stage_in(const Tensor& ids) override;
   Tensor stage_out(const Tensor& x) override { return head(x); }
   std::string extra_repr() const override;

@@ -184,8 +184,8 @@ Llama::Llama(const LlamaOptions& o) : nn::Unary("Llama"), options(o) {
   set_child("lm_head", linear(o.dim, o.vocab));
 }
 
-void Llama::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
-  check_lm_batch("Llama", x, y, options.vocab, options.seq, loss, ignore_index, sequence_group(*this));
+bool Llama::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
+  return check_lm_batch("Llama", x, y, options.vocab, options.seq, loss, ignore_index, sequence_group(*this));
 }
 
 Tensor Llama::embed(const Tensor& ids) {

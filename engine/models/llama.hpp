@@ -78,7 +78,7 @@ class Llama : public nn::Unary {
   /// A pipeline's stage ends: embed and head; under sequence parallelism the embedding split along
   /// the sequence, as the forward policies/llama.lua installs.
   bool has_stage_ends() const override { return true; }
-  void check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
+  bool check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
   Tensor stage_in(const Tensor& ids) override;
   Tensor stage_out(const Tensor& x) override { return head(x); }
   std::string extra_repr() const override;

@@ -55,7 +55,7 @@ void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vo
               " (ids are 0 to ", vocab - 1, ")");
 }
 
-void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
+bool check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
                     int64_t seq, const std::string& loss, int64_t ignore_index, const dist::GroupPtr& sequence) {
   check_token_ids(model, ids, vocab, seq, 0, /*values=*/!ids.is_meta());  // partrain plan: shapes only
   if (sequence) parallel::check_sequence_parts(ids.size(1), sequence->size());
@@ -64,9 +64,9 @@ void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
                     targets.size(1) == ids.size(1) && targets.size(2) == vocab,
                 "train_step: loss mse compares ", model, "'s logits (", ids.size(0), ", ", ids.size(1), ", ", vocab,
                 ") with floating targets of that shape, got ", targets.sizes(), " ", targets.dtype());
-    return;
+    return false;
   }
-  if (loss != "cross_entropy") return;  // train_step refuses an unknown loss itself
+  if (loss != "cross_entropy") return false;  // train_step refuses an unknown loss itself
   TORCH_CHECK(!targets.is_floating_point() && !targets.is_complex() && targets.scalar_type() != torch::kBool,
               "train_step: cross_entropy expects integer class ids as targets, got ", targets.dtype());
   TORCH_CHECK(targets.sizes() == ids.sizes(), "train_step: ", model, " predicts a token at each of the input's ",
@@ -74,6 +74,7 @@ void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
   const auto outside = nn::class_id_outside(targets, vocab, ignore_index);
   TORCH_CHECK(!outside, "train_step: target ", outside.value_or(0), " is out of range for ", model, "'s vocab=", vocab,
               " (targets are 0 to ", vocab - 1, ", or ignore_index=", ignore_index, ")");
+  return true;
 }
 
 }  // namespace partrain::models

@@ -38,7 +38,8 @@ void check_token_ids(const std::string& model, const nn::Tensor& ids, int64_t vo
 /// over `sequence` (the sequence-parallel group, or null), and targets for `loss`: cross_entropy
 /// takes integer class ids of the ids' shape, each in [0, vocab) or ignore_index; mse takes
 /// floating targets of the logits' shape (B, T, vocab).
-void check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
+/// Returns whether it read the targets' class ids (cross_entropy).
+bool check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::Tensor& targets, int64_t vocab,
                     int64_t seq, const std::string& loss, int64_t ignore_index, const dist::GroupPtr& sequence);
 
 }  // namespace partrain::models

@@ -147,7 +147,7 @@ class Sequential : public Module {
   /// the chain): inputs (batch, ..., in) of floating point numbers; cross_entropy's targets class
   /// ids below the last layer's width (or ignore_index), one for each input row; mse's targets the
   /// output's shape.
-  void check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
+  bool check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) override;
 };
 
 /// A parameter-free elementwise module (ReLU, GELU, Tanh, Sigmoid, SiLU, Softmax, LogSoftmax).

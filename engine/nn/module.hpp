@@ -117,8 +117,11 @@ class Module : public torch::nn::Module {
   /// loss `loss` ("cross_entropy" or "mse"; `ignore_index` the targets cross_entropy skips).
   /// Raises what the first stage's forward or the last stage's loss would raise, so that on a
   /// pipeline every rank refuses a bad batch before anything is sent, instead of one stage
-  /// failing while the others wait for it. The base class checks nothing.
-  virtual void check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {}
+  /// failing while the others wait for it. Returns whether it read the targets' class ids (the
+  /// loss then need not read them again on a device). The base class checks nothing.
+  virtual bool check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
+    return false;
+  }
   /// The parallelized model this module is the root of (parallel::ParallelModel), or nullptr.
   /// Held weakly: the parallelized model owns the tree, not the other way round.
   std::shared_ptr<parallel::ParallelModel> parallel_owner() const { return owner_.lock(); }

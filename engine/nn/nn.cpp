@@ -577,16 +577,16 @@ c10::optional<Features> Sequential::output_features() const {
   return c10::nullopt;
 }
 
-void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
+bool Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
   // What the first layer's forward and the loss would refuse part-way (on one pipeline stage or
   // one data replica, the others waiting for it), refused before anything runs.
-  if (forward_replaced_in_tree()) return;
+  if (forward_replaced_in_tree()) return false;
   const auto in = input_features(), out = output_features();
   const bool takes = in && in->width > 0 && in->parts == 1;  // the input's width, whole
   if (takes)
     TORCH_CHECK(x.is_floating_point() && x.dim() >= 2 && x.size(-1) == in->width, type(), " takes inputs (batch, ..., ",
                 in->width, ") of floating point numbers, got ", x.sizes(), " ", compat::dtype_name(x.scalar_type()));
-  if (!out || out->width <= 0 || out->parts != 1) return;  // split outputs: the loss checks its own
+  if (!out || out->width <= 0 || out->parts != 1) return false;  // split outputs: the loss checks its own
   const int64_t width = out->width;
   auto rows = takes ? x.sizes().slice(0, x.dim() - 1).vec() : std::vector<int64_t>{};
   if (loss == "mse") {
@@ -598,9 +598,9 @@ void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
     TORCH_CHECK(y.is_floating_point() && (takes ? y.sizes().vec() == want : y.dim() >= 1 && y.size(-1) == width),
                 "train_step: loss mse compares ", type(), "'s outputs ", shape.str(),
                 " with floating targets of that shape, got ", y.sizes(), " ", compat::dtype_name(y.scalar_type()));
-    return;
+    return false;
   }
-  if (loss != "cross_entropy") return;  // train_step refuses an unknown loss itself
+  if (loss != "cross_entropy") return false;  // train_step refuses an unknown loss itself
   TORCH_CHECK(!y.is_floating_point() && !y.is_complex() && y.scalar_type() != torch::kBool,
               "train_step: cross_entropy expects integer class ids as targets, got ", compat::dtype_name(y.scalar_type()));
   if (takes)
@@ -609,6 +609,7 @@ void Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
   const auto outside = class_id_outside(y, width, ignore_index);
   TORCH_CHECK(!outside, "train_step: target ", outside.value_or(0), " is out of range for ", type(), "'s ", width,
               " classes (targets are 0 to ", width - 1, ", or ignore_index=", ignore_index, ")");
+  return true;
 }
 
 Activation::Activation(std::string type, std::function<Tensor(const Tensor&)> fn)

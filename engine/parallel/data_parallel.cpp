@@ -135,6 +135,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   dp->filled_.assign(dp->params_.size(), 0);
   dp->used_.assign(dp->params_.size(), 0);
   dp->unused_.assign(dp->params_.size(), 1);  // no gradient yet
+  for (const auto& p : dp->params_) dp->tied_.push_back(holds(options.tied, p));
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
@@ -286,6 +287,14 @@ void DataParallel::check_accumulation() const {
 
 void DataParallel::zero_grad() {
   parts_hold_sync_ = false;
+  // A hand-written loop's sync left its counts' all-reduce in flight: done with here (every rank
+  // zeroes), so that a step after zero_grad does not settle the gradients zeroed.
+  if (counts_pending_) {
+    counts_pending_ = false;
+    counts_work_.wait();
+    counts_ = torch::Tensor();
+  }
+  unsettled_ = false;
   // No parameter has a gradient until a pass gives it one: a step before the next sync skips
   // every parameter, as serial training does with no gradients.
   std::fill(used_.begin(), used_.end(), 0);
@@ -394,10 +403,10 @@ void DataParallel::finish_here() {
   stats_.sync_seconds += stats_.last_sync_seconds;
   stats_.exposed_seconds += stats_.last_exposed_seconds;
   // Which parameters got a gradient here since the last sync: settle_unused() finds, with the
-  // other data ranks' counts, those that got none anywhere. A reduce-scattered bucket's counts
-  // go on until zero_grad (ZeRO's optimizer's): a gradient an earlier pass left in the shard (two
-  // train_steps an opt:step()) has no .grad for the next pass's fill to see. Elsewhere a kept
-  // .grad is seen, and the optimizer's zero_grad does not come here.
+  // other data ranks' counts, those that got none anywhere. With reduce-scattered buckets the
+  // counts go on until zero_grad (ZeRO's optimizer's comes here): a gradient an earlier pass left
+  // in the shard (two train_steps an opt:step()) has no .grad for the next pass's fill to see.
+  // Elsewhere a .grad kept from an earlier pass is seen by the fill, and counts.
   synced_used_ = used_;
   if (!scatters()) std::fill(used_.begin(), used_.end(), 0);
   unsettled_ = true;
@@ -442,10 +451,10 @@ void DataParallel::settle_unused(const torch::Tensor& counts) {
   const double* n = summed.data_ptr<double>();
   unused_.assign(params_.size(), 0);
   for (size_t k = 0; k < params_.size(); ++k) {
-    // A parameter tied across pipeline stages (a whole bucket) counts as used: each stage sees
-    // only its own holder's use before the tie's gradients are summed over the pipeline, and
-    // the stages must step their copies alike (the sum, zeros where no stage used it).
-    if (n[k] != 0 || buckets_[bucket_of_[k]].whole) continue;
+    // A parameter tied across pipeline stages counts as used: each stage sees only its own
+    // holder's use before the tie's gradients are summed over the pipeline, and the stages must
+    // step their copies alike (the sum, zeros where no stage used it).
+    if (n[k] != 0 || tied_[k]) continue;
     unused_[k] = 1;  // ZeRO's optimizer leaves this parameter's shard pieces without a gradient
     params_[k].mutable_grad() = torch::Tensor();
   }

@@ -49,6 +49,10 @@ struct DataParallelOptions {
   /// tied across pipeline stages, whose gradients are summed over the pipeline after the sync,
   /// and those two pipeline chunks of this rank share.
   std::vector<torch::Tensor> whole;
+  /// Parameters tied across pipeline stages, under any zero stage: each stage sees only its own
+  /// holder's use before the tie's gradients are summed over the pipeline, so they count as used
+  /// (settle_unused), and the stages step their copies alike.
+  std::vector<torch::Tensor> tied;
   /// A pipeline's parameters by chunk of this rank (empty: one chunk holds everything). Buckets
   /// never span two chunks, and under ZeRO-2 a backward pass reduces the buckets of the chunk
   /// set_chunk names only (one micro-batch of one chunk runs backward at a time).
@@ -149,15 +153,19 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// A parameter that got no gradient on any data rank since the last sync keeps no .grad, as
   /// serial training leaves it, so the optimizer skips it (counted as zeros in the buckets,
   /// AdamW's moments and decay had moved it). used_counts(): this rank's count a parameter
-  /// (float64, 1 or 0) for the last sync; settle_unused(counts) takes their sum over the data
-  /// group (train_step carries it on the loss's all-reduce) and drops the .grad of those at 0,
-  /// once a sync; unused(k) then says so on every rank alike (ZeRO's optimizer skips them).
-  /// settle_unused() all-reduces the counts itself (a hand-written loop's step).
+  /// (float64, 1 or 0) for the last sync (with reduce-scattered buckets, since zero_grad: a
+  /// gradient waiting in the shard has no .grad to see); settle_unused(counts) takes their sum
+  /// over the data group (train_step carries it on the loss's all-reduce) and drops the .grad of
+  /// those at 0, once a sync; unused(k) then says so on every rank alike (ZeRO's optimizer skips
+  /// them). A parameter tied across pipeline stages always counts as used. zero_grad makes every
+  /// parameter unused until the next settled sync. settle_unused() all-reduces the counts itself
+  /// (a hand-written loop's step).
   torch::Tensor used_counts() const;
   void settle_unused(const torch::Tensor& counts);
   void settle_unused();
   bool unsettled() const { return unsettled_; }
-  /// Whether parameter k (of params()) got no gradient on any data rank in the sync last settled.
+  /// Whether parameter k (of params()) got no gradient on any data rank in the sync last settled
+  /// (or none since zero_grad, or no sync yet).
   bool unused(size_t k) const { return k < unused_.size() && unused_[k]; }
   /// Set by train_step around its step: the sync leaves the counts to it.
   void set_counts_elsewhere(bool elsewhere) { counts_elsewhere_ = elsewhere; }
@@ -238,7 +246,10 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<char> used_;          // parameter -> it got a gradient on this rank since the last sync
   std::vector<char> synced_used_;   // ... as the last sync left it, until settled
   bool unsettled_ = false;          // a sync's counts not yet settled (settle_unused)
-  std::vector<char> unused_;        // by parameter: no gradient on any data rank (the last settled sync)
+  // By parameter: no gradient on any data rank in the last settled sync, or none since zero_grad
+  // (every one after it, and before the first sync).
+  std::vector<char> unused_;
+  std::vector<char> tied_;          // by parameter: tied across pipeline stages (always counts as used)
   bool counts_elsewhere_ = false;   // train_step carries the counts on its loss's all-reduce
   bool counts_pending_ = false;     // a hand-written loop's counts, all-reduced behind the sync
   torch::Tensor counts_;

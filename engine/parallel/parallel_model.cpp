@@ -227,6 +227,7 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   TORCH_CHECK(stage == 1 || !options.zero || options.zero->reduce_scatter, "zero: reduce_scatter = false keeps "
               "gradients whole, which is ZeRO-1's choice; ", stage == 2 ? "stage 2 always reduce-scatters them"
                                                                          : "the zero stage is 0 (no ZeRO)");
+  if (model->pipeline_) dp.tied = model->pipeline_->tied_params();
   if (stage > 0) {
     TORCH_CHECK(!options.zero || options.zero->reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), "
                 "got ", options.zero->reduce_bucket_size);
@@ -357,10 +358,11 @@ torch::Tensor ParallelModel::loss(const torch::Tensor& output, const torch::Tens
       return vocab_parallel_cross_entropy(output, targets, head->group, head->logical_out, options.ignore_index,
                                           reduction);
     }
-    // On a device the batch check (check_batch: the model families, chains of built-in layers)
-    // read the targets once this step; the loss does not stop the stream again each micro-batch.
-    // On the CPU, where the read costs little, every model's targets are checked here.
-    const bool check_ids = targets.is_cpu();
+    // On a device, where the batch check (check_batch: the model families, chains of built-in
+    // layers) read the targets this step, the loss does not stop the stream again each
+    // micro-batch. A model it could not check (a Lua module, a replaced forward) and the CPU,
+    // where the read costs little, check here.
+    const bool check_ids = targets.is_cpu() || !targets_checked_;
     // The serial loss takes (N, C) and (N): flatten leading dimensions as a language model has them.
     if (output.dim() > 2 && targets.dim() == output.dim() - 1)
       return nn::cross_entropy(output.reshape({-1, output.size(-1)}), targets.reshape({-1}), options.ignore_index,
@@ -437,7 +439,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
       const int m = pipeline_->options().microbatches;
       TORCH_CHECK(x.size(0) % m == 0, "train_step: microbatches=", m, " does not divide the batch of ", x.size(0));
     }
-    root_->check_batch(x, y, options.loss, options.ignore_index);
+    targets_checked_ = root_->check_batch(x, y, options.loss, options.ignore_index);
   } catch (...) {
     refused = std::current_exception();
   }

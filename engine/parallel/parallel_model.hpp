@@ -182,6 +182,9 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   std::vector<ParameterRecord> records_;
   std::weak_ptr<optim::LossScaler> loss_scaler_;
   bool overlap_sync_param_ = false;
+  // Whether this train_step's batch check read the targets' class ids (the loss then need not,
+  // on a device).
+  bool targets_checked_ = false;
   std::function<void()> param_wait_;
   static std::atomic<int64_t> live_;
 };

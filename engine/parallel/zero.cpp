@@ -316,8 +316,9 @@ class ZeroShards : public optim::Distributed {
     const auto& params = dp_->params();
     auto options = torch::TensorOptions().dtype(torch::kFloat64).device(masters_.front().device());
     auto sq = torch::zeros({static_cast<int64_t>(params.size())}, options);
-    for (const auto& s : segments_)
-      sq[static_cast<int64_t>(s.param)] += grads_[s.master].narrow(0, s.master_offset, s.length).to(torch::kFloat64).pow(2).sum();
+    for (const auto& s : segments_)  // a parameter without a gradient adds nothing (its part may hold an old one)
+      if (!dp_->unused(s.param))
+        sq[static_cast<int64_t>(s.param)] += grads_[s.master].narrow(0, s.master_offset, s.length).to(torch::kFloat64).pow(2).sum();
     zero_->all_reduce(sq);
     const auto& pipeline = model.pipeline();
     auto whole = torch::zeros({1}, options);

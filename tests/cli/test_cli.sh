@@ -62,6 +62,8 @@ check "pt.args reads overrides" 0 "epochs	1" -- "$bin" "$tmp/cfg.lua" --epochs 1
 check "pt.args refuses unknown keys" 1 "cfg.lua:2: unknown option --epoch (known: --epochs)" -- "$bin" "$tmp/cfg.lua" --epoch 1
 check "pt.args checks types" 1 "--epochs expects an integer, got 'x'" -- "$bin" "$tmp/cfg.lua" --epochs x
 check "pt.args --help lists the options" 0 "--epochs" -- "$bin" "$tmp/cfg.lua" --help
+check "a partrain flag after the script, spelled with _, is told where it goes" 1 "--nproc_per_node is partrain's own flag" -- "$bin" "$tmp/cfg.lua" --nproc_per_node 2
+check "a bad PARTRAIN_HOME leaves ckpt, which runs no Lua, alone" 1 "cannot read the checkpoint folder" -- env PARTRAIN_HOME=/nonexistent "$bin" ckpt inspect "$tmp/none"
 check "a partrain flag after the script is told where it goes" 1 "unknown option --nproc-per-node (known: --epochs); --nproc-per-node is partrain's own flag: it goes before the script (partrain --nproc-per-node ... $tmp/cfg.lua)" -- "$bin" "$tmp/cfg.lua" --nproc-per-node 2
 # Every flag partrain --help lists gets that hint (the list in args.lua keeps up with the command).
 flags=$("$bin" --help | grep -oE '^ +(-[a-z], ?)?--[a-z-]+' | sed 's/.*--//' | grep -vx help | tr '\n' ' ')
@@ -175,7 +177,7 @@ refuse "--restart-backoff inf is refused" "--restart-backoff 'inf' is not a numb
 printf 'x = 1\n' > "$tmp/victim.lua"
 refuse "PARTRAIN_METRICS naming a script is refused before the run" "PARTRAIN_METRICS '$tmp/victim.lua' exists and is not a JSON-lines metrics file" -- env PARTRAIN_METRICS="$tmp/victim.lua" "$bin" -e ""
 refuse "PARTRAIN_METRICS naming a folder is refused" "PARTRAIN_METRICS '$tmp' is a folder" -- env PARTRAIN_METRICS="$tmp" "$bin" -e ""
-refuse "an empty PARTRAIN_HOME counts as unset, a bad one is refused before plan runs" "PARTRAIN_HOME '$tmp' is not a partrain installation" -- env PARTRAIN_HOME="$tmp" "$bin" plan --world 1 "$tmp/cfg.lua"
+refuse "a bad PARTRAIN_HOME is refused before plan runs" "PARTRAIN_HOME '$tmp' is not a partrain installation" -- env PARTRAIN_HOME="$tmp" "$bin" plan --world 1 "$tmp/cfg.lua"
 refuse "a bad PARTRAIN_DEVICE is refused before ranks start" "PARTRAIN_DEVICE: unknown device 'tpu'" -- env PARTRAIN_DEVICE=tpu "$bin" --nproc-per-node 2 -e ""
 refuse "a PARTRAIN_HOME that is no installation is refused" "PARTRAIN_HOME '$tmp' is not a partrain installation" -- env PARTRAIN_HOME="$tmp" "$bin" -e ""
 refuse "RANK with a leading space is refused" "environment variable RANK=' 0' is not an integer" -- env RANK=" 0" WORLD_SIZE=1 "$bin" -e ""

@@ -258,6 +258,29 @@ if dp % 2 == 0 then
     for name, t in pairs(model:state_dict()) do H.near(t, want[name], 1e-10, "parameter " .. name) end
   end)
 
+  -- A hand-written loop's sync leaves its counts in flight; a zero_grad before the step had left
+  -- them to be settled by it, so the zeroed parameters counted as used: stepped on zeros under
+  -- ZeRO-2 (moments and decay moving them), on the bucket's old part under ZeRO-1.
+  for _, zero in ipairs { { stage = 1 }, { stage = 1, reduce_scatter = false }, { stage = 2 } } do
+    H.test(("ZeRO-%d%s: backward, zero_grad, then a step moves nothing, as serial training"):format(zero.stage,
+           zero.reduce_scatter == false and " (reduce_scatter = false)" or ""), function()
+      pt.manual_seed(1)
+      local model = pt.parallelize(Skips():to("float64"), nil, pt.mesh { zero = 2 }, { zero = zero })
+      local opt = pt.optim.adamw(model, { lr = 0.1, weight_decay = 0.1 })
+      model.use_extra = true
+      for step = 1, 2 do  -- state in the optimizer first, so that a step on zeros would move things
+        pt.nn.cross_entropy(model(pt.randn({ 4, 4 }):double()), pt.randint(0, 3, { 4 })):backward()
+        opt:step(); opt:zero_grad()
+      end
+      local before = {}
+      for name, t in pairs(model:state_dict()) do before[name] = t:clone() end
+      pt.nn.cross_entropy(model(pt.randn({ 4, 4 }):double()), pt.randint(0, 3, { 4 })):backward()
+      opt:zero_grad()
+      opt:step()
+      for name, t in pairs(model:state_dict()) do H.ok(t:equal(before[name]), name .. " unchanged") end
+    end)
+  end
+
   H.test("a checkpoint whose parameter stepped fewer times than the optimizer resumes under data parallelism " ..
          "and under ZeRO-1 and ZeRO-2, whichever saved it, as if never interrupted", function()
     local dir = "/tmp/partrain-test-dp-steps-" .. (os.getenv("MASTER_PORT") or "0")

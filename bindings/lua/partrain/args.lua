@@ -130,7 +130,6 @@ end
 local kMaxInstructions = 10000000   -- a config file is data: a loop this long is a mistake
 local kMaxMemoryMB = 64              -- and so is more memory than this (its text is at most 1 MiB)
 
--- The option values a config file returns, checked against the kinds: { key = value }.
 -- The partrain command's own flags (`partrain --help`; tests/cli/test_cli.sh checks that this
 -- list holds them all): one given after the script reaches the script, which is told where it goes.
 local partrain_flags = {}
@@ -140,6 +139,7 @@ for name in ([[check-collectives device execute hang-timeout interactive master-
   partrain_flags[name] = true
 end
 
+-- The option values a config file returns, checked against the kinds: { key = value }.
 local function read_config(path, kinds, known)
   local text = core.files.read_config(path)
   if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
@@ -279,7 +279,7 @@ local function parse(spec, argv)
       key, value = key:sub(4), "false"
     end
     if kinds[key] == nil then
-      local hint = partrain_flags[name]
+      local hint = partrain_flags[(name:gsub("_", "-"))]
         and ("; --%s is partrain's own flag: it goes before the script (partrain --%s ... %s)"):format(name, name,
           arg and arg[0] or "script.lua")
         or ""
