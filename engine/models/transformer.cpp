@@ -73,7 +73,7 @@ bool check_lm_batch(const std::string& model, const nn::Tensor& ids, const nn::T
               ids.sizes(), " positions, so its targets must have that shape, got ", targets.sizes());
   const auto outside = nn::class_id_outside(targets, vocab, ignore_index);
   TORCH_CHECK(!outside, "train_step: target ", outside.value_or(0), " is out of range for ", model, "'s vocab=", vocab,
-              " (targets are 0 to ", vocab - 1, ", or ignore_index=", ignore_index, ")");
+              " ", nn::class_range(vocab, ignore_index));
   return true;
 }
 

@@ -20,6 +20,10 @@ c10::optional<int64_t> class_id_outside(const Tensor& ids, int64_t classes, int6
   return c10::nullopt;
 }
 
+std::string class_range(int64_t classes, int64_t ignore_index) {
+  return "(targets are 0 to " + std::to_string(classes - 1) + ", or ignore_index=" + std::to_string(ignore_index) + ")";
+}
+
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1, "rms_norm expects a tensor with at least one dimension");
   TORCH_CHECK(eps >= 0 && std::isfinite(eps), "rms_norm: eps must be a finite number >= 0, got ", eps);
@@ -131,7 +135,7 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, int64_t ignore_i
   const int64_t classes = flat.size(1);
   const auto outside = class_id_outside(ids, classes, ignore_index);
   TORCH_CHECK(!outside, "nll_loss: target ", outside.value_or(0), " is out of range for ", classes,
-              " classes (targets are 0 to ", classes - 1, ", or ignore_index=", ignore_index, ")");
+              " classes ", class_range(classes, ignore_index));
   auto safe = ids.masked_fill(counted.logical_not(), 0);
   auto picked = -flat.gather(1, safe.unsqueeze(1)).squeeze(1) * counted.to(flat.scalar_type());
   if (reduction == "none") return picked.view(targets.sizes());

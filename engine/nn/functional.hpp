@@ -25,6 +25,9 @@ std::pair<int64_t, int64_t> extremes(const Tensor& t);
 /// else the largest above), or none: losses check their targets with it before LibTorch's
 /// kernel, which on a GPU would stop the device on one (a device-side assert).
 c10::optional<int64_t> class_id_outside(const Tensor& ids, int64_t classes, int64_t ignore_index);
+/// "(targets are 0 to classes-1, or ignore_index=...)": how the refusals of class_id_outside's
+/// finds end.
+std::string class_range(int64_t classes, int64_t ignore_index);
 
 struct AttentionOptions {
   Tensor mask;           ///< boolean (true: attend) or additive float, broadcast to (B, H, T, S)

@@ -608,7 +608,7 @@ bool Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
                 "input's ", c10::IntArrayRef(rows), " rows, so its targets must have that shape, got ", y.sizes());
   const auto outside = class_id_outside(y, width, ignore_index);
   TORCH_CHECK(!outside, "train_step: target ", outside.value_or(0), " is out of range for ", type(), "'s ", width,
-              " classes (targets are 0 to ", width - 1, ", or ignore_index=", ignore_index, ")");
+              " classes ", class_range(width, ignore_index));
   return true;
 }
 
@@ -660,7 +660,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
   if (is_low_precision(flat)) flat = flat.to(torch::kFloat32);  // the softmax and the loss in float32
   const auto outside = check_ids ? class_id_outside(ids, flat.size(1), ignore_index) : c10::nullopt;
   TORCH_CHECK(!outside, "cross_entropy: target ", outside.value_or(0), " is out of range for ", flat.size(1),
-              " classes (targets are 0 to ", flat.size(1) - 1, ", or ignore_index=", ignore_index, ")");
+              " classes ", class_range(flat.size(1), ignore_index));
   auto options = F::CrossEntropyFuncOptions().ignore_index(ignore_index);
   if (summed("cross_entropy", reduction)) options.reduction(torch::kSum);
   return F::cross_entropy(flat, ids.reshape({-1}), options);

@@ -2,6 +2,7 @@
 #include "engine/parallel/data_parallel.hpp"
 
 #include <algorithm>
+#include <utility>
 
 #include "engine/compat.hpp"
 
@@ -60,10 +61,8 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   // slots would reduce it twice and, under ZeRO, step two masters of it that need not agree.
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     const auto& p = item.value();
-    if (p.requires_grad() && dp->index_of_.emplace(p.unsafeGetTensorImpl(), dp->params_.size()).second) {
+    if (p.requires_grad() && dp->index_of_.emplace(p.unsafeGetTensorImpl(), dp->params_.size()).second)
       dp->params_.push_back(p);
-      dp->names_.push_back(item.key());
-    }
   }
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
 
@@ -289,11 +288,7 @@ void DataParallel::zero_grad() {
   parts_hold_sync_ = false;
   // A hand-written loop's sync left its counts' all-reduce in flight: done with here (every rank
   // zeroes), so that a step after zero_grad does not settle the gradients zeroed.
-  if (counts_pending_) {
-    counts_pending_ = false;
-    counts_work_.wait();
-    counts_ = torch::Tensor();
-  }
+  take_pending_counts();
   unsettled_ = false;
   // No parameter has a gradient until a pass gives it one: a step before the next sync skips
   // every parameter, as serial training does with no gradients.
@@ -430,7 +425,6 @@ void DataParallel::finish_here() {
     // to opt:step(), which settles them (train_step carries them on its loss's all-reduce).
     counts_ = used_counts().to(buffer_options_.front().device());
     counts_work_ = group_->all_reduce(counts_, dist::ReduceOp::Sum, /*async=*/true);
-    counts_pending_ = true;
   }
 }
 
@@ -460,13 +454,14 @@ void DataParallel::settle_unused(const torch::Tensor& counts) {
   }
 }
 
+torch::Tensor DataParallel::take_pending_counts() {
+  if (!counts_.defined()) return torch::Tensor();
+  counts_work_.wait();
+  return std::exchange(counts_, torch::Tensor());
+}
+
 void DataParallel::settle_unused() {
-  if (counts_pending_) {
-    counts_pending_ = false;
-    counts_work_.wait();
-    settle_unused(counts_);
-    counts_ = torch::Tensor();
-  }
+  if (auto pending = take_pending_counts(); pending.defined()) settle_unused(pending);
   if (!unsettled_) return;
   auto counts = used_counts();
   if (group_->size() > 1) {

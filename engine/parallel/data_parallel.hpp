@@ -242,7 +242,6 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   dist::GroupPtr group_;
   DataParallelOptions options_;
   std::vector<torch::Tensor> params_;
-  std::vector<std::string> names_;  // each parameter's name in the model (the first, for a tied one)
   std::vector<char> used_;          // parameter -> it got a gradient on this rank since the last sync
   std::vector<char> synced_used_;   // ... as the last sync left it, until settled
   bool unsettled_ = false;          // a sync's counts not yet settled (settle_unused)
@@ -251,7 +250,9 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<char> unused_;
   std::vector<char> tied_;          // by parameter: tied across pipeline stages (always counts as used)
   bool counts_elsewhere_ = false;   // train_step carries the counts on its loss's all-reduce
-  bool counts_pending_ = false;     // a hand-written loop's counts, all-reduced behind the sync
+  // The counts a hand-written loop's sync left in flight, waited for (undefined when none).
+  torch::Tensor take_pending_counts();
+  // A hand-written loop's counts, all-reduced behind the sync (undefined: none in flight).
   torch::Tensor counts_;
   dist::Work counts_work_;
   std::unordered_map<const c10::TensorImpl*, size_t> index_of_;  // parameter -> its position in params_

@@ -356,6 +356,7 @@ class ZeroShards : public optim::Distributed {
   std::vector<int64_t> versions_;
   // How many steps each parameter (by index into DataParallel::params()) has taken, and whether
   // it has optimizer state: one that got no gradient on a step is skipped, as in serial training.
+  // Two vectors: a checkpoint may hold a parameter's state as of step 0 (ckpt::validate takes it).
   std::vector<int64_t> steps_;
   std::vector<char> stepped_;
   static constexpr size_t kPadding = static_cast<size_t>(-1);

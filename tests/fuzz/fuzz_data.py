@@ -238,6 +238,12 @@ def extend(rng, data, most=16):
     return data + bytes(rng.randrange(256) for _ in range(rng.randint(1, most)))
 
 
+def damaged(rng, data, cls, most=16):
+    """`data` flipped, cut short or extended, as the class's last word ("... flipped") says."""
+    how = cls.rsplit(" ", 1)[-1]
+    return {"flipped": flip, "truncated": cut}.get(how, lambda r, d: extend(r, d, most))(rng, data)
+
+
 def compress(rng, data):
     return gzip.compress(data, compresslevel=rng.choice([0, 1, 6, 9]), mtime=0)
 
@@ -283,10 +289,8 @@ def damage_idx(rng, cls):
         data = bytes(b)
     if cls.startswith("gz"):
         z = compress(rng, data)
-        if cls == "gz flipped":
-            z = flip(rng, z)
-        elif cls == "gz truncated":
-            z = cut(rng, z)
+        if cls in ("gz flipped", "gz truncated"):
+            z = damaged(rng, z, cls)
         elif cls == "gz extended":
             tail = rng.choice(["garbage", "member", "damaged member", "magic"])
             extra = {"garbage": bytes(rng.randrange(256) for _ in range(rng.randint(1, 20))),
@@ -367,7 +371,7 @@ def case_mnist(rng, cls, folder):
         data = files[k]
         if sub.startswith("gz"):
             data = compress(rng, gunzip(data) if data[:2] == b"\x1f\x8b" else data)
-            data = flip(rng, data) if sub == "gz flipped" else cut(rng, data)
+            data = damaged(rng, data, sub)
         else:
             plain = gunzip(data)
             plain = (flip(rng, plain, 0, 4 + 4 * plain[3]) if sub == "idx header flipped" else
@@ -424,12 +428,8 @@ def case_corpus(rng, cls, path):
         data = None
     else:
         data = corpus_file(rng, kind)
-        if cls == "corpus flipped":
-            data = flip(rng, data)
-        elif cls == "corpus truncated":
-            data = cut(rng, data)
-        elif cls == "corpus extended":
-            data = extend(rng, data, 5)
+        if cls in ("corpus flipped", "corpus truncated", "corpus extended"):
+            data = damaged(rng, data, cls, 5)
         elif cls == "corpus llm.c header":
             data = bytearray(corpus_file(rng, "llm.c"))
             at = rng.choice([0, 4, 8, 12])

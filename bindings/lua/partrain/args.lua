@@ -60,6 +60,14 @@ local function kind_of(v)
   return nil
 end
 
+-- What a number given for an option of `kind` is not, or nil: finite only (--lr inf or nan, or
+-- lr = 0/0 in a config file, trained every weight to NaN); an integer exactly as written (2^53 + 1
+-- would round to another). The command line and config files say it alike.
+local function number_problem(kind, x)
+  if x ~= x or x == math.huge or x == -math.huge then return "a finite number" end
+  if kind == "integer" and math.abs(x) >= 2 ^ 53 then return "an integer below 2^53 in size" end
+end
+
 local function convert(name, kind, text)
   if kind == "string" then return text end
   if kind == "boolean" then
@@ -70,17 +78,11 @@ local function convert(name, kind, text)
     return b
   end
   local x = tonumber(text)
-  -- Finite only: --lr inf or nan trained every weight to NaN; an integer exactly as written
-  -- (2^53 + 1 would round to another).
   if x == nil or (kind == "integer" and x ~= math.floor(x)) then
     error(("--%s expects %s, got '%s'"):format(name, kind == "integer" and "an integer" or "a number", text), 0)
   end
-  if x ~= x or x == math.huge or x == -math.huge then
-    error(("--%s expects a finite number, got '%s'"):format(name, text), 0)
-  end
-  if kind == "integer" and math.abs(x) >= 2 ^ 53 then
-    error(("--%s expects an integer below 2^53 in size, got '%s'"):format(name, text), 0)
-  end
+  local problem = number_problem(kind, x)
+  if problem then error(("--%s expects %s, got '%s'"):format(name, problem, text), 0) end
   return x
 end
 
@@ -205,13 +207,10 @@ local function read_config(path, kinds, known)
       error(("config file %s: option '%s' expects %s, got %s %s"):format(where, k, expected, type(v),
         type(v) == "string" and "'" .. v .. "'" or tostring(v)), 0)
     end
-    -- As on the command line: finite numbers only (lr = 0/0 had trained every weight to NaN),
-    -- and integers exactly as written.
-    if type(v) == "number" and (v ~= v or v == math.huge or v == -math.huge) then
-      error(("config file %s: option '%s' expects a finite number, got %s"):format(where, k, tostring(v)), 0)
-    end
-    if kind == "integer" and math.abs(v) >= 2 ^ 53 then
-      error(("config file %s: option '%s' expects an integer below 2^53 in size, got %.0f"):format(where, k, v), 0)
+    local problem = type(v) == "number" and number_problem(kind, v)
+    if problem then  -- a whole number in full (2^60 prints as 1.15e+18), anything else as Lua prints it
+      local shown = v == v and v % 1 == 0 and math.abs(v) < math.huge and ("%.0f"):format(v) or tostring(v)
+      error(("config file %s: option '%s' expects %s, got %s"):format(where, k, problem, shown), 0)
     end
     out[key] = v
   end
