@@ -77,10 +77,21 @@ const Function kGroupMethods[] = {
        bool async = async_option(a, a.is_string(4) ? 5 : 4, "reduce_scatter");
        dist::AgreedCall agreed(!async);
        return finish(a, group(a, 1)->reduce_scatter(a.tensor(2), a.tensors(3), op, async), async, 2); }},
-    {"reduce_scatter_flat", [](Args& a) {  // reduce_scatter_flat(flat [, op]): this rank's part (a view)
+    // reduce_scatter_flat(flat [, op] [, { async = false }]): this rank's part (a view) [, work].
+    // async: left in flight (Gloo: one all-to-all; NCCL: its own), the part holds the reduction
+    // once the work is waited for.
+    {"reduce_scatter_flat", [](Args& a) {
        auto op = dist::parse_reduce_op(a.is_string(3) ? a.string(3) : "sum");
-       dist::AgreedCall agreed;
-       return a.ret(group(a, 1)->reduce_scatter_flat(a.tensor(2), op)); }},
+       bool async = async_option(a, a.is_string(3) ? 4 : 3, "reduce_scatter_flat");
+       dist::AgreedCall agreed(!async);
+       auto& flat = a.tensor(2);
+       if (!async) return a.ret(group(a, 1)->reduce_scatter_flat(flat, op));
+       auto inbox = torch::empty_like(flat);
+       auto w = group(a, 1)->start_reduce_scatter_flat(flat, op, inbox);
+       const int64_t part = flat.numel() / group(a, 1)->size();
+       a.ret(flat.narrow(0, group(a, 1)->rank() * part, part));
+       ud_push(a.L, std::make_shared<dist::Work>(w), PT_WORK_MT);
+       return 2; }},
     {"all_gather_flat", [](Args& a) {  // all_gather_flat(flat): in place, returns it
        dist::AgreedCall agreed;
        group(a, 1)->all_gather_flat(a.tensor(2));

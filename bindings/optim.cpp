@@ -355,19 +355,22 @@ const Function kOptimizerMethods[] = {
     // group) before it is read; a no-op otherwise.
     {"sync_shard_grad", [](Args& a) { parallel::sync_shard_grad(*optimizer(a, 1)); return a.ret(); }},
     // opt:zero(): nil without ZeRO, else { stage, group, master_bytes, state_bytes,
-    // shard_grad_bytes, grad_buffer_bytes, scratch_bytes, gathers_in_flight } of this rank (under
-    // ZeRO-2 the shard is part of grad_buffer_bytes, scratch_bytes the scratch pool's part;
-    // gathers_in_flight: overlap_sync_param's all-gathers not yet waited for; pieces: the
-    // tensors the update steps: the masters cut at parameters' ends, and at 128 Ki elements on the CPU).
+    // shard_grad_bytes, grad_buffer_bytes, scratch_bytes, gathers, gather_buffer_bytes,
+    // gathers_in_flight, pieces } of this rank (under ZeRO-2 the shard is part of
+    // grad_buffer_bytes, scratch_bytes the scratch pool's part; gathers: the all-gathers of
+    // updated parameters a step makes, gather_buffer_bytes the buffer they use; gathers_in_flight:
+    // overlap_sync_param's all-gathers not yet waited for; pieces: the tensors the update steps:
+    // the masters cut at parameters' ends, and at 128 Ki elements on the CPU).
     {"zero", [](Args& a) {
        auto z = parallel::zero_bytes(*optimizer(a, 1));
        if (!z) { lua_pushnil(a.L); return 1; }
-       lua_createtable(a.L, 0, 9);
+       lua_createtable(a.L, 0, 11);
        auto set = [&](const char* k, double v) { lua_pushnumber(a.L, v); lua_setfield(a.L, -2, k); };
        set("stage", z->stage); set("group", z->group); set("master_bytes", double(z->master));
        set("state_bytes", double(z->state)); set("shard_grad_bytes", double(z->shard_grad));
        set("grad_buffer_bytes", double(z->grad_buffer)); set("scratch_bytes", double(z->scratch));
        set("gathers_in_flight", z->gathers_in_flight); set("pieces", z->pieces);
+       set("gathers", z->gathers); set("gather_buffer_bytes", double(z->gather_buffer));
        return 1; }},
     {"__tostring", [](Args& a) {
        auto& o = optimizer(a, 1);

@@ -2,6 +2,7 @@
 // becomes, which answers model:mesh(), model:policy(), model:data_parallel(), model:train_step()
 // and its parameter records), the data-parallel handle, and pt.tp, the tensor-parallel building
 // blocks the policy sharder composes.
+#include <cmath>
 #include <sstream>
 
 #include "bindings/lua.hpp"
@@ -36,6 +37,18 @@ int push_group(const Args& a, const GroupPtr& g) { return lua::push_group(a.L, g
 std::weak_ptr<parallel::ParallelModel>& last_parallelized() {
   static std::weak_ptr<parallel::ParallelModel> last;
   return last;
+}
+
+// A size in MiB from options: a finite number > 0 (infinity would be cast to a byte count
+// undefined). A huge one is one bucket of everything.
+double mib(Options& o, const char* key, double fallback, const char* what) {
+  const double x = o.number(key, fallback);
+  if (!(x > 0) || !std::isfinite(x)) {
+    std::ostringstream s;
+    s << what << key << " must be a finite number > 0 (MiB), got " << x;
+    throw std::invalid_argument(compat::unsigned_nan(s.str()));
+  }
+  return x;
 }
 
 // The parallelized model the module at i is the root of, or nullptr.
@@ -248,7 +261,7 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
   Options o(a, idx, "parallelize");
   o.also(also);
   parallel::DataParallelOptions d;
-  d.bucket_cap_mb = o.number("bucket_cap_mb", d.bucket_cap_mb);
+  d.bucket_cap_mb = mib(o, "bucket_cap_mb", d.bucket_cap_mb, "parallelize: ");
   d.reduce = dist::parse_reduce_op(o.string("reduce", "mean"));
   d.grad_accumulation = o.int32("grad_accumulation", d.grad_accumulation);
   d.broadcast_buffers = o.boolean("broadcast_buffers", d.broadcast_buffers);
@@ -265,13 +278,9 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
     zero.stage = z.int32("stage", 1);
     if (zero.stage < 0 || zero.stage > 2)
       throw std::invalid_argument("zero stage=" + std::to_string(zero.stage) + " is not supported: stages 0, 1, 2");
-    if (z.has("reduce_bucket_size")) {
-      zero.reduce_bucket_size = z.number("reduce_bucket_size", 0);
-      if (!(zero.reduce_bucket_size > 0))
-        throw std::invalid_argument("zero: reduce_bucket_size must be > 0 (MiB), got " +
-                                    std::to_string(zero.reduce_bucket_size));
-    }
+    if (z.has("reduce_bucket_size")) zero.reduce_bucket_size = mib(z, "reduce_bucket_size", 0, "zero: ");
     zero.overlap_sync_param = z.boolean("overlap_sync_param", zero.overlap_sync_param);
+    zero.allgather_bucket_size = mib(z, "allgather_bucket_size", zero.allgather_bucket_size, "zero: ");
     zero.reduce_scatter = z.boolean("reduce_scatter", zero.reduce_scatter);
     z.finish();
     out.zero = zero;

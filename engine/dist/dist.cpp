@@ -625,6 +625,52 @@ Tensor ProcessGroup::reduce_scatter_flat(Tensor& flat, ReduceOp op) const {
   return mine;
 }
 
+Work ProcessGroup::start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& inbox) const {
+  check(flat, "reduce_scatter");
+  const int p = size();
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "reduce_scatter on ", describe(), ": needs a flat tensor whose ",
+              "length is a multiple of ", p, ", got shape ", flat.sizes());
+  TORCH_CHECK(inbox.defined() && inbox.is_contiguous() && inbox.sizes().equals(flat.sizes()) &&
+                  inbox.scalar_type() == flat.scalar_type() && inbox.device() == flat.device(),
+              "reduce_scatter on ", describe(), ": the inbox must be a contiguous tensor of the flat tensor's shape ",
+              flat.sizes(), ", dtype and device");
+  const int64_t part = flat.numel() / p;
+  Tensor mine = flat.narrow(0, rank_ * part, part);
+  if (p == 1) return Work();
+  // Agreed on, and in the ledger, as the ring's reduce-scatter is: the same call.
+  const int64_t ticket =
+      verify(9, "reduce_scatter(" + to_string(op) + ")", flat, ledger::Op::ReduceScatter, true, 0, 1 + static_cast<int>(op));
+  if (recorded_only()) record("reduce_scatter", static_cast<int64_t>(flat.nbytes()) * (p - 1) / p);
+  if (!impl_) return Work();
+  record("reduce_scatter", static_cast<int64_t>(flat.nbytes()) * (p - 1) / p);
+  const std::string name = "reduce_scatter(" + to_string(op) + ")";
+  if (options_.backend == "nccl") {
+    std::vector<Tensor> out{inbox.narrow(0, 0, part)};
+    std::vector<std::vector<Tensor>> in{flat.chunk(p)};
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d_op(op == ReduceOp::Mean ? ReduceOp::Sum : op);
+    o.timeout = options_.timeout;
+    return run(name, [&] { return impl_->group->reduce_scatter(out, in, o); }, /*async=*/true,
+               [mine, got = out[0], op, p]() mutable {
+                 mine.copy_(got);
+                 if (op == ReduceOp::Mean) mine.div_(p);
+               },
+               ticket);
+  }
+  std::vector<int64_t> equal;  // equal splits: part j of `flat` goes to rank j
+  c10d::AllToAllOptions o;
+  o.timeout = options_.timeout;
+  auto wire_in = bytes_for_gloo(flat), wire_out = bytes_for_gloo(inbox);
+  return run(name, [&] { return impl_->group->alltoall_base(wire_out, wire_in, equal, equal, o); }, /*async=*/true,
+             [mine, inbox, op, p, part]() mutable {
+               // Every rank's part r, combined in group-rank order (the same order on every rank).
+               mine.copy_(inbox.narrow(0, 0, part));
+               for (int j = 1; j < p; ++j) combine(mine, inbox.narrow(0, j * part, part), op);
+               if (op == ReduceOp::Mean) mine.div_(p);
+             },
+             ticket);
+}
+
 void ProcessGroup::all_gather_flat(Tensor& flat) const {
   check(flat, "all_gather");
   const int p = size();

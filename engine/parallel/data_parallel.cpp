@@ -2,6 +2,7 @@
 #include "engine/parallel/data_parallel.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "engine/compat.hpp"
@@ -33,7 +34,8 @@ std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& p
 DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
     : group_(std::move(group)), options_(options) {
   TORCH_CHECK(group_, "data parallelism needs a data group");
-  TORCH_CHECK(options.bucket_cap_mb > 0, "bucket_cap_mb must be positive, got ", options.bucket_cap_mb);
+  TORCH_CHECK(options.bucket_cap_mb > 0 && std::isfinite(options.bucket_cap_mb),
+              "bucket_cap_mb must be a finite number > 0, got ", options.bucket_cap_mb);
   TORCH_CHECK(options.grad_accumulation >= 1, "grad_accumulation must be >= 1, got ", options.grad_accumulation);
   TORCH_CHECK(options.reduce != dist::ReduceOp::Product, "reduce 'product' makes no sense for gradients");
   TORCH_CHECK(options.zero_stage >= 0 && options.zero_stage <= 2, "ZeRO stage ", options.zero_stage,
@@ -77,7 +79,8 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device(),
                      holds(options.whole, p), chunk});
   }
-  const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
+  // Bytes a bucket; a cap past 2^62 bytes is one bucket of everything (and stays an int64).
+  const auto cap = static_cast<int64_t>(std::min(options.bucket_cap_mb * 1024 * 1024, 0x1p62));
   dp->bucket_of_.resize(dp->params_.size());
   dp->slot_of_.resize(dp->params_.size());
   for (const auto& members : bucket_layout(sizes, cap)) {
@@ -113,18 +116,20 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   }
   for (const auto& [dtype, device] : keys)
     dp->buffer_options_.push_back(torch::TensorOptions().dtype(dtype).device(device));
+  // Reduce-scattering: pooled scratch (ZeRO-2) or inboxes (ZeRO-1) of the longest bucket a
+  // buffer, none until the first backward takes some.
+  dp->scratch_length_.assign(keys.size(), 0);
+  dp->pool_.resize(keys.size());
+  dp->free_.resize(keys.size());
+  if (dp->scatters())
+    for (const auto& b : dp->buckets_)
+      if (!b.whole) dp->scratch_length_[b.buffer] = std::max(dp->scratch_length_[b.buffer], b.padded);
   if (dp->sharded()) {
-    // ZeRO-2: the shards (1/n of each buffer), the tied buckets whole, and no scratch until the
-    // first backward takes some.
-    dp->scratch_length_.assign(keys.size(), 0);
-    dp->pool_.resize(keys.size());
-    dp->free_.resize(keys.size());
+    // ZeRO-2: the shards (1/n of each buffer) and the tied buckets whole.
     for (size_t i = 0; i < keys.size(); ++i)
       dp->shards_.push_back(torch::zeros({lengths[i] / parts}, dp->buffer_options_[i]));
-    for (auto& b : dp->buckets_) {
+    for (auto& b : dp->buckets_)
       if (b.whole) b.flat = torch::zeros({b.padded}, dp->buffer_options_[b.buffer]);
-      else dp->scratch_length_[b.buffer] = std::max(dp->scratch_length_[b.buffer], b.padded);
-    }
   } else {
     for (size_t i = 0; i < keys.size(); ++i) dp->buffers_.push_back(torch::zeros({lengths[i]}, dp->buffer_options_[i]));
     for (auto& b : dp->buckets_) b.flat = dp->buffers_[b.buffer].narrow(0, b.start, b.padded);
@@ -201,14 +206,19 @@ void DataParallel::fill(Bucket& b, size_t slot) {
   filled_[k] = 1;
 }
 
-void DataParallel::take_scratch(Bucket& b) {
-  auto& spare = free_[b.buffer];
+int DataParallel::take_pooled(size_t buffer) {
+  auto& spare = free_[buffer];
   if (spare.empty()) {
-    pool_[b.buffer].push_back(torch::empty({scratch_length_[b.buffer]}, buffer_options_[b.buffer]));
-    spare.push_back(static_cast<int>(pool_[b.buffer].size()) - 1);
+    pool_[buffer].push_back(torch::empty({scratch_length_[buffer]}, buffer_options_[buffer]));
+    spare.push_back(static_cast<int>(pool_[buffer].size()) - 1);
   }
-  b.scratch = spare.back();
+  const int taken = spare.back();
   spare.pop_back();
+  return taken;
+}
+
+void DataParallel::take_scratch(Bucket& b) {
+  b.scratch = take_pooled(b.buffer);
   b.flat = pool_[b.buffer][b.scratch].narrow(0, 0, b.padded);
   b.flat.narrow(0, b.numel, b.padded - b.numel).zero_();  // the padding sums to zeros
 }
@@ -216,7 +226,37 @@ void DataParallel::take_scratch(Bucket& b) {
 void DataParallel::give_back_scratch(Bucket& b) {
   free_[b.buffer].push_back(b.scratch);
   b.scratch = -1;
-  b.flat = torch::Tensor();
+  if (sharded()) b.flat = torch::Tensor();
+}
+
+torch::Tensor DataParallel::take_inbox(Bucket& b) {
+  // At most kInboxes of this buffer out: the oldest completes (in launch order, the same on
+  // every rank) and gives its inbox back.
+  auto out = [&] {
+    return std::count_if(inboxes_out_.begin(), inboxes_out_.end(),
+                         [&](size_t i) { return buckets_[i].buffer == b.buffer; });
+  };
+  while (static_cast<size_t>(out()) >= kInboxes) {
+    auto oldest = std::find_if(inboxes_out_.begin(), inboxes_out_.end(),
+                               [&](size_t i) { return buckets_[i].buffer == b.buffer; });
+    settle(*oldest);
+  }
+  b.scratch = take_pooled(b.buffer);
+  return pool_[b.buffer][b.scratch].narrow(0, 0, b.padded);
+}
+
+void DataParallel::settle(size_t i) {
+  auto& b = buckets_[i];
+  b.work.wait();
+  auto it = std::find(inboxes_out_.begin(), inboxes_out_.end(), i);
+  if (it == inboxes_out_.end()) return;
+  inboxes_out_.erase(it);
+  give_back_scratch(b);
+  // Then over the other zero groups (hierarchical ZeRO), as the ring's part is at once.
+  if (options_.zero_across) {
+    auto part = reduced_part(i);
+    options_.zero_across->all_reduce(part, options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce);
+  }
 }
 
 torch::Tensor DataParallel::shard_of(size_t i) const {
@@ -273,7 +313,7 @@ int64_t DataParallel::planned_scratch_bytes() const {
   int64_t bytes = 0;
   for (size_t i = 0; i < scratch_length_.size(); ++i)
     bytes += scratch_length_[i] * static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(buffer_options_[i].dtype())));
-  return bytes;
+  return sharded() ? bytes : static_cast<int64_t>(kInboxes) * bytes;
 }
 
 void DataParallel::check_accumulation() const {
@@ -334,17 +374,21 @@ void DataParallel::launch_ready() {
       b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
     if (pre_hook_) pre_hook_(index, b.flat);
     auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
-    if (scatters() && !b.whole) {
-      // ZeRO: this rank's part of the bucket is reduced over the zero group (a ring on Gloo,
-      // run here: it completes before backward goes on), then over the other zero groups. ZeRO-2
-      // adds it into the shard and gives the scratch back to the pool for the next bucket;
-      // ZeRO-1 leaves it in the bucket's part r, where the optimizer reads it.
+    if (scatters() && !b.whole && !sharded()) {
+      // ZeRO-1: this rank's part of the bucket is reduced over the zero group in flight (Gloo's
+      // threads run it beside backward, into a pooled inbox), then over the other zero groups
+      // when settled; it stays in the bucket's part r, where the optimizer reads it.
+      auto inbox = take_inbox(b);
+      b.work = options_.zero_group->start_reduce_scatter_flat(b.flat, op, inbox);
+      inboxes_out_.push_back(i);
+    } else if (scatters() && !b.whole) {
+      // ZeRO-2: reduced over the zero group here (a ring on Gloo: it completes before backward
+      // goes on, so that the scratch is free for the next bucket), then over the other zero
+      // groups, added into the shard, and the scratch goes back to the pool.
       auto part = options_.zero_group->reduce_scatter_flat(b.flat, op);
       if (options_.zero_across) options_.zero_across->all_reduce(part, op);
-      if (sharded()) {
-        shard_of(i).add_(part);
-        give_back_scratch(b);
-      }
+      shard_of(i).add_(part);
+      give_back_scratch(b);
       b.work = dist::Work();
     } else {
       b.work = group_->all_reduce(b.flat, op, /*async=*/true);
@@ -384,7 +428,7 @@ void DataParallel::finish_here() {
     if (b.work.done()) ++stats_.buckets_done_early;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     auto& b = buckets_[i];
-    b.work.wait();
+    settle(i);
     if (!post_hook_) continue;
     // Only this rank's part of a reduce-scattered bucket holds reduced gradients: the hook gets
     // that part (a view of the shard under ZeRO-2, of the bucket under ZeRO-1).

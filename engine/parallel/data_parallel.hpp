@@ -91,7 +91,9 @@ struct Bucket {
   int pending = 0;               ///< gradients still to arrive this pass
   bool ready = false;
   bool in_pass = false;          ///< reduced by the backward pass running now
-  int scratch = -1;              ///< ZeRO-2: which pooled scratch tensor `flat` views (-1: none)
+  /// Which pooled tensor the bucket holds (-1: none): under ZeRO-2 the scratch `flat` views,
+  /// under ZeRO-1 the inbox of its reduce-scatter in flight.
+  int scratch = -1;
   dist::Work work;
 };
 
@@ -200,12 +202,14 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// under ZeRO (float64 stays float64), or the parameter's own.
   torch::ScalarType reduce_dtype_for(torch::ScalarType param_dtype) const;
   /// Every gradient tensor this object holds now: the flat buffers, or under ZeRO-2 the shards,
-  /// the whole buckets and the scratch pool (its high-water mark: the pool never shrinks).
+  /// the whole buckets and the scratch pool (its high-water mark: the pool never shrinks); under
+  /// ZeRO-1 reduce-scattering the pool holds the reduce-scatters' inboxes.
   std::vector<torch::Tensor> held() const;
   /// Bytes of held(), and of the scratch pool alone.
   int64_t held_bytes() const;
   int64_t scratch_bytes() const;
   /// ZeRO-2: the scratch of one bucket, the longest, per flat buffer: the least a backward takes.
+  /// ZeRO-1 reduce-scattering: kInboxes inboxes of the longest bucket, per flat buffer.
   int64_t planned_scratch_bytes() const;
   /// Where parameter k's gradient sits: (buffer, offset in it).
   std::pair<size_t, int64_t> flat_slot(size_t k) const {
@@ -234,6 +238,9 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   void fill(Bucket& b, size_t slot);  // parameter b.params[slot]'s gradient into the bucket
   void take_scratch(Bucket& b);
   void give_back_scratch(Bucket& b);
+  int take_pooled(size_t buffer);
+  torch::Tensor take_inbox(Bucket& b);
+  void settle(size_t i);  // waits for bucket i's reduction and completes it
   void launch_ready();
   void finish();
   void finish_here();
@@ -262,11 +269,15 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<torch::Tensor> buffers_;
   std::vector<torch::TensorOptions> buffer_options_;
   std::vector<torch::Tensor> shards_;             // ZeRO-2: one per flat buffer
-  std::vector<int64_t> scratch_length_;           // ZeRO-2: the longest bucket, per flat buffer
-  std::vector<std::vector<torch::Tensor>> pool_;  // ZeRO-2: scratch tensors, per flat buffer
+  std::vector<int64_t> scratch_length_;           // reduce-scattering: the longest bucket, per flat buffer
+  std::vector<std::vector<torch::Tensor>> pool_;  // ZeRO-2: scratch, ZeRO-1: inboxes, per flat buffer
   std::vector<std::vector<int>> free_;            // ... and those not in use
   std::vector<char> filled_;                      // parameter -> its gradient is in its bucket this pass
   std::vector<size_t> pass_;                      // the buckets this backward pass reduces, in order
+  // ZeRO-1: the buckets whose reduce-scatter is in flight holding an inbox, oldest first. At most
+  // kInboxes a buffer: the next waits for the oldest, so the inboxes stay two buckets.
+  std::vector<size_t> inboxes_out_;
+  static constexpr size_t kInboxes = 2;
   int chunk_ = -1;
   size_t next_launch_ = 0;  // into pass_
   bool in_backward_ = false, syncing_ = false;

@@ -3,6 +3,7 @@
 #include "engine/parallel/parallel_model.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <iostream>
 #include <unordered_map>
 
@@ -224,6 +225,11 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   TORCH_CHECK(stage > 0 || !options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true "
               "overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0 (no ZeRO)");
   model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
+  if (options.zero) {
+    TORCH_CHECK(options.zero->allgather_bucket_size > 0 && std::isfinite(options.zero->allgather_bucket_size),
+                "zero: allgather_bucket_size must be a finite number > 0 (MiB), got ", options.zero->allgather_bucket_size);
+    model->allgather_bucket_mb_ = options.zero->allgather_bucket_size;
+  }
   TORCH_CHECK(stage == 1 || !options.zero || options.zero->reduce_scatter, "zero: reduce_scatter = false keeps "
               "gradients whole, which is ZeRO-1's choice; ", stage == 2 ? "stage 2 always reduce-scatters them"
                                                                          : "the zero stage is 0 (no ZeRO)");

@@ -137,6 +137,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   /// zero = { overlap_sync_param = true }: the distributed optimizer leaves the updated
   /// parameters' all-gathers in flight after its step, and installs here the wait for them.
   bool overlap_sync_param() const { return overlap_sync_param_; }
+  /// zero = { allgather_bucket_size }: MiB of updated parameters one all-gather holds.
+  double allgather_bucket_mb() const { return allgather_bucket_mb_; }
   void set_param_wait(std::function<void()> wait) { param_wait_ = std::move(wait); }
   /// Completes the parameters' all-gathers a step left in flight (overlap_sync_param): train_step,
   /// the Lua boundary (any method of the model) and the optimizer's next step call it first.
@@ -182,6 +184,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   std::vector<ParameterRecord> records_;
   std::weak_ptr<optim::LossScaler> loss_scaler_;
   bool overlap_sync_param_ = false;
+  double allgather_bucket_mb_ = ZeroOptions().allgather_bucket_size;
   // Whether this train_step's batch check read the targets' class ids (the loss then need not,
   // on a device).
   bool targets_checked_ = false;

@@ -21,6 +21,11 @@ struct ZeroOptions {
   /// are waited for when the model is next used (ParallelModel::sync_params), so the gathers
   /// overlap whatever the script does in between (InternLM's overlap_sync_param).
   bool overlap_sync_param = false;
+  /// MiB of updated parameters an all-gather after the step holds: consecutive buckets of one
+  /// flat buffer are gathered together up to this size (at least one bucket each), so a step
+  /// pays a few collectives, not one a bucket. DeepSpeed's allgather_bucket_size (in elements
+  /// there). Each rank keeps a buffer of that size, in the parameters' dtype, for the gathers.
+  double allgather_bucket_size = 25;
   /// Stage 1: each bucket is reduce-scattered over the zero group, so a rank gets only the part
   /// its masters update (the bytes of an all-reduce, not those plus the all-gather's), and the
   /// parameters' .grad go as under stage 2 (sync_shard_grad makes them whole). false: buckets are
@@ -43,6 +48,10 @@ struct ZeroBytes {
   int64_t shared_grad = 0;
   /// overlap_sync_param: buckets whose all-gather of updated parameters is in flight now.
   int gathers_in_flight = 0;
+  /// The all-gathers a step makes of the updated parameters (runs of buckets up to
+  /// allgather_bucket_size), and the bytes of the buffer they are gathered into.
+  int gathers = 0;
+  int64_t gather_buffer = 0;
   /// The tensors the optimizer steps: the masters cut into pieces, each one parameter's elements
   /// or padding (on the CPU of at most 128 Ki elements, which keeps the update's temporaries in
   /// cache), so that a parameter without a gradient is skipped with its own state.

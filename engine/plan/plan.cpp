@@ -254,9 +254,10 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
   // ZeRO-2 holds 1/n of the buffers (its shard), the buckets of ties across pipeline stages whole,
   // and scratch for the buckets backward is filling: what its first backward took, or one bucket
   // (the most it takes when the buckets are reduced in the order their gradients arrive).
+  // ZeRO-1 reduce-scattering holds two buckets' inboxes beside its whole buffers.
   if (const auto dp = owner ? owner->data_parallel() : nullptr) {
     r.grad_bytes = dp->held_bytes();
-    if (dp->sharded()) r.grad_bytes += std::max<int64_t>(0, dp->planned_scratch_bytes() - dp->scratch_bytes());
+    if (dp->scatters()) r.grad_bytes += std::max<int64_t>(0, dp->planned_scratch_bytes() - dp->scratch_bytes());
     std::set<const c10::TensorImpl*> own;  // a tied parameter has a slot per name, one .grad
     for (const auto& b : dp->buckets()) {
       if (dp->scatters() && !b.whole) continue;  // their .grad is released once in the bucket

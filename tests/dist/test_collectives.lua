@@ -111,11 +111,17 @@ test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", func
           local direct = flat:clone()  -- bfloat16 on Gloo: reduced by the rings
           g:all_reduce(direct, op)
           near(direct:to("float64"), whole, dtype == "bfloat16" and 2e-2 or 1e-6, "all_reduce " .. dtype)
+          -- Left in flight (one all-to-all on Gloo): the part holds the reduction once waited for.
+          local copy = flat:clone()
+          local later, work = g:reduce_scatter_flat(copy, op, { async = true })
+          work:wait()
           local part = g:reduce_scatter_flat(flat, op)
           eq(part.shape[1], padded / p, "part length")
+          eq(later.shape[1], padded / p, "part length (async)")
           local want = whole:narrow(0, r * padded / p, padded / p)
           local tol = dtype == "bfloat16" and 2e-2 or (dtype == "float32" and 1e-6 or 1e-12)
           near(part:to("float64"), want:to("float64"), tol, g:name() .. " " .. dtype .. " n=" .. n .. " " .. op)
+          near(later:to("float64"), want:to("float64"), tol, g:name() .. " " .. dtype .. " n=" .. n .. " " .. op .. " async")
           -- All-gather the parts back: every rank ends with the whole reduction's own parts.
           g:all_gather_flat(flat)
           local mine = flat:narrow(0, r * padded / p, padded / p)
@@ -133,7 +139,16 @@ test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", func
       end
     end
   end
+  -- min and max, in flight: every rank's part r combined.
+  for _, op in ipairs { "min", "max" } do
+    local flat = pt.tensor({ 1, 2, 3, 4, 5, 6, 7, 8 }):narrow(0, 0, world * 2):contiguous() * (rank + 1)
+    local part, work = W:reduce_scatter_flat(flat, op, { async = true })
+    work:wait()
+    local k = op == "min" and 1 or world
+    near(part, { (2 * rank + 1) * k, (2 * rank + 2) * k }, 0, op .. " in flight")
+  end
   raises(function() W:reduce_scatter_flat(pt.zeros(world + 1)) end, "length is a multiple of " .. world)
+  raises(function() W:reduce_scatter_flat(pt.zeros(world + 1), "sum", { async = true }) end, "length is a multiple of " .. world)
   raises(function() W:all_gather_flat(pt.zeros(2, world)) end, "needs a flat tensor")
 end)
 

@@ -303,7 +303,7 @@ test("ZeRO-2 with GPT-2's tied wte = lm_head equals plain data parallelism (data
                        policy = "policies.gpt2", opts = { schedule = "1f1b", microbatches = 2 } }
 end)
 
--- overlap_sync_param leaves the step's all-gathers in flight (one a bucket, counted by opt:zero()),
+-- overlap_sync_param leaves the step's all-gathers in flight (counted by opt:zero()),
 -- waited for when the model is next used: training with it is bit for bit training without it
 -- (float64), at ZeRO-1 and ZeRO-2 over data 4 and at ZeRO-2 over pipeline 2 x data 2; the
 -- parameters read right after a step (through the model) are already the updated ones.
@@ -330,7 +330,7 @@ test("overlap_sync_param = true trains bit for bit as false (float64)", function
         run.losses[step] = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):item()
         opt:step(); opt:zero_grad()
         local in_flight = opt:zero().gathers_in_flight
-        ok(overlap and in_flight == #pt.data_parallel(model):bucket_bytes() or not overlap and in_flight == 0,
+        ok(overlap and in_flight == opt:zero().gathers or not overlap and in_flight == 0,
            ("%s: %d all-gathers in flight after step %d (overlap_sync_param %s)"):format(c.what, in_flight, step, overlap))
         run.after[step] = model:parameters()[1]:clone()
         eq(opt:zero().gathers_in_flight, 0, c.what .. ": using the model waits for them")
@@ -346,6 +346,51 @@ test("overlap_sync_param = true trains bit for bit as false (float64)", function
     end
     for name, t in pairs(plain.params) do
       ok(overlapped.params[name]:equal(t), ("%s: overlap_sync_param's parameter %s is bitwise the same"):format(c.what, name))
+    end
+  end
+end)
+
+-- allgather_bucket_size groups the buckets' all-gathers after the step: one a bucket (a size
+-- below any bucket's), several buckets each, or one of everything (the default here) train bit
+-- for bit alike (float64, data 4, ZeRO-1 and ZeRO-2, and with overlap_sync_param), with buckets
+-- small enough that parameters span several ranks' parts and several buckets.
+test("allgather_bucket_size: one gather a bucket, a few, or one in all train bit for bit alike (float64)", function()
+  for _, c in ipairs {
+    { stage = 1 }, { stage = 2 }, { stage = 1, overlap = true }, { stage = 2, overlap = true },
+  } do
+    local runs = {}
+    for _, size in ipairs { 1e-6, 0.02, 25 } do
+      local mesh = pt.mesh { zero = 0 }
+      pt.manual_seed(43)
+      local model = pt.parallelize(deep("float64")(), nil, mesh,
+        { zero = { stage = c.stage, reduce_bucket_size = 0.002, allgather_bucket_size = size, overlap_sync_param = c.overlap } })
+      local opt = pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 })
+      local d, b = mesh:coord().data, BATCH / mesh:size("data")
+      local run = { losses = {}, buckets = #pt.data_parallel(model):bucket_bytes() }
+      for step = 1, 3 do
+        pt.manual_seed(900 + step)
+        local x, y = rows("float64")
+        run.losses[step] = model:train_step(x:narrow(0, d * b, b), y:narrow(0, d * b, b)):item()
+        opt:step(); opt:zero_grad()
+      end
+      run.gathers = opt:zero().gathers
+      run.params = model:full_state_dict()
+      runs[#runs + 1] = run
+    end
+    local what = ("zero-%d%s"):format(c.stage, c.overlap and " with overlap_sync_param" or "")
+    local one, few, all = runs[1], runs[2], runs[3]
+    ok(one.buckets >= 4, what .. ": the model spans several buckets, got " .. one.buckets)
+    eq(one.gathers, one.buckets, what .. ": a size below every bucket's gathers each bucket alone")
+    ok(few.gathers > 1 and few.gathers < few.buckets, ("%s: 0.02 MiB gathers a few buckets together: %d gathers of %d buckets")
+       :format(what, few.gathers, few.buckets))
+    eq(all.gathers, 1, what .. ": 25 MiB gathers every bucket at once")
+    for _, other in ipairs { few, all } do
+      for step, l in ipairs(one.losses) do
+        eq(other.losses[step], l, ("%s: %d gathers: the loss at step %d is bitwise the same"):format(what, other.gathers, step))
+      end
+      for name, t in pairs(one.params) do
+        ok(other.params[name]:equal(t), ("%s: %d gathers: parameter %s is bitwise the same"):format(what, other.gathers, name))
+      end
     end
   end
 end)
@@ -604,9 +649,20 @@ test("what cannot run is refused at the caller's line", function()
   e = raises(function() pt.parallelize(mlp("float32")(), nil, pt.mesh {}, { zero = { stage = 1 } }) end,
              "needs zero groups of more than one rank, but the mesh has zero=1")
   ok(e:find(here), e)
-  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 2, reduce_bucket_size = 0 } }) end,
-             "reduce_bucket_size must be > 0")
-  ok(e:find(here), e)
+  -- Sizes in MiB: a finite number > 0 (infinity had been cast to a byte count, undefined).
+  for _, c in ipairs {
+    { zero = { stage = 2, reduce_bucket_size = 0 }, "zero: reduce_bucket_size must be a finite number > 0 (MiB), got 0" },
+    { zero = { stage = 2, reduce_bucket_size = math.huge }, "zero: reduce_bucket_size must be a finite number > 0 (MiB), got inf" },
+    { zero = { stage = 1, allgather_bucket_size = -1 }, "zero: allgather_bucket_size must be a finite number > 0 (MiB), got -1" },
+    { zero = { stage = 1, allgather_bucket_size = 0 / 0 }, "zero: allgather_bucket_size must be a finite number > 0 (MiB), got nan" },
+    { zero = { stage = 1, allgather_bucket_size = "big" }, "allgather_bucket_size" },
+    { bucket_cap_mb = math.huge, "parallelize: bucket_cap_mb must be a finite number > 0 (MiB), got inf" },
+    { bucket_cap_mb = 0, "parallelize: bucket_cap_mb must be a finite number > 0 (MiB), got 0" },
+  } do
+    local message = table.remove(c)
+    e = raises(function() pt.parallelize(mlp("float32")(), nil, m, c) end, message)
+    ok(e:find(here), e)
+  end
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 0, overlap_sync_param = true } }) end,
              "overlap_sync_param = true overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0")
   ok(e:find(here), e)
