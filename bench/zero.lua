@@ -1,7 +1,8 @@
 -- ZeRO against plain data parallelism in one run, for bench/zero: the same GPT-2 from the same
 -- weights, trained plain, with ZeRO-1 and with ZeRO-2 over the whole data group, the three taking
 -- turns (a round of steps each, several rounds) so that the machine's noise falls on all alike.
--- Prints, per variant, the median step time and each rank's optimizer-state, master-weight and
+-- ZeRO-2 runs twice: as by default, and with overlap_comm (its reduce-scatters in flight beside
+-- backward, at the cost of more buckets of scratch). Prints, per variant, the median step time and each rank's optimizer-state, master-weight and
 -- gradient bytes (pt.memory_report: what the tensors hold) beside ZeRO's theory; under ZeRO-2
 -- the gradients are split into the shard and the scratch of the buckets backward reduces (the
 -- pool's high-water mark), stated apart. Every variant uses buckets of --bucket MiB.
@@ -16,14 +17,16 @@ local cfg = pt.args {
   rounds = 3,         -- rounds; the first step of each variant is warm-up, not timed
 }
 local rank, world = pt.dist.rank(), pt.dist.world_size()
-local variants = { { name = "plain", stage = 0 }, { name = "zero1", stage = 1 }, { name = "zero2", stage = 2 } }
+local variants = { { name = "plain", stage = 0 }, { name = "zero1", stage = 1 }, { name = "zero2", stage = 2 },
+                   { name = "zero2_overlap", stage = 2, overlap_comm = true } }
 local local_batch = math.floor(cfg.batch / world)
 for _, v in ipairs(variants) do
   pt.manual_seed(1)
   local mesh = v.stage > 0 and pt.mesh { zero = 0 } or pt.mesh {}
   local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers,
                                  dtype = cfg.dtype }
-  v.model = pt.parallelize(model, nil, mesh, v.stage > 0 and { zero = { stage = v.stage, reduce_bucket_size = cfg.bucket } }
+  v.model = pt.parallelize(model, nil, mesh, v.stage > 0 and { zero = { stage = v.stage, reduce_bucket_size = cfg.bucket,
+                                                                         overlap_comm = v.overlap_comm } }
                                              or { bucket_cap_mb = cfg.bucket })
   v.opt = pt.optim.adamw(v.model, { lr = 1e-3, clip_grad_norm = 1.0 })
   v.loss_of = pt.loss_fn(v.model)

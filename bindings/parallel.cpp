@@ -280,6 +280,7 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
       throw std::invalid_argument("zero stage=" + std::to_string(zero.stage) + " is not supported: stages 0, 1, 2");
     if (z.has("reduce_bucket_size")) zero.reduce_bucket_size = mib(z, "reduce_bucket_size", 0, "zero: ");
     zero.overlap_sync_param = z.boolean("overlap_sync_param", zero.overlap_sync_param);
+    if (z.has("overlap_comm")) zero.overlap_comm = z.boolean("overlap_comm", false);
     zero.allgather_bucket_size = mib(z, "allgather_bucket_size", zero.allgather_bucket_size, "zero: ");
     zero.reduce_scatter = z.boolean("reduce_scatter", zero.reduce_scatter);
     z.finish();

@@ -226,7 +226,11 @@ void DataParallel::take_scratch(Bucket& b) {
 void DataParallel::give_back_scratch(Bucket& b) {
   free_[b.buffer].push_back(b.scratch);
   b.scratch = -1;
-  if (sharded()) b.flat = torch::Tensor();
+  b.flat = torch::Tensor();
+}
+
+bool DataParallel::in_flight_scatters() const {
+  return scatters() && (!sharded() || options_.zero_overlap_comm);
 }
 
 torch::Tensor DataParallel::take_inbox(Bucket& b) {
@@ -241,8 +245,8 @@ torch::Tensor DataParallel::take_inbox(Bucket& b) {
                                [&](size_t i) { return buckets_[i].buffer == b.buffer; });
     settle(*oldest);
   }
-  b.scratch = take_pooled(b.buffer);
-  return pool_[b.buffer][b.scratch].narrow(0, 0, b.padded);
+  b.inbox = take_pooled(b.buffer);
+  return pool_[b.buffer][b.inbox].narrow(0, 0, b.padded);
 }
 
 void DataParallel::settle(size_t i) {
@@ -251,12 +255,22 @@ void DataParallel::settle(size_t i) {
   auto it = std::find(inboxes_out_.begin(), inboxes_out_.end(), i);
   if (it == inboxes_out_.end()) return;
   inboxes_out_.erase(it);
-  give_back_scratch(b);
-  // Then over the other zero groups (hierarchical ZeRO), as the ring's part is at once.
-  if (options_.zero_across) {
-    auto part = reduced_part(i);
+  free_[b.buffer].push_back(b.inbox);
+  b.inbox = -1;
+  // Then over the other zero groups (hierarchical ZeRO), as the ring's part is at once; ZeRO-2
+  // adds it into the shard and gives the scratch back.
+  const int64_t n = b.padded / zero_size();
+  auto part = b.flat.narrow(0, options_.zero_group->rank() * n, n);
+  if (options_.zero_across)
     options_.zero_across->all_reduce(part, options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce);
+  if (sharded()) {
+    shard_of(i).add_(part);
+    give_back_scratch(b);
   }
+}
+
+void DataParallel::settle_inboxes() {
+  while (!inboxes_out_.empty()) settle(inboxes_out_.front());
 }
 
 torch::Tensor DataParallel::shard_of(size_t i) const {
@@ -310,10 +324,19 @@ int64_t DataParallel::scratch_bytes() const {
 }
 
 int64_t DataParallel::planned_scratch_bytes() const {
+  // Per flat buffer, tensors of its longest bucket: under ZeRO-2 the bucket filling; with
+  // reduce-scatters in flight up to kInboxes buckets (no more than the buffer has) each holding
+  // an inbox, and under ZeRO-2 their scratch.
   int64_t bytes = 0;
-  for (size_t i = 0; i < scratch_length_.size(); ++i)
-    bytes += scratch_length_[i] * static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(buffer_options_[i].dtype())));
-  return sharded() ? bytes : static_cast<int64_t>(kInboxes) * bytes;
+  for (size_t i = 0; i < scratch_length_.size(); ++i) {
+    const int64_t buckets = std::count_if(buckets_.begin(), buckets_.end(),
+                                          [&](const Bucket& b) { return b.buffer == i && !b.whole; });
+    const int64_t in_flight = in_flight_scatters() ? std::min<int64_t>(kInboxes, buckets) : 0;
+    const int64_t tensors = sharded() ? std::min<int64_t>(1 + in_flight, buckets) + in_flight : in_flight;
+    bytes += tensors * scratch_length_[i] *
+             static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(buffer_options_[i].dtype())));
+  }
+  return bytes;
 }
 
 void DataParallel::check_accumulation() const {
@@ -374,10 +397,11 @@ void DataParallel::launch_ready() {
       b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
     if (pre_hook_) pre_hook_(index, b.flat);
     auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
-    if (scatters() && !b.whole && !sharded()) {
-      // ZeRO-1: this rank's part of the bucket is reduced over the zero group in flight (Gloo's
-      // threads run it beside backward, into a pooled inbox), then over the other zero groups
-      // when settled; it stays in the bucket's part r, where the optimizer reads it.
+    if (in_flight_scatters() && !b.whole) {
+      // ZeRO-1 (ZeRO-2 with overlap_comm): this rank's part of the bucket is reduced over the zero
+      // group in flight (Gloo's threads run it beside backward, into a pooled inbox), then over
+      // the other zero groups when settled. ZeRO-1 leaves it in the bucket's part r, where the
+      // optimizer reads it; ZeRO-2 adds it into the shard and gives the scratch back.
       auto inbox = take_inbox(b);
       b.work = options_.zero_group->start_reduce_scatter_flat(b.flat, op, inbox);
       inboxes_out_.push_back(i);
@@ -418,7 +442,10 @@ void DataParallel::finish_here() {
   }
   launch_ready();
   pass_.clear();
-  if (!syncing_) return;  // ZeRO-2's passes before the sync's: reduced into the shard, no more
+  if (!syncing_) {  // ZeRO-2's passes before the sync's: reduced into the shard, no more
+    settle_inboxes();
+    return;
+  }
   syncing_ = false;
 
   parts_hold_sync_ = scatters() && !sharded() &&

@@ -43,6 +43,10 @@ struct DataParallelOptions {
   /// Stage 1: reduce-scatter each bucket over `zero_group` into its own part r (the bucket stays
   /// whole-sized), not all-reduce it; its parameters' .grad go (gather_shards brings them back).
   bool zero_reduce_scatter = true;
+  /// Stage 2: each bucket's reduce-scatter is left in flight beside backward (stage 1's always
+  /// are), holding its scratch and an inbox until it completes: more buckets of scratch, less
+  /// waiting. DeepSpeed's overlap_comm.
+  bool zero_overlap_comm = false;
   /// The gradient buffer's dtype; undefined: each parameter's own.
   c10::optional<torch::ScalarType> reduce_dtype;
   /// Parameters whose buckets are all-reduced whole over the data group even under ZeRO-2: those
@@ -91,9 +95,8 @@ struct Bucket {
   int pending = 0;               ///< gradients still to arrive this pass
   bool ready = false;
   bool in_pass = false;          ///< reduced by the backward pass running now
-  /// Which pooled tensor the bucket holds (-1: none): under ZeRO-2 the scratch `flat` views,
-  /// under ZeRO-1 the inbox of its reduce-scatter in flight.
-  int scratch = -1;
+  int scratch = -1;              ///< ZeRO-2: which pooled scratch tensor `flat` views (-1: none)
+  int inbox = -1;                ///< which pooled tensor its reduce-scatter in flight receives into (-1: none)
   dist::Work work;
 };
 
@@ -209,7 +212,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   int64_t held_bytes() const;
   int64_t scratch_bytes() const;
   /// ZeRO-2: the scratch of one bucket, the longest, per flat buffer: the least a backward takes.
-  /// ZeRO-1 reduce-scattering: kInboxes inboxes of the longest bucket, per flat buffer.
+  /// Reduce-scatters in flight (ZeRO-1's; ZeRO-2's with overlap_comm): kInboxes inboxes more,
+  /// and under ZeRO-2 the scratch of the kInboxes buckets in flight.
   int64_t planned_scratch_bytes() const;
   /// Where parameter k's gradient sits: (buffer, offset in it).
   std::pair<size_t, int64_t> flat_slot(size_t k) const {
@@ -239,8 +243,10 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   void take_scratch(Bucket& b);
   void give_back_scratch(Bucket& b);
   int take_pooled(size_t buffer);
+  bool in_flight_scatters() const;  // buckets' reduce-scatters are left in flight
   torch::Tensor take_inbox(Bucket& b);
   void settle(size_t i);  // waits for bucket i's reduction and completes it
+  void settle_inboxes();  // ... every bucket's that holds an inbox, oldest first
   void launch_ready();
   void finish();
   void finish_here();
@@ -274,7 +280,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::vector<std::vector<int>> free_;            // ... and those not in use
   std::vector<char> filled_;                      // parameter -> its gradient is in its bucket this pass
   std::vector<size_t> pass_;                      // the buckets this backward pass reduces, in order
-  // ZeRO-1: the buckets whose reduce-scatter is in flight holding an inbox, oldest first. At most
+  // The buckets whose reduce-scatter is in flight holding an inbox, oldest first. At most
   // kInboxes a buffer: the next waits for the oldest, so the inboxes stay two buckets.
   std::vector<size_t> inboxes_out_;
   static constexpr size_t kInboxes = 2;

@@ -225,6 +225,12 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   TORCH_CHECK(stage > 0 || !options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true "
               "overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0 (no ZeRO)");
   model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
+  if (options.zero && options.zero->overlap_comm) {
+    TORCH_CHECK(stage > 0, "zero: overlap_comm overlaps ZeRO's reduce-scatters with backward, but the zero stage is 0 "
+                "(no ZeRO)");
+    TORCH_CHECK(stage == 2 || *options.zero->overlap_comm, "zero: overlap_comm = false is stage 2's choice: stage 1 "
+                "always leaves its reductions in flight beside backward (its gradient buffer is whole anyway)");
+  }
   if (options.zero) {
     TORCH_CHECK(options.zero->allgather_bucket_size > 0 && std::isfinite(options.zero->allgather_bucket_size),
                 "zero: allgather_bucket_size must be a finite number > 0 (MiB), got ", options.zero->allgather_bucket_size);
@@ -255,6 +261,7 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
     }
     dp.zero_stage = stage;
     dp.zero_reduce_scatter = !options.zero || options.zero->reduce_scatter;
+    dp.zero_overlap_comm = stage == 2 && options.zero && options.zero->overlap_comm.value_or(false);
     dp.zero_group = model->mesh_->group("zero");
     dp.zero_across = model->mesh_->zero_across();
     if (options.zero && options.zero->reduce_bucket_size > 0) dp.bucket_cap_mb = options.zero->reduce_bucket_size;

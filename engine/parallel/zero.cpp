@@ -362,9 +362,18 @@ class ZeroShards : public optim::Distributed {
     const auto& params = dp_->params();
     auto options = torch::TensorOptions().dtype(torch::kFloat64).device(masters_.front().device());
     auto sq = torch::zeros({static_cast<int64_t>(params.size())}, options);
+    // Each segment's norm in the gradients' dtype (as torch's clip_grad_norm_ takes a parameter's),
+    // squared in float64 and added into its parameter's: a few operations a segment, not a copy.
+    std::vector<torch::Tensor> norms;
+    std::vector<int64_t> of;
     for (const auto& s : segments_)  // a parameter without a gradient adds nothing (its part may hold an old one)
-      if (!dp_->unused(s.param))
-        sq[static_cast<int64_t>(s.param)] += grads_[s.master].narrow(0, s.master_offset, s.length).to(torch::kFloat64).pow(2).sum();
+      if (!dp_->unused(s.param)) {
+        auto n = grads_[s.master].narrow(0, s.master_offset, s.length).norm(2);
+        norms.push_back(masters_.size() > 1 ? n.to(torch::kFloat64) : n);  // masters of two dtypes: one for the stack
+        of.push_back(static_cast<int64_t>(s.param));
+      }
+    if (!norms.empty())
+      sq.index_add_(0, torch::tensor(of, torch::kLong).to(options.device()), torch::stack(norms).to(torch::kFloat64).pow(2));
     zero_->all_reduce(sq);
     const auto& pipeline = model.pipeline();
     auto whole = torch::zeros({1}, options);

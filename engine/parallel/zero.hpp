@@ -31,6 +31,12 @@ struct ZeroOptions {
   /// parameters' .grad go as under stage 2 (sync_shard_grad makes them whole). false: buckets are
   /// all-reduced and every .grad stays whole. DeepSpeed's reduce_scatter, default true there too.
   bool reduce_scatter = true;
+  /// Stage 2: leave each bucket's reduce-scatter in flight beside backward (Gloo: one all-to-all
+  /// on its threads) instead of completing it before backward goes on, at the cost of the
+  /// scratch and an inbox of the (at most two) buckets in flight. Stage 1's reduce-scatters are
+  /// always in flight (its buffer is whole anyway), so there it can only be true. DeepSpeed's
+  /// overlap_comm, off by default there too for stage 2.
+  c10::optional<bool> overlap_comm;
 };
 
 /// What ZeRO keeps on this rank, in bytes, for the planner and the REPL.

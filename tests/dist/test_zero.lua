@@ -127,6 +127,36 @@ test("ZeRO-2 with pipeline 2 (1F1B, 2 micro-batches) x data 2 equals unsharded A
   end
 end)
 
+-- overlap_comm leaves ZeRO-2's reduce-scatters in flight beside backward (a bucket's scratch and an
+-- inbox held until it completes, at most two buckets at once): it equals unsharded AdamW at data 4
+-- (float32 and float64), over zero groups of 2 (the part all-reduced across them once settled),
+-- with train_step's accumulation (the passes before the sync settle theirs at their end) and over
+-- pipeline 2 x data 2 with interleaved chunks; buckets are small, so several are in flight, and
+-- the scratch stays within the bound the planner counts (the bucket filling, two in flight and
+-- their two inboxes).
+test("ZeRO-2 with overlap_comm equals unsharded AdamW (data 4, zero groups of 2, accumulation, pipeline 2)", function()
+  local o = { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.05 }
+  local zero = { stage = 2, overlap_comm = true, reduce_bucket_size = 0.001 }
+  for _, dtype in ipairs { "float32", "float64" } do
+    local model, opt = equal_to_serial { what = "zero-2 overlap_comm data 4", mesh = { zero = 0 }, make = mlp,
+                                         dtype = dtype, opts = { zero = zero }, optim = o }
+    local longest = 0
+    for _, b in ipairs(pt.data_parallel(model):bucket_bytes()) do longest = math.max(longest, b.bytes) end
+    local scratch = opt:zero().scratch_bytes
+    ok(scratch > longest and scratch <= 5 * longest,
+       ("zero-2 overlap_comm (%s): scratch and inboxes %d bytes, more than one bucket (some were in flight) and at most 5 of %d")
+       :format(dtype, scratch, longest))
+  end
+  equal_to_serial { what = "zero-2 overlap_comm groups of 2", mesh = { zero = 2 }, make = mlp, opts = { zero = zero },
+                    optim = o }
+  equal_to_serial { what = "zero-2 overlap_comm accumulate 2", mesh = { zero = 0 }, make = mlp, accumulate = 2,
+                    opts = { zero = zero } }
+  equal_to_serial { what = "zero-2 overlap_comm pipeline 2", mesh = { pipeline = 2, zero = 2 },
+                    make = function(dtype) return chain(dtype, 4) end, dtype = "float64", deferred = true,
+                    policy = chain_policy,
+                    opts = { zero = zero, schedule = "interleaved", microbatches = 2, chunks = 2 }, optim = o }
+end)
+
 -- GPT-2's wte and lm_head are one tensor held by both stages: its buckets are all-reduced whole
 -- (its gradient is summed over the pipeline after the sync), the rest reduce-scattered.
 test("ZeRO-2 with GPT-2 (a tensor tied across stages) over pipeline 2 x data 2 equals AdamW (float64)", function()
@@ -669,6 +699,13 @@ test("what cannot run is refused at the caller's line", function()
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { reduce_dtype = "int8" }) end,
              "reduce_dtype' must be 'float32', 'bfloat16' or 'float64', got 'int8'")
   ok(e:find(here), e)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 0, overlap_comm = true } }) end,
+             "zero: overlap_comm overlaps ZeRO's reduce-scatters with backward, but the zero stage is 0")
+  ok(e:find(here), e)
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1, overlap_comm = false } }) end,
+             "zero: overlap_comm = false is stage 2's choice: stage 1 always leaves its reductions in flight")
+  ok(e:find(here), e)
+  ok(pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1, overlap_comm = true } }), "stage 1 takes overlap_comm = true")
   raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stag = 1 } }) end, "stag")
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 2, reduce_scatter = false } }) end,
              "stage 2 always reduce-scatters them")
