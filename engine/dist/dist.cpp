@@ -640,9 +640,9 @@ Work ProcessGroup::start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& 
   // Agreed on, and in the ledger, as the ring's reduce-scatter is: the same call.
   const int64_t ticket =
       verify(9, "reduce_scatter(" + to_string(op) + ")", flat, ledger::Op::ReduceScatter, true, 0, 1 + static_cast<int>(op));
-  if (recorded_only()) record("reduce_scatter", static_cast<int64_t>(flat.nbytes()) * (p - 1) / p);
+  if (recorded_only()) record("reduce_scatter", static_cast<int64_t>(flat.nbytes()));
   if (!impl_) return Work();
-  record("reduce_scatter", static_cast<int64_t>(flat.nbytes()) * (p - 1) / p);
+  record("reduce_scatter", static_cast<int64_t>(flat.nbytes()));  // as the blocking one records it
   const std::string name = "reduce_scatter(" + to_string(op) + ")";
   if (options_.backend == "nccl") {
     std::vector<Tensor> out{inbox.narrow(0, 0, part)};

@@ -154,6 +154,7 @@ void DataParallel::begin_pass() {
   TORCH_CHECK(!pending_finish_, "data parallelism: a backward pass began before the last one's gradient reduction "
               "finished; with bucket hooks written in Lua that runs on the script's thread: call "
               "pt.data_parallel(model):synced() between backward passes (model:train_step does)");
+  drop_in_flight();
   in_backward_ = true;
   ++passes_;
   syncing_ = sync_enabled_ && passes_ % options_.grad_accumulation == 0;
@@ -267,6 +268,29 @@ void DataParallel::settle(size_t i) {
     shard_of(i).add_(part);
     give_back_scratch(b);
   }
+}
+
+void DataParallel::drop_in_flight() {
+  // A pass that failed part way (a hook that raised, a wait interrupted or timed out) leaves its
+  // reduce-scatters in flight, settled by nobody: nothing of theirs may reach this pass. Their
+  // results are not combined, and their pooled tensors are replaced, not reused (the collective
+  // may still be writing into them; its work holds them until it ends).
+  auto fresh = [&](size_t buffer, int index) {
+    pool_[buffer][index] = torch::empty({scratch_length_[buffer]}, buffer_options_[buffer]);
+    free_[buffer].push_back(index);
+  };
+  for (size_t i : inboxes_out_) {
+    auto& b = buckets_[i];
+    b.work = dist::Work();
+    fresh(b.buffer, b.inbox);
+    b.inbox = -1;
+    if (sharded() && b.scratch >= 0) {
+      fresh(b.buffer, b.scratch);
+      b.scratch = -1;
+      b.flat = torch::Tensor();
+    }
+  }
+  inboxes_out_.clear();
 }
 
 void DataParallel::settle_inboxes() {

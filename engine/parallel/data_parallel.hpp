@@ -247,6 +247,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   torch::Tensor take_inbox(Bucket& b);
   void settle(size_t i);  // waits for bucket i's reduction and completes it
   void settle_inboxes();  // ... every bucket's that holds an inbox, oldest first
+  void drop_in_flight();  // ... or abandons them, after a pass that failed part way
   void launch_ready();
   void finish();
   void finish_here();

@@ -369,7 +369,7 @@ class ZeroShards : public optim::Distributed {
     for (const auto& s : segments_)  // a parameter without a gradient adds nothing (its part may hold an old one)
       if (!dp_->unused(s.param)) {
         auto n = grads_[s.master].narrow(0, s.master_offset, s.length).norm(2);
-        norms.push_back(masters_.size() > 1 ? n.to(torch::kFloat64) : n);  // masters of two dtypes: one for the stack
+        norms.push_back(masters_.size() > 1 ? n.to(options) : n);  // masters of two dtypes or devices: one for the stack
         of.push_back(static_cast<int64_t>(s.param));
       }
     if (!norms.empty())
