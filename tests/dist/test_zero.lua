@@ -163,16 +163,19 @@ end)
 -- A backward pass that fails part way (a pre-hook raising at the third bucket, on every rank)
 -- leaves reduce-scatters of its first buckets in flight: the next pass drops them (their inboxes
 -- and scratch are replaced, not reused), so the steps after it train as serial training does
--- without the failed one (float64, data 4; ZeRO-1, ZeRO-2 and ZeRO-2 with overlap_comm).
+-- without the failed one (float64, data 4; ZeRO-1, ZeRO-2 and ZeRO-2 with overlap_comm; plain data
+-- parallelism and ZeRO-1's all-reduces likewise).
 test("a backward that fails part way leaves nothing in flight: the next steps equal serial training", function()
-  for _, zero in ipairs { { stage = 1 }, { stage = 2 }, { stage = 2, overlap_comm = true } } do
-    local what = ("zero-%d%s"):format(zero.stage, zero.overlap_comm and " overlap_comm" or "")
-    zero.reduce_bucket_size = 0.002
+  for _, zero in ipairs { { stage = 1 }, { stage = 2 }, { stage = 2, overlap_comm = true }, { stage = 0 },
+                          { stage = 1, reduce_scatter = false } } do
+    local what = ("zero-%d%s%s"):format(zero.stage, zero.overlap_comm and " overlap_comm" or "",
+                                        zero.reduce_scatter == false and " all-reduced" or "")
+    local opts = { zero = zero, bucket_cap_mb = 0.002 }
     local mesh = pt.mesh { zero = 0 }
     pt.manual_seed(61)
     local serial = deep("float64")()
     pt.manual_seed(61)
-    local model = pt.parallelize(deep("float64")(), nil, mesh, { zero = zero })
+    local model = pt.parallelize(deep("float64")(), nil, mesh, opts)
     local so, po = pt.optim.adamw(serial, { lr = 1e-2 }), pt.optim.adamw(model, { lr = 1e-2 })
     local handle = pt.data_parallel(model)
     ok(handle:buckets() >= 4, what .. ": several buckets")
