@@ -86,7 +86,7 @@ const Function kGroupMethods[] = {
        dist::AgreedCall agreed(!async);
        auto& flat = a.tensor(2);
        if (!async) return a.ret(group(a, 1)->reduce_scatter_flat(flat, op));
-       auto inbox = torch::empty_like(flat);
+       auto inbox = group(a, 1)->needs_inbox() ? torch::empty_like(flat) : torch::Tensor();
        auto w = group(a, 1)->start_reduce_scatter_flat(flat, op, inbox);
        const int64_t part = flat.numel() / group(a, 1)->size();
        a.ret(flat.narrow(0, group(a, 1)->rank() * part, part));

@@ -630,8 +630,8 @@ Work ProcessGroup::start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& 
   const int p = size();
   TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "reduce_scatter on ", describe(), ": needs a flat tensor whose ",
               "length is a multiple of ", p, ", got shape ", flat.sizes());
-  TORCH_CHECK(inbox.defined() && inbox.is_contiguous() && inbox.sizes().equals(flat.sizes()) &&
-                  inbox.scalar_type() == flat.scalar_type() && inbox.device() == flat.device(),
+  TORCH_CHECK(!needs_inbox() || (inbox.defined() && inbox.is_contiguous() && inbox.sizes().equals(flat.sizes()) &&
+                                  inbox.scalar_type() == flat.scalar_type() && inbox.device() == flat.device()),
               "reduce_scatter on ", describe(), ": the inbox must be a contiguous tensor of the flat tensor's shape ",
               flat.sizes(), ", dtype and device");
   const int64_t part = flat.numel() / p;
@@ -644,8 +644,8 @@ Work ProcessGroup::start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& 
   if (!impl_) return Work();
   record("reduce_scatter", static_cast<int64_t>(flat.nbytes()));  // as the blocking one records it
   const std::string name = "reduce_scatter(" + to_string(op) + ")";
-  if (options_.backend == "nccl") {
-    std::vector<Tensor> out{inbox.narrow(0, 0, part)};
+  if (!needs_inbox()) {  // NCCL
+    std::vector<Tensor> out{torch::empty_like(mine)};
     std::vector<std::vector<Tensor>> in{flat.chunk(p)};
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d_op(op == ReduceOp::Mean ? ReduceOp::Sum : op);

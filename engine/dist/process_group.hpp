@@ -150,13 +150,15 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// `flat` once.
   Tensor reduce_scatter_flat(Tensor& flat, ReduceOp op = ReduceOp::Sum) const;
   /// The same reduce-scatter, left in flight: this rank's part of `flat` holds the reduction once
-  /// the work is waited for, and neither `flat` nor `inbox` (flat's size, dtype and device) may
-  /// be touched before. NCCL runs its native one; Gloo one all-to-all on its own threads (every
-  /// rank's part r lands in `inbox`, the same bytes as the ring, in one round trip), combined
-  /// into the part in group-rank order when the work is waited for. On two CPU ranks 13
+  /// the work is waited for, and neither `flat` nor `inbox` may be touched before. NCCL runs its
+  /// native one and takes no inbox (pass an undefined tensor; needs_inbox() is false); Gloo one
+  /// all-to-all on its own threads (every rank's part r lands in `inbox`, of flat's size, dtype
+  /// and device: the same bytes as the ring, in one round trip), combined into the part in
+  /// group-rank order when the work is waited for. On two CPU ranks 13
   /// reduce-scatters of 1 MiB took 24 ms as rings (each one round trip a step, on the caller's
   /// thread between backward's buckets).
   Work start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& inbox) const;
+  bool needs_inbox() const { return options_.backend != "nccl"; }
   /// All-gather over a flat tensor in place: rank r's part r of `flat` (read as above) ends on
   /// every rank. NCCL: native; Gloo: a ring of size() - 1 steps of one part each.
   void all_gather_flat(Tensor& flat) const;

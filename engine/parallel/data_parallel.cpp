@@ -246,6 +246,7 @@ torch::Tensor DataParallel::take_inbox(Bucket& b) {
                                [&](size_t i) { return buckets_[i].buffer == b.buffer; });
     settle(*oldest);
   }
+  if (!options_.zero_group->needs_inbox()) return {};  // NCCL's own reduce-scatter takes none
   b.inbox = take_pooled(b.buffer);
   return pool_[b.buffer][b.inbox].narrow(0, 0, b.padded);
 }
@@ -256,7 +257,7 @@ void DataParallel::settle(size_t i) {
   auto it = std::find(inboxes_out_.begin(), inboxes_out_.end(), i);
   if (it == inboxes_out_.end()) return;
   inboxes_out_.erase(it);
-  free_[b.buffer].push_back(b.inbox);
+  if (b.inbox >= 0) free_[b.buffer].push_back(b.inbox);
   b.inbox = -1;
   // Then over the other zero groups (hierarchical ZeRO), as the ring's part is at once; ZeRO-2
   // adds it into the shard and gives the scratch back.
@@ -282,7 +283,7 @@ void DataParallel::drop_in_flight() {
   for (size_t i : inboxes_out_) {
     auto& b = buckets_[i];
     b.work = dist::Work();
-    fresh(b.buffer, b.inbox);
+    if (b.inbox >= 0) fresh(b.buffer, b.inbox);
     b.inbox = -1;
     if (sharded() && b.scratch >= 0) {
       fresh(b.buffer, b.scratch);
@@ -356,7 +357,8 @@ int64_t DataParallel::planned_scratch_bytes() const {
     const int64_t buckets = std::count_if(buckets_.begin(), buckets_.end(),
                                           [&](const Bucket& b) { return b.buffer == i && !b.whole; });
     const int64_t in_flight = in_flight_scatters() ? std::min<int64_t>(kInboxes, buckets) : 0;
-    const int64_t tensors = sharded() ? std::min<int64_t>(1 + in_flight, buckets) + in_flight : in_flight;
+    const int64_t inboxes = options_.zero_group && options_.zero_group->needs_inbox() ? in_flight : 0;
+    const int64_t tensors = sharded() ? std::min<int64_t>(1 + in_flight, buckets) + inboxes : inboxes;
     bytes += tensors * scratch_length_[i] *
              static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(buffer_options_[i].dtype())));
   }

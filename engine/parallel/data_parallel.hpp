@@ -212,8 +212,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   int64_t held_bytes() const;
   int64_t scratch_bytes() const;
   /// ZeRO-2: the scratch of one bucket, the longest, per flat buffer: the least a backward takes.
-  /// Reduce-scatters in flight (ZeRO-1's; ZeRO-2's with overlap_comm): kInboxes inboxes more,
-  /// and under ZeRO-2 the scratch of the kInboxes buckets in flight.
+  /// Reduce-scatters in flight (ZeRO-1's; ZeRO-2's with overlap_comm): kInboxes inboxes more (on Gloo;
+  /// NCCL takes none), and under ZeRO-2 the scratch of the kInboxes buckets in flight.
   int64_t planned_scratch_bytes() const;
   /// Where parameter k's gradient sits: (buffer, offset in it).
   std::pair<size_t, int64_t> flat_slot(size_t k) const {
