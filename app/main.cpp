@@ -362,6 +362,8 @@ int run_main(int argc, char** argv) {
     }
     // --trace: a file rank 0 can replace (never a folder, a device or a FIFO), in a folder that exists.
     if (!trace_file.empty()) {
+      if (auto why = partrain::app::unusable_name(trace_file); !why.empty())
+        return fail("--trace '" + trace_file + "': " + why + " (expected the JSON file to write)");
       if (partrain::util::is_plain_dir(trace_file))
         return fail("--trace '" + trace_file + "' is a folder (expected the JSON file to write)");
       if (access(trace_file.c_str(), F_OK) == 0 && !partrain::util::is_regular(trace_file))
@@ -386,6 +388,8 @@ int run_main(int argc, char** argv) {
       const std::string name = metrics_flag ? "--metrics" : "PARTRAIN_METRICS";
       if (!metrics_flag) metrics_file = metrics_env;
       if (metrics_file.empty()) return fail(name + " is empty (expected a file to append JSON lines to)");
+      if (auto why = partrain::app::unusable_name(metrics_file); !why.empty())
+        return fail(name + " '" + metrics_file + "': " + why + " (expected a file to append JSON lines to)");
       if (partrain::util::is_plain_dir(metrics_file))
         return fail(name + " '" + metrics_file + "' is a folder (expected the JSON-lines file to append to)");
       struct stat st;  // lstat: a dangling link or a link loop is there too, and is no file to append to

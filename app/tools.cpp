@@ -101,6 +101,12 @@ bool writable_beside(const std::string& path) {
   return ::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+std::string unusable_name(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0 || errno == ENOENT) return "";
+  return std::strerror(errno);
+}
+
 int split_at_script(CLI::App& app, int from, int argc, char** argv) {
   int split = from;
   while (split < argc) {

@@ -25,6 +25,11 @@ CLI::Validator non_empty(const std::string& what);
 
 /// Whether the folder that would hold `path` exists (a file partrain is asked to write).
 bool writable_beside(const std::string& path);
+/// Why `path` cannot name a file to write, found before the run rather than at its first write:
+/// the system's reason when looking it up fails otherwise than for its absence (a name longer
+/// than the file system takes, a folder on its way that is a file or cannot be searched); empty
+/// when it can.
+std::string unusable_name(const std::string& path);
 
 /// A CLI11 parse error as partrain reports it: --help and --version print and succeed (0);
 /// any mistake is one short line and status 1.

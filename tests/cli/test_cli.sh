@@ -252,6 +252,13 @@ check "report -o writes a new page" 0 "wrote $tmp/out/r.html" -- "$bin" report "
 check "report -o replaces a page it wrote" 0 "wrote $tmp/out/r.html" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/r.html"
 check "parity -o over an input is refused" 2 "exists and is not an HTML report" -- "$bin" parity "$tmp/out/m.jsonl" "$tmp/out/m.jsonl" -o "$tmp/out/m.jsonl"
 check "--metrics naming a script is refused before it runs" 1 "--metrics '$tmp/out/keep.lua' exists and is not a JSON-lines metrics file" -- "$bin" --metrics "$tmp/out/keep.lua" "$tmp/out/keep.lua"
+# A name the file system cannot take is refused before the run, with the system's reason (a
+# 300-character --metrics name had failed only at the first pt.log, after a training step).
+long=$(printf 'a%.0s' $(seq 300))
+check "--metrics with a name too long is refused before the run" 1 "--metrics '$tmp/out/$long.jsonl': File name too long" -- "$bin" --metrics "$tmp/out/$long.jsonl" -e 'print("ran")'
+check "PARTRAIN_METRICS with a name too long is refused before the run" 1 "PARTRAIN_METRICS '$tmp/out/$long': File name too long" -- env PARTRAIN_METRICS="$tmp/out/$long" "$bin" -e 'print("ran")'
+check "--trace with a name too long is refused before the run" 1 "--trace '$tmp/out/$long.json': File name too long" -- "$bin" --trace "$tmp/out/$long.json" -e 'print("ran")'
+check "--metrics under a file, not a folder, is refused before the run" 1 "--metrics '$tmp/out/keep.lua/m.jsonl': Not a directory" -- "$bin" --metrics "$tmp/out/keep.lua/m.jsonl" -e 'print("ran")'
 check "--trace naming a script is refused before it runs" 1 "--trace '$tmp/out/keep.lua' exists and is not a trace partrain wrote" -- "$bin" --trace "$tmp/out/keep.lua" "$tmp/out/keep.lua"
 check "plan --save over a script is refused" 1 "exists and is not a partrain plan" -- "$bin" plan --world 2 --save "$tmp/out/keep.lua" "$tmp/par.lua"
 printf 'local pt = require "partrain"\npt.ckpt.save(arg[1], { model = pt.models.mlp { sizes = { 4, 2 } }, step = 1 })\n' > "$tmp/out/save.lua"
