@@ -581,60 +581,55 @@ void combine(Tensor& acc, const Tensor& other, ReduceOp op) {
 }
 }  // namespace
 
+int64_t ProcessGroup::flat_part(const Tensor& flat, const std::string& op) const {
+  check(flat, op);
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() % size() == 0, op, " on ", describe(), ": needs a flat tensor whose ",
+              "length is a multiple of ", size(), ", got shape ", flat.sizes());
+  return flat.numel() / size();
+}
+
 Tensor ProcessGroup::reduce_scatter_flat(Tensor& flat, ReduceOp op) const {
-  check(flat, "reduce_scatter");
+  const int64_t part = flat_part(flat, "reduce_scatter");
   const int p = size();
-  TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "reduce_scatter on ", describe(), ": needs a flat tensor whose ",
-              "length is a multiple of ", p, ", got shape ", flat.sizes());
-  const int64_t part = flat.numel() / p;
   auto part_of = [&](int r) { return flat.narrow(0, ((r % p) + p) % p * part, part); };
   Tensor mine = part_of(rank_);
   if (p == 1) return mine;
+  if (!needs_inbox() && impl_) {  // NCCL: its own, waited for here
+    Tensor none;
+    start_reduce_scatter_flat(flat, op, none).wait();
+    return mine;
+  }
   const int64_t ticket =
       verify(9, "reduce_scatter(" + to_string(op) + ")", flat, ledger::Op::ReduceScatter, true, 0, 1 + static_cast<int>(op));
-  if (options_.backend == "nccl" && impl_) {  // the backend's own
-    record("reduce_scatter", static_cast<int64_t>(flat.nbytes()));
-    std::vector<Tensor> out{torch::empty_like(mine)};
-    std::vector<std::vector<Tensor>> in{flat.chunk(p)};
-    c10d::ReduceScatterOptions o;
-    o.reduceOp = c10d_op(op == ReduceOp::Mean ? ReduceOp::Sum : op);
-    o.timeout = options_.timeout;
-    run("reduce_scatter", [&] { return impl_->group->reduce_scatter(out, in, o); }, /*async=*/false, {}, ticket);
-    mine.copy_(out[0]);
-  } else {
-    // The ring: at step s rank r sends part r-s-1 to r+1 and combines part r-s-2 from r-1 into
-    // its own copy; after p-1 steps part r has passed through every rank and ends on rank r.
-    // The ledger has the reduce-scatter and each step's send and receive.
-    const int next = (rank_ + 1) % p, prev = (rank_ + p - 1) % p;
-    Tensor incoming = torch::empty_like(mine);
-    try {
-      for (int s = 0; s < p - 1; ++s) {
-        Work sent = send(part_of(rank_ - s - 1), next, /*async=*/true, kRingTag);
-        recv(incoming, prev, /*async=*/false, kRingTag);
-        auto acc = part_of(rank_ - s - 2);
-        combine(acc, incoming, op);
-        sent.wait();
-      }
-    } catch (...) {
-      ledger_set(ticket, ledger::State::Failed);
-      throw;
+  // The ring: at step s rank r sends part r-s-1 to r+1 and combines part r-s-2 from r-1 into its
+  // own copy; after p-1 steps part r has passed through every rank and ends on rank r. The ledger
+  // has the reduce-scatter and each step's send and receive.
+  const int next = (rank_ + 1) % p, prev = (rank_ + p - 1) % p;
+  Tensor incoming = torch::empty_like(mine);
+  try {
+    for (int s = 0; s < p - 1; ++s) {
+      Work sent = send(part_of(rank_ - s - 1), next, /*async=*/true, kRingTag);
+      recv(incoming, prev, /*async=*/false, kRingTag);
+      auto acc = part_of(rank_ - s - 2);
+      combine(acc, incoming, op);
+      sent.wait();
     }
-    ledger_set(ticket, ledger::State::Completed);
+  } catch (...) {
+    ledger_set(ticket, ledger::State::Failed);
+    throw;
   }
+  ledger_set(ticket, ledger::State::Completed);
   if (op == ReduceOp::Mean) mine.div_(p);
   return mine;
 }
 
 Work ProcessGroup::start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& inbox) const {
-  check(flat, "reduce_scatter");
+  const int64_t part = flat_part(flat, "reduce_scatter");
   const int p = size();
-  TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "reduce_scatter on ", describe(), ": needs a flat tensor whose ",
-              "length is a multiple of ", p, ", got shape ", flat.sizes());
   TORCH_CHECK(!needs_inbox() || (inbox.defined() && inbox.is_contiguous() && inbox.sizes().equals(flat.sizes()) &&
                                   inbox.scalar_type() == flat.scalar_type() && inbox.device() == flat.device()),
               "reduce_scatter on ", describe(), ": the inbox must be a contiguous tensor of the flat tensor's shape ",
               flat.sizes(), ", dtype and device");
-  const int64_t part = flat.numel() / p;
   Tensor mine = flat.narrow(0, rank_ * part, part);
   if (p == 1) return Work();
   // Agreed on, and in the ledger, as the ring's reduce-scatter is: the same call.
@@ -672,12 +667,9 @@ Work ProcessGroup::start_reduce_scatter_flat(Tensor& flat, ReduceOp op, Tensor& 
 }
 
 void ProcessGroup::all_gather_flat(Tensor& flat) const {
-  check(flat, "all_gather");
+  const int64_t part = flat_part(flat, "all_gather");
   const int p = size();
-  TORCH_CHECK(flat.dim() == 1 && flat.numel() % p == 0, "all_gather on ", describe(), ": needs a flat tensor whose ",
-              "length is a multiple of ", p, ", got shape ", flat.sizes());
   if (p == 1) return;
-  const int64_t part = flat.numel() / p;
   auto part_of = [&](int r) { return flat.narrow(0, ((r % p) + p) % p * part, part); };
   const int64_t ticket = verify(10, "all_gather(flat)", flat, ledger::Op::AllGather);
   if (options_.backend == "nccl" && impl_) {

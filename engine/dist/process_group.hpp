@@ -220,6 +220,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
            std::function<void()> after = {}, int64_t ticket = -1) const;
   [[noreturn]] void fail(const std::string& op, const std::string& why) const;
   void check(const Tensor& t, const std::string& op) const;
+  // check(), and that `flat` is 1-D of a length size() divides; returns that of a part.
+  int64_t flat_part(const Tensor& flat, const std::string& op) const;
   // Records the call about to run in the ledger (`lop`, `reduce` = 1 + ReduceOp or 0, and for
   // send/recv the peer's group rank and the tag) and returns its ticket (-1 in a group of one),
   // notes it for the terminate handler's message and, with check_collectives(), all-gathers (call

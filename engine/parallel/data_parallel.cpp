@@ -259,16 +259,25 @@ void DataParallel::settle(size_t i) {
   inboxes_out_.erase(it);
   if (b.inbox >= 0) free_[b.buffer].push_back(b.inbox);
   b.inbox = -1;
-  // Then over the other zero groups (hierarchical ZeRO), as the ring's part is at once; ZeRO-2
-  // adds it into the shard and gives the scratch back.
+  finish_part(i);
+}
+
+void DataParallel::finish_part(size_t i) {
+  // This rank's part of the bucket, reduced over the zero group: then over the other zero groups
+  // (hierarchical ZeRO); ZeRO-2 adds it into the shard and gives the scratch back.
+  auto& b = buckets_[i];
   const int64_t n = b.padded / zero_size();
   auto part = b.flat.narrow(0, options_.zero_group->rank() * n, n);
-  if (options_.zero_across)
-    options_.zero_across->all_reduce(part, options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce);
+  if (options_.zero_across) options_.zero_across->all_reduce(part, wire_op());
   if (sharded()) {
     shard_of(i).add_(part);
     give_back_scratch(b);
   }
+}
+
+dist::ReduceOp DataParallel::wire_op() const {
+  // A mean is divided before the reduction (by ranks x accumulated passes), then summed.
+  return options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
 }
 
 void DataParallel::drop_in_flight() {
@@ -422,7 +431,7 @@ void DataParallel::launch_ready() {
     if (options_.reduce == dist::ReduceOp::Mean)
       b.flat.div_(static_cast<double>(group_->size()) * options_.grad_accumulation);
     if (pre_hook_) pre_hook_(index, b.flat);
-    auto op = options_.reduce == dist::ReduceOp::Mean ? dist::ReduceOp::Sum : options_.reduce;
+    const auto op = wire_op();
     if (in_flight_scatters() && !b.whole) {
       // ZeRO-1 (ZeRO-2 with overlap_comm): this rank's part of the bucket is reduced over the zero
       // group in flight (Gloo's threads run it beside backward, into a pooled inbox), then over
@@ -433,12 +442,9 @@ void DataParallel::launch_ready() {
       inboxes_out_.push_back(i);
     } else if (scatters() && !b.whole) {
       // ZeRO-2: reduced over the zero group here (a ring on Gloo: it completes before backward
-      // goes on, so that the scratch is free for the next bucket), then over the other zero
-      // groups, added into the shard, and the scratch goes back to the pool.
-      auto part = options_.zero_group->reduce_scatter_flat(b.flat, op);
-      if (options_.zero_across) options_.zero_across->all_reduce(part, op);
-      shard_of(i).add_(part);
-      give_back_scratch(b);
+      // goes on, so that the scratch is free for the next bucket), then finished at once.
+      options_.zero_group->reduce_scatter_flat(b.flat, op);
+      finish_part(i);
       b.work = dist::Work();
     } else {
       b.work = group_->all_reduce(b.flat, op, /*async=*/true);

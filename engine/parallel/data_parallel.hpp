@@ -246,6 +246,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   bool in_flight_scatters() const;  // buckets' reduce-scatters are left in flight
   torch::Tensor take_inbox(Bucket& b);
   void settle(size_t i);  // waits for bucket i's reduction and completes it
+  void finish_part(size_t i);  // bucket i's part, reduced over the zero group: the rest of its way
+  dist::ReduceOp wire_op() const;  // the op the collectives run (a mean is divided before)
   void settle_inboxes();  // ... every bucket's that holds an inbox, oldest first
   void drop_in_flight();  // ... or abandons them, after a pass that failed part way
   void launch_ready();

@@ -29,7 +29,6 @@ struct Segment {
 struct Gather {
   size_t first = 0, last = 0;
   int64_t begin = 0, length = 0;
-  double bytes = 0;  // gathered, in the parameters' dtype
 };
 
 class ZeroShards : public optim::Distributed {
@@ -101,20 +100,18 @@ class ZeroShards : public optim::Distributed {
     const auto& buckets = dp_->buckets();
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
-      const auto dtype = params[b.params.front()].scalar_type();
-      const double bytes = static_cast<double>(b.padded) * c10::elementSize(dtype);
       if (!gathers_.empty()) {
         auto& g = gathers_.back();
-        const auto& last = buckets[g.last - 1];
-        if (last.buffer == b.buffer && params[last.params.front()].scalar_type() == dtype &&
-            g.begin + g.length == bucket_master_[i] && g.bytes + bytes <= cap) {
+        const auto dtype = dtype_of(g);
+        const double bytes = static_cast<double>(z) * (g.length + b.padded / z) * c10::elementSize(dtype);
+        if (buckets[g.last - 1].buffer == b.buffer && params[b.params.front()].scalar_type() == dtype &&
+            g.begin + g.length == bucket_master_[i] && bytes <= cap) {
           g.last = i + 1;
           g.length += b.padded / z;
-          g.bytes += bytes;
           continue;
         }
       }
-      gathers_.push_back({i, i + 1, bucket_master_[i], b.padded / z, bytes});
+      gathers_.push_back({i, i + 1, bucket_master_[i], b.padded / z});
     }
   }
 
@@ -365,15 +362,24 @@ class ZeroShards : public optim::Distributed {
     // Each segment's norm in the gradients' dtype (as torch's clip_grad_norm_ takes a parameter's),
     // squared in float64 and added into its parameter's: a few operations a segment, not a copy.
     std::vector<torch::Tensor> norms;
-    std::vector<int64_t> of;
-    for (const auto& s : segments_)  // a parameter without a gradient adds nothing (its part may hold an old one)
-      if (!dp_->unused(s.param)) {
-        auto n = grads_[s.master].narrow(0, s.master_offset, s.length).norm(2);
-        norms.push_back(masters_.size() > 1 ? n.to(options) : n);  // masters of two dtypes or devices: one for the stack
-        of.push_back(static_cast<int64_t>(s.param));
+    torch::Tensor none;  // a parameter without a gradient adds nothing (its part may hold an old one)
+    for (const auto& s : segments_) {
+      if (dp_->unused(s.param)) {
+        if (!none.defined()) none = torch::zeros({}, masters_.size() > 1 ? options : grads_.front().options());
+        norms.push_back(none);
+        continue;
       }
-    if (!norms.empty())
-      sq.index_add_(0, torch::tensor(of, torch::kLong).to(options.device()), torch::stack(norms).to(torch::kFloat64).pow(2));
+      auto n = grads_[s.master].narrow(0, s.master_offset, s.length).norm(2);
+      norms.push_back(masters_.size() > 1 ? n.to(options) : n);  // masters of two dtypes or devices: one for the stack
+    }
+    if (!norms.empty()) {
+      if (!segment_param_.defined()) {  // each segment's parameter, made once
+        std::vector<int64_t> of;
+        for (const auto& s : segments_) of.push_back(static_cast<int64_t>(s.param));
+        segment_param_ = torch::tensor(of, torch::kLong).to(options.device());
+      }
+      sq.index_add_(0, segment_param_, torch::stack(norms).to(torch::kFloat64).pow(2));
+    }
     zero_->all_reduce(sq);
     const auto& pipeline = model.pipeline();
     auto whole = torch::zeros({1}, options);
@@ -404,6 +410,7 @@ class ZeroShards : public optim::Distributed {
   int stage_ = 0;
   std::vector<Segment> segments_;
   std::vector<Gather> gathers_;
+  mutable torch::Tensor segment_param_;  // (segments,) each segment's parameter index, for the norm
   std::vector<int64_t> bucket_master_;  // where each bucket's part starts in its master
   std::vector<torch::Tensor> masters_;  // (shard,) one per flat buffer, in float32 or float64
   // Each parameter's version counter when its master part was last taken from it or written into
@@ -431,8 +438,8 @@ class ZeroShards : public optim::Distributed {
   // overlap_sync_param: the all-gathers publish() started and nothing has waited for yet.
   struct InFlight {
     size_t gather = 0;                // index into gathers_
-    torch::Tensor mine;               // (part,) this rank's updated part, kept alive while it is sent
-    std::vector<torch::Tensor> parts; // (part,) each rank's, filled when the work completes
+    torch::Tensor mine;               // (length,) this rank's updated parts, kept alive while they are sent
+    std::vector<torch::Tensor> parts; // (length,) each rank's, filled when the work completes
     dist::Work work;
   };
   bool overlap_ = false;
