@@ -25,8 +25,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include "engine/util/text.hpp"
 
-#include "engine/compat.hpp"
 
 namespace partrain::app {
 
@@ -196,7 +196,7 @@ NodeControl::NodeControl(const ControlOptions& options) : o_(options), watch_(op
   try {
     store_ = c10::make_intrusive<dist::RendezvousStore>(so, deadline);
   } catch (const std::exception& e) {
-    std::string m = compat::message_of(e);
+    std::string m = util::message_of(e);
     if (o_.node_rank == 0) throw std::runtime_error("node 0 cannot reach its own control store: " + m);
     if (m.find("did not present the job's secret") != std::string::npos)
       m = "it closed the connection without accepting this node's secret (--rdzv-secret-file must hold the same "
@@ -244,9 +244,9 @@ std::optional<Verdict> NodeControl::fail_store(int attempt, const std::exception
   v.kind = o_.node_rank == 0 ? Verdict::Stopped : Verdict::Lost;
   v.node = 0;
   if (o_.node_rank == 0) {
-    v.cause = "the process serving the job's control store ended (" + one_line(compat::message_of(e)) + ")";
+    v.cause = "the process serving the job's control store ended (" + one_line(util::message_of(e)) + ")";
   } else {
-    std::string m = compat::message_of(e);
+    std::string m = util::message_of(e);
     bool closed = m.find("closed the connection") != std::string::npos || m.find("cannot write") != std::string::npos;
     v.cause = "the job's control store, which " + store_where() + " serves, " +
               (closed ? std::string("closed the connection: that launcher has ended")

@@ -27,6 +27,7 @@
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
 #include "engine/util/startup.hpp"
+#include "engine/util/text.hpp"
 
 namespace {
 
@@ -87,7 +88,7 @@ int run_rank(const RankRun& run) {
     // Modules built from here on (pt.nn, pt.models) put their parameters on this rank's device.
     partrain::nn::set_parameter_options(torch::TensorOptions().device(partrain::dist::World::instance().device()));
   } catch (const std::exception& e) {
-    return rank_fail(where + partrain::compat::message_of(e));
+    return rank_fail(where + partrain::util::message_of(e));
   }
 
   try {
@@ -117,7 +118,7 @@ int run_rank(const RankRun& run) {
     partrain::dist::World::instance().shutdown();  // wait for the others before leaving
     partrain::util::startup_mark("world shut down");
   } catch (const std::exception& e) {
-    return rank_fail(where + partrain::compat::message_of(e));
+    return rank_fail(where + partrain::util::message_of(e));
   }
   return 0;
 }
@@ -164,8 +165,8 @@ int run_main(int argc, char** argv) {
                "  partrain parity A B [--tol T]                  do two runs' losses agree? (partrain parity --help)\n"
                "\n  plan, ckpt, report, parity and repl are always these commands; a script of that name runs as ./plan\n",
                "partrain"};
-  app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (LibTorch " +
-                                        partrain::compat::torch_version() + ", LuaJIT)");
+  app.set_version_flag("--version", std::string("partrain ") + PARTRAIN_VERSION + " (" +
+                                        partrain::compat::build_description() + ", LuaJIT)");
   std::vector<std::string> chunks;
   std::string threads_text, timeout_text, nproc_text, nnodes_text, node_rank_text, port_text;
   std::string script;
@@ -407,7 +408,7 @@ int run_main(int argc, char** argv) {
       setenv("PARTRAIN_METRICS", metrics_file.c_str(), 1);  // every rank inherits it; rank 0 writes
     }
   } catch (const std::exception& e) {
-    return fail(partrain::compat::message_of(e));
+    return fail(partrain::util::message_of(e));
   }
   // --device (or PARTRAIN_DEVICE, which it sets): checked once here, before any rank starts;
   // every rank inherits it and resolves its own.
@@ -421,7 +422,7 @@ int run_main(int argc, char** argv) {
       if (nproc > 0) partrain::dist::check_device_spec(device);
       else partrain::dist::resolve_device(device, 0);
     } catch (const std::exception& e) {
-      return fail(name + ": " + partrain::compat::message_of(e));
+      return fail(name + ": " + partrain::util::message_of(e));
     }
     setenv("PARTRAIN_DEVICE", device.c_str(), 1);
   }
@@ -475,7 +476,7 @@ int run_main(int argc, char** argv) {
         return 0;
       });
     } catch (const std::exception& e) {
-      return fail(partrain::compat::message_of(e));
+      return fail(partrain::util::message_of(e));
     }
   }
   return run_rank(run);

@@ -22,8 +22,8 @@
 #include "app/metrics.hpp"
 #include "app/report.hpp"
 #include "app/tools.hpp"
-#include "engine/compat.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 extern char** environ;
 
@@ -408,7 +408,7 @@ int run_parity(int argc, char** argv, int first) {
     return status;
   } catch (const std::exception& e) {
     scratch.keep = !scratch.dir.empty();
-    return say(kUsage, compat::message_of(e));
+    return say(kUsage, util::message_of(e));
   }
 }
 

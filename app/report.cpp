@@ -15,8 +15,8 @@
 #include <c10/util/Exception.h>
 
 #include "app/tools.hpp"
-#include "engine/compat.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::app {
 
@@ -596,7 +596,7 @@ int run_report(int argc, char** argv, int first) {
               << (options.trace_path.empty() ? "" : ", the timeline of " + options.trace_path) << ")" << std::endl;
     return 0;
   } catch (const std::exception& e) {
-    return fail(compat::message_of(e));
+    return fail(util::message_of(e));
   }
 }
 

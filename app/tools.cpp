@@ -19,11 +19,11 @@
 
 #include "bindings/host.hpp"
 #include "engine/ckpt/ckpt.hpp"
-#include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/models/registry.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::app {
 
@@ -164,7 +164,7 @@ int run_plan(int argc, char** argv, int first) {
     // planning: at --world 65536 planning takes minutes.
     if (!save.empty()) plan::check_save(save);
   } catch (const std::exception& e) {
-    return fail("plan: " + compat::message_of(e));
+    return fail("plan: " + util::message_of(e));
   }
   std::string script = rest[0];
   std::vector<std::string> script_args(rest.begin() + 1, rest.end());
@@ -203,7 +203,7 @@ int run_plan(int argc, char** argv, int first) {
       }
       partrain::dist::World::instance().shutdown();
     } catch (const std::exception& e) {
-      return fail(where + partrain::compat::message_of(e));
+      return fail(where + partrain::util::message_of(e));
     }
   }
   plan::Plan result = plan::recorded();
@@ -217,7 +217,7 @@ int run_plan(int argc, char** argv, int first) {
     try {
       plan::save(result, save);
     } catch (const std::exception& e) {
-      return fail("plan: " + partrain::compat::message_of(e));
+      return fail("plan: " + partrain::util::message_of(e));
     }
     std::cerr << "partrain: plan saved to " << save << " (check a run against it: partrain --plan " << save
               << " ...)" << std::endl;
@@ -401,7 +401,7 @@ int run_ckpt(int argc, char** argv, int first) {
               << " x data " << data << " x pipeline " << pipeline << std::endl;
     return 0;
   } catch (const std::exception& e) {
-    return fail("ckpt: " + compat::message_of(e));
+    return fail("ckpt: " + util::message_of(e));
   }
 }
 

@@ -14,7 +14,6 @@
 
 #include "bindings/lua.hpp"
 #include "engine/ckpt/ckpt.hpp"
-#include "engine/compat.hpp"
 #include "engine/data/data.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/models/registry.hpp"
@@ -22,6 +21,7 @@
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::lua {
 
@@ -346,7 +346,7 @@ const Function kCkpt[] = {
        try {
          parallel::load_full_state_dict(*m, state, /*strict=*/true);  // any other unknown or missing name fails
        } catch (const std::exception& e) {
-         throw std::runtime_error("importing '" + path + "': " + compat::message_of(e));
+         throw std::runtime_error("importing '" + path + "': " + util::message_of(e));
        }
        return a.ret(); }},
     {nullptr, nullptr}};

@@ -22,17 +22,17 @@
 #include <thread>
 
 #include "bindings/lua.hpp"
-#include "engine/compat.hpp"
 #include "engine/dist/ledger.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::lua {
 
-std::string message_of(const std::exception& e) { return compat::message_of(e); }
+std::string message_of(const std::exception& e) { return util::message_of(e); }
 
 // ---- Args ----------------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@
 
 #include <torch/torch.h>
 
-#include "engine/compat.hpp"
 #include "engine/nn/module.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::dist {
 class Mesh;
@@ -329,6 +329,6 @@ void push_module(lua_State* L, const std::shared_ptr<nn::Module>& m);
 /// Parses a dtype name ("float32", "float", "int64", "long", "bool", ...); throws on others.
 c10::ScalarType parse_dtype(const std::string& name);
 bool is_dtype_name(const std::string& name);
-using compat::dtype_name;
+using util::dtype_name;
 
 }  // namespace partrain::lua

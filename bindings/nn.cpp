@@ -379,13 +379,7 @@ const Function kMethods[] = {
          }
        }
        if (is_dtype_name(s)) {
-         auto dtype = parse_dtype(s);
-         for (const auto& p : m->parameters())  // float16 where LibTorch has no kernels for it: refused here
-           if (p.defined() && p.is_floating_point() && at::isFloatingType(dtype)) {
-             nn::check_compute_dtype(dtype, p.device());
-             break;
-           }
-         m->to(dtype);
+         m->to(parse_dtype(s));
        } else {
          m->to(torch::Device(s));
        }

@@ -6,7 +6,6 @@
 #include <unordered_map>
 
 #include "bindings/lua.hpp"
-#include "engine/compat.hpp"
 #include "engine/models/models.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
@@ -14,6 +13,7 @@
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/parallel/zero.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::lua {
 
@@ -56,7 +56,7 @@ optim::LossScaleOptions read_loss_scale(Args& a, Options& t, const std::string& 
   try {
     optim::validate(o);
   } catch (const std::exception& e) {
-    throw std::invalid_argument(kind + ": " + compat::message_of(e));
+    throw std::invalid_argument(kind + ": " + util::message_of(e));
   }
   return o;
 }

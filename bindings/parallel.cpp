@@ -13,6 +13,7 @@
 #include "engine/parallel/probe.hpp"
 #include "engine/nn/functional.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::lua {
 
@@ -46,7 +47,7 @@ double mib(Options& o, const char* key, double fallback, const char* what) {
   if (!(x > 0) || !std::isfinite(x)) {
     std::ostringstream s;
     s << what << key << " must be a finite number > 0 (MiB), got " << x;
-    throw std::invalid_argument(compat::unsigned_nan(s.str()));
+    throw std::invalid_argument(util::unsigned_nan(s.str()));
   }
   return x;
 }

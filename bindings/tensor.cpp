@@ -14,6 +14,7 @@
 #include "engine/dist/world.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::lua {
 
@@ -305,7 +306,7 @@ const Function kMethods[] = {
     {"allclose", [](Args& a) { return a.ret(T(1).allclose(T(2), a.number(3, 1e-5), a.number(4, 1e-8))); }},
     // activations
     {"relu", [](Args& a) { return a.ret(T(1).relu()); }},
-    {"gelu", [](Args& a) { return a.ret(a.string(2, "none") == "tanh" ? compat::gelu_tanh(T(1)) : at::gelu(T(1))); }},
+    {"gelu", [](Args& a) { return a.ret(a.string(2, "none") == "tanh" ? at::gelu(T(1), "tanh") : at::gelu(T(1))); }},
     {"tanh", [](Args& a) { return a.ret(T(1).tanh()); }},
     {"sigmoid", [](Args& a) { return a.ret(T(1).sigmoid()); }},
     {"silu", [](Args& a) { return a.ret(at::silu(T(1))); }},
@@ -352,7 +353,7 @@ const Function kMeta[] = {
        std::string text = body.str();
        auto last = text.rfind("\n[");
        if (last != std::string::npos) text.resize(last);
-       return a.ret(s.str() + "\n" + compat::unsigned_nan(text)); }},
+       return a.ret(s.str() + "\n" + util::unsigned_nan(text)); }},
     // Fields that are not methods: shape, dtype, device, grad, requires_grad, is_leaf.
     {"__field", [](Args& a) {
        const Tensor& t = T(1);

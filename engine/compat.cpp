@@ -1,12 +1,9 @@
-// The bodies behind compat.hpp: what differs between the LibTorch versions partrain builds
-// against, in one file.
+// The bodies behind compat.hpp: what differs between a CPU build and a CUDA one, in one file.
 #include <atomic>
 #include <cstdlib>
-#include <map>
 #include <mutex>
 
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
+#include <torch/version.h>
 
 #define PARTRAIN_COMPAT_C10D  // make_c10d_group is defined here
 #include "engine/compat.hpp"
@@ -16,70 +13,30 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>  // CUDA_VERSION
+#endif
+#ifdef PARTRAIN_WITH_NCCL
+#include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #endif
 
 namespace partrain::compat {
-
-std::string dtype_name(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat: return "float32";
-    case c10::kDouble: return "float64";
-    case c10::kHalf: return "float16";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kLong: return "int64";
-    case c10::kInt: return "int32";
-    case c10::kShort: return "int16";
-    case c10::kChar: return "int8";
-    case c10::kByte: return "uint8";
-    case c10::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
 
 std::string torch_version() {
   return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
          std::to_string(TORCH_VERSION_PATCH);
 }
 
-torch::Tensor gelu_tanh(const torch::Tensor& x) { return at::gelu(x, "tanh"); }
-
-std::string missing_kernels(torch::ScalarType dtype, const torch::Device& device) {
-  if (device.is_meta() || !at::isFloatingType(dtype)) return "";
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, std::string> probed;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto key = std::make_pair(static_cast<int>(dtype), static_cast<int>(device.type()));
-  if (auto it = probed.find(key); it != probed.end()) return it->second;
-  torch::AutoGradMode grad(true);
-  auto o = torch::TensorOptions().dtype(dtype).device(device);
-  std::string missing;
-  auto probe = [&](const char* name, const std::function<torch::Tensor(const torch::Tensor&)>& fn) {
-    try {
-      auto x = torch::ones({2, 4}, o).requires_grad_(true);
-      fn(x).sum().backward();
-    } catch (const std::exception&) {
-      missing += (missing.empty() ? "" : ", ") + std::string(name);
-    }
-  };
-  probe("matmul (addmm)", [&](const torch::Tensor& x) { return at::addmm(torch::ones({2, 2}, o), x, x.t()); });
-  probe("layer_norm", [](const torch::Tensor& x) { return at::layer_norm(x, {4}); });
-  probe("softmax", [](const torch::Tensor& x) { return x.softmax(-1); });
-  probe("log_softmax", [](const torch::Tensor& x) { return x.log_softmax(-1); });
-  probe("gelu", [](const torch::Tensor& x) { return gelu_tanh(x); });
-  probe("relu", [](const torch::Tensor& x) { return x.relu(); });
-  probe("tanh", [](const torch::Tensor& x) { return x.tanh(); });
-  probe("dropout", [](const torch::Tensor& x) { return at::dropout(x, 0.5, true); });
-  return probed[key] = missing;
-}
-
-torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                     double dropout) {
-#if PARTRAIN_TORCH_AT_LEAST(2, 0)
-  return at::scaled_dot_product_attention(q, k, v, {}, dropout, /*is_causal=*/true);
+std::string build_description() {
+  std::string text = "LibTorch " + torch_version();
+#ifdef PARTRAIN_WITH_CUDA
+  text += ", CUDA " + std::to_string(CUDA_VERSION / 1000) + "." + std::to_string(CUDA_VERSION % 1000 / 10);
 #else
-  (void)q, (void)k, (void)v, (void)dropout;
-  TORCH_CHECK(false, "fused attention needs LibTorch 2.0 or later; this is ", torch_version());
+  text += ", CPU only";
 #endif
+#ifdef PARTRAIN_WITH_NCCL
+  text += ", NCCL " + c10d::getNcclVersion();
+#endif
+  return text;
 }
 
 namespace {
@@ -198,67 +155,6 @@ torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device) 
   // pin_memory() copies into the caching host allocator's page-locked blocks, which record the
   // copy's stream: a block is reused only after the copy out of it has finished.
   return host.pin_memory().to(device, /*non_blocking=*/true);
-}
-
-void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                 const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
-                 const std::vector<torch::Tensor>& steps, double lr, double beta1, double beta2,
-                 double weight_decay, double eps) {
-#if PARTRAIN_TORCH_AT_LEAST(2, 1) && defined(PARTRAIN_WITH_CUDA)
-  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
-                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
-#else
-  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)steps;
-  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps;
-  TORCH_CHECK(false, "fused AdamW needs LibTorch 2.1 or later built with CUDA; this is ", torch_version(),
-              kBuiltWithCuda ? "" : " without CUDA");
-#endif
-}
-
-std::string unsigned_nan(std::string text) {
-  auto before = [](char c) {
-    return c == ' ' || c == '(' || c == '[' || c == '{' || c == ',' || c == '=' || c == ':' || c == '\n';
-  };
-  auto after = [](char c) {
-    return c == ' ' || c == ')' || c == ']' || c == '}' || c == ',' || c == ';' || c == ':' || c == '\n';
-  };
-  for (size_t at = text.find("-nan"); at != std::string::npos; at = text.find("-nan", at + 1)) {
-    const size_t end = at + 4;
-    if ((at == 0 || before(text[at - 1])) && (end == text.size() || after(text[end]) ||
-                                              (text[end] == '.' && (end + 1 == text.size() || text[end + 1] == ' '))))
-      text.erase(at, 1);
-  }
-  return text;
-}
-
-std::string message_of(const std::exception& e) {
-  if (auto* c10 = dynamic_cast<const c10::Error*>(&e)) return unsigned_nan(c10->what_without_backtrace());
-  return unsigned_nan(e.what());
-}
-
-// ---- Autograd hooks ------------------------------------------------------------------------
-
-namespace {
-struct LambdaPostHook : torch::autograd::FunctionPostHook {
-  explicit LambdaPostHook(std::function<void()> fn) : fn(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    fn();
-    return outputs;
-  }
-  std::function<void()> fn;
-};
-}  // namespace
-
-std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const torch::Tensor& param, std::function<void()> fn) {
-  auto accumulator = torch::autograd::impl::grad_accumulator(param);
-  TORCH_CHECK(accumulator, "a gradient hook needs a leaf tensor that requires grad");
-  accumulator->add_post_hook(std::make_unique<LambdaPostHook>(std::move(fn)));
-  return accumulator;
-}
-
-void at_end_of_backward(std::function<void()> fn) {
-  torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
 }
 
 // ---- c10d ----------------------------------------------------------------------------------

@@ -1,71 +1,28 @@
-// Differences between the LibTorch versions partrain builds against (Debian's 1.13 on CPU, the
-// 2.x that ships with CUDA wheels), kept in this one header so the rest of the code is version-free.
+// What differs between a CPU build of partrain and a CUDA one (a CUDA LibTorch with the CUDA
+// toolkit: PARTRAIN_WITH_CUDA), kept in this one header so the rest of the code is free of #ifdefs.
 #pragma once
 
-#include <sstream>
 #include <string>
-#include <type_traits>
 
 #include <torch/torch.h>
-#include <torch/version.h>
-
-#define PARTRAIN_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace partrain::compat {
 
 /// The LibTorch version as "major.minor.patch".
 std::string torch_version();
 
-/// The name partrain gives a dtype in messages and in Lua ("float32", "bfloat16", "int64", ...),
-/// the same whichever name LibTorch's version prints for it.
-std::string dtype_name(c10::ScalarType t);
+/// What this build is, for --version: "LibTorch 2.11.0, CUDA 13.0, NCCL 2.28.9" in a CUDA build
+/// (NCCL's version as the library linked reports it), "LibTorch 2.11.0, CPU only" otherwise.
+std::string build_description();
 
-/// GELU with the tanh approximation (GPT-2's). The option's spelling is the same in 1.13 and 2.x,
-/// but keeping the call here lets a future rename stay in one place.
-torch::Tensor gelu_tanh(const torch::Tensor& x);
-
-/// Whether this LibTorch has a fused attention kernel (scaled_dot_product_attention: flash and
-/// memory-efficient attention on CUDA). 1.13 has none.
-constexpr bool kHasFusedAttention = PARTRAIN_TORCH_AT_LEAST(2, 0);
-
-/// Causal softmax(q k^T / sqrt(d)) v in one fused call, q, k, v (B, heads, T, d). Only where
-/// kHasFusedAttention; callers compute the same math in steps otherwise.
-torch::Tensor fused_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                     double dropout);
-
-/// The key of a parameter in torch::optim::Optimizer::state(): the TensorImpl's address printed
-/// in LibTorch 1.x, the address itself in 2.x. (A template so the branch not taken is never
-/// compiled.)
-template <class T = torch::Tensor>
-inline auto optimizer_state_key(const T& param) {
-  using Key = typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream s;
-    s << param.unsafeGetTensorImpl();
-    return s.str();
-  } else {
-    return static_cast<Key>(param.unsafeGetTensorImpl());
-  }
-}
-
-/// The kernels a model computing in `dtype` on `device` needs (matmul, layer_norm, softmax,
-/// log_softmax, gelu, relu, tanh, dropout, forward and backward) that this LibTorch lacks there,
-/// as a comma-separated list; empty when all are present. Probed once per (dtype, device type) on
-/// tiny tensors: LibTorch 1.13's CPU kernels lack most of them in float16 (2.x added some).
-std::string missing_kernels(torch::ScalarType dtype, const torch::Device& device);
-
-/// Whether this partrain was built against a CUDA LibTorch (PARTRAIN_WITH_CUDA, set by
-/// CMakeLists.txt): only then does it call into libc10_cuda and libtorch_cuda. Debian's CPU
-/// LibTorch ships their headers but not the libraries.
+/// Whether this is a CUDA build (PARTRAIN_WITH_CUDA, set by cmake/torch.cmake where the LibTorch
+/// is a CUDA one and the CUDA toolkit is present): only then does it call into libc10_cuda and
+/// libtorch_cuda, and have NCCL.
 #ifdef PARTRAIN_WITH_CUDA
 constexpr bool kBuiltWithCuda = true;
 #else
 constexpr bool kBuiltWithCuda = false;
 #endif
-
-/// Whether this LibTorch has the fused AdamW kernel (at::_fused_adamw_, CUDA, LibTorch 2.1 on).
-constexpr bool kHasFusedAdamW = kBuiltWithCuda && PARTRAIN_TORCH_AT_LEAST(2, 1);
 
 /// Whether this LibTorch can reach a CUDA device at run time.
 bool cuda_available();
@@ -109,41 +66,11 @@ void set_cuda_rng_state(const torch::Device& device, const torch::Tensor& state)
 /// that read the batch); itself on the CPU.
 torch::Tensor to_device(const torch::Tensor& host, const torch::Device& device);
 
-/// One AdamW step over same-device, same-dtype lists, in LibTorch's fused CUDA kernel
-/// (_fused_adamw_): `step` is a float32 scalar on the device holding the step number after this
-/// one (1 on the first), as Adam's bias correction reads it. Only where kHasFusedAdamW.
-void fused_adamw(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
-                 const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
-                 const std::vector<torch::Tensor>& steps, double lr, double beta1, double beta2,
-                 double weight_decay, double eps);
-
-/// `text` with each "-nan" that stands alone as a number written "nan", as Lua writes a NaN: C++
-/// streams write one whose sign bit is set (0/0 makes one) "-nan", and a NaN has no sign to speak
-/// of. A name that holds "-nan" ("a-nan.txt", "'-nan'") is left as it is.
-std::string unsigned_nan(std::string text);
-
-/// An exception's message without LibTorch's C++ backtrace, a NaN in it written "nan" as Lua
-/// writes it (C++ streams write one with its sign bit set "-nan").
-std::string message_of(const std::exception& e);
-
-/// Calls `fn` each time autograd has accumulated a new gradient into the leaf `param`'s .grad
-/// (the hook DistributedDataParallel uses). Returns the accumulator node, which the caller must
-/// keep alive for the hook to stay installed.
-std::shared_ptr<torch::autograd::Node> on_grad_accumulated(const torch::Tensor& param, std::function<void()> fn);
-
-/// Runs `fn` once the backward pass now executing has finished (call from inside backward).
-void at_end_of_backward(std::function<void()> fn);
-
 }  // namespace partrain::compat
 
 // ---- c10d (only for the files that define PARTRAIN_COMPAT_C10D) -----------------------------
-// c10d::Store grew in 2.x: clone() (pure there), append, multiGet, multiSet, hasExtendedApi,
-// queuePush/queuePop/queueLen, listKeys. partrain's store (engine/dist/store.hpp) declares them
-// all in 2.x's exact signatures without `override`, so that they override where the base has
-// them and are plain methods in 1.13: the one class builds against both.
-// 1.13 has ProcessGroupGloo derive from ProcessGroup; 2.x makes it a Backend behind a
-// ProcessGroup. partrain talks to the backend object directly, whose collectives have the same
-// signatures in both.
+// partrain talks to c10d's backend objects (ProcessGroupGloo, ProcessGroupNCCL) directly, not
+// through a c10d::ProcessGroup: Gloo's everywhere, NCCL's only in a CUDA build.
 #ifdef PARTRAIN_COMPAT_C10D
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
@@ -156,11 +83,7 @@ void at_end_of_backward(std::function<void()> fn);
 
 namespace partrain::compat {
 
-#if PARTRAIN_TORCH_AT_LEAST(2, 0)
 using C10dGroup = c10d::Backend;
-#else
-using C10dGroup = c10d::ProcessGroup;
-#endif
 
 /// A c10d backend of `size` ranks rendezvousing through `store`. The Gloo device binds the
 /// interface GLOO_SOCKET_IFNAME names; else loopback when MASTER_ADDR is a loopback address (a

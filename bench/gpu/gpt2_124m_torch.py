@@ -1,14 +1,12 @@
 """GPT-2 124M in PyTorch eager, the twin of bench/gpu/gpt2_124m.lua: the same sizes, synthetic
 token ids, bfloat16 parameters with float32 master weights kept by hand (as partrain's optimizer
 keeps them: gradients cast into the masters, AdamW on the masters, the result cast back; no
-torch.autocast), AdamW fused where PyTorch has it for the device, scaled_dot_product_attention
-where PyTorch has it (2.x), no torch.compile. Prints the same line as the Lua side.
-Runs on PyTorch 1.13 (CPU) and 2.x (CUDA):
+torch.autocast), AdamW fused (CPU and CUDA, as partrain's "auto"), scaled_dot_product_attention,
+no torch.compile. Prints the same line as the Lua side. PyTorch 2.11 (scripts/setup's .venv):
   python3 bench/gpu/gpt2_124m_torch.py [--device cuda] [--batch 16] [--steps 30] [--warmup 5]
   python3 bench/gpu/gpt2_124m_torch.py --device cpu --tiny
 """
 import argparse
-import inspect
 import math
 import time
 
@@ -31,12 +29,7 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if hasattr(F, "scaled_dot_product_attention"):
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # PyTorch 1.13: the same math in steps
-            s = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            y = s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
 
     def forward(self, x):
@@ -97,11 +90,8 @@ def main():
     n = sum(p.numel() for p in params)
     low = dtype != torch.float32
     masters = [p.detach().float().clone().requires_grad_(True) for p in params] if low else params
-    # AdamW's fused kernel: PyTorch 2.x on CUDA ("auto" takes it there); 1.13's AdamW has no fused option.
-    can_fuse = on_cuda and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    if a.fused == "true" and not can_fuse:
-        raise SystemExit(f"--fused true: PyTorch {torch.__version__} has no fused AdamW on {device}")
-    fused = can_fuse and a.fused != "false"
+    # AdamW's fused kernel: on the CPU and CUDA ("auto" takes it, as partrain's does).
+    fused = a.fused != "false"
     extra = {"fused": True} if fused else {}
     opt = torch.optim.AdamW(masters, lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95), **extra)
     batches = []

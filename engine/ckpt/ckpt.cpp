@@ -34,6 +34,7 @@
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::ckpt {
 
@@ -115,7 +116,7 @@ void as_damage(Fn&& fn) {
   } catch (const Damaged&) {
     throw;
   } catch (const std::exception& e) {
-    throw Damaged(compat::message_of(e));
+    throw Damaged(util::message_of(e));
   }
 }
 
@@ -131,7 +132,7 @@ void together(const dist::GroupPtr& group, const std::string& what, const std::f
     error = e.what();
     damaged = true;
   } catch (const std::exception& e) {
-    error = compat::message_of(e);
+    error = util::message_of(e);
   }
   if (!dist::any_rank(group, !error.empty())) return;
   auto all = dist::all_gather_strings(group, error.empty() ? std::string() : (damaged ? "D" : "E") + error);
@@ -531,7 +532,7 @@ NewestState read_newest(const std::string& dir) {
   try {
     text = util::read_regular(path, "'newest' file", kMaxNewestBytes, util::Links::Refuse);
   } catch (const std::exception& e) {
-    s.problem = compat::message_of(e);
+    s.problem = util::message_of(e);
     return s;
   }
   auto bad = [&](const std::string& why) {
@@ -600,7 +601,7 @@ TagState tag_state(const std::string& dir, const std::string& name) {
       t.step = read_manifest(path).step;
       t.valid = true;
     } catch (const std::exception& e) {
-      t.problem = compat::message_of(e);
+      t.problem = util::message_of(e);
     }
   }
   return t;
@@ -1253,7 +1254,7 @@ std::vector<std::string> verify(const std::string& tag_dir) {
   try {
     m = read_manifest(tag_dir);
   } catch (const std::exception& e) {
-    problems.push_back(compat::message_of(e));
+    problems.push_back(util::message_of(e));
     return problems;
   }
   // Each data file read once, front to back: the pieces tile it (validate() made sure), so each
@@ -1270,7 +1271,7 @@ std::vector<std::string> verify(const std::string& tag_dir) {
     try {
       fd = open_data_file(tag_dir, f);
     } catch (const std::exception& e) {
-      problems.push_back(compat::message_of(e));
+      problems.push_back(util::message_of(e));
       continue;
     }
     auto& ps = by_file[i];
@@ -1585,7 +1586,7 @@ Loaded load_tag(const std::string& dir, const std::string& tag, State& state, co
         compat::set_cuda_rng_state(device, bytes_tensor(m.cuda_rng[rank]));
       } catch (const std::exception& e) {
         notes.push_back("rank " + std::to_string(rank) + "'s CUDA generator state was not restored (" +
-                        compat::message_of(e) + "): it keeps this run's");
+                        util::message_of(e) + "): it keeps this run's");
       }
     } else if (saved_cuda) {
       notes.push_back("the checkpoint holds CUDA generator states; this run computes on " + device.str() +

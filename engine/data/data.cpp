@@ -264,7 +264,7 @@ int64_t Text::size() const { return (tokens() - 1) / options.seq; }
 std::vector<Tensor> Text::batch(const std::vector<int64_t>& indices) const {
   const int64_t seq = options.seq, n = static_cast<int64_t>(indices.size());
   const int64_t width = width_of(options.dtype);
-  // uint16 travels as int16 (LibTorch 1.13 has no uint16): the bits, read back unsigned.
+  // uint16 travels as int16 (LibTorch's uint16 has few kernels): the bits, read back unsigned.
   auto storage = options.dtype == TextOptions::Storage::UInt8    ? torch::kUInt8
                  : options.dtype == TextOptions::Storage::UInt16 ? torch::kInt16
                                                                  : torch::kInt32;

@@ -1,5 +1,6 @@
 // Process groups over c10d, the world and its rendezvous, and the device mesh
 // (see process_group.hpp, world.hpp, mesh.hpp).
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "engine/compat.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/util/startup.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::dist {
 
@@ -246,7 +248,7 @@ void Work::wait() {
       wait_for(*work_, group_->timeout());
     } catch (const std::exception& e) {
       work_.reset();
-      std::string why = compat::message_of(e);
+      std::string why = util::message_of(e);
       const bool timed_out = why.find("timed out") != std::string::npos || why.find("Timed out") != std::string::npos;
       group_->ledger_set(ticket_, timed_out ? ledger::State::TimedOut : ledger::State::Failed);
       if (timed_out)
@@ -291,7 +293,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const GroupOptions& options, 
       group->impl_->group = compat::make_c10d_group(options.backend, prefixed, rank,
                                                     static_cast<int>(options.ranks.size()), options.timeout);
     } catch (const std::exception& e) {
-      group->fail("rendezvous", compat::message_of(e));
+      group->fail("rendezvous", util::message_of(e));
     }
     group->book_ = std::make_unique<ledger::Book>(options.name, group->store_prefix_, options.ranks, rank);
   }
@@ -308,7 +310,7 @@ void ProcessGroup::renew() {
     fresh = compat::make_c10d_group(options_.backend, c10::make_intrusive<c10d::PrefixStore>(prefix, store_), rank_,
                                     size(), options_.timeout);
   } catch (const std::exception& e) {
-    fail("rendezvous (renewing the group)", compat::message_of(e));
+    fail("rendezvous (renewing the group)", util::message_of(e));
   }
   retired->push_back(std::move(impl_->group));
   impl_->group = std::move(fresh);
@@ -350,7 +352,7 @@ Work ProcessGroup::run(const std::string& op, const std::function<c10::intrusive
     w = start(op, launch(), std::move(after), ticket);
   } catch (const std::exception& e) {
     ledger_set(ticket, ledger::State::Failed);
-    fail(op, compat::message_of(e));
+    fail(op, util::message_of(e));
   }
   if (!async) w.wait();
   return w;
@@ -409,7 +411,7 @@ int64_t ProcessGroup::verify(int op_code, const std::string& op, const Tensor& t
       wait_for(*w, options_.timeout);
       ledger_set(ticket, ledger::State::Started);
     } catch (const std::exception& e) {
-      std::string why = compat::message_of(e);
+      std::string why = util::message_of(e);
       ledger_set(ticket, why.find("imed out") != std::string::npos ? ledger::State::TimedOut : ledger::State::Failed);
       fail(op + " (checking that every rank calls it)", why);
     }
@@ -476,8 +478,8 @@ Work ProcessGroup::reduce(Tensor& t, ReduceOp op, bool async, const char* name) 
   const std::string label = scatter ? "reduce_scatter(" + to_string(op) + ")" : name;
   const int64_t ticket = verify(scatter ? 11 : 1 + static_cast<int>(op), label, t,
                                 scatter ? ledger::Op::ReduceScatter : ledger::Op::AllReduce, true, 0, 1 + static_cast<int>(op));
-  // What travels: Gloo has no bfloat16 reductions (LibTorch 1.13), so a bfloat16 tensor is summed
-  // as float32 and rounded once, written back when the collective completes.
+  // What travels: over Gloo a bfloat16 tensor is summed as float32 and rounded once, written back
+  // when the collective completes (Gloo's own bfloat16 sum would round at every step of its ring).
   Tensor wire = lacks_bfloat16(t, options_.backend) ? t.to(torch::kFloat32) : t;
   std::function<void()> after;
   const bool mean = op == ReduceOp::Mean && size() > 1;
@@ -848,11 +850,16 @@ int device_index_of(const std::string& spec, int local_rank) {
 
 void check_device_spec(const std::string& spec) {
   int index = device_index_of(spec, 0);
+  if (index < 0) return;
 #ifndef PARTRAIN_WITH_CUDA
   // A CPU LibTorch answers without a CUDA runtime to start: a cuda device is refused now.
-  if (index >= 0) resolve_device(spec, 0);
+  resolve_device(spec, 0);
 #else
-  (void)index;  // the ranks check the index against the devices present
+  // Asking the CUDA runtime would start it in the launcher; the driver's control device tells
+  // whether there can be a GPU at all. Where it is, the ranks check the index against the devices.
+  struct stat st {};
+  TORCH_CHECK(::stat("/dev/nvidiactl", &st) == 0, "device '", spec, "' needs CUDA, but this machine has no NVIDIA ",
+              "GPU driver (no /dev/nvidiactl; use --device cpu)");
 #endif
 }
 
@@ -963,7 +970,7 @@ void World::init(const WorldOptions& options) {
       store_ = c10::make_intrusive<RendezvousStore>(so, deadline);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rendezvous at ", where, (options.rank == 0 ? " (serving it)" : ""),
-                  " failed: ", compat::message_of(e),
+                  " failed: ", util::message_of(e),
                   options.rank == 0 ? std::string()
                                     : " (rank 0 serves the rendezvous: it never started serving it within the timeout, "
                                       "or the address is wrong)");
@@ -984,7 +991,7 @@ void World::init(const WorldOptions& options) {
       }
       TORCH_CHECK(false, "rendezvous at ", where, " failed: ",
                   missing.second == 0
-                      ? compat::message_of(e) + (options.rank == 0 ? "" : " (rank 0, which serves the "
+                      ? util::message_of(e) + (options.rank == 0 ? "" : " (rank 0, which serves the "
                                                  "rendezvous, is gone: its error says which ranks never arrived)")
                       : missing.first + (missing.second == 1 ? " has" : " have") + " not arrived within the timeout of " +
                                         std::to_string(options.timeout.count() / 1000) + " s (world of " +

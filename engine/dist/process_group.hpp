@@ -15,9 +15,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/torch.h>
 
-#include "engine/compat.hpp"
 
 #include "engine/dist/ledger.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::dist {
 
@@ -28,7 +28,7 @@ using torch::Tensor;
 enum class ReduceOp { Sum, Mean, Min, Max, Product };
 ReduceOp parse_reduce_op(const std::string& name);  // "sum", "mean", "avg", "min", "max", "product"
 std::string to_string(ReduceOp op);
-using compat::dtype_name;
+using util::dtype_name;
 
 class ProcessGroup;
 

@@ -1,7 +1,7 @@
 // The rendezvous store: a small key-value server over TCP that binds one address (loopback for a
 // run on one machine) and serves only connections that first present the job's secret, and its
 // client, a c10d::Store that ProcessGroupGloo (and the REPL, and the world's arrivals) use.
-// LibTorch 1.13's TCPStore can neither bind one address nor check a secret.
+// c10d's TCPStore can neither bind one address nor check a secret.
 #pragma once
 
 #include <chrono>
@@ -69,7 +69,7 @@ class RendezvousStore : public c10d::Store {
   RendezvousStore(const StoreOptions& options, std::chrono::steady_clock::time_point deadline);
   ~RendezvousStore() override;
 
-  // c10d::Store in LibTorch 1.13 and 2.x alike.
+  // c10d::Store's interface.
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
   std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
                                   const std::vector<uint8_t>& desired) override;

@@ -5,7 +5,6 @@
 #include <limits>
 #include <sstream>
 
-#include "engine/compat.hpp"
 #include "engine/models/generate.hpp"
 #include "engine/models/registry.hpp"
 #include "engine/models/transformer.hpp"
@@ -96,8 +95,8 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   // Heads split over a tensor group drop with the mask the whole model's heads would have; the
   // fused kernel draws its own, the same on every rank, so it is left to unsplit heads then.
   const auto [parts, part] = heads_part(c_attn);
-  if (flash_attention && compat::kHasFusedAttention && (p == 0 || parts == 1)) {
-    auto y = compat::fused_causal_attention(q, k, v, p).transpose(1, 2).reshape({B, T, width});
+  if (flash_attention && (p == 0 || parts == 1)) {
+    auto y = at::scaled_dot_product_attention(q, k, v, {}, p, /*is_causal=*/true).transpose(1, 2).reshape({B, T, width});
     return project(y);
   }
   auto scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, heads, T, T)
@@ -143,7 +142,7 @@ Gpt2Mlp::Gpt2Mlp(const Gpt2Options& o) : nn::Unary("GPT2MLP"), dropout(o.dropout
 }
 
 Tensor Gpt2Mlp::forward(const Tensor& x) {
-  auto h = compat::gelu_tanh(child("c_fc")->forward({x}));  // (B, T, 4 dim)
+  auto h = at::gelu(child("c_fc")->forward({x}), "tanh");  // (B, T, 4 dim)
   const auto [parts, part] = sequence_part(*child("c_proj"));  // sequence-parallel: this rank's positions
   return nn::dropout_part(child("c_proj")->forward({h}), dropout, is_training(), 1, parts, part);
 }

@@ -4,7 +4,6 @@
 #include <sstream>
 #include <tuple>
 
-#include "engine/compat.hpp"
 #include "engine/models/generate.hpp"
 #include "engine/models/registry.hpp"
 #include "engine/models/transformer.hpp"
@@ -83,11 +82,11 @@ Tensor LlamaAttention::forward(const Tensor& x) {
     auto y = nn::scaled_dot_product_attention(q, k, v, a);
     return child("o_proj")->forward({y.transpose(1, 2).reshape({B, T, heads * hd})});
   }
-  // The fused kernel where asked for and present; the same math in steps otherwise.
-  auto y = flash_attention && compat::kHasFusedAttention
-               ? compat::fused_causal_attention(q, k.repeat_interleave(heads / kv_heads, 1),
-                                                v.repeat_interleave(heads / kv_heads, 1), 0.0)
-               : nn::scaled_dot_product_attention(q, k, v, a);
+  // The fused kernel where asked for; the same math in steps otherwise.
+  auto y = flash_attention ? at::scaled_dot_product_attention(q, k.repeat_interleave(heads / kv_heads, 1),
+                                                              v.repeat_interleave(heads / kv_heads, 1), {}, 0.0,
+                                                              /*is_causal=*/true)
+                           : nn::scaled_dot_product_attention(q, k, v, a);
   return child("o_proj")->forward({y.transpose(1, 2).reshape({B, T, heads * hd})});
 }
 

@@ -3,7 +3,6 @@
 
 #include <cmath>
 
-#include "engine/compat.hpp"
 
 namespace partrain::nn {
 
@@ -57,9 +56,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const int64_t T = q.size(2), S = k.size(2);
   const double dropout = o.training ? o.dropout : 0.0;
   const double default_scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  if (compat::kHasFusedAttention && o.causal && !o.mask.defined() && T == S &&
-      (!o.scale || *o.scale == default_scale))
-    return compat::fused_causal_attention(q, kk, vv, dropout);
+  if (o.causal && !o.mask.defined() && T == S && (!o.scale || *o.scale == default_scale))
+    return at::scaled_dot_product_attention(q, kk, vv, {}, dropout, /*is_causal=*/true);
   auto scores = q.matmul(kk.transpose(-2, -1)) * o.scale.value_or(default_scale);
   if (o.causal) {
     TORCH_CHECK(T <= S, "scaled_dot_product_attention: causal attention of ", T, " queries over ", S,

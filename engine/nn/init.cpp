@@ -3,7 +3,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "engine/compat.hpp"
 #include "engine/util/memory.hpp"
 
 #include <cstdio>
@@ -42,13 +41,6 @@ torch::ScalarType model_dtype(const std::string& name) {
   if (name == "bfloat16") return torch::kBFloat16;
   if (name == "float16") return torch::kFloat16;
   TORCH_CHECK(false, "dtype '", name, "' is not a model dtype (expected float32, float64, bfloat16 or float16)");
-}
-
-void check_compute_dtype(torch::ScalarType dtype, const torch::Device& device) {
-  auto missing = compat::missing_kernels(dtype, device);
-  TORCH_CHECK(missing.empty(), "a ", c10::toString(dtype), " model cannot compute on ", device.str(), ": LibTorch ",
-              compat::torch_version(), " has no ", c10::toString(dtype), " kernels there for ", missing,
-              device.is_cpu() ? " (on the CPU use bfloat16 or float32; float16 needs a CUDA device)" : "");
 }
 
 ModulePtr build_initialized(const std::function<ModulePtr()>& build, c10::optional<torch::ScalarType> dtype) {
@@ -141,10 +133,7 @@ void materialize(Module& root, torch::Device device, const std::function<Tensor(
                             : initial_tensor(root, name, t.sizes(), *m, local).to(device, t.scalar_type());
         TORCH_CHECK(value.sizes().equals(t.sizes()), "materialize: '", name, "' came out ", value.sizes(),
                     ", the model holds ", t.sizes());
-        if (parameter) {
-          if (value.is_floating_point()) check_compute_dtype(value.scalar_type(), value.device());
-          value = value.detach().requires_grad_(t.requires_grad());
-        }
+        if (parameter) value = value.detach().requires_grad_(t.requires_grad());
         it = done.emplace(t.unsafeGetTensorImpl(), value).first;
       }
       m->replace_tensor(local, it->second);

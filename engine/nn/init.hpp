@@ -23,10 +23,6 @@ ModulePtr build_initialized(const std::function<ModulePtr()>& build,
 /// anything else is an error naming the value.
 torch::ScalarType model_dtype(const std::string& name);
 
-/// Refuses a model whose parameters and compute are in `dtype` on `device` where this LibTorch
-/// lacks kernels its layers need (float16 on LibTorch 1.13's CPU), naming the missing kernels.
-void check_compute_dtype(torch::ScalarType dtype, const torch::Device& device);
-
 /// Draws a base seed from the global generator (pt.manual_seed fixes it) and gives it to `root`.
 void draw_init_seed(Module& root);
 

@@ -4,9 +4,9 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "engine/compat.hpp"
 #include "engine/nn/functional.hpp"
 #include "engine/nn/layers.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::nn {
 
@@ -395,7 +395,7 @@ Tensor Linear::forward(const Tensor& x) {
   const auto& w = weight();
   refuse_meta(w, x, "Linear(" + std::to_string(options.in) + ", " + std::to_string(options.out) + ")");
   if (x.scalar_type() != w.scalar_type()) {
-    const auto held = compat::dtype_name(w.scalar_type()), given = compat::dtype_name(x.scalar_type());
+    const auto held = util::dtype_name(w.scalar_type()), given = util::dtype_name(x.scalar_type());
     TORCH_CHECK(false, "Linear(", options.in, ", ", options.out, ") holds ", held, " weights; its input is ", given,
                 ": convert the input (x:to(\"", held, "\"))",
                 x.is_floating_point() ? " or the model (model:to(\"" + given + "\"))" : std::string());
@@ -440,7 +440,7 @@ void Embedding::reset_tensor(const std::string& name, Tensor& t, at::Generator& 
 Tensor Embedding::forward(const Tensor& ids) {
   refuse_meta(weight(), ids, "Embedding(" + std::to_string(options.count) + ", " + std::to_string(options.dim) + ")");
   TORCH_CHECK(!ids.is_floating_point() && ids.scalar_type() != torch::kBool, "Embedding expects integer ids, got ",
-              compat::dtype_name(ids.scalar_type()));
+              util::dtype_name(ids.scalar_type()));
   // On the CPU, where reading them costs little, ids out of range are named (LibTorch says "index
   // out of range in self"). On a GPU that read would stop the stream at every lookup; the model
   // families and train_step's batch check read them once a step instead.
@@ -585,7 +585,7 @@ bool Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
   const bool takes = in && in->width > 0 && in->parts == 1;  // the input's width, whole
   if (takes)
     TORCH_CHECK(x.is_floating_point() && x.dim() >= 2 && x.size(-1) == in->width, type(), " takes inputs (batch, ..., ",
-                in->width, ") of floating point numbers, got ", x.sizes(), " ", compat::dtype_name(x.scalar_type()));
+                in->width, ") of floating point numbers, got ", x.sizes(), " ", util::dtype_name(x.scalar_type()));
   if (!out || out->width <= 0 || out->parts != 1) return false;  // split outputs: the loss checks its own
   const int64_t width = out->width;
   auto rows = takes ? x.sizes().slice(0, x.dim() - 1).vec() : std::vector<int64_t>{};
@@ -597,12 +597,12 @@ bool Sequential::check_batch(const Tensor& x, const Tensor& y, const std::string
     else shape << "(..., " << width << ")";
     TORCH_CHECK(y.is_floating_point() && (takes ? y.sizes().vec() == want : y.dim() >= 1 && y.size(-1) == width),
                 "train_step: loss mse compares ", type(), "'s outputs ", shape.str(),
-                " with floating targets of that shape, got ", y.sizes(), " ", compat::dtype_name(y.scalar_type()));
+                " with floating targets of that shape, got ", y.sizes(), " ", util::dtype_name(y.scalar_type()));
     return false;
   }
   if (loss != "cross_entropy") return false;  // train_step refuses an unknown loss itself
   TORCH_CHECK(!y.is_floating_point() && !y.is_complex() && y.scalar_type() != torch::kBool,
-              "train_step: cross_entropy expects integer class ids as targets, got ", compat::dtype_name(y.scalar_type()));
+              "train_step: cross_entropy expects integer class ids as targets, got ", util::dtype_name(y.scalar_type()));
   if (takes)
     TORCH_CHECK(y.sizes().vec() == rows, "train_step: ", type(), " gives ", width, " class scores for each of the ",
                 "input's ", c10::IntArrayRef(rows), " rows, so its targets must have that shape, got ", y.sizes());
@@ -620,7 +620,7 @@ ModulePtr make_activation(const std::string& name, int64_t dim) {
   Fn fn;
   if (name == "ReLU") fn = [](const Tensor& x) { return at::relu(x); };
   else if (name == "GELU") fn = [](const Tensor& x) { return at::gelu(x); };
-  else if (name == "GELUTanh") fn = [](const Tensor& x) { return compat::gelu_tanh(x); };
+  else if (name == "GELUTanh") fn = [](const Tensor& x) { return at::gelu(x, "tanh"); };
   else if (name == "Tanh") fn = [](const Tensor& x) { return at::tanh(x); };
   else if (name == "Sigmoid") fn = [](const Tensor& x) { return at::sigmoid(x); };
   else if (name == "SiLU") fn = [](const Tensor& x) { return at::silu(x); };
@@ -653,7 +653,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, int64_t ignore
               "cross_entropy expects logits (..., C) and targets (...), got ", logits.sizes(),
               " and ", targets.sizes());
   TORCH_CHECK(!targets.is_floating_point() && targets.scalar_type() != torch::kBool,
-              "cross_entropy expects integer class ids, got ", compat::dtype_name(targets.scalar_type()));
+              "cross_entropy expects integer class ids, got ", util::dtype_name(targets.scalar_type()));
   auto flat = logits.reshape({-1, logits.size(-1)});  // (N, C)
   // Any integer ids, as the embedding takes them: LibTorch's kernel reads int64 alone.
   const auto ids = targets.scalar_type() == torch::kLong ? targets : targets.to(torch::kLong);
@@ -671,7 +671,8 @@ Tensor mse(const Tensor& prediction, const Tensor& target, const std::string& re
               prediction.sizes(), " and ", target.sizes());
   auto options = F::MSELossFuncOptions();
   if (summed("mse", reduction)) options.reduction(torch::kSum);
-  if (is_low_precision(prediction) || is_low_precision(target))  // LibTorch 1.13's CPU has no bfloat16 mse
+  // A low-precision loss is taken in float32: its sum of squares would round in bfloat16.
+  if (is_low_precision(prediction) || is_low_precision(target))
     return F::mse_loss(prediction.to(torch::kFloat32), target.to(torch::kFloat32), options);
   return F::mse_loss(prediction, target, options);
 }

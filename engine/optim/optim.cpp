@@ -19,6 +19,9 @@ namespace {
 // (1e39 is finite as a double, yet turned every float32 weight to NaN without an error).
 bool usable_factor(double x) { return std::isfinite(x) && x >= 0 && x <= std::numeric_limits<float>::max(); }
 constexpr const char* kFactorRange = " must be a finite number from 0 to 3.4e38 (float32's largest), got ";
+
+// The key of a parameter in torch::optim::Optimizer::state(): its TensorImpl's address.
+void* state_key(const torch::Tensor& param) { return param.unsafeGetTensorImpl(); }
 }  // namespace
 
 void validate(const ScheduleOptions& s) {
@@ -95,13 +98,14 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
   TORCH_CHECK(fused == "off" || fused == "on" || fused == "auto", k, ": fused must be on, off or auto, got '", fused, "'");
   TORCH_CHECK(fused == "off" || k == "adamw", k, ": fused is an option of adamw only");
   if (fused != "off") {
-    // The fused kernel runs on CUDA tensors (meta ones under partrain plan stand for them).
+    // LibTorch's fused kernel runs on CPU tensors and, in a CUDA build, on CUDA ones (meta ones
+    // under partrain plan stand for either).
     const auto& where = params_.front().device();
-    bool possible = compat::kHasFusedAdamW && (where.is_cuda() || where.is_meta());
-    TORCH_CHECK(possible || fused == "auto", k, ": fused = true needs LibTorch's fused AdamW kernel (LibTorch 2.1 "
-                "or later built with CUDA, parameters on a CUDA device); this is LibTorch ", compat::torch_version(),
-                compat::kBuiltWithCuda ? "" : " without CUDA", " with parameters on ", where.str(),
-                ": drop fused, or give fused = \"auto\" to use it only where it exists");
+    bool possible = where.is_cpu() || where.is_meta() || (compat::kBuiltWithCuda && where.is_cuda());
+    TORCH_CHECK(possible || fused == "auto", k, ": fused = true needs LibTorch's fused AdamW kernel for the "
+                "parameters' device (CPU, or CUDA in a CUDA build); this is ", compat::build_description(),
+                " with parameters on ", where.str(), ": drop fused, or give fused = \"auto\" to use it only "
+                "where it exists");
     fused_ = possible;
   }
   if (k == "sgd") {
@@ -217,7 +221,7 @@ int64_t Optimizer::param_steps(const torch::Tensor& param) const {
   if (options_.kind == "sgd") return -1;
   if (distributed_) return distributed_->param_steps(*this, param);
   const auto i = index_of(param);
-  auto it = impl_->state().find(compat::optimizer_state_key(i >= 0 ? work_[i] : param));
+  auto it = impl_->state().find(state_key(i >= 0 ? work_[i] : param));
   if (it == impl_->state().end()) return -1;
   if (auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(it->second.get())) return s->step();
   if (auto* s = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) return s->step();
@@ -231,7 +235,7 @@ std::map<std::string, torch::Tensor> Optimizer::local_state(const torch::Tensor&
     const_cast<Optimizer*>(this)->refresh_masters();
     out["master"] = work_[i].detach();
   }
-  auto it = impl_->state().find(compat::optimizer_state_key(i >= 0 ? work_[i] : param));
+  auto it = impl_->state().find(state_key(i >= 0 ? work_[i] : param));
   if (it == impl_->state().end()) return out;
   auto keep = [&](const char* slot, const torch::Tensor& t) {
     if (t.defined()) out[slot] = t;
@@ -276,7 +280,7 @@ void Optimizer::set_local_state(const torch::Tensor& param, const std::map<std::
     TORCH_CHECK(it != slots.end(), options_.kind, " state needs '", name, "'");
     return it->second;
   };
-  auto key = compat::optimizer_state_key(i >= 0 ? work_[i] : param);
+  auto key = state_key(i >= 0 ? work_[i] : param);
   if (slots.empty()) {
     impl_->state().erase(key);
     return;
@@ -368,8 +372,9 @@ void Optimizer::update() {
     return;
   }
   // The state lives where LibTorch's AdamW keeps it (impl_->state(), so checkpoints and
-  // param_state read it unchanged), and one kernel a (device, dtype) updates it. The step
-  // numbers reach the kernel as float32 scalars made on the device: no copy from the host.
+  // param_state read it unchanged), and one kernel a (device, dtype) updates it
+  // (_fused_adamw_, CPU and CUDA). The step numbers reach the kernel as float32 scalars made on
+  // the device: no copy from the host.
   torch::NoGradGuard no_grad;
   const auto& o = static_cast<const torch::optim::AdamWOptions&>(impl_->param_groups().front().options());
   struct Lists {
@@ -379,7 +384,7 @@ void Optimizer::update() {
   std::map<std::pair<std::string, int64_t>, torch::Tensor> step_tensors;  // (device, step) -> its scalar
   for (const auto& w : work_) {
     if (!w.grad().defined()) continue;
-    auto& slot = impl_->state()[compat::optimizer_state_key(w)];
+    auto& slot = impl_->state()[state_key(w)];
     if (!slot) {
       auto s = std::make_unique<torch::optim::AdamWParamState>();
       s->exp_avg(torch::zeros_like(w, torch::MemoryFormat::Preserve));
@@ -399,8 +404,8 @@ void Optimizer::update() {
   }
   auto [beta1, beta2] = o.betas();
   for (auto& [key, g] : groups)
-    compat::fused_adamw(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps, o.lr(), beta1, beta2, o.weight_decay(),
-                        o.eps());
+    at::_fused_adamw_(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, /*max_exp_avg_sqs=*/{}, g.steps, o.lr(), beta1,
+                      beta2, o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
 }
 
 double Optimizer::step() {

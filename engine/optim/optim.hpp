@@ -39,9 +39,9 @@ struct OptimizerOptions {
   double beta2 = 0.999;          ///< adam, adamw
   double eps = 1e-8;             ///< adam, adamw
   double clip_grad_norm = 0.0;   ///< clip gradients to this global L2 norm before a step; 0: off
-  /// adamw only: "on" updates every tensor of a device and dtype in one fused CUDA kernel
-  /// (LibTorch's _fused_adamw_: 2.1 on, built with CUDA, parameters on a CUDA device), refused
-  /// where that kernel is not; "auto" uses it where it is; "off" never.
+  /// adamw only: "on" updates every tensor of a device and dtype in one fused kernel (LibTorch's
+  /// _fused_adamw_: CPU parameters, or CUDA ones in a CUDA build), refused where that kernel is
+  /// not; "auto" uses it where it is; "off" never.
   std::string fused = "off";
   ScheduleOptions schedule;      ///< how lr changes with the step count
   LossScaleOptions loss_scale;   ///< kind "none": no loss scaling

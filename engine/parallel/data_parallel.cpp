@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+#include "engine/util/autograd.hpp"
 
-#include "engine/compat.hpp"
 
 namespace partrain::parallel {
 
@@ -143,7 +143,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
-    dp->accumulators_.push_back(compat::on_grad_accumulated(dp->params_[k], [weak, k] {
+    dp->accumulators_.push_back(util::on_grad_accumulated(dp->params_[k], [weak, k] {
       if (auto self = weak.lock()) self->on_grad_ready(k);
     }));
   return dp;
@@ -174,7 +174,7 @@ void DataParallel::begin_pass() {
   next_launch_ = 0;
   launched_any_ = false;
   std::weak_ptr<DataParallel> weak = shared_from_this();
-  compat::at_end_of_backward([weak] {
+  util::at_end_of_backward([weak] {
     if (auto self = weak.lock()) self->finish();
   });
 }

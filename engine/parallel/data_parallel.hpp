@@ -10,8 +10,7 @@
 // first gradient of a backward pass arrives, reduce-scattered over the zero group when it is
 // complete, added into the shard and given back; each parameter's .grad is released once copied.
 //
-// Why not c10d's Reducer: its constructor and hooks differ between LibTorch 1.13 and 2.x, its
-// comm hooks are C++-only (partrain's bucket hooks are Lua functions), and ZeRO needs a
+// Why not c10d's Reducer: its comm hooks are C++-only (partrain's bucket hooks are Lua functions), and ZeRO needs a
 // reduce-scatter path per bucket that it does not have.
 #pragma once
 

@@ -9,8 +9,8 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "engine/compat.hpp"
 #include "engine/nn/functional.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::parallel {
 
@@ -555,7 +555,7 @@ const Sharding* VocabParallelEmbedding::sharding_of(const std::string& name) con
 
 Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
   TORCH_CHECK(!ids.is_floating_point() && ids.scalar_type() != torch::kBool,
-              "VocabParallelEmbedding expects integer ids, got ", compat::dtype_name(ids.scalar_type()));
+              "VocabParallelEmbedding expects integer ids, got ", util::dtype_name(ids.scalar_type()));
   // An id outside the vocabulary is outside every rank's rows: it would embed as zeros on all of
   // them, without an error (a policy's own forward may call this without the model's id check).
   if (ids.numel() > 0 && !ids.is_meta()) {
@@ -591,7 +591,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& local_logits, const Tensor& ta
               "vocab-parallel cross_entropy expects logits (..., V/t) and targets (...), got ", local_logits.sizes(),
               " and ", targets.sizes());
   TORCH_CHECK(!targets.is_floating_point() && targets.scalar_type() != torch::kBool,
-              "vocab-parallel cross_entropy expects integer class ids, got ", compat::dtype_name(targets.scalar_type()));
+              "vocab-parallel cross_entropy expects integer class ids, got ", util::dtype_name(targets.scalar_type()));
   const int64_t t = group->size(), part = local_logits.size(-1);
   TORCH_CHECK(vocab > 0 && (vocab + t - 1) / t == part, "vocab-parallel cross_entropy: logits of ", part,
               " columns a rank over tensor=", t, " do not hold a vocabulary of ", vocab, " (expected ",

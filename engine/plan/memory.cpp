@@ -48,7 +48,7 @@ Counter& meta_counter() {
 class CountingCpuAllocator final : public c10::Allocator {
  public:
   static constexpr size_t kHeader = 64;
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) override {
     auto* base = static_cast<char*>(c10::alloc_cpu(n + kHeader));
     *reinterpret_cast<size_t*>(base) = n;
     cpu_counter().add(static_cast<int64_t>(n));
@@ -56,9 +56,7 @@ class CountingCpuAllocator final : public c10::Allocator {
     return {data, data, &release, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  // Allocator::copy_data is pure virtual from LibTorch 2.3 (copy-on-write tensors); in older
-  // versions this is an ordinary member, hence no `override`.
-  void copy_data(void* dest, const void* src, std::size_t count) const {
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
     if (count) std::memcpy(dest, src, count);
   }
   static void release(void* data) {
@@ -72,12 +70,12 @@ class CountingCpuAllocator final : public c10::Allocator {
 // Meta "memory": no data, only the size, counted while the storage lives.
 class CountingMetaAllocator final : public c10::Allocator {
  public:
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) override {
     meta_counter().add(static_cast<int64_t>(n));
     return {nullptr, new size_t(n), &release, c10::Device(c10::kMeta)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void*, const void*, std::size_t) const {}  // meta tensors have no bytes to copy
+  void copy_data(void*, const void*, std::size_t) const override {}  // meta tensors have no bytes to copy
   static void release(void* ctx) {
     auto* n = static_cast<size_t*>(ctx);
     meta_counter().sub(static_cast<int64_t>(*n));

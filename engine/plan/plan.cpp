@@ -24,7 +24,6 @@
 #include <nlohmann/json.hpp>
 #include <torch/library.h>
 
-#include "engine/compat.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
@@ -34,12 +33,14 @@
 #include "engine/parallel/zero.hpp"
 #include "engine/util/bounded_archive.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::plan {
 
 // ---- Meta kernels --------------------------------------------------------------------------
 // Shapes only: what the CPU kernel would return, without computing it. Registered only for the
-// operators the running LibTorch has no meta kernel for.
+// operators the running LibTorch has no meta kernel for in C++ (PyTorch registers several of its
+// meta kernels from Python, in torch/_meta_registrations.py, which a C++ program never loads).
 
 namespace meta {
 
@@ -633,7 +634,7 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
         else d << differences(*it, actual);
         diff = d.str();
       } catch (const std::exception& e) {
-        problem = compat::message_of(e);
+        problem = util::message_of(e);
       }
     }
   }

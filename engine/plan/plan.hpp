@@ -43,8 +43,8 @@ extern bool planning;
 /// Whether this process is planning: new parameters and tensors are made on the meta device and
 /// the first optimizer step ends the script. Inline: every tensor crossing from Lua asks.
 inline bool planning() { return detail::planning; }
-/// Turns planning on or off; on, it also supplies the meta kernels LibTorch lacks (1.13 has no
-/// meta index_select, layer_norm or where).
+/// Turns planning on or off; on, it also supplies the meta kernels LibTorch's C++ library lacks
+/// (PyTorch registers some from Python only: index_select's, for one).
 void set_planning(bool on);
 
 // ---- The first training step ---------------------------------------------------------------

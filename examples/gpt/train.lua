@@ -37,8 +37,8 @@ local cfg = pt.args {
   chunks = { 1, "with --pipeline: model chunks a rank (interleaved)" },
   ckpt = { "", "checkpoint folder: resume from its newest checkpoint, save into it" },
   save_every = { 0, "with --ckpt: save every this many steps (and at the end)" },
-  dtype = { "float32", "parameters and compute: float32, bfloat16 (float32 masters kept by the optimizer) or "
-            .. "float16 (CUDA only: LibTorch 1.13's CPU lacks its kernels)" },
+  dtype = { "float32", "parameters and compute: float32, or bfloat16 or float16 (float32 masters kept by the "
+            .. "optimizer; float16 with loss scaling)" },
   zero_stage = { 0, "ZeRO: 1 shards optimizer state and master weights over the data ranks, 2 also "
                  .. "reduce-scatters the gradients (docs/parallel.md)" },
   zero_groups = { 0, "with --zero-stage: split the data ranks into this many zero groups (0: one)" },

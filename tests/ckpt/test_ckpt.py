@@ -310,7 +310,7 @@ try:
           r.returncode == 0 and T["h.0.attn.c_attn.weight"][1] == [64, 192] and T["h.0.mlp.c_proj.weight"][1] == [256, 64]
           and T["wte.weight"][1] == [255, 64] and "lm_head.weight" not in T, {k: v[1] for k, v in T.items()})
     torch_python = None
-    for candidate in ("/usr/bin/python3", sys.executable):
+    for candidate in (sys.executable,):
         if subprocess.run([candidate, "-c", "import torch"], capture_output=True).returncode == 0:
             torch_python = candidate
             break

@@ -22,7 +22,6 @@
 #include <sstream>
 
 #include "engine/ckpt/ckpt.hpp"
-#include "engine/compat.hpp"
 #include "engine/data/data.hpp"
 #include "engine/dist/ledger.hpp"
 #include "engine/models/gpt2.hpp"
@@ -31,6 +30,7 @@
 #include "engine/optim/optim.hpp"
 #include "engine/plan/memory.hpp"
 #include "engine/util/memory.hpp"
+#include "engine/util/text.hpp"
 #include "tests/engine/testing.hpp"
 
 using namespace partrain;
@@ -256,16 +256,16 @@ TEST(Messages, NanStandingAloneReadsWithoutSign) {
   std::ostringstream made;
   made << "got " << nan << ", (" << nan << ") [" << nan << "]";
   ASSERT_NE(made.str().find("-nan"), std::string::npos) << "this C++ library writes a signed NaN as " << made.str();
-  EXPECT_EQ(compat::message_of(std::invalid_argument(made.str())), "got nan, (nan) [nan]");
+  EXPECT_EQ(util::message_of(std::invalid_argument(made.str())), "got nan, (nan) [nan]");
   try {
     TORCH_CHECK(false, "eps must be finite, got ", nan);
   } catch (const c10::Error& e) {
-    EXPECT_EQ(compat::message_of(e), "eps must be finite, got nan");
+    EXPECT_EQ(util::message_of(e), "eps must be finite, got nan");
   }
   // Words and names that hold "-nan" are left as they are.
   const std::string names = "file 'a-nan.txt', 'x/-nan' and not-nan-at-all: -nano";
-  EXPECT_EQ(compat::message_of(std::runtime_error(names)), names);
-  EXPECT_EQ(compat::unsigned_nan("{-nan}: -nan:\n-nan"), "{nan}: nan:\nnan");
+  EXPECT_EQ(util::message_of(std::runtime_error(names)), names);
+  EXPECT_EQ(util::unsigned_nan("{-nan}: -nan:\n-nan"), "{nan}: nan:\nnan");
 }
 
 // The memory guard's limit: a container's cgroup (v1 or v2, on its own folder or one above it,

@@ -112,6 +112,52 @@ test("classification_step does in C++ exactly what the Lua step does", function(
   ok(m1:get("0").weight:equal(m2:get("0").weight), "the same weights after three steps")
 end)
 
+-- GPT-2 trained `steps` AdamW steps (weight decay, clipping, a schedule) with `fused` in `dtype`.
+local function adamw_run(fused, dtype, steps)
+  pt.manual_seed(21)
+  local gpt = { vocab = 32, seq = 8, dim = 16, heads = 2, layers = 2, dtype = dtype }
+  local model = pt.models.gpt2(gpt)
+  local opt = pt.optim.adamw(model, { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 1.0, fused = fused,
+                                      schedule = { kind = "cosine", warmup = 2, total = steps } })
+  local losses = {}
+  for step = 1, steps do
+    pt.manual_seed(100 + step)
+    local x, y = pt.randint(0, gpt.vocab, { 4, gpt.seq }), pt.randint(0, gpt.vocab, { 4, gpt.seq })
+    opt:zero_grad()
+    local loss = pt.nn.cross_entropy(model(x):reshape(-1, gpt.vocab), y:reshape(-1))
+    loss:backward()
+    opt:step()
+    losses[step] = loss:item()
+  end
+  return model, opt, losses
+end
+
+-- Measured on LibTorch 2.11 over these 20 steps: float64 losses 2.6e-16 apart (relative) and
+-- weights 6.5e-14 (the kernel orders its arithmetic otherwise), float32 losses 6.9e-8, bfloat16
+-- (float32 masters) bit for bit.
+test("fused AdamW on the CPU (LibTorch's _fused_adamw_) equals the unfused update within rounding over 20 steps", function()
+  local bounds = { float64 = { loss = 1e-12, weight = 1e-12 }, float32 = { loss = 1e-6 }, bfloat16 = { loss = 0, weight = 0 } }
+  for _, dtype in ipairs { "float64", "float32", "bfloat16" } do
+    local fused, fopt, flosses = adamw_run(true, dtype, 20)
+    local plain, popt, plosses = adamw_run(false, dtype, 20)
+    eq(fopt:fused(), true, dtype .. ": the fused kernel ran")
+    eq(popt:fused(), false, dtype .. ": the reference did not")
+    local bound = bounds[dtype]
+    for step = 1, 20 do
+      local rel = math.abs(flosses[step] - plosses[step]) / math.abs(plosses[step])
+      ok(rel <= bound.loss, ("%s: loss at step %d %.17g against %.17g (relative %.3g, bound %g)"):format(
+        dtype, step, flosses[step], plosses[step], rel, bound.loss))
+    end
+    if bound.weight then
+      local pp = plain:parameters()
+      for i, p in ipairs(fused:parameters()) do
+        local d = (p:double() - pp[i]:double()):abs():max():item()
+        ok(d <= bound.weight, ("%s: parameter %d differs by %.3g (bound %g)"):format(dtype, i, d, bound.weight))
+      end
+    end
+  end
+end)
+
 test("bad optimizer input is refused by name", function()
   local w = pt.tensor({ 1.0 }, { requires_grad = true })
   raises(function() pt.optim.sgd({ w }, { lr = "fast" }) end, "option 'lr' for sgd must be a number, got string 'fast'")

@@ -1,11 +1,12 @@
 """LLaMA written here in plain PyTorch, as Hugging Face's LlamaForCausalLM computes it (RMSNorm
 with float32 statistics, rotate-half rotary embeddings, grouped-query attention by repeating each
 key/value head over its group of query heads, a SwiGLU MLP), for partrain's LLaMA to be checked
-against. Run with a python3 that has torch (Debian's python3-torch):
+against. Run with a python3 that has torch (scripts/setup's .venv/bin/python3):
 
   llama_reference.py write DIR    random weights, seeded, in Hugging Face's sharded layout in DIR
-  llama_reference.py train DIR    10 AdamW steps from DIR's weights on the bytes of data/kjv.txt;
-                                  prints "loss <step> <value>" a step
+  llama_reference.py train DIR [--dtype float64] [--steps N]
+                                  N (10) AdamW steps from DIR's weights on the bytes of data/kjv.txt,
+                                  in float32 or float64; prints "loss <step> <value>" a step
 """
 import json
 import math
@@ -17,6 +18,7 @@ import torch
 
 CFG = dict(vocab=256, dim=32, heads=8, kv_heads=4, layers=2, hidden=48, eps=1e-6, rope_base=10000.0)
 BATCH, SEQ, STEPS, LR, WD = 4, 16, 10, 1e-3, 0.1
+DTYPE = torch.float32
 
 
 def names():
@@ -85,7 +87,7 @@ def write(d):
 
 
 def rms_norm(x, w, eps):
-    x32 = x.float()
+    x32 = x if x.dtype == torch.float64 else x.float()  # float32 statistics, float64 kept
     return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -99,11 +101,12 @@ def forward(P, ids):
     B, T = ids.shape
     hd = c["dim"] // c["heads"]
     group = c["heads"] // c["kv_heads"]
-    inv_freq = 1.0 / (c["rope_base"] ** (torch.arange(0, hd, 2).float() / hd))
-    freqs = torch.outer(torch.arange(T).float(), inv_freq)
+    wide = torch.float64 if DTYPE == torch.float64 else torch.float32
+    inv_freq = 1.0 / (c["rope_base"] ** (torch.arange(0, hd, 2, dtype=wide) / hd))
+    freqs = torch.outer(torch.arange(T, dtype=wide), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    mask = torch.full((T, T), float("-inf")).triu(1)
+    cos, sin = emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+    mask = torch.full((T, T), float("-inf"), dtype=DTYPE).triu(1)
     h = P["model.embed_tokens.weight"][ids]
     for i in range(c["layers"]):
         p = f"model.layers.{i}."
@@ -136,7 +139,7 @@ def train(d):
     P = {}
     for f in sorted(set(index["weight_map"].values())):
         P.update(read_file(os.path.join(d, f)))
-    params = {k: v.clone().requires_grad_(True) for k, v in P.items()}
+    params = {k: v.to(DTYPE).requires_grad_(True) for k, v in P.items()}
     opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=WD)
     for step, (x, y) in enumerate(batches(), 1):
         logits = forward(params, x)
@@ -144,8 +147,17 @@ def train(d):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        print(f"loss {step} {loss.item():.10f}", flush=True)
+        print(f"loss {step} {loss.item():.17g}", flush=True)
 
 
 if __name__ == "__main__":
+    rest = sys.argv[3:]
+    while rest:
+        if rest[0] == "--dtype" and len(rest) > 1 and rest[1] in ("float32", "float64"):
+            DTYPE = getattr(torch, rest[1])
+        elif rest[0] == "--steps" and len(rest) > 1 and rest[1].isdigit() and int(rest[1]) > 0:
+            STEPS = int(rest[1])
+        else:
+            sys.exit(f"llama_reference.py: unknown or bad option {rest[:2]} (expected --dtype float32|float64, --steps N)")
+        rest = rest[2:]
     {"write": write, "train": train}[sys.argv[1]](sys.argv[2])

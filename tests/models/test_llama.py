@@ -18,7 +18,7 @@ from checks import check, finish  # noqa: E402
 
 BIN = os.path.abspath(sys.argv[1])
 HERE = os.path.dirname(os.path.abspath(__file__))
-TORCH_PYTHON = "/usr/bin/python3"
+TORCH_PYTHON = sys.executable  # the python3 that holds PyTorch (scripts/build names .venv's)
 
 
 def tensor_bytes(path):
