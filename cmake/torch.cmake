@@ -13,9 +13,11 @@ if(NOT PARTRAIN_CUDA MATCHES "^(AUTO|ON|OFF)$")
   message(FATAL_ERROR "PARTRAIN_CUDA=${PARTRAIN_CUDA}: expected AUTO, ON or OFF")
 endif()
 
-# The folder holding TorchConfig.cmake, among PARTRAIN_TORCH, Torch_DIR and CMAKE_PREFIX_PATH.
+# The folder holding TorchConfig.cmake, among PARTRAIN_TORCH, CMAKE_PREFIX_PATH and Torch_DIR
+# (as variables, then from the environment).
 set(_candidates)
-foreach(_p ${PARTRAIN_TORCH} ${Torch_DIR} ${CMAKE_PREFIX_PATH})
+string(REPLACE ":" ";" _env_prefix "$ENV{CMAKE_PREFIX_PATH}")
+foreach(_p ${PARTRAIN_TORCH} ${CMAKE_PREFIX_PATH} ${Torch_DIR} ${_env_prefix} $ENV{Torch_DIR})
   list(APPEND _candidates "${_p}" "${_p}/Torch" "${_p}/cmake/Torch" "${_p}/share/cmake/Torch")
 endforeach()
 set(_torch_config_dir "")
@@ -31,7 +33,10 @@ if(NOT _torch_config_dir)
                       "(looked in: ${PARTRAIN_TORCH} ${Torch_DIR} ${CMAKE_PREFIX_PATH})")
 endif()
 get_filename_component(_torch_root "${_torch_config_dir}/../../.." ABSOLUTE)
-set(Torch_DIR "${_torch_config_dir}" CACHE PATH "The folder holding TorchConfig.cmake" FORCE)
+if(NOT EXISTS "${_torch_root}/include/torch/csrc/api/include/torch/torch.h")
+  message(FATAL_ERROR "${_torch_config_dir}/TorchConfig.cmake is not inside a LibTorch folder (expected its headers "
+                      "in ${_torch_root}/include): name the LibTorch folder itself with PARTRAIN_TORCH=/path")
+endif()
 
 # Is it a CUDA LibTorch, and can this machine compile against it?
 set(_torch_is_cuda OFF)
@@ -39,6 +44,20 @@ if(EXISTS "${_torch_root}/lib/libtorch_cuda.so")
   set(_torch_is_cuda ON)
 endif()
 find_package(CUDAToolkit QUIET)
+# The CUDA release the LibTorch was built for: a wheel's torch/version.py, a LibTorch zip's
+# build-version ("2.11.0+cu130").
+set(_torch_cuda "")
+if(EXISTS "${_torch_root}/version.py")
+  file(STRINGS "${_torch_root}/version.py" _v REGEX "^cuda")
+  string(REGEX MATCH "[0-9]+\\.[0-9]+" _torch_cuda "${_v}")
+elseif(EXISTS "${_torch_root}/build-version")
+  file(READ "${_torch_root}/build-version" _v)
+  string(REGEX MATCH "cu([0-9]+)([0-9])" _m "${_v}")
+  if(_m)
+    set(_torch_cuda "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}")
+  endif()
+endif()
+string(REGEX MATCH "^[0-9]+" _torch_cuda_major "${_torch_cuda}")
 set(PARTRAIN_CUDA_ON OFF)
 set(_why_off "")
 if(PARTRAIN_CUDA STREQUAL "OFF")
@@ -47,6 +66,8 @@ elseif(NOT _torch_is_cuda)
   set(_why_off "the LibTorch in ${_torch_root} is a CPU one")
 elseif(NOT CUDAToolkit_FOUND)
   set(_why_off "no CUDA toolkit on this machine (nvcc not found)")
+elseif(_torch_cuda_major AND NOT _torch_cuda_major STREQUAL CUDAToolkit_VERSION_MAJOR)
+  set(_why_off "the CUDA toolkit here is ${CUDAToolkit_VERSION}, LibTorch was built for CUDA ${_torch_cuda}")
 else()
   set(PARTRAIN_CUDA_ON ON)
 endif()
@@ -62,21 +83,21 @@ if(PARTRAIN_CUDA_ON OR NOT _torch_is_cuda)
   find_package(Torch REQUIRED CONFIG PATHS "${_torch_config_dir}" NO_DEFAULT_PATH)
 else()
   # A CUDA LibTorch on a machine without the toolkit: LibTorch's configuration would stop at the
-  # missing toolkit, so import its CPU half by hand (the libraries a CPU program links; at run
-  # time libtorch.so still loads libtorch_cuda.so, whose CUDA libraries the wheel's NVIDIA
-  # packages provide).
+  # missing toolkit, so import its CPU half by hand: libtorch_cpu and libc10, not libtorch.so,
+  # which would load libtorch_cuda (libtorch_cpu still loads the CUDA runtime and CUPTI, which a
+  # wheel's NVIDIA packages provide through its RPATH).
   add_library(partrain_torch_cpu INTERFACE)
   target_include_directories(partrain_torch_cpu SYSTEM INTERFACE
     "${_torch_root}/include" "${_torch_root}/include/torch/csrc/api/include")
-  target_link_libraries(partrain_torch_cpu INTERFACE
-    "${_torch_root}/lib/libtorch.so" "${_torch_root}/lib/libtorch_cpu.so" "${_torch_root}/lib/libc10.so")
+  target_link_libraries(partrain_torch_cpu INTERFACE "${_torch_root}/lib/libtorch_cpu.so" "${_torch_root}/lib/libc10.so")
+  # LibTorch's own definitions, which some of its headers' class layouts depend on.
+  target_compile_definitions(partrain_torch_cpu INTERFACE USE_DISTRIBUTED USE_C10D_GLOO USE_RPC USE_TENSORPIPE)
   set(TORCH_LIBRARIES partrain_torch_cpu)
 endif()
 
-# Where the binaries find LibTorch's libraries at run time. The wheel's libtorch_cuda.so carries
-# no search path for the CUDA libraries (Python loads them before it); the NVIDIA packages beside
-# it (site-packages/nvidia/*/lib) hold them. A binary's RPATH (not RUNPATH) reaches the libraries
-# its libraries load, so the binaries are linked with --disable-new-dtags.
+# Where the binaries find LibTorch's libraries at run time: its lib folder, and a wheel's NVIDIA
+# packages beside it (site-packages/nvidia/*/lib), so that the CUDA runtime a binary links itself
+# is the one LibTorch's libraries load through their own RPATH.
 set(PARTRAIN_TORCH_RPATH "${_torch_root}/lib")
 file(GLOB _nvidia_libs LIST_DIRECTORIES true "${_torch_root}/../nvidia/*/lib")
 foreach(_d ${_nvidia_libs})
@@ -85,16 +106,18 @@ foreach(_d ${_nvidia_libs})
 endforeach()
 
 set(PARTRAIN_TORCH_VERSION "")
-set(_version_h "${_torch_root}/include/torch/headeronly/version.h")     # 2.9 on
-if(NOT EXISTS "${_version_h}")
-  set(_version_h "${_torch_root}/include/torch/csrc/api/include/torch/version.h")
-endif()
-foreach(_part MAJOR MINOR PATCH)
-  file(STRINGS "${_version_h}" _v REGEX "#define TORCH_VERSION_${_part} ")
-  string(REGEX MATCH "[0-9]+" _v "${_v}")
-  list(APPEND PARTRAIN_TORCH_VERSION "${_v}")
+foreach(_version_h "${_torch_root}/include/torch/headeronly/version.h"           # 2.9 on
+                   "${_torch_root}/include/torch/csrc/api/include/torch/version.h")
+  if(EXISTS "${_version_h}")
+    foreach(_part MAJOR MINOR PATCH)
+      file(STRINGS "${_version_h}" _v REGEX "#define TORCH_VERSION_${_part} ")
+      string(REGEX MATCH "[0-9]+" _v "${_v}")
+      list(APPEND PARTRAIN_TORCH_VERSION "${_v}")
+    endforeach()
+    string(REPLACE ";" "." PARTRAIN_TORCH_VERSION "${PARTRAIN_TORCH_VERSION}")
+    break()
+  endif()
 endforeach()
-string(REPLACE ";" "." PARTRAIN_TORCH_VERSION "${PARTRAIN_TORCH_VERSION}")
 if(PARTRAIN_CUDA_ON)
   message(STATUS "partrain: CUDA build: LibTorch ${PARTRAIN_TORCH_VERSION} (${_torch_root}), CUDA ${CUDAToolkit_VERSION}, NCCL")
 else()

@@ -44,12 +44,14 @@ std::atomic<bool> cuda_asked{false};  // whether this process has asked a CUDA r
 }  // namespace
 
 bool cuda_available() {
+  if (!kBuiltWithCuda) return false;  // a CPU build never calls into CUDA, whatever its LibTorch has
   bool yes = torch::cuda::is_available();
   if (yes) cuda_asked = true;  // a CPU LibTorch answers without a CUDA runtime
   return yes;
 }
 
 int cuda_device_count() {
+  if (!kBuiltWithCuda) return 0;
   int n = static_cast<int>(torch::cuda::device_count());
   if (n > 0) cuda_asked = true;
   return n;

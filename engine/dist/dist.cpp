@@ -855,11 +855,12 @@ void check_device_spec(const std::string& spec) {
   // A CPU LibTorch answers without a CUDA runtime to start: a cuda device is refused now.
   resolve_device(spec, 0);
 #else
-  // Asking the CUDA runtime would start it in the launcher; the driver's control device tells
-  // whether there can be a GPU at all. Where it is, the ranks check the index against the devices.
+  // Asking the CUDA runtime would start it in the launcher; the driver's devices tell whether
+  // there can be a GPU at all (/dev/nvidiactl, or /dev/dxg under WSL2). Where they are, the ranks
+  // check the index against the devices.
   struct stat st {};
-  TORCH_CHECK(::stat("/dev/nvidiactl", &st) == 0, "device '", spec, "' needs CUDA, but this machine has no NVIDIA ",
-              "GPU driver (no /dev/nvidiactl; use --device cpu)");
+  TORCH_CHECK(::stat("/dev/nvidiactl", &st) == 0 || ::stat("/dev/dxg", &st) == 0, "device '", spec,
+              "' needs CUDA, but this machine has no NVIDIA GPU driver (no /dev/nvidiactl; use --device cpu)");
 #endif
 }
 

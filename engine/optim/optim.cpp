@@ -4,6 +4,7 @@
 #include "engine/compat.hpp"
 #include "engine/util/startup.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -96,8 +97,8 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
   validate(options_.schedule);
   const auto& fused = options_.fused;
   TORCH_CHECK(fused == "off" || fused == "on" || fused == "auto", k, ": fused must be on, off or auto, got '", fused, "'");
-  TORCH_CHECK(fused == "off" || k == "adamw", k, ": fused is an option of adamw only");
-  if (fused != "off") {
+  TORCH_CHECK(fused != "on" || k == "adamw", k, ": fused is an option of adamw only");
+  if (fused != "off" && k == "adamw") {
     // LibTorch's fused kernel runs on CPU tensors and, in a CUDA build, on CUDA ones (meta ones
     // under partrain plan stand for either).
     const auto& where = params_.front().device();
@@ -367,7 +368,10 @@ void Optimizer::apply_lr(double lr) {
 }
 
 void Optimizer::update() {
-  if (!fused_) {
+  // The fused kernel walks each tensor's memory as one dense run: a parameter that is not
+  // contiguous (a transposed tensor handed to the optimizer in a table) takes the unfused step.
+  const bool dense = std::all_of(work_.begin(), work_.end(), [](const torch::Tensor& w) { return w.is_contiguous(); });
+  if (!fused_ || !dense) {
     impl_->step();
     return;
   }
@@ -397,7 +401,9 @@ void Optimizer::update() {
     if (!step.defined()) step = torch::full({}, static_cast<double>(s.step()), w.options().dtype(torch::kFloat32));
     auto& g = groups[{w.device().str(), static_cast<int>(w.scalar_type())}];
     g.params.push_back(w);
-    g.grads.push_back(w.grad());
+    // A gradient set by hand may be laid out otherwise than its parameter (transposed,
+    // expanded): the kernel reads it as dense memory, so it gets a contiguous copy.
+    g.grads.push_back(w.grad().is_contiguous() ? w.grad() : w.grad().contiguous());
     g.exp_avgs.push_back(s.exp_avg());
     g.exp_avg_sqs.push_back(s.exp_avg_sq());
     g.steps.push_back(step);

@@ -131,6 +131,9 @@ void install() {
     for (const char* name : {"relu", "relu_", "threshold_backward"})
       if (missing((std::string("aten::") + name).c_str(), ""))
         library.impl(name, torch::CppFunction::makeFromBoxedFunction<&like_first>());
+    // where's out= form: scaled_dot_product_attention's math path masks with it on meta tensors.
+    if (missing("aten::where", "self_out"))
+      library.impl("where.self_out", torch::CppFunction::makeFromBoxedFunction<&elementwise_out>());
     for (const char* name : {"logical_or", "logical_and", "logical_xor", "logical_not"})
       if (missing((std::string("aten::") + name).c_str(), "out")) {
         std::string overload = std::string(name) + ".out";

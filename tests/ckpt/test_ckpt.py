@@ -357,7 +357,7 @@ write(dst + ".bad", dict(out, **{"bogus.weight": torch.ones(3)}))
 print("python read", len(tensors), "tensors")
 '''
         p = subprocess.run([torch_python, "-c", code, exported, written], capture_output=True, text=True)
-        check("python3-torch reads the exported file and uses its Conv1D weights as Hugging Face does",
+        check("PyTorch reads the exported file and uses its Conv1D weights as Hugging Face does",
               p.returncode == 0 and "python read" in p.stdout, p.stderr)
         r = train(2, "--tensor", "2", "--steps", "0", "--import", written, "--export", reread)
         A, B = read_safetensors(written), read_safetensors(reread)
