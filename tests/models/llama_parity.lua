@@ -19,13 +19,9 @@ if args.import ~= "" then pt.ckpt.import_safetensors(model, args.import) end
 if args.load ~= "" then pt.ckpt.load(args.load, { model = model }) end
 if args.save ~= "" then pt.ckpt.save(args.save, { model = model, step = 0 }) end
 
--- The reference's batches: consecutive windows of seq + 1 bytes, batch rows a step.
-local f = assert(io.open("data/kjv.txt", "rb"))
-local bytes = f:read(args.batch * (args.seq + 1) * args.steps)
-f:close()
-local values = {}
-for i = 1, #bytes do values[i] = bytes:byte(i) end
-local all = pt.tensor(values, { dtype = "int64" }):view(args.steps, args.batch, args.seq + 1)
+-- The reference's batches (tests/models/kjv_windows.lua).
+package.path = "tests/models/?.lua;" .. package.path
+local all = require("kjv_windows")(args.steps, args.batch, args.seq)
 local d, rows = mesh:coord().data, math.floor(args.batch / mesh:size("data"))
 local opt = pt.optim.adamw(model, { lr = 1e-3, weight_decay = 0.1 })
 for step = 1, args.steps do

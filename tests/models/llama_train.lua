@@ -12,13 +12,9 @@ if args.import ~= "" then pt.ckpt.import_safetensors(model, args.import) end
 if args.export ~= "" then pt.ckpt.export_safetensors(model, args.export) end
 if args.export_sharded ~= "" then pt.ckpt.export_safetensors(model, args.export_sharded, { max_shard_size = args.shard_mb }) end
 
--- The same batches as the reference: consecutive windows of seq + 1 bytes.
-local f = assert(io.open("data/kjv.txt", "rb"))
-local bytes = f:read(args.batch * (args.seq + 1) * args.steps)
-f:close()
-local values = {}
-for i = 1, #bytes do values[i] = bytes:byte(i) end
-local all = pt.tensor(values, { dtype = "int64" }):view(args.steps, args.batch, args.seq + 1)
+-- The reference's batches (tests/models/kjv_windows.lua).
+package.path = "tests/models/?.lua;" .. package.path
+local all = require("kjv_windows")(args.steps, args.batch, args.seq)
 local loss_fn = pt.loss_fn(model)
 local opt = pt.optim.adamw(model, { lr = 1e-3, weight_decay = 0.1 })
 for step = 1, args.steps do
