@@ -488,8 +488,18 @@ const Function kMeta[] = {
        lua_rawget(L, -2);
        if (!lua_isnil(L, -1)) return 1;
        lua_pop(L, 2);
-       if (lua_type(L, 2) != LUA_TSTRING) { lua_pushnil(L); return 1; }
-       std::string key = lua_tostring(L, 2);
+       std::string key;
+       if (lua_type(L, 2) == LUA_TNUMBER) {
+         // model.h[0], as PyTorch's ModuleList[0]: a list's children are named "0", "1", ...
+         const double n = lua_tonumber(L, 2);
+         if (!(n >= 0 && n == std::floor(n) && n < 1e15)) { lua_pushnil(L); return 1; }
+         key = std::to_string(static_cast<long long>(n));
+       } else if (lua_type(L, 2) == LUA_TSTRING) {
+         key = lua_tostring(L, 2);
+       } else {
+         lua_pushnil(L);
+         return 1;
+       }
        if (Tensor t = m->own_tensor(key); t.defined()) return a.ret(t);
        if (auto child = m->child(key)) {
          lua_rawgeti(L, mt, kModulesSlot);

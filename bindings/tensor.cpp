@@ -31,7 +31,8 @@ struct DtypeName {
 const DtypeName kDtypes[] = {
     {"float32", torch::kFloat32}, {"float", torch::kFloat32},   {"float64", torch::kFloat64},
     {"double", torch::kFloat64},  {"float16", torch::kFloat16}, {"half", torch::kFloat16},
-    {"bfloat16", torch::kBFloat16}, {"int64", torch::kInt64},   {"long", torch::kInt64},
+    {"bfloat16", torch::kBFloat16}, {"bf16", torch::kBFloat16}, {"fp16", torch::kFloat16},
+    {"fp32", torch::kFloat32},    {"fp64", torch::kFloat64},    {"int64", torch::kInt64},   {"long", torch::kInt64},
     {"int32", torch::kInt32},     {"int", torch::kInt32},       {"int16", torch::kInt16},
     {"int8", torch::kInt8},       {"uint8", torch::kUInt8},     {"bool", torch::kBool},
 };

@@ -80,6 +80,9 @@ if(PARTRAIN_CUDA_ON OR NOT _torch_is_cuda)
   if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
     set(TORCH_CUDA_ARCH_LIST "9.0")  # partrain compiles no kernels; this only quiets the GPU probe
   endif()
+  # The LibTorch chosen above, not one an earlier configure cached (the candidates put
+  # PARTRAIN_TORCH and CMAKE_PREFIX_PATH before Torch_DIR, so this records the choice only).
+  set(Torch_DIR "${_torch_config_dir}" CACHE PATH "The folder holding TorchConfig.cmake" FORCE)
   find_package(Torch REQUIRED CONFIG PATHS "${_torch_config_dir}" NO_DEFAULT_PATH)
 else()
   # A CUDA LibTorch on a machine without the toolkit: LibTorch's configuration would stop at the

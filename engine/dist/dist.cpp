@@ -1105,13 +1105,17 @@ Layout::Layout(const MeshOptions& o, int world) : tensor(o.tensor), data(o.data)
   TORCH_CHECK(o.tensor >= 1 && o.pipeline >= 1 && o.data >= 0, "mesh sizes must be positive: tensor=", o.tensor,
               " pipeline=", o.pipeline, " data=", o.data);
   int unit = o.tensor * o.pipeline;
+  // What to start instead, when the world is one of too few ranks: the launcher's flag.
+  auto start_with = [](int ranks) {
+    return " (start it with partrain --nproc-per-node " + std::to_string(ranks) + ")";
+  };
   if (data == 0) {
     TORCH_CHECK(world % unit == 0, "mesh: tensor=", o.tensor, " x pipeline=", o.pipeline, " = ", unit,
-                " does not divide the world of ", world, " ranks");
+                " does not divide the world of ", world, " ranks", world < unit ? start_with(unit) : "");
     data = world / unit;
   }
   TORCH_CHECK(unit * data == world, "mesh: tensor=", o.tensor, " x data=", data, " x pipeline=", o.pipeline, " = ",
-              unit * data, " ranks, but the world has ", world);
+              unit * data, " ranks, but the world has ", world, world < unit * data ? start_with(unit * data) : "");
   zero = o.zero <= 0 ? data : o.zero;  // <= 0: the whole data group (InternLM's zero1); unset (1): off
   TORCH_CHECK(zero <= data && data % zero == 0, "mesh: zero=", o.zero, " does not divide the data size ", data,
               " (zero <= 0: the whole data group; 1: off; n: groups of n data ranks)");

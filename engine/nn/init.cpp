@@ -36,11 +36,12 @@ void draw_init_seed(Module& root) {
 }
 
 torch::ScalarType model_dtype(const std::string& name) {
-  if (name == "float32") return torch::kFloat32;
-  if (name == "float64") return torch::kFloat64;
-  if (name == "bfloat16") return torch::kBFloat16;
-  if (name == "float16") return torch::kFloat16;
-  TORCH_CHECK(false, "dtype '", name, "' is not a model dtype (expected float32, float64, bfloat16 or float16)");
+  if (name == "float32" || name == "fp32") return torch::kFloat32;
+  if (name == "float64" || name == "fp64") return torch::kFloat64;
+  if (name == "bfloat16" || name == "bf16") return torch::kBFloat16;
+  if (name == "float16" || name == "fp16") return torch::kFloat16;
+  TORCH_CHECK(false, "dtype '", name, "' is not a model dtype (expected float32, float64, bfloat16 or float16; ",
+              "fp32, fp64, bf16 and fp16 name them too)");
 }
 
 ModulePtr build_initialized(const std::function<ModulePtr()>& build, c10::optional<torch::ScalarType> dtype) {

@@ -19,8 +19,8 @@ namespace partrain::nn {
 ModulePtr build_initialized(const std::function<ModulePtr()>& build,
                             c10::optional<torch::ScalarType> dtype = c10::nullopt);
 
-/// The dtype a model's `dtype` option names: "float32", "float64", "bfloat16" or "float16";
-/// anything else is an error naming the value.
+/// The dtype a model's `dtype` option names: "float32", "float64", "bfloat16" or "float16" (or
+/// "fp32", "fp64", "bf16", "fp16"); anything else is an error naming the value.
 torch::ScalarType model_dtype(const std::string& name);
 
 /// Draws a base seed from the global generator (pt.manual_seed fixes it) and gives it to `root`.

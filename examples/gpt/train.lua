@@ -38,7 +38,7 @@ local cfg = pt.args {
   ckpt = { "", "checkpoint folder: resume from its newest checkpoint, save into it" },
   save_every = { 0, "with --ckpt: save every this many steps (and at the end)" },
   dtype = { "float32", "parameters and compute: float32, or bfloat16 or float16 (float32 masters kept by the "
-            .. "optimizer; float16 with loss scaling)" },
+            .. "optimizer; float16 with loss scaling); bf16 and fp16 name them too" },
   zero_stage = { 0, "ZeRO: 1 shards optimizer state and master weights over the data ranks, 2 also "
                  .. "reduce-scatters the gradients (docs/parallel.md)" },
   zero_groups = { 0, "with --zero-stage: split the data ranks into this many zero groups (0: one)" },
@@ -100,7 +100,7 @@ local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when 
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 },
-  loss_scale = cfg.dtype == "float16" and "dynamic" or nil })   -- float16's small gradients need loss scaling
+  loss_scale = (cfg.dtype == "float16" or cfg.dtype == "fp16") and "dynamic" or nil })   -- float16's small gradients need loss scaling
 local sharded = opt:zero()  -- nil without ZeRO
 print(("%s: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s"):format(
   cfg.model, cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),

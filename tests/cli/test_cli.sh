@@ -29,6 +29,12 @@ check() {
 }
 
 check "--version names partrain and LibTorch" 0 "partrain 0.1" -- "$bin" --version
+check "a mesh of more ranks than the world says how to start them" nonzero \
+  "tensor=2 x pipeline=2 = 4 does not divide the world of 1 ranks (start it with partrain --nproc-per-node 4)" \
+  -- "$bin" -e 'require("partrain").mesh { tensor = 2, pipeline = 2 }'
+check "a mesh with an explicit data size says the ranks it needs" nonzero \
+  "= 6 ranks, but the world has 1 (start it with partrain --nproc-per-node 6)" \
+  -- "$bin" -e 'require("partrain").mesh { tensor = 3, data = 2 }' 
 check "--help lists every flag" 0 "--threads" -- "$bin" --help
 check "--help lists -e" 0 "-e,--execute" -- "$bin" --help
 check "no script and no -e is an error" nonzero "nothing to run" -- "$bin"

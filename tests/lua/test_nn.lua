@@ -53,6 +53,18 @@ test("Sequential and activations chain; the tree has dotted names", function()
   ok(tostring(m):find("%(2%): Sequential%("), tostring(m))
 end)
 
+test("a list's children are indexed by integer as PyTorch's ModuleList[0] is: model.h[0] is model.h[\"0\"]", function()
+  local model = pt.models.gpt2 { vocab = 16, seq = 4, dim = 8, heads = 2, layers = 3 }
+  ok(model.h[0] == model.h["0"], "h[0] is the child named 0")
+  ok(model.h[2] == model:get("h.2"), "h[2] is the child named 2")
+  eq(model.h[0].attn.c_attn.weight.shape[1], 24, "a path through an integer index reaches the parameter")
+  raises(function() return model.h[3] end, "has no field, method, parameter or child '3'")
+  eq(model.h[-1], nil, "a negative index is no child name")
+  eq(model.h[0.5], nil, "a fraction is no child name")
+  local seq = pt.nn.Sequential(pt.nn.Linear(2, 3), pt.nn.ReLU())
+  eq(seq[1]:type(), "ReLU", "a Sequential's children too")
+end)
+
 test("the same module is the same Lua value", function()
   local m = pt.nn.Sequential(pt.nn.Linear(2, 2))
   ok(m:get("0") == m:get("0"), "identity holds")

@@ -84,9 +84,17 @@ end)
 
 test("bad dtypes are refused at the caller's line", function()
   local err = raises(function() pt.models.gpt2 { vocab = 8, seq = 4, dim = 4, heads = 1, layers = 1, dtype = "fp8" } end,
-                     "dtype 'fp8' is not a model dtype (expected float32, float64, bfloat16 or float16)")
+                     "dtype 'fp8' is not a model dtype (expected float32, float64, bfloat16 or float16; fp32, fp64, bf16 and fp16 name them too)")
   ok(err:find(THIS, 1, true), "names this file: " .. err)
   raises(function() pt.models.mlp { sizes = { 2, 2 }, dtype = 16 } end, "dtype")
+end)
+
+test("bf16, fp16, fp32 and fp64 name the model dtypes, and the tensor dtypes, as PyTorch users write them", function()
+  for alias, name in pairs { bf16 = "bfloat16", fp16 = "float16", fp32 = "float32", fp64 = "float64" } do
+    eq(pt.models.mlp({ sizes = { 2, 2 }, dtype = alias }):parameters()[1]:type(), name, "a model built in " .. alias)
+    eq(pt.zeros({ 2 }, { dtype = alias }):type(), name, "a tensor made in " .. alias)
+    eq(pt.nn.Linear(2, 2):to(alias).weight:type(), name, "a module converted to " .. alias)
+  end
 end)
 
 test("a float16 GPT-2 trains wherever it is built (LibTorch 2.11 has float16 kernels on the CPU too)", function()
