@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include "engine/util/files.hpp"
+#include "engine/util/jsonl.hpp"
 
 namespace partrain::app {
 
@@ -149,6 +150,8 @@ Metrics read_metrics(const std::string& path, const std::string& name, const Rea
     auto where = [&] { return path + ":" + std::to_string(number); };
     if (line.find_first_not_of(" \t\r") == std::string::npos) return;  // a blank line
     nonfinite_to_null(line);
+    TORCH_CHECK(util::json_depth(line) <= util::kMaxJsonDepth, where(), ": a JSON value nested deeper than ",
+                util::kMaxJsonDepth, " levels (a metrics file holds flat records: one JSON object a line)");
     auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (record.is_discarded()) {
       if (!complete) {  // a run killed while writing its last line

@@ -16,6 +16,7 @@
 
 #include "app/tools.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/jsonl.hpp"
 #include "engine/util/text.hpp"
 
 namespace partrain::app {
@@ -391,6 +392,8 @@ std::string header_table(const std::vector<Metrics>& runs) {
 // transfers, waits), the whole of each step as a frame behind them.
 std::string timeline(const std::string& path) {
   std::string text = util::read_regular(path, "trace (--trace)", kMaxTraceBytes);
+  TORCH_CHECK(util::json_depth(text) <= util::kMaxJsonDepth, "the trace '", path, "' nests deeper than ",
+              util::kMaxJsonDepth, " levels (expected the Chrome trace partrain --trace writes)");
   auto trace = nlohmann::json::parse(text, nullptr, false);
   TORCH_CHECK(!trace.is_discarded(), "the trace '", path, "' is not JSON (expected the Chrome trace partrain --trace writes)");
   const nlohmann::json* events = trace.is_array() ? &trace : nullptr;

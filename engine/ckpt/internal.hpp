@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/ckpt/ckpt.hpp"
+#include "engine/util/jsonl.hpp"
 
 namespace partrain::parallel {
 struct Sharding;
@@ -22,11 +23,10 @@ namespace partrain::ckpt::internal {
 
 constexpr int kMaxRank = 16;                        // dimensions of a tensor
 constexpr int64_t kMaxElements = int64_t(1) << 48;  // of one tensor
-constexpr int kMaxJsonDepth = 64;                   // of the user table and of a safetensors header
+using util::kMaxJsonDepth;                          // of the user table and of a safetensors header
+using util::json_depth;
 
 std::string join(const std::string& dir, const std::string& name);
-/// The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
-int json_depth(const std::string& text);
 uint32_t crc_of(const void* data, size_t n);
 /// The number of elements of `size`, or -1 when it passes kMaxElements.
 int64_t volume(const std::vector<int64_t>& size);

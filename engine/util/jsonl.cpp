@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -14,6 +15,27 @@
 #include "engine/util/files.hpp"
 
 namespace partrain::util {
+
+// The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
+int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 
 JsonLines::JsonLines(const std::string& path, const std::string& what) : path_(path), what_(what) {
   TORCH_CHECK(!path.empty(), "the ", what, " has an empty name");
@@ -73,7 +95,8 @@ size_t drop_records(const std::string& path, double drop_from, const std::string
     if (complete) {
       // A whole line that is no record: not a file of these records (a script or notes given by
       // mistake), which rewriting would destroy. Only a last line cut short by a crash is dropped.
-      auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      auto j = json_depth(line) <= kMaxJsonDepth ? nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false)
+                                                 : nlohmann::json(nlohmann::json::value_t::discarded);
       TORCH_CHECK(j.is_object(), "the ", what, " '", path, "' has a line ", number, " that is not a JSON record (",
                   line.substr(0, 40), line.size() > 40 ? "..." : "", "): it is not a file of partrain's records, and "
                   "is left as it is; name another file");
@@ -81,6 +104,13 @@ size_t drop_records(const std::string& path, double drop_from, const std::string
       if (keep && drop_from >= 0 && j.contains("step") && j["step"].is_number())
         keep = j["step"].get<double>() < drop_from;
     }
+    if (!complete && !line.empty() && json_depth(line) <= kMaxJsonDepth &&
+        !nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false).is_discarded())
+      // A whole JSON value without its newline was not cut short by a crash (a record lands with
+      // its newline in one write, and no prefix of a record parses): a JSON file given by mistake.
+      TORCH_CHECK(false, "the ", what, " '", path, "' ends with a JSON value on a line without its newline (",
+                  line.substr(0, 40), line.size() > 40 ? "..." : "", "): it is not a file of partrain's records, and "
+                  "is left as it is; name another file");
     if (keep) kept += line + '\n';
     else if (complete || !line.empty()) ++dropped;
   }

@@ -8,6 +8,14 @@
 
 namespace partrain::util {
 
+/// How deep any JSON text partrain reads may nest. nlohmann's parser recurses once a level, so a
+/// line of a few hundred thousand brackets (well below any size bound) overflows the stack: every
+/// reader checks json_depth first.
+constexpr int kMaxJsonDepth = 64;
+
+/// The deepest nesting of brackets in a JSON text (outside strings), counted before parsing.
+int json_depth(const std::string& text);
+
 /// An open JSON-lines file, appended to one line at a time.
 class JsonLines {
  public:

@@ -280,6 +280,13 @@ check "the script given as an output is intact" 0 "" -- cmp "$tmp/out/log.lua" "
 check "and the device is still one" 0 "" -- test -c /dev/null
 printf '{"step":1,"loss":1}\nnot a record\n' > "$tmp/out/notes.jsonl"
 check "a metrics file with a line that is not a record is left as it is, not rewritten" 1 "has a line 2 that is not a JSON record" -- "$bin" --metrics "$tmp/out/notes.jsonl" "$tmp/out/log.lua"
+printf '{"lr": 0.1, "steps": 100}' > "$tmp/out/config.json"; cp "$tmp/out/config.json" "$tmp/out/config.keep"
+check "a JSON file given as --metrics (one object, no newline) is refused, not emptied" 1 \
+  "ends with a JSON value on a line without its newline" -- "$bin" --metrics "$tmp/out/config.json" "$tmp/out/log.lua"
+check "and the JSON file is intact" 0 "" -- cmp "$tmp/out/config.json" "$tmp/out/config.keep"
+printf '{"step":1,"loss":1}\n{"step":2,"x":%s%s}\n' "$(printf '[%.0s' $(seq 3000))" "$(printf ']%.0s' $(seq 3000))" > "$tmp/out/deep.jsonl"
+check "a metrics file with a line nested 3000 deep is refused, not a crash" 1 "has a line 2 that is not a JSON record" \
+  -- "$bin" --metrics "$tmp/out/deep.jsonl" "$tmp/out/log.lua"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

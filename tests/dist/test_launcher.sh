@@ -217,5 +217,23 @@ has "$out" "released"; report $? "rank 0's printed line reaches the launcher's o
 out=$(handshake alone "$bin" --threads 1)
 has "$out" "released"; report $? "a single process's printed line reaches its output file while it runs" "$out"
 
+# --- a rank's output that never ends its line ------------------------------------------------
+# 64 MiB of progress redrawn with \r and no newline, on stdout and on stderr: relayed whole, in
+# bounded pieces (held for a newline, the relay had grown super-linearly: 240 MB took 35 s).
+cat >"$tmp/cr.lua" <<'LUA'
+local piece = ("p"):rep(1024 * 1024 - 1) .. "\r"
+for _ = 1, 64 do io.stdout:write(piece) end
+for _ = 1, 8 do io.stderr:write(piece) end
+io.stdout:flush(); io.stderr:flush()
+LUA
+start=$(date +%s)
+timeout 120 "$bin" --nproc-per-node 2 --threads 1 "$tmp/cr.lua" >"$tmp/cr.out" 2>"$tmp/cr.err"; status=$?
+took=$(( $(date +%s) - start ))
+report $(( status != 0 )) "a run printing 64 MiB without a newline ends cleanly (status $status, ${took} s)" "$(tail -c 300 "$tmp/cr.err")"
+bytes=$(wc -c <"$tmp/cr.out")
+report $(( bytes != 64 * 1024 * 1024 )) "rank 0's stdout is relayed byte for byte, untagged ($bytes bytes)" ""
+report $(( $(grep -c '^\[rank 1\]' "$tmp/cr.err") < 8 )) "each rank's stderr arrives tagged, in pieces" "$(head -c 300 "$tmp/cr.err")"
+report $(( took > 60 )) "within a minute (took ${took} s)" ""
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

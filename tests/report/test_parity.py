@@ -37,6 +37,11 @@ a = mf.write(os.path.join(tmp, "a.jsonl"), [mf.header()] + base)
 wobble = [dict(r, loss=r["loss"] * (1 + 1e-7 * (-1) ** r["step"])) for r in base]
 a2 = mf.write(os.path.join(tmp, "a2.jsonl"), [mf.header()] + wobble)
 changed = [dict(r, loss=r["loss"] * (1.01 if r["step"] >= 3 else 1)) for r in base]
+# Nesting far below the line-length bound had overflowed the parser's stack (SIGSEGV).
+deep = mf.write(os.path.join(tmp, "deep.jsonl"), [mf.header()] + base[:3] + ['{"step": 4, "x": ' + "[" * 200000 + "]" * 200000 + "}"])
+rc, text = parity(deep, deep)
+check("parity refuses a line nested 200,000 deep with its line, not a crash",
+      rc > 0 and "deep.jsonl:5: a JSON value nested deeper than 64 levels" in text, (rc, text[-500:]))
 c = mf.write(os.path.join(tmp, "c.jsonl"), [mf.header()] + changed)
 
 rc, out = parity(a, a)

@@ -93,6 +93,15 @@ rc, text = report(bad, "-o", os.path.join(tmp, "bad.html"))
 check("a bad line in the middle is refused with file:line", rc == 1 and f"{bad}:3: not a JSON object" in text, text)
 rc, text = report(mf.write(os.path.join(tmp, "arr.jsonl"), [mf.steps(1)[0], "[1, 2]"]), "-o", os.path.join(tmp, "x.html"))
 check("a JSON line that is not an object is refused with its line", rc == 1 and "arr.jsonl:2: not a JSON object" in text, text)
+# Nesting far below the line-length bound had overflowed the parser's stack (SIGSEGV).
+deep = '{"step": 2, "x": ' + "[" * 200000 + "]" * 200000 + "}"
+rc, text = report(mf.write(os.path.join(tmp, "deep.jsonl"), [mf.steps(1)[0], deep]), "-o", os.path.join(tmp, "x.html"))
+check("a line nested 200,000 deep is refused with its line, not a crash",
+      rc == 1 and "deep.jsonl:2: a JSON value nested deeper than 64 levels" in text, (rc, text[-500:]))
+rc, text = report(mf.write(os.path.join(tmp, "ok.jsonl"), mf.steps(5)), "-o", os.path.join(tmp, "x.html"), "--trace",
+                  mf.write(os.path.join(tmp, "deep.json"), ['{"traceEvents": ' + "[" * 200000 + "]" * 200000 + "}"]))
+check("a trace nested 200,000 deep is refused, not a crash", rc == 1 and "nests deeper than 64 levels" in text,
+      (rc, text[-500:]))
 rc, text = report(mf.write(os.path.join(tmp, "nostep.jsonl"), [{"loss": 1.0}]), "-o", os.path.join(tmp, "x.html"))
 check("a record with neither event nor step is refused", rc == 1 and "nostep.jsonl:1: a record with neither" in text, text)
 rc, text = report(mf.write(os.path.join(tmp, "strstep.jsonl"), [{"step": "ten", "loss": 1.0}]), "-o", os.path.join(tmp, "x.html"))
