@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <climits>
 #include <cerrno>
@@ -86,11 +87,58 @@ CLI::Validator non_empty(const std::string& what) {
                         "", "non-empty");
 }
 
+namespace {
+// The edit distance of two words (insertions, deletions, substitutions), for "did you mean".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The flag of `app` nearest to `word` ("--thread" -> "--threads"), or "" when none is near: a
+// third of the word's length at most, and at least 1.
+std::string nearest_flag(const CLI::App& app, const std::string& word) {
+  std::string best;
+  size_t best_distance = std::max<size_t>(1, word.size() / 3) + 1;
+  for (const CLI::Option* option : app.get_options()) {
+    std::vector<std::string> names;
+    for (const auto& n : option->get_lnames()) names.push_back("--" + n);
+    for (const auto& n : option->get_snames()) names.push_back("-" + n);
+    for (const auto& name : names) {
+      size_t d = edit_distance(word, name);
+      if (d < best_distance) best_distance = d, best = name;
+    }
+  }
+  return best;
+}
+}  // namespace
+
 int parse_failed(CLI::App& app, const CLI::ParseError& e) {
   if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
   std::string what = e.what();
   if (what.size() > 200) what = what.substr(0, 200) + "...";
-  std::cerr << "partrain: " << what << " (" << app.get_name() << " --help lists the flags)" << std::endl;
+  // An unexpected flag: the nearest of the flags this command has, when one is near.
+  std::string hint;
+  if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
+    auto colon = what.find(": ");
+    std::string word = colon == std::string::npos ? "" : what.substr(colon + 2);
+    word = word.substr(0, word.find(' '));
+    word = word.substr(0, word.find('='));
+    if (word.size() > 1 && word[0] == '-') {
+      std::string near = nearest_flag(app, word);
+      if (!near.empty()) hint = "; did you mean " + near + "?";
+    }
+  }
+  std::cerr << "partrain: " << what << hint << " (" << app.get_name() << " --help lists the flags)" << std::endl;
   return 1;
 }
 

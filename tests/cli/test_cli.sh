@@ -36,6 +36,8 @@ check "a mesh with an explicit data size says the ranks it needs" nonzero \
   "= 6 ranks, but the world has 1 (start it with partrain --nproc-per-node 6)" \
   -- "$bin" -e 'require("partrain").mesh { tensor = 3, data = 2 }' 
 check "--help lists every flag" 0 "--threads" -- "$bin" --help
+check "a misspelt flag gets the nearest one" 1 "--nproc-per-nod; did you mean --nproc-per-node?" -- "$bin" --nproc-per-nod 2 x.lua
+check "a misspelt plan flag gets plan's nearest" 1 "--jsn; did you mean --json?" -- "$bin" plan --world 2 --jsn x.lua
 check "--help lists -e" 0 "-e,--execute" -- "$bin" --help
 check "no script and no -e is an error" nonzero "nothing to run" -- "$bin"
 check "an unknown flag is an error" nonzero "--bogus" -- "$bin" --bogus

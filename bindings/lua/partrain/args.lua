@@ -142,6 +142,34 @@ for name in ([[check-collectives device execute hang-timeout interactive master-
 end
 
 -- The option values a config file returns, checked against the kinds: { key = value }.
+-- The edit distance of two words (insertions, deletions, substitutions).
+local function edit_distance(a, b)
+  local row = {}
+  for j = 0, #b do row[j] = j end
+  for i = 1, #a do
+    local diagonal = row[0]
+    row[0] = i
+    for j = 1, #b do
+      local up = row[j]
+      row[j] = math.min(row[j] + 1, row[j - 1] + 1, diagonal + (a:byte(i) == b:byte(j) and 0 or 1))
+      diagonal = up
+    end
+  end
+  return row[#b]
+end
+
+-- The word of `words` nearest to `word` ("--epoch" -> "--epochs"), or nil when none is within a
+-- third of its length (at least 1).
+local function nearest(words, word)
+  if #word > 64 then return nil end  -- no option is that long; and the distance costs its length
+  local best, best_distance = nil, math.max(1, math.floor(#word / 3)) + 1
+  for _, w in ipairs(words) do
+    local d = edit_distance(word, w)
+    if d < best_distance then best, best_distance = w, d end
+  end
+  return best
+end
+
 local function read_config(path, kinds, known)
   local text = core.files.read_config(path)
   if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
@@ -197,7 +225,9 @@ local function read_config(path, kinds, known)
     local key = k:gsub("%-", "_")
     local kind = kinds[key]
     if kind == nil then
-      error(("config file %s: unknown option '%s' (known: %s)"):format(where, k, table.concat(known, ", ")), 0)
+      local near = nearest(known, "--" .. tostring(k):gsub("_", "-"))
+      error(("config file %s: unknown option '%s' (known: %s)%s"):format(where, k, table.concat(known, ", "),
+        near and ("; did you mean %s?"):format(near:sub(3):gsub("%-", "_")) or ""), 0)
     end
     local good = (kind == "integer" and type(v) == "number" and v % 1 == 0) or (kind == "number" and type(v) == "number")
       or type(v) == kind
@@ -282,6 +312,10 @@ local function parse(spec, argv)
         and ("; --%s is partrain's own flag: it goes before the script (partrain --%s ... %s)"):format(name, name,
           arg and arg[0] or "script.lua")
         or ""
+      if hint == "" then
+        local near = nearest(known, "--" .. name)
+        if near then hint = ("; did you mean %s?"):format(near) end
+      end
       error(("unknown option --%s (known: %s)%s"):format(name, table.concat(known, ", "), hint), 0)
     end
     if value == nil then
