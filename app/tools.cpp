@@ -88,37 +88,14 @@ CLI::Validator non_empty(const std::string& what) {
 }
 
 namespace {
-// The edit distance of two words (insertions, deletions, substitutions), for "did you mean".
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
-
-// The flag of `app` nearest to `word` ("--thread" -> "--threads"), or "" when none is near: a
-// third of the word's length at most, and at least 1.
+// The flag of `app` nearest to `word` ("--thread" -> "--threads"), or "" when none is near.
 std::string nearest_flag(const CLI::App& app, const std::string& word) {
-  std::string best;
-  size_t best_distance = std::max<size_t>(1, word.size() / 3) + 1;
+  std::vector<std::string> names;
   for (const CLI::Option* option : app.get_options()) {
-    std::vector<std::string> names;
     for (const auto& n : option->get_lnames()) names.push_back("--" + n);
     for (const auto& n : option->get_snames()) names.push_back("-" + n);
-    for (const auto& name : names) {
-      size_t d = edit_distance(word, name);
-      if (d < best_distance) best_distance = d, best = name;
-    }
   }
-  return best;
+  return util::nearest_word(names, word);
 }
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include "bindings/lua.hpp"
 #include "engine/util/files.hpp"
 #include "engine/util/jsonl.hpp"
+#include "engine/util/text.hpp"
 
 namespace partrain::lua {
 
@@ -37,6 +38,18 @@ const Function kFiles[] = {
     // step stays when from_step < 0) and lines that are not whole JSON objects.
     {"jsonl_drop", [](Args& a) {
        return a.ret(double(util::drop_records(a.string(1), a.number(2), a.string(3, "metrics file"), kMaxMetricsBytes))); }},
+    // nearest_word(words, word) -> the word of the array `words` nearest to `word`, or nil (pt.args'
+    // "did you mean", util::nearest_word's rule).
+    {"nearest_word", [](Args& a) {
+       luaL_checktype(a.L, 1, LUA_TTABLE);
+       std::vector<std::string> words;
+       for (int i = 1, n = static_cast<int>(lua_objlen(a.L, 1)); i <= n; ++i) {
+         lua_rawgeti(a.L, 1, i);
+         if (lua_type(a.L, -1) == LUA_TSTRING) words.emplace_back(lua_tostring(a.L, -1));
+         lua_pop(a.L, 1);
+       }
+       std::string near = util::nearest_word(words, a.string(2));
+       return near.empty() ? a.ret() : a.ret(near); }},
     // read_config(path) -> the text of a config file: a regular file of at most 1 MiB.
     {"read_config", [](Args& a) { return a.ret(util::read_regular(a.string(1), "config file", kMaxConfigBytes)); }},
     // stdout_terminal() -> whether stdout is a terminal (under the launcher: whether rank 0's

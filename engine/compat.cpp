@@ -46,7 +46,7 @@ std::atomic<bool> cuda_asked{false};  // whether this process has asked a CUDA r
 bool cuda_available() {
   if (!kBuiltWithCuda) return false;  // a CPU build never calls into CUDA, whatever its LibTorch has
   bool yes = torch::cuda::is_available();
-  if (yes) cuda_asked = true;  // a CPU LibTorch answers without a CUDA runtime
+  if (yes) cuda_asked = true;  // no device found: nothing of CUDA's was started for a fork to inherit
   return yes;
 }
 

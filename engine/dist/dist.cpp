@@ -852,7 +852,7 @@ void check_device_spec(const std::string& spec) {
   int index = device_index_of(spec, 0);
   if (index < 0) return;
 #ifndef PARTRAIN_WITH_CUDA
-  // A CPU LibTorch answers without a CUDA runtime to start: a cuda device is refused now.
+  // A CPU build never starts CUDA (compat::cuda_available is false there): refused now.
   resolve_device(spec, 0);
 #else
   // Asking the CUDA runtime would start it in the launcher; the driver's devices tell whether

@@ -40,8 +40,8 @@ struct WorldOptions {
 /// An unknown device, or cuda without a CUDA device to match, is an error naming the value.
 torch::Device resolve_device(const std::string& spec, int local_rank);
 /// Checks a device spec (cpu, cuda, cuda:N) without starting a CUDA runtime: what the launcher
-/// checks, since the ranks it forks must find CUDA untouched. With a CUDA LibTorch only the
-/// spelling (each rank checks its index); with a CPU one, that a cuda device cannot be.
+/// checks, since the ranks it forks must find CUDA untouched. In a CUDA build, that the NVIDIA
+/// driver's devices exist (each rank checks its index); in a CPU build, that a cuda device cannot be.
 void check_device_spec(const std::string& spec);
 
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,

@@ -107,6 +107,14 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
                 "parameters' device (CPU, or CUDA in a CUDA build); this is ", compat::build_description(),
                 " with parameters on ", where.str(), ": drop fused, or give fused = \"auto\" to use it only "
                 "where it exists");
+    // The kernel walks each tensor's memory as one dense run: a parameter that is not contiguous
+    // (a transposed tensor handed over in a table) keeps the unfused update.
+    for (size_t i = 0; i < work_.size() && possible; ++i)
+      if (!work_[i].is_contiguous()) {
+        TORCH_CHECK(fused == "auto", k, ": fused = true needs contiguous parameters; parameter ", i + 1, " of shape ",
+                    work_[i].sizes(), " is not (make it with .contiguous(), or give fused = \"auto\")");
+        possible = false;
+      }
     fused_ = possible;
   }
   if (k == "sgd") {
@@ -368,10 +376,7 @@ void Optimizer::apply_lr(double lr) {
 }
 
 void Optimizer::update() {
-  // The fused kernel walks each tensor's memory as one dense run: a parameter that is not
-  // contiguous (a transposed tensor handed to the optimizer in a table) takes the unfused step.
-  const bool dense = std::all_of(work_.begin(), work_.end(), [](const torch::Tensor& w) { return w.is_contiguous(); });
-  if (!fused_ || !dense) {
+  if (!fused_) {
     impl_->step();
     return;
   }

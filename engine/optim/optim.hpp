@@ -41,8 +41,9 @@ struct OptimizerOptions {
   double clip_grad_norm = 0.0;   ///< clip gradients to this global L2 norm before a step; 0: off
   /// adamw only: "on" updates every tensor of a device and dtype in one fused kernel (LibTorch's
   /// _fused_adamw_: CPU parameters, or CUDA ones in a CUDA build), refused where that kernel is
-  /// not; "auto" (the default) uses it where it is; "off" runs LibTorch's torch::optim::AdamW, a
-  /// loop over the tensors: 2.2-2.6x slower on the CPU, equal within rounding (bench/torch2).
+  /// not or a parameter is not contiguous; "auto" (the default) uses it where it is (for sgd and
+  /// adam, never); "off" runs LibTorch's torch::optim::AdamW, a loop over the tensors: 2.2-2.6x
+  /// slower on the CPU, equal within rounding (bench/torch2).
   std::string fused = "auto";
   ScheduleOptions schedule;      ///< how lr changes with the step count
   LossScaleOptions loss_scale;   ///< kind "none": no loss scaling

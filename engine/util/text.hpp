@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 
@@ -20,5 +21,10 @@ std::string unsigned_nan(std::string text);
 /// An exception's message without LibTorch's C++ backtrace, a NaN in it written "nan" as Lua
 /// writes it (C++ streams write one with its sign bit set "-nan").
 std::string message_of(const std::exception& e);
+
+/// The word of `words` nearest to `word` in edit distance, for "did you mean" ("--thread" ->
+/// "--threads"), or "" when none is within a third of its length (at least 1). A word of over 64
+/// characters gets none: no name is that long, and the distance costs its length.
+std::string nearest_word(const std::vector<std::string>& words, const std::string& word);
 
 }  // namespace partrain::util

@@ -100,7 +100,8 @@ local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when 
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 },
-  loss_scale = (cfg.dtype == "float16" or cfg.dtype == "fp16") and "dynamic" or nil })   -- float16's small gradients need loss scaling
+  -- float16's small gradients need loss scaling: read from the model, whichever name --dtype gave
+  loss_scale = model:parameters()[1]:type() == "float16" and "dynamic" or nil })
 local sharded = opt:zero()  -- nil without ZeRO
 print(("%s: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s"):format(
   cfg.model, cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),

@@ -174,12 +174,20 @@ test("fused AdamW takes gradients and parameters laid out otherwise (transposed,
     end
     return w
   end
-  for _, transposed in ipairs { false, true } do
-    local fused, plain = run(true, transposed), run(false, transposed)
+  -- A transposed parameter: "auto" keeps the unfused update (and says so), true is refused.
+  for _, case in ipairs { { false, true }, { true, "auto" } } do
+    local transposed, fused_option = case[1], case[2]
+    local fused, plain = run(fused_option, transposed), run(false, transposed)
     local d = (fused - plain):abs():max():item()
-    ok(d <= 1e-12, ("a %s parameter: fused and unfused differ by %.3g after 3 steps"):format(
-      transposed and "transposed" or "contiguous", d))
+    ok(d <= 1e-12, ("a %s parameter: fused = %s and unfused differ by %.3g after 3 steps"):format(
+      transposed and "transposed" or "contiguous", tostring(fused_option), d))
   end
+  local t = pt.randn({ 3, 4 }, { dtype = "float64" }):t():detach():requires_grad_(true)
+  eq(pt.optim.adamw({ t }, { fused = "auto" }):fused(), false, "auto keeps a transposed parameter unfused")
+  eq(pt.optim.adamw({ pt.randn({ 4, 3 }):requires_grad_(true) }, { fused = "auto" }):fused(), true,
+     "auto fuses a contiguous one")
+  raises(function() pt.optim.adamw({ t }, { fused = true }) end,
+         "fused = true needs contiguous parameters; parameter 1 of shape [4, 3] is not")
 end)
 
 test("bad optimizer input is refused by name", function()

@@ -141,35 +141,11 @@ for name in ([[check-collectives device execute hang-timeout interactive master-
   partrain_flags[name] = true
 end
 
+-- The word of `words` nearest to `word` ("--epoch" -> "--epochs"), or nil (the engine's rule:
+-- within a third of its length).
+local function nearest(words, word) return core.files.nearest_word(words, word) end
+
 -- The option values a config file returns, checked against the kinds: { key = value }.
--- The edit distance of two words (insertions, deletions, substitutions).
-local function edit_distance(a, b)
-  local row = {}
-  for j = 0, #b do row[j] = j end
-  for i = 1, #a do
-    local diagonal = row[0]
-    row[0] = i
-    for j = 1, #b do
-      local up = row[j]
-      row[j] = math.min(row[j] + 1, row[j - 1] + 1, diagonal + (a:byte(i) == b:byte(j) and 0 or 1))
-      diagonal = up
-    end
-  end
-  return row[#b]
-end
-
--- The word of `words` nearest to `word` ("--epoch" -> "--epochs"), or nil when none is within a
--- third of its length (at least 1).
-local function nearest(words, word)
-  if #word > 64 then return nil end  -- no option is that long; and the distance costs its length
-  local best, best_distance = nil, math.max(1, math.floor(#word / 3)) + 1
-  for _, w in ipairs(words) do
-    local d = edit_distance(word, w)
-    if d < best_distance then best, best_distance = w, d end
-  end
-  return best
-end
-
 local function read_config(path, kinds, known)
   local text = core.files.read_config(path)
   if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
