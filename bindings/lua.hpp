@@ -24,6 +24,10 @@ namespace partrain::optim {
 class Optimizer;
 }
 
+namespace partrain::nn {
+struct InitOp;
+}
+
 namespace partrain::parallel {
 class DataParallel;
 }
@@ -330,5 +334,13 @@ void push_module(lua_State* L, const std::shared_ptr<nn::Module>& m);
 c10::ScalarType parse_dtype(const std::string& name);
 bool is_dtype_name(const std::string& name);
 using util::dtype_name;
+
+/// Argument 1's in-place initialization, already done: recorded too when argument 1 is a meta
+/// tensor of a deferred build (not the planner's), to be replayed when it is materialized
+/// (nn::init_). Returns argument 1.
+int record_init(Args& a, const char* what, const nn::InitOp& op);
+/// Refuses `what` on argument 1 when it is a meta tensor of a deferred build: it reads another
+/// tensor's values, which materialization cannot replay.
+void refuse_deferred(Args& a, const char* what);
 
 }  // namespace partrain::lua

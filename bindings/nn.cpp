@@ -847,33 +847,38 @@ Kaiming kaiming_options(Args& a, const char* what) {
   o.finish();
   return k;
 }
+// Each initializer done at once, or recorded for a deferred build's meta tensor (record_init).
+int initialize(Args& a, const char* what, nn::InitOp op) {
+  Tensor& t = init_target(a);
+  if (!t.is_meta()) {
+    try {
+      nn::apply_init(t, op);
+    } catch (const c10::Error& e) {
+      a.fail(1, std::string(what) + ": " + e.what_without_backtrace());
+    }
+  }
+  return record_init(a, what, op);
+}
+using Kind = nn::InitOp::Kind;
+int kaiming(Args& a, const char* what, Kind kind) {  // (t [, { a = 0, mode = "fan_in", nonlinearity = "leaky_relu" }])
+  auto k = kaiming_options(a, what);
+  return initialize(a, what, {kind, init::calculate_gain(k.nonlinearity, k.slope),
+                              std::holds_alternative<torch::enumtype::kFanOut>(k.mode) ? 1.0 : 0.0});
+}
 const Function kInit[] = {
-    {"normal_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::normal_(init_target(a), a.number(2, 0), a.number(3, 1))); }},
-    {"uniform_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::uniform_(init_target(a), a.number(2, 0), a.number(3, 1))); }},
-    {"constant_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::constant_(init_target(a), a.scalar(2))); }},
-    {"zeros_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::zeros_(init_target(a))); }},
-    {"ones_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::ones_(init_target(a))); }},
-    {"xavier_uniform_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::xavier_uniform_(init_target(a), a.number(2, 1))); }},
-    {"xavier_normal_", [](Args& a) { torch::NoGradGuard g; return a.ret(init::xavier_normal_(init_target(a), a.number(2, 1))); }},
-    {"kaiming_uniform_", [](Args& a) {  // (t [, { a = 0, mode = "fan_in", nonlinearity = "leaky_relu" }])
-       auto k = kaiming_options(a, "kaiming_uniform_");
-       torch::NoGradGuard g;
-       return a.ret(init::kaiming_uniform_(init_target(a), k.slope, k.mode, k.nonlinearity)); }},
-    {"kaiming_normal_", [](Args& a) {
-       auto k = kaiming_options(a, "kaiming_normal_");
-       torch::NoGradGuard g;
-       return a.ret(init::kaiming_normal_(init_target(a), k.slope, k.mode, k.nonlinearity)); }},
+    {"normal_", [](Args& a) { return initialize(a, "normal_", {Kind::normal, a.number(2, 0), a.number(3, 1)}); }},
+    {"uniform_", [](Args& a) { return initialize(a, "uniform_", {Kind::uniform, a.number(2, 0), a.number(3, 1)}); }},
+    {"constant_", [](Args& a) { return initialize(a, "constant_", {Kind::constant, a.number(2)}); }},
+    {"zeros_", [](Args& a) { return initialize(a, "zeros_", {Kind::constant, 0}); }},
+    {"ones_", [](Args& a) { return initialize(a, "ones_", {Kind::constant, 1}); }},
+    {"xavier_uniform_", [](Args& a) { return initialize(a, "xavier_uniform_", {Kind::xavier_uniform, a.number(2, 1)}); }},
+    {"xavier_normal_", [](Args& a) { return initialize(a, "xavier_normal_", {Kind::xavier_normal, a.number(2, 1)}); }},
+    {"kaiming_uniform_", [](Args& a) { return kaiming(a, "kaiming_uniform_", Kind::kaiming_uniform); }},
+    {"kaiming_normal_", [](Args& a) { return kaiming(a, "kaiming_normal_", Kind::kaiming_normal); }},
     {"trunc_normal_", [](Args& a) {  // (t [, mean = 0, std = 1, a = -2, b = 2]): normal, redrawn into [a, b]
        double mean = a.number(2, 0), std = a.number(3, 1), lo = a.number(4, -2), hi = a.number(5, 2);
        if (!(std > 0) || !(lo < hi)) a.fail(3, "trunc_normal_ needs std > 0 and a < b");
-       Tensor& t = init_target(a);
-       torch::NoGradGuard g;
-       // PyTorch's method: uniform in [cdf(a), cdf(b)], then the inverse normal CDF.
-       auto cdf = [](double x) { return (1 + std::erf(x / std::sqrt(2.0))) / 2; };
-       double l = cdf((lo - mean) / std), u = cdf((hi - mean) / std);
-       t.uniform_(2 * l - 1, 2 * u - 1);
-       t.erfinv_().mul_(std * std::sqrt(2.0)).add_(mean).clamp_(lo, hi);
-       return a.ret(t); }},
+       return initialize(a, "trunc_normal_", {Kind::trunc_normal, mean, std, lo, hi}); }},
     {nullptr, nullptr}};
 
 void open_nn(lua_State* L, int core) {

@@ -12,6 +12,7 @@
 #include "bindings/lua.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
+#include "engine/nn/init.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/text.hpp"
@@ -178,6 +179,36 @@ void refuse_split_logits(const Args& a, const char* op, c10::optional<int64_t> d
 
 #define T(i) a.tensor(i)
 
+// True when argument 1 is a meta tensor of a deferred build: the planner's are meta too, but are
+// never materialized.
+bool deferred_meta(const Args& a) {
+  const auto& t = a.tensor(1);
+  return t.is_meta() && !plan::planning();
+}
+
+}  // namespace
+
+int record_init(Args& a, const char* what, const nn::InitOp& op) {
+  if (deferred_meta(a)) {
+    try {
+      nn::init_(a.tensor(1), op);
+    } catch (const c10::Error& e) {
+      a.fail(1, std::string(what) + ": " + e.what_without_backtrace());
+    }
+  }
+  lua_settop(a.L, 1);
+  return 1;
+}
+
+void refuse_deferred(Args& a, const char* what) {
+  if (deferred_meta(a))
+    a.fail(1, std::string(what) + " on a meta tensor of a deferred build cannot be replayed when the model is "
+           "materialized (its values come from its name's generator): initialize it with numbers (pt.nn.init, fill_, "
+           "mul_, ...), or load the values after pt.parallelize (a checkpoint, import_safetensors)");
+}
+
+namespace {
+
 const Function kMethods[] = {
     // shape and type
     {"size", [](Args& a) { return a.none(2) ? push_ints(a.L, T(1).sizes()) : a.ret(double(T(1).size(a.integer(2)))); }},
@@ -314,13 +345,28 @@ const Function kMethods[] = {
     {"softmax", [](Args& a) { refuse_split_logits(a, "softmax", a.integer(2)); return a.ret(T(1).softmax(a.integer(2))); }},
     {"log_softmax", [](Args& a) { refuse_split_logits(a, "log_softmax", a.integer(2)); return a.ret(T(1).log_softmax(a.integer(2))); }},
     // in place
-    {"fill_", [](Args& a) { return a.ret(T(1).fill_(a.scalar(2))); }},
-    {"zero_", [](Args& a) { return a.ret(T(1).zero_()); }},
-    {"copy_", [](Args& a) { return a.ret(T(1).copy_(T(2))); }},
-    {"add_", [](Args& a) { return a.ret(T(1).add_(a.tensor_or_number(2, T(1)))); }},
-    {"mul_", [](Args& a) { return a.ret(T(1).mul_(a.tensor_or_number(2, T(1)))); }},
-    {"uniform_", [](Args& a) { return a.ret(T(1).uniform_(a.number(2, 0), a.number(3, 1))); }},
-    {"normal_", [](Args& a) { return a.ret(T(1).normal_(a.number(2, 0), a.number(3, 1))); }},
+    // Done on a deferred build's meta tensor too, they are also recorded and replayed when it is
+    // materialized (bindings: record_init); what reads another tensor's values cannot be, and is
+    // refused there.
+    {"fill_", [](Args& a) { T(1).fill_(a.scalar(2)); return record_init(a, "fill_", {nn::InitOp::Kind::constant, a.number(2)}); }},
+    {"zero_", [](Args& a) { T(1).zero_(); return record_init(a, "zero_", {nn::InitOp::Kind::constant, 0}); }},
+    {"copy_", [](Args& a) {
+       refuse_deferred(a, "copy_ (of another tensor's values)");
+       return a.ret(T(1).copy_(T(2))); }},
+    {"add_", [](Args& a) {
+       if (!a.is_number(2)) refuse_deferred(a, "add_ of a tensor");
+       T(1).add_(a.tensor_or_number(2, T(1)));
+       return record_init(a, "add_", {nn::InitOp::Kind::add, a.is_number(2) ? a.number(2) : 0}); }},
+    {"mul_", [](Args& a) {
+       if (!a.is_number(2)) refuse_deferred(a, "mul_ by a tensor");
+       T(1).mul_(a.tensor_or_number(2, T(1)));
+       return record_init(a, "mul_", {nn::InitOp::Kind::mul, a.is_number(2) ? a.number(2) : 1}); }},
+    {"uniform_", [](Args& a) {
+       T(1).uniform_(a.number(2, 0), a.number(3, 1));
+       return record_init(a, "uniform_", {nn::InitOp::Kind::uniform, a.number(2, 0), a.number(3, 1)}); }},
+    {"normal_", [](Args& a) {
+       T(1).normal_(a.number(2, 0), a.number(3, 1));
+       return record_init(a, "normal_", {nn::InitOp::Kind::normal, a.number(2, 0), a.number(3, 1)}); }},
     // autograd
     {"backward", [](Args& a) {
        plan::forward_ends();  // the first step's activations: what its forward left allocated

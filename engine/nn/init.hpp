@@ -26,34 +26,68 @@ torch::ScalarType model_dtype(const std::string& name);
 /// Draws a base seed from the global generator (pt.manual_seed fixes it) and gives it to `root`.
 void draw_init_seed(Module& root);
 
-/// The logical tensor called `name` in `root` (its canonical name: a tied tensor's first name in
-/// tree order), of `shape`, as initialization makes it: float32 on the CPU, filled by the root's
-/// init_tensor or else by `owner`'s reset_tensor(`local`) from the generator of (seed, name).
-Tensor initial_tensor(const Module& root, const std::string& name, at::IntArrayRef shape, const Module& owner,
-                      const std::string& local);
+/// One in-place initialization of a whole tensor (pt.nn.init's functions, and a tensor's own
+/// fill_, zero_, add_, mul_, uniform_, normal_ with numbers). Done at once on a real tensor; asked
+/// of a meta tensor (a deferred build), it is recorded and replayed when the tensor is
+/// materialized, drawing from that tensor's generator of (seed, name).
+struct InitOp {
+  enum class Kind { normal, uniform, constant, add, mul, xavier_uniform, xavier_normal, kaiming_uniform,
+                    kaiming_normal, trunc_normal };
+  Kind kind;
+  /// normal: mean, std; uniform: low, high; constant, add, mul: the value; xavier: gain;
+  /// kaiming: gain, then b = 1 for fan_out (0: fan_in); trunc_normal: mean, std, low, high.
+  double a = 0, b = 0, c = 0, d = 0;
+  /// Whether it sets every element whatever the tensor held (the layer's own initialization is
+  /// then not needed first).
+  bool overwrites() const { return kind != Kind::add && kind != Kind::mul; }
+};
+
+/// Applies `op` to `t` under no_grad, drawing from `gen` (none: the global generator). The fans
+/// of xavier and kaiming are PyTorch's (dimension 1 / dimension 0, times the rest).
+void apply_init(Tensor& t, const InitOp& op, c10::optional<at::Generator> gen = c10::nullopt);
+
+/// Applies `op` to `t` now, or, when `t` is a meta tensor, records it for materialization
+/// (init_plan). A view of a meta tensor is refused: what is replayed is a whole tensor's.
+void init_(Tensor& t, const InitOp& op);
+
+/// The initializations recorded for meta tensor `t` (init_), in order; empty for any other.
+std::vector<InitOp> recorded_inits(const Tensor& t);
+
+/// How one meta tensor of a tree gets its values: captured from the tree as it was built, before
+/// tensor parallelism replaces its layers or a pipeline cut drops a tie's other names.
+struct TensorInit {
+  std::string name;                      ///< its canonical name (a tie's first in tree order): seeds it
+  std::shared_ptr<const Module> owner;   ///< the module holding it under that name (its reset_tensor)
+  std::string local;                     ///< its name in `owner`
+  std::vector<InitOp> ops;               ///< what the build asked of it after the layer's own init
+};
+/// Every dotted name of a meta tensor of `root` (a tie's every name) to how it is initialized.
+using InitPlan = std::unordered_map<std::string, TensorInit>;
+InitPlan init_plan(Module& root);
+
+/// The logical tensor `init` describes in `root`, of `shape`, as initialization makes it: float32
+/// on the CPU, drawn from the generator of (root's seed, init.name): the root's init_tensor, or
+/// else the owner's reset_tensor (skipped when the first recorded op sets every element), then
+/// the recorded ops in order.
+Tensor initial_tensor(const Module& root, const TensorInit& init, at::IntArrayRef shape);
 
 /// One meta tensor to materialize: where it sits and what it is.
 struct MetaTensor {
-  std::string name;       ///< its canonical dotted name (seeds its generator)
-  const Module* owner;    ///< the module holding it
-  std::string local;      ///< its name in `owner`
-  Tensor meta;            ///< the meta tensor (its shape, dtype, requires_grad)
+  std::string name;          ///< its dotted name in the tree as it is now
+  const Module* owner;       ///< the module holding it now
+  std::string local;         ///< its name in `owner`
+  Tensor meta;               ///< the meta tensor (its shape, dtype, requires_grad)
+  const TensorInit* init;    ///< how it is initialized
 };
 
 /// Allocates every meta parameter of `root` and initializes it by name, one tensor at a time
 /// (peak memory: one tensor), ties kept. A meta buffer is refused by name (LibTorch cannot give
 /// a buffer a new tensor object). `make` turns a meta tensor into its real value; the
-/// default is initial_tensor in the meta tensor's shape and dtype on `device`. `canonical` maps a
-/// dotted name to the name that seeds it (the ties the tree had before a pipeline cut dropped the
-/// other names); names not in it are canonical in the tree as it is. Throws, naming the tensor,
-/// when root has no init seed.
+/// default is initial_tensor in the meta tensor's shape and dtype on `device`. `plan`: how each
+/// tensor is initialized, captured before the tree changed (a pipeline cut, tensor parallelism);
+/// null: init_plan(root). Throws, naming the tensor, when root has no init seed.
 void materialize(Module& root, torch::Device device,
-                 const std::function<Tensor(const MetaTensor&)>& make = nullptr,
-                 const std::unordered_map<std::string, std::string>& canonical = {});
-
-/// For each tensor of a tied group, the group's first name in tree order (what materialize seeds
-/// it by); names of untied tensors are left out.
-std::unordered_map<std::string, std::string> canonical_names(const Module& root);
+                 const std::function<Tensor(const MetaTensor&)>& make = nullptr, const InitPlan* plan = nullptr);
 
 /// Whether any parameter or buffer of `root` is on the meta device.
 bool has_meta(const Module& root);

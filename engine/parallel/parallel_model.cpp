@@ -143,13 +143,13 @@ struct SyncOnlyIf {
 
 // ---- The composer ----------------------------------------------------------------------------
 
-void materialize_local(nn::Module& root, const std::unordered_map<std::string, std::string>& canonical) {
+void materialize_local(nn::Module& root, const nn::InitPlan& plan) {
   const auto device = dist::World::instance().device();
   nn::materialize(root, device, [&](const nn::MetaTensor& t) {
     const auto* s = t.owner->sharding_of(t.local);
-    auto full = nn::initial_tensor(root, t.name, s ? c10::IntArrayRef(s->shape) : t.meta.sizes(), *t.owner, t.local);
+    auto full = nn::initial_tensor(root, *t.init, s ? c10::IntArrayRef(s->shape) : t.meta.sizes());
     return (s ? local_part(full, *s, s->group->rank()) : full).to(device, t.meta.scalar_type());
-  }, canonical);
+  }, &plan);
 }
 
 std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
@@ -186,6 +186,9 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
       p.sample = torch::Tensor();  // the user's batch is not kept
     }
   }
+  // A model built deferred is initialized as its serial tree says (each tensor's layer, the
+  // initializations its build asked for, a tie's first name): captured before 1 and 2 change it.
+  const auto init_plan = plan::planning() ? nn::InitPlan() : nn::init_plan(tree);
   // 1. Tensor and sequence parallelism, by the policy: layers are replaced by their parallel
   //    forms, cut from the serial weights. Everything after sees the split tree.
   if (options.tensor_parallel) options.tensor_parallel(tree, *model->mesh_);
@@ -197,14 +200,12 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   TORCH_CHECK(pp == 1 || options.data_parallel.grad_accumulation == 1, "parallelize: grad_accumulation=",
               options.data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over "
               "its micro-batches (one gradient sync a step); raise microbatches instead");
-  //    A tied tensor keeps the name it had before the cut (its first in tree order) for 3.
-  auto canonical = nn::canonical_names(tree);
   if (pp > 1) model->pipeline_ = Pipeline::cut(tree, *model->mesh_, std::move(*options.pipeline));
   // 3. A model built deferred (on the meta device) gets its tensors now, only those this rank
   //    holds: each initialized by name as the serial model (the logical tensor, then this rank's
   //    slice of a split one), one at a time. The planner keeps them on the meta device.
   if (!plan::planning() && nn::has_meta(tree)) {
-    materialize_local(tree, canonical);
+    materialize_local(tree, init_plan);
     if (model->pipeline_) model->pipeline_->rebind(tree);  // its ties held the meta tensors
   }
   // 4. The records: one per parameter, from the tree as the policy left it. A tie between tensors

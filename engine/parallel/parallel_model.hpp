@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/dist/mesh.hpp"
+#include "engine/nn/init.hpp"
 #include "engine/nn/module.hpp"
 #include "engine/optim/loss_scale.hpp"
 #include "engine/parallel/data_parallel.hpp"
@@ -60,9 +61,10 @@ const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path = 
 
 /// Allocates every meta parameter and buffer `root` holds on this rank's device, initialized by
 /// name as the serial model is (nn::initial_tensor): a split tensor's logical tensor is made, then
-/// this rank's slice of it kept, one tensor at a time. `canonical`: the names that seed tied
-/// tensors (nn::canonical_names before a pipeline cut dropped a tie's other names).
-void materialize_local(nn::Module& root, const std::unordered_map<std::string, std::string>& canonical = {});
+/// this rank's slice of it kept, one tensor at a time. `plan`: how each tensor is initialized,
+/// captured from the serial tree (nn::init_plan) before tensor parallelism replaced its layers and
+/// a pipeline cut dropped a tie's other names.
+void materialize_local(nn::Module& root, const nn::InitPlan& plan);
 
 /// What a training step computes (model:train_step's options).
 struct TrainStepOptions {

@@ -25,12 +25,13 @@ using Named = std::vector<std::pair<std::string, nn::ModulePtr>>;
 class Allocated {
  public:
   Allocated(nn::Module& root, const Named& modules, torch::Device device) {
+    const auto plan = nn::init_plan(root);
     for (const auto& [prefix, top] : modules)
       for (const auto& [path, m] : top->modules()) {
         auto visit = [&, &path = path, &m = m](const std::string& local, const torch::Tensor& t, bool parameter) {
           if (!t.defined() || !t.is_meta()) return;
           auto name = prefix + (path.empty() ? "" : "." + path) + "." + local;
-          auto value = nn::initial_tensor(root, name, t.sizes(), *m, local).to(device, t.scalar_type());
+          auto value = nn::initial_tensor(root, plan.at(name), t.sizes()).to(device, t.scalar_type());
           if (parameter) value = value.detach().requires_grad_(t.requires_grad());
           m->replace_tensor(local, value);
           saved_.push_back({m, local, t});

@@ -73,6 +73,54 @@ test("the MLP family, and chains built in Lua: deferred equals normal, each laye
   eq(one:get("1").weight:sum():item(), 8, "LayerNorm: weight 1")
 end)
 
+test("a Lua module's __init initialization is replayed when a deferred build is materialized", function()
+  local Net = pt.nn.Module("InitNet")
+  function Net:__init()
+    self.emb = pt.nn.Embedding(40, 16)
+    pt.nn.init.normal_(self.emb.weight, 0, 0.02)
+    self.fc = pt.nn.Linear(16, 16)
+    pt.nn.init.zeros_(self.fc.bias)
+    pt.nn.init.xavier_uniform_(self.fc.weight, 2)
+    pt.no_grad(function() self.fc.weight:mul_(0.5):add_(1) end)
+    self.head = pt.nn.Linear(16, 40, { bias = false })
+    self.head.weight = self.emb.weight
+    self:register_parameter("scale", pt.zeros({ 16 }):to("meta"))
+    pt.nn.init.ones_(self.scale)  -- a Lua module's own meta parameter, set whole: initialized by name
+  end
+  function Net:forward(x) return self.head(self.fc(self.emb(x)) * self.scale) end
+  pt.manual_seed(8)
+  local m = pt.deferred(function() return Net() end):materialize()
+  local std = m.emb.weight:std():item()
+  ok(math.abs(std - 0.02) < 0.004, "normal_(0, 0.02) kept, not Embedding's N(0, 1): std " .. std)
+  eq(m.fc.bias:abs():sum():item(), 0, "zeros_ kept")
+  local bound = 2 * math.sqrt(6 / 32)  -- xavier_uniform_ with gain 2, then * 0.5 + 1
+  local w = m.fc.weight
+  ok(w:min():item() >= 1 - bound / 2 and w:max():item() <= 1 + bound / 2 and w:max():item() > 1 + 0.8 * bound / 2,
+     "xavier_uniform_, mul_, add_ replayed in order")
+  ok(m.head.weight:equal(m.emb.weight), "the tie holds the embedding's initialization")
+  eq(m.scale:sum():item(), 16, "ones_ on the module's own meta parameter")
+  pt.manual_seed(8)
+  same(pt.deferred(function() return Net() end):materialize(), m, "the same deferred build, again")
+  -- Built normally, the same initializers run at once on real tensors.
+  pt.manual_seed(8)
+  local real = pt.nn.Linear(16, 16)
+  pt.nn.init.kaiming_normal_(real.weight, { mode = "fan_out", nonlinearity = "relu" })
+  local kstd = real.weight:std():item()
+  ok(math.abs(kstd - math.sqrt(2 / 16)) < 0.05, "kaiming_normal_ fan_out relu: std " .. kstd)
+end)
+
+test("in-place ops a deferred build cannot replay are refused, naming them", function()
+  local function refused(body, what)
+    raises(function() pt.deferred(function() local l = pt.nn.Linear(4, 4); body(l); return l end) end, what)
+  end
+  refused(function(l) pt.no_grad(function() l.weight:copy_(pt.ones(4, 4)) end) end,
+          "copy_ (of another tensor's values) on a meta tensor of a deferred build cannot be replayed")
+  refused(function(l) pt.no_grad(function() l.weight:mul_(pt.ones(4, 4)) end) end, "mul_ by a tensor on a meta tensor")
+  refused(function(l) pt.no_grad(function() l.weight:narrow(0, 0, 2):fill_(1) end) end,
+          "fill_: an in-place initialization of part of a meta tensor")
+  refused(function(l) l.weight:mul_(2) end, "leaf Variable that requires grad")  -- as when built normally
+end)
+
 test("what cannot be initialized by name is refused, naming it", function()
   local Scale = pt.nn.Module("Scale")
   function Scale:__init() self:register_parameter("s", pt.zeros({ 2 }):to("meta")) end
