@@ -225,8 +225,17 @@ const Function kTensorParallel[] = {
        return a.ret(parallel::gather_split_logits(t, *s)); }},
     {"_align", [](Args& a) {  // _align(model, group): group rank 0's weights everywhere; whether they differed
        return a.ret(parallel::align_to_first_rank(*a.module(1), group(a, 2))); }},
-    {"_probe", [](Args& a) {  // _probe(model, { inputs... }): a probe record (see engine/parallel/probe.hpp)
-       auto record = parallel::run_probe(*a.module(1), a.tensors(2));
+    {"_probe", [](Args& a) {  // _probe(model, { inputs... } [, { reference, slice } [, serial]]): a probe record
+       parallel::ProbeOptions options;                // (see engine/parallel/probe.hpp)
+       if (!a.none(3)) {
+         Options o(a, 3, "_probe");
+         options.reference = o.boolean("reference", false);
+         options.slice = o.string("slice", "");
+         o.finish();
+       }
+       auto* serial = a.none(4) ? nullptr : ud_test<ProbePtr>(a.L, 4, PT_PROBE_MT);
+       if (!a.none(4) && !serial) a.expected(4, "probe record");
+       auto record = parallel::run_probe(*a.module(1), a.tensors(2), options, serial ? serial->get() : nullptr);
        ud_push(a.L, std::make_shared<parallel::ProbeRecord>(std::move(record)), PT_PROBE_MT);
        return 1; }},
     {"_probe_compare", [](Args& a) {  // _probe_compare(serial, sharded, vocab_head): nil, or what differs
@@ -237,6 +246,7 @@ const Function kTensorParallel[] = {
        auto d = parallel::compare_probes(**serial, **sharded, a.boolean(3, false));
        if (d.empty()) { lua_pushnil(a.L); return 1; }
        return a.ret(d); }},
+    {"_repeated_blocks", [](Args& a) { return a.ret(parallel::repeated_blocks(*a.module(1))); }},
     {"_probe_input", [](Args& a) {  // _probe_input(shape, high (0: floats), dtype, device)
        return a.ret(parallel::probe_input(a.ints(1), a.integer(2), parse_dtype(a.string(3)), torch::Device(a.string(4)))); }},
     {"copy_to", [](Args& a) { return a.ret(parallel::copy_to_tensor_region(a.tensor(1), group(a, 2))); }},

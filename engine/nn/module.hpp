@@ -197,6 +197,8 @@ class Module : public torch::nn::Module {
   /// parameters added since are dropped; a buffer added since stays: LibTorch cannot remove one),
   /// the attributes, the forward. The training flag is left to the caller (train() recurses).
   void restore_slots(const Slots& slots);
+  /// Drops every child after the first `n` (a probe's slice; restore_slots puts them back).
+  void keep_children(size_t n);
 
  protected:
   /// For overrides of forward(inputs): when the forward was replaced (and not bypassed by

@@ -89,6 +89,12 @@ void Module::restore_slots(const Slots& s) {
   replaced_ = s.replaced;
 }
 
+void Module::keep_children(size_t n) {
+  auto children = children_named();
+  for (size_t i = n; i < children.size(); ++i) unregister_module(children[i].first);
+  child_index_built_ = false;
+}
+
 void Module::expect_inputs(const std::vector<Tensor>& inputs, size_t n) const {
   TORCH_CHECK(inputs.size() == n, type_, " takes ", n, " input", n == 1 ? "" : "s", ", got ",
               inputs.size());

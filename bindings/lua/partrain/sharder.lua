@@ -184,10 +184,11 @@ local function probe_inputs(model, cfg)
     if kind == "Linear" or kind == "Embedding" then
       local w = m.weight
       if not w then return nil end
-      if kind == "Linear" then return { core.tp._probe_input({ 2, w.shape[2] }, 0, w.dtype, w.device) } end
+      local device = w.device == "meta" and pt.device() or w.device  -- a deferred model: made for the probe
+      if kind == "Linear" then return { core.tp._probe_input({ 2, w.shape[2] }, 0, w.dtype, device) } end
       local t, seq, T = cfg.tensor, model:attribute("seq"), 2 * cfg.tensor
       if seq and seq < T then T = seq >= t and t or seq end
-      return { core.tp._probe_input({ 2, T }, w.shape[1], "int64", w.device) }
+      return { core.tp._probe_input({ 2, T }, w.shape[1], "int64", device) }
     end
   end
   return nil
@@ -195,9 +196,24 @@ end
 
 local function probing(model, cfg)
   if cfg.probe == false or core.plan.planning() then return false end
-  local first = model:parameters()[1]
-  if not first or first.device == "meta" then return false end
-  return cfg.probe ~= "auto" or model:num_parameters() <= P.probe_limit
+  return model:parameters()[1] ~= nil
+end
+
+-- What the probe runs of a model: all of it, or (probe = "auto" on a model of more than
+-- P.probe_limit parameters) the first of its repeated blocks (the policy's pipeline blocks, else
+-- the container with the most children of one type), so that its cost is bounded by the model's
+-- size less its other blocks. Returns the container's path ("" for all) and its block count.
+local function probe_slice(model, policy, cfg)
+  if cfg.probe ~= "auto" or model:num_parameters() <= P.probe_limit then return "", 0 end
+  local path = policy.pipeline and policy.pipeline.blocks
+  if type(path) ~= "string" or not model:get(path) then path = core.tp._repeated_blocks(model) end
+  if path == "" then return "", 0 end
+  return path, #model:get(path):children()
+end
+
+-- One line on the first rank saying what the probe checked, when it was less than the whole model.
+local function say(mesh, text)
+  if mesh:rank() == 0 then io.stderr:write("partrain: " .. text .. "\n") end
 end
 
 local function apply_actions(model, actions, cfg, group)
@@ -250,14 +266,27 @@ local function run(model, policy, mesh, cfg, at)
   -- One serial model to cut from: the tensor group's ranks hold rank 0's weights (they differ
   -- when the ranks were seeded differently). Then its answer, before anything else changes.
   if splitting then core.tp._align(model, group) end
-  local serial, inputs
+  local serial, inputs, probe_options
   if splitting and probing(model, cfg) then
     local given
     inputs, given = probe_inputs(model, cfg)
     if inputs then
-      local ok, record = bounded(timeout, "policy_timeout", core.tp._probe, model, inputs)
-      if ok then serial = record
-      elseif given then fail(at, "the serial %s fails on the probe input: %s", model:type(), tostring(record)) end
+      local slice, blocks = probe_slice(model, policy, cfg)
+      probe_options = { reference = true, slice = slice }
+      local ok, record = bounded(timeout, "policy_timeout", core.tp._probe, model, inputs, probe_options)
+      if ok then
+        serial = record
+        if slice ~= "" then
+          say(mesh, ("policy %s: the probe checks %s with the first of its %d blocks in %s (%d parameters, more than "
+            .. "P.probe_limit = %d; probe = true checks them all)"):format(name_of(policy), model:type(), blocks, slice,
+            model:num_parameters(), P.probe_limit))
+        end
+      elseif given then fail(at, "the serial %s fails on the probe input: %s", model:type(), tostring(record))
+      elseif slice ~= "" then
+        say(mesh, ("policy %s: not probed: %s's forward does not run on its first block of %s alone (%s); "
+          .. "probe = true runs the whole model"):format(name_of(policy), model:type(), slice,
+          strip_internal(tostring(record))))
+      end
     end
   end
   local ties = core.nn._ties(model)
@@ -291,7 +320,7 @@ local function run(model, policy, mesh, cfg, at)
     fail(at, "policy %s changes which parameters are tied: the serial %s ties %s, the sharded one %s%s", name_of(policy),
       model:type(), list(ties), list(after), #after < #ties and " (tie them again in postprocess: P.tie(model, a, b))" or "")
   end
-  return serial, inputs
+  return serial, inputs, probe_options
 end
 
 --- Applies a checked `policy` (P.policy's shape) to `model` with the configuration `cfg`
@@ -299,14 +328,16 @@ end
 --- undo function (see P.apply).
 function S.apply(model, policy, mesh, cfg, at)
   local undo = S.begin(model)
-  local ok, serial, inputs = pcall(run, model, policy, mesh, cfg, at)
+  local ok, serial, inputs, probe_options = pcall(run, model, policy, mesh, cfg, at)
   local err = first_error(not ok and tostring(serial) or nil)
   if err then
     undo()
     error(err, 0)
   end
   if serial then  -- the probe: the sharded model must compute what the serial one did
-    local ran, sharded = bounded(cfg.policy_timeout, "policy_timeout", core.tp._probe, model, inputs)
+    local sharded_options = { slice = probe_options.slice }
+    local ran, sharded = bounded(cfg.policy_timeout, "policy_timeout", core.tp._probe, model, inputs, sharded_options,
+                                 serial)
     local problem = not ran and ("its forward fails on the probe batch: " .. strip_internal(tostring(sharded)))
     if ran then problem = core.tp._probe_compare(serial, sharded, core.parallel.vocab_head(model) ~= nil) end
     if problem then
