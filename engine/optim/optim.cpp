@@ -84,6 +84,7 @@ Optimizer::Optimizer(std::vector<torch::Tensor> params, OptimizerOptions o) : op
                         : p);
     versions_.push_back(p._version());
   }
+  main_grads_ = std::make_shared<MainGrads>(params_);
   if (options_.loss_scale.kind != "none") {
     for (const auto& p : params_)
       TORCH_CHECK(p.scalar_type() != torch::kFloat64, k, ": loss scaling is for float16 (and bfloat16 or float32) "
@@ -198,7 +199,8 @@ void Optimizer::grads_to_masters() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (work_[i].is_same(params_[i])) continue;
     const auto& g = params_[i].grad();
-    work_[i].mutable_grad() = g.defined() ? g.detach().to(torch::kFloat32) : torch::Tensor();
+    auto sum = main_grads_->sum_of(params_[i]);  // several passes: their float32 sum, not its rounding
+    work_[i].mutable_grad() = sum.defined() ? sum.clone() : g.defined() ? g.detach().to(torch::kFloat32) : torch::Tensor();
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include "engine/dist/process_group.hpp"
 #include "engine/optim/loss_scale.hpp"
+#include "engine/optim/main_grad.hpp"
 
 namespace partrain::optim {
 
@@ -94,7 +95,8 @@ class Distributed {
 
 /// The optimizer. A bfloat16 or float16 parameter gets a float32 master copy that the update runs
 /// on, with float32 state (mixed precision): step() casts the parameter's gradient into the
-/// master's, updates the master and casts the result back into the parameter. A parameter changed
+/// master's (the float32 sum of its backward passes when there were several: MainGrads), updates
+/// the master and casts the result back into the parameter. A parameter changed
 /// in place since the last step (a load, a user's copy_) is noticed by its version counter and
 /// its master taken from it again.
 class Optimizer {
@@ -198,6 +200,8 @@ class Optimizer {
   std::unordered_map<const c10::TensorImpl*, size_t> index_;  // params_[i] -> i
   std::vector<int64_t> versions_;  // each parameter's version counter when its master was last written
   std::shared_ptr<LossScaler> scaler_;
+  // The low-precision parameters' gradients summed in float32 across backward passes.
+  std::shared_ptr<MainGrads> main_grads_;
   dist::GroupPtr overflow_group_;
   bool last_skipped_ = false;
   OptimizerOptions options_;

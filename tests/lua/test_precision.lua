@@ -153,6 +153,39 @@ test("a bfloat16 model with AdamW equals a hand-written float32-master loop bit 
   ok(opt:state_bytes() >= 3 * 4 * n, "state_bytes counts two moments and the master: " .. opt:state_bytes())
 end)
 
+test("bfloat16 gradients of several backward passes sum in float32; the master steps on that sum", function()
+  for _, dtype in ipairs { "bfloat16", "float16" } do
+    pt.manual_seed(31)
+    local l = pt.nn.Linear(64, 64):to(dtype)
+    local opt = pt.optim.sgd(l, { lr = 1 })
+    local xs = {}
+    for i = 1, 8 do xs[i] = pt.randn(16, 64):to(dtype) end
+    local want = pt.zeros(64, 64)  -- each pass's gradient, summed in float32
+    for i = 1, 8 do
+      l:zero_grad()
+      l(xs[i]):sum():backward()
+      want = want + l.weight.grad:to("float32")
+    end
+    l:zero_grad()
+    for i = 1, 8 do l(xs[i]):sum():backward() end
+    ok(l.weight.grad:equal(want:to(dtype)), dtype .. ": .grad is the float32 sum rounded once")
+    local before = l.weight:to("float32")
+    opt:step()
+    ok(l.weight:equal((before - want):to(dtype)), dtype .. ": the master stepped on the float32 sum itself")
+    -- A .grad changed between passes (zeroed in place here) restarts the sum from what it holds.
+    l:zero_grad()
+    l(xs[1]):sum():backward()
+    l.weight.grad:zero_()
+    l(xs[2]):sum():backward()
+    l:zero_grad()
+    l(xs[2]):sum():backward()
+    local alone = l.weight.grad:clone()
+    l.weight.grad:zero_()
+    l(xs[2]):sum():backward()
+    ok(l.weight.grad:equal(alone), dtype .. ": a .grad zeroed in place starts the sum again")
+  end
+end)
+
 test("a parameter changed in place between steps gives its master its new value", function()
   pt.manual_seed(8)
   local m = pt.models.mlp { sizes = { 3, 2 }, dtype = "bfloat16" }
