@@ -156,10 +156,18 @@ elseif cfg.sample > 0 then
   model:eval()
   pt.manual_seed(cfg.seed)
   local tokens = pt.data.encode(cfg.prompt):view(1, -1)
+  -- Under sequence parallelism the sequence splits over the tensor ranks: the context is padded
+  -- on the right to a multiple of them (causal attention: the padding changes no earlier position)
+  -- and the logits read at its last real position.
+  local split = cfg.sequence_parallel and cfg.tensor or 1
+  local room = cfg.seq - cfg.seq % split
   pt.no_grad(function()
     for _ = 1, cfg.sample do
-      local context = tokens:narrow(1, math.max(0, tokens:size(1) - cfg.seq), math.min(tokens:size(1), cfg.seq))
-      local logits = model(context):select(1, -1):float()  -- (1, 256 / tensor) at the last position
+      local n = math.min(tokens:size(1), room)
+      local context = tokens:narrow(1, tokens:size(1) - n, n)
+      local padded = math.ceil(n / split) * split
+      if padded > n then context = pt.cat({ context, pt.zeros({ 1, padded - n }, { dtype = "int64" }) }, 1) end
+      local logits = model(context):select(1, n - 1):float()  -- (1, 256 / tensor) at the last real position
       logits = pt.tp.gather_from(logits, mesh:group("tensor"))  -- the whole vocabulary
       local next_byte = (logits / 0.8):softmax(-1):multinomial(1)
       tokens = pt.cat({ tokens, next_byte }, 1)
