@@ -687,6 +687,43 @@ const Function kDeadlines[] = {
        return a.ret(); }},
     {nullptr, nullptr}};
 
+// A state's allocator behind a budget (core._memory_budget): while a budget is set, an
+// allocation that would take the state more than its limit past where it stood when the budget
+// began fails, which Lua raises as "not enough memory". A config file's one string.rep or
+// table.concat of gigabytes is so stopped before it is made, where a check between instructions
+// would come after it. Every call goes on to the state's own allocator.
+struct Budget {
+  lua_Alloc inner = nullptr;
+  void* inner_ud = nullptr;
+  int64_t used = 0;    ///< bytes allocated less bytes freed since the budget began
+  int64_t limit = -1;  ///< -1: no budget
+  bool refused = false;
+};
+
+void* budgeted_alloc(void* ud, void* ptr, size_t osize, size_t nsize) {
+  auto* b = static_cast<Budget*>(ud);
+  const int64_t grow = static_cast<int64_t>(nsize) - (ptr ? static_cast<int64_t>(osize) : 0);
+  if (b->limit >= 0 && grow > 0 && b->used + grow > b->limit) {
+    b->refused = true;
+    return nullptr;
+  }
+  void* out = b->inner(b->inner_ud, ptr, osize, nsize);
+  if (out || nsize == 0) b->used += grow;
+  return out;
+}
+
+// The state's Budget, its allocator wrapped the first time one is asked for.
+Budget* budget_of(lua_State* L) {
+  void* ud = nullptr;
+  lua_Alloc f = lua_getallocf(L, &ud);
+  if (f == budgeted_alloc) return static_cast<Budget*>(ud);
+  auto* b = new Budget;  // deleted by ~Host after lua_close, the allocator's last call
+  b->inner = f;
+  b->inner_ud = ud;
+  lua_setallocf(L, budgeted_alloc, b);
+  return b;
+}
+
 int open_core(lua_State* L) {
   lua_newtable(L);
   int core = lua_gettop(L);
@@ -734,6 +771,26 @@ int open_core(lua_State* L) {
     return lua_error(S);
   });
   lua_setfield(L, core, "_raise");
+  // core._memory_budget(bytes): from now on, allocations that would take this state more than
+  // `bytes` past where it stands fail ("not enough memory"). core._memory_budget(): no budget
+  // again; returns whether an allocation was refused under the one that ends.
+  lua_pushcfunction(L, [](lua_State* S) {
+    Budget* b = budget_of(S);
+    if (lua_isnoneornil(S, 1)) {
+      bool refused = b->refused;
+      b->limit = -1;
+      b->refused = false;
+      lua_pushboolean(S, refused);
+      return 1;
+    }
+    const double bytes = luaL_checknumber(S, 1);
+    luaL_argcheck(S, bytes >= 0 && bytes < 0x1p62, 1, "a number of bytes");
+    b->used = 0;
+    b->refused = false;
+    b->limit = static_cast<int64_t>(bytes);
+    return 0;
+  });
+  lua_setfield(L, core, "_memory_budget");
   // core._key_text(k): a table key as messages show it ('name', [3], [a string of 900 bytes]).
   lua_pushcfunction(L, [](lua_State* S) {
     luaL_checkany(S, 1);
@@ -903,8 +960,11 @@ Host::~Host() {
   lua_State* mine = L_;
   if (collected_state.compare_exchange_strong(mine, nullptr)) plan::set_before_first_step(nullptr);
   *alive_ = false;
+  void* ud = nullptr;
+  Budget* budget = lua_getallocf(L_, &ud) == budgeted_alloc ? static_cast<Budget*>(ud) : nullptr;
   // Finalizers run inside lua_close while the state is still usable; mark it dying after.
   lua_close(L_);
+  delete budget;
 }
 
 void Host::set_arg_table(const std::string& script, const std::vector<std::string>& args) {

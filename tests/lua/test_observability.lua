@@ -233,6 +233,25 @@ test("--config: unknown keys and wrong types name the file and line; no io, os o
   eq(("ab"):rep(2, "-"), "ab-ab", "string.rep is itself again")
   write(config, "return { name = ('x'):rep(1000) }\n")
   eq(#pt.args(spec, { "--config", config }).name, 1000, "a reasonable string.rep is read")
+  -- Found by tests/fuzz/fuzz_config.py: a gsub callback that recursed overflowed the C stack
+  -- (SIGSEGV); one table.concat of gigabytes was made before the next instruction's check; a
+  -- string grown a byte a step ran for hours inside ten million instructions; error({}) named
+  -- no file.
+  write(config, "local function f(s) return (s:gsub('.', f)) end\nreturn { name = f('abc') }\n")
+  raises(function() pt.args(spec, { "--config", config }) end, config .. ":1: string.gsub is not available")
+  write(config, "local t = {}\nfor i = 1, 40 do t[i] = ('x'):rep(2^25) end\nreturn { name = table.concat(t) }\n")
+  raises(function() pt.args(spec, { "--config", config }) end, "(it asked for more than 128 MB at once)")
+  write(config, "local s = ''\nwhile true do s = s .. 'x' end\n")
+  raises(function() pt.args(spec, { "--config", config }) end, config .. ":2: runs too long")
+  write(config, "error({})\n")
+  raises(function() pt.args(spec, { "--config", config }) end, "config file '" .. config .. "' raised a table")
+  eq(("abc"):gsub("b", "x"), "axc", "strings' methods are all back after a config file")
+  -- The line of a bad key, found in one pass: a pattern search of a file of blanks had taken
+  -- seconds for 40 KB and hours for 1 MiB.
+  write(config, "return {\n" .. (" \t"):rep(400000) .. "\n  [\"\\t\"] = 1,\n  steps = 2 }\n")
+  local began = os.clock()
+  raises(function() pt.args(spec, { "--config", config }) end, config .. ":3: unknown option")
+  ok(os.clock() - began < 2, ("the line is found in %.1f s"):format(os.clock() - began))
   raises(function() pt.args(spec, { "--config", "/tmp" }) end, "'/tmp' is a folder")
   raises(function() pt.args(spec, { "--config" }) end, "--config needs a file")
   raises(function() pt.args(spec, { "--config", config, "--config", config }) end, "--config given twice")

@@ -104,34 +104,6 @@ local function usage(spec, config)
   return table.concat(lines, "\n")
 end
 
--- The line of `text` (a config file's source) where `key` is set, or nil.
-local function line_of(text, key)
-  local n = 0
-  for line in (text .. "\n"):gmatch("([^\n]*)\n") do
-    n = n + 1
-    local quoted = "%[%s*[\"']" .. key:gsub("%p", "%%%0") .. "[\"']%s*%]%s*="
-    local bare = key:gsub("%p", "%%%0") .. "%s*="
-    if line:find("^%s*" .. bare) or line:find("[{,;]%s*" .. bare) or line:find(quoted) then return n end
-  end
-end
-
--- What a config file may use: functions without access to files, processes or the loader.
-local function sandbox()
-  local env = {}
-  for _, name in ipairs { "assert", "error", "ipairs", "next", "pairs", "select", "tonumber", "tostring", "type",
-                          "unpack" } do
-    env[name] = _G[name]
-  end
-  for _, lib in ipairs { "math", "string", "table" } do
-    env[lib] = {}
-    for k, v in pairs(_G[lib]) do env[lib][k] = v end
-  end
-  return env
-end
-
-local kMaxInstructions = 10000000   -- a config file is data: a loop this long is a mistake
-local kMaxMemoryMB = 64              -- and so is more memory than this (its text is at most 1 MiB)
-
 -- The partrain command's own flags (`partrain --help`; tests/cli/test_cli.sh checks that this
 -- list holds them all): one given after the script reaches the script, which is told where it goes.
 local partrain_flags = {}
@@ -145,23 +117,180 @@ end
 -- within a third of its length).
 local function nearest(words, word) return core.files.nearest_word(words, word) end
 
--- The option values a config file returns, checked against the kinds: { key = value }.
-local function read_config(path, kinds, known)
-  local text = core.files.read_config(path)
-  if text:sub(1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
-  local chunk, err = loadstring(text, "@" .. path)
-  if not chunk then error(("config file %s"):format(err), 0) end
-  local env = sandbox()
-  setfenv(chunk, env)
-  if jit then jit.off(chunk, true) end  -- the limits below need the interpreter
-  -- Instructions and memory, checked at every instruction: a string doubled in a loop reaches
-  -- gigabytes in a few dozen. string.rep (also as a method: strings index the global string
-  -- table) is bounded the same way before it allocates.
-  local hook, mask, count = debug.gethook()  -- a hook set before (the REPL's) is put back after
-  local base, steps, rep = collectgarbage("count"), 0, string.rep
-  local function too_much(what) return what .. "; a config file should only return a table" end
-  string.rep = function(text, n, sep)
-    -- As string.rep reads them: numbers as text, text as counts; the separator between copies.
+-- ---- Config files ----------------------------------------------------------------------------
+
+local byte, char, find, sub = string.byte, string.char, string.find, string.sub
+
+-- The escapes of a quoted Lua string that stand for one byte each.
+local escapes = { a = "\a", b = "\b", f = "\f", n = "\n", r = "\r", t = "\t", v = "\v", ["\\"] = "\\",
+                  ['"'] = '"', ["'"] = "'" }
+
+-- Where each key of a config file's source is first set: { [key] = line } for each name, or
+-- string in brackets, that follows `{`, `,` or `;` and comes before `=`. One pass over the text,
+-- each byte looked at a bounded number of times (no pattern that backtracks), so a file of any
+-- shape (a megabyte of blanks, a key as long as the file) is read in time linear in its size,
+-- which read_config bounds.
+local function key_lines(text)
+  local found, n, line, i = {}, #text, 1, 1
+  local k1, k2, k3, k4 = "", "", "", ""  -- the last four tokens' kinds, newest first
+  local v1, l1, v2, l2                     -- the values and lines of the newest two
+  local function token(kind, value, at)
+    k4, k3, k2, k1 = k3, k2, k1, kind
+    v2, l2, v1, l1 = v1, l1, value, at
+  end
+  local function opens(k) return k == "{" or k == "," or k == ";" end
+  -- Past the line break at j: \n, \r, \r\n or \n\r, one line each as Lua counts them.
+  local function newline(j)
+    local c, d = byte(text, j, j + 1)
+    line = line + 1
+    return (d == 10 or d == 13) and d ~= c and j + 2 or j + 1
+  end
+  -- Past the end of a long bracket of `level` `=`s whose text starts at j; that text.
+  local function long_end(j, level)
+    local from = j
+    while true do
+      local k = find(text, "[%]\n\r]", j)
+      if not k then return n + 1, sub(text, from) end
+      if byte(text, k) == 93 then
+        local _, e = find(text, "^=*", k + 1)
+        if e - k == level and byte(text, e + 1) == 93 then return e + 2, sub(text, from, k - 1) end
+        j = e + 1
+      else
+        j = newline(k)
+      end
+    end
+  end
+  -- Past a quoted string whose text starts at j (after the quote `q`); its value (nil where an
+  -- escape is not read here: \u{...}).
+  local function quoted(j, q)
+    local parts, exact = {}, true
+    local stop = q == 34 and '["\\\n\r]' or "['\\\n\r]"
+    while true do
+      local k = find(text, stop, j)
+      if not k then return n + 1, nil end
+      parts[#parts + 1] = sub(text, j, k - 1)
+      local c = byte(text, k)
+      if c == q then return k + 1, exact and table.concat(parts) or nil end
+      if c ~= 92 then return k, nil end  -- a line break: not a string Lua would have read
+      local e = sub(text, k + 1, k + 1)
+      if escapes[e] then
+        parts[#parts + 1], j = escapes[e], k + 2
+      elseif e == "\n" or e == "\r" then
+        parts[#parts + 1], j = "\n", newline(k + 1)
+      elseif e == "x" then
+        parts[#parts + 1], j = char(tonumber(sub(text, k + 2, k + 3), 16) or 0), k + 4
+      elseif e == "z" then  -- skips blanks and line breaks
+        j = k + 2
+        while true do
+          local _, b = find(text, "^[ \t\v\f]*", j)
+          j = b + 1
+          local d = byte(text, j)
+          if d ~= 10 and d ~= 13 then break end
+          j = newline(j)
+        end
+      elseif find(e, "^%d") then
+        local _, b, digits = find(text, "^(%d%d?%d?)", k + 1)
+        parts[#parts + 1], j = char(tonumber(digits) % 256), b + 1
+      else
+        exact, j = false, k + 2
+      end
+    end
+  end
+  while i <= n do
+    local c = byte(text, i)
+    if c == 10 or c == 13 then
+      i = newline(i)
+    elseif c == 32 or c == 9 or c == 11 or c == 12 then
+      local _, e = find(text, "^[ \t\v\f]+", i)
+      i = e + 1
+    elseif c == 45 and byte(text, i + 1) == 45 then  -- a comment, long or to the line's end
+      local _, e, level = find(text, "^%[(=*)%[", i + 2)
+      if e then i = long_end(e + 1, #level) else i = find(text, "[\n\r]", i) or n + 1 end
+    elseif c == 91 then  -- a long string, or a bracket
+      local at, _, e, level = line, find(text, "^%[(=*)%[", i)
+      if e then
+        local value
+        i, value = long_end(e + 1, #level)
+        token("string", (value:gsub("^\r?\n", "", 1)), at)
+      else
+        token("[", nil, line)
+        i = i + 1
+      end
+    elseif c == 34 or c == 39 then
+      local at, value = line, nil
+      i, value = quoted(i + 1, c)
+      token("string", value, at)
+    elseif find(text, "^[A-Za-z_\128-\255]", i) then
+      local _, e = find(text, "^[A-Za-z0-9_\128-\255]+", i)
+      token("name", sub(text, i, e), line)
+      i = e + 1
+    elseif c >= 48 and c <= 57 then
+      local _, e = find(text, "^[A-Za-z0-9_.]+", i)
+      token("number", nil, line)
+      i = e + 1
+    elseif c == 61 and byte(text, i + 1) ~= 61 then
+      local key, at
+      if k1 == "name" and opens(k2) then key, at = v1, l1 end
+      if k1 == "]" and k2 == "string" and k3 == "[" and opens(k4) then key, at = v2, l2 end
+      if key ~= nil and found[key] == nil then found[key] = at end
+      token("=", nil, line)
+      i = i + 1
+    elseif (c == 61 or c == 60 or c == 62 or c == 126) and byte(text, i + 1) == 61 then  -- == <= >= ~=
+      token("op", nil, line)
+      i = i + 2
+    else
+      token(char(c), nil, line)
+      i = i + 1
+    end
+  end
+  return found
+end
+
+local kMaxInstructions = 10000000   -- a config file is data: a loop this long is a mistake
+local kMaxSeconds = 5                -- and so is one that takes this long (a string grown a byte a
+                                     -- step copies it whole each time: quadratic in few steps)
+local kMaxMemoryMB = 64              -- and so is more memory than this (its text is at most 1 MiB)
+-- What one step of a file may take at once (one table.concat or string.format): the allocator
+-- refuses past it, before the memory is taken.
+local kMaxAtOnceMB = 2 * kMaxMemoryMB
+
+-- What a config file may call. A config file is data (a table of numbers, strings and
+-- booleans), and these make such values, each in one C call of time linear in what it makes
+-- (which the memory bound bounds). Left out, besides whatever reaches files, processes or the
+-- loader: Lua called back from C (string.gsub's replacement function, table.sort's comparison,
+-- table.foreach), which recursing overflows the C stack, a crash no error catches; pattern
+-- matching (string.find, match, gmatch, gsub), which can backtrack in C for hours, unseen by the
+-- instruction count and the clock, as can string.find's plain search of a long string for a long
+-- one and table.sort of a million copies of a long string; string.dump; and math.random and
+-- math.randomseed, whose generator is the script's.
+local allowed = {
+  string = { "byte", "char", "format", "len", "lower", "rep", "reverse", "sub", "upper" },
+  table = { "concat", "insert", "maxn", "remove" },
+}
+
+local function too_much(what) return what .. "; a config file should only return a table" end
+
+-- A config file's environment: the basic functions that read values, and math, string and
+-- table as `allowed` says, with string.rep bounded. Naming another function of these libraries
+-- is an error that says it is not there.
+local function sandbox()
+  local env = {}
+  for _, name in ipairs { "assert", "error", "ipairs", "next", "pairs", "select", "tonumber", "tostring", "type",
+                          "unpack" } do
+    env[name] = _G[name]
+  end
+  env.math = {}
+  for k, v in pairs(math) do
+    if k ~= "random" and k ~= "randomseed" then env.math[k] = v end
+  end
+  for lib, names in pairs(allowed) do
+    env[lib] = {}
+    for _, k in ipairs(names) do env[lib][k] = _G[lib][k] end
+  end
+  local rep = string.rep
+  -- string.rep, as it reads its arguments (numbers as text, text as counts, a separator between
+  -- copies), refused past the bound before it allocates, naming the file's line.
+  env.string.rep = function(text, n, sep)
     local t, k = type(text) == "number" and tostring(text) or text, tonumber(n)
     local s = type(sep) == "number" and tostring(sep) or sep
     if type(t) == "string" and k and k > 0 then
@@ -172,37 +301,100 @@ local function read_config(path, kinds, known)
     end
     return rep(text, n, sep)
   end
-  env.string.rep = string.rep
-  debug.sethook(function()
-    steps = steps + 1
+  for lib in pairs { math = 1, string = 1, table = 1 } do
+    setmetatable(env[lib], { __index = function(_, k)
+      raise(("%s.%s is not available in a config file (a config file is data: a table of numbers, strings and "
+        .. "booleans)"):format(lib, tostring(k)), 2)
+    end })
+  end
+  return env
+end
+
+-- A message of a config file's error as one line of at most 300 bytes.
+local function one_line(message)
+  message = message:gsub("%c", " ")
+  return #message > 300 and message:sub(1, 300) .. "..." or message
+end
+
+-- Runs a config file's text in the sandbox, bounded in instructions, time, memory (between
+-- instructions, and at once) and C stack (nothing in the sandbox calls back into Lua); returns
+-- what it returns, or raises an error naming the file.
+local function run_config(path, text)
+  local env, source = sandbox(), "@" .. path
+  local strings = getmetatable("")
+  local index = strings.__index
+  local hook, mask, count = debug.gethook()  -- a hook set before (the REPL's) is put back after
+  local steps, every, deadline = 0, 100, core.now() + kMaxSeconds
+  collectgarbage()
+  local base = collectgarbage("count")
+  local function over() return collectgarbage("count") - base > kMaxMemoryMB * 1024 end
+  local function check()
+    steps = steps + every
     local problem = steps > kMaxInstructions and ("runs too long (more than %d instructions)"):format(kMaxInstructions)
-      or collectgarbage("count") - base > kMaxMemoryMB * 1024 and ("uses more than %d MB of memory"):format(kMaxMemoryMB)
-    -- Only in the file's own code: this function's lines after it returns (putting string.rep
-    -- and the caller's hook back) must run to the end.
-    if problem and debug.getinfo(2, "S").source == "@" .. path then
+      or core.now() > deadline and ("runs too long (more than %d s)"):format(kMaxSeconds)
+    if not problem and over() then
+      collectgarbage()  -- garbage does not count: only what the file holds
+      problem = over() and ("uses more than %d MB of memory"):format(kMaxMemoryMB)
+    end
+    -- Only in the file's own code: this function's lines after it returns (putting the
+    -- string methods and the caller's hook back) must run to the end.
+    if problem and debug.getinfo(2, "S").source == source then
       debug.sethook()  -- the file has no pcall to go on with: one error stops it
       raise(too_much(problem), 2)
     end
-  end, "", 1)
-  local ok, values = pcall(chunk)
-  string.rep = rep
+  end
+  core._memory_budget(kMaxAtOnceMB * 2 ^ 20)
+  local chunk, err = loadstring(text, source)
+  local ok, values = false, err
+  if chunk then
+    setfenv(chunk, env)
+    if jit then jit.off(chunk, true) end  -- the count hook needs the interpreter
+    strings.__index = env.string          -- ("x"):gsub(...) reaches what the file may call, no more
+    debug.sethook(check, "", every)
+    ok, values = pcall(chunk)
+    debug.sethook()
+    strings.__index = index
+  end
+  local refused = core._memory_budget()
   if hook then debug.sethook(hook, mask, count) else debug.sethook() end
-  if not ok then error(("config file %s"):format(tostring(values)), 0) end
+  if ok then return values end
+  if refused or values == "not enough memory" then
+    error(("config file '%s': %s"):format(path, too_much(("uses more than %d MB of memory (it asked for more than %d "
+      .. "MB at once)"):format(kMaxMemoryMB, kMaxAtOnceMB))), 0)
+  end
+  if type(values) ~= "string" and type(values) ~= "number" then
+    error(("config file '%s' raised a %s, not an error message"):format(path, type(values)), 0)
+  end
+  local message = one_line(tostring(values))
+  if sub(message, 1, #path + 1) ~= path .. ":" then message = ("'%s': %s"):format(path, message) end
+  error("config file " .. message, 0)
+end
+
+-- The option values a config file returns, checked against the kinds: { key = value }.
+local function read_config(path, kinds, known)
+  local text = core.files.read_config(path)
+  if sub(text, 1, 1) == "\27" then error(("config file '%s': Lua bytecode; a config file must be Lua source"):format(path), 0) end
+  local values = run_config(path, text)
   if type(values) ~= "table" then
     error(("config file '%s' must return a table of option values, got %s"):format(path, type(values)), 0)
   end
+  local lines  -- found when a message needs them
+  local function where(k)
+    lines = lines or key_lines(text)
+    local line = type(k) == "string" and lines[k]
+    return line and ("%s:%d"):format(path, line) or ("'%s'"):format(path)
+  end
+  local key_text = core._key_text
   local out = {}
   for k, v in pairs(values) do
-    local line = type(k) == "string" and line_of(text, k)
-    local where = line and ("%s:%d"):format(path, line) or ("'%s'"):format(path)
     if type(k) ~= "string" then
-      error(("config file %s: option names must be strings, got %s %s"):format(where, type(k), tostring(k)), 0)
+      error(("config file %s: option names must be strings, got %s %s"):format(where(k), type(k), key_text(k)), 0)
     end
     local key = k:gsub("%-", "_")
     local kind = kinds[key]
     if kind == nil then
-      local near = nearest(known, "--" .. tostring(k):gsub("_", "-"))
-      error(("config file %s: unknown option '%s' (known: %s)%s"):format(where, k, table.concat(known, ", "),
+      local near = nearest(known, "--" .. k:gsub("_", "-"))
+      error(("config file %s: unknown option %s (known: %s)%s"):format(where(k), key_text(k), table.concat(known, ", "),
         near and ("; did you mean %s?"):format(near:sub(3):gsub("%-", "_")) or ""), 0)
     end
     local good = (kind == "integer" and type(v) == "number" and v % 1 == 0) or (kind == "number" and type(v) == "number")
@@ -210,13 +402,13 @@ local function read_config(path, kinds, known)
     if not good then
       local expected = kind == "integer" and "an integer" or kind == "number" and "a number" or kind == "boolean"
         and "true or false" or "a string"
-      error(("config file %s: option '%s' expects %s, got %s %s"):format(where, k, expected, type(v),
-        type(v) == "string" and "'" .. v .. "'" or tostring(v)), 0)
+      error(("config file %s: option %s expects %s, got %s %s"):format(where(k), key_text(k), expected, type(v),
+        type(v) == "string" and key_text(v) or tostring(v)), 0)
     end
     local problem = type(v) == "number" and number_problem(kind, v)
     if problem then  -- a whole number in full (2^60 prints as 1.15e+18), anything else as Lua prints it
       local shown = v == v and v % 1 == 0 and math.abs(v) < math.huge and ("%.0f"):format(v) or tostring(v)
-      error(("config file %s: option '%s' expects %s, got %s"):format(where, k, problem, shown), 0)
+      error(("config file %s: option %s expects %s, got %s"):format(where(k), key_text(k), problem, shown), 0)
     end
     out[key] = v
   end
