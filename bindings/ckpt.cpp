@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <sstream>
 #include <unordered_set>
 
 #include <nlohmann/json.hpp>
@@ -114,11 +115,54 @@ void push_json(lua_State* L, const json& j) {
   }
 }
 
-// safetensors files hold the whole model, which no pipeline stage has.
-void refuse_pipeline(const nn::Module& m, const char* what) {
-  if (auto pm = parallel::ParallelModel::of(m); pm && pm->pipeline())
-    throw std::invalid_argument(std::string(what) + " of a pipeline-parallel model is not built yet (each rank holds "
-                                "only its stages): save a checkpoint and run 'partrain ckpt export' on it");
+// A pipelined model's stages hold parts of the model under their serial names; a tensor tied
+// across stages (GPT-2's lm_head on the last stage, wte on the first) goes by its first name.
+const parallel::Pipeline* pipeline_of(const nn::Module& m) {
+  auto pm = parallel::ParallelModel::of(m);
+  return pm ? pm->pipeline().get() : nullptr;
+}
+
+// The logical tensors this rank contributes to an export: its state (tensor-parallel parts
+// gathered), by logical name, a tensor tied across stages only from the first rank holding it.
+std::map<std::string, torch::Tensor> exported_tensors(nn::Module& m) {
+  auto full = parallel::full_state_dict(m);
+  const auto* pipe = pipeline_of(m);
+  if (!pipe) return {full.begin(), full.end()};
+  std::map<std::string, torch::Tensor> out;
+  auto own = m.state_dict();
+  for (const auto& [name, t] : full)
+    if (pipe->first_holder(own.at(name))) out[pipe->logical_name(name)] = t;
+  return out;
+}
+
+// Every stage's tensors to the first stage of each pipeline group, one tensor at a time (each
+// stage's list first: names, dtypes and shapes), so that world rank 0 holds the whole model.
+void gather_stages(const parallel::Pipeline& pipe, std::map<std::string, torch::Tensor>& tensors) {
+  std::string mine;
+  for (const auto& [name, t] : tensors) {
+    mine += name + "\t" + std::to_string(static_cast<int>(t.scalar_type()));
+    for (auto d : t.sizes()) mine += "\t" + std::to_string(d);
+    mine += "\n";
+  }
+  auto lists = dist::all_gather_strings(pipe.group(), mine);
+  torch::NoGradGuard no_grad;
+  for (int stage = 1; stage < static_cast<int>(lists.size()); ++stage) {
+    std::istringstream lines(lists[stage]);
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream fields(line);
+      std::string name, field;
+      std::getline(fields, name, '\t');
+      std::getline(fields, field, '\t');
+      auto dtype = static_cast<torch::ScalarType>(std::stoi(field));
+      std::vector<int64_t> shape;
+      while (std::getline(fields, field, '\t')) shape.push_back(std::stoll(field));
+      torch::Tensor t = pipe.rank() == stage ? tensors.at(name).contiguous()
+                                             : torch::empty(shape, torch::TensorOptions().dtype(dtype).device(
+                                                                       dist::World::instance().device()));
+      pipe.group()->broadcast(t, stage);
+      if (pipe.rank() == 0) tensors[name] = t.cpu();
+    }
+  }
 }
 
 // { model =, optim =, data =, mesh = } at `idx` into a State (the table's other keys are the
@@ -263,9 +307,8 @@ const Function kCkpt[] = {
        o.finish();
        if (o.has("max_shard_size") && !(shard_mb > 0 && shard_mb < 1e9))
          a.fail(3, "max_shard_size must be a number of MB > 0, got " + std::to_string(shard_mb));
-       refuse_pipeline(*m, "export_safetensors");
-       auto full = parallel::full_state_dict(*m);
-       std::map<std::string, torch::Tensor> tensors(full.begin(), full.end());
+       auto tensors = exported_tensors(*m);
+       if (const auto* pipe = pipeline_of(*m)) gather_stages(*pipe, tensors);
        const auto* hf = hf_names(*m);
        if (hf)
          for (const auto& [tied, source] : hf->tied)
@@ -296,7 +339,6 @@ const Function kCkpt[] = {
     {"import_safetensors", [](Args& a) {
        auto& m = a.module(1);
        std::string path = a.string(2);
-       refuse_pipeline(*m, "import_safetensors");
        const auto* hf = hf_names(*m);
        // A file, an index, or a folder holding an index (a sharded model) or model.safetensors.
        std::string source = path;
@@ -310,41 +352,76 @@ const Function kCkpt[] = {
        const std::string index_end = ".index.json";
        bool index = source.size() >= index_end.size() &&
                     source.compare(source.size() - index_end.size(), index_end.size(), index_end) == 0;
-       auto tensors = index ? ckpt::read_safetensors_index(source, hf) : ckpt::read_safetensors(source, hf);
-       nn::TensorMap state(tensors.begin(), tensors.end());
-       for (const auto& [tied, source] : hf ? hf->tied : decltype(hf->tied){}) {
-         if (!state.count(source) || !ties(*m, tied, source)) continue;  // an untied head is a tensor of its own
-         // A tied tensor (GPT-2's lm_head, tied to wte): a file may leave it out, or hold the same values.
-         if (!state.count(tied)) state[tied] = state[source];
-         else if (!state[tied].sizes().equals(state[source].sizes()) ||
-                  !state[tied].to(torch::kFloat64).equal(state[source].to(torch::kFloat64)))
-           throw std::runtime_error("importing '" + path + "': tensor '" + tied + "' differs from '" + source +
-                                    "', to which the model ties it");
-       }
-       // Tensors Hugging Face's files may carry that partrain computes (GPT-2's causal-mask buffers).
-       if (hf && hf->ignored)
-         for (auto it = state.begin(); it != state.end();) it = hf->ignored(it->first) ? state.erase(it) : std::next(it);
-       // Everything is checked before anything is copied, so a refused file changes nothing: the
-       // names both ways, the logical shapes, and the kinds (a value converts only within its kind:
-       // floating point to floating point, an integer or a boolean only to the same dtype).
-       auto fail = [&](const std::string& why) { throw std::runtime_error("importing '" + path + "': " + why); };
+       // Each rank takes the tensors it holds by their logical names (a pipeline's stages: a tied
+       // tensor by its first name); the names are checked against the whole model's, every stage's.
+       const auto* pipe = pipeline_of(*m);
        auto targets = m->state_dict();
-       for (const auto& [name, t] : state) {
-         auto it = targets.find(name);
-         if (it == targets.end()) fail("tensor '" + name + "' is not in the model (a " + m->type() + ")");
-         auto split = parallel::sharding_of(*m, name);
-         auto logical = split ? split->shape : it->second.sizes().vec();
-         if (!t.sizes().equals(logical))
-           fail("tensor '" + name + "' has shape " + c10::str(t.sizes()) + "; the model's is " +
-                c10::str(c10::IntArrayRef(logical)));
-         auto want = it->second.scalar_type(), got = t.scalar_type();
-         if (c10::isFloatingType(want) ? !c10::isFloatingType(got) : want != got)
-           fail("tensor '" + name + "' is " + c10::toString(got) + "; the model's is " + c10::toString(want));
+       std::map<std::string, std::string> logical;  // this rank's name -> the whole model's
+       std::set<std::string> whole;
+       for (const auto& [name, t] : targets) whole.insert(logical[name] = pipe ? pipe->logical_name(name) : name);
+       if (pipe) {
+         std::string mine;
+         for (const auto& name : whole) mine += name + "\n";
+         for (const auto& list : dist::all_gather_strings(pipe->group(), mine)) {
+           std::istringstream lines(list);
+           for (std::string line; std::getline(lines, line);) whole.insert(line);
+         }
        }
-       for (const auto& [name, t] : targets)
-         if (!state.count(name)) fail("the file has no tensor '" + name + "' (the model's)");
+       auto tied_in_model = [&](const std::string& tied, const std::string& source) {
+         return pipe ? !whole.count(tied) && whole.count(source) : ties(*m, tied, source);
+       };
+       // Everything is checked on every rank before anything is copied, so a refused file changes
+       // nothing anywhere: the names both ways, the logical shapes, and the kinds (a value converts
+       // only within its kind: floating point to floating point, an integer or a boolean only to
+       // the same dtype).
+       nn::TensorMap local;
+       std::string failed;
        try {
-         parallel::load_full_state_dict(*m, state, /*strict=*/true);  // any other unknown or missing name fails
+         auto tensors = index ? ckpt::read_safetensors_index(source, hf) : ckpt::read_safetensors(source, hf);
+         nn::TensorMap state(tensors.begin(), tensors.end());
+         auto fail = [&](const std::string& why) { throw std::runtime_error("importing '" + path + "': " + why); };
+         for (const auto& [tied, source] : hf ? hf->tied : decltype(hf->tied){}) {
+           if (!state.count(source) || !tied_in_model(tied, source)) continue;  // an untied head is its own tensor
+           // A tied tensor (GPT-2's lm_head, tied to wte): a file may leave it out, or hold the same values.
+           if (state.count(tied) && (!state[tied].sizes().equals(state[source].sizes()) ||
+                                     !state[tied].to(torch::kFloat64).equal(state[source].to(torch::kFloat64))))
+             fail("tensor '" + tied + "' differs from '" + source + "', to which the model ties it");
+           if (pipe) state.erase(tied);  // the stages know it by its first name
+           else if (!state.count(tied)) state[tied] = state[source];
+         }
+         // Tensors Hugging Face's files may carry that partrain computes (GPT-2's causal-mask buffers).
+         if (hf && hf->ignored)
+           for (auto it = state.begin(); it != state.end();) it = hf->ignored(it->first) ? state.erase(it) : std::next(it);
+         for (const auto& [name, t] : state)
+           if (!whole.count(name)) fail("tensor '" + name + "' is not in the model (a " + m->type() + ")");
+         for (const auto& name : whole)
+           if (!state.count(name)) fail("the file has no tensor '" + name + "' (the model's)");
+         for (const auto& [name, target] : targets) {
+           const auto& t = state.at(logical.at(name));
+           auto split = parallel::sharding_of(*m, name);
+           auto shape = split ? split->shape : target.sizes().vec();
+           if (!t.sizes().equals(shape))
+             fail("tensor '" + logical.at(name) + "' has shape " + c10::str(t.sizes()) + "; the model's is " +
+                  c10::str(c10::IntArrayRef(shape)));
+           auto want = target.scalar_type(), got = t.scalar_type();
+           if (c10::isFloatingType(want) ? !c10::isFloatingType(got) : want != got)
+             fail("tensor '" + logical.at(name) + "' is " + c10::toString(got) + "; the model's is " + c10::toString(want));
+           local[name] = t;
+         }
+       } catch (const std::exception& e) {
+         failed = util::message_of(e);
+         if (failed.empty()) failed = "importing '" + path + "' failed";
+       }
+       // A stage refuses for every rank (another stage's tensor may be the wrong one).
+       if (pipe)
+         for (const auto& f : dist::all_gather_strings(dist::World::instance().world(), failed))
+           if (!f.empty()) {
+             failed = f;
+             break;
+           }
+       if (!failed.empty()) throw std::runtime_error(failed);
+       try {
+         parallel::load_full_state_dict(*m, local, /*strict=*/true);  // any other unknown or missing name fails
        } catch (const std::exception& e) {
          throw std::runtime_error("importing '" + path + "': " + util::message_of(e));
        }

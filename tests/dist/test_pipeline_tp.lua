@@ -96,4 +96,8 @@ test("a sequence that does not split over the tensor ranks is refused by every s
   ok(loss == loss and loss > 0, "the next step trains: loss " .. loss)
 end)
 
+test("Hugging Face weights load into the stages and export from them, a bad file refused everywhere", function()
+  require "safetensors_stages"(mesh, { microbatches = 2 }, "pipeline 2 x tensor 2")
+end)
+
 H.run()
