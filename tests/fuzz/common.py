@@ -39,16 +39,36 @@ class Outcome:
         return f"Outcome({self.kind}, rc={self.rc}, {self.seconds:.1f}s, err={self.err[-400:]!r})"
 
 
-def run(cmd, timeout=30, cwd=None, env=None, stdin=subprocess.DEVNULL):
+# The address space a partrain process is given by drivers that bound memory (run's `memory`):
+# LibTorch and its CUDA libraries map about 3 GiB before main, so this leaves about 1 GiB to
+# whatever a case makes partrain allocate. PARTRAIN_FUZZ_MEMORY_GB changes it.
+MEMORY_LIMIT = int(float(os.environ.get("PARTRAIN_FUZZ_MEMORY_GB", "4")) * (1 << 30))
+
+
+def limits(memory):
+    """A preexec_fn bounding a child's address space to `memory` bytes (a blow-up then fails
+    inside the child, as a crash or a refusal, instead of taking the machine) and its core dumps
+    to none."""
+    import resource
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return apply
+
+
+def run(cmd, timeout=30, cwd=None, env=None, stdin=subprocess.DEVNULL, memory=None):
     """Runs `cmd` (a list) in its own process group; a run past `timeout` seconds is killed
-    with its whole group and reported as a hang."""
+    with its whole group and reported as a hang. With `memory`, the process may map at most
+    that many bytes (limits())."""
     start = time.monotonic()
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     if env:
         full_env.update(env)
     p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=stdin, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True, text=True, errors="replace")
+                         stderr=subprocess.PIPE, start_new_session=True, text=True, errors="replace",
+                         preexec_fn=limits(memory) if memory else None)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
