@@ -66,12 +66,14 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// A metrics input is a folder, or a file that is not a Lua script; anything else is a command.
+// A metrics input is one word naming a folder, or anything else there that is not a Lua script
+// (a FIFO or a device is then refused by the reader, by name); anything else is a command. A
+// FIFO named m.jsonl had been "no metrics file", and one named run2 had been run as a script.
 bool is_metrics_input(const std::string& arg) {
   if (arg.find_first_of(" \t\n'\"\\") != std::string::npos) return false;
   struct stat st;
-  if (::stat(arg.c_str(), &st) != 0) return false;
-  return S_ISDIR(st.st_mode) || (S_ISREG(st.st_mode) && !ends_with(arg, ".lua"));
+  if (::lstat(arg.c_str(), &st) != 0) return false;
+  return S_ISDIR(st.st_mode) || !ends_with(arg, ".lua");
 }
 
 std::string joined(const std::vector<std::string>& words) {
