@@ -39,10 +39,19 @@ int json_depth(const std::string& text) {
 
 JsonLines::JsonLines(const std::string& path, const std::string& what) : path_(path), what_(what) {
   TORCH_CHECK(!path.empty(), "the ", what, " has an empty name");
+  // The rule of every file partrain writes, whoever names it (--metrics, pt.metrics(path), an
+  // example's --metrics): never through a symbolic link, never into anything but a regular file,
+  // and never onto a file that is not already JSON lines (a script or a JSON file given by mistake).
+  auto refused = may_replace(path, [](const std::string& head) { return !head.empty() && head[0] == '{'; },
+                             "a JSON-lines " + what);
+  TORCH_CHECK(refused.empty(), "the ", what, " ", refused);
   // O_NONBLOCK: opening a FIFO for writing must not wait for a reader; it is refused below.
-  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+  // O_NOFOLLOW: a link planted between the check above and this open is not followed either.
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW, 0644);
   if (fd < 0) {
     int err = errno;
+    TORCH_CHECK(err != ELOOP, "the ", what, " '", path, "' is a symbolic link; partrain writes only regular files, "
+                "never through a link");
     TORCH_CHECK(err != EISDIR, "the ", what, " '", path, "' is a folder; a regular file was expected");
     TORCH_CHECK(false, "cannot open the ", what, " '", path, "' for appending: ", std::strerror(err));
   }

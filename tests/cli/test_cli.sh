@@ -259,6 +259,14 @@ check "report -o of a link is refused" 1 "is a symbolic link" -- "$bin" report "
 check "report -o writes a new page" 0 "wrote $tmp/out/r.html" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/r.html"
 check "report -o replaces a page it wrote" 0 "wrote $tmp/out/r.html" -- "$bin" report "$tmp/out/m.jsonl" -o "$tmp/out/r.html"
 check "parity -o over an input is refused" 2 "exists and is not an HTML report" -- "$bin" parity "$tmp/out/m.jsonl" "$tmp/out/m.jsonl" -o "$tmp/out/m.jsonl"
+# One rule for every file partrain writes, whoever names it: pt.metrics(path) in a script (and an
+# example's --metrics) as partrain --metrics (it had appended through the link).
+check "--metrics through a link is refused" 1 "is a symbolic link" -- "$bin" --metrics "$tmp/out/link" "$tmp/out/log.lua"
+before=$(cat "$tmp/out/m.jsonl")
+check "pt.metrics(path) through a link is refused" 1 "is a symbolic link" -- "$bin" -e "local pt = require 'partrain'; pt.metrics('$tmp/out/link'); pt.log { step = 1, loss = 1 }"
+check "pt.metrics(path) over a script is refused" 1 "is not a JSON record (local pt = require" -- "$bin" -e "local pt = require 'partrain'; pt.metrics('$tmp/out/keep.lua'); pt.log { step = 1, loss = 1 }"
+check "the link's target and the script are left as they were" 0 "" -- \
+  bash -c '[ "$1" = "$(cat "$2")" ] && cmp -s "$3" "$4"' _ "$before" "$tmp/out/m.jsonl" "$tmp/out/keep.lua" "$tmp/out/log.lua"
 check "--metrics naming a script is refused before it runs" 1 "--metrics '$tmp/out/keep.lua' exists and is not a JSON-lines metrics file" -- "$bin" --metrics "$tmp/out/keep.lua" "$tmp/out/keep.lua"
 # A name the file system cannot take is refused before the run, with the system's reason (a
 # 300-character --metrics name had failed only at the first pt.log, after a training step).
