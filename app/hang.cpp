@@ -9,6 +9,8 @@
 // waits too (each waits for another: a rank skipped a call and went on to the next), the culprit
 // is the one most ranks wait for; between equals, the one waiting at a later line of the same
 // file than the call the others wait in (it skipped ahead), or waiting at the end of the run.
+// With no edge at all (every rank has made the calls the others wait in), a stopped rank is the
+// culprit (stopped inside the call: its ledger says "waiting" too); with none stopped, nobody is.
 #include "app/hang.hpp"
 
 #include <signal.h>
@@ -218,7 +220,20 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
                              (c.op == Op::Send ? "posted " : "sent ") + std::to_string(done) + ")"});
     }
   }
-  if (edges.empty()) return d;
+  // No rank is behind another: every call a rank waits in has been made by every rank it needs.
+  // A stopped rank is then the one holding the others up (stopped inside the call they wait in,
+  // its ledger says "waiting" as theirs do); with none, the ledgers cannot tell (a rank blocked in
+  // C code inside the call, a stalled network), and every waiting rank is listed with no culprit.
+  bool stalled = false;
+  if (edges.empty()) {
+    bool any_waiting = false;
+    for (int i = 0; i < n; ++i) {
+      if (stopped(ranks[i])) d.culprits.push_back(i);
+      any_waiting = any_waiting || waiting(i);
+    }
+    if (d.culprits.empty() && !any_waiting) return d;
+    stalled = d.culprits.empty();
+  }
 
   // Culprits: at the end of an edge and not waiting themselves.
   std::set<int> targets;
@@ -226,7 +241,7 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
   for (int t : targets)
     if (!waiting(t)) d.culprits.push_back(t);
   bool cycle = false;
-  if (d.culprits.empty()) {
+  if (d.culprits.empty() && !stalled) {
     cycle = true;
     std::map<int, std::set<int>> waiters;
     for (const auto& e : edges) waiters[e.to].insert(e.from);
@@ -245,11 +260,19 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
   }
 
   // The headline.
-  const RankView& first = ranks[d.culprits.front()];
   std::string who;
   for (size_t k = 0; k < d.culprits.size(); ++k) who += (k ? ", " : "") + name(ranks[d.culprits[k]]);
   const bool many = d.culprits.size() > 1;
-  if (cycle) {
+  if (stalled) {
+    std::string list;
+    int count = 0;
+    for (int i = 0; i < n; ++i)
+      if (waiting(i)) list += std::string(count++ ? ", " : "") + std::to_string(ranks[i].rank);
+    d.headline = (count > 1 ? "ranks " + list + " each waited" : "rank " + list + " waited") + " in a call that " +
+                 "every rank it needs had made when " + trigger + ", and none progressed: the ledgers cannot " +
+                 "tell which rank holds the others up (one may be blocked in C code inside the call, or the " +
+                 "network between them stalled)";
+  } else if (cycle) {
     const Blocked& b = blocked[d.culprits.front()];
     std::string skipped_call;
     for (const auto& e : edges)
@@ -262,7 +285,8 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
                                                             ") and waits in " + b.call->describe() + " at " +
                                                             b.call->site + " instead") +
                  (many ? " (the ledgers cannot tell which skipped a call)" : "");
-  } else if (!first.running) {
+  } else if (!ranks[d.culprits.front()].running) {
+    const RankView& first = ranks[d.culprits.front()];
     d.headline = who + (many ? " had" : " had already") + " ended (" + describe_status(first.status) + ") when " +
                  trigger + ": " + (many ? "they are the ranks" : "it is the rank") + " the others waited for";
   } else {

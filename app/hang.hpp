@@ -25,13 +25,16 @@ struct RankView {
 };
 
 struct Diagnosis {
-  std::vector<int> culprits;  ///< indices into the views; empty: the ledgers do not tell
+  /// Indices into the views; empty: the ledgers do not tell (with a headline: ranks wait in calls
+  /// every rank they need has made, none stopped, and none progressed; without one: no rank waits).
+  std::vector<int> culprits;
   std::string headline;       ///< "rank 1 (local rank 1, pid 42) ..." (no "partrain: ", no period)
   std::string details;        ///< a line a rank, indented two spaces, each ending in '\n'
 };
 
-/// Names the rank(s) the others wait for. `trigger` finishes "... when <trigger>": "the other
-/// ranks timed out waiting in a collective".
+/// Names the rank(s) the others wait for: one that has not made the call they wait in, or, when
+/// every rank has made it, one that is stopped (SIGSTOP inside the call). `trigger` finishes
+/// "... when <trigger>": "the other ranks timed out waiting in a collective".
 Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigger, int64_t now_ns);
 
 /// Whether the ledger shows its rank blocked in a call its script made (waiting, or just timed

@@ -557,15 +557,19 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
   };
   auto prefix = [&](const Rank& r) { return world > 1 ? "[rank " + std::to_string(r.rank) + "] " : std::string(); };
 
-  // The ledgers: asking the running ranks for their Lua lines (SIGUSR1 to a rank whose ledger says
-  // it answers; the answer is in its ledger a moment later), and what the launcher knows of each.
+  // The ledgers: asking the running ranks for their Lua lines (SIGUSR1 to the probe thread of a
+  // rank whose ledger says it answers; the answer is in its ledger a moment later), and what the
+  // launcher knows of each. Never to the thread running Lua: a signal there cuts a sleep, a poll
+  // or a select short (none is restarted), and the rank would go on from where it waited.
   auto ask_lines = [&] {
-    for (auto& r : ranks)
-      if (r.running && r.ledger && r.ledger->line_ready.load() == 1) {
-        r.line_asked_at = r.ledger->line_answers.load();
-        r.line_asked = true;
-        syscall(SYS_tgkill, r.pid, r.pid, SIGUSR1);  // to its main thread, the one running Lua
-      }
+    for (auto& r : ranks) {
+      if (!r.running || !r.ledger || r.ledger->line_ready.load() != 1) continue;
+      const int32_t tid = r.ledger->probe_tid.load(std::memory_order_acquire);
+      if (tid <= 0) continue;
+      r.line_asked_at = r.ledger->line_answers.load();
+      r.line_asked = true;
+      syscall(SYS_tgkill, r.pid, tid, SIGUSR1);
+    }
   };
   auto views = [&] {
     std::vector<hang::RankView> v;
@@ -745,8 +749,10 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         begin_stopping();
       }
     } else if (o.hang_timeout > 0) {
-      // No change in any ledger for --hang-timeout while a rank waits in a call: a hang. The
-      // ranks are asked for their lines, and a second later the ledgers are read.
+      // No change in any ledger for --hang-timeout while a rank waits in a call of its script, or
+      // is stopped: a hang, whatever the ledgers say of who waits for whom (a rank stopped inside
+      // the call the others wait in leaves every ledger "waiting" in it). The ranks are asked for
+      // their lines, and a second later, unless a ledger moved meanwhile, the run is stopped.
       uint64_t progress = 0;
       for (const auto& r : ranks)
         if (r.ledger) progress += r.ledger->progress.load();
@@ -757,10 +763,10 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       } else if (Clock::now() - progress_at >= hang_timeout) {
         if (!hang_asked_at) {
           const auto now = views();
-          const bool script_waits = std::any_of(now.begin(), now.end(), [](const hang::RankView& v) {
-            return v.running && hang::in_script_call(v.ledger);
+          const bool stuck = std::any_of(now.begin(), now.end(), [](const hang::RankView& v) {
+            return v.running && (hang::in_script_call(v.ledger) || v.state == 'T' || v.state == 't');
           });
-          if (script_waits && !hang::diagnose(now, "", monotonic_ns()).culprits.empty()) {
+          if (stuck) {
             ask_lines();
             hang_asked_at = Clock::now();
           } else {
@@ -770,9 +776,14 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
           std::ostringstream trigger;
           trigger << "no rank had made progress for " << o.hang_timeout << " s (--hang-timeout)";
           diagnosis = hang::diagnose(views(), trigger.str(), monotonic_ns());
-          hung = !diagnosis->culprits.empty();
-          if (hung) begin_stopping();
-          else diagnosis.reset();
+          if (diagnosis->headline.empty()) {  // the waiting rank ended or went on meanwhile
+            diagnosis.reset();
+            progress_at = Clock::now();
+            hang_asked_at.reset();
+          } else {
+            hung = true;
+            begin_stopping();
+          }
         }
       }
     }
@@ -794,8 +805,9 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
            std::to_string(r.pid) + ")";
   };
 
-  // A hang the ledgers explain: the rank(s) the others waited for, and where every rank was.
-  if (culprit < 0 && diagnosis && !diagnosis->culprits.empty()) {
+  // A hang the ledgers explain: the rank(s) the others waited for, and where every rank was (or,
+  // past --hang-timeout, the ranks that waited with no culprit the ledgers can name).
+  if (culprit < 0 && diagnosis && (!diagnosis->culprits.empty() || (hung && !diagnosis->headline.empty()))) {
     std::ostringstream say;
     say << "partrain: " << diagnosis->headline << "; all ranks were stopped. Where each rank was, from the ranks' "
         << "collective ledgers:\n" << diagnosis->details;
@@ -803,6 +815,12 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       const Rank& r = ranks[first_collective];
       say << "  The first " << (r.report->kind == Report::Timeout ? "timeout" : "failure") << ", on rank " << r.rank
           << ":\n" << indented(r.report->message, 6, "    ");
+    }
+    if (diagnosis->culprits.empty()) {
+      std::cerr << say.str();
+      std::ostringstream cause;
+      cause << "no rank made progress for " << o.hang_timeout << " s (--hang-timeout)";
+      return {1, cause.str()};
     }
     const Rank& c = ranks[diagnosis->culprits.front()];
     Outcome out{1, name(c) + (hung ? " stopped making progress (--hang-timeout)"

@@ -2,7 +2,10 @@
 // and the bounded reader the launcher uses.
 #include "engine/dist/ledger.hpp"
 
+#include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -10,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <thread>
 
 #include <c10/core/ScalarType.h>
 
@@ -84,6 +88,27 @@ void end_write(std::atomic<uint32_t>& version) {
 
 thread_local const char* site_override = nullptr;
 
+// The thread the launcher's questions go to: it blocks every signal but SIGUSR1 and waits for
+// signals, forever. Sent there (tgkill to probe_tid), the launcher's SIGUSR1 runs the Lua host's
+// handler on this thread, which only sets a hook on the Lua state; a signal to the thread running
+// Lua instead cut its system calls short whatever SA_RESTART says (sleep, nanosleep, poll and
+// select are never restarted), so a rank asked while it slept in C code woke early and went on.
+void start_probe_thread(Region* r) {
+  sigset_t only_usr1, old;
+  sigfillset(&only_usr1);
+  sigdelset(&only_usr1, SIGUSR1);
+  pthread_sigmask(SIG_SETMASK, &only_usr1, &old);  // the new thread's mask from its first instruction
+  try {
+    std::thread([r] {
+      r->probe_tid.store(static_cast<int32_t>(syscall(SYS_gettid)), std::memory_order_release);
+      for (;;) pause();
+    }).detach();
+  } catch (const std::exception&) {
+    // No thread: probe_tid stays 0, and the launcher asks this rank nothing.
+  }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+}
+
 }  // namespace
 
 bool attach(int fd) {
@@ -98,6 +123,7 @@ bool attach(int fd) {
   init_header(r);
   is_shared = true;
   the_region = r;
+  start_probe_thread(r);
   return true;
 }
 

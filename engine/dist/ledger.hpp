@@ -2,7 +2,9 @@
 // point-to-point calls (sequence number, operation, element count, bytes, dtype, peer, the script
 // line, and whether the call is running, waiting, done or failed), kept in a fixed block of memory
 // that the launcher maps too, so that it can say where every rank is even when a rank is stuck in a
-// collective, stopped (SIGSTOP) or dead.
+// collective, stopped (SIGSTOP) or dead. The launcher asks a rank for its Lua line by signalling
+// a thread of the rank that does nothing else, so the question never interrupts the rank's own
+// work (a sleep, a read, a poll in C code).
 #pragma once
 
 #include <atomic>
@@ -14,7 +16,7 @@
 namespace partrain::dist::ledger {
 
 constexpr uint32_t kMagic = 0x5244474c;  // "LGDR"
-constexpr uint32_t kLayout = 1;          // bumped when the block's layout changes
+constexpr uint32_t kLayout = 2;          // bumped when the block's layout changes
 constexpr int kGroups = 64;              // groups a rank records; later ones are not recorded
 constexpr int kEntries = 64;             // calls kept per group, a ring
 constexpr int kSite = 96;                // bytes of a call's "file:line"
@@ -72,6 +74,9 @@ struct Region {
   int32_t rank, pid;
   std::atomic<uint32_t> groups;        ///< slots taken
   std::atomic<uint32_t> line_ready;    ///< 1 once the rank answers SIGUSR1 with its Lua line
+  /// The thread the launcher sends SIGUSR1 to (0: none, and the launcher does not ask): it only
+  /// waits for signals, so the handler runs there and no system call of the rank's is cut short.
+  std::atomic<int32_t> probe_tid;
   std::atomic<uint64_t> progress;      ///< bumped at every change: the launcher's sign of progress
   std::atomic<uint32_t> line_version;  ///< seqlock over line and line_ns
   std::atomic<uint64_t> line_answers;  ///< bumped when a new line is in
@@ -82,8 +87,9 @@ struct Region {
 
 // ---- In a rank ---------------------------------------------------------------------------------
 
-/// Takes the block the launcher shares (a memfd, PARTRAIN_LEDGER_FD). Without one, the first
-/// recorded call makes a private block. Returns false, changing nothing, when `fd` cannot be mapped.
+/// Takes the block the launcher shares (a memfd, PARTRAIN_LEDGER_FD) and starts the probe thread
+/// the launcher signals (Region::probe_tid). Without one, the first recorded call makes a private
+/// block. Returns false, changing nothing, when `fd` cannot be mapped.
 bool attach(int fd);
 /// This process's block (made private on first use when none was attached).
 Region* region();

@@ -2,8 +2,12 @@
 -- one all-reduce on the world group (call 0), by --mode: skip (the last rank skips the next world
 -- all-reduce and waits in its data group's barrier), stop (it stops itself: SIGSTOP), spin (it loops
 -- forever, compiled by the JIT; spin_interpreted: with the JIT off), send (rank 0 sends to it; it
--- never receives), healthy (all-reduces for --seconds). The test finds lines by their markers.
+-- never receives), stop_inside (it is stopped inside the next world all-reduce, after it entered
+-- it: every ledger then says "waiting" in the same call), sleep_in_c (it sleeps --seconds in C's
+-- sleep() while the others wait in a barrier, and says how much of the sleep was left when it
+-- woke), healthy (all-reduces for --seconds). The test finds lines by their markers.
 local pt = require "partrain"
+local ffi = require "ffi"
 local cfg = pt.args { mode = "healthy", seconds = 4 }
 local rank, last = pt.dist.rank(), pt.dist.world_size() - 1
 local world = pt.dist.world()
@@ -31,6 +35,32 @@ elseif cfg.mode == "spin" or cfg.mode == "spin_interpreted" then
 elseif cfg.mode == "send" then
   if rank == 0 then world:send(pt.ones(3), last) end -- @send
   world:barrier() -- @send_barrier
+elseif cfg.mode == "stop_inside" then
+  local mine = {}
+  for r = 0, last do mine[r + 1] = r == rank and pid or 0 end
+  local pids = pt.tensor(mine)  -- every rank's pid (below 2^22: exact in float32)
+  world:all_reduce(pids)
+  local victim = math.floor(pids:narrow(0, last, 1):item())
+  if rank == last then
+    os.execute(("(sleep 2; kill -STOP %d) &"):format(pid))  -- it is inside the all-reduce by then
+  else  -- the others come once it is stopped
+    local function state()
+      local f = io.open(("/proc/%d/stat"):format(victim))
+      local text = f and f:read("*a") or ""
+      if f then f:close() end
+      return text:match("%) (%a)")
+    end
+    while state() ~= "T" do os.execute("sleep 0.1") end
+  end
+  world:all_reduce(pt.ones(1048576)) -- @stop_inside
+elseif cfg.mode == "sleep_in_c" then
+  if rank == last then
+    ffi.cdef "unsigned int sleep(unsigned int seconds);"
+    local left = ffi.C.sleep(cfg.seconds) -- @sleep_in_c
+    io.stderr:write(("rank %d woke with %d s of its sleep left\n"):format(rank, left))  -- stderr: every rank's is shown
+  end
+  world:barrier() -- @sleep_barrier
+  print("rank " .. rank .. " finished")
 elseif cfg.mode == "healthy" then
   local t, go, until_ = pt.ones(8), pt.ones(1), os.time() + cfg.seconds
   print("healthy run started")

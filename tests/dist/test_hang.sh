@@ -4,8 +4,10 @@
 # nobody receives each end the run with status 1 within 30 s of --timeout, and the summary names
 # the culprit rank (never a waiting one) with its last call and script line, and each waiting
 # rank's call and line; a looping rank with the JIT off says the line it loops on. --hang-timeout
-# ends a hang before the collectives' own timeout. kill -USR1 to the launcher prints every rank's
-# ledger while a healthy run goes on, and that run still ends with status 0.
+# ends a hang before the collectives' own timeout, also when a rank is stopped inside the call the
+# others wait in, and names a rank sleeping in C without waking it. kill -USR1 to the launcher
+# prints every rank's ledger while a healthy run goes on (one whose rank sleeps in C too), and that
+# run still ends with status 0.
 # Usage: test_hang.sh PATH/TO/partrain (from the source root)
 set -u
 bin="$(realpath "$1")"
@@ -18,15 +20,18 @@ report() { if [ "$1" = 0 ]; then passed=$((passed + 1)); echo "[ OK ] $2"; else 
 has() { grep -qF -- "$2" <<<"$1"; }
 matches() { grep -qE -- "$2" <<<"$1"; }
 
-# run NAME RANKS TIMEOUT MODE [partrain flags...]: in the background; output in NAME.out, then
-# "STATUS SECONDS" in NAME.status.
+# run NAME RANKS TIMEOUT MODE [partrain flags...] [-- script flags...]: in the background; output
+# in NAME.out, then "STATUS SECONDS" in NAME.status.
 run() {
   local name=$1 n=$2 timeout=$3 mode=$4
   shift 4
+  local flags=() args=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && args=("$@")
   (
     start=$(date +%s)
-    timeout 120 "$bin" --nproc-per-node "$n" --threads 1 --timeout "$timeout" "$@" "$script" --mode "$mode" \
-      >"$tmp/$name.out" 2>&1
+    timeout 120 "$bin" --nproc-per-node "$n" --threads 1 --timeout "$timeout" "${flags[@]}" "$script" --mode "$mode" \
+      "${args[@]}" >"$tmp/$name.out" 2>&1
     echo "$? $(( $(date +%s) - start )) $(date +%s)" >"$tmp/$name.status"
   ) &
 }
@@ -141,6 +146,41 @@ out=$(cat "$tmp/hang_timeout.out")
 waited=$(grep -oE "^  rank 0: waiting in barrier .* for [0-9.]+ s" <<<"$out" | grep -oE "[0-9.]+ s$" | cut -d. -f1)
 read -r status took _ <"$tmp/hang_timeout.status"
 report $(( ${waited:-99} >= 10 || took >= 60 )) "--hang-timeout 2 names the hang after rank 0 waited ${waited:-?} s, long before the 60 s timeout (the run took ${took} s)" "$out"
+
+# A rank stopped inside the all-reduce the others wait in: every ledger says "waiting" in the same
+# call, so no rank is behind another; --hang-timeout still ends the run, naming the stopped rank
+# (it had run on to the 60 s --timeout). A rank sleeping in C's sleep() while the others wait is
+# asked for its line without being woken: --hang-timeout names it (the question had cut its sleep
+# short after 2 s, and the run ended with status 0 and no report), and a healthy run asked for its
+# ledgers twice during such a sleep sleeps it all and finishes.
+run stop_inside 2 60 stop_inside --hang-timeout 2
+run sleep_in_c 2 60 sleep_in_c --hang-timeout 2 -- --seconds 40
+(
+  "$bin" --nproc-per-node 2 --threads 1 "$script" --mode sleep_in_c --seconds 4 >"$tmp/asked.out" 2>&1 &
+  launcher=$!
+  for _ in $(seq 600); do grep -q "hang begins at" "$tmp/asked.out" && break; sleep 0.1; done
+  sleep 1.5; kill -USR1 "$launcher"; sleep 1; kill -USR1 "$launcher"
+  wait "$launcher"
+  echo "$? $launcher" >"$tmp/asked.status"
+) &
+wait
+check stop_inside 1 "$(re "was still running, with no error, when no rank had made progress for 2 s (--hang-timeout): it is the rank the others waited for (rank 1 was stopped: SIGSTOP")" \
+  "^  rank 1: stopped \(process state T.*its last call: $(re "all_reduce(sum) of 1048576 float32 (4194304 B) at $S:$(line stop_inside)") \(call 2 on group 'world' \(ranks 0,1\)\), waiting" \
+  "^  rank 0: waiting in $(re "all_reduce(sum) of 1048576 float32 (4194304 B) at $S:$(line stop_inside)") \(call 2 on group 'world' \(ranks 0,1\)\) for [0-9.]+ s"
+out=$(cat "$tmp/stop_inside.out")
+begun=$(grep -oE "^hang begins at [0-9]+" <<<"$out" | grep -oE "[0-9]+$")
+read -r status took ended <"$tmp/stop_inside.status"
+report $(( ended - ${begun:-0} > 15 )) "--hang-timeout 2 ends a run whose rank is stopped inside a collective $(( ended - ${begun:-0} )) s after it began (the stop comes 2 s in; the --timeout is 60 s)" "$out"
+check sleep_in_c 1 "$(re "was still running, with no error, when no rank had made progress for 2 s (--hang-timeout): it is the rank the others waited for")" \
+  "^  rank 1: running, not in any collective or send/recv; its last call: $(re "$first").*its Lua line could not be read" \
+  "^  rank 0: waiting in barrier at $(re "$S:$(line sleep_barrier)")"
+out=$(cat "$tmp/sleep_in_c.out")
+! has "$out" "woke with"; report $? "... and the rank asked for its line sleeps on: it never woke (C's sleep was not cut short)" "$out"
+read -r status launcher <"$tmp/asked.status"
+out=$(cat "$tmp/asked.out")
+report $status "a run asked for its ledgers (kill -USR1, twice) while a rank sleeps 4 s in C ends with status 0 (status $status)" "$out"
+[ "$(grep -c "partrain: the ranks' collective ledgers (kill -USR1 $launcher" <<<"$out")" = 2 ]; report $? "... both questions answered" "$out"
+has "$out" "rank 1 woke with 0 s of its sleep left"; report $? "... and the sleeping rank slept all 4 s (the questions did not wake it)" "$out"
 
 out=$("$bin" --hang-timeout 5 -e '' 2>&1); status=$?
 has "$out" "--hang-timeout needs the launcher"; report $(( status == 0 ? 1 : $? )) "--hang-timeout without the launcher is refused" "$out"
