@@ -180,27 +180,37 @@ bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0
 // piece, so a long line, or progress redrawn with \r and never ended, costs the launcher linear
 // time and bounded memory (holding 240 MB of \r updates for a newline had taken 35 s and 667 MB).
 constexpr size_t kRelayPiece = size_t(1) << 16;
+// A rank's last stderr lines kept for the failure summary, and the bytes kept of each.
+constexpr size_t kKeptLines = 20;
+constexpr size_t kKeptLineBytes = 2048;
+
+void remember(std::deque<std::string>* keep, const std::string& line) {
+  if (!keep) return;
+  keep->push_back(line.size() <= kKeptLineBytes ? line
+                                                : line.substr(0, kKeptLineBytes) + "... (" +
+                                                      std::to_string(line.size()) + " bytes)");
+  while (keep->size() > kKeptLines) keep->pop_front();
+}
 
 // Writes complete lines from `buffer` to `to`, each with `prefix`; with `flush_partial`, or once
 // the rest reaches kRelayPiece bytes, the rest too (a line without its newline: tagged, it is
-// ended; untagged, left as the rank wrote it).
+// ended; untagged, left as the rank wrote it). `scanned`: how many leading bytes of the buffer
+// are known to hold no newline (what was there before the last read), so that small reads after
+// a long unended line do not search it again and again.
 void emit_lines(std::string& buffer, std::ostream& to, const std::string& prefix, bool flush_partial,
-                std::deque<std::string>* keep = nullptr) {
+                std::deque<std::string>* keep = nullptr, size_t scanned = 0) {
   size_t start = 0, nl;
-  while ((nl = buffer.find('\n', start)) != std::string::npos) {
+  while ((nl = buffer.find('\n', std::max(start, scanned))) != std::string::npos) {
     std::string line = buffer.substr(start, nl - start);
     to << prefix << line << '\n';
-    if (keep) {
-      keep->push_back(line);
-      if (keep->size() > 20) keep->pop_front();
-    }
+    remember(keep, line);
     start = nl + 1;
   }
   buffer.erase(0, start);
   if ((flush_partial || buffer.size() >= kRelayPiece) && !buffer.empty()) {
     to << prefix << buffer;
     if (!prefix.empty()) to << '\n';  // a tagged line ends; an untagged stream passes through as written
-    if (keep) keep->push_back(buffer);
+    remember(keep, buffer);
     buffer.clear();
   }
   to.flush();
@@ -625,17 +635,20 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         parse_report(r);
       } else {
         std::string& line = which == 1 ? r.err_line : r.out_line;
+        const size_t scanned = line.size();  // no newline in it: searched when it came
         if (n > 0) line.append(buf, n);
         if (which == 1) {
-          if (live_partial && line.find('\n') != std::string::npos) {  // clear the live line; it is drawn again
+          if (live_partial && line.find('\n', scanned) != std::string::npos) {  // clear the live line; it is drawn again
             std::cout << "\r\x1b[K" << std::flush;
             live_partial = false;
           }
-          emit_lines(line, std::cerr, prefix(r), eof, &r.last_err);
+          emit_lines(line, std::cerr, prefix(r), eof, &r.last_err, scanned);
         } else if (r.rank == 0 || o.tee) {
-          emit_lines(line, std::cout, o.tee ? prefix(r) : "", eof && !live_partial);
+          emit_lines(line, std::cout, o.tee ? prefix(r) : "", eof && !live_partial, nullptr, scanned);
           if (live_terminal && r.rank == 0) {
-            if (line.find('\r') != std::string::npos) {  // a live line: shown as it is drawn
+            // What is left has no \r before this read's bytes (a \r there would have been shown).
+            const size_t fresh = line.size() - std::min(line.size(), size_t(std::max<ssize_t>(n, 0)));
+            if (line.find('\r', fresh) != std::string::npos) {  // a live line: shown as it is drawn
               std::cout << line << std::flush;
               line.clear();
               live_partial = true;
