@@ -273,6 +273,20 @@ int share_ledger(Rank& r) {
 }  // namespace
 
 void adopt_report_channel() {
+  // In a rank (the launcher's, torchrun's): a write to a closed pipe or socket (a peer that was
+  // stopped, a command's pipe that ended) fails with EPIPE, which the caller reports as an error,
+  // instead of killing the rank with SIGPIPE, for which the launcher named it as the rank that
+  // failed. A handler rather than SIG_IGN: exec puts the default back, so the script's own
+  // commands (`yes | head`) still end on SIGPIPE as they expect.
+  struct sigaction pipe_now {};
+  if (std::getenv("RANK") && std::getenv("WORLD_SIZE") && sigaction(SIGPIPE, nullptr, &pipe_now) == 0 &&
+      pipe_now.sa_handler == SIG_DFL) {
+    struct sigaction sa {};
+    sa.sa_handler = ignore_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGPIPE, &sa, nullptr);
+  }
   const char* v = std::getenv("PARTRAIN_REPORT_FD");
   if (!v) return;
   unsetenv("PARTRAIN_REPORT_FD");
@@ -561,7 +575,8 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     if (WIFSIGNALED(r.status)) {
       int sig = WTERMSIG(r.status);
       if (o.interactive && sig == SIGINT) return false;  // Ctrl-C at the terminal: an interrupt
-      return !(r.ended_stopping && (sig == SIGTERM || sig == SIGKILL));
+      // Killed by the launcher's TERM or KILL, or by a write to a peer the launcher stopped.
+      return !(r.ended_stopping && (sig == SIGTERM || sig == SIGKILL || sig == SIGPIPE));
     }
     return !r.ended_stopping;
   };

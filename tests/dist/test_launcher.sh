@@ -8,7 +8,8 @@
 # is named within one timeout; printed lines leave as they are printed, to a file or through the
 # launcher; at the end of the run rank 0 may work on alone and a rank may os.exit(0) early, past
 # --timeout, and a rank that skipped the last collective is named; 240 MB of unended progress lines
-# are relayed in linear time and memory. Usage: test_launcher.sh PATH/TO/partrain
+# are relayed in linear time and memory; a broken pipe is an EPIPE error in a rank, not its death.
+# Usage: test_launcher.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
 worker="$(realpath tests/dist/worker.lua)"
@@ -264,6 +265,23 @@ report $(( bytes != 240000000 )) "rank 0's 240 MB of stdout are relayed byte for
 report $(( longest == 0 || longest > 2 * 65536 + 9 )) "each rank's stderr arrives tagged, in pieces of at most 128 KiB (the longest: $longest bytes)" "$(head -c 300 "$tmp/cr.err")"
 report $(( ms > 20 * small_ms + 5000 || ms > 50000 )) "relaying 10x the output takes about 10x the time: ${ms} ms for 240 MB, ${small_ms} ms for 24 MB" ""
 report $(( kib == 0 || small_kib == 0 || kib - small_kib > 32768 )) "... and no more memory: the launcher's peak RSS $(( kib / 1024 )) MiB at 240 MB, $(( small_kib / 1024 )) MiB at 24 MB" ""
+
+# --- a broken pipe is an error in a rank, not a death by SIGPIPE ------------------------------
+# A rank writing to a command that has ended gets EPIPE ("Broken pipe") and goes on; a death by
+# SIGPIPE had been named as the rank that failed. The script's own commands still end on SIGPIPE
+# (`yes | head` ends quietly: exec gives them the default back).
+out=$(timeout 60 "$bin" --nproc-per-node 2 --threads 1 --tee -e '
+local pt = require "partrain"
+local p = io.popen("true", "w")
+os.execute("sleep 0.3")
+local ok, err = p:write(("x"):rep(1000000))
+if ok then ok, err = p:flush() end
+print(("rank %d: writing to an ended command: %s"):format(pt.dist.rank(), tostring(err)))
+print(("rank %d: yes | head: %s"):format(pt.dist.rank(), io.popen("yes 2>&1 | head -c 2; echo \" $?\""):read("*a"):gsub("\n", "")))
+' 2>&1); status=$?
+report $(( status != 0 )) "ranks writing to a command that has ended are not killed by SIGPIPE (status $status)" "$out"
+has "$out" "[rank 1] rank 1: writing to an ended command: Broken pipe"; report $? "... the write fails with EPIPE, which the script sees" "$out"
+has "$out" "[rank 1] rank 1: yes | head: y 0" && ! has "$out" "write error"; report $? "... and the script's own commands still end quietly on SIGPIPE" "$out"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
