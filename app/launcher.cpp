@@ -270,9 +270,87 @@ int share_ledger(Rank& r) {
   return fd;
 }
 
+// Where the kernel keeps this process's environment as exec gave it (/proc/PID/stat's env_start
+// and env_end): what /proc/PID/environ shows, whatever setenv and unsetenv did since.
+std::pair<uintptr_t, uintptr_t> environment_block() {
+  std::ifstream stat("/proc/self/stat");
+  std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  auto close = all.rfind(')');
+  if (close == std::string::npos) return {0, 0};
+  std::istringstream fields(all.substr(close + 2));
+  std::string field;
+  uintptr_t start = 0, end = 0;
+  for (int i = 3; fields >> field; ++i) {  // field 3 is the state; env_start is 50, env_end 51
+    if (i == 50) start = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 51) end = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return {start, end};
+}
+
+// The rendezvous secret stays out of /proc/PID/environ: a PARTRAIN_RDZV_SECRET this process was
+// started with (torchrun's ranks, a launcher given one) is moved into a copy that setenv keeps,
+// and its bytes in the block exec wrote are overwritten. The ranks a launcher forks inherit that
+// block, so a forked rank's environ no longer shows its launcher's secret either.
+void hide_environment_secret() {
+  char* value = std::getenv("PARTRAIN_RDZV_SECRET");
+  if (!value) return;
+  const auto [start, end] = environment_block();
+  const auto at = reinterpret_cast<uintptr_t>(value);
+  if (start == 0 || at < start || at >= end) return;  // not in the block: set by this process
+  const size_t name = std::strlen("PARTRAIN_RDZV_SECRET=");
+  if (at - start < name) return;
+  const std::string copy = value;
+  setenv("PARTRAIN_RDZV_SECRET", copy.c_str(), 1);  // environ points at the copy from here on
+  std::memset(value - name, 0, std::min<size_t>(name + copy.size(), end - (at - name)));
+}
+
+// The secret the launcher gives a rank: through a pipe (PARTRAIN_RDZV_SECRET_FD) it wrote and
+// closed before starting the rank, read and closed here, never through the environment exec
+// passes (an exec'd rank's /proc/self/environ is readable by its script). The rank reads it as
+// PARTRAIN_RDZV_SECRET from this process's environment, which main drops before the script.
+void take_secret_pipe() {
+  const char* v = std::getenv("PARTRAIN_RDZV_SECRET_FD");
+  if (!v) return;
+  char* end = nullptr;
+  long fd = std::strtol(v, &end, 10);
+  unsetenv("PARTRAIN_RDZV_SECRET_FD");
+  struct stat st;
+  if (!end || *end || fd < 3 || fd > INT_MAX || fstat(int(fd), &st) != 0 || !S_ISFIFO(st.st_mode)) return;
+  std::string secret;
+  char buf[256];
+  while (secret.size() <= dist::kMaxSecret) {
+    ssize_t n = read(int(fd), buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    secret.append(buf, size_t(n));
+  }
+  close(int(fd));
+  if (!secret.empty()) setenv("PARTRAIN_RDZV_SECRET", secret.c_str(), 1);
+  std::fill(secret.begin(), secret.end(), '\0');
+}
+
+// The read end of a pipe holding `secret` and nothing more (the write end closed), for one rank
+// (PARTRAIN_RDZV_SECRET_FD); -1 when there is no secret. A secret is at most 1 KiB: the pipe
+// takes it without blocking.
+int secret_pipe(const std::string& secret) {
+  if (secret.empty()) return -1;
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+  size_t at = 0;
+  while (at < secret.size()) {
+    ssize_t n = write(fds[1], secret.data() + at, secret.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    at += size_t(n);
+  }
+  close(fds[1]);
+  return fds[0];
+}
+
 }  // namespace
 
 void adopt_report_channel() {
+  hide_environment_secret();
   // In a rank (the launcher's, torchrun's): a write to a closed pipe or socket (a peer that was
   // stopped, a command's pipe that ended) fails with EPIPE, which the caller reports as an error,
   // instead of killing the rank with SIGPIPE, for which the launcher named it as the rank that
@@ -296,6 +374,7 @@ void adopt_report_channel() {
   if (!end || *end || fd < 3 || fd > INT_MAX || fstat(int(fd), &st) != 0 || !S_ISFIFO(st.st_mode)) return;
   fcntl(int(fd), F_SETFD, FD_CLOEXEC);
   report_fd = int(fd);
+  take_secret_pipe();
   if (const char* l = std::getenv("PARTRAIN_LEDGER_FD")) {
     unsetenv("PARTRAIN_LEDGER_FD");
     long lfd = std::strtol(l, &end, 10);
@@ -457,6 +536,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 || pipe2(report, O_CLOEXEC) != 0)
       throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
     const int ledger_fd = share_ledger(r);
+    const int secret_fd = secret_pipe(start.secret);
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
@@ -499,7 +579,11 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
       setenv("PARTRAIN_RESTART_COUNT", std::to_string(attempt).c_str(), 1);  // and torchrun's names
       setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
       setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts).c_str(), 1);
-      setenv("PARTRAIN_RDZV_SECRET", start.secret.c_str(), 1);
+      unsetenv("PARTRAIN_RDZV_SECRET");  // never in an exec'd environment: its script could read it there
+      if (secret_fd >= 0) {
+        fcntl(secret_fd, F_SETFD, 0);
+        setenv("PARTRAIN_RDZV_SECRET_FD", std::to_string(secret_fd).c_str(), 1);
+      }
       unsetenv("PARTRAIN_RDZV_FD");
       if (r.rank == 0 && start.listen_fd >= 0) {  // rank 0 serves the store on the launcher's socket
         fcntl(start.listen_fd, F_SETFD, 0);
@@ -530,6 +614,7 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
     close(err[1]);
     close(report[1]);
     if (ledger_fd >= 0) close(ledger_fd);
+    if (secret_fd >= 0) close(secret_fd);
     r.pid = pid;
     r.out = out[0];
     r.err = err[0];

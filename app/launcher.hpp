@@ -67,11 +67,13 @@ constexpr double kMaxNodeTimeout = kMaxTimeout;
 /// Checks the options; a bad value is an error naming the flag.
 void validate(const LaunchOptions& options);
 
-/// At start-up: in a rank (RANK, WORLD_SIZE), makes a broken pipe or socket an EPIPE error
-/// rather than a death by SIGPIPE. In a rank the launcher started, also takes the report pipe
-/// named by PARTRAIN_REPORT_FD (made close-on-exec, so the script's own children do not hold it),
-/// and maps the collective ledger the launcher shares (PARTRAIN_LEDGER_FD). Call once, before
-/// any collective.
+/// At start-up, in every partrain process: moves a PARTRAIN_RDZV_SECRET it was started with out
+/// of the environment block /proc/PID/environ shows, and in a rank (RANK, WORLD_SIZE) makes a
+/// broken pipe or socket an EPIPE error rather than a death by SIGPIPE. In a rank the launcher
+/// started, also takes the report pipe named by PARTRAIN_REPORT_FD (made close-on-exec, so the
+/// script's own children do not hold it), reads the rendezvous secret from the pipe named by
+/// PARTRAIN_RDZV_SECRET_FD, and maps the collective ledger the launcher shares
+/// (PARTRAIN_LEDGER_FD). Call once, before any collective.
 void adopt_report_channel();
 /// In such a rank: tells the launcher this rank's fatal error, with the monotonic time of now,
 /// before the rank exits (and so before its sockets close and its peers fail). Elsewhere it

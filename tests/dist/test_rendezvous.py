@@ -5,8 +5,10 @@ store and Gloo's) bound to 127.0.0.1 only; a client that connects without the se
 wrong one, is closed without a byte of answer; the job then finishes with the right sum, and
 its script never sees the secret. Ranks started by the launcher say (PARTRAIN_STARTUP_TRACE=1)
 that they were forked; PARTRAIN_EXEC_RANKS=1 starts them with exec instead, also correct.
---rdzv-secret-file is refused when others can read it, when it is too short or not a regular
-file, and used when it is right; several nodes need it.
+No rank's /proc/self/environ (nor its commands', nor os.getenv) holds the secret, forked or
+exec'd, whether the launcher made it, read it from --rdzv-secret-file or was given it in its
+environment, nor does a torchrun-style rank's. --rdzv-secret-file is refused when others can read
+it, when it is too short or not a regular file, and used when it is right; several nodes need it.
 
     python3 tests/dist/test_rendezvous.py build/partrain
 """
@@ -173,6 +175,51 @@ for mode, extra in [("fork", {}), ("exec", {"PARTRAIN_EXEC_RANKS": "1"})]:
     check(f"{mode}: each rank traced its first collective group and its script",
           all(re.search(rf"rank {r}: group 'world' created", both) and re.search(rf"rank {r}: script starts", both)
               for r in (0, 1)), both)
+
+# --- the secret is never in a rank's environment block --------------------------------------
+# /proc/self/environ shows the environment a process was exec'd with, whatever unsetenv did since:
+# an exec'd rank given the secret as PARTRAIN_RDZV_SECRET showed it there to its script, and so
+# did a forked rank whose launcher had been given it so (the forked rank shares its launcher's
+# block). The secret now reaches a launcher's rank through a pipe, and a process started with it
+# in its environment (the launcher, torchrun's ranks) overwrites it there.
+ENV_SCRIPT = r"""
+local pt = require "partrain"
+local secret = arg[1]
+local f = io.open("/proc/self/environ")
+local block = f:read("*a")
+f:close()
+local child = io.popen("cat /proc/self/environ"):read("*a")
+local function says(text) return text:find(secret, 1, true) and "HAS THE SECRET" or "clean" end
+print(("rank %d: environ %s, its command's %s, os.getenv %s"):format(pt.dist.rank(), says(block), says(child),
+  tostring(os.getenv("PARTRAIN_RDZV_SECRET"))))
+"""
+env_script = os.path.join(tmp, "environ.lua")
+with open(env_script, "w") as f:
+    f.write(ENV_SCRIPT)
+file_secret = secrets.token_hex(32)
+secret_path = os.path.join(tmp, "environ-secret")
+with open(os.open(secret_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+    f.write(file_secret + "\n")
+clean = [f"[rank {r}] rank {r}: environ clean, its command's clean, os.getenv nil" for r in (0, 1)]
+for mode, extra in [("fork", {}), ("exec", {"PARTRAIN_EXEC_RANKS": "1"})]:
+    for given, secret, flags, more in [("--rdzv-secret-file", file_secret, ["--rdzv-secret-file", secret_path], {}),
+                                       ("PARTRAIN_RDZV_SECRET", "e" * 40, [], {"PARTRAIN_RDZV_SECRET": "e" * 40})]:
+        run = subprocess.run([binary, "--nproc-per-node", "2", "--threads", "1", "--tee", *flags, env_script, secret],
+                             capture_output=True, text=True, timeout=120, cwd=root, env=dict(env, **extra, **more))
+        check(f"{mode}, secret from {given}: no rank's /proc/self/environ, command or os.getenv has it",
+              run.returncode == 0 and all(line in run.stdout for line in clean), run.stdout + run.stderr)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+procs = [subprocess.Popen([binary, "--threads", "1", env_script, "t" * 40], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=root,
+                          env=dict(env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=str(port), PARTRAIN_TIMEOUT="30", PARTRAIN_RDZV_SECRET="t" * 40))
+         for r in (0, 1)]
+outs = [q.communicate(timeout=60)[0] for q in procs]
+check("torchrun-style ranks given PARTRAIN_RDZV_SECRET overwrite it in their /proc/self/environ",
+      all(q.returncode == 0 for q in procs) and all(f"rank {r}: environ clean, its command's clean, os.getenv nil"
+                                                    in outs[r] for r in (0, 1)), outs)
 
 # --- --rdzv-secret-file ----------------------------------------------------------------------
 def with_file(content, mode, *flags):
