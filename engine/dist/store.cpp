@@ -1,8 +1,9 @@
 // The rendezvous store's server and client (see store.hpp).
 //
 // The wire: every integer big-endian; a string is a u32 length then its bytes. A connection
-// opens with "PTRDZV01", u32 n and the n bytes of the secret; the server answers 'K' or closes
-// the connection. Then requests, one at a time: a u8 operation and its fields; each answer is a
+// opens with "PTRDZV01", u32 n and the n bytes of the secret; the server answers 'K', or 'B'
+// (busy: no place for a connection without the secret yet; try again) and closes, or, for a
+// wrong secret, closes the connection saying nothing. Then requests, one at a time: a u8 operation and its fields; each answer is a
 // u8 status ('K' done, 'V' a string, 'I' a u64, 'B' a u8, 'L' u32 n strings, 'T' timed out,
 // 'E' an error string) and its fields. Every length is checked against store.hpp's bounds before
 // anything is allocated for it.
@@ -40,7 +41,14 @@ constexpr char kMagic[8] = {'P', 'T', 'R', 'D', 'Z', 'V', '0', '1'};
 constexpr size_t kMaxRequest = kMaxStoreValue + 2 * kMaxStoreKey + 64;  // one request, buffered
 constexpr size_t kMaxPending = 256ull * 1024 * 1024;  // answers a client has not read yet
 constexpr size_t kMaxConnections = 4096;
-constexpr auto kHelloWithin = std::chrono::seconds(10);  // a connection must present the secret by then
+// Connections that have not presented the secret yet: a client sends it as soon as it connects,
+// so they are allowed little time and few places, per peer address and in all. A new connection
+// that finds no place takes the oldest one's (of its peer, else of all), which is answered 'B'
+// (busy: the client tries again) and closed. Idle connections held by another process (4096 of
+// them had been allowed 10 s each) so never keep a node or a rank out.
+constexpr auto kHelloWithin = std::chrono::seconds(3);
+constexpr size_t kMaxUnauthed = 256;
+constexpr size_t kMaxUnauthedPerPeer = 64;
 
 enum Op : uint8_t {
   kSet = 1, kGet, kAdd, kCompareSet, kDelete, kCheck, kNumKeys, kWait, kAppend, kMultiGet, kMultiSet,
@@ -120,6 +128,16 @@ addrinfo* resolve(const std::string& host, int port) {
   return found;
 }
 
+// A peer's address without its port ("127.0.0.1", "::1"): connections are counted per address.
+std::string address_text(const sockaddr_storage& sa) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (sa.ss_family == AF_INET)
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(sa).sin_addr, text, sizeof text);
+  else if (sa.ss_family == AF_INET6)
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(sa).sin6_addr, text, sizeof text);
+  return text;
+}
+
 }  // namespace
 
 std::string new_secret() {
@@ -164,10 +182,12 @@ struct StoreServer::State {
     bool authed = false;
     bool dead = false;
     Clock::time_point hello_deadline;
+    std::string peer;  // its address, without the port
     std::string in, out;
     std::optional<Pending> pending;
   };
-  std::list<Conn> conns;
+  std::list<Conn> conns;  // oldest first
+  Clock::time_point listen_rest_until{};  // out of descriptors: no accepting until then
   std::unordered_map<std::string, std::string> kv;
   std::unordered_map<std::string, std::deque<std::string>> queues;
   size_t bytes = 0;  // keys and values held
@@ -460,6 +480,83 @@ struct StoreServer::State {
     }
   }
 
+  // Reads what the connection has sent, handling each whole request as it comes.
+  void receive(Conn& c) {
+    char buf[65536];
+    while (!c.dead) {
+      ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (n <= 0) {
+        c.dead = true;
+        break;
+      }
+      // Before the secret, only the hello's bytes are kept; after it, one request's.
+      size_t cap = c.authed ? kMaxRequest : sizeof kMagic + 4 + kMaxSecret;
+      c.in.append(buf, size_t(n));
+      if (!c.pending) process(c);
+      if (c.in.size() > cap) c.dead = true;  // a request longer than any allowed
+    }
+  }
+
+  static bool unauthed(const Conn& c) { return !c.authed && !c.dead; }
+  size_t unauthed_of(const std::string* peer) const {
+    return size_t(std::count_if(conns.begin(), conns.end(),
+                                [&](const Conn& c) { return unauthed(c) && (!peer || c.peer == *peer); }));
+  }
+
+  // Makes a place for a new connection: the oldest connection (of `peer`, or of any) that has not
+  // presented the secret is read once more (its hello may be in by now), and if it still has not,
+  // answered 'B' and closed at once. False when there is none.
+  bool evict_oldest_unauthed(const std::string* peer) {
+    for (auto& c : conns) {
+      if (!unauthed(c) || (peer && c.peer != *peer)) continue;
+      receive(c);
+      if (c.authed || c.dead) continue;  // it made it in (or left): the next oldest
+      char busy = 'B';
+      if (::send(c.fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+      }
+      ::close(c.fd);  // nothing unread: the client sees 'B', then the end
+      c.fd = -1;
+      c.dead = true;
+      return true;
+    }
+    return false;
+  }
+
+  // Takes every connection waiting on the listening socket, within the bounds above.
+  void accept_all() {
+    while (true) {
+      sockaddr_storage sa{};
+      socklen_t len = sizeof sa;
+      int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&sa), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR) continue;
+        // Out of descriptors: a stranger's idle connection gives up its own, else the listening
+        // socket rests a moment (it would wake poll() at once, again and again).
+        if ((errno == EMFILE || errno == ENFILE) && evict_oldest_unauthed(nullptr)) continue;
+        if (errno == EMFILE || errno == ENFILE) listen_rest_until = Clock::now() + std::chrono::milliseconds(100);
+        return;
+      }
+      Conn c;
+      c.fd = fd;
+      c.peer = address_text(sa);
+      if (unauthed_of(&c.peer) >= kMaxUnauthedPerPeer) evict_oldest_unauthed(&c.peer);
+      if (unauthed_of(nullptr) >= kMaxUnauthed) evict_oldest_unauthed(nullptr);
+      if (conns.size() >= kMaxConnections) {  // every place taken by connections that presented the secret
+        char busy = 'B';
+        if (::send(fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+        }
+        ::close(fd);
+        continue;
+      }
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      c.hello_deadline = Clock::now() + kHelloWithin;
+      conns.push_back(std::move(c));
+    }
+  }
+
   void answer_blocked() {
     for (auto& c : conns)
       if (c.pending && !c.dead && try_answer(c)) process(c);
@@ -467,9 +564,10 @@ struct StoreServer::State {
 
   void loop() {
     while (true) {
-      std::vector<pollfd> fds{{wake[0], POLLIN, 0}, {listen_fd, POLLIN, 0}};
+      const bool listening = Clock::now() >= listen_rest_until;
+      std::vector<pollfd> fds{{wake[0], POLLIN, 0}, {listen_fd, short(listening ? POLLIN : 0), 0}};
       std::vector<Conn*> who{nullptr, nullptr};
-      auto next = Clock::time_point::max();
+      auto next = listening ? Clock::time_point::max() : listen_rest_until;
       for (auto& c : conns) {
         fds.push_back({c.fd, short(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
         who.push_back(&c);
@@ -484,46 +582,20 @@ struct StoreServer::State {
       int got = ::poll(fds.data(), fds.size(), wait_ms);
       if (got < 0 && errno != EINTR) break;
       if (fds[0].revents) break;
-      if (fds[1].revents & POLLIN) {
-        while (true) {
-          int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-          if (fd < 0) break;
-          if (conns.size() >= kMaxConnections) {
-            ::close(fd);
-            continue;
-          }
-          int one = 1;
-          setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          Conn c;
-          c.fd = fd;
-          c.hello_deadline = Clock::now() + kHelloWithin;
-          conns.push_back(std::move(c));
-        }
-      }
+      if (fds[1].revents & POLLIN) accept_all();
       for (size_t i = 2; i < fds.size(); ++i) {
-        Conn& c = *who[i];
+        Conn& c = *who[i];  // closed already if a new connection took its place
         if (fds[i].revents & POLLOUT) flush(c);
-        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
-          char buf[65536];
-          while (!c.dead) {
-            ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-            if (n <= 0) {
-              c.dead = true;
-              break;
-            }
-            // Before the secret, only the hello's bytes are kept; after it, one request's.
-            size_t cap = c.authed ? kMaxRequest : sizeof kMagic + 4 + kMaxSecret;
-            c.in.append(buf, size_t(n));
-            if (!c.pending) process(c);
-            if (c.in.size() > cap) c.dead = true;  // a request longer than any allowed
-          }
-        }
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) receive(c);
       }
       auto now = Clock::now();
       for (auto& c : conns) {
-        if (!c.authed && now >= c.hello_deadline) c.dead = true;
+        if (unauthed(c) && now >= c.hello_deadline) {  // 'B' as for a place taken: it may try again
+          char busy = 'B';
+          if (::send(c.fd, &busy, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+          }
+          c.dead = true;
+        }
         if (c.pending && c.pending->has_deadline && now >= c.pending->deadline && !c.dead) {
           c.pending.reset();
           send(c, status('T'));
@@ -533,7 +605,7 @@ struct StoreServer::State {
       answer_blocked();
       for (auto it = conns.begin(); it != conns.end();) {
         if (it->dead) {
-          ::close(it->fd);
+          if (it->fd >= 0) ::close(it->fd);
           it = conns.erase(it);
         } else {
           ++it;
@@ -645,12 +717,14 @@ void write_all(int fd, const std::string& bytes, const std::string& where) {
 RendezvousStore::RendezvousStore(const StoreOptions& options, Clock::time_point deadline)
     : c10d::Store(options.timeout), options_(options) {
   const std::string at = where();
-  // Connect; a refused connection means the server is not up yet: try again, waiting a little
-  // longer each time (1 ms to 100 ms), until the deadline. (Under partrain's launcher the
-  // listening socket exists before any rank starts, so this never waits there.)
+  // Connect; a refused connection means the server is not up yet, and a busy one ('B', or reset
+  // before it read the secret) that it had no place for this connection yet: try again, waiting a
+  // little longer each time (1 ms to 100 ms), until the deadline. (Under partrain's launcher the
+  // listening socket exists before any rank starts, so a refusal never happens there.)
   auto pause = std::chrono::milliseconds(1);
   std::string why;
-  while (fd_ < 0) {
+  int busy = 0;
+  while (true) {
     addrinfo* found = resolve(options.host, options.port);
     for (addrinfo* a = found; a && fd_ < 0; a = a->ai_next) {
       int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
@@ -663,35 +737,63 @@ RendezvousStore::RendezvousStore(const StoreOptions& options, Clock::time_point 
       }
     }
     freeaddrinfo(found);
-    if (fd_ >= 0) break;
+    if (fd_ >= 0) {
+      if (present_secret(deadline)) return;
+      ++busy;
+      why = "it had no place for a connection that has not presented the secret yet (" + std::to_string(busy) +
+            (busy == 1 ? " try" : " tries") + "): other processes hold many connections to it without presenting one";
+    }
     TORCH_CHECK(Clock::now() + pause < deadline, "cannot connect to the rendezvous store at ", at, ": ", why);
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(100));
   }
+}
+
+// Presents the secret on the new connection fd_: true once the server accepts it; false, with
+// the connection closed, when the server was busy (the caller tries again); throws when it closed
+// the connection without a word (a wrong secret) or did not answer by the deadline.
+bool RendezvousStore::present_secret(Clock::time_point deadline) {
+  const std::string at = where();
   int one = 1;
   setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   std::string hello(kMagic, sizeof kMagic);
-  put_str(hello, options.secret);
+  put_str(hello, options_.secret);
+  char answer = 0;
   try {
-    write_all(fd_, hello, at);
-    char answer = 0;
-    try {
-      read_exact(fd_, &answer, 1, deadline, at, "presenting the secret");
-    } catch (const c10::Error& e) {
-      std::string m = e.what_without_backtrace();
-      // The server answers a wrong secret by closing the connection, saying nothing.
-      TORCH_CHECK(m.find("closed the connection") == std::string::npos, "the rendezvous store at ", at,
-                  " closed the connection before accepting this process: it did not present the job's secret "
-                  "(PARTRAIN_RDZV_SECRET, or --rdzv-secret-file, must be the same for every rank of the job), or "
-                  "rank 0, which serves the store, has ended");
-      throw;
+    // A reset while writing or reading: the server closed the connection before reading the
+    // secret (a place was made for a newer connection), not a judgement of the secret.
+    const ssize_t sent = ::send(fd_, hello.data(), hello.size(), MSG_NOSIGNAL);
+    if (sent < 0 && (errno == ECONNRESET || errno == EPIPE)) answer = 'B';
+    else if (sent != ssize_t(hello.size())) write_all(fd_, hello.substr(size_t(std::max<ssize_t>(sent, 0))), at);
+    if (answer != 'B') {
+      pollfd pf{fd_, POLLIN, 0};
+      while (true) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        TORCH_CHECK(left > 0, "the rendezvous store at ", at, " did not answer presenting the secret in time");
+        int got = ::poll(&pf, 1, int(std::min<int64_t>(left, 60000)));
+        if (got < 0 && errno == EINTR) continue;
+        if (got == 0) continue;
+        ssize_t r = ::recv(fd_, &answer, 1, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == ECONNRESET) answer = 'B';
+        else TORCH_CHECK(r == 1, "the rendezvous store at ", at, " closed the connection before accepting this "
+                         "process: it did not present the job's secret (PARTRAIN_RDZV_SECRET, or --rdzv-secret-file, "
+                         "must be the same for every rank of the job), or rank 0, which serves the store, has ended",
+                         r < 0 ? " (" + errno_text() + ")" : std::string());
+        break;
+      }
     }
-    TORCH_CHECK(answer == 'K', "the rendezvous store at ", at, " answered the secret with '", answer, "'");
+    TORCH_CHECK(answer == 'K' || answer == 'B', "the rendezvous store at ", at, " answered the secret with '", answer,
+                "'");
   } catch (...) {
     ::close(fd_);
     fd_ = -1;
     throw;
   }
+  if (answer == 'K') return true;
+  ::close(fd_);
+  fd_ = -1;
+  return false;
 }
 
 RendezvousStore::~RendezvousStore() {

@@ -44,7 +44,9 @@ struct StoreOptions {
 
 /// The server: one thread, one poll() loop, no sleeps; blocked gets and waits are answered as
 /// soon as their keys are set, or with a timeout at their deadline. A connection that does not
-/// present the secret first is closed before it can read or write a key.
+/// present the secret first is closed before it can read or write a key; those that have not yet
+/// are bounded (per peer address and in all, for a few seconds each), the oldest making way for a
+/// new one, so idle strangers cannot keep a rank or a node out.
 class StoreServer {
  public:
   explicit StoreServer(const StoreOptions& options);
@@ -63,9 +65,10 @@ class StoreServer {
 /// store's address and what failed.
 class RendezvousStore : public c10d::Store {
  public:
-  /// Connects to host:port and presents the secret, retrying a refused connection until
-  /// `deadline` (a store not yet served); past it, or when the server closes the connection
-  /// (a wrong secret), throws.
+  /// Connects to host:port and presents the secret, retrying a refused connection (a store not
+  /// yet served) and a busy one (no place yet for a connection without the secret) until
+  /// `deadline`; past it, or when the server closes the connection without a word (a wrong
+  /// secret), throws.
   RendezvousStore(const StoreOptions& options, std::chrono::steady_clock::time_point deadline);
   ~RendezvousStore() override;
 
@@ -99,6 +102,7 @@ class RendezvousStore : public c10d::Store {
 
  private:
   std::string request(const std::string& bytes, std::chrono::milliseconds wait);
+  bool present_secret(std::chrono::steady_clock::time_point deadline);
   StoreOptions options_;
   std::mutex mutex_;
   int fd_ = -1;

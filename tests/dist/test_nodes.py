@@ -7,7 +7,8 @@ makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no 
 node 0's launcher killed makes node 1 name node 0, the control store's host, as lost; node 0 alone
 names node 1 as not arrived after --timeout; nodes disagreeing on --nproc-per-node both refuse; a
 second launcher given a node rank already in the job is refused without disturbing it; a job
-that ends at once succeeds on both nodes.
+that ends at once succeeds on both nodes; node 1 joins while another process holds thousands of
+idle connections to node 0's control store.
 Usage: test_nodes.py PATH/TO/partrain"""
 import os
 import re
@@ -251,5 +252,80 @@ check(f"nodes started with different --nproc-per-node both exit non-zero (status
 check("node 0 names the disagreement", "--nproc-per-node 1" in nodes[0].out and "--nproc-per-node 2" in nodes[0].out,
       nodes[0].out[-2000:])
 check("no rank started on either node", "step 1 loss" not in nodes[0].out + nodes[1].out, nodes[0].out[-2000:])
+
+# --- Thousands of idle connections to node 0's control store do not keep node 1 out -----------
+# A local process holding connections that never present the secret had filled the store's 4096
+# places (10 s each), and node 1, closed at once, was told its secret was wrong. Connections
+# without the secret now have few places, per address and in all, for 3 s, the oldest making way
+# for a new one, which a node presenting its secret at once keeps.
+import resource  # noqa: E402
+import select  # noqa: E402
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 20000), hard))
+HOLD = min(5000, min(hard, 20000) - 200)
+port = free_port()
+job = 'local pt = require "partrain"; local t = pt.ones(1); pt.dist.world():all_reduce(t); print("sum " .. t:item())'
+
+
+def quick_node(n):
+    return subprocess.Popen([binary, "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1",
+                             "--master-port", str(port), "--rdzv-secret-file", secret, "--nproc-per-node", "1",
+                             "--threads", "1", "--timeout", "60", "-e", job],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+
+
+node0 = quick_node(0)
+for _ in range(200):  # its store is up
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.05)
+flood = {"stop": False, "opened": 0, "dropped": 0, "held": 0}
+
+
+def hold_connections():
+    """Keeps up to HOLD connections open to the store, none presenting anything, reopening dropped ones."""
+    held = []
+    while not flood["stop"]:
+        while len(held) < HOLD and not flood["stop"]:
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            held.append(c)
+            flood["opened"] += 1
+        flood["held"] = max(flood["held"], len(held))
+        time.sleep(0.5)
+        watch = select.poll()
+        for c in held:
+            watch.register(c, select.POLLIN)
+        readable = {fd for fd, _ in watch.poll(0)}
+        for c in held:
+            if c.fileno() in readable:  # answered 'B' and closed, or reset
+                c.close()
+        held = [c for c in held if c.fileno() != -1]
+        flood["dropped"] += len(readable)
+    for c in held:
+        c.close()
+
+
+flooder = threading.Thread(target=hold_connections)
+flooder.start()
+time.sleep(3)  # the store has taken thousands of them by now
+joined = time.time()
+node1 = quick_node(1)
+out1 = node1.communicate(timeout=120)[0]
+took = time.time() - joined
+out0 = node0.communicate(timeout=120)[0]
+flood["stop"] = True
+flooder.join()
+check(f"with another process holding {HOLD} idle connections to node 0's control store ({flood['opened']} opened, "
+      f"{flood['dropped']} dropped by the store), node 1 joins and the job succeeds on both nodes "
+      f"(status {node0.returncode}, {node1.returncode}; node 1 done in {took:.1f} s)",
+      node0.returncode == 0 and node1.returncode == 0 and "sum 2" in out0, out0[-2000:] + out1[-2000:])
+check("... the store dropped the idle connections rather than the node (thousands opened, most dropped)",
+      flood["opened"] > HOLD and flood["dropped"] > HOLD // 2, flood)
+check("... and node 1 was never told its secret was wrong", "secret" not in out1, out1[-2000:])
 
 finish("two-node")

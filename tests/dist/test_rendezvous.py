@@ -2,7 +2,8 @@
 
 While a 2-rank job waits after joining, `ss -ltnp` shows every socket the job listens on (its
 store and Gloo's) bound to 127.0.0.1 only; a client that connects without the secret, or with a
-wrong one, is closed without a byte of answer; the job then finishes with the right sum, and
+wrong one, is closed without a byte of answer, and one that presents nothing is told 'B' (busy)
+and closed after about 3 s; the job then finishes with the right sum, and
 its script never sees the secret. Ranks started by the launcher say (PARTRAIN_STARTUP_TRACE=1)
 that they were forked; PARTRAIN_EXEC_RANKS=1 starts them with exec instead, also correct.
 No rank's /proc/self/environ (nor its commands', nor os.getenv) holds the secret, forked or
@@ -147,6 +148,12 @@ if m:
     check("a client with a wrong secret is closed and gets no answer, no key", wrong_secret == b"", wrong_secret)
     huge = exchange(port, b"PTRDZV01" + struct.pack(">I", 0xFFFFFFF0))
     check("a client announcing a 4 GiB secret is closed, nothing allocated", huge == b"", huge)
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as idle:
+        began = time.time()
+        said = idle.recv(16)
+        waited = time.time() - began
+    check(f"a connection that presents nothing is answered 'B' (busy: try again) and closed in about 3 s "
+          f"(after {waited:.1f} s)", said == b"B" and 2 < waited < 10, said)
 os.remove(hold)
 out, err = p.communicate(timeout=120)
 check("the job still finishes (status 0)", p.returncode == 0, out + err)

@@ -1,7 +1,14 @@
 // GoogleTest for the rendezvous store (engine/dist/store.hpp): c10d's key-value semantics, waits
-// answered when the key is set (not polled), the secret checked before any key, and Gloo groups
-// rendezvousing through it.
+// answered when the key is set (not polled), the secret checked before any key, idle strangers
+// never keeping a client out, and Gloo groups rendezvousing through it.
 #include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <future>
@@ -123,6 +130,54 @@ TEST(RendezvousStore, AClientWithoutTheSecretIsRefused) {
   store->set("k", bytes("v"));
   EXPECT_EQ(text(store->get("k")), "v");
   EXPECT_EQ(store->getNumKeys(), 1) << "the refused clients wrote nothing";
+}
+
+// Connections that never present the secret (another local process holding them) had each
+// taken one of the server's 4096 places for 10 s; past 4096 a client was closed at once and told
+// its secret was wrong. They now get 64 places per address, the oldest making way for a new one.
+TEST(RendezvousStore, IdleStrangersNeverKeepAClientOut) {
+  constexpr int kIdle = 4500;
+  rlimit files{};
+  getrlimit(RLIMIT_NOFILE, &files);
+  if (files.rlim_max != RLIM_INFINITY && files.rlim_max < kIdle + 1000) GTEST_SKIP() << "too few descriptors allowed";
+  const rlimit before = files;
+  files.rlim_cur = files.rlim_max == RLIM_INFINITY ? kIdle + 1000 : files.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &files);
+  Served served;
+  std::vector<int> idle;
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(uint16_t(served.options.port));
+  inet_pton(AF_INET, "127.0.0.1", &at.sin_addr);
+  for (int i = 0; i < kIdle; ++i) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0) << "connection " << i;
+    idle.push_back(fd);
+  }
+  const auto t0 = Clock::now();
+  auto store = served.client();  // presents the secret at once: it keeps its place
+  store->set("k", bytes("v"));
+  EXPECT_EQ(text(store->get("k")), "v");
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
+  auto why = error_of([&] { served.client(std::string(64, '0')); });
+  EXPECT_NE(why.find("it did not present the job's secret"), std::string::npos)
+      << "a wrong secret is still told so among the strangers: " << why;
+  // The server closed all but the newest of them, each with 'B' (busy: try again).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  int closed = 0, busy = 0;
+  for (int fd : idle) {
+    pollfd pf{fd, POLLIN, 0};
+    char c = 0;
+    if (poll(&pf, 1, 0) == 1) {
+      ++closed;
+      busy += recv(fd, &c, 1, MSG_DONTWAIT) == 1 && c == 'B';
+    }
+    close(fd);
+  }
+  EXPECT_GE(closed, kIdle - 64) << "the server kept more idle connections than its bound";
+  EXPECT_GE(busy, closed - 64) << "those closed were told 'B' (busy), not left to guess";
+  setrlimit(RLIMIT_NOFILE, &before);
 }
 
 TEST(RendezvousStore, AStoreNotServedIsAnErrorAtTheDeadline) {
