@@ -205,6 +205,10 @@ NodeControl::NodeControl(const ControlOptions& options) : o_(options), watch_(op
                              " (--master-addr, --master-port; waited at most --timeout " + seconds(o_.join_timeout) +
                              " s): " + m);
   }
+  // The settings every node must share (--nnodes among them: a node counting another number of
+  // nodes waits for a meeting that never fills, or starts its ranks in a world of the wrong
+  // size) are compared with node 0's as a node joins, before it claims its place or arrives.
+  if (o_.node_rank != 0) check_settings();
   // Each node rank joins once: a second launcher given the same --node-rank (a typo, a machine
   // started twice) is refused here, before it could arrive at a meeting and start ranks that
   // take the first one's places in the job's rendezvous, which would end the job.
@@ -231,6 +235,52 @@ NodeControl::~NodeControl() {
       waitpid(helper_, &status, 0);
     }
   }
+}
+
+namespace {
+
+// "--nnodes 3 --nproc-per-node 2" -> {("--nnodes", "3"), ("--nproc-per-node", "2")}
+std::vector<std::pair<std::string, std::string>> flags_of(const std::string& settings) {
+  std::istringstream in(settings);
+  std::vector<std::pair<std::string, std::string>> out;
+  std::string flag, value;
+  while (in >> flag >> value) out.emplace_back(flag, value);
+  return out;
+}
+
+}  // namespace
+
+// A joining node's settings against node 0's (set as node 0 starts its store: waited for). On a
+// difference this node is refused at once, naming each flag's two values; and while the first
+// meeting is still open it also ends the job, since a node 0 waiting for this node would wait out
+// --timeout. A node that cannot belong to node 0's job at all (a node rank past node 0's --nnodes),
+// or that comes after the meeting, leaves the job undisturbed.
+void NodeControl::check_settings() {
+  const std::string theirs = one_line(text(store_->get(key("node", 0))));
+  if (theirs == o_.settings) return;
+  const std::string me = "node " + std::to_string(o_.node_rank);
+  std::string diff;
+  int their_nnodes = o_.nnodes;
+  const auto mine = flags_of(o_.settings);
+  for (const auto& [flag, value] : flags_of(theirs)) {
+    if (flag == "--nnodes") their_nnodes = std::atoi(value.c_str());
+    auto it = std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.first == flag; });
+    if (it == mine.end() || it->second != value)
+      diff += std::string(diff.empty() ? "" : ", ") + flag + " " + (it == mine.end() ? "(none)" : it->second) +
+              " on " + me + " but " + flag + " " + value + " on node 0";
+  }
+  if (diff.empty()) diff = "'" + o_.settings + "' on " + me + " but '" + theirs + "' on node 0";
+  Verdict v;
+  v.kind = Verdict::Stopped;
+  v.node = o_.node_rank;
+  v.cause = "the nodes disagree: " + diff + " (every node needs the same)";
+  const bool in_job = o_.node_rank < their_nnodes;
+  const bool meeting_open =
+      in_job && store_->add(key("arrived", 0), 0) < their_nnodes && !store_->check({key("end", 0)});
+  std::string ended;
+  if (meeting_open && propose(0, v).node == o_.node_rank) ended = "; the job was stopped on every node";
+  throw std::runtime_error(me + " cannot join the job through " + store_where() + ": " + diff +
+                           " (every node needs the same --nnodes, --nproc-per-node and --max-restarts)" + ended);
 }
 
 std::string NodeControl::store_where() const {
@@ -356,20 +406,6 @@ std::optional<int> NodeControl::met(int attempt) {
         propose(attempt, v);
       }
       return std::nullopt;
-    }
-    // Every node is here: the settings must agree with node 0's (the world is nnodes x nproc).
-    if (!settings_checked_ && o_.node_rank != 0) {
-      settings_checked_ = true;
-      std::string theirs = one_line(text(store_->get(key("node", 0))));
-      if (theirs != o_.settings) {
-        Verdict v;
-        v.kind = Verdict::Stopped;
-        v.node = o_.node_rank;
-        v.cause = "node " + std::to_string(o_.node_rank) + " was started with " + o_.settings + " but node 0 with " +
-                  theirs + " (every node needs the same)";
-        propose(attempt, v);
-        return std::nullopt;
-      }
     }
     if (o_.node_rank == 0) return std::stoi(text(store_->get(key("port", attempt))));
     std::string port = text(store_->get(key("port", attempt)));

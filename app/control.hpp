@@ -30,8 +30,8 @@ struct ControlOptions {
   std::string secret;         ///< the job's rendezvous secret: the control store asks for it too
   double join_timeout = 300;  ///< --timeout: seconds the nodes may take to meet
   double node_timeout = 30;   ///< --node-timeout: seconds without a heartbeat after which a node is lost
-  /// What must be the same on every node ("--nproc-per-node 2 --max-restarts 1"): checked
-  /// against node 0's when the nodes first meet.
+  /// What must be the same on every node ("--nnodes 2 --nproc-per-node 2 --max-restarts 1"),
+  /// flag and value pairs: checked against node 0's as each node joins.
   std::string settings;
 };
 
@@ -53,7 +53,9 @@ struct Verdict {
 class NodeControl {
  public:
   /// Node 0: serves the store on host:port and connects to it. Other nodes: connect, retrying
-  /// until join_timeout. Either then beats its first heartbeat.
+  /// until join_timeout, and compare their settings with node 0's: a difference throws, naming
+  /// both values (and, while the first meeting is open, stops the job on every node). Either then
+  /// beats its first heartbeat.
   explicit NodeControl(const ControlOptions& options);
   ~NodeControl();
   NodeControl(const NodeControl&) = delete;
@@ -83,6 +85,7 @@ class NodeControl {
 
  private:
   std::optional<Verdict> fail_store(int attempt, const std::exception& e);
+  void check_settings();
   void beat(std::optional<Verdict>& found);
 
   ControlOptions o_;
@@ -98,7 +101,6 @@ class NodeControl {
   Clock::time_point next_beat_{}, next_check_{};
   std::optional<Clock::time_point> meet_deadline_;
   std::map<int, Verdict> verdicts_;
-  bool settings_checked_ = false;
 };
 
 }  // namespace partrain::app

@@ -1081,8 +1081,8 @@ int launch_nodes(LaunchOptions o, const std::vector<std::string>& child_args, co
   co.secret = start.secret;
   co.join_timeout = o.timeout;
   co.node_timeout = o.node_timeout;
-  co.settings = "--nproc-per-node " + std::to_string(o.nproc_per_node) + " --max-restarts " +
-                std::to_string(o.max_restarts);
+  co.settings = "--nnodes " + std::to_string(o.nnodes) + " --nproc-per-node " + std::to_string(o.nproc_per_node) +
+                " --max-restarts " + std::to_string(o.max_restarts);
   NodeControl control(co);
   auto by_signal = [&] {
     Verdict v;

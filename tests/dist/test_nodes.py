@@ -7,7 +7,8 @@ makes node 0 exit non-zero within a bounded time naming node 1 as lost, with no 
 node 0's launcher killed makes node 1 name node 0, the control store's host, as lost; node 0 alone
 names node 1 as not arrived after --timeout; nodes disagreeing on --nproc-per-node both refuse; a
 second launcher given a node rank already in the job is refused without disturbing it; a job
-that ends at once succeeds on both nodes; node 1 joins while another process holds thousands of
+that ends at once succeeds on both nodes; nodes disagreeing on --nnodes (either way) are refused
+at once, naming both values and the node; node 1 joins while another process holds thousands of
 idle connections to node 0's control store.
 Usage: test_nodes.py PATH/TO/partrain"""
 import os
@@ -42,8 +43,8 @@ def free_port():
 class Node:
     """One node's launcher, its output (stdout and stderr) read as it comes."""
 
-    def __init__(self, node, port, flags, script_args, nproc=2):
-        cmd = [binary, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+    def __init__(self, node, port, flags, script_args, nproc=2, nnodes=2):
+        cmd = [binary, "--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
                str(port), "--rdzv-secret-file", secret, "--nproc-per-node", str(nproc), "--threads", "1", "--tee",
                "--node-timeout", str(NODE_TIMEOUT), *flags, "tests/ckpt/train.lua", "--tensor", "2", *script_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
@@ -252,6 +253,28 @@ check(f"nodes started with different --nproc-per-node both exit non-zero (status
 check("node 0 names the disagreement", "--nproc-per-node 1" in nodes[0].out and "--nproc-per-node 2" in nodes[0].out,
       nodes[0].out[-2000:])
 check("no rank started on either node", "step 1 loss" not in nodes[0].out + nodes[1].out, nodes[0].out[-2000:])
+
+# --- The nodes disagree on --nnodes: refused at once, naming both values and the node --------
+# A node counting 3 nodes had waited for a meeting that never filled while node 0's ranks (or its
+# own, counting 2 against node 0's 3) waited out --timeout and blamed a rank that had arrived.
+for mine, theirs in [(3, 2), (2, 3)]:
+    port = free_port()
+    began = time.time()
+    nodes = [Node(0, port, ["--timeout", "60"], ["--steps", "2"], nnodes=theirs),
+             Node(1, port, ["--timeout", "60"], ["--steps", "2"], nnodes=mine)]
+    status = [n.wait(timeout=120) for n in nodes]
+    took = time.time() - began
+    said = f"--nnodes {mine} on node 1 but --nnodes {theirs} on node 0"
+    check(f"node 1 with --nnodes {mine} and node 0 with --nnodes {theirs} both exit non-zero within 20 s, not at "
+          f"--timeout 60 (status {status}, {took:.1f} s)", all(x not in (0, None) for x in status) and took < 20,
+          nodes[0].out[-2000:] + nodes[1].out[-2000:])
+    check(f"... node 1 is refused naming both values ({said})",
+          f"node 1 cannot join the job through node 0's launcher at 127.0.0.1:{port}: {said}" in nodes[1].out,
+          nodes[1].out[-2000:])
+    check("... node 0 names the disagreement and node 1", f"node 1 stopped the job: the nodes disagree: {said}"
+          in nodes[0].out, nodes[0].out[-2000:])
+    check("... and no rank started on either node", "[rank" not in nodes[0].out + nodes[1].out,
+          nodes[0].out[-2000:] + nodes[1].out[-2000:])
 
 # --- Thousands of idle connections to node 0's control store do not keep node 1 out -----------
 # A local process holding connections that never present the secret had filled the store's 4096
