@@ -20,6 +20,7 @@
 
 #include "bindings/host.hpp"
 #include "engine/ckpt/ckpt.hpp"
+#include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/models/registry.hpp"
 #include "engine/plan/plan.hpp"
@@ -62,6 +63,30 @@ std::string parse_count(const std::string& flag, const std::string& text, long l
   if (errno == ERANGE || v < lo || v > hi) return flag + " " + shown + " is out of range: " + range;
   out = static_cast<int>(v);
   return "";
+}
+
+std::string parse_bytes(const std::string& flag, const std::string& text, int64_t& out) {
+  std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+  const std::string expected = " (expected a size such as 80GiB, 141GB or 8e10: a number, then B, KB, MB, GB, TB (powers of "
+                               "1000), KiB, MiB, GiB, TiB or K, M, G, T (powers of 1024))";
+  errno = 0;
+  char* end = nullptr;
+  double v = text.empty() || std::isspace(static_cast<unsigned char>(text[0])) ? NAN : std::strtod(text.c_str(), &end);
+  if (!end || end == text.c_str() || !std::isfinite(v) || errno == ERANGE) return flag + " '" + shown + "' is not a size" + expected;
+  std::string unit(end);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::pair<const char*, double> units[] = {
+      {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"K", 1024.0}, {"KIB", 1024.0},
+      {"M", 1048576.0}, {"MIB", 1048576.0}, {"G", 1073741824.0}, {"GIB", 1073741824.0}, {"T", 1099511627776.0},
+      {"TIB", 1099511627776.0}};
+  for (const auto& [name, scale] : units)
+    if (unit == name) {
+      const double bytes = v * scale;
+      if (!(bytes >= 1 << 20) || bytes > 1e18) return flag + " " + shown + " is out of range: 1 MiB to 1 EB";
+      out = static_cast<int64_t>(bytes);
+      return "";
+    }
+  return flag + " '" + shown + "': unknown unit '" + std::string(end) + "'" + expected;
 }
 
 std::string parse_seconds(const std::string& flag, const std::string& text, double lo, double hi, bool zero_is_off,
@@ -154,7 +179,7 @@ int run_plan(int argc, char** argv, int first) {
   CLI::App app{"partrain plan: what each rank of a layout will hold, without processes or memory.\n\n"
                "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n",
                "partrain plan"};
-  std::string world_text, nproc_text;
+  std::string world_text, nproc_text, memory_text;
   bool json = false, verbose = false;
   std::string save;
   app.add_option("--world", world_text, "ranks to plan for, 1-65536 (virtual: nothing is started)")->required();
@@ -162,7 +187,10 @@ int run_plan(int argc, char** argv, int first) {
   app.add_flag("--json", json, "print the plan as JSON");
   app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan")
       ->check(non_empty("the file to write the plan to"));
-  app.add_flag("-v,--verbose", verbose, "show what rank 0's script prints (the others stay quiet)");
+  app.add_option("--device-memory", memory_text, "one device's memory (80GiB, 141GB): the plan opens with whether "
+                 "every rank's peak fits in it (default: this machine's first GPU's, when it has one)");
+  app.add_flag("-v,--verbose", verbose, "list every logical tensor and the slices ranks hold, and show what rank 0's "
+               "script prints (the others stay quiet)");
   int split = split_at_script(app, first, argc, argv);
   std::vector<std::string> rest;
   for (int i = split; i < argc; ++i) rest.emplace_back(argv[i]);
@@ -176,6 +204,15 @@ int run_plan(int argc, char** argv, int first) {
   int world = 0, nproc = 0;
   std::string bad = parse_count("--world", world_text, 1, 1 << 16, world);
   if (bad.empty() && app.count("--nproc-per-node")) bad = parse_count("--nproc-per-node", nproc_text, 1, world, nproc);
+  plan::TextOptions text_options;
+  text_options.shards = verbose;
+  if (bad.empty() && app.count("--device-memory")) {
+    bad = parse_bytes("--device-memory", memory_text, text_options.device_memory);
+    text_options.device_source = "--device-memory";
+  } else if (compat::cuda_available() && compat::cuda_device_count() > 0) {
+    text_options.device_memory = compat::cuda_total_memory(0);
+    text_options.device_source = "cuda:0, " + compat::cuda_device_name(0);
+  }
   if (!bad.empty()) return fail("plan: " + bad);
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
   if (nproc == 0) nproc = world;
@@ -236,7 +273,7 @@ int run_plan(int argc, char** argv, int first) {
   result.nproc_per_node = nproc;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.cpu_peak_bytes = std::max<int64_t>(0, plan::memory(c10::kCPU).peak - cpu_base);
-  std::cout << (json ? plan::to_json(result) : plan::to_text(result)) << std::flush;
+  std::cout << (json ? plan::to_json(result) : plan::to_text(result, text_options)) << std::flush;
   if (json) std::cout << std::endl;
   if (!save.empty()) {
     try {

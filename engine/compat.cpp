@@ -126,6 +126,15 @@ int cuda_current_device() {
 #endif
 }
 
+int64_t cuda_total_memory(int index) {
+  check_cuda_index(index, "total_memory");
+#ifdef PARTRAIN_WITH_CUDA
+  return static_cast<int64_t>(at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index))->totalGlobalMem);
+#else
+  return 0;
+#endif
+}
+
 std::string cuda_device_name(int index) {
   check_cuda_index(index, "device_name");
 #ifdef PARTRAIN_WITH_CUDA

@@ -54,6 +54,8 @@ CudaMemory cuda_memory(int index);
 void cuda_reset_peak(int index);
 /// The thread's current CUDA device, and a device's name ("NVIDIA H100 80GB HBM3").
 int cuda_current_device();
+/// The memory CUDA device `index` has, in bytes (what `partrain plan` checks a layout against).
+int64_t cuda_total_memory(int index);
 std::string cuda_device_name(int index);
 
 /// The state of CUDA device `device`'s default generator (a CPU uint8 tensor), and its

@@ -551,11 +551,27 @@ std::string slices_text(const Shard& s) {
   return t.str();
 }
 
+// A name read from a plan file as a message shows it: as it is when short and printable, else
+// its first 40 bytes (unprintable ones as '?') and its length. A damaged or foreign plan can
+// hold a name of megabytes, which a mismatch had printed whole.
+std::string name_text(const std::string& name) {
+  bool plain = name.size() <= 80;
+  for (char c : name) plain = plain && c >= 0x20 && c < 0x7f;
+  if (plain) return name;
+  std::string head = name.substr(0, 40);
+  for (auto& c : head)
+    if (c < 0x20 || c >= 0x7f) c = '?';
+  return head + "... (" + std::to_string(name.size()) + " bytes)";
+}
+
+// A shard as a mismatch shows it, in at most 300 bytes (a damaged plan's shape can hold
+// thousands of dimensions).
 std::string shard_text(const Shard& s) {
   std::ostringstream t;
-  t << s.dtype << " " << list(s.shape) << " local " << list(s.local_shape);
+  t << name_text(s.dtype) << " " << list(s.shape) << " local " << list(s.local_shape);
   if (s.dim >= 0) t << " split on " << s.dim << " [" << slices_text(s) << "] over ranks " << list(s.group, ",");
-  return t.str();
+  std::string text = t.str();
+  return text.size() > 300 ? text.substr(0, 300) + "..." : text;
 }
 
 }  // namespace
@@ -572,9 +588,11 @@ std::string differences(const RankPlan& planned, const RankPlan& actual) {
     auto it = mine.find(s.name);
     bool differs = it == mine.end() || !(s == *it->second);
     if (differs && shown == 8) ++hidden;
-    else if (it == mine.end()) d << "  " << s.name << ": planned (" << shard_text(s) << "), missing in this run\n";
+    else if (it == mine.end())
+      d << "  " << name_text(s.name) << ": planned (" << shard_text(s) << "), missing in this run\n";
     else if (differs)
-      d << "  " << s.name << ": planned " << shard_text(s) << "; this run " << shard_text(*it->second) << "\n";
+      d << "  " << name_text(s.name) << ": planned " << shard_text(s) << "; this run " << shard_text(*it->second)
+        << "\n";
     if (differs && shown < 8) ++shown;
     if (it != mine.end()) mine.erase(it);
   }
@@ -598,9 +616,12 @@ std::string differences(const RankPlan& planned, const RankPlan& actual) {
     d << "  ZeRO: planned stage " << planned.zero_stage << " over " << planned.zero_group << " rank(s); this run stage "
       << actual.zero_stage << " over " << actual.zero_group << "\n";
   if (planned.collectives != actual.collectives) {
-    auto text = [](const std::vector<Collective>& cs) {
+    auto text = [](const std::vector<Collective>& cs) {  // the first 16, then a count
       std::ostringstream t;
-      for (const auto& c : cs) t << " " << c.group << " " << c.op << " x" << c.calls << " (" << c.bytes << " B)";
+      for (size_t i = 0; i < cs.size() && i < 16; ++i)
+        t << " " << name_text(cs[i].group) << " " << name_text(cs[i].op) << " x" << cs[i].calls << " (" << cs[i].bytes
+          << " B)";
+      if (cs.size() > 16) t << " and " << cs.size() - 16 << " more";
       return cs.empty() ? std::string(" none") : t.str();
     };
     d << "  collectives in the first step: planned" << text(planned.collectives) << "; this run"
@@ -784,7 +805,50 @@ std::string stages_text(const Plan& plan) {
 
 }  // namespace
 
-std::string to_text(const Plan& plan) {
+namespace {
+
+// What would make a layout that does not fit fit, from what dominates its largest rank.
+std::string remedies(const Plan& plan, const RankPlan& r, int64_t device) {
+  std::vector<std::string> tries;
+  const int64_t sharded = r.grad_bytes + r.optimizer_bytes + r.master_bytes;
+  if (r.zero_stage < 2 && plan.data > 1) {
+    // ZeRO-2 keeps 1/data of the gradients, optimizer state and masters (the buckets aside).
+    const int64_t saved = sharded - sharded / plan.data;
+    tries.push_back("ZeRO-2 over the " + std::to_string(plan.data) + " data ranks (zero = { stage = 2 }; about " +
+                    human(saved) + " less)");
+  }
+  if (r.activation_bytes > r.model_state_bytes() / 2)
+    tries.push_back(std::string("activation recompute or ") + (plan.pipeline > 1 ? "smaller micro-batches" : "a smaller batch a rank") +
+                    " (activations are " + human(r.activation_bytes) + ")");
+  tries.push_back(plan.pipeline > 1 ? "more pipeline stages or a larger tensor size"
+                                    : "a pipeline (--pipeline 2 or more) or a larger tensor size");
+  if (r.peak_bytes() > 4 * device) tries.push_back("more ranks");
+  std::string out;
+  for (size_t i = 0; i < tries.size(); ++i) out += (i == 0 ? "" : i + 1 == tries.size() ? " or " : ", ") + tries[i];
+  return out;
+}
+
+}  // namespace
+
+std::string fit_verdict(const Plan& plan, int64_t device, const std::string& source) {
+  if (plan.ranks.empty() || device <= 0) return "";
+  const RankPlan* top = &plan.ranks.front();
+  std::vector<int> all, over;
+  for (const auto& r : plan.ranks) {
+    all.push_back(r.rank);
+    if (r.peak_bytes() > device) over.push_back(r.rank);
+    if (r.peak_bytes() > top->peak_bytes()) top = &r;
+  }
+  const std::string of = " of " + human(device) + " (" + source + ")";
+  if (over.empty())
+    return "fits: peak " + human(top->peak_bytes()) + of + " on ranks " + rank_list(all) + " (the most on rank " +
+           std::to_string(top->rank) + ")";
+  return "does not fit: ranks " + rank_list(over) + " need up to " + human(top->peak_bytes()) + of + " (rank " +
+         std::to_string(top->rank) + ": model state " + human(top->model_state_bytes()) + " + activations " +
+         human(std::max<int64_t>(top->activation_bytes, 0)) + "); try " + remedies(plan, *top, device);
+}
+
+std::string to_text(const Plan& plan, const TextOptions& options) {
   std::ostringstream out;
   out << "plan of " << plan.script << " on " << plan.world << " virtual rank(s) (" << plan.world / plan.nproc_per_node
       << " node(s) x " << plan.nproc_per_node << "): tensor " << plan.tensor << " x data " << plan.data
@@ -796,6 +860,7 @@ std::string to_text(const Plan& plan) {
   std::snprintf(secs, sizeof secs, "%.2f", plan.seconds);
   out << "planned in " << secs << " s; tensor memory allocated on the CPU while planning: peak "
       << human(plan.cpu_peak_bytes) << "\n";
+  if (options.device_memory > 0) out << fit_verdict(plan, options.device_memory, options.device_source) << "\n";
 
   // The shard map: each logical tensor and who holds which part of it.
   std::vector<std::string> names;
@@ -811,11 +876,16 @@ std::string to_text(const Plan& plan) {
     }
   size_t width = 9;
   for (const auto& n : names) width = std::max(width, n.size());
-  out << "\nshards: logical tensors and the slices ranks hold\n";
   char line[512];
+  if (!options.shards) {
+    out << "\nshards: " << names.size() << " logical tensors (partrain plan -v lists the slices each rank holds)\n";
+    names.clear();
+  } else {
+    out << "\nshards: logical tensors and the slices ranks hold\n";
+  }
   std::snprintf(line, sizeof line, "  %-*s  %-16s %-7s %-11s %s\n", static_cast<int>(width), "parameter", "shape",
                 "split", "bytes/rank", "held by");
-  out << line;
+  if (options.shards) out << line;
   for (const auto& n : names) {
     const Shard& s = *first[n];
     std::string held;
@@ -832,7 +902,8 @@ std::string to_text(const Plan& plan) {
   }
 
   // Memory per rank, ranks with the same figures together.
-  out << "\nmemory per rank (model state = parameters + gradients + optimizer state + master weights)\n";
+  out << "\nmemory per rank (model state = parameters + gradients + optimizer state + master weights; peak = model "
+         "state + activations)\n";
   if (stage == 1)
     out << "  ZeRO-1: optimizer state and float32 master weights are this rank's shard; gradients are the whole flat "
            "buffer (backward accumulates into it) plus the float32 shard the update reads\n";
@@ -841,14 +912,15 @@ std::string to_text(const Plan& plan) {
            "shard (what the update reads) plus the scratch of the buckets backward is reducing (and any tie across "
            "pipeline stages, reduced whole)\n";
   const bool staged = plan.pipeline > 1;
-  std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters", "gradients",
-                "optimizer", "masters", "model state", staged ? "activations (peak under the schedule)" : "activations (first step)");
+  std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters",
+                "gradients", "optimizer", "masters", "model state", "peak",
+                staged ? "activations (peak under the schedule)" : "activations (first step)");
   out << line;
   Grouped memory;
   for (const auto& r : plan.ranks) {
-    std::snprintf(line, sizeof line, "%-12s %-12s %-12s %-12s %-12s %s", human(r.param_bytes).c_str(),
+    std::snprintf(line, sizeof line, "%-12s %-12s %-12s %-12s %-12s %-12s %s", human(r.param_bytes).c_str(),
                   human(r.grad_bytes).c_str(), human(r.optimizer_bytes).c_str(), human(r.master_bytes).c_str(),
-                  human(r.model_state_bytes()).c_str(),
+                  human(r.model_state_bytes()).c_str(), human(r.peak_bytes()).c_str(),
                   r.activation_bytes < 0 ? "- (no forward before the first step)" : human(r.activation_bytes).c_str());
     memory.add(line, r.rank);
   }

@@ -10,6 +10,7 @@
 // the pipeline's first step measured and what the schedule predicts.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -148,6 +149,9 @@ struct RankPlan {
   std::vector<Collective> collectives;
   StagePlan stage;  ///< under pipeline parallelism
   int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + master_bytes; }
+  /// The most this rank holds during a step: its model state and its activations (the first
+  /// step's, or the schedule's peak under a pipeline, which counts the micro-batches in flight).
+  int64_t peak_bytes() const { return model_state_bytes() + std::max<int64_t>(activation_bytes, 0); }
 };
 
 struct Plan {
@@ -210,7 +214,19 @@ RankPlan from_bytes(const std::string& bytes);
 std::string differences(const RankPlan& planned, const RankPlan& actual);
 
 /// For people: the shard map, memory per rank and collectives per step.
-std::string to_text(const Plan& plan);
+/// How to_text prints a plan.
+struct TextOptions {
+  /// The memory of one device, in bytes: the plan opens with whether every rank's peak fits in it
+  /// ("fits: ..." / "does not fit: ..., try ..."); 0: no verdict.
+  int64_t device_memory = 0;
+  /// Where device_memory came from ("--device-memory", "cuda:0 (NVIDIA H100 80GB HBM3)").
+  std::string device_source;
+  /// The shard table too (every logical tensor and which ranks hold which slice).
+  bool shards = false;
+};
+std::string to_text(const Plan& plan, const TextOptions& options = {});
+/// The verdict line of a plan against one device's memory (see TextOptions).
+std::string fit_verdict(const Plan& plan, int64_t device_memory, const std::string& source);
 /// For machines.
 std::string to_json(const Plan& plan);
 

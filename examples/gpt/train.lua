@@ -19,6 +19,8 @@ local cfg = pt.args {
   dim = { 128, "model width" },
   heads = { 4, "attention heads" },
   layers = { 4, "transformer blocks" },
+  vocab = { 256, "vocabulary size (the data are bytes: 256; a larger one, such as GPT-2's 50257, plans or "
+                 .. "measures a real model's head with the bytes as its first 256 tokens)" },
   kv_heads = { 0, "llama: key/value heads (grouped-query attention; 0: as many as heads)" },
   dropout = pt.args.number(0, "dropout (gpt2)"),
   lr = pt.args.number(3e-3, "peak learning rate (cosine schedule after the warmup)"),
@@ -78,12 +80,13 @@ local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline, zero = zero
 if cfg.model ~= "gpt2" and cfg.model ~= "llama" then error(("--model %s: expected gpt2 or llama"):format(cfg.model)) end
 if cfg.model == "gpt2" and cfg.kv_heads ~= 0 then error("--kv-heads is LLaMA's (--model llama)") end
 if cfg.model == "llama" and cfg.dropout ~= 0 then error("--dropout: LLaMA has no dropout") end
+if cfg.vocab < 256 then error(("--vocab %d: the data are bytes, 256 symbols; give at least 256"):format(cfg.vocab)) end
 local model = pt.deferred(function()
   if cfg.model == "llama" then
-    return pt.models.llama { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, kv_heads = cfg.kv_heads,
+    return pt.models.llama { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, kv_heads = cfg.kv_heads,
                              layers = cfg.layers, dtype = cfg.dtype }
   end
-  return pt.models.gpt2 { vocab = 256, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
+  return pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                           layers = cfg.layers, dropout = cfg.dropout, dtype = cfg.dtype }
 end)
 -- The whole model's training FLOPs a token (6·N + attention), counted before it is split.
@@ -168,7 +171,7 @@ elseif cfg.sample > 0 then
       local padded = math.ceil(n / split) * split
       if padded > n then context = pt.cat({ context, pt.zeros({ 1, padded - n }, { dtype = "int64" }) }, 1) end
       local logits = model(context):select(1, n - 1):float()  -- (1, 256 / tensor) at the last real position
-      logits = pt.tp.gather_from(logits, mesh:group("tensor"))  -- the whole vocabulary
+      logits = pt.tp.gather_from(logits, mesh:group("tensor")):narrow(-1, 0, 256)  -- the whole vocabulary: bytes
       local next_byte = (logits / 0.8):softmax(-1):multinomial(1)
       tokens = pt.cat({ tokens, next_byte }, 1)
     end

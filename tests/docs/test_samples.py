@@ -88,7 +88,10 @@ MEASURED = r"\| (?:seconds|tflops|tokens_per_s|mem_bytes) ([-+.e0-9]+)"
 VARIES = {
     ("docs/parallel.md", "partrain --nproc-per-node 4 examples/gpt/train.lua --pipeline 2 --zero-stage 2 --steps 40 "
      "--dim 64 --layers 2 --log-every 10"): [MEASURED],
-    ("docs/plan.md", "partrain plan --world 4 examples/gpt/train.lua --tensor 2"): [r"planned in ([.0-9]+) s"],
+    ("docs/plan.md", "partrain plan --world 4 --device-memory 80GiB -v examples/gpt/train.lua --tensor 2"):
+        [r"planned in ([.0-9]+) s"],
+    ("docs/plan.md", "partrain plan --world 8 --device-memory 40GiB examples/gpt/train.lua --vocab 50257 --seq 1024 "
+     "--dim 2048 --layers 24 --heads 16 --batch 64"): [r"planned in ([.0-9]+) s"],
     ("docs/observability.md", "partrain parity examples/gpt/train.lua --steps 10 --log-every 1 --sample 0 "
      "--nproc-per-node 2 examples/gpt/train.lua --steps 10 --log-every 1 --sample 0 --tensor 2"):
         [r"largest relative difference (\S+ at step \d+)"],

@@ -131,10 +131,47 @@ check("the text plan of a ZeRO-2 run names the stage, the group and the masters 
       and "gradients are the shard (what the update reads) plus the scratch" in r.stdout, r.stdout + r.stderr)
 
 # ---- The text form ----------------------------------------------------------------------------
-r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
-check("the text plan shows the shard map, memory per rank and collectives",
+r = run(["plan", "--world", "4", "-v", SCRIPT, "--tensor", "2"])
+check("the text plan with -v shows the shard map, memory per rank and collectives",
       r.returncode == 0 and "ranks 0,2 [0:128]; ranks 1,3 [128:256]" in r.stdout
       and "memory per rank" in r.stdout and "tensor all_reduce" in r.stdout, r.stdout + r.stderr)
+r = run(["plan", "--world", "4", SCRIPT, "--tensor", "2"])
+check("without -v the shard map is one line saying how to see it",
+      r.returncode == 0 and "[128:256]" not in r.stdout and "logical tensors (partrain plan -v lists" in r.stdout,
+      r.stdout)
+
+# ---- Does it fit? -----------------------------------------------------------------------------
+def peaks(text):
+    """Each memory row's peak column, in bytes."""
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    rows = text.split("memory per rank")[1].split("\n\n")[0].splitlines()[2:]
+    out = []
+    for row in rows:
+        f = row.split()
+        out.append(float(f[11]) * units[f[12]])  # ranks, then 5 sizes of 2 fields: the 6th is the peak
+    return out
+
+r = run(["plan", "--world", "4", "--device-memory", "1GiB", SCRIPT, "--tensor", "2"])
+lines = r.stdout.splitlines()
+check("--device-memory opens the plan with 'fits', the peak and the ranks",
+      r.returncode == 0 and len(lines) > 2 and lines[2].startswith("fits: peak ")
+      and "of 1.00 GiB (--device-memory) on ranks 0-3" in lines[2], r.stdout + r.stderr)
+top = max(peaks(r.stdout))
+check("the verdict's peak is the largest row's peak (model state + activations)",
+      f"fits: peak {top / (1 << 20):.2f} MiB" in lines[2], (lines[2], top))
+small = int(top * 0.9)
+r = run(["plan", "--world", "4", "--device-memory", str(small), SCRIPT, "--tensor", "2"])
+lines = r.stdout.splitlines()
+check("a device smaller than the peak: 'does not fit', what the rank needs and what to try",
+      r.returncode == 0 and len(lines) > 2 and lines[2].startswith("does not fit: ranks 0-3 need up to ")
+      and "model state" in lines[2] and "try ZeRO-2 over the 2 data ranks" in lines[2], r.stdout + r.stderr)
+for bad, why in [("80XB", "unknown unit 'XB'"), ("lots", "is not a size"), ("80", "out of range: 1 MiB"),
+                 ("-5GiB", "out of range"), ("nan", "is not a size")]:
+    r = run(["plan", "--world", "2", "--device-memory", bad, SCRIPT])
+    check(f"--device-memory {bad} is refused: {why}", r.returncode != 0 and why in r.stderr, r.stderr)
+r = run(["plan", "--world", "2", "--device-memory", "80GiB", "examples/gpt/train.lua", "--vocab", "50257"])
+check("the GPT example plans GPT-2's vocabulary from the command line",
+      r.returncode == 0 and "fits: peak" in r.stdout, r.stdout + r.stderr)
 
 # ---- Saved plans checked by real runs ---------------------------------------------------------
 with tempfile.TemporaryDirectory() as d:
