@@ -504,9 +504,42 @@ void describe_error_object(lua_State* L) {
   lua_settop(L, 1);
 }
 
+// The frames of the user's own code, outermost last, as Lua's traceback writes them; partrain's
+// Lua files and C functions are left out (the error already names the user's line). Empty when
+// they hold no more than the frame the error names.
+std::string user_traceback(lua_State* L) {
+  std::vector<std::string> frames;
+  lua_Debug ar;
+  for (int level = 1; lua_getstack(L, level, &ar) && frames.size() < 24; ++level) {
+    if (!lua_getinfo(L, "Snl", &ar) || ar.currentline <= 0 || in_library(ar)) continue;
+    std::string what = ar.name && *ar.name ? "in function '" + std::string(ar.name) + "'"
+                       : *ar.what == 'm'   ? std::string("in main chunk")
+                                           : "in function <" + std::string(ar.short_src) + ":" +
+                                                 std::to_string(ar.linedefined) + ">";
+    frames.push_back("\t" + std::string(ar.short_src) + ":" + std::to_string(ar.currentline) + ": " + what);
+  }
+  if (frames.size() <= 1) return "";
+  std::string out = "\nstack traceback:";
+  for (const auto& f : frames) out += "\n" + f;
+  return out;
+}
+
+// PARTRAIN_TRACEBACK=1: Lua's whole traceback, partrain's own frames included (for debugging
+// partrain itself); otherwise the user's frames only.
+bool full_traceback() {
+  const char* env = std::getenv("PARTRAIN_TRACEBACK");
+  return env && std::string(env) == "1";
+}
+
 int traceback_handler(lua_State* L) {
   describe_error_object(L);
   relocate_library_error(L);
+  if (!full_traceback() && lua_type(L, 1) == LUA_TSTRING) {
+    std::string message = lua_tostring(L, 1);
+    message += user_traceback(L);
+    lua_pushlstring(L, message.data(), message.size());
+    return 1;
+  }
   lua_getfield(L, LUA_REGISTRYINDEX, "partrain.traceback");
   lua_pushvalue(L, 1);
   lua_pushinteger(L, 2);
