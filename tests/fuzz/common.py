@@ -172,12 +172,14 @@ def kill_tree(pid):
             pass
 
 
-def run_batched(argv, cwd, work, cases, line, tally_crash, what):
+def run_batched(argv, cwd, work, cases, line, tally_crash, what, memory=None):
     """Runs a batched runner (ckpt_batch.lua, data_batch.lua) over `cases` (tuples whose first
     item is the case's index), restarting after a case that kills the process or stalls 20 s.
     `argv(list_file, results_file)` is the command; `line(case)` the case's line in the list. The
     runner appends one JSON line a case (tests/fuzz/results.lua), the first {"ready": true}.
-    Returns {index: result}; a case the process died on goes to tally_crash(index, kind, detail)."""
+    Returns {index: result}; a case the process died on goes to tally_crash(index, kind, detail).
+    With `memory`, each process may map at most that many bytes (limits()); a stalled job is
+    killed with every process below it (a launcher's ranks too)."""
     results, pending = {}, list(cases)
     while pending:
         lst = os.path.join(work, f"list-{pending[0][0]}")
@@ -185,9 +187,11 @@ def run_batched(argv, cwd, work, cases, line, tally_crash, what):
         with open(lst, "w") as f:
             f.writelines(line(c) + "\n" for c in pending)
         open(out, "w").close()
-        log = open(out + ".stderr", "w+")  # a file, not a pipe: notes must never fill a pipe and stall
+        # A file, not a pipe: notes must never fill a pipe and stall.
+        log = open(out + ".stderr", "w+", errors="replace")
         p = subprocess.Popen(argv(lst, out), cwd=cwd, stdout=subprocess.DEVNULL, stderr=log,
-                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             preexec_fn=limits(memory) if memory else None)
         done, last, stalled = 0, time.monotonic(), False
         while p.poll() is None:
             time.sleep(0.05)
@@ -195,7 +199,7 @@ def run_batched(argv, cwd, work, cases, line, tally_crash, what):
             if len(lines) > done:
                 done, last = len(lines), time.monotonic()
             elif time.monotonic() - last > 20:
-                os.killpg(p.pid, 9)
+                kill_tree(p.pid)
                 p.wait()
                 stalled = True
         log.seek(0)
