@@ -386,8 +386,8 @@ void adopt_report_channel() {
   }
 }
 
-void report_failure(const std::string& message) {
-  if (report_fd < 0) return;
+bool report_failure(const std::string& message) {
+  if (report_fd < 0) return false;
   // A collective that failed names its group, "failed on rank N:", and a timeout says so; the
   // REPL's channel and joining the rendezvous (not serving it) fail when a peer does. These are
   // consequences, unless no other rank failed first.
@@ -407,6 +407,7 @@ void report_failure(const std::string& message) {
   }
   close(report_fd);
   report_fd = -1;
+  return left == 0;
 }
 
 void validate(const LaunchOptions& o) {
@@ -973,6 +974,34 @@ Outcome run_ranks(const LaunchOptions& o, const std::vector<std::string>& child_
         << "; the other ranks were stopped";
     if (r.report) {
       say << ". Its error:\n" << indented(r.report->message, 12);
+      // The other ranks' own errors (not the collectives that failed because this one did), once
+      // each: the same error on every rank is one message.
+      auto first_line = [](const std::string& m) {
+        auto line = m.substr(0, m.find('\n'));
+        return line.substr(line.find(": ") == std::string::npos ? 0 : line.find(": ") + 2);  // without "rank N: "
+      };
+      std::vector<int> same;
+      std::vector<std::pair<std::string, std::vector<int>>> others;
+      for (const auto& x : ranks) {
+        if (&x == &r || !x.report || x.report->kind != Report::Error) continue;
+        auto line = first_line(x.report->message);
+        if (line == first_line(r.report->message)) {
+          same.push_back(x.rank);
+          continue;
+        }
+        auto it = std::find_if(others.begin(), others.end(), [&](const auto& e) { return e.first == line; });
+        if (it == others.end()) others.push_back({line, {x.rank}});
+        else it->second.push_back(x.rank);
+      }
+      auto list = [](const std::vector<int>& v) {
+        std::string s;
+        for (size_t k = 0; k < v.size(); ++k) s += (k ? "," : "") + std::to_string(v[k]);
+        return s;
+      };
+      if (!same.empty()) say << "  (rank" << (same.size() > 1 ? "s " : " ") << list(same) << " failed with the same error)\n";
+      for (size_t k = 0; k < others.size() && k < 4; ++k)
+        say << "  rank" << (others[k].second.size() > 1 ? "s " : " ") << list(others[k].second) << " failed too: "
+            << (others[k].first.size() > 200 ? others[k].first.substr(0, 200) + "..." : others[k].first) << "\n";
     } else if (!r.last_err.empty()) {
       say << ". The last lines of its stderr:\n";
       for (const auto& l : r.last_err) say << "  " << l << '\n';

@@ -36,10 +36,11 @@ int fail(const std::string& message) {
   return 1;
 }
 
-// A rank's fatal error: said on stderr, and told to the launcher (when one started the rank)
-// with the time it happened, so that it can name the rank that failed first.
+// A rank's fatal error: told to the launcher (when one started the rank) with the time it
+// happened, so that it can name the rank that failed first and say the error once for the job;
+// said on stderr when no launcher took it.
 int rank_fail(const std::string& message) {
-  partrain::app::report_failure(message);
+  if (partrain::app::report_failure(message)) return 1;
   return fail(message);
 }
 
@@ -150,7 +151,7 @@ int run_main(int argc, char** argv) {
   if (const char* rank = std::getenv("RANK")) partrain::util::startup_set_who("rank " + std::string(rank));
   partrain::util::startup_mark("main entered");
   partrain::app::adopt_report_channel();
-  partrain::dist::set_fatal_reporter(partrain::app::report_failure);  // Gloo's uncatchable errors too
+  partrain::dist::set_fatal_reporter([](const std::string& m) { partrain::app::report_failure(m); });  // Gloo's too
   partrain::plan::install_allocators();  // before any tensor, so mem() counts them all
   if (auto problem = partrain::plan::malloc_setting_problem(); !problem.empty()) return fail(problem);
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"

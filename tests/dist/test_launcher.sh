@@ -66,6 +66,13 @@ for _ in $(seq 10); do
 done
 report $(( named != 10 )) "a rank raising while the others wait in a collective is named with its error ($named of 10 runs)" "$last"
 
+# --- a user's error is one message, not one a rank plus the summary ----------------------------
+printf 'local pt = require "partrain"\nlocal m = pt.mesh { tensor = 2 }\npt.models.gpt2 { vocab = 64, seq = 8, dim = 16, heads = 3, layers = 1 }\n' > "$tmp/heads.lua"
+out=$("$bin" --nproc-per-node 2 --threads 1 "$tmp/heads.lua" 2>&1); status=$?
+count=$(grep -c 'heads=3 does not divide dim=16' <<<"$out")
+[ "$status" = 1 ] && [ "$count" = 1 ] && ! grep -q '^\[rank' <<<"$out" && ! grep -q 'partrain/init.lua\|stack traceback' <<<"$out"
+report $? "a user's error on every rank is said once, by the launcher, with no traceback into partrain ($count times)" "$out"
+
 # --- a rank that never reaches the collective is the one named ---------------------------------
 for mode in spin stop; do
   start=$(date +%s)
