@@ -85,3 +85,26 @@ local bm, am = median(b), median(a)
 say("== pt.dist's agreement check, all_reduce of 4 float32 on %d ranks, 9 rounds of 200", pt.dist.world_size())
 say("unchecked (async + wait) %.0f us | checked (blocking) %.0f us | checked/unchecked %.2f | %.0f us the check",
     am * 1e6, bm * 1e6, bm / am, (bm - am) * 1e6)
+
+-- 4. The probe above P.probe_limit: a GPT-2 of more than 16 M parameters parallelized without the
+--    probe, with "auto" (the first of its blocks, the rest set aside for the probe) and with
+--    probe = true (every block), alternating, medians: "auto" is bounded by one block whatever
+--    the depth.
+local deep = { vocab = 256, seq = cfg.seq, dim = 512, heads = 8, layers = 12 }
+local function deep_seconds(probe)
+  pt.manual_seed(1)
+  local serial = pt.models.gpt2(deep)
+  pt.dist.barrier()
+  return T.median_seconds(1, function() pt.parallelize(serial, nil, mesh, { probe = probe }) end)
+end
+local off, auto, all = {}, {}, {}
+for i = 1, 5 do
+  off[i] = deep_seconds(false)
+  auto[i] = deep_seconds("auto")
+  all[i] = deep_seconds(true)
+end
+local o, a, w = median(off), median(auto), median(all)
+say("== the probe of a GPT-2 of %d layers x %d (%.1f M parameters), 5 times each", deep.layers, deep.dim,
+    pt.models.gpt2(deep):num_parameters() / 1e6)
+say("without %.0f ms | auto, one block %.0f ms | every block %.0f ms | auto/without %.2f | every/without %.2f",
+    o * 1e3, a * 1e3, w * 1e3, a / o, w / o)
