@@ -407,7 +407,9 @@ bool report_failure(const std::string& message) {
   }
   close(report_fd);
   report_fd = -1;
-  return left == 0;
+  // The launcher says a rank's own error once for the job; a failed collective or a timeout (a
+  // consequence, whose per-rank details the hang diagnosis reads) the rank still says itself.
+  return left == 0 && std::string(kind) == "error";
 }
 
 void validate(const LaunchOptions& o) {

@@ -78,8 +78,8 @@ void adopt_report_channel();
 /// In such a rank: tells the launcher this rank's fatal error, with the monotonic time of now,
 /// before the rank exits (and so before its sockets close and its peers fail). Elsewhere it
 /// does nothing.
-/// Returns whether the launcher has it (then it prints it, once for the job, and the rank need
-/// not: a user's error is one message, not one a rank).
+/// Returns whether the launcher has it and says it (a rank's own error, not a failed collective
+/// or a timeout): then the rank need not, and a user's error is one message, not one a rank.
 bool report_failure(const std::string& message);
 
 /// Starts every local rank and waits for all of them. Each rank is forked from the launcher,

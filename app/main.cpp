@@ -40,7 +40,8 @@ int fail(const std::string& message) {
 // happened, so that it can name the rank that failed first and say the error once for the job;
 // said on stderr when no launcher took it.
 int rank_fail(const std::string& message) {
-  if (partrain::app::report_failure(message)) return 1;
+  // A rank that keeps the terminal (rank 0 of the REPL) says it there too: it is the user's view.
+  if (partrain::app::report_failure(message) && isatty(STDERR_FILENO) != 1) return 1;
   return fail(message);
 }
 
