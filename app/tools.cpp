@@ -82,7 +82,9 @@ std::string parse_bytes(const std::string& flag, const std::string& text, int64_
   for (const auto& [name, scale] : units)
     if (unit == name) {
       const double bytes = v * scale;
-      if (!(bytes >= 1 << 20) || bytes > 1e18) return flag + " " + shown + " is out of range: 1 MiB to 1 EB";
+      if (!(bytes >= 1 << 20) || bytes > 1e18)
+        return flag + " " + shown + " is out of range: 1 MiB to 1 EB" +
+               (unit.empty() && bytes > 0 ? " (a number without a unit is bytes: " + shown + "GiB?)" : "");
       out = static_cast<int64_t>(bytes);
       return "";
     }

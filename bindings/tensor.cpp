@@ -348,7 +348,10 @@ const Function kMethods[] = {
     // Done on a deferred build's meta tensor too, they are also recorded and replayed when it is
     // materialized (bindings: record_init); what reads another tensor's values cannot be, and is
     // refused there.
-    {"fill_", [](Args& a) { T(1).fill_(a.scalar(2)); return record_init(a, "fill_", {nn::InitOp::Kind::constant, a.number(2)}); }},
+    {"fill_", [](Args& a) {
+       if (!a.is_number(2)) refuse_deferred(a, "fill_ with a value that is not a number");
+       T(1).fill_(a.scalar(2));  // a boolean into a bool tensor, ...
+       return record_init(a, "fill_", {nn::InitOp::Kind::constant, a.is_number(2) ? a.number(2) : 0}); }},
     {"zero_", [](Args& a) { T(1).zero_(); return record_init(a, "zero_", {nn::InitOp::Kind::constant, 0}); }},
     {"copy_", [](Args& a) {
        refuse_deferred(a, "copy_ (of another tensor's values)");

@@ -217,10 +217,10 @@ def run_batched(argv, cwd, work, cases, line, tally_crash, what, memory=None):
     return results
 
 
-def special_file(path, rng):
-    """Puts at `path` something a reader must refuse without waiting on it: a FIFO, a link to
-    /dev/zero, a folder, an empty file, or nothing. Returns which."""
-    what = rng.choice(["fifo", "devzero", "folder", "empty", "missing"])
+def make_special(path, what):
+    """Puts at `path` the special file `what` names: "fifo", "devzero" (a link to /dev/zero),
+    "folder", "empty", "link to itself", or "missing" (nothing). False for another name, which
+    the caller makes itself."""
     if what == "fifo":
         os.mkfifo(path)
     elif what == "devzero":
@@ -229,4 +229,38 @@ def special_file(path, rng):
         os.makedirs(path)
     elif what == "empty":
         open(path, "wb").close()
+    elif what == "link to itself":
+        os.symlink(path, path)
+    elif what != "missing":
+        return False
+    return True
+
+
+def special_file(path, rng):
+    """Puts at `path` something a reader must refuse without waiting on it: a FIFO, a link to
+    /dev/zero, a folder, an empty file, or nothing. Returns which."""
+    what = rng.choice(["fifo", "devzero", "folder", "empty", "missing"])
+    make_special(path, what)
     return what
+
+
+def json_depth(text):
+    """How deeply the JSON text (bytes) nests arrays and objects, strings skipped."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in (0x7B, 0x5B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (0x7D, 0x5D):
+            depth -= 1
+    return deepest

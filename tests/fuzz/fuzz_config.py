@@ -462,17 +462,9 @@ def c_not_a_file(rng, path):
     what = rng.choice(["fifo", "devzero", "folder", "missing", "empty", "loop", "unreadable"])
 
     def make():
-        if what == "fifo":
-            os.mkfifo(path)
-        elif what == "devzero":
-            os.symlink("/dev/zero", path)
-        elif what == "folder":
-            os.makedirs(path)
-        elif what == "empty":
-            open(path, "wb").close()
-        elif what == "loop":
-            os.symlink(path, path)
-        elif what == "unreadable":
+        if common.make_special(path, "link to itself" if what == "loop" else what):
+            return
+        if what == "unreadable":
             open(path, "wb").write(b"return { steps = 9 }\n")
             os.chmod(path, 0)
     # Root reads a file whatever its mode.

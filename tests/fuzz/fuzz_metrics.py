@@ -87,27 +87,6 @@ def nonfinite_to_null(line):
     return bytes(out)
 
 
-def json_depth(line):
-    depth = deepest = 0
-    in_string = escaped = False
-    for c in line:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:
-                escaped = True
-            elif c == 0x22:
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c in (0x7B, 0x5B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in (0x7D, 0x5D):
-            depth -= 1
-    return deepest
-
-
 def surrogates_paired(text):
     """Whether every \\u escape of a surrogate in the JSON text is a high one followed by a low
     one (nlohmann's rule; Python's json takes lone ones)."""
@@ -217,7 +196,7 @@ def read(path, parity=False, up_to=-1):
         if line.strip(b" \t\r") == b"":
             continue
         line = nonfinite_to_null(line)
-        if json_depth(line) > MAX_DEPTH:
+        if common.json_depth(line) > MAX_DEPTH:
             raise Refused(path, number, "deeper than 64")
         record = parse_json(line)
         if record is UNREADABLE and not complete:
@@ -526,17 +505,9 @@ SPECIAL = ["fifo", "devzero", "folder without metrics", "missing", "empty", "lin
 
 def special(path, rng):
     what = rng.choice(SPECIAL)
-    if what == "fifo":
-        os.mkfifo(path)
-    elif what == "devzero":
-        os.symlink("/dev/zero", path)
-    elif what == "folder without metrics":
-        os.makedirs(path)
-    elif what == "empty":
-        open(path, "wb").close()
-    elif what == "link to itself":
-        os.symlink(path, path)
-    elif what == "metrics.jsonl a FIFO":
+    if common.make_special(path, "folder" if what == "folder without metrics" else what):
+        return what
+    if what == "metrics.jsonl a FIFO":
         os.makedirs(path)
         os.mkfifo(os.path.join(path, "metrics.jsonl"))
     elif what == "sparse 5 GiB":

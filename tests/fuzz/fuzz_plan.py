@@ -261,19 +261,6 @@ def damage(cls, pristine_bytes, plans, layout, rng):
 SPECIAL = ["fifo", "devzero", "folder", "missing", "empty", "link to itself"]
 
 
-def make_special(path, what):
-    if what == "fifo":
-        os.mkfifo(path)
-    elif what == "devzero":
-        os.symlink("/dev/zero", path)
-    elif what == "folder":
-        os.makedirs(path)
-    elif what == "empty":
-        open(path, "wb").close()
-    elif what == "link to itself":
-        os.symlink(path, path)
-
-
 # ---- judging ----------------------------------------------------------------------------
 
 def refused_naming(o, path):
@@ -350,7 +337,7 @@ def main():
             special, data = None, None
             if cls == "special files":
                 special = rng.choice(SPECIAL)
-                make_special(path, special)
+                common.make_special(path, special)
                 what = special
             else:
                 data, what = damage(cls, plans[layout], plans, layout, rng)

@@ -69,27 +69,6 @@ def no_duplicates(pairs):
     return out
 
 
-def depth(text):
-    deepest = level = 0
-    in_string = escaped = False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:
-                escaped = True
-            elif c == 0x22:
-                in_string = False
-        elif c == 0x22:
-            in_string = True
-        elif c in (0x7B, 0x5B):
-            level += 1
-            deepest = max(deepest, level)
-        elif c in (0x7D, 0x5D):
-            level -= 1
-    return deepest
-
-
 def unsigned(x):
     return type(x) is int and x >= 0
 
@@ -116,7 +95,7 @@ def reference(raw, params):
     if n > len(raw) - 8 or n > 100 << 20:
         raise Bad("header length")
     text = raw[8:8 + n]
-    if not text.startswith(b"{") or depth(text) > 64:
+    if not text.startswith(b"{") or common.json_depth(text) > 64:
         raise Bad("not an object / too deep")
 
     def constant(name):

@@ -119,6 +119,14 @@ test("in-place ops a deferred build cannot replay are refused, naming them", fun
   refused(function(l) pt.no_grad(function() l.weight:narrow(0, 0, 2):fill_(1) end) end,
           "fill_: an in-place initialization of part of a meta tensor")
   refused(function(l) l.weight:mul_(2) end, "leaf Variable that requires grad")  -- as when built normally
+  refused(function(l) pt.no_grad(function() l.weight:fill_(true) end) end, "fill_ with a value that is not a number")
+  -- Outside a deferred build the same methods take what they always took.
+  local flags = pt.zeros({ 2 }, { dtype = "bool" })
+  flags:fill_(true)
+  eq(flags:sum():item(), 2, "fill_(true) on a bool tensor")
+  local t = pt.zeros({ 2 })
+  t:add_(pt.ones(2)):mul_(pt.ones(2) * 3)
+  eq(t:sum():item(), 6, "add_ and mul_ of tensors on real tensors")
 end)
 
 test("what cannot be initialized by name is refused, naming it", function()
