@@ -53,8 +53,7 @@ class FirstBlockOnly {
  public:
   FirstBlockOnly(nn::Module& root, const std::string& path) {
     if (path.empty()) return;
-    for (const auto& [p, m] : root.modules())
-      if (p == path) container_ = m;
+    container_ = root.find(path);
     TORCH_CHECK(container_, "probe: the model has no module '", path, "' to take a slice of");
     saved_ = container_->save_slots();
     container_->keep_children(1);
