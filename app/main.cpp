@@ -153,8 +153,8 @@ int run_main(int argc, char** argv) {
   partrain::util::startup_mark("main entered");
   partrain::app::adopt_report_channel();
   partrain::dist::set_fatal_reporter([](const std::string& m) { partrain::app::report_failure(m); });  // Gloo's too
-  partrain::plan::install_allocators();  // before any tensor, so mem() counts them all
-  if (auto problem = partrain::plan::malloc_setting_problem(); !problem.empty()) return fail(problem);
+  partrain::util::install_allocators();  // before any tensor, so mem() counts them all
+  if (auto problem = partrain::util::malloc_setting_problem(); !problem.empty()) return fail(problem);
   CLI::App app{"partrain: distributed training on LibTorch, driven by Lua.\n\n"
                "  partrain script.lua [args...]                  run a training script\n"
                "  partrain --nproc-per-node 4 script.lua [args]  run it as 4 local ranks\n"

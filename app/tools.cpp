@@ -236,8 +236,8 @@ int run_plan(int argc, char** argv, int first) {
   namespace plan = partrain::plan;
   at::set_num_threads(1);
   plan::set_planning(true);
-  plan::reset_peak(c10::kCPU);
-  int64_t cpu_base = plan::memory(c10::kCPU).allocated;
+  util::reset_peak(c10::kCPU);
+  int64_t cpu_base = util::memory(c10::kCPU).allocated;
   auto start = std::chrono::steady_clock::now();
   for (int rank = 0; rank < world; ++rank) {
     std::string where = "plan: rank " + std::to_string(rank) + " of " + std::to_string(world) + ": ";
@@ -274,7 +274,7 @@ int run_plan(int argc, char** argv, int first) {
   result.script = script;
   result.nproc_per_node = nproc;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.cpu_peak_bytes = std::max<int64_t>(0, plan::memory(c10::kCPU).peak - cpu_base);
+  result.cpu_peak_bytes = std::max<int64_t>(0, util::memory(c10::kCPU).peak - cpu_base);
   std::cout << (json ? plan::to_json(result) : plan::to_text(result, text_options)) << std::flush;
   if (json) std::cout << std::endl;
   if (!save.empty()) {

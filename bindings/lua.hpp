@@ -303,8 +303,6 @@ std::string held_by_optimizer(lua_State* L, const torch::OrderedDict<std::string
 /// from), or nullptr: one made from a table of other tensors, or whose model is gone.
 nn::ModulePtr model_of_optimizer(const optim::Optimizer* opt);
 
-/// The data-parallel state of `model` when pt.parallelize made it parallel, or nullptr.
-std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model);
 /// Pushes a process group (nil for none).
 int push_group(lua_State* L, const dist::GroupPtr& g);
 /// The mesh at idx, as its owning pointer, or nullptr.

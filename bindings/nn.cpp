@@ -16,6 +16,7 @@
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::lua {
 
@@ -306,7 +307,7 @@ const Function kSnapshotMethods[] = {
 
 const Function kMethods[] = {
     {"forward", [](Args& a) {
-       plan::step_begins();  // a script's first forward begins its first training step
+       events::forward_begins();  // a script's forward: the planner's first step begins at the first
        auto& m = a.module(1);
        std::vector<Tensor> inputs;
        for (int i = 2; i <= a.top(); ++i) inputs.push_back(a.tensor(i));
@@ -721,33 +722,18 @@ const Function kConstructors[] = {
 
     {"clip_grad_norm", [](Args& a) {  // split parameters' norms add up over their tensor group
        auto params = params_of(a, 1);
-       double max_norm = a.number(2);
-       if (!(max_norm > 0) || !std::isfinite(max_norm))  // NaN had passed and clipped nothing
-         a.fail(2, "max_norm must be a finite number > 0, got " + std::to_string(max_norm));
-       // Reduce-scattered gradients (ZeRO-2; ZeRO-1 unless reduce_scatter = false) never reach
-       // .grad: scaling .grad would clip nothing the optimizer reads.
-       for (const auto& p : params)
-         if (std::string name; auto owner = parallel::ParallelModel::owner(p, &name))
-           if (owner->zero_stage() > 0 && owner->data_parallel() && owner->data_parallel()->scatters())
-             a.fail(1, "parameter '" + name + "' belongs to a model parallelized with ZeRO-" +
-                           std::to_string(owner->zero_stage()) + ", whose gradients are reduce-scattered and never "
-                           "reach .grad; clip with the optimizer's own option instead: pt.optim.adamw(model, { "
-                           "clip_grad_norm = " + std::to_string(max_norm) + " })");
-       // Split parameters are found in the tree of the parallelized model they belong to (given, or
-       // found from a table of its parameters); the tensors of no model count whole.
+       const double max_norm = a.number(2);
+       try {
+         parallel::check_max_norm(max_norm);
+       } catch (const std::invalid_argument& e) {
+         a.fail(2, e.what());
+       }
        auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
-       auto owner = model ? parallel::ParallelModel::of(**model)
-                          : parallel::ParallelModel::owner(params, "pt.nn.clip_grad_norm");
-       nn::Module* tree = model ? model->get() : owner ? owner->root().get() : nullptr;
-       auto groups = tree ? parallel::split_groups(*tree, params) : std::vector<dist::GroupPtr>{};
-       double norm = owner && owner->pipeline()
-                         ? owner->pipeline()->grad_norm(params, groups)  // over every stage, a tied tensor once
-                         : parallel::global_grad_norm(params, groups);
-       double scale = max_norm / (norm + 1e-6);
-       if (scale < 1)
-         for (auto& p : params)
-           if (p.grad().defined()) p.mutable_grad().mul_(scale);
-       return a.ret(norm); }},
+       try {
+         return a.ret(parallel::clip_grad_norm(params, max_norm, model ? model->get() : nullptr));
+       } catch (const std::invalid_argument& e) {
+         a.fail(1, e.what());
+       } }},
     {nullptr, nullptr}};
 
 // ---- pt.models: one constructor a registered family ---------------------------------------

@@ -154,57 +154,7 @@ optim::OptimizerOptions read_optimizer_options(Args& a, const std::string& kind)
   return o;
 }
 
-// The live optimizers made for `model` (ones the script dropped collected first when any is found).
-std::vector<std::shared_ptr<optim::Optimizer>> live_optimizers(lua_State* L, const nn::ModulePtr& model) {
-  auto& entry = optimizers_of()[model.get()];
-  auto live = [&] {
-    std::vector<std::shared_ptr<optim::Optimizer>> out;
-    if (entry.model.lock() == model)
-      for (const auto& w : entry.optimizers)
-        if (auto o = w.lock()) out.push_back(o);
-    return out;
-  };
-  auto found = live();
-  if (!found.empty()) {
-    lua_gc(L, LUA_GCCOLLECT, 0);
-    found = live();
-  }
-  return found;
-}
-
-// Wires an optimizer of a parallelized model's parameters to the model: mixed precision's masters
-// in its records (a plain optimizer's: ZeRO's are shards), loss scaling in its train_step with
-// every rank of its mesh agreeing on an overflow, and clipping's norm over split parameters'
-// groups and over the pipeline's stages (a tied tensor once).
-void wire_to_model(optim::Optimizer& opt, const std::shared_ptr<parallel::ParallelModel>& pm,
-                   const nn::ModulePtr& model, bool zero) {
-  if (pm) {
-    if (!zero)
-      for (const auto& p : opt.params())
-        if (auto master = opt.master(p); master.defined()) pm->set_master(p, master);
-    if (opt.loss_scaler()) {
-      pm->set_loss_scaler(opt.loss_scaler());
-      opt.set_overflow_group(pm->mesh()->group("world"));
-    }
-  }
-  if (!model || zero) return;
-  auto groups = parallel::split_groups(*model, opt.params());
-  if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
-    opt.set_grad_norm([groups](const std::vector<torch::Tensor>& params) {
-      return parallel::global_grad_norm(params, groups);
-    });
-  if (pm && pm->pipeline()) {
-    std::weak_ptr<parallel::Pipeline> pipeline = pm->pipeline();
-    opt.set_grad_norm([pipeline, groups](const std::vector<torch::Tensor>& params) {
-      auto p = pipeline.lock();
-      TORCH_CHECK(p, "clipping: the pipelined model this optimizer was made for is gone");
-      return p->grad_norm(params, groups);  // split parameters over their tensor group too
-    });
-  }
-}
-
-// Records `opt` as one of `model`'s (the REPL's mem(), the loss-scale check) and of all made
-// from Lua; on a data-parallel model, steps only on synced gradients (Cube's build_optimizer).
+// Records `opt` as one of `model`'s (the REPL's mem()) and of all made from Lua.
 void register_optimizer(const std::shared_ptr<optim::Optimizer>& opt, const nn::ModulePtr& model) {
   if (model) {
     auto& entry = optimizers_of()[model.get()];
@@ -212,18 +162,6 @@ void register_optimizer(const std::shared_ptr<optim::Optimizer>& opt, const nn::
     auto& mine = entry.optimizers;
     mine.erase(std::remove_if(mine.begin(), mine.end(), [](const auto& w) { return w.expired(); }), mine.end());
     mine.push_back(opt);
-    std::weak_ptr<parallel::DataParallel> dp = data_parallel_of(model.get());
-    if (!dp.expired())
-      opt->add_step_check([dp] {
-        auto d = dp.lock();
-        TORCH_CHECK(!d || d->synced(), "optimizer step on unsynced gradients: ", d ? d->passes_since_sync() : 0,
-                    " backward pass(es) since the last sync, and grad_accumulation=",
-                    d ? d->options().grad_accumulation : 0, " syncs on every ",
-                    d ? d->options().grad_accumulation : 0, "th: step after the last micro-batch");
-        // A hand-written loop's sync (train_step settles its own on the loss's all-reduce): the
-        // parameters no data rank gave a gradient are left without one.
-        if (d) d->settle_unused();
-      });
   }
   auto& all = all_optimizers();
   all.erase(std::remove_if(all.begin(), all.end(), [](const auto& w) { return w.expired(); }), all.end());
@@ -255,23 +193,21 @@ int make_optimizer(Args& a, const std::string& kind) {
     }
     model = pm->root();
   }
-  // One optimizer with loss scaling a parallelized model, and no other beside it: train_step
-  // scales the loss by one scale, which every optimizer of the model's gradients must undo.
+  // The parallelized model makes and wires its optimizer (engine/parallel/optimizer.cpp): ZeRO's
+  // or a plain one, masters, loss scaling, clipping's norm, the step's sync check. Optimizers the
+  // script dropped are collected first, so that they do not count as the model's.
+  std::shared_ptr<optim::Optimizer> opt;
   if (pm) {
-    const bool scaled = o.loss_scale.kind != "none";
-    for (const auto& other : live_optimizers(a.L, model))
-      if (scaled || other->loss_scaler())
-        throw std::invalid_argument(what + ": the model already has an optimizer, and " +
-                                    (scaled ? std::string("this one") : std::string("that one")) + " scales the loss: "
-                                    "train_step scales it by one scale, which every optimizer of the model would have "
-                                    "to undo; use one optimizer (with param groups as tables of parameters: one "
-                                    "optimizer a table is the limit with loss scaling)");
+    if (!pm->optimizers().empty()) lua_gc(a.L, LUA_GCCOLLECT, 0);
+    try {
+      opt = pm->make_optimizer(o, whole ? std::vector<torch::Tensor>{} : params);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(what + ": " + e.what());
+    }
+  } else {
+    opt = std::make_shared<optim::Optimizer>(params, o);
+    if (model) parallel::clip_by_split_norm(*opt, *model);  // a tree of parallel layers no model owns
   }
-  // A model parallelized with a zero stage gets the distributed optimizer: its shard of master
-  // weights and state, clipping by the global norm over the shards (engine/parallel/zero.hpp).
-  const bool zero = pm && pm->zero_stage() > 0;
-  auto opt = zero ? parallel::make_zero_optimizer(pm, o) : std::make_shared<optim::Optimizer>(params, o);
-  wire_to_model(*opt, pm, model, zero);
   register_optimizer(opt, model);
   ud_push(a.L, opt, PT_OPTIMIZER_MT);
   return 1;

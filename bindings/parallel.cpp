@@ -382,7 +382,7 @@ parallel::TrainStepOptions train_step_options(const Args& a, int idx) {
 
 const Function kParallel[] = {
     {"parallelize", [](Args& a) {  // parallelize(model, mesh, policy name|nil, dp options, apply|nil, pipeline|nil,
-                                   //             names of the options Lua took|nil): model
+                                   //             names of the options Lua took|nil, recompute blocks|nil): model
        auto root = a.module(1);
        auto* mesh = mesh_test(a.L, 2);
        if (!mesh) a.expected(2, "mesh");
@@ -396,6 +396,7 @@ const Function kParallel[] = {
        }
        data_parallel_options(a, 4, also, options);
        options.pipeline = pipeline_options(a, 6);
+       if (!a.none(8)) options.recompute = {"block", a.string(8)};  // activation checkpointing, each block
        if (!a.none(5)) {
          if (lua_type(a.L, 5) != LUA_TFUNCTION) a.expected(5, "function");
          lua_State* L = a.L;
@@ -475,9 +476,6 @@ const Function kParallel[] = {
     // stages } (stages: this rank's virtual stages, by chunk; bounds: split_stages' block
     // boundaries; costs, under balance "time": the measured microseconds of the first part, each
     // block and the last part).
-    {"recompute_blocks", [](Args& a) {  // recompute_blocks(model, container): each block checkpointed
-       parallel::recompute_blocks(*a.module(1), a.string(2));
-       return a.ret(); }},
     {"pipeline", [](Args& a) {
        auto pm = owner_of(a, 1);
        if (!pm || !pm->pipeline()) { lua_pushnil(a.L); return 1; }
@@ -511,11 +509,6 @@ const Function kParallel[] = {
     {nullptr, nullptr}};
 
 }  // namespace
-
-std::shared_ptr<parallel::DataParallel> data_parallel_of(const nn::Module* model) {
-  auto pm = model ? parallel::ParallelModel::of(*model) : nullptr;
-  return pm ? pm->data_parallel() : nullptr;
-}
 
 void open_parallel(lua_State* L, int core) {
   new_metatable<DataParallelPtr>(L, PT_DP_MT, kDataParallelMethods, /*keep=*/false);

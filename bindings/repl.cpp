@@ -455,7 +455,7 @@ const Function kRepl[] = {
          if (key == "VmRSS:") resident = kb * 1024;
          if (key == "VmHWM:") peak = kb * 1024;
        }
-       auto cpu = plan::memory(c10::kCPU);
+       auto cpu = util::memory(c10::kCPU);
        lua_createtable(a.L, 0, 4);
        lua_pushnumber(a.L, resident); lua_setfield(a.L, -2, "resident");
        lua_pushnumber(a.L, peak); lua_setfield(a.L, -2, "resident_peak");
@@ -472,7 +472,7 @@ const Function kRepl[] = {
        }
        return 1; }},
     {"reset_peak", [](Args& a) {
-       plan::reset_peak(c10::kCPU);
+       util::reset_peak(c10::kCPU);
        const auto& device = dist::World::instance().device();
        if (device.is_cuda()) compat::cuda_reset_peak(device.index());
        return a.ret(); }},

@@ -16,6 +16,7 @@
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/text.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::lua {
 
@@ -372,7 +373,7 @@ const Function kMethods[] = {
        return record_init(a, "normal_", {nn::InitOp::Kind::normal, a.number(2, 0), a.number(3, 1)}); }},
     // autograd
     {"backward", [](Args& a) {
-       plan::forward_ends();  // the first step's activations: what its forward left allocated
+       events::forward_ends();  // the first step's activations: what its forward left allocated
        if (a.none(2)) T(1).backward(); else T(1).backward(T(2));
        return a.ret(); }},
     {"requires_grad_", [](Args& a) { return a.ret(T(1).requires_grad_(a.boolean(2, true))); }},

@@ -3,7 +3,7 @@
 
 #include "engine/models/registry.hpp"
 #include "engine/nn/init.hpp"
-#include "engine/plan/plan.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::models {
 
@@ -62,9 +62,9 @@ Family mlp_family() {
 
 torch::Tensor classification_loss(nn::Module& model, optim::Optimizer& optimizer, const torch::Tensor& inputs,
                                   const torch::Tensor& targets) {
-  plan::step_begins();
+  events::forward_begins();
   auto loss = nn::cross_entropy(model.forward({inputs}), targets);
-  plan::forward_ends();
+  events::forward_ends();
   optimizer.zero_grad();
   loss.backward();
   return loss;

@@ -9,10 +9,12 @@
 
 #include "engine/dist/world.hpp"
 #include "engine/nn/init.hpp"
+#include "engine/parallel/recompute.hpp"
 #include "engine/parallel/stage_timing.hpp"
 #include "engine/parallel/trace.hpp"
-#include "engine/plan/plan.hpp"
+#include "engine/util/planning.hpp"
 #include "engine/util/startup.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::parallel {
 
@@ -152,59 +154,79 @@ void materialize_local(nn::Module& root, const nn::InitPlan& plan) {
   }, &plan);
 }
 
+namespace {
+
+// Stages balanced by measured time are timed on the serial tree, before anything splits it: one
+// unit at a time (a deferred model allocates one unit for its run), averaged over the ranks so
+// that every rank cuts alike. The planner cannot time meta tensors: it splits by parameter count
+// and says so.
+void time_stages(nn::Module& tree, const dist::Mesh& mesh, PipelineOptions& p) {
+  if (p.balance.method != "time" || mesh.size("pipeline") == 1) return;
+  if (util::planning()) {
+    p.balance.method = "parameters";
+    if (mesh.rank() == 0)
+      std::cerr << "partrain plan: balance 'time' is measured when the run starts; this plan splits the stages by "
+                   "parameter count\n";
+    return;
+  }
+  TORCH_CHECK(p.sample.defined() && p.sample.dim() >= 1 && p.sample.size(0) >= p.microbatches,
+              "parallelize: balance 'time' times the blocks on a sample: give sample = one step's input batch "
+              "(at least microbatches=", p.microbatches, " rows)", p.sample.defined() ? ", got one of shape " : "",
+              p.sample.defined() ? c10::str(p.sample.sizes()) : "");
+  p.balance.costs = time_pipeline_units(tree, p, p.sample.chunk(p.microbatches, 0)[0], mesh.group("world"));
+  p.sample = torch::Tensor();  // the user's batch is not kept
+}
+
+}  // namespace
+
+void RecomputeOptions::validate(bool pipelined) const {
+  TORCH_CHECK(mode == "none" || mode == "block", "parallelize: recompute must be 'block' or 'none', got ", mode);
+  TORCH_CHECK(mode == "none" || !blocks.empty(), "parallelize: recompute = 'block' needs the container of the "
+              "model's blocks");
+  TORCH_CHECK(mode == "none" || !pipelined, "parallelize: recompute = 'block' is not built for pipelined models");
+}
+
+void ParallelizeOptions::validate(const dist::Mesh& mesh) const {
+  const int pp = mesh.size("pipeline");
+  TORCH_CHECK(pp == 1 || pipeline, "parallelize: the mesh has pipeline=", pp, ", but no pipeline schedule was given");
+  TORCH_CHECK(pp == 1 || data_parallel.grad_accumulation == 1, "parallelize: grad_accumulation=",
+              data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over its "
+              "micro-batches (one gradient sync a step); raise microbatches instead");
+  zero_stage_of(zero, mesh);
+  recompute.validate(pp > 1);
+}
+
 std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,
                                                           ParallelizeOptions options) {
   TORCH_CHECK(root, "parallelize: no model");
   TORCH_CHECK(mesh, "parallelize: no mesh");
   TORCH_CHECK(!of(*root), "this ", root->type(), " is already data-parallel (parallelized once): parallelize a fresh "
               "model");
+  options.validate(*mesh);  // every option, before anything changes
   std::shared_ptr<ParallelModel> model(new ParallelModel());
   model->root_ = std::move(root);
   model->mesh_ = std::move(mesh);
   model->policy_ = std::move(options.policy);
   auto& tree = *model->root_;
+  const auto& on = *model->mesh_;
 
   // The order follows torchtitan's parallelize: the parallelisms that change what a rank holds
   // come first, the ones that only move gradients last.
-  // 0. Stages balanced by measured time are timed on the serial tree, before anything splits it:
-  //    one unit at a time (a deferred model allocates one unit for its run), averaged over the
-  //    ranks so that every rank cuts alike. The planner cannot time meta tensors: it splits by
-  //    parameter count and says so.
-  if (options.pipeline && options.pipeline->balance.method == "time" && model->mesh_->size("pipeline") > 1) {
-    auto& p = *options.pipeline;
-    if (plan::planning()) {
-      p.balance.method = "parameters";
-      if (model->mesh_->rank() == 0)
-        std::cerr << "partrain plan: balance 'time' is measured when the run starts; this plan splits the stages by "
-                     "parameter count\n";
-    } else {
-      TORCH_CHECK(p.sample.defined() && p.sample.dim() >= 1 && p.sample.size(0) >= p.microbatches,
-                  "parallelize: balance 'time' times the blocks on a sample: give sample = one step's input batch "
-                  "(at least microbatches=", p.microbatches, " rows)", p.sample.defined() ? ", got one of shape " : "",
-                  p.sample.defined() ? c10::str(p.sample.sizes()) : "");
-      p.balance.costs = time_pipeline_units(tree, p, p.sample.chunk(p.microbatches, 0)[0], model->mesh_->group("world"));
-      p.sample = torch::Tensor();  // the user's batch is not kept
-    }
-  }
-  // A model built deferred is initialized as its serial tree says (each tensor's layer, the
-  // initializations its build asked for, a tie's first name): captured before 1 and 2 change it.
-  const auto init_plan = plan::planning() ? nn::InitPlan() : nn::init_plan(tree);
+  // 0. Pipeline stages balanced by time are timed on the serial tree, before anything splits it.
+  if (options.pipeline) time_stages(tree, on, *options.pipeline);
+  //    A model built deferred is initialized as its serial tree says (each tensor's layer, the
+  //    initializations its build asked for, a tie's first name): captured before 1 and 2 change it.
+  const auto init_plan = util::planning() ? nn::InitPlan() : nn::init_plan(tree);
   // 1. Tensor and sequence parallelism, by the policy: layers are replaced by their parallel
   //    forms, cut from the serial weights. Everything after sees the split tree.
-  if (options.tensor_parallel) options.tensor_parallel(tree, *model->mesh_);
+  if (options.tensor_parallel) options.tensor_parallel(tree, on);
   // 2. Pipeline parallelism cuts the tree into stages, before anything keeps a list of
   //    parameters: this rank keeps its stages' modules only.
-  const int pp = model->mesh_->size("pipeline");
-  TORCH_CHECK(pp == 1 || options.pipeline, "parallelize: the mesh has pipeline=", pp, ", but no pipeline schedule "
-              "was given");
-  TORCH_CHECK(pp == 1 || options.data_parallel.grad_accumulation == 1, "parallelize: grad_accumulation=",
-              options.data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over "
-              "its micro-batches (one gradient sync a step); raise microbatches instead");
-  if (pp > 1) model->pipeline_ = Pipeline::cut(tree, *model->mesh_, std::move(*options.pipeline));
+  if (on.size("pipeline") > 1) model->pipeline_ = Pipeline::cut(tree, on, std::move(*options.pipeline));
   // 3. A model built deferred (on the meta device) gets its tensors now, only those this rank
   //    holds: each initialized by name as the serial model (the logical tensor, then this rank's
   //    slice of a split one), one at a time. The planner keeps them on the meta device.
-  if (!plan::planning() && nn::has_meta(tree)) {
+  if (!util::planning() && nn::has_meta(tree)) {
     materialize_local(tree, init_plan);
     if (model->pipeline_) model->pipeline_->rebind(tree);  // its ties held the meta tensors
   }
@@ -215,61 +237,19 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   //    over the unit's parameters as they now are (split or whole). It comes after the split so
   //    that its buckets hold this rank's parts. ZeRO rides on it: its buckets split into the zero
   //    group's parts (ZeRO-2 reduce-scatters them); the optimizer made for the model keeps its
-  //    parts only (make_zero_optimizer).
+  //    parts only (make_optimizer).
   auto dp = options.data_parallel;
-  const int zsize = model->mesh_->size("zero");
-  const int stage = options.zero ? options.zero->stage : (zsize > 1 ? 1 : 0);
-  TORCH_CHECK(stage >= 0 && stage <= 2, "zero stage=", stage, " is not supported: stages 0, 1, 2");
-  TORCH_CHECK(stage == 0 || zsize > 1, "zero = { stage = ", stage, " } needs zero groups of more than one rank, but "
-              "the mesh has zero=", zsize, " (pt.mesh { zero = n }: n > 1 data ranks a group, or <= 0 for the whole "
-              "data group)");
-  TORCH_CHECK(stage > 0 || !options.zero || !options.zero->overlap_sync_param, "zero: overlap_sync_param = true "
-              "overlaps ZeRO's all-gather of the updated parameters, but the zero stage is 0 (no ZeRO)");
-  model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
-  if (options.zero && options.zero->overlap_comm) {
-    TORCH_CHECK(stage > 0, "zero: overlap_comm overlaps ZeRO's reduce-scatters with backward, but the zero stage is 0 "
-                "(no ZeRO)");
-    TORCH_CHECK(stage == 2 || *options.zero->overlap_comm, "zero: overlap_comm = false is stage 2's choice: stage 1 "
-                "always leaves its reductions in flight beside backward (its gradient buffer is whole anyway)");
-  }
-  if (options.zero) {
-    TORCH_CHECK(options.zero->allgather_bucket_size > 0 && std::isfinite(options.zero->allgather_bucket_size),
-                "zero: allgather_bucket_size must be a finite number > 0 (MiB), got ", options.zero->allgather_bucket_size);
-    model->allgather_bucket_mb_ = options.zero->allgather_bucket_size;
-  }
-  TORCH_CHECK(stage == 1 || !options.zero || options.zero->reduce_scatter, "zero: reduce_scatter = false keeps "
-              "gradients whole, which is ZeRO-1's choice; ", stage == 2 ? "stage 2 always reduce-scatters them"
-                                                                         : "the zero stage is 0 (no ZeRO)");
   if (model->pipeline_) dp.tied = model->pipeline_->tied_params();
-  if (stage > 0) {
-    TORCH_CHECK(!options.zero || options.zero->reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), "
-                "got ", options.zero->reduce_bucket_size);
-    // A tensor tied across stages has its gradient summed over the pipeline after the sync, which
-    // needs it whole: its buckets are all-reduced under ZeRO-2 too.
-    if (model->pipeline_) {
-      dp.whole = model->pipeline_->tied_params();
-      // ZeRO-2 reduces one chunk's buckets a backward pass: buckets never span two chunks, and a
-      // tensor two of this rank's chunks hold gets gradients in both chunks' passes, so it
-      // accumulates in .grad and is reduced whole on the sync like a tie across stages.
-      dp.chunks = model->pipeline_->chunk_params();
-      std::unordered_map<const c10::TensorImpl*, int> held;
-      for (const auto& chunk : dp.chunks) {
-        std::unordered_map<const c10::TensorImpl*, bool> seen;
-        for (const auto& p : chunk)
-          if (!seen[p.unsafeGetTensorImpl()] && ++held[p.unsafeGetTensorImpl()] == 2) dp.whole.push_back(p);
-        for (const auto& p : chunk) seen[p.unsafeGetTensorImpl()] = true;
-      }
-    }
-    dp.zero_stage = stage;
-    dp.zero_reduce_scatter = !options.zero || options.zero->reduce_scatter;
-    dp.zero_overlap_comm = stage == 2 && options.zero && options.zero->overlap_comm.value_or(false);
-    dp.zero_group = model->mesh_->group("zero");
-    dp.zero_across = model->mesh_->zero_across();
-    if (options.zero && options.zero->reduce_bucket_size > 0) dp.bucket_cap_mb = options.zero->reduce_bucket_size;
-  }
+  const int stage = zero_stage_of(options.zero, on);
+  zero_data_parallel(stage, options.zero, on, model->pipeline_.get(), dp);
+  model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
+  if (options.zero) model->allgather_bucket_mb_ = options.zero->allgather_bucket_size;
   model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), dp);
   model->note_flat_slots();
-  // 6. Only once everything succeeded does the tree know its owner.
+  // 6. Activation checkpointing last: it wraps the blocks' forwards as every parallelism above
+  //    left them (their layers split, their gradients hooked), and changes no parameter.
+  if (options.recompute.mode == "block") recompute_blocks(tree, options.recompute.blocks);
+  // 7. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
   for (auto& [path, m] : tree.modules()) m->set_parallel_tree(model);
   auto& all = models();
@@ -506,19 +486,18 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
   torch::Tensor total;
   auto dtype = torch::kFloat32;  // the loss's
-  auto& trace = StepTrace::instance();  // --trace: forwards, backwards and the sync, when recorded
-  trace.begin_step();
+  events::train_step_begins();  // the tracer (--trace) records its forwards, backwards and sync
   for (int i = 0; i < n; ++i) {
     // Only the last micro-batch's backward syncs: the others accumulate into .grad locally.
     SyncOnlyIf sync(data_parallel_.get(), i == n - 1);
-    plan::step_begins();  // the planner's first step: its forward begins (once)
+    events::forward_begins();
     torch::Tensor l;
     {
       TraceSpan span(TraceKind::Forward, i);
       auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
       l = loss(out, ys[i], options, "sum");
     }
-    plan::forward_ends();  // ... and what the forward left allocated is measured (once)
+    events::forward_ends();
     {
       TraceSpan span(TraceKind::Backward, i);
       auto from = l * weight.to(l.device(), l.scalar_type());
@@ -534,7 +513,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     TraceSpan span(TraceKind::Sync);
     data_parallel_->complete();  // a sync deferred to this thread (thread-bound hooks)
   }
-  trace.end_step("rank " + std::to_string(dist::World::instance().rank()));
+  events::train_step_ends("rank " + std::to_string(dist::World::instance().rank()));
   return global_mean(total, dtype);
 }
 

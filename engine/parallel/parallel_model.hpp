@@ -17,6 +17,7 @@
 #include "engine/nn/init.hpp"
 #include "engine/nn/module.hpp"
 #include "engine/optim/loss_scale.hpp"
+#include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/sharding.hpp"
@@ -54,6 +55,17 @@ std::vector<ParameterRecord> parameter_records(nn::Module& root);
 /// parameter of `root`): what global_grad_norm needs to count split gradients once.
 std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<torch::Tensor>& params);
 
+/// Clipping for an optimizer of parameters of `tree`, a tree of parallel layers no ParallelModel
+/// owns: its global norm counts split parameters over their tensor groups.
+void clip_by_split_norm(optim::Optimizer& opt, nn::Module& tree);
+/// Scales `params`' gradients so that their global norm is at most `max_norm` and returns the
+/// norm before: split parameters of `tree` (if given) counted over their tensor group; the
+/// parameters of a ParallelModel are measured as ParallelModel::clip_grad_norm does. Refuses a
+/// max_norm that is not a finite number > 0.
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, nn::Module* tree = nullptr);
+/// Throws std::invalid_argument unless `max_norm` is a finite number > 0.
+void check_max_norm(double max_norm);
+
 /// The tree's vocabulary head: the ColumnParallelLinear built with padding (P.vocab_head) on a
 /// group of more than one rank, whose split logits losses read without gathering them; nullptr
 /// when the tree has none. `path` (if given) receives its dotted path.
@@ -78,9 +90,19 @@ struct TrainStepOptions {
 /// The losses train_step knows, for messages.
 const std::vector<std::string>& train_step_losses();
 
+/// Activation checkpointing (engine/parallel/recompute.hpp).
+struct RecomputeOptions {
+  std::string mode = "none";  ///< "none", or "block": each block runs checkpointed
+  std::string blocks;         ///< the container of the model's blocks ("h"; a policy's pipeline.blocks)
+  /// Refuses a mode it does not know, "block" without blocks, and "block" on a pipeline.
+  void validate(bool pipelined) const;
+};
+
+/// How ParallelModel::parallelize composes a model: one field a parallelism, each checked by
+/// validate() before the model changes.
 struct ParallelizeOptions {
   /// Applies tensor (and sequence) parallelism to the tree: a policy, written in Lua (the
-  /// sharder) or C++. Empty: the tree is used as it is.
+  /// sharder) or C++ (apply_policy). Empty: the tree is used as it is.
   std::function<void(nn::Module& root, const dist::Mesh& mesh)> tensor_parallel;
   std::string policy;            ///< the applied policy's name, for checkpoints and the REPL
   DataParallelOptions data_parallel;
@@ -89,6 +111,10 @@ struct ParallelizeOptions {
   /// ZeRO over the mesh's zero groups; nullopt: stage 1 when the mesh has zero groups of more than
   /// one rank, else off. A stage above 0 on a mesh whose zero groups are of one rank is refused.
   c10::optional<ZeroOptions> zero;
+  RecomputeOptions recompute;
+
+  /// Checks every option against `mesh`; throws naming the one that does not fit.
+  void validate(const dist::Mesh& mesh) const;
 };
 
 class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
@@ -169,6 +195,29 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& targets, const TrainStepOptions& options,
                      const std::string& reduction = "mean") const;
 
+  // ---- The optimizer (engine/parallel/optimizer.cpp) ----
+
+  /// The optimizer for this model: of all its trainable parameters, or of `params` (some of
+  /// them, one param group), wired to the model so that it steps what serial training would.
+  ///  - Under a zero stage: ZeRO's distributed optimizer (this rank's shard of master weights and
+  ///    state; clipping by the norm over the shards); `params` must then be empty (all of them).
+  ///  - Otherwise a plain one, whose float32 masters of low-precision parameters the records keep.
+  ///  - Clipping measures the global norm: split parameters summed over their tensor group, the
+  ///    pipeline's stages summed, a tied tensor once.
+  ///  - Loss scaling: train_step scales by this optimizer's scale, and every rank of the mesh
+  ///    agrees on an overflow. One optimizer with loss scaling a model, and none beside it.
+  ///  - Its step refuses gradients data parallelism has not synced yet.
+  /// Throws std::invalid_argument naming what is refused.
+  std::shared_ptr<optim::Optimizer> make_optimizer(const optim::OptimizerOptions& options,
+                                                   std::vector<torch::Tensor> params = {});
+  /// The optimizers make_optimizer made that are still alive.
+  std::vector<std::shared_ptr<optim::Optimizer>> optimizers() const;
+  /// Scales the gradients of `params` (this model's) so that their global norm is at most
+  /// `max_norm`, measured as make_optimizer's clipping does; returns the norm before. Refused
+  /// under ZeRO when the gradients are reduce-scattered (they never reach .grad: the optimizer's
+  /// own clip_grad_norm option clips them).
+  double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm);
+
  private:
   ParallelModel() { ++live_; }
   static std::vector<std::weak_ptr<ParallelModel>>& models();  // every one alive, for owner()
@@ -191,6 +240,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   // on a device).
   bool targets_checked_ = false;
   std::function<void()> param_wait_;
+  std::vector<std::weak_ptr<optim::Optimizer>> optimizers_;  // make_optimizer's
   static std::atomic<int64_t> live_;
 };
 

@@ -13,9 +13,10 @@
 #include "engine/dist/world.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/stage_memory.hpp"
 #include "engine/parallel/trace.hpp"
-#include "engine/plan/memory.hpp"
-#include "engine/plan/plan.hpp"
+#include "engine/util/planning.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::parallel {
 
@@ -91,57 +92,6 @@ std::string describe(const PipeAction& a) {
   if (a.op == PipeOp::SendForward || a.op == PipeOp::SendBackward) s << "->" << a.peer;
   if (a.op == PipeOp::RecvForward || a.op == PipeOp::RecvBackward) s << "<-" << a.peer;
   return s.str();
-}
-
-int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m, bool receives_ahead) {
-  std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
-  std::set<std::pair<int, int>> gets_gradient;  // (micro-batch, chunk) whose gradient is received
-  for (const auto& a : actions)
-    if (a.op == PipeOp::RecvBackward) gets_gradient.insert({a.mb, a.chunk});
-  auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
-  // Received ahead, an activation's buffer is allocated once the receive kActivationsAhead before
-  // it on its channel has been taken (the executor posts before every action), the first ones
-  // at the step's start; its forward then holds it with the rest of its activations.
-  std::vector<int64_t> posted_before(actions.size(), 0);  // buffers allocated before action i
-  std::set<std::pair<int, int>> input_ahead;              // (micro-batch, chunk) received so
-  if (receives_ahead) {
-    std::map<int, std::vector<size_t>> channels;  // by peer: its activations' receives
-    for (size_t i = 0; i < actions.size(); ++i) {
-      const auto& a = actions[i];
-      if (a.op != PipeOp::RecvForward) continue;
-      auto& channel = channels[a.peer];
-      const size_t from = channel.size() < kActivationsAhead ? 0 : channel[channel.size() - kActivationsAhead] + 1;
-      posted_before[from] += at(m.inputs, a.chunk);
-      channel.push_back(i);
-      input_ahead.insert({a.mb, a.chunk});
-    }
-  }
-  int64_t now = 0, peak = 0;
-  for (size_t i = 0; i < actions.size(); ++i) {
-    const auto& a = actions[i];
-    now += posted_before[i];
-    int64_t add = 0, allocated_before = 0;
-    switch (a.op) {
-      case PipeOp::Forward:
-        add = at(m.activations, a.chunk);
-        if (input_ahead.count({a.mb, a.chunk})) allocated_before = at(m.inputs, a.chunk);
-        if (receives_ahead && gets_gradient.count({a.mb, a.chunk})) add += at(m.gradients, a.chunk);
-        break;
-      case PipeOp::RecvBackward: add = receives_ahead ? 0 : at(m.gradients, a.chunk); break;
-      case PipeOp::SendForward: now += at(m.gradients, a.chunk); break;  // the output: the gradient's shape
-      case PipeOp::SendBackward: now += at(m.inputs, a.chunk); break;    // the input's gradient
-      case PipeOp::Backward:
-        peak = std::max(peak, now + at(m.backward, a.chunk));
-        now -= held[{a.mb, a.chunk}];
-        held.erase({a.mb, a.chunk});
-        break;
-      case PipeOp::RecvForward: break;  // counted in the forward's activations
-    }
-    held[{a.mb, a.chunk}] += add;
-    now += add - allocated_before;
-    peak = std::max(peak, now);
-  }
-  return peak;
 }
 
 // ---- The cut ----------------------------------------------------------------------------------
@@ -516,7 +466,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   }
   for (const auto& t : root.parameters(/*recurse=*/true)) {
     // A deferred model's tensors are allocated on the rank's device, except under partrain plan.
-    p.device_ = t.is_meta() && !plan::planning() ? dist::World::instance().device() : t.device();
+    p.device_ = t.is_meta() && !util::planning() ? dist::World::instance().device() : t.device();
     p.dtype_ = t.scalar_type();
     break;
   }
@@ -726,19 +676,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   const int m = options_.microbatches, chunks = options_.chunks, last = stages() - 1;
   check_runnable();
   root_->train();
-  plan::step_begins();  // a script's first training step begins (once): the planner counts from here
+  events::forward_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
-  // The first step measures what each chunk's forward leaves alive (the counting allocators'
-  // bytes; not on other devices) and the gradients it receives.
-  const bool measure = !measured_.done;
-  const c10::DeviceType counted = device_.type();
-  const bool countable = counted == c10::kCPU || counted == c10::kMeta;
-  if (measure) {
-    measured_.activations.assign(chunks, -1);
-    measured_.backward.assign(chunks, -1);
-    measured_.inputs.assign(chunks, 0);
-    measured_.gradients.assign(chunks, 0);
-  }
+  StageMeter meter(measured_, chunks, device_.type(), *root_);  // the first step weighs its chunks
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
   };
@@ -757,8 +697,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       }
     }
   } guard{dp};
-  auto& trace = StepTrace::instance();  // --trace: each action's span, when this step is recorded
-  trace.begin_step();
+  events::train_step_begins();  // the tracer (--trace) records each action's span
   static const TraceKind kinds[] = {  // in PipeOp's order
       TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
       TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
@@ -816,7 +755,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         break;
       }
       case PipeOp::Forward: {
-        const int64_t before = measure && countable ? plan::memory(counted).allocated : 0;
+        meter.forward_begins(a.chunk);
         auto out = run_chunk(a.chunk, v == 0 ? xs[a.mb] : s.input);
         if (v == last) {
           auto l = loss(out, ys[a.mb]);
@@ -828,10 +767,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           last_shape = out.sizes().vec();
         }
         out = torch::Tensor();  // what the backward does not need goes now (the head's logits)
-        if (measure && countable && measured_.activations[a.chunk] < 0) {
-          measured_.inputs[a.chunk] = s.input.defined() ? static_cast<int64_t>(s.input.nbytes()) : 0;
-          measured_.activations[a.chunk] = plan::memory(counted).allocated - before + measured_.inputs[a.chunk];
-        }
+        meter.forward_ends(a.chunk, s.input);
         if (inbox && v != last) inbox->forward_ran(static_cast<size_t>(a.mb) * chunks + a.chunk, s.output);
         break;
       }
@@ -848,7 +784,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           group_->recv(s.grad, a.peer, /*async=*/false, kGradientTag);
         }
         note_received(a.peer, static_cast<int64_t>(s.grad.nbytes()));
-        if (measure) measured_.gradients[a.chunk] = static_cast<int64_t>(s.grad.nbytes());
+        meter.gradient_received(a.chunk, s.grad);
         break;
       case PipeOp::Backward: {
         // Under ZeRO-2 each backward reduces its chunk's buckets (the same on every data rank:
@@ -857,26 +793,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           dp->set_sync(i == last_backward);
           dp->set_chunk(a.chunk);
         }
-        // The first step's backwards are weighed: the most one allocates while it runs, less the
-        // parameters' gradients it leaves (model state). The first of a chunk makes them; later
-        // ones add into them, as every later step does, with their temporaries counted.
-        const bool weigh = measure && countable;
-        int64_t before = 0, new_grads = 0;
-        std::vector<torch::Tensor> gradless;
-        if (weigh) {
-          for (const auto& p : root_->parameters(/*recurse=*/true))
-            if (!p.grad().defined()) gradless.push_back(p);
-          before = plan::memory(counted).allocated;
-          plan::start_mark(counted);
-        }
+        meter.backward_begins();
         if (v == last) s.output.backward();
         else torch::autograd::backward({s.output}, {s.grad});
-        if (weigh) {
-          for (const auto& p : gradless)
-            if (p.grad().defined()) new_grads += static_cast<int64_t>(p.grad().nbytes());
-          measured_.backward[a.chunk] =
-              std::max<int64_t>(measured_.backward[a.chunk], std::max<int64_t>(0, plan::mark(counted) - before - new_grads));
-        }
+        meter.backward_ends(a.chunk);
         if (dp) dp->complete();  // a pass that backward left to this thread (thread-bound hooks)
         if (s.input.defined()) s.input_grad = s.input.grad();
         s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
@@ -914,13 +834,10 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   total = total.reshape({1}).contiguous();
   group_->broadcast(total, last % pp_);
   forget.done = true;
-  if (measure) {
-    measured_.done = true;
-    measured_.peak = countable ? peak_activation_bytes(actions, measured_, gradients_ahead()) : -1;
-  }
+  meter.finish(actions, gradients_ahead());
   sync.reset();
-  trace.end_step("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
-                 std::to_string(rank_));
+  events::train_step_ends("rank " + std::to_string(dist::World::instance().rank()) + ": pipeline rank " +
+                          std::to_string(rank_));
   return total.squeeze(0);
 }
 

@@ -65,7 +65,7 @@ struct PipelineOptions {
 };
 
 /// What a rank's first train_step measured of its stages (partrain plan shows it; a real run
-/// measures the same way). Bytes are those of the counting allocators (engine/plan/memory.hpp)
+/// measures the same way). Bytes are those of the counting allocators (engine/util/tensor_memory.hpp)
 /// on the CPU or the meta device; -1 on other devices.
 struct PipelineMeasure {
   bool done = false;  ///< a train_step has run

@@ -10,7 +10,7 @@
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/text.hpp"
-#include "engine/plan/plan.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::parallel {
 
@@ -223,7 +223,7 @@ ProbeRecord run_probe(nn::Module& model, const std::vector<Tensor>& inputs, cons
     if (!p.device().is_cpu() && std::find(devices.begin(), devices.end(), p.device()) == devices.end())
       devices.push_back(p.device());
   RngGuard rng(devices);
-  plan::FirstStepGuard first_step;  // its forward is not the script's first step
+  events::Aside aside;  // its forward is not the script's first step
   EvalGuard eval(model);
   torch::AutoGradMode grad_mode(true);
 

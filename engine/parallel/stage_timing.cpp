@@ -10,7 +10,7 @@
 #include "engine/nn/init.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/probe.hpp"
-#include "engine/plan/plan.hpp"
+#include "engine/util/step_events.hpp"
 
 namespace partrain::parallel {
 
@@ -108,7 +108,7 @@ std::vector<int64_t> time_pipeline_units(nn::Module& root, const PipelineOptions
                               : chain(last)});
 
   const auto device = dist::World::instance().device();
-  plan::FirstStepGuard first_step;  // the timed forwards are not the script's first step
+  events::Aside aside;  // the timed forwards are not the script's first step
   RngGuard rng({device});  // dropout in the timed runs must not move the training's random numbers
   std::vector<double> micros;
   torch::Tensor x = sample.to(device);

@@ -9,7 +9,8 @@
 #include <c10/util/Exception.h>
 
 #include "engine/dist/world.hpp"
-#include "engine/plan/plan.hpp"
+#include "engine/util/planning.hpp"
+#include "engine/util/step_events.hpp"
 #include "engine/util/files.hpp"
 
 namespace partrain::parallel {
@@ -81,6 +82,20 @@ StepTrace& StepTrace::instance() {
   return trace;
 }
 
+namespace {
+// The tracer listens to every train_step from the start of the process. The tracer itself is
+// made at the first step, after the command has set PARTRAIN_TRACE for the ranks it forks.
+class TraceObserver final : public events::StepObserver {
+  void train_step_begins() override { StepTrace::instance().begin_step(); }
+  void train_step_ends(const std::string& row) override { StepTrace::instance().end_step(row); }
+};
+const bool observing = [] {
+  static TraceObserver observer;
+  events::observe(&observer);
+  return true;
+}();
+}  // namespace
+
 StepTrace::StepTrace() {
   TraceOptions o;
   if (const char* path = std::getenv("PARTRAIN_TRACE")) o.path = path;
@@ -119,7 +134,7 @@ std::string StepTrace::file() const {
 bool StepTrace::begin_step() {
   active_ = false;
   events_.clear();  // what a failed step left
-  if (options_.path.empty() || plan::planning() || step_ >= options_.steps) return false;
+  if (options_.path.empty() || util::planning() || step_ >= options_.steps) return false;
   if (step_++ == 0) {
     // The rows share one time axis: wall-clock time (the same clock for every process on a
     // machine, NTP-close across machines) from the earliest rank's start, measured from here on

@@ -12,6 +12,60 @@
 
 namespace partrain::parallel {
 
+int ZeroOptions::validate(const dist::Mesh& mesh) const {
+  const int zsize = mesh.size("zero");
+  TORCH_CHECK(stage >= 0 && stage <= 2, "zero stage=", stage, " is not supported: stages 0, 1, 2");
+  TORCH_CHECK(stage == 0 || zsize > 1, "zero = { stage = ", stage, " } needs zero groups of more than one rank, but "
+              "the mesh has zero=", zsize, " (pt.mesh { zero = n }: n > 1 data ranks a group, or <= 0 for the whole "
+              "data group)");
+  TORCH_CHECK(stage > 0 || !overlap_sync_param, "zero: overlap_sync_param = true overlaps ZeRO's all-gather of the "
+              "updated parameters, but the zero stage is 0 (no ZeRO)");
+  if (overlap_comm) {
+    TORCH_CHECK(stage > 0, "zero: overlap_comm overlaps ZeRO's reduce-scatters with backward, but the zero stage is 0 "
+                "(no ZeRO)");
+    TORCH_CHECK(stage == 2 || *overlap_comm, "zero: overlap_comm = false is stage 2's choice: stage 1 always leaves "
+                "its reductions in flight beside backward (its gradient buffer is whole anyway)");
+  }
+  TORCH_CHECK(allgather_bucket_size > 0 && std::isfinite(allgather_bucket_size),
+              "zero: allgather_bucket_size must be a finite number > 0 (MiB), got ", allgather_bucket_size);
+  TORCH_CHECK(stage == 1 || reduce_scatter, "zero: reduce_scatter = false keeps gradients whole, which is ZeRO-1's "
+              "choice; ", stage == 2 ? "stage 2 always reduce-scatters them" : "the zero stage is 0 (no ZeRO)");
+  TORCH_CHECK(stage == 0 || reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), got ",
+              reduce_bucket_size);
+  return stage;
+}
+
+int zero_stage_of(const c10::optional<ZeroOptions>& zero, const dist::Mesh& mesh) {
+  return zero ? zero->validate(mesh) : (mesh.size("zero") > 1 ? 1 : 0);
+}
+
+void zero_data_parallel(int stage, const c10::optional<ZeroOptions>& zero, const dist::Mesh& mesh,
+                        const Pipeline* pipeline, DataParallelOptions& dp) {
+  if (stage == 0) return;
+  // A tensor tied across stages has its gradient summed over the pipeline after the sync, which
+  // needs it whole: its buckets are all-reduced under ZeRO-2 too.
+  if (pipeline) {
+    dp.whole = pipeline->tied_params();
+    // ZeRO-2 reduces one chunk's buckets a backward pass: buckets never span two chunks, and a
+    // tensor two of this rank's chunks hold gets gradients in both chunks' passes, so it
+    // accumulates in .grad and is reduced whole on the sync like a tie across stages.
+    dp.chunks = pipeline->chunk_params();
+    std::unordered_map<const c10::TensorImpl*, int> held;
+    for (const auto& chunk : dp.chunks) {
+      std::unordered_map<const c10::TensorImpl*, bool> seen;
+      for (const auto& p : chunk)
+        if (!seen[p.unsafeGetTensorImpl()] && ++held[p.unsafeGetTensorImpl()] == 2) dp.whole.push_back(p);
+      for (const auto& p : chunk) seen[p.unsafeGetTensorImpl()] = true;
+    }
+  }
+  dp.zero_stage = stage;
+  dp.zero_reduce_scatter = !zero || zero->reduce_scatter;
+  dp.zero_overlap_comm = stage == 2 && zero && zero->overlap_comm.value_or(false);
+  dp.zero_group = mesh.group("zero");
+  dp.zero_across = mesh.zero_across();
+  if (zero && zero->reduce_bucket_size > 0) dp.bucket_cap_mb = zero->reduce_bucket_size;
+}
+
 namespace {
 
 // Where one parameter's elements meet this rank's shard of a bucket.

@@ -7,12 +7,14 @@
 #include <memory>
 #include <vector>
 
+#include "engine/dist/mesh.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
 
 namespace partrain::parallel {
 
 class ParallelModel;
+class Pipeline;
 
 struct ZeroOptions {
   int stage = 0;                    ///< 0 off; 1 optimizer state and master weights sharded; 2 gradients too
@@ -37,7 +39,21 @@ struct ZeroOptions {
   /// always in flight (its buffer is whole anyway), so there it can only be true. DeepSpeed's
   /// overlap_comm, off by default there too for stage 2.
   c10::optional<bool> overlap_comm;
+
+  /// Checks the options against `mesh` (its zero groups) and returns the stage they ask for;
+  /// throws naming the option and value that do not fit.
+  int validate(const dist::Mesh& mesh) const;
 };
+
+/// The zero stage of a model parallelized over `mesh` with `zero` (absent: 1 when the mesh has
+/// zero groups of more than one rank, else 0), checked (ZeroOptions::validate).
+int zero_stage_of(const c10::optional<ZeroOptions>& zero, const dist::Mesh& mesh);
+
+/// ZeRO's part of data parallelism: `dp` set for `stage` (the zero group, reduce-scatter,
+/// overlap, bucket size) and, on a pipeline rank, the tensors whose buckets stay whole (ties
+/// across stages, tensors two of its chunks hold) and its chunks' parameters.
+void zero_data_parallel(int stage, const c10::optional<ZeroOptions>& zero, const dist::Mesh& mesh,
+                        const Pipeline* pipeline, DataParallelOptions& dp);
 
 /// What ZeRO keeps on this rank, in bytes, for the planner and the REPL.
 struct ZeroBytes {

@@ -2,6 +2,7 @@
 // plan itself (built, saved, compared and shown, pipeline stages included). See plan.hpp; the
 // counting allocators are in memory.cpp.
 #include "engine/plan/plan.hpp"
+#include "engine/util/step_events.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -160,54 +161,69 @@ c10::DeviceType counted_device() {
 }
 }  // namespace
 
-namespace detail {
-bool planning = false;
-}
-
 void set_planning(bool on) {
-  detail::planning = on;
-  install_allocators();
+  util::set_planning_flag(on);
+  util::install_allocators();
   if (on) meta::install();
   nn::set_parameter_options(on ? torch::TensorOptions().device(torch::kMeta) : torch::TensorOptions());
 }
 
 namespace {
 std::atomic<void (*)()> before_first_step{nullptr};
+
+// The planner's ear on the training step: the first training forward's memory and traffic.
+class FirstStepObserver final : public events::StepObserver {
+ public:
+  void forward_begins() override {
+    if (first_step_.begun) return;
+    first_step_.begun = true;
+    if (auto fn = before_first_step.load()) fn();
+    first_step_.base = util::memory(counted_device()).allocated;
+    traffic_base_.clear();
+    for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
+  }
+  void forward_ends() override {
+    if (!first_step_.begun || first_step_.forward_done) return;
+    first_step_.forward_done = true;
+    first_step_.activations = util::memory(counted_device()).allocated - first_step_.base;
+  }
+  // A forward set aside puts the record (and the traffic it counts from) back as it was, so that
+  // a forward of its that passes through Lua (a policy's sequence-parallel forward) begins no step.
+  void aside_begins() override { saved_.push_back({first_step_, traffic_base_}); }
+  void aside_ends() override {
+    if (saved_.empty()) return;
+    first_step_ = saved_.back().step;
+    traffic_base_ = std::move(saved_.back().traffic);
+    saved_.pop_back();
+  }
+
+ private:
+  struct Saved {
+    FirstStep step;
+    std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic;
+  };
+  std::vector<Saved> saved_;
+};
+
+// Listens from the start of the process: a step the engine announces is noted whoever trains.
+const bool observing = [] {
+  static FirstStepObserver observer;
+  events::observe(&observer);
+  return true;
+}();
 }  // namespace
 
 void set_before_first_step(void (*fn)()) { before_first_step = fn; }
 
-void step_begins() {
-  if (first_step_.begun) return;
-  first_step_.begun = true;
-  if (auto fn = before_first_step.load()) fn();
-  first_step_.base = memory(counted_device()).allocated;
-  traffic_base_.clear();
-  for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
-}
-
-void forward_ends() {
-  if (!first_step_.begun || first_step_.forward_done) return;
-  first_step_.forward_done = true;
-  first_step_.activations = memory(counted_device()).allocated - first_step_.base;
-}
-
 void first_step_hooked() { first_step_.hooked = true; }
 
-const FirstStep& first_step() { return first_step_; }
+const FirstStep& first_step() {
+  (void)observing;
+  return first_step_;
+}
 void reset_first_step() {
   first_step_ = FirstStep{};
   traffic_base_.clear();
-}
-
-struct FirstStepGuard::Saved {
-  FirstStep step;
-  std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic;
-};
-FirstStepGuard::FirstStepGuard() : saved_(new Saved{first_step_, traffic_base_}) {}
-FirstStepGuard::~FirstStepGuard() {
-  first_step_ = saved_->step;
-  traffic_base_ = std::move(saved_->traffic);
 }
 
 // ---- Building a rank's plan ----------------------------------------------------------------

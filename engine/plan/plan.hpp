@@ -19,7 +19,8 @@
 
 #include <torch/torch.h>
 
-#include "engine/plan/memory.hpp"
+#include "engine/util/planning.hpp"
+#include "engine/util/tensor_memory.hpp"
 
 namespace partrain::nn {
 class Module;
@@ -36,52 +37,34 @@ class Pipeline;
 
 namespace partrain::plan {
 
-// ---- Planning mode -------------------------------------------------------------------------
+// ---- Planning mode ----------------------------------------------------------------------------
 
-namespace detail {
-extern bool planning;
-}
-/// Whether this process is planning: new parameters and tensors are made on the meta device and
-/// the first optimizer step ends the script. Inline: every tensor crossing from Lua asks.
-inline bool planning() { return detail::planning; }
+/// Whether this process is planning (engine/util/planning.hpp).
+using util::planning;
 /// Turns planning on or off; on, it also supplies the meta kernels LibTorch's C++ library lacks
 /// (PyTorch registers some from Python only: index_select's, for one).
 void set_planning(bool on);
 
 // ---- The first training step ---------------------------------------------------------------
 
-/// The first training step's phases, noted the same way in a real run and in a plan: the first
-/// forward a script calls begins it (collective counters reset, memory noted), the first backward
-/// ends its forward (activations: what the forward left allocated).
+/// The first training step's phases, as the step announces them (engine/util/step_events.hpp),
+/// noted the same way in a real run and in a plan: the first training forward begins it
+/// (collective counters reset, memory noted), the end of that forward measures its activations
+/// (what it left allocated). A forward set aside (events::Aside: the policy probe, the stage
+/// timing) counts for nothing.
 struct FirstStep {
   bool begun = false, forward_done = false;
   int64_t base = 0;          ///< bytes allocated when the forward began
   int64_t activations = -1;  ///< bytes the forward left allocated (-1: not measured)
   bool hooked = false;       ///< the first optimizer step's hook has run
 };
-void step_begins();
 /// Runs before the first step's memory is noted (once): the Lua host collects its garbage there,
 /// so that tensors already dead (a serial model pt.parallelize replaced) are not freed during
 /// the forward, which would count against its activations. nullptr: nothing.
 void set_before_first_step(void (*fn)());
-void forward_ends();
 void first_step_hooked();
 const FirstStep& first_step();
 void reset_first_step();
-/// Forwards that are not the script's training (the policy probe, the stage timing) run under
-/// one: the first step's record (and the traffic it counts from) is put back as it was, so a
-/// forward of theirs that passes through Lua (a policy's sequence-parallel forward) begins no step.
-class FirstStepGuard {
- public:
-  FirstStepGuard();
-  ~FirstStepGuard();
-  FirstStepGuard(const FirstStepGuard&) = delete;
-  FirstStepGuard& operator=(const FirstStepGuard&) = delete;
-
- private:
-  struct Saved;
-  std::unique_ptr<Saved> saved_;
-};
 
 // ---- The plan ------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
-#include "engine/plan/memory.hpp"
+#include "engine/util/tensor_memory.hpp"
 #include "engine/util/memory.hpp"
 #include "engine/util/text.hpp"
 #include "tests/engine/testing.hpp"
@@ -621,7 +621,7 @@ namespace {
 // Bytes free inside the heap after 8 tensors of 4 MiB were made, touched and freed: memory kept for
 // the next tensors rather than handed back to the system.
 size_t heap_free_after_tensors() {
-  plan::install_allocators();
+  util::install_allocators();
   {
     std::vector<Tensor> ts;
     for (int i = 0; i < 8; ++i) ts.push_back(torch::ones({1 << 20}));  // 4 MiB of float32 each
@@ -650,28 +650,28 @@ TEST(Heap, FreedTensorMemoryStaysInTheHeapUnlessTheSystemsMallocIsChosen) {
   {
     EnvFor a("PARTRAIN_MALLOC", nullptr), b("GLIBC_TUNABLES", nullptr), c("MALLOC_TRIM_THRESHOLD_", nullptr),
         d("MALLOC_MMAP_THRESHOLD_", nullptr), e("MALLOC_TOP_PAD_", nullptr);
-    EXPECT_TRUE(plan::keeps_freed_memory());
-    EXPECT_EQ(plan::malloc_setting_problem(), "");
+    EXPECT_TRUE(util::keeps_freed_memory());
+    EXPECT_EQ(util::malloc_setting_problem(), "");
     {
       EnvFor kept("PARTRAIN_MALLOC", "kept");
-      EXPECT_TRUE(plan::keeps_freed_memory());
-      EXPECT_EQ(plan::malloc_setting_problem(), "");
+      EXPECT_TRUE(util::keeps_freed_memory());
+      EXPECT_EQ(util::malloc_setting_problem(), "");
     }
     {
       EnvFor system("PARTRAIN_MALLOC", "system");
-      EXPECT_FALSE(plan::keeps_freed_memory());
-      EXPECT_EQ(plan::malloc_setting_problem(), "");
+      EXPECT_FALSE(util::keeps_freed_memory());
+      EXPECT_EQ(util::malloc_setting_problem(), "");
     }
     for (const char* own : {"GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"}) {
       EnvFor glibc(own, "1");
-      EXPECT_FALSE(plan::keeps_freed_memory()) << own << " set: glibc's own setting must be left alone";
+      EXPECT_FALSE(util::keeps_freed_memory()) << own << " set: glibc's own setting must be left alone";
       EnvFor kept("PARTRAIN_MALLOC", "kept");
-      EXPECT_TRUE(plan::keeps_freed_memory()) << own << " set with PARTRAIN_MALLOC=kept: what was asked for wins";
+      EXPECT_TRUE(util::keeps_freed_memory()) << own << " set with PARTRAIN_MALLOC=kept: what was asked for wins";
     }
     {
       EnvFor typo("PARTRAIN_MALLOC", "sytem");
-      EXPECT_NE(plan::malloc_setting_problem().find("PARTRAIN_MALLOC='sytem' is not a choice: kept"), std::string::npos)
-          << plan::malloc_setting_problem();
+      EXPECT_NE(util::malloc_setting_problem().find("PARTRAIN_MALLOC='sytem' is not a choice: kept"), std::string::npos)
+          << util::malloc_setting_problem();
     }
   }
   // The effect, each in a fresh process (the heap's settings are made once, at the first tensor):

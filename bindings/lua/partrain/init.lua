@@ -18,11 +18,11 @@ pt._rethrow = rethrow
 -- remembers which file each running chunk came from: a file that ends in a tail call (`return
 -- P.policy {...}`) loses its frame, and errors about it would otherwise name no file of it.
 local loading = setmetatable({}, { __mode = "k" })  -- the wrapper running a file's chunk -> its path
-package.loaders[2] = function(name)
-  local path, tried = package.searchpath(name, package.path)
-  if not path then return tried end
+-- The chunk of the Lua file at `path`, wrapped so that pt.loading_file knows it; nil and the
+-- message when it cannot be loaded.
+local function load_file(path)
   local chunk, err = loadfile(path)
-  if not chunk then error(("error loading module '%s' from file '%s':\n\t%s"):format(name, path, err), 0) end
+  if not chunk then return nil, err end
   local function wrapper(...)
     local results = { chunk(...) }  -- not a tail call: this frame stays while the chunk runs
     return unpack(results, 1, table.maxn(results))
@@ -30,6 +30,16 @@ package.loaders[2] = function(name)
   loading[wrapper] = path
   return wrapper
 end
+package.loaders[2] = function(name)
+  local path, tried = package.searchpath(name, package.path)
+  if not path then return tried end
+  local wrapper, err = load_file(path)
+  if not wrapper then error(("error loading module '%s' from file '%s':\n\t%s"):format(name, path, err), 0) end
+  return wrapper
+end
+--- load_file(path): a Lua file's chunk as `require` loads it (errors about a policy it returns
+--- name the file), or nil and the message.
+pt._load_file = load_file
 --- The file whose chunk `fn` runs, when `fn` is the function partrain's loader made for it.
 function pt.loading_file(fn) return loading[fn] end
 
@@ -361,7 +371,7 @@ function pt.parallelize(model, policy, mesh, opts)
     -- a global `_` here once held every parallelized model alive.)
     local undo
     local apply = policy and function() undo = select(2, P.apply(model, policy, mesh, cfg)) end
-    local described  -- with recompute: the policy whose pipeline description names the blocks
+    local described, recompute_blocks  -- with recompute: the policy whose pipeline description names the blocks
     if recompute == "block" then
       described = policy or P.registry[model:type()]
       if type(described) == "string" then described = require(described) end
@@ -371,7 +381,7 @@ function pt.parallelize(model, policy, mesh, opts)
         error(("parallelize: recompute = 'block' needs the blocks of %s: a policy with a pipeline description "
           .. "({ blocks = ... })"):format(model:type()), 0)
       end
-      if staged then error("parallelize: recompute = 'block' is not built for pipelined models", 0) end
+      recompute_blocks = blocks
     end
     -- An optimizer made from the model before now would step the tensors it had then: tensor
     -- parallelism replaces them, and what the parallel model tells its optimizers (mixed
@@ -391,12 +401,11 @@ function pt.parallelize(model, policy, mesh, opts)
     for k in pairs(P.config_keys) do taken[#taken + 1] = k end
     table.sort(taken)
     local made, result = pcall(core.parallel.parallelize, model, mesh, policy and policy.name or nil, dp, apply, staged,
-      taken)
+      taken, recompute_blocks)
     if not made then
       if undo then undo() end
       error(result, 0)
     end
-    if recompute == "block" then core.parallel.recompute_blocks(model, described.pipeline.blocks) end
   end)
   if not ok then rethrow(err, 2) end
   return model

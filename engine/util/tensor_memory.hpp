@@ -7,7 +7,7 @@
 
 #include <c10/core/DeviceType.h>
 
-namespace partrain::plan {
+namespace partrain::util {
 
 /// Bytes held by tensors on one device, now and at the peak since reset_peak().
 struct Memory {
@@ -33,4 +33,4 @@ void reset_peak(c10::DeviceType device = c10::kCPU);
 void start_mark(c10::DeviceType device = c10::kCPU);
 int64_t mark(c10::DeviceType device = c10::kCPU);
 
-}  // namespace partrain::plan
+}  // namespace partrain::util

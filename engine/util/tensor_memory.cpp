@@ -1,5 +1,5 @@
-// Memory accounting (see memory.hpp): the counting allocators and their counters.
-#include "engine/plan/memory.hpp"
+// Memory accounting (see tensor_memory.hpp): the counting allocators and their counters.
+#include "engine/util/tensor_memory.hpp"
 
 #include <atomic>
 #include <cstdlib>
@@ -16,7 +16,7 @@
 
 #include "engine/compat.hpp"
 
-namespace partrain::plan {
+namespace partrain::util {
 
 namespace {
 
@@ -160,4 +160,4 @@ void start_mark(c10::DeviceType device) {
 
 int64_t mark(c10::DeviceType device) { return counter(device).mark.load(); }
 
-}  // namespace partrain::plan
+}  // namespace partrain::util

@@ -1,0 +1,43 @@
+// Weighing a pipeline rank's first step: what each chunk's forward leaves alive for its backward,
+// what its backward needs while it runs, the gradients it receives (the counting allocators'
+// bytes, engine/util/tensor_memory.hpp), and the schedule's peak those make. The pipeline calls
+// the meter at each phase of its first train_step; `partrain plan` reads what it measured.
+#pragma once
+
+#include <vector>
+
+#include "engine/nn/module.hpp"
+#include "engine/parallel/pipeline.hpp"
+
+namespace partrain::parallel {
+
+/// Fills a PipelineMeasure from one train_step: active when the measure is not done yet and the
+/// device's allocations are counted (the CPU, the meta device); every call does nothing otherwise.
+class StageMeter {
+ public:
+  StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType device, nn::Module& root);
+  /// A chunk's forward of one micro-batch begins ...
+  void forward_begins(int chunk);
+  /// ... and ends, having received `input` (undefined on the first virtual stage): the first of
+  /// each chunk notes what it left allocated, its input included.
+  void forward_ends(int chunk, const torch::Tensor& input);
+  /// A chunk's micro-batch received the gradient of its output.
+  void gradient_received(int chunk, const torch::Tensor& grad);
+  /// A chunk's backward of one micro-batch begins ...
+  void backward_begins();
+  /// ... and ends: the most it allocated while it ran, less the parameters' gradients it made
+  /// (model state), the largest over the chunk's micro-batches.
+  void backward_ends(int chunk);
+  /// The step ended: the measure is done, and its schedule's peak (peak_activation_bytes).
+  void finish(const std::vector<PipeAction>& actions, bool receives_ahead);
+
+ private:
+  PipelineMeasure& m_;
+  const bool measure_, countable_;
+  const c10::DeviceType device_;
+  nn::Module& root_;
+  int64_t before_ = 0;
+  std::vector<torch::Tensor> gradless_;  // parameters without a gradient when a backward began
+};
+
+}  // namespace partrain::parallel
