@@ -144,7 +144,7 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
     if (!f) {
       char name[32];
       std::snprintf(name, sizeof name, "rank-%05d.bin", r);
-      f = std::make_unique<DataFile>(join(tmp, name));
+      f = std::make_unique<DataFile>(join_path(tmp, name));
     }
     return *f;
   };
@@ -194,7 +194,7 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
   }
   for (auto& e : m.tensors)
     for (auto& p : e.pieces) p.file = position.at(p.file);
-  validate(m, join(tmp, "manifest.bin"));
+  validate(m, join_path(tmp, "manifest.bin"));
   write_manifest(tmp, m);
   std::vector<std::string> notes;
   commit(dst_dir, tag, tmp, 0, false, &notes);

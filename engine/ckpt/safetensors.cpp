@@ -125,14 +125,14 @@ std::map<std::string, torch::Tensor> read_file_names(const std::string& path, ut
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   auto bad = [&](const std::string& why) { TORCH_CHECK(false, "'", path, "' ", why); };
   unsigned char len[8] = {};
-  if (size < 8 || !read_at(fd, reinterpret_cast<char*>(len), 8, 0)) bad("is not a safetensors file (too short)");
+  if (size < 8 || !util::read_at(fd, reinterpret_cast<char*>(len), 8, 0)) bad("is not a safetensors file (too short)");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
   if (n > size - 8 || n > kMaxSafetensorsHeader)
     bad("is not a safetensors file (a header of " + std::to_string(n) + " bytes in a file of " + std::to_string(size) +
         ")");
   std::string text(n, '\0');
-  if (!read_at(fd, &text[0], n, 8)) bad("is truncated");
+  if (!util::read_at(fd, &text[0], n, 8)) bad("is truncated");
   if (text.empty() || text[0] != '{') bad("is not a safetensors file (its header does not start with '{')");
   // JSON has no raw NUL, and the parser would take one for the end of its input (what follows unread).
   if (auto nul = text.find('\0'); nul != std::string::npos)
@@ -225,7 +225,7 @@ std::map<std::string, torch::Tensor> read_file_names(const std::string& path, ut
   std::map<std::string, torch::Tensor> out;
   for (const auto& e : entries) {
     auto t = torch::empty(e.shape, torch::TensorOptions().dtype(e.type));
-    if (!read_at(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, data_start + e.begin))
+    if (!util::read_at(fd, static_cast<char*>(t.data_ptr()), e.end - e.begin, data_start + e.begin))
       bad("tensor '" + shown(e.name) + "': the file is truncated");
     if (e.type == torch::kBool) {
       const auto* b = static_cast<const uint8_t*>(t.data_ptr());

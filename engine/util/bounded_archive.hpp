@@ -7,15 +7,17 @@
 // string or a vector of numbers is allocated at most 8 times those bytes), and a vector of
 // structures grows one parsed element at a time, so what is allocated stays a small multiple of
 // the input's size. Use: `util::BoundedInputArchive ar(bytes.data(), bytes.size()); ar(value);`,
-// then `ar.left()` is what was not read.
+// then `ar.left()` is what was not read. to_bytes and from_bytes make the round trip of one value.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include <cereal/archives/binary.hpp>
 #include <cereal/cereal.hpp>
 #include <cereal/details/helpers.hpp>
 
@@ -74,6 +76,27 @@ typename std::enable_if<!std::is_arithmetic<T>::value>::type CEREAL_LOAD_FUNCTIO
     ar(value);
     out.push_back(std::move(value));
   }
+}
+
+/// `value` as cereal::BinaryOutputArchive writes it.
+template <class T>
+std::string to_bytes(const T& value) {
+  std::ostringstream out(std::ios::binary);
+  {
+    cereal::BinaryOutputArchive ar(out);
+    ar(const_cast<T&>(value));
+  }
+  return out.str();
+}
+
+/// The value that to_bytes wrote into `bytes`, read with a BoundedInputArchive (bytes after it are
+/// not looked at).
+template <class T>
+T from_bytes(const std::string& bytes) {
+  T value;
+  BoundedInputArchive ar(bytes.data(), bytes.size());
+  ar(value);
+  return value;
 }
 
 }  // namespace partrain::util

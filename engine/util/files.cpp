@@ -1,11 +1,15 @@
 // Safe file access (see files.hpp).
 #include "engine/util/files.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -104,23 +108,103 @@ void fsync_path(const std::string& path) {
   ::close(fd);
 }
 
+std::string join_path(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+std::vector<std::string> list_dir(const std::string& path, int* error) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(path.c_str());
+  if (error) *error = d ? 0 : errno;
+  if (!d) return names;
+  while (auto* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(std::move(n));
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void make_dirs(const std::string& path) {
+  for (size_t i = 1; i <= path.size(); ++i)
+    if (i == path.size() || path[i] == '/') {
+      std::string prefix = path.substr(0, i);
+      if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST)
+        TORCH_CHECK(false, "cannot make the folder '", prefix, "': ", std::strerror(errno));
+    }
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "'", path, "' is not a folder");
+}
+
+void remove_all(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& n : list_dir(path)) remove_all(join_path(path, n));
+    ::rmdir(path.c_str());
+  } else {
+    ::unlink(path.c_str());
+  }
+}
+
+void rename_new(const std::string& from, const std::string& to) {
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+  int err = errno;
+  if (err == EINVAL && !exists(to) && std::rename(from.c_str(), to.c_str()) == 0) return;  // no RENAME_NOREPLACE here
+  TORCH_CHECK(false, "cannot rename '", from, "' to '", to, "': ", std::strerror(err == EINVAL ? errno : err));
+}
+
+void exchange(const std::string& a, const std::string& b, const std::string& spare) {
+  if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return;
+  TORCH_CHECK(errno == EINVAL, "cannot swap '", a, "' and '", b, "': ", std::strerror(errno));
+  remove_all(spare);
+  rename_new(b, spare);
+  rename_new(a, b);
+  rename_new(spare, a);
+}
+
+bool read_at(int fd, char* out, uint64_t n, uint64_t offset) {
+  uint64_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(fd, out + done, static_cast<size_t>(std::min<uint64_t>(n - done, 1u << 30)),
+                        static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    done += static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
+int create_new(const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", std::strerror(errno));
+  return fd;
+}
+
+void write_all(int fd, const char* data, size_t n, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, data, n);
+    if (w < 0 && errno == EINTR) continue;
+    TORCH_CHECK(w > 0, "writing '", path, "' failed: ", std::strerror(errno));
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
 namespace {
 
 // Writes all of `bytes` to `fd`, flushes it to disk and closes it; an error names `path`. The
 // caller removes the file on error.
 void write_sync_close(int fd, const std::string& path, const std::string& bytes) {
-  const char* p = bytes.data();
-  size_t left = bytes.size();
-  while (left > 0) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int err = errno;
-      ::close(fd);
-      TORCH_CHECK(false, "writing '", path, "' failed: ", std::strerror(err));
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
+  try {
+    write_all(fd, bytes.data(), bytes.size(), path);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   bool synced = ::fsync(fd) == 0;
   int err = errno;
@@ -146,8 +230,7 @@ std::string may_replace(const std::string& path, const std::function<bool(const 
 }
 
 void write_new(const std::string& path, const std::string& bytes) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "cannot write '", path, "': ", std::strerror(errno));
+  int fd = create_new(path);
   try {
     write_sync_close(fd, path, bytes);
   } catch (...) {

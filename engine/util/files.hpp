@@ -1,11 +1,13 @@
 // Opening, reading and writing files the way every part of partrain must: only regular files,
 // sizes bounded before anything is allocated, names from a safe alphabet, and writes that land
-// whole (a temporary made exclusively, never through a planted link, then renamed).
+// whole (a temporary made exclusively, never through a planted link, then renamed); and the
+// folder operations built on the same rules (listing, making, removing, renaming without replacing).
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace partrain::util {
 
@@ -53,5 +55,34 @@ std::string may_replace(const std::string& path, const std::function<bool(const 
 
 /// Flushes a file or folder to disk (best effort: errors are ignored).
 void fsync_path(const std::string& path);
+
+/// `dir`/`name`.
+std::string join_path(const std::string& dir, const std::string& name);
+/// Whether anything is at `path`: a file, a folder, or a link (wherever it points).
+bool exists(const std::string& path);
+/// The names in the folder `path` but "." and "..", sorted; none when it cannot be opened, and
+/// then the errno in `*error` (0 otherwise) when `error` is given.
+std::vector<std::string> list_dir(const std::string& path, int* error = nullptr);
+
+/// Makes the folder `path` and any folder above it that is missing; refuses, naming it, a path
+/// that is not a folder then.
+void make_dirs(const std::string& path);
+/// Removes a file, a link (never what it points to) or a folder and everything in it, as far as
+/// it can (errors are ignored).
+void remove_all(const std::string& path);
+/// Renames `from` to `to`, never replacing what is at `to`.
+void rename_new(const std::string& from, const std::string& to);
+/// Swaps the folders `a` and `b` in one step, so that `b` is never missing (where the file system
+/// cannot swap: three renames through `spare`, which is removed first).
+void exchange(const std::string& a, const std::string& b, const std::string& spare);
+
+/// Reads exactly `n` bytes at `offset` of an open file; false when the file ends first or a read
+/// fails.
+bool read_at(int fd, char* out, uint64_t n, uint64_t offset);
+/// Creates `path` for writing, which must not exist (a link planted there is not followed), and
+/// returns the descriptor.
+int create_new(const std::string& path);
+/// Writes all `n` bytes at `data` to `fd`; an error names `path` (the caller closes `fd`).
+void write_all(int fd, const char* data, size_t n, const std::string& path);
 
 }  // namespace partrain::util
