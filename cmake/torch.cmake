@@ -1,5 +1,7 @@
-# Finds LibTorch and decides whether this is a CUDA build. Sets TORCH_LIBRARIES, PARTRAIN_CUDA_ON
-# and PARTRAIN_TORCH_RPATH (the folders a partrain binary loads LibTorch's libraries from).
+# Finds LibTorch and decides whether this is a CUDA build. Sets TORCH_LIBRARIES, PARTRAIN_CUDA_ON,
+# PARTRAIN_TORCH_RPATH (the folders a partrain binary loads LibTorch's libraries from), and for the
+# installed package PARTRAIN_TORCH_ROOT (the LibTorch folder) and PARTRAIN_TORCH_BY_HAND (its CPU
+# half imported without LibTorch's configuration).
 #
 # LibTorch is looked for in PARTRAIN_TORCH (a LibTorch folder, or the folder
 # torch.utils.cmake_prefix_path names) and then CMAKE_PREFIX_PATH; scripts/build passes the
@@ -75,6 +77,8 @@ if(PARTRAIN_CUDA STREQUAL "ON" AND NOT PARTRAIN_CUDA_ON)
   message(FATAL_ERROR "PARTRAIN_CUDA=ON, but ${_why_off}")
 endif()
 
+include(${CMAKE_CURRENT_LIST_DIR}/partrainTorch.cmake)
+set(PARTRAIN_TORCH_BY_HAND OFF)
 if(PARTRAIN_CUDA_ON OR NOT _torch_is_cuda)
   # LibTorch's own configuration: for a CUDA LibTorch it finds the toolkit, cuDNN and NVTX itself.
   if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
@@ -85,28 +89,13 @@ if(PARTRAIN_CUDA_ON OR NOT _torch_is_cuda)
   set(Torch_DIR "${_torch_config_dir}" CACHE PATH "The folder holding TorchConfig.cmake" FORCE)
   find_package(Torch REQUIRED CONFIG PATHS "${_torch_config_dir}" NO_DEFAULT_PATH)
 else()
-  # A CUDA LibTorch on a machine without the toolkit: LibTorch's configuration would stop at the
-  # missing toolkit, so import its CPU half by hand: libtorch_cpu and libc10, not libtorch.so,
-  # which would load libtorch_cuda (libtorch_cpu still loads the CUDA runtime and CUPTI, which a
-  # wheel's NVIDIA packages provide through its RPATH).
-  add_library(partrain_torch_cpu INTERFACE)
-  target_include_directories(partrain_torch_cpu SYSTEM INTERFACE
-    "${_torch_root}/include" "${_torch_root}/include/torch/csrc/api/include")
-  target_link_libraries(partrain_torch_cpu INTERFACE "${_torch_root}/lib/libtorch_cpu.so" "${_torch_root}/lib/libc10.so")
-  # LibTorch's own definitions, which some of its headers' class layouts depend on.
-  target_compile_definitions(partrain_torch_cpu INTERFACE USE_DISTRIBUTED USE_C10D_GLOO USE_RPC USE_TENSORPIPE)
+  # A CUDA LibTorch on a machine without the toolkit: its CPU half, imported by hand.
+  partrain_torch_cpu_target(partrain_torch_cpu "${_torch_root}")
   set(TORCH_LIBRARIES partrain_torch_cpu)
+  set(PARTRAIN_TORCH_BY_HAND ON)
 endif()
-
-# Where the binaries find LibTorch's libraries at run time: its lib folder, and a wheel's NVIDIA
-# packages beside it (site-packages/nvidia/*/lib), so that the CUDA runtime a binary links itself
-# is the one LibTorch's libraries load through their own RPATH.
-set(PARTRAIN_TORCH_RPATH "${_torch_root}/lib")
-file(GLOB _nvidia_libs LIST_DIRECTORIES true "${_torch_root}/../nvidia/*/lib")
-foreach(_d ${_nvidia_libs})
-  get_filename_component(_d "${_d}" ABSOLUTE)
-  list(APPEND PARTRAIN_TORCH_RPATH "${_d}")
-endforeach()
+set(PARTRAIN_TORCH_ROOT "${_torch_root}")
+partrain_torch_rpath(PARTRAIN_TORCH_RPATH "${_torch_root}")
 
 set(PARTRAIN_TORCH_VERSION "")
 foreach(_version_h "${_torch_root}/include/torch/headeronly/version.h"           # 2.9 on
