@@ -148,6 +148,211 @@ const Call* collective_numbered(const GroupCopy& g, int64_t seq) {
   return nullptr;
 }
 
+// What diagnose reads of the ranks: where each is blocked, and who waits for whom.
+struct Reading {
+  explicit Reading(const std::vector<RankView>& views);
+  // Waiting: blocked in a call now, or until that call timed out (the rank may have ended since).
+  // A rank that ended otherwise, or is stopped, is not waiting, whatever its ledger's last entry says.
+  bool waiting(int i) const {
+    return blocked[i].call && !stopped(ranks[i]) &&
+           (ranks[i].running || blocked[i].call->state == State::TimedOut || blocked[i].call->state == State::Failed);
+  }
+  void add_collective_edges(int i);
+  void add_peer_edge(int i);
+  std::vector<int> most_waited_for() const;
+  std::string headline(const std::vector<int>& culprits, bool stalled, bool cycle, const std::string& trigger) const;
+  std::string line_of(int i, const std::vector<int>& culprits, int64_t now_ns) const;
+  std::string waits_for(int i) const;
+
+  const std::vector<RankView>& ranks;
+  const int n;
+  std::map<int, int> index;  // global rank -> view
+  std::vector<Blocked> blocked;
+  std::vector<Edge> edges;
+  std::set<int> elsewhere_nodes;  // members on other nodes: their launchers hold their ledgers
+};
+
+Reading::Reading(const std::vector<RankView>& views) : ranks(views), n(static_cast<int>(views.size())), blocked(n) {
+  for (int i = 0; i < n; ++i) index[ranks[i].rank] = i;
+  for (int i = 0; i < n; ++i)
+    if (ranks[i].ledger.valid) blocked[i] = blocked_in(ranks[i].ledger);
+  for (int i = 0; i < n; ++i) {
+    if (!waiting(i)) continue;
+    if (blocked[i].call->collective()) add_collective_edges(i);
+    else add_peer_edge(i);
+  }
+}
+
+// Rank i waits in a collective: for the members of its group that have not made that call, or
+// made it as another operation or from another line.
+void Reading::add_collective_edges(int i) {
+  const GroupCopy& g = *blocked[i].group;
+  const Call& c = *blocked[i].call;
+  for (int member : g.ranks) {
+    if (member == ranks[i].rank) continue;
+    auto it = index.find(member);
+    if (it == index.end()) {
+      elsewhere_nodes.insert(member);
+      continue;
+    }
+    const RankView& q = ranks[it->second];
+    const GroupCopy* qg = q.ledger.valid ? group_by_key(q.ledger, g.key) : nullptr;
+    if (!qg) {
+      edges.push_back({i, it->second, "has no record of " + g.describe()});
+      continue;
+    }
+    if (qg->collectives <= c.seq) {
+      edges.push_back({i, it->second, "has not reached call " + std::to_string(c.seq) + " on " + g.describe() +
+                                          " (it has made " + std::to_string(qg->collectives) + ")"});
+      continue;
+    }
+    const Call* theirs = collective_numbered(*qg, c.seq);
+    if (theirs && (theirs->op != c.op || theirs->reduce != c.reduce || theirs->site != c.site))
+      edges.push_back({i, it->second, "made call " + std::to_string(c.seq) + " on " + g.describe() + " as " +
+                                          theirs->describe() + " at " + theirs->site});
+  }
+}
+
+// Rank i waits in a send or a receive: for the peer that has not posted its receive, or not sent.
+void Reading::add_peer_edge(int i) {
+  const GroupCopy& g = *blocked[i].group;
+  const Call& c = *blocked[i].call;
+  auto it = index.find(c.peer);
+  if (it == index.end()) {
+    elsewhere_nodes.insert(c.peer);
+    return;
+  }
+  const RankView& q = ranks[it->second];
+  const GroupCopy* qg = q.ledger.valid ? group_by_key(q.ledger, g.key) : nullptr;
+  const auto* ch = qg ? qg->channel(ranks[i].rank, c.tag) : nullptr;
+  const int64_t done = !ch ? 0 : c.op == Op::Send ? ch->received : ch->sent;
+  if (c.seq >= 0 && done <= c.seq)
+    edges.push_back({i, it->second,
+                     std::string(c.op == Op::Send ? "has not posted the receive for" : "has not sent") + " message " +
+                         std::to_string(c.seq) + " (tag " + std::to_string(c.tag) + ") " +
+                         (c.op == Op::Send ? "from" : "to") + " rank " + std::to_string(ranks[i].rank) + " (it has " +
+                         (c.op == Op::Send ? "posted " : "sent ") + std::to_string(done) + ")"});
+}
+
+// When every rank waited for waits too: first the ranks that went past the call a rank waiting
+// for them is in, then the most waited for.
+std::vector<int> Reading::most_waited_for() const {
+  std::map<int, std::set<int>> waiters;
+  for (const auto& e : edges) waiters[e.to].insert(e.from);
+  std::map<int, std::set<int>> pool;
+  for (const auto& [t, w] : waiters) {
+    bool past = false;
+    for (int from : w) past = past || ahead(blocked[t].call->site, blocked[from].call->site);
+    if (past) pool[t] = w;
+  }
+  if (pool.empty()) pool = waiters;
+  size_t most = 0;
+  for (const auto& [t, w] : pool) most = std::max(most, w.size());
+  std::vector<int> culprits;
+  for (const auto& [t, w] : pool)
+    if (w.size() == most) culprits.push_back(t);
+  return culprits;
+}
+
+std::string Reading::headline(const std::vector<int>& culprits, bool stalled, bool cycle,
+                              const std::string& trigger) const {
+  std::string who;
+  for (size_t k = 0; k < culprits.size(); ++k) who += (k ? ", " : "") + name(ranks[culprits[k]]);
+  const bool many = culprits.size() > 1;
+  if (stalled) {
+    std::string list;
+    int count = 0;
+    for (int i = 0; i < n; ++i)
+      if (waiting(i)) list += std::string(count++ ? ", " : "") + std::to_string(ranks[i].rank);
+    return (count > 1 ? "ranks " + list + " each waited" : "rank " + list + " waited") + " in a call that " +
+           "every rank it needs had made when " + trigger + ", and none progressed: the ledgers cannot " +
+           "tell which rank holds the others up (one may be blocked in C code inside the call, or the " +
+           "network between them stalled)";
+  }
+  if (cycle) {
+    const Blocked& b = blocked[culprits.front()];
+    std::string skipped_call;
+    for (const auto& e : edges)
+      if (e.to == culprits.front() && blocked[e.from].call) {
+        skipped_call = blocked[e.from].call->describe() + " at " + blocked[e.from].call->site;
+        break;
+      }
+    return who + (many ? " are the ranks" : " is the rank") + " the others waited for: " +
+           (many ? "each waits in another call" : "it never made the call they wait in (" + skipped_call +
+                                                      ") and waits in " + b.call->describe() + " at " +
+                                                      b.call->site + " instead") +
+           (many ? " (the ledgers cannot tell which skipped a call)" : "");
+  }
+  if (!ranks[culprits.front()].running) {
+    const RankView& first = ranks[culprits.front()];
+    return who + (many ? " had" : " had already") + " ended (" + describe_status(first.status) + ") when " +
+           trigger + ": " + (many ? "they are the ranks" : "it is the rank") + " the others waited for";
+  }
+  std::string said = who + (many ? " were" : " was") + " still running, with no error, when " + trigger + ": " +
+                     (many ? "they are the ranks" : "it is the rank") + " the others waited for";
+  for (int c : culprits)
+    if (stopped(ranks[c]))
+      said += " (rank " + std::to_string(ranks[c].rank) + " was stopped: SIGSTOP, Ctrl-Z or a debugger)";
+  return said;
+}
+
+// "; it waits for rank 1, which has not reached call 3 ...": the ranks rank i waits for, those with
+// the same reason named together.
+std::string Reading::waits_for(int i) const {
+  std::vector<std::pair<std::string, std::vector<int>>> reasons;
+  std::set<int> targets_of;
+  for (const auto& e : edges) {
+    if (e.from != i || !targets_of.insert(e.to).second) continue;
+    auto it = std::find_if(reasons.begin(), reasons.end(), [&](const auto& r) { return r.first == e.why; });
+    if (it == reasons.end()) reasons.push_back({e.why, {ranks[e.to].rank}});
+    else it->second.push_back(ranks[e.to].rank);
+  }
+  std::string whys;
+  for (const auto& [why, who] : reasons) {
+    std::string list;
+    for (size_t k = 0; k < who.size(); ++k) list += (k ? ", " : "") + std::to_string(who[k]);
+    whys += std::string(whys.empty() ? "" : "; ") + (who.size() > 1 ? "ranks " + list + ", which each " : "rank " + list + ", which ") + why;
+  }
+  return whys.empty() ? "" : "; it waits for " + whys;
+}
+
+// Rank i's line of the details: where it waits and for whom, or how it is and its last call.
+std::string Reading::line_of(int i, const std::vector<int>& culprits, int64_t now_ns) const {
+  const RankView& r = ranks[i];
+  std::string s = "  rank " + std::to_string(r.rank) + ": ";
+  const Blocked& b = blocked[i];
+  const bool is_culprit = std::find(culprits.begin(), culprits.end(), i) != culprits.end();
+  if (waiting(i)) {
+    const State st = b.step ? b.step->state : b.call->state;
+    const Call& timed = b.step ? *b.step : *b.call;
+    s += std::string(st == State::TimedOut ? "timed out" : st == State::Failed ? "failed" : "waiting") + " in " +
+         where(*b.group, *b.call);
+    if (b.step) s += ", at its ring step " + b.step->describe();
+    s += st == State::TimedOut || st == State::Failed
+             ? " after " + seconds(std::max<int64_t>(0, timed.ended_ns - timed.started_ns))
+             : " for " + seconds(std::max<int64_t>(0, now_ns - timed.started_ns));
+    s += waits_for(i);
+    if (!r.running) s += "; then it " + describe_status(r.status);
+    return s + "\n";
+  }
+  if (!r.running) s += describe_status(r.status) + "; ";
+  else if (stopped(r)) s += "stopped (process state " + std::string(1, r.state) + ": SIGSTOP, Ctrl-Z or a debugger); ";
+  if (!r.ledger.valid) {
+    s += "(no ledger yet: it is starting, or shares none with the launcher)";
+  } else {
+    if (r.running && !stopped(r)) s += "running, not in any collective or send/recv; ";
+    auto [g, last] = last_call(r.ledger, false);
+    if (last) s += "its last call: " + where(*g, *last) + ", " + dist::ledger::state_name(last->state);
+    else s += "it has made no collective or send/recv";
+    if (stopped(r)) s += "; a stopped rank cannot say its Lua line";
+    else if (r.running && is_culprit)
+      s += r.line_fresh ? "; its Lua line now: " + r.ledger.line
+                        : "; its Lua line could not be read: it did not answer within a second (LuaJIT runs no "
+                          "hooks inside compiled loops or while C code runs)";
+  }
+  return s + "\n";
+}
+
 }  // namespace
 
 bool in_script_call(const Copy& ledger) {
@@ -158,78 +363,18 @@ bool in_script_call(const Copy& ledger) {
 
 Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigger, int64_t now_ns) {
   Diagnosis d;
-  const int n = static_cast<int>(ranks.size());
-  std::map<int, int> index;  // global rank -> view
-  for (int i = 0; i < n; ++i) index[ranks[i].rank] = i;
-  std::vector<Blocked> blocked(n);
-  for (int i = 0; i < n; ++i)
-    if (ranks[i].ledger.valid) blocked[i] = blocked_in(ranks[i].ledger);
-  // Waiting: blocked in a call now, or until that call timed out (the rank may have ended since).
-  // A rank that ended otherwise, or is stopped, is not waiting, whatever its ledger's last entry says.
-  auto waiting = [&](int i) {
-    return blocked[i].call && !stopped(ranks[i]) &&
-           (ranks[i].running || blocked[i].call->state == State::TimedOut || blocked[i].call->state == State::Failed);
-  };
-
-  std::vector<Edge> edges;
-  std::set<int> elsewhere_nodes;  // members on other nodes: their launchers hold their ledgers
-  for (int i = 0; i < n; ++i) {
-    const Blocked& b = blocked[i];
-    if (!waiting(i)) continue;
-    const GroupCopy& g = *b.group;
-    const Call& c = *b.call;
-    if (c.collective()) {
-      for (int member : g.ranks) {
-        if (member == ranks[i].rank) continue;
-        auto it = index.find(member);
-        if (it == index.end()) {
-          elsewhere_nodes.insert(member);
-          continue;
-        }
-        const RankView& q = ranks[it->second];
-        const GroupCopy* qg = q.ledger.valid ? group_by_key(q.ledger, g.key) : nullptr;
-        if (!qg) {
-          edges.push_back({i, it->second, "has no record of " + g.describe()});
-          continue;
-        }
-        if (qg->collectives <= c.seq) {
-          edges.push_back({i, it->second, "has not reached call " + std::to_string(c.seq) + " on " + g.describe() +
-                                              " (it has made " + std::to_string(qg->collectives) + ")"});
-          continue;
-        }
-        const Call* theirs = collective_numbered(*qg, c.seq);
-        if (theirs && (theirs->op != c.op || theirs->reduce != c.reduce || theirs->site != c.site))
-          edges.push_back({i, it->second, "made call " + std::to_string(c.seq) + " on " + g.describe() + " as " +
-                                              theirs->describe() + " at " + theirs->site});
-      }
-    } else {
-      auto it = index.find(c.peer);
-      if (it == index.end()) {
-        elsewhere_nodes.insert(c.peer);
-        continue;
-      }
-      const RankView& q = ranks[it->second];
-      const GroupCopy* qg = q.ledger.valid ? group_by_key(q.ledger, g.key) : nullptr;
-      const auto* ch = qg ? qg->channel(ranks[i].rank, c.tag) : nullptr;
-      const int64_t done = !ch ? 0 : c.op == Op::Send ? ch->received : ch->sent;
-      if (c.seq >= 0 && done <= c.seq)
-        edges.push_back({i, it->second,
-                         std::string(c.op == Op::Send ? "has not posted the receive for" : "has not sent") + " message " +
-                             std::to_string(c.seq) + " (tag " + std::to_string(c.tag) + ") " +
-                             (c.op == Op::Send ? "from" : "to") + " rank " + std::to_string(ranks[i].rank) + " (it has " +
-                             (c.op == Op::Send ? "posted " : "sent ") + std::to_string(done) + ")"});
-    }
-  }
+  const Reading g(ranks);
+  const int n = g.n;
   // No rank is behind another: every call a rank waits in has been made by every rank it needs.
   // A stopped rank is then the one holding the others up (stopped inside the call they wait in,
   // its ledger says "waiting" as theirs do); with none, the ledgers cannot tell (a rank blocked in
   // C code inside the call, a stalled network), and every waiting rank is listed with no culprit.
   bool stalled = false;
-  if (edges.empty()) {
+  if (g.edges.empty()) {
     bool any_waiting = false;
     for (int i = 0; i < n; ++i) {
       if (stopped(ranks[i])) d.culprits.push_back(i);
-      any_waiting = any_waiting || waiting(i);
+      any_waiting = any_waiting || g.waiting(i);
     }
     if (d.culprits.empty() && !any_waiting) return d;
     stalled = d.culprits.empty();
@@ -237,132 +382,32 @@ Diagnosis diagnose(const std::vector<RankView>& ranks, const std::string& trigge
 
   // Culprits: at the end of an edge and not waiting themselves.
   std::set<int> targets;
-  for (const auto& e : edges) targets.insert(e.to);
+  for (const auto& e : g.edges) targets.insert(e.to);
   for (int t : targets)
-    if (!waiting(t)) d.culprits.push_back(t);
+    if (!g.waiting(t)) d.culprits.push_back(t);
   bool cycle = false;
   if (d.culprits.empty() && !stalled) {
     cycle = true;
-    std::map<int, std::set<int>> waiters;
-    for (const auto& e : edges) waiters[e.to].insert(e.from);
-    // First the ranks that went past the call a rank waiting for them is in, then the most waited for.
-    std::map<int, std::set<int>> pool;
-    for (const auto& [t, w] : waiters) {
-      bool past = false;
-      for (int from : w) past = past || ahead(blocked[t].call->site, blocked[from].call->site);
-      if (past) pool[t] = w;
-    }
-    if (pool.empty()) pool = waiters;
-    size_t most = 0;
-    for (const auto& [t, w] : pool) most = std::max(most, w.size());
-    for (const auto& [t, w] : pool)
-      if (w.size() == most) d.culprits.push_back(t);
+    d.culprits = g.most_waited_for();
   }
-
-  // The headline.
-  std::string who;
-  for (size_t k = 0; k < d.culprits.size(); ++k) who += (k ? ", " : "") + name(ranks[d.culprits[k]]);
-  const bool many = d.culprits.size() > 1;
-  if (stalled) {
-    std::string list;
-    int count = 0;
-    for (int i = 0; i < n; ++i)
-      if (waiting(i)) list += std::string(count++ ? ", " : "") + std::to_string(ranks[i].rank);
-    d.headline = (count > 1 ? "ranks " + list + " each waited" : "rank " + list + " waited") + " in a call that " +
-                 "every rank it needs had made when " + trigger + ", and none progressed: the ledgers cannot " +
-                 "tell which rank holds the others up (one may be blocked in C code inside the call, or the " +
-                 "network between them stalled)";
-  } else if (cycle) {
-    const Blocked& b = blocked[d.culprits.front()];
-    std::string skipped_call;
-    for (const auto& e : edges)
-      if (e.to == d.culprits.front() && blocked[e.from].call) {
-        skipped_call = blocked[e.from].call->describe() + " at " + blocked[e.from].call->site;
-        break;
-      }
-    d.headline = who + (many ? " are the ranks" : " is the rank") + " the others waited for: " +
-                 (many ? "each waits in another call" : "it never made the call they wait in (" + skipped_call +
-                                                            ") and waits in " + b.call->describe() + " at " +
-                                                            b.call->site + " instead") +
-                 (many ? " (the ledgers cannot tell which skipped a call)" : "");
-  } else if (!ranks[d.culprits.front()].running) {
-    const RankView& first = ranks[d.culprits.front()];
-    d.headline = who + (many ? " had" : " had already") + " ended (" + describe_status(first.status) + ") when " +
-                 trigger + ": " + (many ? "they are the ranks" : "it is the rank") + " the others waited for";
-  } else {
-    d.headline = who + (many ? " were" : " was") + " still running, with no error, when " + trigger + ": " +
-                 (many ? "they are the ranks" : "it is the rank") + " the others waited for";
-    for (int c : d.culprits)
-      if (stopped(ranks[c]))
-        d.headline += " (rank " + std::to_string(ranks[c].rank) + " was stopped: SIGSTOP, Ctrl-Z or a debugger)";
-  }
+  d.headline = g.headline(d.culprits, stalled, cycle, trigger);
 
   // The details: the culprits first, then every rank waiting, then the rest.
-  auto line_of = [&](int i) {
-    const RankView& r = ranks[i];
-    std::string s = "  rank " + std::to_string(r.rank) + ": ";
-    const Blocked& b = blocked[i];
-    const bool is_culprit = std::find(d.culprits.begin(), d.culprits.end(), i) != d.culprits.end();
-    if (waiting(i)) {
-      const State st = b.step ? b.step->state : b.call->state;
-      const Call& timed = b.step ? *b.step : *b.call;
-      s += std::string(st == State::TimedOut ? "timed out" : st == State::Failed ? "failed" : "waiting") + " in " +
-           where(*b.group, *b.call);
-      if (b.step) s += ", at its ring step " + b.step->describe();
-      s += st == State::TimedOut || st == State::Failed
-               ? " after " + seconds(std::max<int64_t>(0, timed.ended_ns - timed.started_ns))
-               : " for " + seconds(std::max<int64_t>(0, now_ns - timed.started_ns));
-      // Ranks it waits for that have the same reason are named together.
-      std::vector<std::pair<std::string, std::vector<int>>> reasons;
-      std::set<int> targets_of;
-      for (const auto& e : edges) {
-        if (e.from != i || !targets_of.insert(e.to).second) continue;
-        auto it = std::find_if(reasons.begin(), reasons.end(), [&](const auto& r) { return r.first == e.why; });
-        if (it == reasons.end()) reasons.push_back({e.why, {ranks[e.to].rank}});
-        else it->second.push_back(ranks[e.to].rank);
-      }
-      std::string whys;
-      for (const auto& [why, who] : reasons) {
-        std::string list;
-        for (size_t k = 0; k < who.size(); ++k) list += (k ? ", " : "") + std::to_string(who[k]);
-        whys += std::string(whys.empty() ? "" : "; ") + (who.size() > 1 ? "ranks " + list + ", which each " : "rank " + list + ", which ") + why;
-      }
-      if (!whys.empty()) s += "; it waits for " + whys;
-      if (!r.running) s += "; then it " + describe_status(r.status);
-      return s + "\n";
-    }
-    if (!r.running) s += describe_status(r.status) + "; ";
-    else if (stopped(r)) s += "stopped (process state " + std::string(1, r.state) + ": SIGSTOP, Ctrl-Z or a debugger); ";
-    if (!r.ledger.valid) {
-      s += "(no ledger yet: it is starting, or shares none with the launcher)";
-    } else {
-      if (r.running && !stopped(r)) s += "running, not in any collective or send/recv; ";
-      auto [g, last] = last_call(r.ledger, false);
-      if (last) s += "its last call: " + where(*g, *last) + ", " + dist::ledger::state_name(last->state);
-      else s += "it has made no collective or send/recv";
-      if (stopped(r)) s += "; a stopped rank cannot say its Lua line";
-      else if (r.running && is_culprit)
-        s += r.line_fresh ? "; its Lua line now: " + r.ledger.line
-                          : "; its Lua line could not be read: it did not answer within a second (LuaJIT runs no "
-                            "hooks inside compiled loops or while C code runs)";
-    }
-    return s + "\n";
-  };
   std::set<int> shown;
   for (int c : d.culprits) {
-    d.details += line_of(c);
+    d.details += g.line_of(c, d.culprits, now_ns);
     shown.insert(c);
   }
   for (int i = 0; i < n; ++i)
-    if (!shown.count(i) && waiting(i)) {
-      d.details += line_of(i);
+    if (!shown.count(i) && g.waiting(i)) {
+      d.details += g.line_of(i, d.culprits, now_ns);
       shown.insert(i);
     }
   for (int i = 0; i < n; ++i)
-    if (!shown.count(i)) d.details += line_of(i);
-  if (!elsewhere_nodes.empty()) {
+    if (!shown.count(i)) d.details += g.line_of(i, d.culprits, now_ns);
+  if (!g.elsewhere_nodes.empty()) {
     std::string list;
-    for (int r : elsewhere_nodes) list += (list.empty() ? "" : ",") + std::to_string(r);
+    for (int r : g.elsewhere_nodes) list += (list.empty() ? "" : ",") + std::to_string(r);
     d.details += "  (ranks " + list + " run on other nodes: their launchers have their ledgers)\n";
   }
   return d;
