@@ -28,6 +28,8 @@ using torch::Tensor;
 enum class ReduceOp { Sum, Mean, Min, Max, Product };
 ReduceOp parse_reduce_op(const std::string& name);  // "sum", "mean", "avg", "min", "max", "product"
 std::string to_string(ReduceOp op);
+/// "0,1,3": ranks as groups' names and messages list them.
+std::string join_ranks(const std::vector<int>& ranks);
 using util::dtype_name;
 
 class ProcessGroup;
@@ -88,9 +90,9 @@ void call_site_into(char* buf, size_t n);
 /// Makes a Gloo error raised on one of its own threads (where nothing can catch it: a peer sent
 /// more bytes than this rank's tensor holds, because the ranks disagree on a collective's shape
 /// or dtype) end the process with a message naming the rank, the collective this rank was in and
-/// its script line, and exit status 1, instead of std::terminate's SIGABRT. Installed by
-/// World::init for worlds of more than one rank.
-void install_terminate_handler();
+/// its script line, and exit status 1, instead of std::terminate's SIGABRT; `rank` is the rank
+/// its messages (and fatal_exit's) name. Installed by World::init for worlds of more than one rank.
+void install_terminate_handler(int rank);
 /// Called with the terminate handler's message before the process exits (the launcher's report
 /// channel, so that it can name the rank that failed first); none by default.
 void set_fatal_reporter(void (*report)(const std::string& message));

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The control store's socket (engine/dist/store.cpp, served by node 0 of `partrain --nnodes`)
+"""The control store's socket (engine/dist/store_server.cpp, served by node 0 of `partrain --nnodes`)
 fed seeded garbage while node 0 waits for node 1: the store must not crash, must not grow without
 bound, must close or refuse what is not its protocol, must answer what is exactly as a key-value
 store would, and a legitimate client must still get in, however many strangers hold or churn
