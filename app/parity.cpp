@@ -219,9 +219,22 @@ bool split_words(const std::string& line, std::vector<std::string>& words, std::
   return true;
 }
 
-int run_parity(int argc, char** argv, int first) {
-  std::vector<std::string> positional;
-  std::string steps_text, tol_text, out;
+namespace {
+
+// What `partrain parity` was asked: the two runs and the flags, checked.
+struct Options {
+  std::string a, b;          ///< the two runs, as given
+  int64_t steps = -1;        ///< compare the steps up to this one only; -1: all
+  double tol = kDefaultTol;  ///< the largest relative difference allowed
+  std::string out;           ///< the report page to write; "" for none
+};
+
+constexpr int kGoOn = -1;  // a step's result when the command goes on to the next step
+
+// The flags and the two runs, as words; returns kGoOn, or the exit status (the help printed, or
+// a usage error said).
+int read_words(int argc, char** argv, int first, std::vector<std::string>& positional, std::string& steps_text,
+               std::string& tol_text, std::string& out) {
   bool only_positional = false;
   for (int i = first; i < argc; ++i) {
     std::string w = argv[i];
@@ -253,161 +266,218 @@ int run_parity(int argc, char** argv, int first) {
                                               (name == "--steps" ? "a number of steps" : name == "--tol" ? "a relative difference" : "the HTML file to write") + ")");
     (name == "--steps" ? steps_text : name == "--tol" ? tol_text : out) = value;
   }
+  return kGoOn;
+}
+
+// The command line into `o`, every value checked; returns kGoOn, or the exit status.
+int parse_options(int argc, char** argv, int first, Options& o) {
+  std::vector<std::string> positional;
+  std::string steps_text, tol_text;
+  if (int status = read_words(argc, argv, first, positional, steps_text, tol_text, o.out); status != kGoOn)
+    return status;
   if (positional.size() != 2)
     return say(kUsage, "expected two runs to compare, A and B (metrics files or quoted partrain command lines), got " +
                            std::to_string(positional.size()) + " (partrain parity --help)");
-  int64_t steps = -1;
+  o.a = positional[0];
+  o.b = positional[1];
   if (!steps_text.empty()) {
     int n = 0;
     std::string bad = parse_count("--steps", steps_text, 1, INT_MAX, n);
     if (!bad.empty()) return say(kUsage, bad);
-    steps = n;
+    o.steps = n;
   }
-  double tol = kDefaultTol;
   if (!tol_text.empty()) {
     char* end = nullptr;
-    tol = std::strtod(tol_text.c_str(), &end);
-    if (tol_text.empty() || !end || *end || !std::isfinite(tol) || tol < 0)
+    o.tol = std::strtod(tol_text.c_str(), &end);
+    if (tol_text.empty() || !end || *end || !std::isfinite(o.tol) || o.tol < 0)
       return say(kUsage, "--tol '" + tol_text.substr(0, 40) + "' is not a number >= 0 (a relative difference, e.g. 1e-5)");
   }
+  const std::string& out = o.out;
   if (!out.empty() && util::is_plain_dir(out)) return say(kUsage, "-o '" + out + "' is a folder; give a file name");
   if (!out.empty() && !writable_beside(out)) return say(kUsage, "-o '" + out + "': its folder does not exist");
   if (!out.empty())
     if (auto refused = util::may_replace(out, is_report_page, "an HTML report"); !refused.empty())
       return say(kUsage, "-o " + refused);
+  return kGoOn;
+}
 
-  Side sides[2] = {{"A", positional[0], {}, "", ""}, {"B", positional[1], {}, "", ""}};
+// Which side is a metrics file and which a command (split into its words, and checked); returns
+// kGoOn, or the exit status.
+int classify_sides(Side (&sides)[2]) {
+  for (auto& side : sides) {
+    if (is_metrics_input(side.arg)) {
+      side.metrics = metrics_file_of(side.arg);
+      continue;
+    }
+    if ((ends_with(side.arg, ".jsonl") || ends_with(side.arg, ".json")) &&
+        side.arg.find_first_of(" \t\n") == std::string::npos)
+      return say(kUsage, side.label + ": there is no metrics file '" + side.arg + "'");
+    std::string error;
+    if (!split_words(side.arg, side.command, error)) return say(kUsage, side.label + ": " + error);
+    if (side.command.empty()) return say(kUsage, side.label + " is empty (expected a metrics file or a partrain command line)");
+    for (const auto& w : side.command)
+      if (w == "--metrics" || w.rfind("--metrics=", 0) == 0)
+        return say(kUsage, side.label + ": leave out --metrics: parity gives each command a metrics file of its own");
+    if (side.command[0] == "parity" || side.command[0] == "report")
+      return say(kUsage, side.label + ": '" + side.command[0] + "' writes no metrics; give a training script");
+  }
+  return kGoOn;
+}
+
+// Runs each side that is a command, its metrics and output in the scratch folder (made on the
+// first); returns kGoOn, or the exit status.
+int run_commands(Side (&sides)[2], Scratch& scratch) {
+  for (auto& side : sides) {
+    if (side.command.empty()) continue;
+    if (scratch.dir.empty()) {
+      const char* tmp = std::getenv("TMPDIR");
+      std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/partrain-parity-XXXXXX";
+      TORCH_CHECK(::mkdtemp(pattern.data()), "cannot make a folder for the runs' metrics (", pattern, "): ",
+                  std::strerror(errno));
+      scratch.dir = pattern;
+    }
+    side.metrics = scratch.dir + "/" + side.label + ".jsonl";
+    side.log = scratch.dir + "/" + side.label + ".log";
+    std::cout << "parity: " << side.label << ": partrain " << joined(side.command) << std::endl;
+    std::string why = run_command(side);
+    if (!why.empty()) {
+      scratch.keep = true;
+      std::string tail = tail_of(side.log, 15);
+      return say(kCommandFailed, side.label + " failed (" + why + "): partrain " + joined(side.command) +
+                                     "\nits output is in " + side.log + (tail.empty() ? "" : "\nits last lines:\n" + tail));
+    }
+    if (!util::is_regular(side.metrics)) {
+      scratch.keep = true;
+      return say(kUsage, side.label + " logged no losses: it wrote no metrics (the script must call pt.log { step "
+                         "= ..., loss = ... }); its output is in " + side.log);
+    }
+  }
+  return kGoOn;
+}
+
+// Every loss of both, in step order; a step logged twice is ambiguous, so refused. Returns kGoOn,
+// or the exit status.
+int read_losses(const Side (&sides)[2], int64_t steps, Scratch& scratch, Metrics (&m)[2]) {
+  ReadOptions exact;
+  exact.exact_losses = true;
+  exact.up_to_step = steps;
+  for (int k = 0; k < 2; ++k) {
+    m[k] = read_metrics(sides[k].metrics, sides[k].label, exact);
+    auto& l = m[k].losses;
+    if (l.empty()) {
+      scratch.keep = !scratch.dir.empty();
+      return say(kUsage, sides[k].label + " logged no losses" +
+                             (steps > 0 ? " up to step " + std::to_string(steps) : std::string()) + " in " +
+                             sides[k].metrics + " (the script must call pt.log { step = ..., loss = ... })");
+    }
+    std::stable_sort(l.begin(), l.end(), [](const auto& a, const auto& b) { return a.step < b.step; });
+    for (size_t i = 1; i < l.size(); ++i)
+      if (l[i].step == l[i - 1].step)
+        return say(kUsage, sides[k].metrics + ": step " + std::to_string(l[i].step) + " is logged twice (lines " +
+                               std::to_string(l[i - 1].line) + " and " + std::to_string(l[i].line) +
+                               "); parity compares one loss a step");
+  }
+  return kGoOn;
+}
+
+// The two runs' losses side by side: the steps they share, the largest difference, the first
+// beyond the tolerance.
+struct Comparison {
+  size_t common = 0, only_a = 0, only_b = 0;
+  double worst = -1;
+  int64_t worst_step = -1, first_bad = -1, first_step = -1, last_step = -1;
+  double bad_a = 0, bad_b = 0, bad_rel = 0;  ///< at first_bad
+};
+
+// Walks both step-ordered loss lists together, comparing the steps they share.
+Comparison compare_losses(const std::vector<Metrics::Loss>& la, const std::vector<Metrics::Loss>& lb, double tol) {
+  Comparison c;
+  size_t i = 0, j = 0;
+  while (i < la.size() && j < lb.size()) {
+    if (la[i].step < lb[j].step) {
+      ++i, ++c.only_a;
+      continue;
+    }
+    if (lb[j].step < la[i].step) {
+      ++j, ++c.only_b;
+      continue;
+    }
+    double rel = relative(la[i].loss, lb[j].loss);
+    if (c.first_step < 0) c.first_step = la[i].step;
+    c.last_step = la[i].step;
+    ++c.common;
+    if (rel > c.worst) c.worst = rel, c.worst_step = la[i].step;
+    if (!(rel <= tol) && c.first_bad < 0) c.first_bad = la[i].step, c.bad_a = la[i].loss, c.bad_b = lb[j].loss, c.bad_rel = rel;
+    ++i, ++j;
+  }
+  c.only_a += la.size() - i, c.only_b += lb.size() - j;
+  return c;
+}
+
+// The verdict's lines: what was compared, the largest difference, and agreed or where it diverged.
+std::vector<std::string> verdict_of(const Comparison& c, double tol) {
+  std::vector<std::string> verdict;
+  std::string compared = "compared " + std::to_string(c.common) + " common steps (" + std::to_string(c.first_step) +
+                         " to " + std::to_string(c.last_step) + ")";
+  if (c.only_a || c.only_b)
+    compared += "; " + std::to_string(c.only_a) + " logged by A alone, " + std::to_string(c.only_b) + " by B alone";
+  verdict.push_back(compared);
+  verdict.push_back("largest relative difference " + num(c.worst) + " at step " + std::to_string(c.worst_step) +
+                    " (tolerance " + num(tol) + ")");
+  if (c.first_bad >= 0) {
+    verdict.push_back("diverged at step " + std::to_string(c.first_bad) + ": A loss " + num(c.bad_a) + ", B loss " +
+                      num(c.bad_b) + " (relative difference " + num(c.bad_rel) + " > " + num(tol) + ")");
+  } else {
+    verdict.push_back("within tolerance: the losses agree at every common step");
+  }
+  return verdict;
+}
+
+// Says what was read and the verdict, writes the report page if asked; returns the exit status.
+int report_verdict(const Options& o, const Side (&sides)[2], const Metrics (&m)[2], const Comparison& c, Scratch& scratch) {
+  for (int k = 0; k < 2; ++k)
+    std::cout << "parity: " << sides[k].label << ": " << m[k].losses.size() << " losses from " << sides[k].metrics
+              << std::endl;
+  if (c.common == 0) {
+    scratch.keep = !scratch.dir.empty();
+    return say(kUsage, "A and B have no step in common" + std::string(o.steps > 0 ? " up to step " + std::to_string(o.steps) : "") +
+                           " (A logs " + std::to_string(m[0].losses.size()) + " losses, B " + std::to_string(m[1].losses.size()) + ")" +
+                           (scratch.keep ? "; their metrics are in " + scratch.dir : ""));
+  }
+  std::vector<std::string> verdict = verdict_of(c, o.tol);
+  int status = c.first_bad >= 0 ? kDiverged : kAgree;
+  for (const auto& v : verdict) std::cout << "parity: " << v << std::endl;
+  if (!o.out.empty()) {
+    std::vector<Metrics> runs;
+    for (auto& side : sides)
+      runs.push_back(read_metrics(side.metrics, side.label + ": " + (side.command.empty() ? side.arg
+                                                                                            : "partrain " + joined(side.command))));
+    ReportOptions options;
+    options.title = "partrain parity";
+    options.notes = verdict;
+    util::write_atomic(o.out, report_html(runs, options));
+    std::cout << "parity: wrote " << o.out << std::endl;
+  }
+  if (status != kAgree && !scratch.dir.empty()) {
+    scratch.keep = true;
+    std::cout << "parity: the runs' metrics and output are kept in " << scratch.dir << std::endl;
+  }
+  return status;
+}
+
+}  // namespace
+
+int run_parity(int argc, char** argv, int first) {
+  Options o;
+  if (int status = parse_options(argc, argv, first, o); status != kGoOn) return status;
+  Side sides[2] = {{"A", o.a, {}, "", ""}, {"B", o.b, {}, "", ""}};
   Scratch scratch;
   try {
-    for (auto& side : sides) {
-      if (is_metrics_input(side.arg)) {
-        side.metrics = metrics_file_of(side.arg);
-        continue;
-      }
-      if ((ends_with(side.arg, ".jsonl") || ends_with(side.arg, ".json")) &&
-          side.arg.find_first_of(" \t\n") == std::string::npos)
-        return say(kUsage, side.label + ": there is no metrics file '" + side.arg + "'");
-      std::string error;
-      if (!split_words(side.arg, side.command, error)) return say(kUsage, side.label + ": " + error);
-      if (side.command.empty()) return say(kUsage, side.label + " is empty (expected a metrics file or a partrain command line)");
-      for (const auto& w : side.command)
-        if (w == "--metrics" || w.rfind("--metrics=", 0) == 0)
-          return say(kUsage, side.label + ": leave out --metrics: parity gives each command a metrics file of its own");
-      if (side.command[0] == "parity" || side.command[0] == "report")
-        return say(kUsage, side.label + ": '" + side.command[0] + "' writes no metrics; give a training script");
-    }
-    for (auto& side : sides) {
-      if (side.command.empty()) continue;
-      if (scratch.dir.empty()) {
-        const char* tmp = std::getenv("TMPDIR");
-        std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/partrain-parity-XXXXXX";
-        TORCH_CHECK(::mkdtemp(pattern.data()), "cannot make a folder for the runs' metrics (", pattern, "): ",
-                    std::strerror(errno));
-        scratch.dir = pattern;
-      }
-      side.metrics = scratch.dir + "/" + side.label + ".jsonl";
-      side.log = scratch.dir + "/" + side.label + ".log";
-      std::cout << "parity: " << side.label << ": partrain " << joined(side.command) << std::endl;
-      std::string why = run_command(side);
-      if (!why.empty()) {
-        scratch.keep = true;
-        std::string tail = tail_of(side.log, 15);
-        return say(kCommandFailed, side.label + " failed (" + why + "): partrain " + joined(side.command) +
-                                       "\nits output is in " + side.log + (tail.empty() ? "" : "\nits last lines:\n" + tail));
-      }
-      if (!util::is_regular(side.metrics)) {
-        scratch.keep = true;
-        return say(kUsage, side.label + " logged no losses: it wrote no metrics (the script must call pt.log { step "
-                           "= ..., loss = ... }); its output is in " + side.log);
-      }
-    }
-
-    // Every loss of both, in step order; a step logged twice is ambiguous, so refused.
-    ReadOptions exact;
-    exact.exact_losses = true;
-    exact.up_to_step = steps;
+    if (int status = classify_sides(sides); status != kGoOn) return status;
+    if (int status = run_commands(sides, scratch); status != kGoOn) return status;
     Metrics m[2];
-    for (int k = 0; k < 2; ++k) {
-      m[k] = read_metrics(sides[k].metrics, sides[k].label, exact);
-      auto& l = m[k].losses;
-      if (l.empty()) {
-        scratch.keep = !scratch.dir.empty();
-        return say(kUsage, sides[k].label + " logged no losses" +
-                               (steps > 0 ? " up to step " + std::to_string(steps) : std::string()) + " in " +
-                               sides[k].metrics + " (the script must call pt.log { step = ..., loss = ... })");
-      }
-      std::stable_sort(l.begin(), l.end(), [](const auto& a, const auto& b) { return a.step < b.step; });
-      for (size_t i = 1; i < l.size(); ++i)
-        if (l[i].step == l[i - 1].step)
-          return say(kUsage, sides[k].metrics + ": step " + std::to_string(l[i].step) + " is logged twice (lines " +
-                                 std::to_string(l[i - 1].line) + " and " + std::to_string(l[i].line) +
-                                 "); parity compares one loss a step");
-    }
-    size_t i = 0, j = 0, common = 0, only_a = 0, only_b = 0;
-    double worst = -1;
-    int64_t worst_step = -1, first_bad = -1, first_step = -1, last_step = -1;
-    double bad_a = 0, bad_b = 0, bad_rel = 0;
-    const auto &la = m[0].losses, &lb = m[1].losses;
-    while (i < la.size() && j < lb.size()) {
-      if (la[i].step < lb[j].step) {
-        ++i, ++only_a;
-        continue;
-      }
-      if (lb[j].step < la[i].step) {
-        ++j, ++only_b;
-        continue;
-      }
-      double rel = relative(la[i].loss, lb[j].loss);
-      if (first_step < 0) first_step = la[i].step;
-      last_step = la[i].step;
-      ++common;
-      if (rel > worst) worst = rel, worst_step = la[i].step;
-      if (!(rel <= tol) && first_bad < 0) first_bad = la[i].step, bad_a = la[i].loss, bad_b = lb[j].loss, bad_rel = rel;
-      ++i, ++j;
-    }
-    only_a += la.size() - i, only_b += lb.size() - j;
-    for (int k = 0; k < 2; ++k)
-      std::cout << "parity: " << sides[k].label << ": " << m[k].losses.size() << " losses from " << sides[k].metrics
-                << std::endl;
-    if (common == 0) {
-      scratch.keep = !scratch.dir.empty();
-      return say(kUsage, "A and B have no step in common" + std::string(steps > 0 ? " up to step " + std::to_string(steps) : "") +
-                             " (A logs " + std::to_string(la.size()) + " losses, B " + std::to_string(lb.size()) + ")" +
-                             (scratch.keep ? "; their metrics are in " + scratch.dir : ""));
-    }
-    std::vector<std::string> verdict;
-    std::string compared = "compared " + std::to_string(common) + " common steps (" + std::to_string(first_step) +
-                           " to " + std::to_string(last_step) + ")";
-    if (only_a || only_b)
-      compared += "; " + std::to_string(only_a) + " logged by A alone, " + std::to_string(only_b) + " by B alone";
-    verdict.push_back(compared);
-    verdict.push_back("largest relative difference " + num(worst) + " at step " + std::to_string(worst_step) +
-                      " (tolerance " + num(tol) + ")");
-    int status = kAgree;
-    if (first_bad >= 0) {
-      status = kDiverged;
-      verdict.push_back("diverged at step " + std::to_string(first_bad) + ": A loss " + num(bad_a) + ", B loss " +
-                        num(bad_b) + " (relative difference " + num(bad_rel) + " > " + num(tol) + ")");
-    } else {
-      verdict.push_back("within tolerance: the losses agree at every common step");
-    }
-    for (const auto& v : verdict) std::cout << "parity: " << v << std::endl;
-    if (!out.empty()) {
-      std::vector<Metrics> runs;
-      for (auto& side : sides)
-        runs.push_back(read_metrics(side.metrics, side.label + ": " + (side.command.empty() ? side.arg
-                                                                                              : "partrain " + joined(side.command))));
-      ReportOptions options;
-      options.title = "partrain parity";
-      options.notes = verdict;
-      util::write_atomic(out, report_html(runs, options));
-      std::cout << "parity: wrote " << out << std::endl;
-    }
-    if (status != kAgree && !scratch.dir.empty()) {
-      scratch.keep = true;
-      std::cout << "parity: the runs' metrics and output are kept in " << scratch.dir << std::endl;
-    }
-    return status;
+    if (int status = read_losses(sides, o.steps, scratch, m); status != kGoOn) return status;
+    return report_verdict(o, sides, m, compare_losses(m[0].losses, m[1].losses, o.tol), scratch);
   } catch (const std::exception& e) {
     scratch.keep = !scratch.dir.empty();
     return say(kUsage, util::message_of(e));
