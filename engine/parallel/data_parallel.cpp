@@ -175,7 +175,7 @@ void DataParallel::begin_pass() {
   launched_any_ = false;
   std::weak_ptr<DataParallel> weak = shared_from_this();
   util::at_end_of_backward([weak] {
-    if (auto self = weak.lock()) self->finish();
+    if (auto self = weak.lock()) self->end_pass();
   });
 }
 
@@ -244,14 +244,14 @@ torch::Tensor DataParallel::take_inbox(Bucket& b) {
   while (static_cast<size_t>(out()) >= kInboxes) {
     auto oldest = std::find_if(inboxes_out_.begin(), inboxes_out_.end(),
                                [&](size_t i) { return buckets_[i].buffer == b.buffer; });
-    settle(*oldest);
+    await_bucket(*oldest);
   }
   if (!options_.zero_group->needs_inbox()) return {};  // NCCL's own reduce-scatter takes none
   b.inbox = take_pooled(b.buffer);
   return pool_[b.buffer][b.inbox].narrow(0, 0, b.padded);
 }
 
-void DataParallel::settle(size_t i) {
+void DataParallel::await_bucket(size_t i) {
   auto& b = buckets_[i];
   b.work.wait();
   auto it = std::find(inboxes_out_.begin(), inboxes_out_.end(), i);
@@ -259,10 +259,10 @@ void DataParallel::settle(size_t i) {
   inboxes_out_.erase(it);
   if (b.inbox >= 0) free_[b.buffer].push_back(b.inbox);
   b.inbox = -1;
-  finish_part(i);
+  reduce_across(i);
 }
 
-void DataParallel::finish_part(size_t i) {
+void DataParallel::reduce_across(size_t i) {
   // This rank's part of the bucket, reduced over the zero group: then over the other zero groups
   // (hierarchical ZeRO); ZeRO-2 adds it into the shard and gives the scratch back.
   auto& b = buckets_[i];
@@ -303,8 +303,8 @@ void DataParallel::drop_in_flight() {
   inboxes_out_.clear();
 }
 
-void DataParallel::settle_inboxes() {
-  while (!inboxes_out_.empty()) settle(inboxes_out_.front());
+void DataParallel::await_inboxes() {
+  while (!inboxes_out_.empty()) await_bucket(inboxes_out_.front());
 }
 
 torch::Tensor DataParallel::shard_of(size_t i) const {
@@ -412,7 +412,7 @@ void DataParallel::set_post_hook(Hook hook, bool bound) {
 void DataParallel::complete() {
   if (pending_finish_ && std::this_thread::get_id() == hook_thread_) {
     pending_finish_ = false;
-    finish_here();
+    end_pass_here();
   }
 }
 
@@ -444,7 +444,7 @@ void DataParallel::launch_ready() {
       // ZeRO-2: reduced over the zero group here (a ring on Gloo: it completes before backward
       // goes on, so that the scratch is free for the next bucket), then finished at once.
       options_.zero_group->reduce_scatter_flat(b.flat, op);
-      finish_part(i);
+      reduce_across(i);
       b.work = dist::Work();
     } else {
       b.work = group_->all_reduce(b.flat, op, /*async=*/true);
@@ -452,17 +452,17 @@ void DataParallel::launch_ready() {
   }
 }
 
-void DataParallel::finish() {
+void DataParallel::end_pass() {
   in_backward_ = false;
   if (!syncing_ && pass_.empty()) return;
   if (thread_bound() && std::this_thread::get_id() != hook_thread_) {
     pending_finish_ = true;  // backward ran on another thread: complete() finishes on the hooks' thread
     return;
   }
-  finish_here();
+  end_pass_here();
 }
 
-void DataParallel::finish_here() {
+void DataParallel::end_pass_here() {
   // Gradients that did arrive were copied by their hooks; the parameters that got none this pass
   // count as zeros, and the rest of the pass's buckets launch.
   for (size_t i : pass_) {
@@ -475,7 +475,7 @@ void DataParallel::finish_here() {
   launch_ready();
   pass_.clear();
   if (!syncing_) {  // ZeRO-2's passes before the sync's: reduced into the shard, no more
-    settle_inboxes();
+    await_inboxes();
     return;
   }
   syncing_ = false;
@@ -487,7 +487,7 @@ void DataParallel::finish_here() {
     if (b.work.done()) ++stats_.buckets_done_early;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     auto& b = buckets_[i];
-    settle(i);
+    await_bucket(i);
     if (!post_hook_) continue;
     // Only this rank's part of a reduce-scattered bucket holds reduced gradients: the hook gets
     // that part (a view of the shard under ZeRO-2, of the bucket under ZeRO-1).

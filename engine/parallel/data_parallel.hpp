@@ -136,14 +136,39 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// Runs the end of a sync that a backward on another thread left to the hooks' thread; does
   /// nothing when none is pending or when called on another thread.
   void complete();
-  /// Whether the next backward passes sync (true) or only accumulate into .grad (false; train_step
-  /// turns it off for all but the last micro-batch, as DDP's no_sync). Under ZeRO-2 every pass
-  /// reduces its buckets into the shard all the same (nothing is left in .grad to accumulate);
-  /// off, the pass does not finish the sync (post-hooks, synced()).
-  void set_sync(bool on) { sync_enabled_ = on; }
-  /// Pipelines: the next backward passes cover this rank's chunk `chunk` (-1: every chunk). Under
-  /// ZeRO-2 a pass reduces that chunk's buckets only, the same on every rank of the zero group.
-  void set_chunk(int chunk) { chunk_ = chunk; }
+  /// What the next backward passes are, as a step of several says.
+  struct Pass {
+    /// Whether a pass ends with the sync (post-hooks, synced()); false: it only accumulates into
+    /// .grad, as DDP's no_sync (train_step's micro-batches but the last). Under ZeRO-2 every pass
+    /// reduces its buckets into the shard all the same (nothing is left in .grad to accumulate).
+    bool syncs = true;
+    /// The pipeline chunk of this rank it covers (-1: every chunk). Under ZeRO-2 a pass reduces
+    /// that chunk's buckets only, the same on every rank of the zero group.
+    int chunk = -1;
+  };
+  void next_pass(Pass pass) {
+    sync_enabled_ = pass.syncs;
+    chunk_ = pass.chunk;
+  }
+  /// A train_step's span on `dp` (null: nothing): its sync leaves the used counts to the step's
+  /// loss all-reduce (settle_unused(counts)); on leaving, by return or exception, every pass
+  /// syncs over every chunk again and a sync settles its own counts.
+  class StepScope {
+   public:
+    explicit StepScope(DataParallel* dp) : dp_(dp) {
+      if (dp_) dp_->counts_elsewhere_ = true;
+    }
+    ~StepScope() {
+      if (!dp_) return;
+      dp_->next_pass({});
+      dp_->counts_elsewhere_ = false;
+    }
+    StepScope(const StepScope&) = delete;
+    StepScope& operator=(const StepScope&) = delete;
+
+   private:
+    DataParallel* dp_;
+  };
   /// ZeRO-2 over more than one rank: gradients are kept as this rank's shard only.
   bool sharded() const { return options_.zero_stage == 2 && zero_size() > 1; }
   /// Whether buckets (but those reduced whole) are reduce-scattered: ZeRO-2, and ZeRO-1 with
@@ -171,8 +196,6 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// Whether parameter k (of params()) got no gradient on any data rank in the sync last settled
   /// (or none since zero_grad, or no sync yet).
   bool unused(size_t k) const { return k < unused_.size() && unused_[k]; }
-  /// Set by train_step around its step: the sync leaves the counts to it.
-  void set_counts_elsewhere(bool elsewhere) { counts_elsewhere_ = elsewhere; }
   int passes_since_sync() const { return passes_; }
   const DataParallelOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
@@ -236,22 +259,37 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
 
  private:
   DataParallel(dist::GroupPtr group, const DataParallelOptions& options);
-  void on_grad_ready(size_t index);
+
+  // A sync's phases, each named once:
+  //   begin_pass     a backward pass starts (the first gradient hook of the pass): which buckets
+  //                  it reduces (pass_), whether it is the sync's (syncing_);
+  //   on_grad_ready  a parameter's gradient is ready: fill copies it into its bucket, and a
+  //                  complete bucket launches (launch_ready) its all-reduce or reduce-scatter;
+  //   end_pass       backward ended (its callback): end_pass_here on the hooks' thread, or left
+  //                  pending for complete() when the hooks must run on another thread;
+  //   end_pass_here  the buckets that got no gradient are filled with zeros and launched; on the
+  //                  sync's pass every bucket is awaited (await_bucket, which finishes a
+  //                  reduce-scattered part over the other zero groups: reduce_across) and the
+  //                  post-hooks run; the used counts are left for settle_unused;
+  //   settle_unused  the counts summed over the data group: parameters no rank used lose .grad.
+  // ZeRO-2's reduce-scatters left in flight hold inboxes, awaited oldest first (await_inboxes)
+  // or dropped after a pass that failed part way (drop_in_flight).
   void begin_pass();
+  void on_grad_ready(size_t index);
   void fill(Bucket& b, size_t slot);  // parameter b.params[slot]'s gradient into the bucket
+  void launch_ready();
+  void end_pass();
+  void end_pass_here();
+  void await_bucket(size_t i);   // waits for bucket i's reduction and completes it
+  void reduce_across(size_t i);  // bucket i's part, reduced over the zero group: the rest of its way
+  void await_inboxes();          // every bucket's that holds an inbox, oldest first
+  void drop_in_flight();         // ... or abandons them, after a pass that failed part way
   void take_scratch(Bucket& b);
   void give_back_scratch(Bucket& b);
   int take_pooled(size_t buffer);
   bool in_flight_scatters() const;  // buckets' reduce-scatters are left in flight
   torch::Tensor take_inbox(Bucket& b);
-  void settle(size_t i);  // waits for bucket i's reduction and completes it
-  void finish_part(size_t i);  // bucket i's part, reduced over the zero group: the rest of its way
   dist::ReduceOp wire_op() const;  // the op the collectives run (a mean is divided before)
-  void settle_inboxes();  // ... every bucket's that holds an inbox, oldest first
-  void drop_in_flight();  // ... or abandons them, after a pass that failed part way
-  void launch_ready();
-  void finish();
-  void finish_here();
   bool thread_bound() const { return pre_bound_ || post_bound_; }
 
   dist::GroupPtr group_;

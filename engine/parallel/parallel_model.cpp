@@ -130,17 +130,6 @@ void agree_on_batch(const dist::GroupPtr& group, const torch::Tensor& x, const t
               "does, not by rank)");
 }
 
-// Turns the data-parallel sync off for a micro-batch's backward and back on whatever happens.
-struct SyncOnlyIf {
-  SyncOnlyIf(DataParallel* dp, bool on) : dp(dp) {
-    if (dp) dp->set_sync(on);
-  }
-  ~SyncOnlyIf() {
-    if (dp) dp->set_sync(true);
-  }
-  DataParallel* dp;
-};
-
 }  // namespace
 
 // ---- The composer ----------------------------------------------------------------------------
@@ -452,14 +441,9 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   // batch), and the data-parallel mean of the gradients is then serial training's gradient.
   // Nothing counted at all: the loss is NaN and the gradients zero, as serial training's.
   const double data = data_parallel_ ? static_cast<double>(data_parallel_->group()->size()) : 1.0;
-  // The sync leaves data parallelism's gradient counts to the loss's all-reduce below.
-  struct CountsHere {
-    DataParallel* dp;
-    ~CountsHere() {
-      if (dp) dp->set_counts_elsewhere(false);
-    }
-  } counts_here{data_parallel_.get()};
-  if (data_parallel_) data_parallel_->set_counts_elsewhere(true);
+  // The sync leaves data parallelism's gradient counts to the loss's all-reduce below; leaving,
+  // the passes are the sync's again (a pipeline's or the micro-batches' below set them).
+  DataParallel::StepScope scope(data_parallel_.get());
   auto weight = count.clamp_min(1).reciprocal().mul_(data);
   // The sum over this rank's micro-batches, then over the data ranks: the global batch's mean.
   auto global_mean = [&](torch::Tensor sum, torch::ScalarType dtype) {
@@ -489,7 +473,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   events::train_step_begins();  // the tracer (--trace) records its forwards, backwards and sync
   for (int i = 0; i < n; ++i) {
     // Only the last micro-batch's backward syncs: the others accumulate into .grad locally.
-    SyncOnlyIf sync(data_parallel_.get(), i == n - 1);
+    if (data_parallel_) data_parallel_->next_pass({i == n - 1});
     events::forward_begins();
     torch::Tensor l;
     {

@@ -192,6 +192,10 @@ class Pipeline {
   /// parallelism (ZeRO's reduce dtype may differ from the parameter's), else .grad; undefined
   /// where the rank does not hold it or it has no .grad.
   torch::Tensor tie_gradient(const Tie& tie, DataParallel* dp) const;
+  // The tied parameters' gradients: those an earlier step left set aside before the step (one a
+  // tie), and after it this step's summed over the ranks holding them, the set-aside added back.
+  std::vector<torch::Tensor> set_aside_tie_gradients(DataParallel* dp);
+  void sum_tie_gradients(const std::vector<torch::Tensor>& kept, DataParallel* dp);
   /// The dtype the ranks sum a tied gradient in, the same on every rank (holding it or not).
   torch::ScalarType tie_dtype(const Tie& tie, DataParallel* dp) const;
   torch::Tensor run_chunk(int chunk, const torch::Tensor& in);
