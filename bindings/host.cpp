@@ -765,6 +765,7 @@ int open_core(lua_State* L) {
   open_optim(L, core);
   open_data(L, core);
   open_dist(L, core);
+  open_policy(L, core);
   open_plan(L, core);
   open_repl(L, core);
   open_ckpt(L, core);

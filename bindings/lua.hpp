@@ -294,6 +294,7 @@ void open_plan(lua_State* L, int core);
 void open_repl(lua_State* L, int core);
 void open_ckpt(lua_State* L, int core);
 void open_files(lua_State* L, int core);
+void open_policy(lua_State* L, int core);   // core.tp._apply_split (policy_loader.cpp); after open_dist
 
 /// The name (as in `named`) of a tensor a live optimizer steps, or "": replacing it would leave
 /// that optimizer stepping the old tensor. Optimizers the script dropped are collected first.

@@ -55,5 +55,5 @@ return P.policy {
     return modules
   end,
   pipeline = { blocks = "h", first = { "wte", "wpe" }, last = { "ln_f", "lm_head" } },
-  postprocess = function(model, cfg) P.tie(model, "lm_head.weight", "wte.weight") end,
+  ties = { { "lm_head.weight", "wte.weight" } },  -- the head and the embedding share their parts
 }

@@ -58,8 +58,6 @@ return P.policy {
     return modules
   end,
   pipeline = { blocks = "layers", first = { "embed_tokens" }, last = { "norm", "lm_head" } },
-  postprocess = function(model, cfg)
-    -- A tied head (tie = true) stays tied to the embedding's parts.
-    if model:attribute("tie") == 1 then P.tie(model, "lm_head.weight", "embed_tokens.weight") end
-  end,
+  -- A tied head (tie = true) stays tied to the embedding's parts; an untied one stays untied.
+  ties = { { "lm_head.weight", "embed_tokens.weight" } },
 }

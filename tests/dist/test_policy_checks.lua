@@ -151,6 +151,10 @@ test("malformed and conflicting policies are refused with the user's file:line",
     P.policy { targets = { 3 }, modules = { MLP = {} } } end)
   no("P.column option 'fused' must be a whole number of parts >= 1, got 0", function() P.column { fused = 0 } end)
   no("modules.MLP.attributes: 'x' is set to nan", function() P.policy { modules = { MLP = { attributes = { x = 0 / 0 } } } } end)
+  no("policy field 'ties': entry 1 must be a pair of parameter names", function()
+    P.policy { modules = { MLP = {} }, ties = { { "0.weight" } } } end)
+  refused(mlp, P.policy { modules = { MLP = { replace = { { "0", P.column {} }, { "2", P.row {} } } } },
+                          ties = { { "0.weight", "2.wieght" } } }, "ties[1]: '2.wieght' is not a parameter of MLP", nil, x)
   -- Conflicts: found against the model, when applied.
   refused(mlp, P.policy { modules = { MLP = { replace = { { "0", P.column {} }, { "2", P.row {} } } },
                                       ["0"] = { methods = { forward = function(self, y) return self:own_forward(y) end } } } },

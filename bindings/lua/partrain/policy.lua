@@ -1,9 +1,11 @@
 -- Sharding policies: how a model splits for tensor parallelism, written as Lua data
 -- (ColossalAI ShardFormer's Policy). A policy names module types or dotted-path globs and says
 -- which of their sub-modules become which parallel layer, which integer attributes divide by the
--- tensor size, which methods Lua functions replace, and what to do before and after
--- (preprocess, postprocess: ties). `modules` may be a function of the configuration (ShardConfig:
--- sequence_parallel, sequence_overlap, fused_norm, flash_attention) returning that table.
+-- tensor size, which methods Lua functions replace, which parameters the split ties again (ties),
+-- and what to do before and after (preprocess, postprocess). `modules` may be a function of the
+-- configuration (ShardConfig: sequence_parallel, sequence_overlap, fused_norm, flash_attention)
+-- returning that table. A policy without functions beyond modules(cfg) is data a C++ program can
+-- apply too (partrain/sharder.lua's S.plan_file, parallel::apply_policy).
 --
 -- This file is the language: styles, P.policy and the checks of a policy's shape, the
 -- configuration. Applying one (partrain/sharder.lua) is a transaction: plan every change and
@@ -20,7 +22,7 @@
 --         replace = { { "attn.c_attn", P.column { fused = 3 } }, { "attn.c_proj", P.row {} } },
 --       },
 --     },
---     postprocess = function(model, cfg) P.tie(model, "lm_head.weight", "wte.weight") end,
+--     ties = { { "lm_head.weight", "wte.weight" } },
 --   }
 local pt = require "partrain"
 local core = require "partrain.core"
@@ -321,7 +323,7 @@ local function check_modules(modules, at)
 end
 
 local FIELDS = { name = "string", targets = "table", modules = "table or function", preprocess = "function",
-                 postprocess = "function", pipeline = "table" }
+                 postprocess = "function", pipeline = "table", ties = "table" }
 local PIPELINE = { blocks = "string", first = "list", last = "list" }
 
 -- Checks a policy's fields (written at `at`).
@@ -330,7 +332,8 @@ local function check_policy(spec, at)
   for _, k in ipairs(sorted_keys(spec)) do
     local v, want = spec[k], FIELDS[k]
     if not want then
-      fail(at, "policy has no field %s (fields: modules, name, pipeline, postprocess, preprocess, targets)", core._key_text(k))
+      fail(at, "policy has no field %s (fields: modules, name, pipeline, postprocess, preprocess, targets, ties)",
+        core._key_text(k))
     end
     if want == "table or function" then
       if type(v) ~= "table" and type(v) ~= "function" then
@@ -345,6 +348,14 @@ local function check_policy(spec, at)
     if not is_list(spec.targets) or #spec.targets == 0 then fail(at, "policy field 'targets' must be a non-empty list of model types") end
     for i, name in ipairs(spec.targets) do
       if type(name) ~= "string" then fail(at, "policy field 'targets': entry %d must be a model type (a string), got %s", i, type(name)) end
+    end
+  end
+  if spec.ties then
+    if not is_list(spec.ties) then fail(at, "policy field 'ties' must be a list of { \"a.weight\", \"b.weight\" } pairs") end
+    for i, pair in ipairs(spec.ties) do
+      if type(pair) ~= "table" or not is_list(pair) or #pair ~= 2 or type(pair[1]) ~= "string" or type(pair[2]) ~= "string" then
+        fail(at, "policy field 'ties': entry %d must be a pair of parameter names { \"a.weight\", \"b.weight\" }", i)
+      end
     end
   end
   if spec.pipeline then
@@ -457,8 +468,9 @@ end
 function P.begin(model) return require("partrain.sharder").begin(model) end
 
 -- What partrain/sharder.lua shares with this file.
-P._shape = { STYLE = STYLE, check_modules = check_modules, entry_where = entry_where, defined_at = defined_at,
-             fail = fail, strip_internal = strip_internal, sorted_keys = sorted_keys, bounded = bounded }
+P._shape = { STYLE = STYLE, check_modules = check_modules, check_policy = check_policy, entry_where = entry_where,
+             defined_at = defined_at, fail = fail, strip_internal = strip_internal, sorted_keys = sorted_keys,
+             bounded = bounded }
 
 --- The policies partrain ships, by model type.
 P.registry = { GPT2 = "policies.gpt2", Llama = "policies.llama", MLP = "policies.mlp", SimpleModel = "policies.simple" }

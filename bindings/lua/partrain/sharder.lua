@@ -1,14 +1,16 @@
 -- The sharder: applies a sharding policy (partrain/policy.lua) to a model as a transaction.
 -- It plans every change against the model and refuses conflicts, runs the policy's functions
--- under a time bound, builds the parallel layers, checks every module's invariants and the
--- serial model's ties, compares a probe batch with the serial model, and on any failure, on any
--- rank, puts the model back exactly as it was.
+-- under a time bound, builds the parallel layers through the engine's applier
+-- (parallel::apply_split), checks every module's invariants and the serial model's ties, compares
+-- a probe batch with the serial model, and on any failure, on any rank, puts the model back
+-- exactly as it was. S.plan_file gives a policy's plan as data, for C++ programs to apply.
 local pt = require "partrain"
 local core = require "partrain.core"
 local P = require "partrain.policy"
 
 local S = {}
-local check_modules, entry_where, defined_at = P._shape.check_modules, P._shape.entry_where, P._shape.defined_at
+local check_modules, check_policy = P._shape.check_modules, P._shape.check_policy
+local entry_where, defined_at = P._shape.entry_where, P._shape.defined_at
 local fail, strip_internal, sorted_keys, bounded = P._shape.fail, P._shape.strip_internal, P._shape.sorted_keys,
   P._shape.bounded
 
@@ -131,7 +133,7 @@ local function plan(model, policy, modules, cfg, at)
         local full = join(join(base, owner_path), name)
         claim(set, full, ("modules.%s.attributes"):format(key), ew)
         owned[#owned + 1] = { join(base, owner_path), "the attribute " .. full .. " set by modules." .. key, ew }
-        actions[#actions + 1] = { attribute = name, owner = owner, value = new, where = ew }
+        actions[#actions + 1] = { attribute = name, owner = owner, path = join(base, owner_path), value = new, where = ew }
       end
       for _, name in ipairs(sorted_keys(entry.methods or {})) do
         local fn = entry.methods[name]
@@ -141,7 +143,7 @@ local function plan(model, policy, modules, cfg, at)
         end
         claim(set, join(base, ":" .. name), ("modules.%s.methods"):format(key), mw)
         owned[#owned + 1] = { base, "the method " .. name .. " of " .. (base == "" and model:type() or base) .. " set by modules." .. key, mw }
-        actions[#actions + 1] = { method = name, owner = parent, fn = fn }
+        actions[#actions + 1] = { method = name, owner = parent, path = base, key = key, fn = fn }
       end
     end
   end
@@ -216,12 +218,23 @@ local function say(mesh, text)
   if mesh:rank() == 0 then io.stderr:write("partrain: " .. text .. "\n") end
 end
 
+-- A replace action as the engine's parallel::LayerSplit (a style's options left out take the
+-- configuration's or the layer's defaults there).
+local function layer_split(a)
+  local s = a.style
+  return { path = a.path, kind = s.kind, where = s.where, fused = s.opts.fused, parts = s.opts.parts,
+           gather_output = s.opts.gather_output, input_is_parallel = s.opts.input_is_parallel,
+           sequence_parallel = s.opts.sequence_parallel }
+end
+
+-- The configuration the engine builds layers with (parallel::SplitOptions).
+local function split_options(cfg)
+  return { sequence_parallel = cfg.sequence_parallel, sequence_overlap = cfg.sequence_overlap, fused_norm = cfg.fused_norm }
+end
+
+-- Each layer is built by the engine's applier (parallel::apply_split), the one C++ programs use.
 local function apply_actions(model, actions, cfg, group)
-  local sp = cfg.sequence_parallel
-  local function option(s, name, default)
-    if s.opts[name] ~= nil then return s.opts[name] end
-    return default
-  end
+  local options = split_options(cfg)
   for _, a in ipairs(actions) do
     if a.attribute then
       local ok, err = pcall(a.owner.set_attribute, a.owner, a.attribute, a.value)
@@ -230,26 +243,56 @@ local function apply_actions(model, actions, cfg, group)
       if a.method == "forward" then a.owner:replace_forward(a.fn)
       else a.owner[a.method] = a.fn end
     else
-      local s, built = a.style, nil
-      local ok, err = pcall(function()
-        if s.kind == "column" then
-          local seq = option(s, "sequence_parallel", sp)
-          built = pt.tp.column(a.target, group, { fused = s.opts.fused, parts = s.opts.parts, gather_output = s.opts.gather_output,
-                                                  sequence_parallel = seq, sequence_overlap = seq and cfg.sequence_overlap })
-        elseif s.kind == "row" then
-          built = pt.tp.row(a.target, group, { input_is_parallel = s.opts.input_is_parallel,
-                                               sequence_parallel = option(s, "sequence_parallel", sp) })
-        elseif s.kind == "norm" then
-          built = pt.tp.layer_norm(a.target, group, { sequence_parallel = option(s, "sequence_parallel", sp), fused = cfg.fused_norm })
-        elseif s.kind == "vocab_embedding" then built = pt.tp.vocab_embedding(a.target, group)
-        elseif s.kind == "vocab_head" then
-          built = pt.tp.column(a.target, group, { pad = true, sequence_parallel = sp, sequence_overlap = sp and cfg.sequence_overlap })
-        end
-        model:set(a.path, built)
-      end)
-      if not ok then fail(s.where, "P.%s on %s: %s", s.kind, a.path, strip_internal(err)) end
+      local ok, err = pcall(core.tp._apply_split, model, layer_split(a), group, options)
+      if not ok then fail(a.style.where, "P.%s on %s: %s", a.style.kind, a.path, strip_internal(err)) end
     end
   end
+end
+
+-- The policy's ties (ties = { { a, b }, ... }) that the serial model holds (`serial_ties`, as
+-- core.nn._ties lists them), made again after the split: `a` takes `b`'s tensor (P.tie). A pair
+-- the serial model does not tie is left as it is; a name that is no parameter is an error.
+local function retie(model, policy, serial_ties, at)
+  local group_of = {}
+  for i, names in ipairs(serial_ties) do
+    for _, name in ipairs(names) do group_of[name] = i end
+  end
+  for i, pair in ipairs(policy.ties or {}) do
+    local a, b = pair[1], pair[2]
+    if group_of[a] and group_of[a] == group_of[b] then
+      local ok, err = pcall(P.tie, model, a, b)
+      if not ok then fail(at, "ties[%d]: %s", i, strip_internal(err)) end
+    end
+  end
+end
+
+-- The policy's ties named parameters of the serial model (checked before anything changes).
+local function check_ties(model, policy, at)
+  if not policy.ties then return end
+  local params = {}
+  for name in model:named_parameters() do params[name] = true end
+  for i, pair in ipairs(policy.ties) do
+    for _, name in ipairs(pair) do
+      if not params[name] then fail(at, "ties[%d]: '%s' is not a parameter of %s", i, name, model:type()) end
+    end
+  end
+end
+
+-- Runs the policy's function `fn` under policy_timeout; an error names `what` and the policy.
+local function call(policy, cfg, at, what, fn, ...)
+  local ok, result = bounded(cfg.policy_timeout, "policy_timeout", fn, ...)
+  if not ok then fail(at, "%s of policy %s failed: %s", what, name_of(policy), tostring(result)) end
+  return result
+end
+
+-- The policy's modules table: modules(cfg)'s, checked, when it is a function.
+local function modules_of(policy, cfg, at)
+  local modules = policy.modules
+  if type(modules) == "function" then
+    modules = call(policy, cfg, at, "modules(cfg)", modules, cfg)
+    check_modules(modules, defined_at(policy.modules))
+  end
+  return modules
 end
 
 -- The whole transaction's work; raises on any problem (the caller undoes).
@@ -258,11 +301,6 @@ local function run(model, policy, mesh, cfg, at)
   cfg.tensor, cfg.group = group:size(), group
   local splitting = cfg.tensor_parallel and cfg.tensor > 1
   local timeout = cfg.policy_timeout
-  local function call(what, fn, ...)
-    local ok, result = bounded(timeout, "policy_timeout", fn, ...)
-    if not ok then fail(at, "%s of policy %s failed: %s", what, name_of(policy), tostring(result)) end
-    return result
-  end
   -- One serial model to cut from: the tensor group's ranks hold rank 0's weights (they differ
   -- when the ranks were seeded differently). Then its answer, before anything else changes.
   if splitting then core.tp._align(model, group) end
@@ -290,13 +328,9 @@ local function run(model, policy, mesh, cfg, at)
     end
   end
   local ties = core.nn._ties(model)
-  if policy.preprocess then call("preprocess", policy.preprocess, model, cfg) end
-  local modules = policy.modules
-  if type(modules) == "function" then
-    modules = call("modules(cfg)", modules, cfg)
-    check_modules(modules, defined_at(policy.modules))
-  end
-  local actions = plan(model, policy, modules, cfg, at)
+  check_ties(model, policy, at)
+  if policy.preprocess then call(policy, cfg, at, "preprocess", policy.preprocess, model, cfg) end
+  local actions = plan(model, policy, modules_of(policy, cfg, at), cfg, at)
   if not splitting then return end
   apply_actions(model, actions, cfg, group)
   -- Two names of one attribute (GPT-2's heads and n_head) set by two entries: the last one wins.
@@ -306,7 +340,8 @@ local function run(model, policy, mesh, cfg, at)
         a.owner:type(), a.attribute, tostring(a.owner:attribute(a.attribute)), tostring(a.value))
     end
   end
-  if policy.postprocess then call("postprocess", policy.postprocess, model, cfg) end
+  retie(model, policy, ties, at)
+  if policy.postprocess then call(policy, cfg, at, "postprocess", policy.postprocess, model, cfg) end
   -- Every layer's invariants, and the ties of the serial model.
   local ok, err = pcall(core.nn._check, model)
   if not ok then fail(at, "policy %s splits %s wrong: %s", name_of(policy), model:type(), strip_internal(err)) end
@@ -318,7 +353,7 @@ local function run(model, policy, mesh, cfg, at)
   end
   if list(ties) ~= list(after) then
     fail(at, "policy %s changes which parameters are tied: the serial %s ties %s, the sharded one %s%s", name_of(policy),
-      model:type(), list(ties), list(after), #after < #ties and " (tie them again in postprocess: P.tie(model, a, b))" or "")
+      model:type(), list(ties), list(after), #after < #ties and " (tie them again: ties = { { a, b } } in the policy, or P.tie(model, a, b) in postprocess)" or "")
   end
   return serial, inputs, probe_options
 end
@@ -364,6 +399,58 @@ function S.begin(model)
         table.concat(lost, ", ")))
     end
   end
+end
+
+-- A policy as data ------------------------------------------------------------------------------
+
+-- file:line where a Lua function was written, the file's whole path (short_src may shorten it).
+local function written_at(fn)
+  local info = debug.getinfo(fn, "S")
+  local source = info.source:sub(1, 1) == "@" and info.source:sub(2) or info.short_src
+  return source .. ":" .. info.linedefined
+end
+
+--- The policy the Lua file `file` returns, planned for `model` over the tensor group of `mesh`
+--- with the sharding options `opts` (P.config's), as plain data for the engine's applier
+--- (parallel::PolicyPlan, which bindings/policy_loader.cpp reads from it): { name, where,
+--- splits = { { path, kind, where, fused, parts, gather_output, input_is_parallel,
+--- sequence_parallel }... }, attributes = { { module, name, value, where }... }, ties = { { param,
+--- to }... }, options = { sequence_parallel, sequence_overlap, fused_norm } }. The model does not
+--- change. Every check of planning runs (targets, matches, sizes, conflicts); what is code rather
+--- than data is refused, naming the file: preprocess and postprocess (functions of the model; ties
+--- are declared with the policy's `ties`) and methods (Lua forwards).
+function S.plan_file(model, file, mesh, opts)
+  local cfg = P.config(opts, 0)
+  local chunk, err = pt._load_file(file)
+  if not chunk then error(("cannot load the policy %s: %s"):format(file, tostring(err)), 0) end
+  local ran, policy = pcall(chunk)
+  if not ran then error(tostring(policy), 0) end
+  if type(policy) ~= "table" then fail(file, "a policy file returns its policy (return P.policy {...}), got %s", type(policy)) end
+  local at = P.declared_at(policy) or file
+  check_policy(policy, at)
+  local group = mesh:group("tensor")
+  cfg.tensor, cfg.group = group:size(), group
+  local not_data = "policy %s cannot be applied from C++: %s is a Lua function (written at %s), not data"
+  if policy.preprocess then fail(at, not_data, name_of(policy), "its preprocess", written_at(policy.preprocess)) end
+  if policy.postprocess then
+    fail(at, not_data .. "; declare the parameters it ties again with ties = { { a, b } }", name_of(policy),
+      "its postprocess", written_at(policy.postprocess))
+  end
+  check_ties(model, policy, at)
+  local actions = plan(model, policy, modules_of(policy, cfg, at), cfg, at)
+  local out = { name = policy.name or "", where = at, splits = {}, attributes = {}, ties = {}, options = split_options(cfg) }
+  for _, a in ipairs(actions) do
+    if a.method then
+      fail(at, not_data, name_of(policy), ("modules.%s.methods.%s of %s"):format(a.key, a.method,
+        a.path == "" and model:type() or a.path), written_at(a.fn))
+    elseif a.attribute then
+      out.attributes[#out.attributes + 1] = { module = a.path, name = a.attribute, value = a.value, where = a.where }
+    else
+      out.splits[#out.splits + 1] = layer_split(a)
+    end
+  end
+  for i, pair in ipairs(policy.ties or {}) do out.ties[i] = { param = pair[1], to = pair[2] } end
+  return out
 end
 
 return S

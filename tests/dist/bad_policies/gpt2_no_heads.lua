@@ -1,6 +1,6 @@
 -- policies/gpt2.lua without the division of the attention heads: every other layer splits, so
--- each rank would compute all heads from half of q, k and v. Refused; the sharder names the
--- `return P.policy {` line below although the tail call drops this file's frame.
+-- each rank would compute all heads from half of q, k and v. Refused, from Lua and from C++; the
+-- `return P.policy {` line below is named although the tail call drops this file's frame.
 local P = require "partrain.policy"
 
 return P.policy {
@@ -19,5 +19,5 @@ return P.policy {
     },
     GPT2 = { replace = { { "wte", P.vocab_embedding {} }, { "ln_f", P.norm {} }, { "lm_head", P.vocab_head {} } } },
   },
-  postprocess = function(model, cfg) P.tie(model, "lm_head.weight", "wte.weight") end,
+  ties = { { "lm_head.weight", "wte.weight" } },
 }
