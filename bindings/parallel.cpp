@@ -286,9 +286,7 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
   if (o.has("zero")) {
     Options z = o.table("zero");
     parallel::ZeroOptions zero;
-    zero.stage = z.int32("stage", 1);
-    if (zero.stage < 0 || zero.stage > 2)
-      throw std::invalid_argument("zero stage=" + std::to_string(zero.stage) + " is not supported: stages 0, 1, 2");
+    zero.stage = z.int32("stage", 1);  // checked with the rest by ZeroOptions::validate
     if (z.has("reduce_bucket_size")) zero.reduce_bucket_size = mib(z, "reduce_bucket_size", 0, "zero: ");
     zero.overlap_sync_param = z.boolean("overlap_sync_param", zero.overlap_sync_param);
     if (z.has("overlap_comm")) zero.overlap_comm = z.boolean("overlap_comm", false);
