@@ -38,9 +38,9 @@ DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& opti
               "bucket_cap_mb must be a finite number > 0, got ", options.bucket_cap_mb);
   TORCH_CHECK(options.grad_accumulation >= 1, "grad_accumulation must be >= 1, got ", options.grad_accumulation);
   TORCH_CHECK(options.reduce != dist::ReduceOp::Product, "reduce 'product' makes no sense for gradients");
-  TORCH_CHECK(options.zero_stage >= 0 && options.zero_stage <= 2, "ZeRO stage ", options.zero_stage,
+  TORCH_CHECK(options.zero.stage >= 0 && options.zero.stage <= 2, "ZeRO stage ", options.zero.stage,
               " is not supported: stages 0, 1, 2");
-  TORCH_CHECK(options.zero_stage != 2 || options.reduce == dist::ReduceOp::Mean ||
+  TORCH_CHECK(options.zero.stage != 2 || options.reduce == dist::ReduceOp::Mean ||
                   options.reduce == dist::ReduceOp::Sum,
               "ZeRO-2 reduce-scatters gradients: reduce must be 'mean' or 'sum', got '", to_string(options.reduce), "'");
 }
@@ -74,10 +74,10 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   std::vector<BucketParam> sizes;
   for (const auto& p : dp->params_) {
     int chunk = 0;
-    for (size_t c = 0; c < options.chunks.size(); ++c)
-      if (holds(options.chunks[c], p)) chunk = static_cast<int>(c);
+    for (size_t c = 0; c < options.pipeline.chunks.size(); ++c)
+      if (holds(options.pipeline.chunks[c], p)) chunk = static_cast<int>(c);
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device(),
-                     holds(options.whole, p), chunk});
+                     holds(options.pipeline.whole, p), chunk});
   }
   // Bytes a bucket; a cap past 2^62 bytes is one bucket of everything (and stays an int64).
   const auto cap = static_cast<int64_t>(std::min(options.bucket_cap_mb * 1024 * 1024, 0x1p62));
@@ -139,7 +139,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   dp->filled_.assign(dp->params_.size(), 0);
   dp->used_.assign(dp->params_.size(), 0);
   dp->unused_.assign(dp->params_.size(), 1);  // no gradient yet
-  for (const auto& p : dp->params_) dp->tied_.push_back(holds(options.tied, p));
+  for (const auto& p : dp->params_) dp->tied_.push_back(holds(options.pipeline.tied, p));
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
@@ -231,7 +231,7 @@ void DataParallel::give_back_scratch(Bucket& b) {
 }
 
 bool DataParallel::in_flight_scatters() const {
-  return scatters() && (!sharded() || options_.zero_overlap_comm);
+  return scatters() && (!sharded() || options_.zero.overlap_comm);
 }
 
 torch::Tensor DataParallel::take_inbox(Bucket& b) {
@@ -246,7 +246,7 @@ torch::Tensor DataParallel::take_inbox(Bucket& b) {
                                [&](size_t i) { return buckets_[i].buffer == b.buffer; });
     await_bucket(*oldest);
   }
-  if (!options_.zero_group->needs_inbox()) return {};  // NCCL's own reduce-scatter takes none
+  if (!options_.zero.group->needs_inbox()) return {};  // NCCL's own reduce-scatter takes none
   b.inbox = take_pooled(b.buffer);
   return pool_[b.buffer][b.inbox].narrow(0, 0, b.padded);
 }
@@ -267,8 +267,8 @@ void DataParallel::reduce_across(size_t i) {
   // (hierarchical ZeRO); ZeRO-2 adds it into the shard and gives the scratch back.
   auto& b = buckets_[i];
   const int64_t n = b.padded / zero_size();
-  auto part = b.flat.narrow(0, options_.zero_group->rank() * n, n);
-  if (options_.zero_across) options_.zero_across->all_reduce(part, wire_op());
+  auto part = b.flat.narrow(0, options_.zero.group->rank() * n, n);
+  if (options_.zero.across) options_.zero.across->all_reduce(part, wire_op());
   if (sharded()) {
     shard_of(i).add_(part);
     give_back_scratch(b);
@@ -315,7 +315,7 @@ torch::Tensor DataParallel::shard_of(size_t i) const {
 
 torch::ScalarType DataParallel::reduce_dtype_for(torch::ScalarType param_dtype) const {
   // Under ZeRO gradients are reduced in float32 by default (float64 ones stay float64).
-  auto fallback = options_.zero_stage > 0 && param_dtype != torch::kFloat64 ? torch::kFloat32 : param_dtype;
+  auto fallback = options_.zero.stage > 0 && param_dtype != torch::kFloat64 ? torch::kFloat32 : param_dtype;
   return options_.reduce_dtype.value_or(fallback);
 }
 
@@ -332,7 +332,7 @@ torch::Tensor DataParallel::reduced_part(size_t i) const {
   const auto& b = buckets_[i];
   if (sharded() && !b.whole) return shard_of(i);
   const int64_t part = b.padded / zero_size();
-  return b.flat.narrow(0, (options_.zero_group ? options_.zero_group->rank() : 0) * part, part);
+  return b.flat.narrow(0, (options_.zero.group ? options_.zero.group->rank() : 0) * part, part);
 }
 
 std::vector<torch::Tensor> DataParallel::held() const {
@@ -366,7 +366,7 @@ int64_t DataParallel::planned_scratch_bytes() const {
     const int64_t buckets = std::count_if(buckets_.begin(), buckets_.end(),
                                           [&](const Bucket& b) { return b.buffer == i && !b.whole; });
     const int64_t in_flight = in_flight_scatters() ? std::min<int64_t>(kInboxes, buckets) : 0;
-    const int64_t inboxes = options_.zero_group && options_.zero_group->needs_inbox() ? in_flight : 0;
+    const int64_t inboxes = options_.zero.group && options_.zero.group->needs_inbox() ? in_flight : 0;
     const int64_t tensors = sharded() ? std::min<int64_t>(1 + in_flight, buckets) + inboxes : inboxes;
     bytes += tensors * scratch_length_[i] *
              static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(buffer_options_[i].dtype())));
@@ -438,12 +438,12 @@ void DataParallel::launch_ready() {
       // the other zero groups when settled. ZeRO-1 leaves it in the bucket's part r, where the
       // optimizer reads it; ZeRO-2 adds it into the shard and gives the scratch back.
       auto inbox = take_inbox(b);
-      b.work = options_.zero_group->start_reduce_scatter_flat(b.flat, op, inbox);
+      b.work = options_.zero.group->start_reduce_scatter_flat(b.flat, op, inbox);
       inboxes_out_.push_back(i);
     } else if (scatters() && !b.whole) {
       // ZeRO-2: reduced over the zero group here (a ring on Gloo: it completes before backward
       // goes on, so that the scratch is free for the next bucket), then finished at once.
-      options_.zero_group->reduce_scatter_flat(b.flat, op);
+      options_.zero.group->reduce_scatter_flat(b.flat, op);
       reduce_across(i);
       b.work = dist::Work();
     } else {
@@ -577,7 +577,7 @@ void DataParallel::settle_unused() {
 void DataParallel::gather_shards() {
   if (!scatters()) return;
   torch::NoGradGuard no_grad;
-  const int64_t z = zero_size(), r = options_.zero_group->rank();
+  const int64_t z = zero_size(), r = options_.zero.group->rank();
   for (size_t i = 0; i < buckets_.size(); ++i) {
     auto& b = buckets_[i];
     if (b.whole) continue;  // whole already: .grad views it
@@ -586,7 +586,7 @@ void DataParallel::gather_shards() {
       take_scratch(b);
       b.flat.narrow(0, r * part, part).copy_(shard_of(i));
     }
-    options_.zero_group->all_gather_flat(b.flat);
+    options_.zero.group->all_gather_flat(b.flat);
     for (size_t s = 0; s < b.params.size(); ++s) {
       auto& p = params_[b.params[s]];
       auto slice = b.flat.narrow(0, b.offsets[s], p.numel()).view(p.sizes());

@@ -27,39 +27,47 @@
 
 namespace partrain::parallel {
 
+/// ZeRO's split of the buckets (zero_data_parallel sets it from ZeroOptions and the mesh). Stage
+/// 0 all-reduces whole buckets over the data group; 1 and 2 reduce-scatter each bucket over
+/// `group` (then all-reduce the part over `across` when the zero group is smaller than the data
+/// group), 1 into the bucket's own part r (or all-reduces it whole with reduce_scatter off), 2
+/// into the shard buffer, the bucket being scratch.
+struct ZeroSplit {
+  int stage = 0;
+  dist::GroupPtr group;   ///< the ranks splitting each bucket; null: none (one part)
+  dist::GroupPtr across;  ///< hierarchical ZeRO's other zero groups' peers; null: none
+  /// Stage 1: reduce-scatter each bucket over `group` into its own part r (the bucket stays
+  /// whole-sized), not all-reduce it; its parameters' .grad go (gather_shards brings them back).
+  bool reduce_scatter = true;
+  /// Stage 2: each bucket's reduce-scatter is left in flight beside backward (stage 1's always
+  /// are), holding its scratch and an inbox until it completes: more buckets of scratch, less
+  /// waiting. DeepSpeed's overlap_comm.
+  bool overlap_comm = false;
+};
+
+/// What a pipeline rank's parameters are to the buckets (the composer sets it from the Pipeline).
+struct PipelineParts {
+  /// Tied across pipeline stages, under any zero stage: each stage sees only its own holder's use
+  /// before the tie's gradients are summed over the pipeline, so they count as used
+  /// (settle_unused), and the stages step their copies alike.
+  std::vector<torch::Tensor> tied;
+  /// Reduced whole over the data group even under ZeRO-2: the ties across stages (summed over the
+  /// pipeline after the sync) and the tensors two chunks of this rank share.
+  std::vector<torch::Tensor> whole;
+  /// This rank's parameters by chunk (empty: one chunk holds everything). Buckets never span two
+  /// chunks, and under ZeRO-2 a backward pass reduces the buckets of its chunk only (next_pass).
+  std::vector<std::vector<torch::Tensor>> chunks;
+};
+
 struct DataParallelOptions {
   double bucket_cap_mb = 25.0;                  ///< bytes of gradient a bucket holds (MiB)
   dist::ReduceOp reduce = dist::ReduceOp::Mean; ///< how ranks' gradients combine (Cube's reducer_op)
   int grad_accumulation = 1;                    ///< backward passes a sync: sync on every k-th only
   bool broadcast_buffers = true;                ///< copy buffers from data rank 0 at start, with parameters
-  /// ZeRO: 0 all-reduces whole buckets over the data group; 1 and 2 reduce-scatter each bucket
-  /// over `zero_group` (then all-reduce the part over `zero_across` when the zero group is
-  /// smaller than the data group), 1 into the bucket's own part r (or all-reduces it whole with
-  /// zero_reduce_scatter off), 2 into the shard buffer, the bucket being scratch.
-  int zero_stage = 0;
-  dist::GroupPtr zero_group;   ///< the ranks splitting each bucket; null: none (one part)
-  dist::GroupPtr zero_across;  ///< hierarchical ZeRO's other zero groups' peers; null: none
-  /// Stage 1: reduce-scatter each bucket over `zero_group` into its own part r (the bucket stays
-  /// whole-sized), not all-reduce it; its parameters' .grad go (gather_shards brings them back).
-  bool zero_reduce_scatter = true;
-  /// Stage 2: each bucket's reduce-scatter is left in flight beside backward (stage 1's always
-  /// are), holding its scratch and an inbox until it completes: more buckets of scratch, less
-  /// waiting. DeepSpeed's overlap_comm.
-  bool zero_overlap_comm = false;
   /// The gradient buffer's dtype; undefined: each parameter's own.
   c10::optional<torch::ScalarType> reduce_dtype;
-  /// Parameters whose buckets are all-reduced whole over the data group even under ZeRO-2: those
-  /// tied across pipeline stages, whose gradients are summed over the pipeline after the sync,
-  /// and those two pipeline chunks of this rank share.
-  std::vector<torch::Tensor> whole;
-  /// Parameters tied across pipeline stages, under any zero stage: each stage sees only its own
-  /// holder's use before the tie's gradients are summed over the pipeline, so they count as used
-  /// (settle_unused), and the stages step their copies alike.
-  std::vector<torch::Tensor> tied;
-  /// A pipeline's parameters by chunk of this rank (empty: one chunk holds everything). Buckets
-  /// never span two chunks, and under ZeRO-2 a backward pass reduces the buckets of the chunk
-  /// set_chunk names only (one micro-batch of one chunk runs backward at a time).
-  std::vector<std::vector<torch::Tensor>> chunks;
+  ZeroSplit zero;          ///< ZeRO's shards of the buckets
+  PipelineParts pipeline;  ///< a pipeline rank's ties and chunks
 };
 
 /// What the bucket layout needs to know of a parameter.
@@ -170,11 +178,11 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
     DataParallel* dp_;
   };
   /// ZeRO-2 over more than one rank: gradients are kept as this rank's shard only.
-  bool sharded() const { return options_.zero_stage == 2 && zero_size() > 1; }
+  bool sharded() const { return options_.zero.stage == 2 && zero_size() > 1; }
   /// Whether buckets (but those reduced whole) are reduce-scattered: ZeRO-2, and ZeRO-1 with
-  /// zero_reduce_scatter. Their parameters keep no .grad after the sync.
+  /// zero.reduce_scatter. Their parameters keep no .grad after the sync.
   bool scatters() const {
-    return zero_size() > 1 && (options_.zero_stage == 2 || (options_.zero_stage == 1 && options_.zero_reduce_scatter));
+    return zero_size() > 1 && (options_.zero.stage == 2 || (options_.zero.stage == 1 && options_.zero.reduce_scatter));
   }
   /// Clears every parameter's .grad and, under ZeRO-2, zeroes the shards (what backward passes
   /// have added up since).
@@ -243,8 +251,8 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
     return {b.buffer, b.start + b.offsets[slot_of_[k]]};
   }
   /// The zero group's size (1 without ZeRO): how many parts each bucket splits into.
-  int zero_size() const { return options_.zero_group ? options_.zero_group->size() : 1; }
-  /// When buckets are reduce-scattered (scatters(): ZeRO-2, ZeRO-1 unless zero_reduce_scatter is
+  int zero_size() const { return options_.zero.group ? options_.zero.group->size() : 1; }
+  /// When buckets are reduce-scattered (scatters(): ZeRO-2, ZeRO-1 unless zero.reduce_scatter is
   /// off): gathers every bucket's reduced parts over the zero group into newly allocated .grad
   /// tensors, so that each .grad is the whole reduced gradient (Cube's sync_shard_grad). Does
   /// nothing otherwise.

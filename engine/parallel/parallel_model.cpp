@@ -228,7 +228,7 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   //    group's parts (ZeRO-2 reduce-scatters them); the optimizer made for the model keeps its
   //    parts only (make_optimizer).
   auto dp = options.data_parallel;
-  if (model->pipeline_) dp.tied = model->pipeline_->tied_params();
+  if (model->pipeline_) dp.pipeline.tied = model->pipeline_->tied_params();
   const int stage = zero_stage_of(options.zero, on);
   zero_data_parallel(stage, options.zero, on, model->pipeline_.get(), dp);
   model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;

@@ -147,8 +147,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   const std::string& policy() const { return policy_; }
   const std::shared_ptr<DataParallel>& data_parallel() const { return data_parallel_; }
   /// The ZeRO stage the model was parallelized with (0: off); its zero group is
-  /// data_parallel()->options().zero_group, and make_zero_optimizer makes its optimizer.
-  int zero_stage() const { return data_parallel_ ? data_parallel_->options().zero_stage : 0; }
+  /// data_parallel()->options().zero.group, and make_zero_optimizer makes its optimizer.
+  int zero_stage() const { return data_parallel_ ? data_parallel_->options().zero.stage : 0; }
   /// This rank's stages and their schedule (null without pipeline parallelism).
   const std::shared_ptr<Pipeline>& pipeline() const { return pipeline_; }
   const std::vector<ParameterRecord>& records() const { return records_; }

@@ -45,24 +45,24 @@ void zero_data_parallel(int stage, const c10::optional<ZeroOptions>& zero, const
   // A tensor tied across stages has its gradient summed over the pipeline after the sync, which
   // needs it whole: its buckets are all-reduced under ZeRO-2 too.
   if (pipeline) {
-    dp.whole = pipeline->tied_params();
+    dp.pipeline.whole = pipeline->tied_params();
     // ZeRO-2 reduces one chunk's buckets a backward pass: buckets never span two chunks, and a
     // tensor two of this rank's chunks hold gets gradients in both chunks' passes, so it
     // accumulates in .grad and is reduced whole on the sync like a tie across stages.
-    dp.chunks = pipeline->chunk_params();
+    dp.pipeline.chunks = pipeline->chunk_params();
     std::unordered_map<const c10::TensorImpl*, int> held;
-    for (const auto& chunk : dp.chunks) {
+    for (const auto& chunk : dp.pipeline.chunks) {
       std::unordered_map<const c10::TensorImpl*, bool> seen;
       for (const auto& p : chunk)
-        if (!seen[p.unsafeGetTensorImpl()] && ++held[p.unsafeGetTensorImpl()] == 2) dp.whole.push_back(p);
+        if (!seen[p.unsafeGetTensorImpl()] && ++held[p.unsafeGetTensorImpl()] == 2) dp.pipeline.whole.push_back(p);
       for (const auto& p : chunk) seen[p.unsafeGetTensorImpl()] = true;
     }
   }
-  dp.zero_stage = stage;
-  dp.zero_reduce_scatter = !zero || zero->reduce_scatter;
-  dp.zero_overlap_comm = stage == 2 && zero && zero->overlap_comm.value_or(false);
-  dp.zero_group = mesh.group("zero");
-  dp.zero_across = mesh.zero_across();
+  dp.zero.stage = stage;
+  dp.zero.reduce_scatter = !zero || zero->reduce_scatter;
+  dp.zero.overlap_comm = stage == 2 && zero && zero->overlap_comm.value_or(false);
+  dp.zero.group = mesh.group("zero");
+  dp.zero.across = mesh.zero_across();
   if (zero && zero->reduce_bucket_size > 0) dp.bucket_cap_mb = zero->reduce_bucket_size;
 }
 
@@ -89,8 +89,8 @@ class ZeroShards : public optim::Distributed {
  public:
   ZeroShards(const std::shared_ptr<ParallelModel>& model) : model_(model), dp_(model->data_parallel()) {
     const auto& o = dp_->options();
-    zero_ = o.zero_group;
-    stage_ = o.zero_stage;
+    zero_ = o.zero.group;
+    stage_ = o.zero.stage;
     const int z = zero_->size(), r = zero_->rank();
     const auto& params = dp_->params();
     // One master per flat buffer: the buffer's buckets' parts r laid end to end, in float32 (or
@@ -506,7 +506,7 @@ std::shared_ptr<optim::Optimizer> make_zero_optimizer(const std::shared_ptr<Para
                                                       const optim::OptimizerOptions& options) {
   TORCH_CHECK(model && model->data_parallel(), "ZeRO: the model is not parallelized");
   const auto& o = model->data_parallel()->options();
-  TORCH_CHECK(o.zero_stage >= 1 && o.zero_group && o.zero_group->size() > 1,
+  TORCH_CHECK(o.zero.stage >= 1 && o.zero.group && o.zero.group->size() > 1,
               "ZeRO: the model was parallelized without a zero stage over zero groups of more than one rank");
   auto shards = std::make_shared<ZeroShards>(model);
   auto opt = std::make_shared<optim::Optimizer>(shards->pieces(), options);
