@@ -10,13 +10,12 @@ postprocess, a method); a bad layout is an error, not a hang.
 Usage: test_gpt_cpp.py GPT_CPP PARTRAIN
 """
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from checks import check, finish  # noqa: E402
+from checks import check, finish, step_losses, torchrun, worst_difference  # noqa: E402
 
 BIN = sys.argv[1]
 PARTRAIN = sys.argv[2]
@@ -24,27 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def losses(text):
-    return [float(line.split()[3]) for line in text.splitlines() if line.startswith("step ")]
-
-
 def world(n, *args):
-    """Runs n ranks as torchrun would start them; returns (exit codes, rank 0's stdout, stderrs)."""
-    port = str(free_port())
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PARTRAIN_TIMEOUT="60", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([BIN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outs = [p.communicate(timeout=300) for p in procs]
-    return [p.returncode for p in procs], outs[0][0], "".join(o[1] for o in outs)
+    """Runs n ranks of gpt_cpp as torchrun would start them; returns (exit codes, rank 0's stdout, stderrs)."""
+    return torchrun([BIN, *args], n)
+
+
+losses = step_losses
 
 
 serial = subprocess.run([BIN, "--steps", "4"], capture_output=True, text=True, timeout=300)
@@ -54,7 +38,7 @@ check("the serial run trains 4 steps", serial.returncode == 0 and len(want) == 4
 for extra, name in (((), "tensor 2 x data 2"), (("--accumulate", "2"), "tensor 2 x data 2, accumulate 2")):
     codes, out, err = world(4, "--tensor", "2", "--steps", "4", *extra)
     got = losses(out)
-    worst = max((abs(a - b) / max(abs(b), 1) for a, b in zip(got, want)), default=float("inf"))
+    worst = worst_difference(got, want)
     check(f"{name}: the losses equal the serial run's within 1e-5 (worst {worst:.2e})",
           codes == [0] * 4 and len(got) == 4 and worst <= 1e-5, (codes, got, want, err[-2000:]))
 
@@ -64,11 +48,11 @@ cpp = losses(out)
 lua = subprocess.run([PARTRAIN, "--nproc-per-node", "4", "--threads", "1", os.path.join(ROOT, "tests/examples/gpt_lua.lua"),
                       "4"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
 script = losses(lua.stdout)
-worst = max((abs(a - b) / max(abs(b), 1) for a, b in zip(cpp, script)), default=float("inf"))
+worst = worst_difference(cpp, script)
 check(f"tensor 2 x data 2, ZeRO-1: gpt_cpp's losses equal the Lua script's within 1e-6 (worst {worst:.2e})",
       codes == [0] * 4 and lua.returncode == 0 and len(cpp) == 4 and len(script) == 4 and worst <= 1e-6,
       (codes, cpp, script, err[-2000:], lua.stdout[-2000:], lua.stderr[-2000:]))
-worst = max((abs(a - b) / max(abs(b), 1) for a, b in zip(cpp, want)), default=float("inf"))
+worst = worst_difference(cpp, want)
 check(f"tensor 2 x data 2, ZeRO-1: the losses equal the serial run's within 1e-5 (worst {worst:.2e})",
       len(cpp) == 4 and worst <= 1e-5, (cpp, want))
 
