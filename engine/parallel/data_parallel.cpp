@@ -31,9 +31,8 @@ std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& p
   return buckets;
 }
 
-DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
-    : group_(std::move(group)), options_(options) {
-  TORCH_CHECK(group_, "data parallelism needs a data group");
+void DataParallelOptions::validate() const {
+  const auto& options = *this;
   TORCH_CHECK(options.bucket_cap_mb > 0 && std::isfinite(options.bucket_cap_mb),
               "bucket_cap_mb must be a finite number > 0, got ", options.bucket_cap_mb);
   TORCH_CHECK(options.grad_accumulation >= 1, "grad_accumulation must be >= 1, got ", options.grad_accumulation);
@@ -43,6 +42,12 @@ DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& opti
   TORCH_CHECK(options.zero.stage != 2 || options.reduce == dist::ReduceOp::Mean ||
                   options.reduce == dist::ReduceOp::Sum,
               "ZeRO-2 reduce-scatters gradients: reduce must be 'mean' or 'sum', got '", to_string(options.reduce), "'");
+}
+
+DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
+    : group_(std::move(group)), options_(options) {
+  TORCH_CHECK(group_, "data parallelism needs a data group");
+  options.validate();
 }
 
 std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::GroupPtr group,

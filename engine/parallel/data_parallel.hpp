@@ -68,6 +68,10 @@ struct DataParallelOptions {
   c10::optional<torch::ScalarType> reduce_dtype;
   ZeroSplit zero;          ///< ZeRO's shards of the buckets
   PipelineParts pipeline;  ///< a pipeline rank's ties and chunks
+
+  /// Throws naming the option whose value does not fit (bucket size, accumulation, the reduce op
+  /// and what ZeRO-2 allows of it).
+  void validate() const;
 };
 
 /// What the bucket layout needs to know of a parameter.

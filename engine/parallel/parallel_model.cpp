@@ -181,7 +181,10 @@ void ParallelizeOptions::validate(const dist::Mesh& mesh) const {
   TORCH_CHECK(pp == 1 || data_parallel.grad_accumulation == 1, "parallelize: grad_accumulation=",
               data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over its "
               "micro-batches (one gradient sync a step); raise microbatches instead");
-  zero_stage_of(zero, mesh);
+  if (pp > 1) pipeline->validate(mesh);
+  auto dp = data_parallel;  // as ZeRO will set it (the stage decides what reduce may be)
+  dp.zero.stage = zero_stage_of(zero, mesh);
+  dp.validate();
   recompute.validate(pp > 1);
 }
 

@@ -159,6 +159,14 @@ bool contains(const std::vector<std::string>& names, const std::string& name) {
 
 }  // namespace
 
+void PipelineOptions::validate(const dist::Mesh& mesh) const {
+  const int pp = mesh.size("pipeline");
+  TORCH_CHECK(chunks >= 1 && microbatches >= 1, "pipeline: chunks=", chunks, " and microbatches=", microbatches,
+              " must be at least 1");
+  TORCH_CHECK(static_cast<int>(plan.size()) == pp, "pipeline: the schedule has ", plan.size(),
+              " rank lists for pipeline=", pp);
+}
+
 std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options) {
   auto pipe = std::shared_ptr<Pipeline>(new Pipeline());
   auto& p = *pipe;
@@ -166,10 +174,7 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   p.group_ = mesh.group("pipeline");
   p.pp_ = p.group_->size();
   p.rank_ = p.group_->rank();
-  TORCH_CHECK(options.chunks >= 1 && options.microbatches >= 1, "pipeline: chunks=", options.chunks,
-              " and microbatches=", options.microbatches, " must be at least 1");
-  TORCH_CHECK(static_cast<int>(options.plan.size()) == p.pp_, "pipeline: the schedule has ", options.plan.size(),
-              " rank lists for pipeline=", p.pp_);
+  options.validate(mesh);
   // The stage ends: the model's own (stage_in/stage_out), or else the policy's first and last
   // modules applied in order around the blocks (a chain). A replaced forward cannot be cut,
   // except sequence parallelism's, whose equivalent the model's stage ends compute.

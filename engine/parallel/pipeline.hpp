@@ -62,6 +62,10 @@ struct PipelineOptions {
   std::vector<int64_t> peak_in_flight;
   /// balance "time": one step's input batch; its first micro-batch is what the blocks are timed on.
   torch::Tensor sample;
+
+  /// Throws naming what does not fit `mesh`'s pipeline group (chunks, micro-batches, the plan's
+  /// rank lists).
+  void validate(const dist::Mesh& mesh) const;
 };
 
 /// What a rank's first train_step measured of its stages (partrain plan shows it; a real run
