@@ -730,7 +730,7 @@ const Function kConstructors[] = {
        }
        auto* model = ud_test<ModulePtr>(a.L, 1, PT_MODULE_MT);
        try {
-         return a.ret(parallel::clip_grad_norm(params, max_norm, model ? model->get() : nullptr));
+         return a.ret(parallel::clip_grad_norm(params, max_norm, model ? model->get() : nullptr, "pt.nn.clip_grad_norm"));
        } catch (const std::invalid_argument& e) {
          a.fail(1, e.what());
        } }},

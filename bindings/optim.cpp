@@ -200,13 +200,13 @@ int make_optimizer(Args& a, const std::string& kind) {
   if (pm) {
     if (!pm->optimizers().empty()) lua_gc(a.L, LUA_GCCOLLECT, 0);
     try {
-      opt = pm->make_optimizer(o, whole ? std::vector<torch::Tensor>{} : params);
+      opt = pm->make_optimizer(o, whole ? c10::nullopt : c10::make_optional(params));
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(what + ": " + e.what());
     }
   } else {
     opt = std::make_shared<optim::Optimizer>(params, o);
-    if (model) parallel::clip_by_split_norm(*opt, *model);  // a tree of parallel layers no model owns
+    if (model) parallel::use_split_norm(*opt, *model);  // a tree of parallel layers no model owns
   }
   register_optimizer(opt, model);
   ud_push(a.L, opt, PT_OPTIMIZER_MT);

@@ -148,7 +148,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   /// Runs the end of a sync that a backward on another thread left to the hooks' thread; does
   /// nothing when none is pending or when called on another thread.
   void complete();
-  /// What the next backward passes are, as a step of several says.
+  /// What the backward passes from now on are, as a step of several says (until the next call).
   struct Pass {
     /// Whether a pass ends with the sync (post-hooks, synced()); false: it only accumulates into
     /// .grad, as DDP's no_sync (train_step's micro-batches but the last). Under ZeRO-2 every pass
@@ -162,24 +162,25 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
     sync_enabled_ = pass.syncs;
     chunk_ = pass.chunk;
   }
-  /// A train_step's span on `dp` (null: nothing): its sync leaves the used counts to the step's
-  /// loss all-reduce (settle_unused(counts)); on leaving, by return or exception, every pass
-  /// syncs over every chunk again and a sync settles its own counts.
+  /// A train_step's span on `dp` (null: nothing): on leaving, by return or exception, every
+  /// pass syncs over every chunk again (next_pass({})). With `carries_counts` the step's sync
+  /// leaves the used counts to the step's loss all-reduce (settle_unused(counts)) until then.
   class StepScope {
    public:
-    explicit StepScope(DataParallel* dp) : dp_(dp) {
-      if (dp_) dp_->counts_elsewhere_ = true;
+    explicit StepScope(DataParallel* dp, bool carries_counts = true) : dp_(dp), counts_(dp && carries_counts) {
+      if (counts_) dp_->counts_elsewhere_ = true;
     }
     ~StepScope() {
       if (!dp_) return;
       dp_->next_pass({});
-      dp_->counts_elsewhere_ = false;
+      if (counts_) dp_->counts_elsewhere_ = false;
     }
     StepScope(const StepScope&) = delete;
     StepScope& operator=(const StepScope&) = delete;
 
    private:
     DataParallel* dp_;
+    bool counts_;
   };
   /// ZeRO-2 over more than one rank: gradients are kept as this rank's shard only.
   bool sharded() const { return options_.zero.stage == 2 && zero_size() > 1; }

@@ -3,6 +3,8 @@
 // over tensor groups and pipeline stages, and the step's check on data parallelism's sync.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -52,7 +54,7 @@ std::vector<std::shared_ptr<optim::Optimizer>> ParallelModel::optimizers() const
 }
 
 std::shared_ptr<optim::Optimizer> ParallelModel::make_optimizer(const optim::OptimizerOptions& options,
-                                                                std::vector<torch::Tensor> params) {
+                                                                c10::optional<std::vector<torch::Tensor>> params) {
   const int zero = zero_stage();
   // One optimizer with loss scaling a model, and no other beside it: train_step scales the loss
   // by one scale, which every optimizer of the model's gradients must undo.
@@ -67,16 +69,20 @@ std::shared_ptr<optim::Optimizer> ParallelModel::make_optimizer(const optim::Opt
   std::shared_ptr<optim::Optimizer> opt;
   if (zero > 0) {
     // ZeRO's optimizer keeps this rank's shard of every bucket: it is the model's whole.
-    TORCH_CHECK(params.empty(), "make_optimizer: a model parallelized with ZeRO-", zero, " gets one optimizer of ",
-                "all its parameters (its shard of the gradients, masters and state), not one of ", params.size(),
-                " of them");
+    if (params)
+      throw std::invalid_argument("a model parallelized with ZeRO-" + std::to_string(zero) + " gets one optimizer of "
+                                  "all its parameters (its shard of the gradients, masters and state), not one of " +
+                                  std::to_string(params->size()) + " of them");
     opt = make_zero_optimizer(shared_from_this(), options);
   } else {
-    if (params.empty())
+    if (!params) {
+      params.emplace();
       for (const auto& p : nn::unique_parameters(*root_))
-        if (p.requires_grad()) params.push_back(p);
-    TORCH_CHECK(!params.empty(), "make_optimizer: the ", root_->type(), " has no trainable parameters");
-    opt = std::make_shared<optim::Optimizer>(params, options);
+        if (p.requires_grad()) params->push_back(p);
+    }
+    if (params->empty())
+      throw std::invalid_argument("no trainable parameters to optimize (the " + root_->type() + "'s, or the ones given)");
+    opt = std::make_shared<optim::Optimizer>(*params, options);
     for (const auto& p : opt->params())
       if (auto master = opt->master(p); master.defined()) set_master(p, master);
     if (auto norm = model_norm(shared_from_this(), opt->params())) opt->set_grad_norm(std::move(norm));
@@ -106,13 +112,14 @@ double ParallelModel::clip_grad_norm(const std::vector<torch::Tensor>& params, d
   return parallel::clip_grad_norm(params, max_norm, root_.get());
 }
 
-void clip_by_split_norm(optim::Optimizer& opt, nn::Module& tree) {
+void use_split_norm(optim::Optimizer& opt, nn::Module& tree) {
   auto groups = split_groups(tree, opt.params());
   if (std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g != nullptr; }))
     opt.set_grad_norm([groups](const std::vector<torch::Tensor>& ps) { return global_grad_norm(ps, groups); });
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, nn::Module* tree) {
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, nn::Module* tree,
+                      const std::string& what) {
   check_max_norm(max_norm);
   // Reduce-scattered gradients (ZeRO-2; ZeRO-1 unless reduce_scatter = false) never reach .grad:
   // scaling .grad would clip nothing the optimizer reads.
@@ -126,7 +133,7 @@ double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm,
                                     "(OptimizerOptions::clip_grad_norm in C++)");
   // Split parameters are found in the tree of the parallel model they belong to (given, or found
   // from the parameters); the tensors of no model count whole.
-  auto model = tree ? ParallelModel::of(*tree) : ParallelModel::owner(params, "clip_grad_norm");
+  auto model = tree ? ParallelModel::of(*tree) : ParallelModel::owner(params, what);
   auto norm = model ? model_norm(model, params) : nullptr;
   const double total = norm ? norm(params)
                             : global_grad_norm(params, tree ? split_groups(*tree, params) : std::vector<dist::GroupPtr>{});

@@ -182,8 +182,8 @@ void ParallelizeOptions::validate(const dist::Mesh& mesh) const {
               data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over its "
               "micro-batches (one gradient sync a step); raise microbatches instead");
   if (pp > 1) pipeline->validate(mesh);
-  auto dp = data_parallel;  // as ZeRO will set it (the stage decides what reduce may be)
-  dp.zero.stage = zero_stage_of(zero, mesh);
+  auto dp = data_parallel;  // as ZeRO will set it (its stage, its bucket size)
+  zero_data_parallel(zero_stage_of(zero, mesh), zero, mesh, /*pipeline=*/nullptr, dp);
   dp.validate();
   recompute.validate(pp > 1);
 }

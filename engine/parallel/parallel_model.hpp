@@ -57,12 +57,13 @@ std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<tor
 
 /// Clipping for an optimizer of parameters of `tree`, a tree of parallel layers no ParallelModel
 /// owns: its global norm counts split parameters over their tensor groups.
-void clip_by_split_norm(optim::Optimizer& opt, nn::Module& tree);
+void use_split_norm(optim::Optimizer& opt, nn::Module& tree);
 /// Scales `params`' gradients so that their global norm is at most `max_norm` and returns the
 /// norm before: split parameters of `tree` (if given) counted over their tensor group; the
 /// parameters of a ParallelModel are measured as ParallelModel::clip_grad_norm does. Refuses a
 /// max_norm that is not a finite number > 0.
-double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, nn::Module* tree = nullptr);
+double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, nn::Module* tree = nullptr,
+                      const std::string& what = "clip_grad_norm");
 /// Throws std::invalid_argument unless `max_norm` is a finite number > 0.
 void check_max_norm(double max_norm);
 
@@ -197,10 +198,10 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
 
   // ---- The optimizer (engine/parallel/optimizer.cpp) ----
 
-  /// The optimizer for this model: of all its trainable parameters, or of `params` (some of
-  /// them, one param group), wired to the model so that it steps what serial training would.
+  /// The optimizer for this model: of all its trainable parameters (no `params`), or of `params`
+  /// (some of them, one param group), wired to the model so that it steps what serial training would.
   ///  - Under a zero stage: ZeRO's distributed optimizer (this rank's shard of master weights and
-  ///    state; clipping by the norm over the shards); `params` must then be empty (all of them).
+  ///    state; clipping by the norm over the shards), of every parameter: `params` is refused.
   ///  - Otherwise a plain one, whose float32 masters of low-precision parameters the records keep.
   ///  - Clipping measures the global norm: split parameters summed over their tensor group, the
   ///    pipeline's stages summed, a tied tensor once.
@@ -209,7 +210,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   ///  - Its step refuses gradients data parallelism has not synced yet.
   /// Throws std::invalid_argument naming what is refused.
   std::shared_ptr<optim::Optimizer> make_optimizer(const optim::OptimizerOptions& options,
-                                                   std::vector<torch::Tensor> params = {});
+                                                   c10::optional<std::vector<torch::Tensor>> params = c10::nullopt);
   /// The optimizers make_optimizer made that are still alive.
   std::vector<std::shared_ptr<optim::Optimizer>> optimizers() const;
   /// Scales the gradients of `params` (this model's) so that their global norm is at most

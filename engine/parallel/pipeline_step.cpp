@@ -363,6 +363,9 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   events::forward_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
   StageMeter meter(measured_, chunks, device_.type(), *root_);  // the first step weighs its chunks
+  // Its backwards set data parallelism's passes (the sync in the last, a chunk each); leaving, by
+  // return or exception, they are the sync's again. The caller's scope carries the counts.
+  DataParallel::StepScope passes(dp, /*carries_counts=*/false);
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
   };

@@ -95,10 +95,7 @@ void set_before_first_step(void (*fn)()) { before_first_step = fn; }
 
 void first_step_hooked() { first_step_.hooked = true; }
 
-const FirstStep& first_step() {
-  (void)observing;
-  return first_step_;
-}
+const FirstStep& first_step() { return first_step_; }
 void reset_first_step() {
   first_step_ = FirstStep{};
   traffic_base_.clear();

@@ -11,9 +11,11 @@ std::vector<StepObserver*>& observers() {
   static std::vector<StepObserver*> all;  // made on first use: observers register from static init
   return all;
 }
+// Over a copy: an observer may add or remove observers as it is called.
 template <class Fn>
 void announce(Fn fn) {
-  for (auto* o : observers()) fn(*o);
+  const auto now = observers();
+  for (auto* o : now) fn(*o);
 }
 }  // namespace
 
@@ -34,9 +36,10 @@ void forward_ends() { announce([](StepObserver& o) { o.forward_ends(); }); }
 
 Aside::Aside() { announce([](StepObserver& o) { o.aside_begins(); }); }
 Aside::~Aside() {
-  // In reverse: an observer added during the aside never saw it begin.
-  auto& all = observers();
-  for (auto it = all.rbegin(); it != all.rend(); ++it) (*it)->aside_ends();
+  // In reverse, as scopes end. An observer added during the aside is told it ends without having
+  // seen it begin: aside_ends must allow that (the planner's does nothing then).
+  const auto now = observers();
+  for (auto it = now.rbegin(); it != now.rend(); ++it) (*it)->aside_ends();
 }
 
 }  // namespace partrain::events
