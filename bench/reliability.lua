@@ -51,16 +51,17 @@ say("unchecked %.1f ms | checked %.1f ms | checked/unchecked %.3f | %.0f us a ch
 -- 2. What pt.parallelize's probe costs: parallelizing a fresh GPT-2 (the same architecture) with
 --    the probe (a serial forward and backward on a small batch, compared with the sharded ones)
 --    against without it, alternating, medians.
-local function parallelize_seconds(probe)
+-- Seconds pt.parallelize takes on a fresh GPT-2 of `shape` (the same initial weights each time).
+local function parallelize_seconds(shape, probe)
   pt.manual_seed(1)
-  local serial = pt.models.gpt2(arch)
+  local serial = pt.models.gpt2(shape)
   pt.dist.barrier()
   return T.median_seconds(1, function() pt.parallelize(serial, nil, mesh, { probe = probe }) end)
 end
 local with, without = {}, {}
 for i = 1, 5 do
-  without[i] = parallelize_seconds(false)
-  with[i] = parallelize_seconds(true)
+  without[i] = parallelize_seconds(arch, false)
+  with[i] = parallelize_seconds(arch, true)
 end
 local w, wo = median(with), median(without)
 say("== the policy probe, the same GPT-2, 5 times each")
@@ -91,17 +92,11 @@ say("unchecked (async + wait) %.0f us | checked (blocking) %.0f us | checked/unc
 --    probe = true (every block), alternating, medians: "auto" is bounded by one block whatever
 --    the depth.
 local deep = { vocab = 256, seq = cfg.seq, dim = 512, heads = 8, layers = 12 }
-local function deep_seconds(probe)
-  pt.manual_seed(1)
-  local serial = pt.models.gpt2(deep)
-  pt.dist.barrier()
-  return T.median_seconds(1, function() pt.parallelize(serial, nil, mesh, { probe = probe }) end)
-end
 local off, auto, all = {}, {}, {}
 for i = 1, 5 do
-  off[i] = deep_seconds(false)
-  auto[i] = deep_seconds("auto")
-  all[i] = deep_seconds(true)
+  off[i] = parallelize_seconds(deep, false)
+  auto[i] = parallelize_seconds(deep, "auto")
+  all[i] = parallelize_seconds(deep, true)
 end
 local o, a, w = median(off), median(auto), median(all)
 say("== the probe of a GPT-2 of %d layers x %d (%.1f M parameters), 5 times each", deep.layers, deep.dim,

@@ -121,19 +121,20 @@ void use_split_norm(optim::Optimizer& opt, nn::Module& tree) {
 double clip_grad_norm(const std::vector<torch::Tensor>& params, double max_norm, nn::Module* tree,
                       const std::string& what) {
   check_max_norm(max_norm);
+  // Split parameters are found in the tree of the parallel model they belong to (given, or found
+  // from the parameters, one index for all of them); the tensors of no model count whole.
+  auto model = tree ? ParallelModel::of(*tree) : ParallelModel::owner(params, what);
   // Reduce-scattered gradients (ZeRO-2; ZeRO-1 unless reduce_scatter = false) never reach .grad:
-  // scaling .grad would clip nothing the optimizer reads.
-  for (const auto& p : params)
-    if (std::string name; auto owner = ParallelModel::owner(p, &name))
-      if (owner->zero_stage() > 0 && owner->data_parallel() && owner->data_parallel()->scatters())
+  // scaling .grad would clip nothing the optimizer reads. A module of such a model counts too.
+  auto holder = model ? model : tree ? tree->parallel_tree() : nullptr;
+  if (holder && holder->zero_stage() > 0 && holder->data_parallel() && holder->data_parallel()->scatters())
+    for (const auto& p : params)
+      if (std::string name; ParallelModel::owner(p, &name) == holder)  // the refusal names the first
         throw std::invalid_argument("parameter '" + name + "' belongs to a model parallelized with ZeRO-" +
-                                    std::to_string(owner->zero_stage()) + ", whose gradients are reduce-scattered "
+                                    std::to_string(holder->zero_stage()) + ", whose gradients are reduce-scattered "
                                     "and never reach .grad; clip with the optimizer's own option instead: "
                                     "pt.optim.adamw(model, { clip_grad_norm = " + number(max_norm) + " }) "
                                     "(OptimizerOptions::clip_grad_norm in C++)");
-  // Split parameters are found in the tree of the parallel model they belong to (given, or found
-  // from the parameters); the tensors of no model count whole.
-  auto model = tree ? ParallelModel::of(*tree) : ParallelModel::owner(params, what);
   auto norm = model ? model_norm(model, params) : nullptr;
   const double total = norm ? norm(params)
                             : global_grad_norm(params, tree ? split_groups(*tree, params) : std::vector<dist::GroupPtr>{});

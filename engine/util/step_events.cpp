@@ -11,11 +11,12 @@ std::vector<StepObserver*>& observers() {
   static std::vector<StepObserver*> all;  // made on first use: observers register from static init
   return all;
 }
-// Over a copy: an observer may add or remove observers as it is called.
+// By index, without a copy (a forward from Lua announces, once a module call): an observer added
+// as they are called is called too; one removed then may make the next one miss this call.
 template <class Fn>
 void announce(Fn fn) {
-  const auto now = observers();
-  for (auto* o : now) fn(*o);
+  const auto& all = observers();
+  for (size_t i = 0; i < all.size(); ++i) fn(*all[i]);
 }
 }  // namespace
 

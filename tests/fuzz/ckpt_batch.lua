@@ -90,7 +90,8 @@ local function read(path)
   return bytes
 end
 
-local record = dofile(debug.getinfo(1, "S").source:sub(2):match("^(.*/)") .. "results.lua").open(results)
+local R = dofile(debug.getinfo(1, "S").source:sub(2):match("^(.*/)") .. "results.lua")
+local record = R.open(results)
 -- Set up: the driver treats a process that dies before this line as broken, not as a case.
 local function ready() record({ ready = true }) end
 
@@ -144,18 +145,7 @@ if mode == "ckpt" or mode == "staged" then
       r.load_unchanged = state_bytes({ step = 3 }) == decoy_bytes  -- a failed load changes nothing
     end
     pt.ckpt.load(decoy, s)
-    local okr, resumed = pcall(pt.ckpt.resume, case.path, s)
-    if not okr then
-      r.resume = "error"
-      r.resume_error = tostring(resumed)
-    elseif resumed == nil then
-      r.resume = "none"
-    else
-      r.resume = "ok"
-      r.resume_tag = resumed.tag
-      r.resume_notes = table.concat(resumed.notes, "\n")
-      r.resume_match = want[resumed.tag] ~= nil and state_bytes(resumed) == want[resumed.tag]
-    end
+    R.resume(r, case.path, s, want, state_bytes)
     record(r)
   end
 elseif mode == "safetensors" then

@@ -101,6 +101,7 @@ class Tally:
         self.kinds = list(kinds or ["refused", "accepted", "unclear", "crash", "hang"])
         self.rows = {}  # class -> {kind: count}
         self.failures = []
+        self.began = time.monotonic()
 
     def add(self, cls, kind, ok, detail=""):
         row = self.rows.setdefault(cls, {})
@@ -113,6 +114,8 @@ class Tally:
         return sum(sum(r.values()) for r in self.rows.values())
 
     def finish(self):
+        """Prints the count and time, the table and the failures; exits 1 on any failure."""
+        print(f"{self.total()} cases in {time.monotonic() - self.began:.0f} s")
         kinds = self.kinds + sorted({k for r in self.rows.values() for k in r} - set(self.kinds))
         print(f"\n{self.title}: {self.total()} cases")
         print("| class | cases | " + " | ".join(kinds) + " |")
@@ -137,6 +140,11 @@ def make_with_batch(binary, batch, work, root):
     with open(os.path.join(root, "data", "kjv.txt"), "rb") as f:
         open(os.path.join(work, "corpus.txt"), "wb").write(f.read(4096))
     return run([binary, "--nproc-per-node", "2", "--threads", "1", batch, "make", work], timeout=180, cwd=root)
+
+
+def int_flag(name, default):
+    """The integer after `name` on the command line ("--cases 40"), else `default`."""
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
 def seed_from_argv(default=1):

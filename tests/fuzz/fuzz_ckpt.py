@@ -41,8 +41,8 @@ import common  # noqa: E402
 
 BIN = os.path.abspath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
-STAGED_CASES = int(sys.argv[sys.argv.index("--staged-cases") + 1]) if "--staged-cases" in sys.argv else 50
+CASES = common.int_flag("--cases", 240)
+STAGED_CASES = common.int_flag("--staged-cases", 50)
 BATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt_batch.lua")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T2, T4 = "step-00000002", "step-00000004"
@@ -304,7 +304,6 @@ def main():
                                                                "crash", "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-ckpt-")
-    start = time.monotonic()
     try:
         made = common.make_with_batch(BIN, BATCH, work, ROOT)
         if made.kind != "accepted":
@@ -370,7 +369,6 @@ def main():
                       f"case {i} ({cls}: {what}): ckpt inspect {v}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

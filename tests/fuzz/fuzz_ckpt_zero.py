@@ -34,8 +34,8 @@ import fuzz_ckpt  # noqa: E402  (its judge, and its byte-level damage)
 
 BIN = os.path.abspath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 180
-RANKED = int(sys.argv[sys.argv.index("--ranked-cases") + 1]) if "--ranked-cases" in sys.argv else 24
+CASES = common.int_flag("--cases", 180)
+RANKED = common.int_flag("--ranked-cases", 24)
 BATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_ckpt_batch.lua")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T2, T4 = "step-00000002", "step-00000004"
@@ -166,7 +166,6 @@ def main():
                          kinds=["refused", "fallback", "accepted", "wrong", "unclear", "crash", "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-ckpt-zero-")
-    start = time.monotonic()
     try:
         made = common.run([BIN, "--nproc-per-node", "4", "--threads", "1", BATCH, "make", work], timeout=180, cwd=ROOT,
                           memory=common.MEMORY_LIMIT)
@@ -223,7 +222,6 @@ def main():
                       f"case {i} ({cls}: {what}): ckpt inspect {v!r}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

@@ -38,7 +38,7 @@ import common  # noqa: E402
 
 BIN = os.path.realpath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 200
+CASES = common.int_flag("--cases", 200)
 ROOT = os.getuid() == 0  # root reads a file whatever its mode
 
 NUMBER_FLAGS = {  # flag: (lowest, highest) valid

@@ -53,7 +53,7 @@ import common  # noqa: E402
 
 BIN = os.path.realpath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
+CASES = common.int_flag("--cases", 240)
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_script.lua")
 TIMEOUT = 20
 DEFAULTS = {"steps": 3, "lr": 0.5, "name": b"run", "fp16": False}
@@ -552,7 +552,6 @@ def main():
     tally = common.Tally(f"Config files (seed {SEED})", kinds=["refused", "accepted", "wrong", "unclear", "crash", "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-config-")
-    start = time.monotonic()
     try:
         cases = []
         for i in range(CASES):
@@ -590,7 +589,6 @@ def main():
                     except OSError:
                         pass
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

@@ -39,7 +39,7 @@ import common  # noqa: E402
 
 BIN = os.path.abspath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 600
+CASES = common.int_flag("--cases", 600)
 BATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_batch.lua")
 MAX_BATCHES = 6  # data_batch.lua reads at most this many batches of a loader
 

@@ -39,7 +39,7 @@ import common  # noqa: E402
 
 BIN = os.path.realpath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 260
+CASES = common.int_flag("--cases", 260)
 MAX_DEPTH = 64
 MAX_LINE = 16 << 20
 MAX_RANKS = 65536
@@ -650,7 +650,6 @@ def main():
     tally = common.Tally(f"Metrics files (seed {SEED})", kinds=["refused", "accepted", "wrong", "unclear", "crash", "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-metrics-")
-    start = time.monotonic()
     try:
         cases = []
         for i in range(CASES):
@@ -671,7 +670,6 @@ def main():
                 tally.add(f"{cls} ({command})", kind, ok, f"case {i} ({what}): {detail}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

@@ -54,7 +54,7 @@ import plan_format as pf  # noqa: E402
 
 BIN = os.path.realpath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
+CASES = common.int_flag("--cases", 240)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = ["tests/plan/gpt2_step.lua", "--vocab", "32", "--seq", "8", "--dim", "16", "--heads", "2", "--layers", "2",
           "--batch", "4"]
@@ -319,7 +319,6 @@ def main():
     tally = common.Tally(f"Plan files (seed {SEED})", kinds=["refused", "accepted", "wrong", "unclear", "crash", "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-plan-")
-    start = time.monotonic()
     try:
         plans = {}
         for name, (ranks, flags) in LAYOUTS.items():
@@ -364,7 +363,6 @@ def main():
             tally.add(cls, kind, ok, f"case {i} ({layout}, {mode}: {what}): {detail}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

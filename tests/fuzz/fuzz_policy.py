@@ -498,7 +498,7 @@ def main():
         sys.exit(__doc__)
     partrain = os.path.abspath(sys.argv[1])
     seed = common.seed_from_argv(1)
-    n = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 220
+    n = common.int_flag("--cases", 220)
     rng = random.Random(seed)
     cases = [make_case(rng, i) for i in range(n)]
     started = time.monotonic()

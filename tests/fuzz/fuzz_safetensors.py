@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from fuzz_ckpt import BATCH, BIN, ROOT, SEED, run_batch  # noqa: E402
 
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 320
+CASES = common.int_flag("--cases", 320)
 SIZES = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 FLOATS = {"F32", "F64", "F16", "BF16"}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -431,7 +431,6 @@ def main():
                                                                "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-safetensors-")
-    start = time.monotonic()
     try:
         made = common.make_with_batch(BIN, BATCH, work, ROOT)
         if made.kind != "accepted":
@@ -475,7 +474,6 @@ def main():
             tally.add(cls, kind, ok, f"case {i} ({what}): {detail}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

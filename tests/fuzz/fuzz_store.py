@@ -49,7 +49,7 @@ import common  # noqa: E402
 
 BIN = os.path.realpath(sys.argv[1])
 SEED = common.seed_from_argv()
-CASES = int(sys.argv[sys.argv.index("--cases") + 1]) if "--cases" in sys.argv else 240
+CASES = common.int_flag("--cases", 240)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_script.lua")
 MAGIC = b"PTRDZV01"
@@ -508,7 +508,6 @@ def main():
                          kinds=["refused", "accepted", "wrong", "unclear", "crash", "hang"])
     rng = random.Random(SEED)
     work = common.scratch_dir("fuzz-store-")
-    start = time.monotonic()
     nodes = []
     try:
         secret_file = os.path.join(work, "secret")
@@ -611,7 +610,6 @@ def main():
                 common.kill_tree(p.pid)
                 p.wait()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{tally.total()} cases in {time.monotonic() - start:.0f} s")
     tally.finish()
 
 

@@ -62,7 +62,8 @@ local function read(path)
 end
 
 local world, rank = pt.dist.world_size(), pt.dist.rank()
-local record = rank == 0 and dofile(debug.getinfo(1, "S").source:sub(2):match("^(.*/)") .. "results.lua").open(results)
+local R = dofile(debug.getinfo(1, "S").source:sub(2):match("^(.*/)") .. "results.lua")
+local record = rank == 0 and R.open(results)
   or function() end
 
 local cases = {}
@@ -120,18 +121,7 @@ for _, case in ipairs(cases) do
     r.load_unchanged = state_bytes({ step = 3 }) == decoy_bytes  -- a failed load changes nothing
   end
   pt.ckpt.load(decoy, s)
-  local okr, resumed = pcall(pt.ckpt.resume, case.path, s)
+  local okr, resumed = R.resume(r, case.path, s, want, state_bytes)
   r.resume_agree = agree(okr and resumed ~= nil)
-  if not okr then
-    r.resume = "error"
-    r.resume_error = tostring(resumed)
-  elseif resumed == nil then
-    r.resume = "none"
-  else
-    r.resume = "ok"
-    r.resume_tag = resumed.tag
-    r.resume_notes = table.concat(resumed.notes, "\n")
-    r.resume_match = want[resumed.tag] ~= nil and state_bytes(resumed) == want[resumed.tag]
-  end
   record(r)
 end
