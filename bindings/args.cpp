@@ -342,6 +342,27 @@ std::vector<double> Options::numbers(const char* key, std::vector<double> fallba
   return out;
 }
 
+std::vector<std::string> Options::strings(const char* key, std::vector<std::string> fallback) {
+  if (!push(key)) return fallback;
+  if (lua_type(L, -1) != LUA_TTABLE) wrong(key, "a list of strings");
+  std::vector<std::string> out;
+  int n = static_cast<int>(lua_objlen(L, -1));
+  for (int k = 1; k <= n; ++k) {
+    lua_rawgeti(L, -1, k);
+    if (lua_type(L, -1) != LUA_TSTRING) {
+      std::string got = luaL_typename(L, -1);
+      lua_pop(L, 2);
+      throw std::invalid_argument("option '" + prefix_ + key + "' for " + what_ + " must be a list of strings, "
+                                  "element " + std::to_string(k) + " is a " + got);
+    }
+    out.emplace_back(lua_tostring(L, -1));
+    lua_pop(L, 1);
+  }
+  refuse_stray_key(L, -1, n, "option '" + prefix_ + key + "' for " + what_ + " must be a list of strings");
+  lua_pop(L, 1);
+  return out;
+}
+
 std::vector<int64_t> Options::ints(const char* key, std::vector<int64_t> fallback) {
   if (!has(key)) return fallback;
   std::vector<int64_t> out;

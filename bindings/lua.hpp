@@ -168,6 +168,7 @@ class Options {
   std::string string(const char* key, const std::string& fallback);
   std::vector<int64_t> ints(const char* key, std::vector<int64_t> fallback);
   std::vector<double> numbers(const char* key, std::vector<double> fallback);
+  std::vector<std::string> strings(const char* key, std::vector<std::string> fallback);
   /// A nested options table, read by the same rules; its keys are named "outer.inner".
   Options table(const char* key);
   /// Pushes the raw value of `key` (recording the key) and returns true; false, pushing nothing,

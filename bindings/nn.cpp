@@ -25,6 +25,19 @@ using torch::Tensor;
 
 namespace {
 
+// ZeRO-3's sharded parameters of the model `m` is part of (null when it has none).
+std::shared_ptr<parallel::Fsdp> fsdp_of(const nn::Module& m) {
+  auto pm = m.parallel_tree();
+  return pm ? pm->fsdp() : nullptr;
+}
+
+// The tensors of `map` as copies when `copy` (views of gathered parameters outlive no gather).
+nn::TensorMap owned(nn::TensorMap map, bool copy) {
+  if (copy)
+    for (auto& [name, t] : map) t = t.detach().clone();
+  return map;
+}
+
 // Forwards written in Lua that C++ runs, nested: a forward that calls itself (a replaced forward
 // calling self(x)) would recurse through C++ until the C stack overflows. Bounded like Lua's own
 // C-call depth, with a clean error instead.
@@ -346,15 +359,27 @@ const Function kMethods[] = {
        refuse_replacing_held(a.L, *parent, dot == std::string::npos ? path : path.substr(dot + 1));
        parent->set_child(dot == std::string::npos ? path : path.substr(dot + 1), a.module(3));
        return a.ret(); }},
+    // Under ZeRO-3 the parameters exist whole only while gathered: these read (copies) or write
+    // them with every unit gathered for the call (a collective over the zero group).
     {"state_dict", [](Args& a) {  // this rank's tensors (its parts of split ones): smp's local_state_dict
-       push_tensor_map(a.L, a.module(1)->state_dict());
+       auto& m = *a.module(1);
+       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/false);
+       push_tensor_map(a.L, owned(m.state_dict(), fsdp_of(m) != nullptr));
        return 1; }},
-    {"load_state_dict", [](Args& a) { a.module(1)->load_state_dict(tensor_map(a, 2), a.boolean(3, true)); return a.ret(); }},
+    {"load_state_dict", [](Args& a) {
+       auto& m = *a.module(1);
+       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
+       m.load_state_dict(tensor_map(a, 2), a.boolean(3, true));
+       return a.ret(); }},
     {"full_state_dict", [](Args& a) {  // split tensors gathered to their logical shapes (a collective)
-       push_tensor_map(a.L, parallel::full_state_dict(*a.module(1)));
+       auto& m = *a.module(1);
+       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/false);
+       push_tensor_map(a.L, owned(parallel::full_state_dict(m), fsdp_of(m) != nullptr));
        return 1; }},
     {"load_full_state_dict", [](Args& a) {  // logical tensors in; each rank keeps its parts
-       parallel::load_full_state_dict(*a.module(1), tensor_map(a, 2), a.boolean(3, true));
+       auto& m = *a.module(1);
+       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
+       parallel::load_full_state_dict(m, tensor_map(a, 2), a.boolean(3, true));
        return a.ret(); }},
     {"train", [](Args& a) { a.module(1)->train(a.boolean(2, true)); lua_settop(a.L, 1); return 1; }},
     {"eval", [](Args& a) { a.module(1)->eval(); lua_settop(a.L, 1); return 1; }},

@@ -292,6 +292,10 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
     if (z.has("overlap_comm")) zero.overlap_comm = z.boolean("overlap_comm", false);
     zero.allgather_bucket_size = mib(z, "allgather_bucket_size", zero.allgather_bucket_size, "zero: ");
     zero.reduce_scatter = z.boolean("reduce_scatter", zero.reduce_scatter);
+    if (z.has("reshard_after_forward")) zero.reshard_after_forward = z.boolean("reshard_after_forward", true);
+    zero.prefetch = z.int32("prefetch", zero.prefetch);
+    zero.units = z.strings("units", {});
+    zero.blocks = z.string("blocks", "");
     z.finish();
     out.zero = zero;
   }

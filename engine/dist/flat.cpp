@@ -134,4 +134,24 @@ void ProcessGroup::all_gather_flat(Tensor& flat) const {
   ledger_set(ticket, ledger::State::Completed);
 }
 
+Work ProcessGroup::start_all_gather_flat(Tensor& flat, const Tensor& mine) const {
+  const int64_t part = flat_part(flat, "all_gather");
+  TORCH_CHECK(flat.is_contiguous() && mine.is_contiguous() && mine.numel() == part &&
+                  mine.scalar_type() == flat.scalar_type() && mine.device() == flat.device(),
+              "all_gather on ", describe(), ": the part must be a contiguous tensor of ", part,
+              " elements of the flat tensor's dtype and device, got shape ", mine.sizes());
+  const int64_t ticket = verify(10, "all_gather(flat)", flat, ledger::Op::AllGather);
+  if (recorded_only()) record("all_gather", static_cast<int64_t>(flat.nbytes()));
+  if (size() == 1 || !impl_) {
+    if (!recorded_only()) flat.copy_(mine);
+    return Work();
+  }
+  record("all_gather", static_cast<int64_t>(flat.nbytes()));
+  auto wire_out = bytes_for_gloo(flat), wire_in = bytes_for_gloo(mine);
+  c10d::AllgatherOptions o;
+  o.timeout = options_.timeout;
+  return run("all_gather", [&] { return impl_->group->_allgather_base(wire_out, wire_in, o); }, /*async=*/true, {},
+             ticket);
+}
+
 }  // namespace partrain::dist

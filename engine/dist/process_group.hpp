@@ -164,6 +164,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// All-gather over a flat tensor in place: rank r's part r of `flat` (read as above) ends on
   /// every rank. NCCL: native; Gloo: a ring of size() - 1 steps of one part each.
   void all_gather_flat(Tensor& flat) const;
+  /// The same gather started and left in flight: `mine` (every rank's part, of flat's length /
+  /// size()) ends at part r of `flat` on every rank once the work completes. Both tensors must be
+  /// contiguous and stay alive until then. Gloo and NCCL: one all-gather into the flat tensor.
+  Work start_all_gather_flat(Tensor& flat, const Tensor& mine) const;
   /// Point to point, to or from group rank `dst`/`src`. Messages between two ranks with the same
   /// `tag` arrive in the order they were sent; different tags are separate channels (a pipeline's
   /// activations and gradients).

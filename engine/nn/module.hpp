@@ -142,6 +142,8 @@ class Module : public torch::nn::Module {
   /// Installs `fn` in place of the module's own forward; an empty `fn` restores it.
   void replace_forward(ForwardFn fn) { replaced_ = std::move(fn); }
   bool forward_replaced() const { return static_cast<bool>(replaced_); }
+  /// The replacement installed now (empty: none), for a wrapper that calls it in turn.
+  const ForwardFn& replaced_forward() const { return replaced_; }
   /// Whether this module's forward or any module's below it was replaced: what it takes and
   /// gives may then not be what its layers' sizes say.
   virtual bool forward_replaced_in_tree() const;

@@ -19,7 +19,8 @@ std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& p
     bool fresh = buckets.empty() || bytes >= cap_bytes;
     if (!fresh) {
       const auto& first = params[buckets.back().front()];
-      fresh = first.dtype != p.dtype || first.device != p.device || first.whole != p.whole || first.chunk != p.chunk;
+      fresh = first.dtype != p.dtype || first.device != p.device || first.whole != p.whole || first.chunk != p.chunk ||
+              first.unit != p.unit;
     }
     if (fresh) {
       buckets.emplace_back();
@@ -37,11 +38,12 @@ void DataParallelOptions::validate() const {
               "bucket_cap_mb must be a finite number > 0, got ", options.bucket_cap_mb);
   TORCH_CHECK(options.grad_accumulation >= 1, "grad_accumulation must be >= 1, got ", options.grad_accumulation);
   TORCH_CHECK(options.reduce != dist::ReduceOp::Product, "reduce 'product' makes no sense for gradients");
-  TORCH_CHECK(options.zero.stage >= 0 && options.zero.stage <= 2, "ZeRO stage ", options.zero.stage,
-              " is not supported: stages 0, 1, 2");
-  TORCH_CHECK(options.zero.stage != 2 || options.reduce == dist::ReduceOp::Mean ||
+  TORCH_CHECK(options.zero.stage >= 0 && options.zero.stage <= 3, "ZeRO stage ", options.zero.stage,
+              " is not supported: stages 0, 1, 2, 3");
+  TORCH_CHECK(options.zero.stage < 2 || options.reduce == dist::ReduceOp::Mean ||
                   options.reduce == dist::ReduceOp::Sum,
-              "ZeRO-2 reduce-scatters gradients: reduce must be 'mean' or 'sum', got '", to_string(options.reduce), "'");
+              "ZeRO-", options.zero.stage, " reduce-scatters gradients: reduce must be 'mean' or 'sum', got '",
+              to_string(options.reduce), "'");
 }
 
 DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
@@ -78,11 +80,13 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   };
   std::vector<BucketParam> sizes;
   for (const auto& p : dp->params_) {
-    int chunk = 0;
+    int chunk = 0, unit = 0;
     for (size_t c = 0; c < options.pipeline.chunks.size(); ++c)
       if (holds(options.pipeline.chunks[c], p)) chunk = static_cast<int>(c);
+    for (size_t u = 0; u < options.zero.units.size(); ++u)
+      if (holds(options.zero.units[u], p)) unit = static_cast<int>(u) + 1;
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device(),
-                     holds(options.pipeline.whole, p), chunk});
+                     holds(options.pipeline.whole, p), chunk, unit});
   }
   // Bytes a bucket; a cap past 2^62 bytes is one bucket of everything (and stays an int64).
   const auto cap = static_cast<int64_t>(std::min(options.bucket_cap_mb * 1024 * 1024, 0x1p62));
@@ -193,6 +197,7 @@ void DataParallel::on_grad_ready(size_t index) {
   fill(b, slot_of_[index]);
   if (--b.pending == 0) {
     b.ready = true;
+    if (bucket_done_) bucket_done_(bucket_of_[index]);
     if (!thread_bound()) launch_ready();  // thread-bound hooks: launched at the end, on their thread
   }
 }
@@ -476,6 +481,7 @@ void DataParallel::end_pass_here() {
     for (size_t s = 0; s < b.params.size(); ++s)
       if (!filled_[b.params[s]]) fill(b, s);
     b.ready = true;
+    if (bucket_done_) bucket_done_(i);
   }
   launch_ready();
   pass_.clear();

@@ -28,12 +28,16 @@
 namespace partrain::parallel {
 
 /// ZeRO's split of the buckets (zero_data_parallel sets it from ZeroOptions and the mesh). Stage
-/// 0 all-reduces whole buckets over the data group; 1 and 2 reduce-scatter each bucket over
+/// 0 all-reduces whole buckets over the data group; 1, 2 and 3 reduce-scatter each bucket over
 /// `group` (then all-reduce the part over `across` when the zero group is smaller than the data
 /// group), 1 into the bucket's own part r (or all-reduces it whole with reduce_scatter off), 2
-/// into the shard buffer, the bucket being scratch.
+/// and 3 into the shard buffer, the bucket being scratch. Stage 3 shards the parameters too
+/// (fsdp.hpp): its buckets close at `units` boundaries.
 struct ZeroSplit {
   int stage = 0;
+  /// Stage 3: the parameters of each unit (a bucket never holds two units' parameters; those of
+  /// no unit are the root unit's).
+  std::vector<std::vector<torch::Tensor>> units;
   dist::GroupPtr group;   ///< the ranks splitting each bucket; null: none (one part)
   dist::GroupPtr across;  ///< hierarchical ZeRO's other zero groups' peers; null: none
   /// Stage 1: reduce-scatter each bucket over `group` into its own part r (the bucket stays
@@ -81,10 +85,11 @@ struct BucketParam {
   torch::Device device = torch::kCPU;
   bool whole = false;  ///< reduced whole even under ZeRO-2 (kept in buckets of its own)
   int chunk = 0;       ///< the pipeline chunk of this rank it belongs to
+  int unit = 0;        ///< ZeRO-3's unit (0: the root unit)
 };
 /// The buckets for `params` (in parameter order): lists of parameter indices, in reverse parameter
 /// order (roughly the order backward produces gradients), a bucket closed once it holds at least
-/// `cap_bytes` and wherever dtype, device, `whole` or chunk changes. Every parameter is in exactly
+/// `cap_bytes` and wherever dtype, device, `whole`, chunk or unit changes. Every parameter is in exactly
 /// one bucket.
 std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& params, int64_t cap_bytes);
 
@@ -182,13 +187,23 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
     DataParallel* dp_;
     bool counts_;
   };
-  /// ZeRO-2 over more than one rank: gradients are kept as this rank's shard only.
-  bool sharded() const { return options_.zero.stage == 2 && zero_size() > 1; }
-  /// Whether buckets (but those reduced whole) are reduce-scattered: ZeRO-2, and ZeRO-1 with
-  /// zero.reduce_scatter. Their parameters keep no .grad after the sync.
+  /// ZeRO-2 and 3 over more than one rank: gradients are kept as this rank's shard only.
+  bool sharded() const { return options_.zero.stage >= 2 && zero_size() > 1; }
+  /// Whether buckets (but those reduced whole) are reduce-scattered: ZeRO-2 and 3, and ZeRO-1
+  /// with zero.reduce_scatter. Their parameters keep no .grad after the sync.
   bool scatters() const {
-    return zero_size() > 1 && (options_.zero.stage == 2 || (options_.zero.stage == 1 && options_.zero.reduce_scatter));
+    return zero_size() > 1 && (options_.zero.stage >= 2 || (options_.zero.stage == 1 && options_.zero.reduce_scatter));
   }
+  /// Called with a bucket's index once every gradient of it has arrived in a backward pass (or
+  /// counted as zeros at its end): ZeRO-3 frees the unit's gathered parameters then.
+  void set_bucket_done(std::function<void(size_t)> fn) { bucket_done_ = std::move(fn); }
+  /// The position of `param` in params(), or -1.
+  int64_t index_of(const torch::Tensor& param) const {
+    auto it = index_of_.find(param.unsafeGetTensorImpl());
+    return it == index_of_.end() ? -1 : static_cast<int64_t>(it->second);
+  }
+  /// The bucket parameter k (of params()) is in.
+  size_t bucket_of(size_t k) const { return bucket_of_[k]; }
   /// Clears every parameter's .grad and, under ZeRO-2, zeroes the shards (what backward passes
   /// have added up since).
   void zero_grad();
@@ -347,6 +362,7 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   std::chrono::steady_clock::time_point first_launch_;
   bool launched_any_ = false;
   Hook pre_hook_, post_hook_;
+  std::function<void(size_t)> bucket_done_;
   bool pre_bound_ = false, post_bound_ = false, pending_finish_ = false, sync_enabled_ = true;
   std::thread::id hook_thread_;
   DataParallelStats stats_;

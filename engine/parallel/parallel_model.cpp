@@ -234,10 +234,24 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   if (model->pipeline_) dp.pipeline.tied = model->pipeline_->tied_params();
   const int stage = zero_stage_of(options.zero, on);
   zero_data_parallel(stage, options.zero, on, model->pipeline_.get(), dp);
+  std::vector<std::string> units;  // ZeRO-3's unit modules, in forward order
+  if (stage == 3) {
+    units = options.zero->units.empty() ? default_units(tree, options.zero->blocks) : options.zero->units;
+    dp.zero.units = unit_params(tree, units);
+  }
   model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
   if (options.zero) model->allgather_bucket_mb_ = options.zero->allgather_bucket_size;
   model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), dp);
   model->note_flat_slots();
+  //    ZeRO-3 keeps 1/z of each bucket's parameters and frees the rest: each unit is gathered when
+  //    its forward (or backward) needs it. Under a pipeline a stage's units stay gathered over its
+  //    micro-batches unless reshard_after_forward asks otherwise.
+  if (stage == 3) {
+    FsdpOptions f;
+    f.reshard_after_forward = options.zero->reshard_after_forward.value_or(!model->pipeline_);
+    f.prefetch = options.zero->prefetch;
+    model->fsdp_ = Fsdp::attach(tree, model->data_parallel_, units, f);
+  }
   // 6. Activation checkpointing last: it wraps the blocks' forwards as every parallelism above
   //    left them (their layers split, their gradients hooked), and changes no parameter.
   if (options.recompute.mode == "block") recompute_blocks(tree, options.recompute.blocks);
@@ -464,6 +478,21 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     return (sum / count.to(sum.device())).to(dtype);
   };
   if (pipeline_) {
+    // ZeRO-3: the stage's units stay gathered over the step's micro-batches (unless
+    // reshard_after_forward was asked for), freed at its end however it ends.
+    struct Hold {
+      Fsdp* fsdp;
+      explicit Hold(Fsdp* f) : fsdp(f) {
+        if (fsdp) fsdp->hold(true);
+      }
+      ~Hold() {
+        try {
+          if (fsdp) fsdp->hold(false);
+        } catch (...) {
+          // a gather that failed raised where it was waited for
+        }
+      }
+    } hold(fsdp_.get());
     auto sum = pipeline_->train_step(
         x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options, "sum"); }, weight,
         data_parallel_.get(), scale);

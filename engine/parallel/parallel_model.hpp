@@ -19,6 +19,7 @@
 #include "engine/optim/loss_scale.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/fsdp.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/sharding.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
@@ -150,6 +151,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   /// The ZeRO stage the model was parallelized with (0: off); its zero group is
   /// data_parallel()->options().zero.group, and make_zero_optimizer makes its optimizer.
   int zero_stage() const { return data_parallel_ ? data_parallel_->options().zero.stage : 0; }
+  /// ZeRO-3's sharded parameters (null below stage 3).
+  const std::shared_ptr<Fsdp>& fsdp() const { return fsdp_; }
   /// This rank's stages and their schedule (null without pipeline parallelism).
   const std::shared_ptr<Pipeline>& pipeline() const { return pipeline_; }
   const std::vector<ParameterRecord>& records() const { return records_; }
@@ -232,6 +235,7 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   std::shared_ptr<dist::Mesh> mesh_;
   std::string policy_;
   std::shared_ptr<DataParallel> data_parallel_;
+  std::shared_ptr<Fsdp> fsdp_;
   std::shared_ptr<Pipeline> pipeline_;
   std::vector<ParameterRecord> records_;
   std::weak_ptr<optim::LossScaler> loss_scaler_;

@@ -9,6 +9,8 @@ namespace partrain::parallel {
 
 namespace {
 
+thread_local int replaying = 0;  // checkpointed forwards being replayed on this thread
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -52,6 +54,10 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
     Tensor out;
     {
       torch::AutoGradMode grad(true);
+      struct Replaying {
+        Replaying() { ++replaying; }
+        ~Replaying() { --replaying; }
+      } mark;
       out = replay->block->forward(std::vector<Tensor>{x});
     }
     for (auto& [gen, state] : now) {
@@ -73,6 +79,8 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
 };
 
 }  // namespace
+
+bool replaying_checkpoint() { return replaying > 0; }
 
 Tensor checkpointed_forward(nn::Module& block, const Tensor& x) {
   if (!torch::GradMode::is_enabled()) return block.forward(std::vector<Tensor>{x});  // nothing to save

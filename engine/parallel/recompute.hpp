@@ -21,4 +21,8 @@ Tensor checkpointed_forward(nn::Module& block, const Tensor& x);
 /// a Sequential.
 void recompute_blocks(nn::Module& root, const std::string& container);
 
+/// Whether this thread is running a checkpointed block's forward again, inside backward (ZeRO-3
+/// keeps the block's parameters gathered for the backward that follows).
+bool replaying_checkpoint();
+
 }  // namespace partrain::parallel

@@ -14,7 +14,7 @@ namespace partrain::parallel {
 
 int ZeroOptions::validate(const dist::Mesh& mesh) const {
   const int zsize = mesh.size("zero");
-  TORCH_CHECK(stage >= 0 && stage <= 2, "zero stage=", stage, " is not supported: stages 0, 1, 2");
+  TORCH_CHECK(stage >= 0 && stage <= 3, "zero stage=", stage, " is not supported: stages 0, 1, 2, 3");
   TORCH_CHECK(stage == 0 || zsize > 1, "zero = { stage = ", stage, " } needs zero groups of more than one rank, but "
               "the mesh has zero=", zsize, " (pt.mesh { zero = n }: n > 1 data ranks a group, or <= 0 for the whole "
               "data group)");
@@ -23,13 +23,19 @@ int ZeroOptions::validate(const dist::Mesh& mesh) const {
   if (overlap_comm) {
     TORCH_CHECK(stage > 0, "zero: overlap_comm overlaps ZeRO's reduce-scatters with backward, but the zero stage is 0 "
                 "(no ZeRO)");
-    TORCH_CHECK(stage == 2 || *overlap_comm, "zero: overlap_comm = false is stage 2's choice: stage 1 always leaves "
-                "its reductions in flight beside backward (its gradient buffer is whole anyway)");
+    TORCH_CHECK(stage >= 2 || *overlap_comm, "zero: overlap_comm = false is stage 2's and 3's choice: stage 1 "
+                "always leaves its reductions in flight beside backward (its gradient buffer is whole anyway)");
   }
+  TORCH_CHECK(stage == 3 || (!reshard_after_forward && prefetch == 1 && units.empty()),
+              "zero: ", reshard_after_forward ? "reshard_after_forward" : !units.empty() ? "units" : "prefetch",
+              " is stage 3's (parameters sharded and gathered a unit at a time), but the zero stage is ", stage);
+  TORCH_CHECK(prefetch >= 0 && prefetch <= 64, "zero: prefetch must be a number of units from 0 to 64, got ", prefetch);
+  TORCH_CHECK(stage != 3 || !overlap_sync_param, "zero: overlap_sync_param overlaps the all-gather after the step of "
+              "stages 1 and 2; stage 3 gathers parameters before each unit's forward instead (prefetch overlaps them)");
   TORCH_CHECK(allgather_bucket_size > 0 && std::isfinite(allgather_bucket_size),
               "zero: allgather_bucket_size must be a finite number > 0 (MiB), got ", allgather_bucket_size);
   TORCH_CHECK(stage == 1 || reduce_scatter, "zero: reduce_scatter = false keeps gradients whole, which is ZeRO-1's "
-              "choice; ", stage == 2 ? "stage 2 always reduce-scatters them" : "the zero stage is 0 (no ZeRO)");
+              "choice; ", stage >= 2 ? "stages 2 and 3 always reduce-scatter them" : "the zero stage is 0 (no ZeRO)");
   TORCH_CHECK(stage == 0 || reduce_bucket_size >= 0, "zero: reduce_bucket_size must be > 0 (MiB), got ",
               reduce_bucket_size);
   return stage;
@@ -60,9 +66,12 @@ void zero_data_parallel(int stage, const c10::optional<ZeroOptions>& zero, const
   }
   dp.zero.stage = stage;
   dp.zero.reduce_scatter = !zero || zero->reduce_scatter;
-  dp.zero.overlap_comm = stage == 2 && zero && zero->overlap_comm.value_or(false);
+  dp.zero.overlap_comm = stage >= 2 && zero && zero->overlap_comm.value_or(false);
   dp.zero.group = mesh.group("zero");
   dp.zero.across = mesh.zero_across();
+  // Stage 3 gathers a unit's parameters as its buckets: one bucket a unit (and dtype), whatever
+  // bucket_cap_mb says, unless reduce_bucket_size cuts it.
+  if (stage == 3) dp.bucket_cap_mb = 0x1p42;
   if (zero && zero->reduce_bucket_size > 0) dp.bucket_cap_mb = zero->reduce_bucket_size;
 }
 
@@ -70,6 +79,7 @@ namespace {
 
 // Where one parameter's elements meet this rank's shard of a bucket.
 struct Segment {
+  size_t bucket;          // the bucket it lies in
   size_t param;           // index into DataParallel::params()
   int64_t param_offset;   // first element, in the flattened parameter
   size_t master;          // which master (one per flat buffer)
@@ -87,7 +97,8 @@ struct Gather {
 
 class ZeroShards : public optim::Distributed {
  public:
-  ZeroShards(const std::shared_ptr<ParallelModel>& model) : model_(model), dp_(model->data_parallel()) {
+  ZeroShards(const std::shared_ptr<ParallelModel>& model)
+      : model_(model), dp_(model->data_parallel()), fsdp_(model->fsdp()) {
     const auto& o = dp_->options();
     zero_ = o.zero.group;
     stage_ = o.zero.stage;
@@ -102,7 +113,9 @@ class ZeroShards : public optim::Distributed {
       for (size_t s = 0; s < b.params.size(); ++s) {
         const int64_t lo = std::max(b.offsets[s], begin);
         const int64_t hi = std::min(b.offsets[s] + params[b.params[s]].numel(), begin + part);
-        if (lo < hi) segments_.push_back({b.params[s], lo - b.offsets[s], b.buffer, length[b.buffer] + lo - begin, hi - lo});
+        if (lo < hi)
+          segments_.push_back({static_cast<size_t>(&b - dp_->buckets().data()), b.params[s], lo - b.offsets[s], b.buffer,
+                               length[b.buffer] + lo - begin, hi - lo});
       }
       length[b.buffer] += part;
     }
@@ -110,7 +123,10 @@ class ZeroShards : public optim::Distributed {
       const auto& buffer = dp_->buffer_options()[i];
       auto dtype = buffer.dtype() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
       auto options = torch::TensorOptions().dtype(dtype).device(buffer.device());
-      masters_.push_back(torch::zeros({length[i]}, options));
+      // ZeRO-3: the parameters' shard is the master itself where its dtype is the master's.
+      const bool is_shard = fsdp_ && fsdp_->shard_buffer(i).defined() && fsdp_->shard_buffer(i).scalar_type() == dtype;
+      masters_.push_back(is_shard ? fsdp_->shard_buffer(i) : torch::zeros({length[i]}, options));
+      master_is_shard_.push_back(is_shard);
       // What the optimizer steps: the master in pieces, each a leaf viewing its storage and
       // holding one parameter's elements (or padding), so that a parameter that got no gradient
       // is skipped with its own state and step count, as serial training skips it. On the CPU
@@ -141,7 +157,8 @@ class ZeroShards : public optim::Distributed {
       shared_.push_back(shared);
     }
     torch::NoGradGuard no_grad;
-    for (const auto& s : segments_) master_part(s).copy_(param_part(s));
+    for (const auto& s : segments_)
+      if (!is_shard(s)) master_part(s).copy_(param_part(s));
     for (const auto& p : params) versions_.push_back(p._version());
     steps_.assign(params.size(), 0);
     stepped_.assign(params.size(), 0);
@@ -154,7 +171,8 @@ class ZeroShards : public optim::Distributed {
     const auto& buckets = dp_->buckets();
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
-      if (!gathers_.empty()) {
+      if (param_sharded(i)) continue;  // ZeRO-3: the next forward gathers it
+      if (!gathers_.empty() && gathers_.back().last == i) {
         auto& g = gathers_.back();
         const auto dtype = dtype_of(g);
         const double bytes = static_cast<double>(z) * (g.length + b.padded / z) * c10::elementSize(dtype);
@@ -188,8 +206,8 @@ class ZeroShards : public optim::Distributed {
     // moved: pt.ckpt.load without optimizer state, a user's copy_), as Optimizer::refresh_masters.
     const auto& params = dp_->params();
     for (const auto& s : segments_)
-      if (params[s.param].scalar_type() == masters_[s.master].scalar_type() ||
-          params[s.param]._version() != versions_[s.param])
+      if (!is_shard(s) && (params[s.param].scalar_type() == masters_[s.master].scalar_type() ||
+                           params[s.param]._version() != versions_[s.param]))
         master_part(s).copy_(param_part(s));
     for (size_t k = 0; k < params.size(); ++k) versions_[k] = params[k]._version();
     // The gradient shard: this rank's reduced part of each bucket. Under ZeRO-2 backward added
@@ -230,6 +248,14 @@ class ZeroShards : public optim::Distributed {
     const auto& buckets = dp_->buckets();
     for (size_t k = 0; k < params.size(); ++k)  // the same on every rank: the counts are the group's
       if (!dp_->unused(k)) ++steps_[k], stepped_[k] = 1;
+    if (fsdp_) {
+      // ZeRO-3: the updated parts are the parameters' shards (cast into them where the master is
+      // not the shard itself); the units gathered now hold the old values and are freed.
+      for (size_t i = 0; i < buckets.size(); ++i)
+        if (param_sharded(i) && !master_is_shard_[buckets[i].buffer])
+          fsdp_->shard_of(i).copy_(masters_[buckets[i].buffer].narrow(0, bucket_master_[i], buckets[i].padded / z));
+      fsdp_->reshard_all();
+    }
     if (overlap_) {
       // Each gather's updated parts, cast to the parameters' dtype, all-gathered asynchronously
       // (in the same order on every rank); wait_params() copies them into the parameters.
@@ -370,7 +396,18 @@ class ZeroShards : public optim::Distributed {
     ZeroBytes b;
     b.stage = stage_;
     b.group = zero_->size();
-    for (const auto& m : masters_) b.master += static_cast<int64_t>(m.nbytes());
+    for (size_t i = 0; i < masters_.size(); ++i) {
+      b.master += static_cast<int64_t>(masters_[i].nbytes());
+      if (master_is_shard_[i]) b.shared_master += static_cast<int64_t>(masters_[i].nbytes());
+    }
+    if (fsdp_) {
+      const auto f = fsdp_->bytes();
+      b.param_shard = f.shards;
+      b.gathered = f.gathered;
+      b.peak_gathered = f.peak_gathered;
+      b.largest_unit = f.largest_unit;
+      b.root_unit = f.root_unit;
+    }
     for (const auto& g : grads_) b.shard_grad += static_cast<int64_t>(g.nbytes());
     b.gathers_in_flight = static_cast<int>(in_flight_.size());
     b.gathers = static_cast<int>(gathers_.size());
@@ -395,9 +432,16 @@ class ZeroShards : public optim::Distributed {
       f(q, pieces_[q].offset - s.master_offset, pieces_[q].tensor.numel());
   }
 
+  // The parameter's elements of a segment: under ZeRO-3 its shard's (the parameter itself is
+  // freed between uses), else the parameter's.
   torch::Tensor param_part(const Segment& s) const {
+    if (param_sharded(s.bucket))
+      return fsdp_->shard_of(s.bucket).narrow(0, s.master_offset - bucket_master_[s.bucket], s.length);
     return dp_->params()[s.param].detach().reshape({-1}).narrow(0, s.param_offset, s.length);
   }
+  bool param_sharded(size_t bucket) const { return fsdp_ && fsdp_->unit_of_bucket(bucket) >= 0; }
+  // Whether the segment's master part is ZeRO-3's parameter shard itself (nothing to copy).
+  bool is_shard(const Segment& s) const { return master_is_shard_[s.master] && param_sharded(s.bucket); }
   int64_t index_of(const torch::Tensor& param) const {
     const auto& params = dp_->params();
     for (size_t k = 0; k < params.size(); ++k)
@@ -460,6 +504,8 @@ class ZeroShards : public optim::Distributed {
 
   std::weak_ptr<ParallelModel> model_;
   std::shared_ptr<DataParallel> dp_;
+  std::shared_ptr<Fsdp> fsdp_;          // ZeRO-3's shards of the parameters (null below stage 3)
+  std::vector<bool> master_is_shard_;   // by master: ZeRO-3's parameter shard buffer itself
   dist::GroupPtr zero_;
   int stage_ = 0;
   std::vector<Segment> segments_;

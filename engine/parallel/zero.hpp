@@ -1,7 +1,9 @@
-// ZeRO stages 1 and 2: the distributed optimizer. Each rank of a zero group keeps master weights
-// and optimizer state for its part of every data-parallel bucket only (the flat gradient buffer
-// split into zero-group-size contiguous parts), steps them with the ordinary optimizer, and
-// all-gathers the updated parts into the parameters over the zero group after each step.
+// ZeRO stages 1, 2 and 3: the distributed optimizer. Each rank of a zero group keeps master
+// weights and optimizer state for its part of every data-parallel bucket only (the flat gradient
+// buffer split into zero-group-size contiguous parts), steps them with the ordinary optimizer, and
+// all-gathers the updated parts into the parameters over the zero group after each step (stages 1
+// and 2). Under stage 3 the parameters themselves are kept as those parts (fsdp.hpp): the step
+// writes the parts and the next forward gathers them.
 #pragma once
 
 #include <memory>
@@ -17,7 +19,8 @@ class ParallelModel;
 class Pipeline;
 
 struct ZeroOptions {
-  int stage = 0;                    ///< 0 off; 1 optimizer state and master weights sharded; 2 gradients too
+  /// 0 off; 1 optimizer state and master weights sharded; 2 gradients too; 3 parameters too.
+  int stage = 0;
   double reduce_bucket_size = 0;    ///< MiB of gradient a bucket reduce-scatters (0: data parallelism's bucket_cap_mb)
   /// After the step, start each bucket's all-gather of the updated parameters and return; they
   /// are waited for when the model is next used (ParallelModel::sync_params), so the gathers
@@ -39,6 +42,19 @@ struct ZeroOptions {
   /// always in flight (its buffer is whole anyway), so there it can only be true. DeepSpeed's
   /// overlap_comm, off by default there too for stage 2.
   c10::optional<bool> overlap_comm;
+  /// Stage 3: free a unit's parameters after its forward and gather them again for backward
+  /// (FSDP2's reshard_after_forward); off keeps them from forward to backward. Absent: on, but
+  /// off under a pipeline (a stage's units stay gathered over its micro-batches, gathered once a
+  /// step, as torchtitan does).
+  c10::optional<bool> reshard_after_forward;
+  /// Stage 3: units whose gather starts while one computes (the next in forward, the ones before
+  /// in backward); 0 gathers each when it is reached.
+  int prefetch = 1;
+  /// Stage 3: the modules gathered as units, by dotted path, in forward order; empty: each child
+  /// of `blocks` (every direct child of the root holding parameters when that is empty too).
+  /// The root unit holds the rest.
+  std::vector<std::string> units;
+  std::string blocks;  ///< the container of the model's blocks (a policy's pipeline blocks)
 
   /// Checks the options against `mesh` (its zero groups) and returns the stage they ask for;
   /// throws naming the option and value that do not fit.
@@ -78,6 +94,11 @@ struct ZeroBytes {
   /// or padding (on the CPU of at most 128 Ki elements, which keeps the update's temporaries in
   /// cache), so that a parameter without a gradient is skipped with its own state.
   int pieces = 0;
+  /// Stage 3: the parameters' shards (1/z of every parameter); of master, the bytes that are
+  /// those shards themselves (float32 parameters: one tensor, not two); the units gathered now,
+  /// the most at once so far, the largest unit and the root unit (gathered bytes).
+  int64_t param_shard = 0, shared_master = 0;
+  int64_t gathered = 0, peak_gathered = 0, largest_unit = 0, root_unit = 0;
 };
 
 /// Makes the distributed optimizer for `model` (parallelized with a zero stage of 1 or 2): an

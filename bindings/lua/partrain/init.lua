@@ -383,6 +383,19 @@ function pt.parallelize(model, policy, mesh, opts)
       end
       recompute_blocks = blocks
     end
+    -- ZeRO-3 gathers a block at a time: its units are the blocks the policy's pipeline
+    -- description names (the engine falls back to the root's children without one).
+    if type(dp.zero) == "table" and dp.zero.stage == 3 and dp.zero.units == nil and dp.zero.blocks == nil then
+      local d = policy or P.registry[model:type()]
+      if type(d) == "string" then d = require(d) end
+      local blocks = type(d) == "table" and d.pipeline and d.pipeline.blocks
+      if blocks then
+        local zero = {}
+        for k, v in pairs(dp.zero) do zero[k] = v end
+        zero.blocks = blocks
+        dp.zero = zero
+      end
+    end
     -- An optimizer made from the model before now would step the tensors it had then: tensor
     -- parallelism replaces them, and what the parallel model tells its optimizers (mixed
     -- precision's masters, loss scaling, the step on synced gradients) reaches only those made

@@ -1,0 +1,322 @@
+// ZeRO-3's gathered units (see fsdp.hpp).
+#include "engine/parallel/fsdp.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "engine/parallel/recompute.hpp"
+
+namespace partrain::parallel {
+
+namespace {
+
+// A tensor's storage released (its shape and the tensors viewing it stay) and allocated again:
+// the parameters keep their TensorImpl, their version counter and every hook, while the bytes
+// exist only when the unit is gathered.
+void free_storage(const torch::Tensor& t) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const torch::Tensor& t, size_t nbytes) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  TORCH_CHECK(s->allocator(), "ZeRO-3: a parameter buffer has no allocator to gather into");
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+int64_t bytes_of(const torch::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+}  // namespace
+
+std::vector<std::vector<torch::Tensor>> unit_params(nn::Module& root, const std::vector<std::string>& paths) {
+  std::vector<std::vector<torch::Tensor>> out;
+  std::unordered_map<const c10::TensorImpl*, std::string> owner;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const auto& path = paths[i];
+    auto m = root.find(path);
+    TORCH_CHECK(m && !path.empty(), "zero: unit '", path, "' is not a module of ", root.type(),
+                path.empty() ? " (the root holds what no unit holds already)" : "");
+    for (size_t j = 0; j < i; ++j)
+      TORCH_CHECK(path.rfind(paths[j] + ".", 0) != 0 && paths[j].rfind(path + ".", 0) != 0 && paths[j] != path,
+                  "zero: units '", paths[j], "' and '", path, "' overlap: a unit holds another's parameters");
+    auto& params = out.emplace_back();
+    for (const auto& item : m->named_parameters(/*recurse=*/true)) {
+      const auto& p = item.value();
+      if (!p.requires_grad()) continue;
+      auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), path + "." + item.key());
+      if (!fresh) {
+        if (it->second.rfind(path + ".", 0) == 0) continue;  // tied within this unit
+        TORCH_CHECK(false, "zero: '", it->second, "' and '", path, ".", item.key(), "' are one tensor held by two "
+                    "units: make the modules holding it one unit, or leave them to the root");
+      }
+      params.push_back(p);
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> default_units(nn::Module& root, const std::string& blocks) {
+  std::vector<std::string> out;
+  if (!blocks.empty()) {
+    auto container = root.find(blocks);
+    TORCH_CHECK(container, "zero: the blocks '", blocks, "' are not a module of ", root.type());
+    for (const auto& [name, child] : container->children_named()) out.push_back(blocks + "." + name);
+    return out;
+  }
+  for (const auto& [name, child] : root.children_named()) {
+    auto params = child->parameters();
+    if (std::any_of(params.begin(), params.end(), [](const auto& p) { return p.requires_grad(); })) out.push_back(name);
+  }
+  return out;
+}
+
+Fsdp::Fsdp(std::shared_ptr<DataParallel> dp, const FsdpOptions& options)
+    : dp_(std::move(dp)), zero_(dp_->options().zero.group), options_(options) {}
+
+std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParallel> dp,
+                                   const std::vector<std::string>& paths, const FsdpOptions& options) {
+  TORCH_CHECK(dp && dp->options().zero.stage == 3 && dp->zero_size() > 1,
+              "ZeRO-3: data parallelism was not set up for stage 3 over a zero group of more than one rank");
+  TORCH_CHECK(options.prefetch >= 0, "zero: prefetch must be >= 0 (units gathered ahead), got ", options.prefetch);
+  std::shared_ptr<Fsdp> f(new Fsdp(dp, options));
+  const auto& params = dp->params();
+  const auto& buckets = dp->buckets();
+  const auto& units = dp->options().zero.units;
+  TORCH_CHECK(units.size() == paths.size(), "ZeRO-3: ", paths.size(), " unit names for ", units.size(), " units");
+  f->units_.push_back({"(root)"});
+  for (const auto& p : paths) f->units_.push_back({p});
+  std::unordered_map<const c10::TensorImpl*, int> unit_of;
+  for (size_t u = 0; u < units.size(); ++u)
+    for (const auto& p : units[u]) unit_of[p.unsafeGetTensorImpl()] = static_cast<int>(u) + 1;
+  const int z = f->zero_->size(), r = f->zero_->rank();
+  // The shard buffers: one per flat buffer whose (sharded) buckets hold parameters of its dtype.
+  std::vector<bool> shareable(dp->buffer_options().size(), true);
+  std::vector<int64_t> length(dp->buffer_options().size(), 0);
+  for (const auto& b : buckets) {
+    length[b.buffer] = std::max(length[b.buffer], b.shard_start + b.padded / z);
+    if (!b.whole && params[b.params.front()].scalar_type() != dp->buffer_options()[b.buffer].dtype())
+      shareable[b.buffer] = false;
+  }
+  for (size_t i = 0; i < shareable.size(); ++i)
+    f->shard_buffers_.push_back(shareable[i] ? torch::zeros({length[i]}, dp->buffer_options()[i]) : torch::Tensor());
+  torch::NoGradGuard no_grad;
+  f->stores_.resize(buckets.size());
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const auto& b = buckets[i];
+    auto& s = f->stores_[i];
+    if (b.whole) {  // kept whole: a tie across pipeline stages, summed over the pipeline after the sync
+      for (size_t k : b.params) f->whole_bytes_ += bytes_of(params[k]);
+      continue;
+    }
+    s.unit = unit_of.count(params[b.params.front()].unsafeGetTensorImpl())
+                 ? unit_of[params[b.params.front()].unsafeGetTensorImpl()]
+                 : 0;
+    for (size_t k : b.params)
+      TORCH_CHECK((unit_of.count(params[k].unsafeGetTensorImpl()) ? unit_of[params[k].unsafeGetTensorImpl()] : 0) ==
+                      s.unit,
+                  "ZeRO-3: a bucket spans two units (the bucket layout must close at unit boundaries)");
+    const auto& first = params[b.params.front()];
+    const int64_t part = b.padded / z;
+    s.gathered = torch::zeros({b.padded}, first.options().requires_grad(false));
+    s.shard = f->shard_buffers_[b.buffer].defined() ? f->shard_buffers_[b.buffer].narrow(0, b.shard_start, part)
+                                                    : torch::zeros({part}, s.gathered.options());
+    for (size_t slot = 0; slot < b.params.size(); ++slot) {
+      auto p = params[b.params[slot]];
+      auto view = s.gathered.narrow(0, b.offsets[slot], p.numel());
+      view.copy_(p.detach().reshape({-1}));
+      // The parameter becomes a view of the flat buffer: the same tensor object, its own version
+      // counter (the gathers write the buffer, not the parameter), its storage the buffer's.
+      p.set_data(view.view(p.sizes()));
+    }
+    s.shard.copy_(s.gathered.narrow(0, r * part, part));
+    auto& unit = f->units_[s.unit];
+    unit.buckets.push_back(i);
+    unit.bytes += bytes_of(s.gathered);
+    free_storage(s.gathered);
+  }
+  // The root's forward gathers the root unit (and starts the first unit's); each unit's forward its own.
+  std::weak_ptr<Fsdp> weak = f;
+  auto wrap = [&](nn::Module& m, size_t u) {
+    auto previous = m.replaced_forward();
+    m.replace_forward([weak, u, previous](nn::Module& self, const std::vector<torch::Tensor>& inputs) {
+      auto fsdp = weak.lock();
+      if (fsdp) fsdp->before_forward(u);
+      auto out = previous ? previous(self, inputs) : self.own_forward(inputs);
+      return fsdp ? fsdp->after_forward(u, out) : out;
+    });
+  };
+  wrap(root, 0);
+  for (size_t u = 1; u < f->units_.size(); ++u) wrap(*root.find(f->units_[u].name), u);
+  dp->set_bucket_done([weak](size_t i) {
+    if (auto fsdp = weak.lock()) fsdp->bucket_done(i);
+  });
+  return f;
+}
+
+void Fsdp::gather(size_t u) {
+  auto& unit = units_[u];
+  if (unit.state != State::Sharded) return;
+  for (size_t i : unit.buckets) {
+    auto& s = stores_[i];
+    allocate_storage(s.gathered, static_cast<size_t>(bytes_of(s.gathered)));
+    unit.works.push_back(zero_->start_all_gather_flat(s.gathered, s.shard));
+  }
+  unit.state = State::Gathering;
+  gathered_bytes_ += unit.bytes;
+  peak_ = std::max(peak_, gathered_bytes_);
+  ++gathers_;
+}
+
+void Fsdp::wait(size_t u) {
+  auto& unit = units_[u];
+  if (unit.state == State::Sharded) gather(u);
+  if (unit.state != State::Gathering) return;
+  auto works = std::move(unit.works);
+  unit.works.clear();
+  unit.state = State::Gathered;  // (a failed wait leaves it gathered: reshard frees it)
+  for (auto& w : works) w.wait();
+}
+
+void Fsdp::reshard(size_t u) {
+  auto& unit = units_[u];
+  if (unit.state == State::Sharded) return;
+  if (unit.state == State::Gathering) wait(u);  // the gather still writes into the storage
+  for (size_t i : unit.buckets) free_storage(stores_[i].gathered);
+  unit.state = State::Sharded;
+  unit.done = 0;
+  gathered_bytes_ -= unit.bytes;
+}
+
+void Fsdp::reshard_all() {
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+}
+
+void Fsdp::gather_all() {
+  for (size_t u = 0; u < units_.size(); ++u) gather(u);
+  for (size_t u = 0; u < units_.size(); ++u) wait(u);
+}
+
+void Fsdp::write_back(size_t u) {
+  torch::NoGradGuard no_grad;
+  const auto& buckets = dp_->buckets();
+  const int r = zero_->rank();
+  for (size_t i : units_[u].buckets) {
+    const int64_t part = buckets[i].padded / zero_->size();
+    stores_[i].shard.copy_(stores_[i].gathered.narrow(0, r * part, part));
+  }
+}
+
+void Fsdp::hold(bool on) {
+  hold_ = on;
+  if (on) wait(0);  // a stage's first and last modules are the root unit's, run outside its forward
+  else reshard_all();
+}
+
+void Fsdp::prefetch(size_t u, int direction) {
+  for (int k = 1; k <= options_.prefetch; ++k) {
+    const int64_t next = static_cast<int64_t>(u) + direction * k;
+    if (next < 1 || next >= static_cast<int64_t>(units_.size())) break;
+    gather(static_cast<size_t>(next));
+  }
+}
+
+void Fsdp::before_forward(size_t u) {
+  const bool replay = replaying_checkpoint();
+  if (u != 0) wait(0);  // a unit run on its own still finds the root's parameters
+  wait(u);
+  // Forward prefetches the units after this one; a checkpointed block's replay runs in backward,
+  // where the ones before it come next.
+  prefetch(u == 0 ? 0 : u, replay ? -1 : 1);
+}
+
+torch::Tensor Fsdp::after_forward(size_t u, torch::Tensor out) {
+  if (u == 0) return out;  // the root unit stays gathered until its gradients are in
+  const bool replay = replaying_checkpoint();
+  if (options_.reshard_after_forward && !replay) reshard(u);
+  if (torch::GradMode::is_enabled() && out.defined() && out.requires_grad()) {
+    std::weak_ptr<Fsdp> weak = shared_from_this();
+    out.register_hook([weak, u](const torch::Tensor& grad) {
+      if (auto fsdp = weak.lock()) fsdp->before_backward(u);
+      return grad;
+    });
+  }
+  return out;
+}
+
+void Fsdp::before_backward(size_t u) {
+  wait(u);
+  prefetch(u, -1);
+}
+
+void Fsdp::bucket_done(size_t i) {
+  const int u = stores_[i].unit;
+  if (u < 0) return;
+  auto& unit = units_[u];
+  if (++unit.done < unit.buckets.size()) return;
+  unit.done = 0;
+  if (hold_ && (u == 0 || !options_.reshard_after_forward)) return;  // a pipeline step keeps it
+  reshard(u);
+}
+
+FsdpBytes Fsdp::bytes() const {
+  FsdpBytes b;
+  for (const auto& t : shard_buffers_)
+    if (t.defined()) b.shards += bytes_of(t);
+  for (size_t i = 0; i < stores_.size(); ++i)  // shards of their own (no shared buffer)
+    if (stores_[i].unit >= 0 && !shard_buffers_[dp_->buckets()[i].buffer].defined()) b.shards += bytes_of(stores_[i].shard);
+  b.whole = whole_bytes_;
+  b.gathered = gathered_bytes_;
+  b.peak_gathered = peak_;
+  for (const auto& u : units_) b.largest_unit = std::max(b.largest_unit, u.bytes);
+  b.root_unit = units_.front().bytes;
+  b.gathers = gathers_;
+  return b;
+}
+
+Fsdp::Gathered::Gathered(std::shared_ptr<Fsdp> fsdp, bool writeback) : fsdp_(std::move(fsdp)), writeback_(writeback) {
+  if (fsdp_) fsdp_->gather_all();
+}
+
+Fsdp::Gathered::~Gathered() {
+  if (!fsdp_) return;
+  try {
+    if (writeback_)
+      for (size_t u = 0; u < fsdp_->units(); ++u) fsdp_->write_back(u);
+    fsdp_->reshard_all();
+  } catch (...) {
+    // a failed gather's error was raised where it was waited for
+  }
+}
+
+Fsdp::Access::Access(std::shared_ptr<Fsdp> fsdp, bool writeback) : fsdp_(std::move(fsdp)), writeback_(writeback) {
+  if (fsdp_) fsdp_->reshard_all();  // outside a step: nothing need stay gathered
+}
+
+Fsdp::Access::~Access() {
+  try {
+    finish();
+  } catch (...) {
+    // a failed gather's error was raised where it was waited for
+  }
+}
+
+void Fsdp::Access::finish() {
+  if (!fsdp_ || current_ < 0) return;
+  if (writeback_) fsdp_->write_back(static_cast<size_t>(current_));
+  fsdp_->reshard(static_cast<size_t>(current_));
+  current_ = -1;
+}
+
+void Fsdp::Access::touch(const torch::Tensor& param) {
+  if (!fsdp_) return;
+  const int64_t k = fsdp_->dp_->index_of(param);
+  const int unit = k < 0 ? -1 : fsdp_->stores_[fsdp_->dp_->bucket_of(static_cast<size_t>(k))].unit;
+  if (unit < 0 || unit == current_) return;  // kept whole, not trainable, or gathered already
+  finish();
+  fsdp_->wait(static_cast<size_t>(unit));
+  current_ = unit;
+}
+
+}  // namespace partrain::parallel
