@@ -42,6 +42,11 @@ torch::Tensor& Args::tensor(int i) const {
     *t = torch::empty(t->sizes(), t->options().device(torch::kMeta).requires_grad(false));
     if (grad) t->requires_grad_(true);
   }
+  // ZeRO-3 frees a parameter's storage between uses: its values are there only while its unit is
+  // gathered (a kernel would read nothing at all).
+  if (t->defined() && !t->is_meta() && t->numel() > 0 && t->has_storage() && !t->storage().data())
+    fail(i, "this tensor is a parameter sharded by ZeRO-3, whose values exist only while its unit is gathered: "
+            "read or change it inside model:gathered(function() ... end), or use model:full_state_dict()");
   return *t;
 }
 

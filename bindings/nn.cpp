@@ -371,6 +371,14 @@ const Function kMethods[] = {
        parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
        m.load_state_dict(tensor_map(a, 2), a.boolean(3, true));
        return a.ret(); }},
+    {"gathered", [](Args& a) {  // gathered(fn): fn() with every ZeRO-3 unit gathered; what it writes is kept
+       auto& m = *a.module(1);
+       if (lua_type(a.L, 2) != LUA_TFUNCTION) a.expected(2, "function");
+       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
+       lua_pushvalue(a.L, 2);
+       std::string error;
+       if (!pcall(a.L, 0, LUA_MULTRET, &error)) throw Rethrow(error);
+       return lua_gettop(a.L) - 2; }},
     {"full_state_dict", [](Args& a) {  // split tensors gathered to their logical shapes (a collective)
        auto& m = *a.module(1);
        parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/false);

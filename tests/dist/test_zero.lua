@@ -713,8 +713,8 @@ test("what cannot run is refused at the caller's line", function()
   eq(pt.mesh {}:size("zero"), 1, "unset: off")
   local m = pt.mesh { zero = 2 }
   eq(m:size("zero"), 2)
-  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 3 } }) end,
-             "zero stage=3 is not supported: stages 0, 1, 2")
+  e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 4 } }) end,
+             "zero stage=4 is not supported: stages 0, 1, 2, 3")
   ok(e:find(here), e)
   e = raises(function() pt.parallelize(mlp("float32")(), nil, pt.mesh {}, { zero = { stage = 1 } }) end,
              "needs zero groups of more than one rank, but the mesh has zero=1")
