@@ -215,8 +215,8 @@ void check_fits_in_memory(const Module& root, const torch::Device& device) {
 }  // namespace
 
 void materialize(Module& root, torch::Device device, const std::function<Tensor(const MetaTensor&)>& make,
-                 const InitPlan* plan) {
-  check_fits_in_memory(root, device);
+                 const InitPlan* plan, bool check_memory) {
+  if (check_memory) check_fits_in_memory(root, device);
   InitPlan own;
   if (!plan) own = init_plan(root), plan = &own;
   std::unordered_map<const c10::TensorImpl*, Tensor> done;  // a tied tensor: made once

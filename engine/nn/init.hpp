@@ -85,9 +85,12 @@ struct MetaTensor {
 /// a buffer a new tensor object). `make` turns a meta tensor into its real value; the
 /// default is initial_tensor in the meta tensor's shape and dtype on `device`. `plan`: how each
 /// tensor is initialized, captured before the tree changed (a pipeline cut, tensor parallelism);
-/// null: init_plan(root). Throws, naming the tensor, when root has no init seed.
+/// null: init_plan(root). Throws, naming the tensor, when root has no init seed. `check_memory`:
+/// refuses a tree whose tensors would not fit this process's CPU memory (off where `make` does
+/// not keep them: ZeRO-3 keeps 1/z of each).
 void materialize(Module& root, torch::Device device,
-                 const std::function<Tensor(const MetaTensor&)>& make = nullptr, const InitPlan* plan = nullptr);
+                 const std::function<Tensor(const MetaTensor&)>& make = nullptr, const InitPlan* plan = nullptr,
+                 bool check_memory = true);
 
 /// Whether any parameter or buffer of `root` is on the meta device.
 bool has_meta(const Module& root);

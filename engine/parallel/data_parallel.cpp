@@ -59,10 +59,11 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   {
     // Every rank starts from data rank 0's weights (smp's broadcast_buffers).
     torch::NoGradGuard no_grad;
-    for (auto& p : model.parameters()) {
-      auto data = p.data();
-      g.broadcast(data, 0);
-    }
+    if (options.broadcast_parameters)
+      for (auto& p : model.parameters()) {
+        auto data = p.data();
+        g.broadcast(data, 0);
+      }
     if (options.broadcast_buffers)
       for (auto& b : model.buffers()) g.broadcast(b, 0);
   }

@@ -68,6 +68,9 @@ struct DataParallelOptions {
   dist::ReduceOp reduce = dist::ReduceOp::Mean; ///< how ranks' gradients combine (Cube's reducer_op)
   int grad_accumulation = 1;                    ///< backward passes a sync: sync on every k-th only
   bool broadcast_buffers = true;                ///< copy buffers from data rank 0 at start, with parameters
+  /// Copy parameters from data rank 0 at start; off where every rank made them alike and they
+  /// hold no values yet (ZeRO-3's deferred initialization).
+  bool broadcast_parameters = true;
   /// The gradient buffer's dtype; undefined: each parameter's own.
   c10::optional<torch::ScalarType> reduce_dtype;
   ZeroSplit zero;          ///< ZeRO's shards of the buckets

@@ -13,11 +13,17 @@ namespace {
 // A tensor's storage released (its shape and the tensors viewing it stay) and allocated again:
 // the parameters keep their TensorImpl, their version counter and every hook, while the bytes
 // exist only when the unit is gathered.
-void free_storage(const torch::Tensor& t) {
+}  // namespace
+
+void release_storage(const torch::Tensor& t) {
   auto* s = t.storage().unsafeGetStorageImpl();
   s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   s->set_nbytes(0);
 }
+
+namespace {
+
+void free_storage(const torch::Tensor& t) { release_storage(t); }
 
 void allocate_storage(const torch::Tensor& t, size_t nbytes) {
   auto* s = t.storage().unsafeGetStorageImpl();
@@ -76,7 +82,8 @@ Fsdp::Fsdp(std::shared_ptr<DataParallel> dp, const FsdpOptions& options)
     : dp_(std::move(dp)), zero_(dp_->options().zero.group), options_(options) {}
 
 std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParallel> dp,
-                                   const std::vector<std::string>& paths, const FsdpOptions& options) {
+                                   const std::vector<std::string>& paths, const FsdpOptions& options,
+                                   const std::function<torch::Tensor(const torch::Tensor&)>& initial) {
   TORCH_CHECK(dp && dp->options().zero.stage == 3 && dp->zero_size() > 1,
               "ZeRO-3: data parallelism was not set up for stage 3 over a zero group of more than one rank");
   TORCH_CHECK(options.prefetch >= 0, "zero: prefetch must be >= 0 (units gathered ahead), got ", options.prefetch);
@@ -107,7 +114,12 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
     const auto& b = buckets[i];
     auto& s = f->stores_[i];
     if (b.whole) {  // kept whole: a tie across pipeline stages, summed over the pipeline after the sync
-      for (size_t k : b.params) f->whole_bytes_ += bytes_of(params[k]);
+      for (size_t k : b.params) {
+        auto p = params[k];
+        auto made = initial ? initial(p) : torch::Tensor();
+        if (made.defined()) p.set_data(made.view(p.sizes()));
+        f->whole_bytes_ += bytes_of(p);
+      }
       continue;
     }
     s.unit = unit_of.count(params[b.params.front()].unsafeGetTensorImpl())
@@ -125,7 +137,8 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
     for (size_t slot = 0; slot < b.params.size(); ++slot) {
       auto p = params[b.params[slot]];
       auto view = s.gathered.narrow(0, b.offsets[slot], p.numel());
-      view.copy_(p.detach().reshape({-1}));
+      auto made = initial ? initial(p) : torch::Tensor();  // a deferred parameter's values, made now
+      view.copy_((made.defined() ? made : p.detach()).reshape({-1}));
       // The parameter becomes a view of the flat buffer: the same tensor object, its own version
       // counter (the gathers write the buffer, not the parameter), its storage the buffer's.
       p.set_data(view.view(p.sizes()));

@@ -59,6 +59,9 @@ std::vector<std::vector<torch::Tensor>> unit_params(nn::Module& root, const std:
 /// root that holds trainable parameters.
 std::vector<std::string> default_units(nn::Module& root, const std::string& blocks);
 
+/// Releases `t`'s storage (its shape stays; its values are gone until it is allocated again).
+void release_storage(const torch::Tensor& t);
+
 /// What ZeRO-3 holds on this rank, in bytes.
 struct FsdpBytes {
   int64_t shards = 0;        ///< the parameter shards (1/z of every sharded parameter, padded)
@@ -75,8 +78,11 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
   /// Shards `dp`'s buckets (built with zero.units and stage 3) over its zero group: the modules at
   /// `paths` become units, their forwards wrapped; the root's forward gathers the root unit.
   /// Every parameter's values are kept (part r of each bucket in the shard), then freed.
+  /// `initial` (if given) makes a parameter's values where it holds none (a deferred model,
+  /// materialize_deferred): a unit's are made when its shard is taken, one unit at a time.
   static std::shared_ptr<Fsdp> attach(nn::Module& root, std::shared_ptr<DataParallel> dp,
-                                      const std::vector<std::string>& paths, const FsdpOptions& options);
+                                      const std::vector<std::string>& paths, const FsdpOptions& options,
+                                      const std::function<torch::Tensor(const torch::Tensor&)>& initial = nullptr);
 
   const FsdpOptions& options() const { return options_; }
   /// Units: 0 is the root unit, then the unit modules in forward order.

@@ -134,13 +134,36 @@ void agree_on_batch(const dist::GroupPtr& group, const torch::Tensor& x, const t
 
 // ---- The composer ----------------------------------------------------------------------------
 
+namespace {
+
+// This rank's initial values of the meta tensor `t` (its slice of a split one), on `device`.
+torch::Tensor local_initial(const nn::Module& root, const nn::MetaTensor& t, const torch::Device& device) {
+  const auto* s = t.owner->sharding_of(t.local);
+  auto full = nn::initial_tensor(root, *t.init, s ? c10::IntArrayRef(s->shape) : t.meta.sizes());
+  return (s ? local_part(full, *s, s->group->rank()) : full).to(device, t.meta.scalar_type());
+}
+
+}  // namespace
+
 void materialize_local(nn::Module& root, const nn::InitPlan& plan) {
   const auto device = dist::World::instance().device();
+  nn::materialize(root, device, [&](const nn::MetaTensor& t) { return local_initial(root, t, device); }, &plan);
+}
+
+void materialize_deferred(nn::Module& root, const nn::InitPlan& plan, DeferredValues& out) {
+  const auto device = dist::World::instance().device();
   nn::materialize(root, device, [&](const nn::MetaTensor& t) {
-    const auto* s = t.owner->sharding_of(t.local);
-    auto full = nn::initial_tensor(root, *t.init, s ? c10::IntArrayRef(s->shape) : t.meta.sizes());
-    return (s ? local_part(full, *s, s->group->rank()) : full).to(device, t.meta.scalar_type());
-  }, &plan);
+    if (!t.meta.requires_grad()) return local_initial(root, t, device);
+    auto empty = torch::empty(t.meta.sizes(), t.meta.options().device(device).requires_grad(false));
+    release_storage(empty);
+    // The recipe holds what it reads: the owner (the tree keeps it), the plan's entry (a copy).
+    out[empty.storage().unsafeGetStorageImpl()] = [&root, owner = t.owner, local = t.local, meta = t.meta,
+                                                    init = *t.init, device] {
+      nn::MetaTensor m{"", owner, local, meta, &init};
+      return local_initial(root, m, device);
+    };
+    return empty;
+  }, &plan, /*check_memory=*/false);
 }
 
 namespace {
@@ -218,8 +241,13 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   // 3. A model built deferred (on the meta device) gets its tensors now, only those this rank
   //    holds: each initialized by name as the serial model (the logical tensor, then this rank's
   //    slice of a split one), one at a time. The planner keeps them on the meta device.
+  //    Under ZeRO-3 a trainable parameter gets only its shape here: its values are made a unit
+  //    at a time when ZeRO-3 takes its shards (5), so the model is never whole on any rank.
+  const int stage = zero_stage_of(options.zero, on);
+  DeferredValues deferred;
   if (!util::planning() && nn::has_meta(tree)) {
-    materialize_local(tree, init_plan);
+    if (stage == 3) materialize_deferred(tree, init_plan, deferred);
+    else materialize_local(tree, init_plan);
     if (model->pipeline_) model->pipeline_->rebind(tree);  // its ties held the meta tensors
   }
   // 4. The records: one per parameter, from the tree as the policy left it. A tie between tensors
@@ -232,7 +260,7 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   //    parts only (make_optimizer).
   auto dp = options.data_parallel;
   if (model->pipeline_) dp.pipeline.tied = model->pipeline_->tied_params();
-  const int stage = zero_stage_of(options.zero, on);
+  dp.broadcast_parameters = deferred.empty();  // made by name: alike on every rank, and not yet
   zero_data_parallel(stage, options.zero, on, model->pipeline_.get(), dp);
   std::vector<std::string> units;  // ZeRO-3's unit modules, in forward order
   if (stage == 3) {
@@ -250,7 +278,10 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
     FsdpOptions f;
     f.reshard_after_forward = options.zero->reshard_after_forward.value_or(!model->pipeline_);
     f.prefetch = options.zero->prefetch;
-    model->fsdp_ = Fsdp::attach(tree, model->data_parallel_, units, f);
+    model->fsdp_ = Fsdp::attach(tree, model->data_parallel_, units, f, [&deferred](const torch::Tensor& p) {
+      auto it = deferred.find(p.storage().unsafeGetStorageImpl());
+      return it == deferred.end() ? torch::Tensor() : it->second();
+    });
   }
   // 6. Activation checkpointing last: it wraps the blocks' forwards as every parallelism above
   //    left them (their layers split, their gradients hooked), and changes no parameter.
@@ -269,6 +300,13 @@ ParallelModel::~ParallelModel() { --live_; }
 std::vector<std::weak_ptr<ParallelModel>>& ParallelModel::models() {
   static std::vector<std::weak_ptr<ParallelModel>> all;
   return all;
+}
+
+std::vector<std::shared_ptr<ParallelModel>> ParallelModel::alive() {
+  std::vector<std::shared_ptr<ParallelModel>> out;
+  for (const auto& w : models())
+    if (auto m = w.lock()) out.push_back(std::move(m));
+  return out;
 }
 
 std::shared_ptr<ParallelModel> ParallelModel::owner(const torch::Tensor& param, std::string* name) {

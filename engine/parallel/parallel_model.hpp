@@ -80,6 +80,16 @@ const ColumnParallelLinear* vocab_head_of(nn::Module& root, std::string* path = 
 /// a pipeline cut dropped a tie's other names.
 void materialize_local(nn::Module& root, const nn::InitPlan& plan);
 
+/// ZeRO-3's deferred initialization: how to make a parameter's initial values on this rank (its
+/// slice of the logical tensor), by the storage the parameter holds, for Fsdp::attach to fill one
+/// unit at a time.
+using DeferredValues = std::unordered_map<const c10::StorageImpl*, std::function<torch::Tensor()>>;
+/// As materialize_local, but every trainable parameter gets a tensor of its shape whose storage is
+/// released at once (no values on any rank), and its values are left to `out`: a model larger
+/// than a rank is never made whole. Buffers and frozen parameters are made as materialize_local
+/// makes them.
+void materialize_deferred(nn::Module& root, const nn::InitPlan& plan, DeferredValues& out);
+
 /// What a training step computes (model:train_step's options).
 struct TrainStepOptions {
   /// The loss of the model's output and the targets: "cross_entropy" (vocabulary-parallel when
@@ -142,6 +152,8 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   static std::shared_ptr<ParallelModel> owner(const std::vector<torch::Tensor>& params, const std::string& what);
   /// How many ParallelModels are alive in this process (tests of their lifetime).
   static int64_t live() { return live_.load(); }
+  /// Every ParallelModel alive in this process (the planner sums ZeRO-3's gathered units).
+  static std::vector<std::shared_ptr<ParallelModel>> alive();
 
   nn::Module& module() const { return *root_; }
   const nn::ModulePtr& root() const { return root_; }

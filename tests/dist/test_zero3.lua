@@ -35,9 +35,11 @@ local function equal(c)
   local mesh = pt.mesh(c.mesh)
   local make = c.make or gpt2(c.dtype)
   pt.manual_seed(11)
-  local b = c.against and pt.parallelize(make(), "policies.gpt2", mesh, c.against) or make()
+  -- A deferred model is initialized by name: its serial twin is materialized whole the same way.
+  local b = c.against and pt.parallelize(make(), "policies.gpt2", mesh, c.against)
+            or (c.deferred and pt.deferred(make):materialize() or make())
   pt.manual_seed(11)
-  local a = pt.parallelize(make(), "policies.gpt2", mesh, c.opts)
+  local a = pt.parallelize(c.deferred and pt.deferred(make) or make(), "policies.gpt2", mesh, c.opts)
   local optim = c.optim or { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.5 }
   local ao, bo = pt.optim.adamw(a, optim), pt.optim.adamw(b, optim)
   local d, n = mesh:coord().data, mesh:size("data")
@@ -89,6 +91,14 @@ test("ZeRO-3 x pipeline 2 (1F1B, units gathered once a step or every micro-batch
           opts = { zero = { stage = 3 }, schedule = "1f1b", microbatches = 2 } }
   equal { what = "zero-3 pipeline 2 resharding every micro-batch", mesh = { pipeline = 2, zero = 0 }, steps = 10,
           opts = { zero = { stage = 3, reshard_after_forward = true }, schedule = "1f1b", microbatches = 2 } }
+end)
+
+test("a deferred model is made a unit at a time under ZeRO-3 and equals serial AdamW", function()
+  equal { what = "zero-3 deferred", mesh = { zero = 0 }, deferred = true, steps = 10, opts = { zero = { stage = 3 } } }
+  equal { what = "zero-3 deferred tensor 2", mesh = { tensor = 2, zero = 0 }, deferred = true, steps = 10,
+          opts = { zero = { stage = 3 } } }
+  equal { what = "zero-3 deferred pipeline 2", mesh = { pipeline = 2, zero = 0 }, deferred = true, steps = 10,
+          opts = { zero = { stage = 3 }, schedule = "1f1b", microbatches = 2 } }
 end)
 
 test("ZeRO-3 with recompute, accumulation, prefetch 0 and 3, reshard_after_forward off equals serial AdamW", function()
