@@ -2,7 +2,9 @@
 -- weights, trained plain, with ZeRO-1 and with ZeRO-2 over the whole data group, the three taking
 -- turns (a round of steps each, several rounds) so that the machine's noise falls on all alike.
 -- ZeRO-2 runs twice: as by default, and with overlap_comm (its reduce-scatters in flight beside
--- backward, at the cost of more buckets of scratch). Prints, per variant, the median step time and each rank's optimizer-state, master-weight and
+-- backward, at the cost of more buckets of scratch). ZeRO-3 runs with prefetch 1 and 0: its
+-- parameter shards and model state against 1/z of the unsharded model's, the peak of its gathers
+-- against the planner's count, and its step time against ZeRO-2's. Prints, per variant, the median step time and each rank's optimizer-state, master-weight and
 -- gradient bytes (pt.memory_report: what the tensors hold) beside ZeRO's theory; under ZeRO-2
 -- the gradients are split into the shard and the scratch of the buckets backward reduces (the
 -- pool's high-water mark), stated apart. Every variant uses buckets of --bucket MiB.
@@ -18,15 +20,18 @@ local cfg = pt.args {
 }
 local rank, world = pt.dist.rank(), pt.dist.world_size()
 local variants = { { name = "plain", stage = 0 }, { name = "zero1", stage = 1 }, { name = "zero2", stage = 2 },
-                   { name = "zero2_overlap", stage = 2, overlap_comm = true } }
+                   { name = "zero2_overlap", stage = 2, overlap_comm = true },
+                   { name = "zero3", stage = 3, prefetch = 1 }, { name = "zero3_noprefetch", stage = 3, prefetch = 0 } }
 local local_batch = math.floor(cfg.batch / world)
 for _, v in ipairs(variants) do
   pt.manual_seed(1)
   local mesh = v.stage > 0 and pt.mesh { zero = 0 } or pt.mesh {}
   local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, layers = cfg.layers,
                                  dtype = cfg.dtype }
-  v.model = pt.parallelize(model, nil, mesh, v.stage > 0 and { zero = { stage = v.stage, reduce_bucket_size = cfg.bucket,
-                                                                         overlap_comm = v.overlap_comm } }
+  -- ZeRO-3's buckets are its units (a block each), whatever the bucket size.
+  v.model = pt.parallelize(model, nil, mesh, v.stage == 3 and { zero = { stage = 3, prefetch = v.prefetch } }
+                                             or v.stage > 0 and { zero = { stage = v.stage, reduce_bucket_size = cfg.bucket,
+                                                                           overlap_comm = v.overlap_comm } }
                                              or { bucket_cap_mb = cfg.bucket })
   v.opt = pt.optim.adamw(v.model, { lr = 1e-3, clip_grad_norm = 1.0 })
   v.loss_of = pt.loss_fn(v.model)
@@ -62,13 +67,14 @@ local median = require("timing").median
 -- float32); gradients P*N, and P*N/z under ZeRO-2.
 local n = 0
 for _, p in ipairs(variants[1].model:parameters()) do n = n + p:numel() end
-local pbytes = variants[1].model:parameters()[1]:element_size()
+local pbytes = pt.zeros({ 1 }, { dtype = cfg.dtype }):element_size()
 local base = median(variants[1].times)
+local zero2 = median(variants[3].times)
 for _, v in ipairs(variants) do
   local r = pt.memory_report(v.model)
   local z = v.stage > 0 and world or 1
   local theory = { optimizer = 8 * n / z, master = (v.stage > 0 or pbytes < 4) and 4 * n / z or 0,
-                   grads = v.stage == 2 and pbytes * n / z or pbytes * n }
+                   grads = v.stage >= 2 and pbytes * n / z or pbytes * n }
   local function col(key)
     local t = theory[key]
     return ("%s_mb=%.3f theory_mb=%.3f ratio=%s"):format(key, r[key] / 1e6, t / 1e6,
@@ -76,14 +82,31 @@ for _, v in ipairs(variants) do
   end
   local ms = 1000 * median(v.times)
   local scratch = ""
-  if v.stage == 2 then  -- the shard against theory, the scratch apart
+  if v.stage >= 2 then  -- the shard against theory, the scratch apart
     local s = v.opt:zero().scratch_bytes
     local shard = r.grads - s
     scratch = (" | shard_mb=%.3f theory_mb=%.3f ratio=%.3f scratch_mb=%.3f"):format(shard / 1e6, theory.grads / 1e6,
       shard / theory.grads, s / 1e6)
   end
+  local params = ""
+  if v.stage == 3 then
+    -- The parameters' shards against 1/z of the whole; the model state (parameters, gradients,
+    -- optimizer state, masters that are not the shards themselves) against 1/z of the unsharded
+    -- model's; the gathers' peak against what the planner names (the root unit and 1 + prefetch
+    -- of the largest unit).
+    local zb = v.opt:zero()
+    local state = zb.param_shard_bytes + (r.grads - zb.scratch_bytes) + r.optimizer + (zb.master_bytes - zb.shared_master_bytes)
+    local whole = pbytes * n + pbytes * n + 8 * n + (pbytes < 4 and 4 * n or 0)
+    local planned = zb.root_unit_bytes + (1 + v.prefetch) * zb.largest_unit_bytes
+    params = (" | param_shard_mb=%.3f theory_mb=%.3f ratio=%.3f | state_mb=%.3f whole/z_mb=%.3f state_ratio=%.3f"
+              .. " | gathered_peak_mb=%.3f planned_mb=%.3f gather_ratio=%.3f vs_zero2=%.3f"):format(
+      zb.param_shard_bytes / 1e6, pbytes * n / z / 1e6, zb.param_shard_bytes / (pbytes * n / z), state / 1e6,
+      whole / z / 1e6, state / (whole / z), zb.peak_gathered_bytes / 1e6, planned / 1e6,
+      zb.peak_gathered_bytes / planned, ms / (1000 * zero2))
+  end
   if rank == 0 then
-    print(("%s world=%d dtype=%s params=%d step_ms=%.2f vs_plain=%.3f timed_steps=%d | %s | %s | %s%s"):format(v.name, world,
-      cfg.dtype, n, ms, ms / (1000 * base), #v.times, col("optimizer"), col("master"), col("grads"), scratch))
+    print(("%s world=%d dtype=%s params=%d step_ms=%.2f vs_plain=%.3f timed_steps=%d | %s | %s | %s%s%s"):format(v.name,
+      world, cfg.dtype, n, ms, ms / (1000 * base), #v.times, col("optimizer"), col("master"), col("grads"), scratch,
+      params))
   end
 end

@@ -32,6 +32,12 @@ void Args::expected(int i, const char* what) const {
   fail(i, std::string(what) + " expected, got " + got);
 }
 
+torch::Tensor& Args::tensor_shape(int i) const {
+  auto* t = ud_test<torch::Tensor>(L, i, PT_TENSOR_MT);
+  if (!t) expected(i, "tensor");
+  return *t;
+}
+
 torch::Tensor& Args::tensor(int i) const {
   auto* t = ud_test<torch::Tensor>(L, i, PT_TENSOR_MT);
   if (!t) expected(i, "tensor");

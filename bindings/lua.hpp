@@ -108,6 +108,9 @@ class Args {
   void list_only(int i, int n, const char* what) const;
 
   torch::Tensor& tensor(int i) const;
+  /// The tensor at i for what reads only its shape and type (no values): also a ZeRO-3
+  /// parameter whose unit is not gathered, which tensor() refuses.
+  torch::Tensor& tensor_shape(int i) const;
   /// A tensor, or a number turned into a 0-dim tensor like `like`.
   torch::Tensor tensor_or_number(int i, const torch::Tensor& like) const;
   double number(int i) const;

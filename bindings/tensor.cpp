@@ -212,16 +212,19 @@ namespace {
 
 const Function kMethods[] = {
     // shape and type
-    {"size", [](Args& a) { return a.none(2) ? push_ints(a.L, T(1).sizes()) : a.ret(double(T(1).size(a.integer(2)))); }},
-    {"dim", [](Args& a) { return a.ret(double(T(1).dim())); }},
+    // (shape and type read no values: a ZeRO-3 parameter not gathered answers them too)
+    {"size", [](Args& a) {
+       const auto& t = a.tensor_shape(1);
+       return a.none(2) ? push_ints(a.L, t.sizes()) : a.ret(double(t.size(a.integer(2)))); }},
+    {"dim", [](Args& a) { return a.ret(double(a.tensor_shape(1).dim())); }},
     {"dropout", [](Args& a) {  // dropout(p [, training = true])
        double p = a.number(2);
        if (p < 0 || p >= 1) a.fail(2, "dropout probability in [0, 1) expected");
        return a.ret(at::dropout(T(1), p, a.boolean(3, true))); }},
-    {"numel", [](Args& a) { return a.ret(double(T(1).numel())); }},
-    {"element_size", [](Args& a) { return a.ret(double(T(1).element_size())); }},  // bytes per element
-    {"type", [](Args& a) { return a.ret(dtype_name(T(1).scalar_type())); }},
-    {"is_contiguous", [](Args& a) { return a.ret(T(1).is_contiguous()); }},
+    {"numel", [](Args& a) { return a.ret(double(a.tensor_shape(1).numel())); }},
+    {"element_size", [](Args& a) { return a.ret(double(a.tensor_shape(1).element_size())); }},  // bytes per element
+    {"type", [](Args& a) { return a.ret(dtype_name(a.tensor_shape(1).scalar_type())); }},
+    {"is_contiguous", [](Args& a) { return a.ret(a.tensor_shape(1).is_contiguous()); }},
     {"to", [](Args& a) { return a.ret(to(a)); }},
     {"float", [](Args& a) { return a.ret(T(1).to(torch::kFloat32)); }},
     {"double", [](Args& a) { return a.ret(T(1).to(torch::kFloat64)); }},
@@ -407,7 +410,7 @@ const Function kMeta[] = {
        return a.ret(s.str() + "\n" + util::unsigned_nan(text)); }},
     // Fields that are not methods: shape, dtype, device, grad, requires_grad, is_leaf.
     {"__field", [](Args& a) {
-       const Tensor& t = T(1);
+       const Tensor& t = a.tensor_shape(1);  // (grad is a tensor of its own)
        if (a.is_number(2)) throw std::invalid_argument("tensors are not indexed with []: use t:select(dim, i) or t:narrow(dim, start, length)");
        std::string key = a.string(2);
        if (key == "shape") return push_ints(a.L, t.sizes());

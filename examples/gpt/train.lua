@@ -9,6 +9,7 @@
 --   partrain examples/gpt/train.lua --ckpt ckpt/ --save-every 50   (resumes from ckpt/ when it has one)
 --   partrain examples/gpt/train.lua --dtype bfloat16               (float32 master weights in the optimizer)
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --pipeline 2 --zero-stage 2   (ZeRO-2 x pipeline 2)
+--   partrain plan --world 4 examples/gpt/train.lua --zero-stage 3   (ZeRO-3: each rank's memory, planned)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -42,7 +43,8 @@ local cfg = pt.args {
   dtype = { "float32", "parameters and compute: float32, or bfloat16 or float16 (float32 masters kept by the "
             .. "optimizer; float16 with loss scaling); bf16 and fp16 name them too" },
   zero_stage = { 0, "ZeRO: 1 shards optimizer state and master weights over the data ranks, 2 also "
-                 .. "reduce-scatters the gradients (docs/parallel.md)" },
+                 .. "reduce-scatters the gradients, 3 also shards the parameters, a block gathered at a time "
+                 .. "(docs/parallel.md)" },
   zero_groups = { 0, "with --zero-stage: split the data ranks into this many zero groups (0: one)" },
   metrics = { "", "append metrics (JSON lines: docs/observability.md) to this file (or partrain --metrics FILE)" },
   peak_tflops = pt.args.number(0, "one device's peak TFLOP/s, for MFU (0: NVIDIA's table on CUDA, none on the CPU)"),
@@ -55,14 +57,14 @@ if cfg.metrics ~= "" then pt.metrics(cfg.metrics) end
 
 -- ZeRO's flags, checked before any group is made.
 local data_size = pt.dist.world_size() / (cfg.tensor * cfg.pipeline)
-if cfg.zero_stage ~= 0 and cfg.zero_stage ~= 1 and cfg.zero_stage ~= 2 then
-  error(("--zero-stage %s: expected 0 (off), 1 or 2"):format(cfg.zero_stage))
+if cfg.zero_stage ~= 0 and cfg.zero_stage ~= 1 and cfg.zero_stage ~= 2 and cfg.zero_stage ~= 3 then
+  error(("--zero-stage %s: expected 0 (off), 1, 2 or 3"):format(cfg.zero_stage))
 end
 if cfg.zero_groups < 0 or cfg.zero_groups % 1 ~= 0 then
   error(("--zero-groups %s: expected a whole number of groups, 0 or more"):format(cfg.zero_groups))
 end
 if cfg.zero_groups > 0 and cfg.zero_stage == 0 then
-  error(("--zero-groups %d needs --zero-stage 1 or 2"):format(cfg.zero_groups))
+  error(("--zero-groups %d needs --zero-stage 1, 2 or 3"):format(cfg.zero_groups))
 end
 local zero  -- the zero group's size, as pt.mesh takes it (0: the whole data group)
 if cfg.zero_stage > 0 then

@@ -50,6 +50,8 @@ compare "examples/gpt at pipeline=2 (1f1b, 4 micro-batches) equals 1 rank" "$tmp
 losses 4 "${gpt[@]}" >"$tmp/gpt.d4"
 losses 4 "${gpt[@]}" --zero-stage 1 >"$tmp/gpt.z1"
 compare "examples/gpt with --zero-stage 1 at data 4 equals the plain data-4 run" "$tmp/gpt.z1" "$tmp/gpt.d4"
+losses 4 "${gpt[@]}" --zero-stage 3 >"$tmp/gpt.z3"
+compare "examples/gpt with --zero-stage 3 at data 4 equals the plain data-4 run" "$tmp/gpt.z3" "$tmp/gpt.d4"
 losses 4 "${gpt[@]}" --zero-stage 2 --zero-groups 2 >"$tmp/gpt.z2g2"
 compare "examples/gpt with --zero-stage 2 --zero-groups 2 at data 4 equals the plain data-4 run" "$tmp/gpt.z2g2" "$tmp/gpt.d4"
 out=$("$bin" --nproc-per-node 4 --threads 1 "${gpt[@]}" --pipeline 2 --zero-stage 2 2>&1)
@@ -65,8 +67,8 @@ refused() {  # refused NAME EXPECTED ARGS...: the run fails, naming EXPECTED at 
   local rc=$?
   if [ $rc -ne 0 ] && [[ "$err" == *"$want"* ]] && [[ "$err" == *"train.lua:"* ]]; then report 0 "$name"; else report 1 "$name (rc $rc): $err"; fi
 }
-refused "--zero-stage 3 is refused" "--zero-stage 3: expected 0 (off), 1 or 2" --zero-stage 3
-refused "--zero-groups without a stage is refused" "--zero-groups 2 needs --zero-stage 1 or 2" --zero-groups 2
+refused "--zero-stage 4 is refused" "--zero-stage 4: expected 0 (off), 1, 2 or 3" --zero-stage 4
+refused "--zero-groups without a stage is refused" "--zero-groups 2 needs --zero-stage 1, 2 or 3" --zero-groups 2
 refused "zero groups that do not split the data ranks are refused" "must split into 3 group(s)" --zero-stage 1 --zero-groups 3
 refused "ZeRO where the data group has one rank is refused" "the 1 data rank(s)" --zero-stage 1 --tensor 2 --pipeline 2
 
