@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 
 namespace partrain::parallel {
 struct Sharding;
+class Fsdp;
 }
 
 namespace partrain::ckpt::internal {
@@ -121,6 +123,9 @@ struct Held {
   bool first = true;
 };
 std::vector<Held> held(const nn::Module& model);
+// ZeRO-3's sharded parameters of the model `model` is part of (null below stage 3): a save and a
+// load reach the parameters' values through an Fsdp::Access, one unit gathered at a time.
+std::shared_ptr<parallel::Fsdp> fsdp_of(const nn::Module& model);
 
 // ---- Data files (save.cpp, load.cpp) ----------------------------------------------------------
 

@@ -281,9 +281,16 @@ void apply(const Reading& r, const std::string& tag, State& state, int rank, Loa
     const auto& ls = m.loss_scale;  // a checkpoint without it leaves the scaler as it is
     state.optimizer->loss_scaler()->set_state({ls[0], int64_t(ls[1]), int64_t(ls[2]), int64_t(ls[3])});
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    params[i].param.copy_(values[i]);
-    if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i], steps[i]);  // none: cleared
+  {
+    // ZeRO-3: each parameter's unit is gathered when the parameter is reached and written back
+    // into this rank's shard when the next unit is (every rank of the zero group in the same
+    // order): one unit gathered at a time. The optimizer takes its master from the written value.
+    parallel::Fsdp::Access access(fsdp_of(*state.model), /*writeback=*/true);
+    for (size_t i = 0; i < params.size(); ++i) {
+      access.touch(params[i].param);
+      params[i].param.copy_(values[i]);
+      if (with_optimizer) state.optimizer->set_param_state(params[i].param, slots[i], steps[i]);  // none: cleared
+    }
   }
   restore_generators(m, rank, loaded.notes);
   loaded.tag = tag;
