@@ -296,17 +296,24 @@ const Function kOptimizerMethods[] = {
     // grad_buffer_bytes, scratch_bytes the scratch pool's part; gathers: the all-gathers of
     // updated parameters a step makes, gather_buffer_bytes the buffer they use; gathers_in_flight:
     // overlap_sync_param's all-gathers not yet waited for; pieces: the tensors the update steps:
-    // the masters cut at parameters' ends, and at 128 Ki elements on the CPU).
+    // the masters cut at parameters' ends, and at 128 Ki elements on the CPU). ZeRO-3 adds
+    // param_shard_bytes (the parameters' shards), shared_master_bytes (of master_bytes, those
+    // that are the shards themselves: float32 parameters), gathered_bytes (units gathered now),
+    // peak_gathered_bytes (the most at once so far), largest_unit_bytes and root_unit_bytes (a
+    // unit's gathered bytes); 0 below stage 3.
     {"zero", [](Args& a) {
        auto z = parallel::zero_bytes(*optimizer(a, 1));
        if (!z) { lua_pushnil(a.L); return 1; }
-       lua_createtable(a.L, 0, 11);
+       lua_createtable(a.L, 0, 17);
        auto set = [&](const char* k, double v) { lua_pushnumber(a.L, v); lua_setfield(a.L, -2, k); };
        set("stage", z->stage); set("group", z->group); set("master_bytes", double(z->master));
        set("state_bytes", double(z->state)); set("shard_grad_bytes", double(z->shard_grad));
        set("grad_buffer_bytes", double(z->grad_buffer)); set("scratch_bytes", double(z->scratch));
        set("gathers_in_flight", z->gathers_in_flight); set("pieces", z->pieces);
        set("gathers", z->gathers); set("gather_buffer_bytes", double(z->gather_buffer));
+       set("param_shard_bytes", double(z->param_shard)); set("shared_master_bytes", double(z->shared_master));
+       set("gathered_bytes", double(z->gathered)); set("peak_gathered_bytes", double(z->peak_gathered));
+       set("largest_unit_bytes", double(z->largest_unit)); set("root_unit_bytes", double(z->root_unit));
        return 1; }},
     {"__tostring", [](Args& a) {
        auto& o = optimizer(a, 1);

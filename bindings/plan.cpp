@@ -54,9 +54,11 @@ const Function kPlan[] = {
        const dist::Mesh* m = nullptr;
        auto r = rank_plan(a, &m);
        return a.ret(plan::check(r, plan::layout_of(m), a.string(4), a.string(5))); }},
-    {"held", [](Args& a) {  // held(model, optimizers) -> { params, grads, scratch, optimizer, master, zero_stage, zero_group }
+    // held(model, optimizers) -> { params, grads, scratch, optimizer, master, zero_stage, zero_group,
+    // param_shard, gathered, peak_gathered, largest_unit, root_unit } (the last five ZeRO-3's, 0 below)
+    {"held", [](Args& a) {
        auto h = plan::held(*a.module(1), optimizers_at(a));
-       lua_createtable(a.L, 0, 7);
+       lua_createtable(a.L, 0, 12);
        lua_pushnumber(a.L, double(h.params)); lua_setfield(a.L, -2, "params");
        lua_pushnumber(a.L, double(h.grads)); lua_setfield(a.L, -2, "grads");
        lua_pushnumber(a.L, double(h.scratch)); lua_setfield(a.L, -2, "scratch");
@@ -64,6 +66,11 @@ const Function kPlan[] = {
        lua_pushnumber(a.L, double(h.master)); lua_setfield(a.L, -2, "master");
        lua_pushnumber(a.L, h.zero_stage); lua_setfield(a.L, -2, "zero_stage");
        lua_pushnumber(a.L, h.zero_group); lua_setfield(a.L, -2, "zero_group");
+       lua_pushnumber(a.L, double(h.param_shard)); lua_setfield(a.L, -2, "param_shard");
+       lua_pushnumber(a.L, double(h.gathered)); lua_setfield(a.L, -2, "gathered");
+       lua_pushnumber(a.L, double(h.peak_gathered)); lua_setfield(a.L, -2, "peak_gathered");
+       lua_pushnumber(a.L, double(h.largest_unit)); lua_setfield(a.L, -2, "largest_unit");
+       lua_pushnumber(a.L, double(h.root_unit)); lua_setfield(a.L, -2, "root_unit");
        return 1; }},
     {"first_step", [](Args& a) {  // { begun, forward_done, activations }
        const auto& f = plan::first_step();

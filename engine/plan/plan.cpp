@@ -37,6 +37,15 @@ std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Tr
 c10::DeviceType counted_device() {
   return planning() ? c10::kMeta : dist::World::instance().device().type();
 }
+
+// ZeRO-3's units gathered now, over every model of this process: a forward allocates them
+// (its units' gathers) beside its activations.
+int64_t gathered_now() {
+  int64_t sum = 0;
+  for (const auto& m : parallel::ParallelModel::alive())
+    if (m->fsdp()) sum += m->fsdp()->bytes().gathered;
+  return sum;
+}
 }  // namespace
 
 void set_planning(bool on) {
@@ -57,21 +66,24 @@ class FirstStepObserver final : public events::StepObserver {
     first_step_.begun = true;
     if (auto fn = before_first_step.load()) fn();
     first_step_.base = util::memory(counted_device()).allocated;
+    gathered_base_ = gathered_now();
     traffic_base_.clear();
     for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
   }
   void forward_ends() override {
     if (!first_step_.begun || first_step_.forward_done) return;
     first_step_.forward_done = true;
-    first_step_.activations = util::memory(counted_device()).allocated - first_step_.base;
+    first_step_.gathered = gathered_now() - gathered_base_;
+    first_step_.activations = util::memory(counted_device()).allocated - first_step_.base - first_step_.gathered;
   }
   // A forward set aside puts the record (and the traffic it counts from) back as it was, so that
   // a forward of its that passes through Lua (a policy's sequence-parallel forward) begins no step.
-  void aside_begins() override { saved_.push_back({first_step_, traffic_base_}); }
+  void aside_begins() override { saved_.push_back({first_step_, traffic_base_, gathered_base_}); }
   void aside_ends() override {
     if (saved_.empty()) return;
     first_step_ = saved_.back().step;
     traffic_base_ = std::move(saved_.back().traffic);
+    gathered_base_ = saved_.back().gathered;
     saved_.pop_back();
   }
 
@@ -79,8 +91,10 @@ class FirstStepObserver final : public events::StepObserver {
   struct Saved {
     FirstStep step;
     std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic;
+    int64_t gathered = 0;
   };
   std::vector<Saved> saved_;
+  int64_t gathered_base_ = 0;
 };
 
 // Listens from the start of the process: a step the engine announces is noted whoever trains.
@@ -111,6 +125,54 @@ bool Shard::operator==(const Shard& o) const {
 bool Collective::operator==(const Collective& o) const {
   return group == o.group && op == o.op && calls == o.calls && bytes == o.bytes;
 }
+
+namespace {
+
+// ZeRO-3's parameters on this rank: what it keeps (its shards, and every parameter no unit
+// holds: ties across pipeline stages, frozen ones) and the most its gathers hold at once.
+struct Zero3Params {
+  int64_t kept = 0, gathered = 0;
+  bool all = false;  // every unit stays gathered from forward to backward
+};
+Zero3Params zero3_params(const nn::Module& model, const parallel::ParallelModel& owner) {
+  const auto& f = *owner.fsdp();
+  const auto& dp = *owner.data_parallel();
+  Zero3Params out;
+  out.kept = f.bytes().shards;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    const int64_t k = dp.index_of(p);
+    if (k >= 0 && f.unit_of_bucket(dp.bucket_of(static_cast<size_t>(k))) >= 0) continue;  // in a shard
+    out.kept += static_cast<int64_t>(p.nbytes());
+  }
+  // Each unit's gathered bytes: its buckets' flat buffers, padded to the zero group.
+  std::vector<int64_t> unit(f.units(), 0);
+  for (size_t i = 0; i < dp.buckets().size(); ++i) {
+    const int u = f.unit_of_bucket(i);
+    const auto& b = dp.buckets()[i];
+    if (u >= 0) unit[u] += b.padded * static_cast<int64_t>(dp.params()[b.params.front()].element_size());
+  }
+  // The root unit stays gathered from the model's forward until its gradients are in. The others:
+  // with reshard_after_forward (a pipeline's default is off) one computes while the next
+  // `prefetch` are on their way (forward: the ones after; backward: the ones before), so the
+  // most at once is the largest run of 1 + prefetch consecutive units; without it, all of them.
+  out.all = !f.options().reshard_after_forward;
+  const size_t blocks = unit.size() - 1;
+  const size_t run = std::min<size_t>(blocks, 1 + static_cast<size_t>(f.options().prefetch));
+  int64_t most = 0;
+  for (size_t first = 1; first + run <= unit.size(); ++first) {
+    int64_t sum = 0;
+    for (size_t u = first; u < first + (out.all ? blocks : run); ++u) sum += unit[u];
+    most = std::max(most, sum);
+    if (out.all) break;
+  }
+  out.gathered = unit[0] + most;
+  return out;
+}
+
+}  // namespace
 
 RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
                   const dist::Mesh* mesh) {
@@ -162,10 +224,19 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
           r.grad_bytes += static_cast<int64_t>(dp->params()[k].nbytes());
     }
   }
+  // ZeRO-3 keeps 1/z of each unit and gathers a few units at a time.
+  if (owner && owner->fsdp() && owner->data_parallel()) {
+    const auto z3 = zero3_params(model, *owner);
+    r.param_shard_bytes = z3.kept;
+    r.gather_bytes = z3.gathered;
+    r.gathers_all = z3.all;
+    r.param_bytes = z3.kept + z3.gathered;
+  }
   for (const auto* o : optimizers) {
     r.optimizer_bytes += o->planned_state_bytes();
     if (auto z = parallel::zero_bytes(*o)) {  // the optimizer steps this rank's master shards
-      r.master_bytes += z->master;
+      // (ZeRO-3: a float32 parameter's shard is its master, counted with the parameters)
+      r.master_bytes += z->master - z->shared_master;
       r.grad_bytes += z->shard_grad - z->shared_grad;  // ZeRO-2's shard is counted above
       r.zero_stage = z->stage;
       r.zero_group = z->group;
@@ -220,10 +291,21 @@ Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& o
       grad(o->master(p).defined() ? o->master(p).grad() : torch::Tensor());
     }
     if (auto z = parallel::zero_bytes(*o)) {
-      h.master += z->master;
+      h.master += z->master - z->shared_master;  // ZeRO-3: those are the parameters' shards
       h.zero_stage = z->stage;
       h.zero_group = z->group;
     }
+  }
+  // ZeRO-3: a parameter's nbytes() is its whole size; what exists is its shard, or its unit's
+  // gathered buffer while the unit is gathered.
+  if (owner && owner->fsdp() && owner->data_parallel()) {
+    const auto f = owner->fsdp()->bytes();
+    h.param_shard = zero3_params(model, *owner).kept;
+    h.gathered = f.gathered;
+    h.peak_gathered = f.peak_gathered;
+    h.largest_unit = f.largest_unit;
+    h.root_unit = f.root_unit;
+    h.params = h.param_shard + h.gathered;
   }
   return h;
 }

@@ -56,6 +56,9 @@ struct FirstStep {
   bool begun = false, forward_done = false;
   int64_t base = 0;          ///< bytes allocated when the forward began
   int64_t activations = -1;  ///< bytes the forward left allocated (-1: not measured)
+  /// ZeRO-3: the bytes of units the forward left gathered (gathered at its end less at its
+  /// start), part of what it left allocated but counted as parameters; activations exclude them.
+  int64_t gathered = 0;
   bool hooked = false;       ///< the first optimizer step's hook has run
 };
 /// Runs before the first step's memory is noted (once): the Lua host collects its garbage there,
@@ -126,6 +129,13 @@ struct RankPlan {
   /// master weights (float32 copies of bfloat16/float16 parameters; under ZeRO this rank's shard).
   int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, master_bytes = 0;
   int zero_stage = 0, zero_group = 1;  ///< the optimizer's ZeRO stage and its zero group's size
+  /// ZeRO-3: param_bytes is param_shard_bytes (this rank's shards, and parameters kept whole: ties
+  /// across pipeline stages, frozen ones) plus gather_bytes, the units gathered at once at most:
+  /// the root unit and the largest run of 1 + prefetch consecutive units, or every unit when they
+  /// stay gathered from forward to backward (gathers_all: reshard_after_forward off, a
+  /// pipeline's default). 0 and false below stage 3.
+  int64_t param_shard_bytes = 0, gather_bytes = 0;
+  bool gathers_all = false;
   /// -1: no forward and backward ran before the first step. Under a pipeline: the schedule's
   /// peak (stage.activation_peak).
   int64_t activation_bytes = -1;
@@ -155,10 +165,15 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
 /// What `model` and its optimizers hold now, measured from their tensors (each storage once, a
 /// tied parameter once): the real-run counterpart of describe()'s model-state bytes. Optimizer
 /// state is what has been allocated so far (after a first step, all of it).
+/// Under ZeRO-3 params is what exists now: the shards, the parameters kept whole and the units
+/// gathered now; master leaves out the float32 masters that are the parameters' shards.
 struct Held {
   int64_t params = 0, grads = 0, optimizer = 0, master = 0;
   int64_t scratch = 0;  ///< ZeRO-2: the gradient scratch pool's part of grads
   int zero_stage = 0, zero_group = 1;
+  /// ZeRO-3 (0 below): the shards and parameters kept whole, the units gathered now and the most
+  /// at once so far (Fsdp::bytes), the largest unit and the root unit (gathered bytes).
+  int64_t param_shard = 0, gathered = 0, peak_gathered = 0, largest_unit = 0, root_unit = 0;
 };
 Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers);
 

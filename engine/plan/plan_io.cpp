@@ -46,8 +46,9 @@ void serialize(Archive& ar, StagePlan& st) {
 
 namespace {
 // The format version being read: version 1 plans (before pipeline stages) have no StagePlan,
-// version 2 ones (before ZeRO) no master bytes or zero stage.
-uint32_t reading_version = 3;
+// version 2 ones (before ZeRO) no master bytes or zero stage, version 3 ones (before ZeRO-3) no
+// parameter shard or gather bytes.
+uint32_t reading_version = 4;
 }  // namespace
 
 template <class Archive>
@@ -56,6 +57,7 @@ void serialize(Archive& ar, RankPlan& r) {
      r.activation_bytes, r.collectives);
   if (reading_version >= 2) ar(r.stage);
   if (reading_version >= 3) ar(r.master_bytes, r.zero_stage, r.zero_group);
+  if (reading_version >= 4) ar(r.param_shard_bytes, r.gather_bytes, r.gathers_all);
 }
 template <class Archive>
 void serialize(Archive& ar, Plan& p) {
@@ -64,7 +66,9 @@ void serialize(Archive& ar, Plan& p) {
 
 namespace {
 const char kMagic[] = "partrain-plan";
-constexpr uint32_t kVersion = 3;  // 2: pipeline stages; 3: master bytes and the zero stage (1 and 2 still read)
+// 2: pipeline stages; 3: master bytes and the zero stage; 4: ZeRO-3's shard and gather bytes
+// (1 to 3 still read)
+constexpr uint32_t kVersion = 4;
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 

@@ -247,6 +247,12 @@ std::string remedies(const Plan& plan, const RankPlan& r, int64_t device) {
     const int64_t saved = sharded - sharded / plan.data;
     tries.push_back("ZeRO-2 over the " + std::to_string(plan.data) + " data ranks (zero = { stage = 2 }; about " +
                     human(saved) + " less)");
+  } else if (r.zero_stage == 2 && r.zero_group > 1) {
+    // ZeRO-3 keeps 1/z of the parameters too, and gathers a few blocks at a time (not counted
+    // here: a block is small beside the model when there are many).
+    const int64_t saved = r.param_bytes - r.param_bytes / r.zero_group;
+    tries.push_back("ZeRO-3 over the " + std::to_string(r.zero_group) + " zero ranks (zero = { stage = 3 }; up to " +
+                    human(saved) + " less, less the blocks gathered at once)");
   }
   if (r.activation_bytes > r.model_state_bytes() / 2)
     tries.push_back(std::string("activation recompute or ") + (plan.pipeline > 1 ? "smaller micro-batches" : "a smaller batch a rank") +
@@ -358,6 +364,17 @@ std::string memory_text(const Plan& plan) {
     out << "  ZeRO-2: optimizer state, float32 master weights and gradients are this rank's shard; gradients are the "
            "shard (what the update reads) plus the scratch of the buckets backward is reducing (and any tie across "
            "pipeline stages, reduced whole)\n";
+  if (stage == 3) {
+    out << "  ZeRO-3: parameters, gradients, optimizer state and float32 master weights are this rank's shard; "
+           "parameters are the shard (a float32 parameter's shard is its master, counted here, not under masters) "
+           "and the units gathered at once: ";
+    const auto& r = plan.ranks.front();
+    out << (r.gathers_all ? "every unit (reshard_after_forward off, a pipeline's default: each stays gathered "
+                            "from its forward to its backward)"
+                          : "the root unit and the largest 1 + prefetch consecutive blocks (one computes, the next "
+                            "on their way)")
+        << "\n";
+  }
   const bool staged = plan.pipeline > 1;
   char line[512];
   std::snprintf(line, sizeof line, "  %-14s %-12s %-12s %-12s %-12s %-12s %-12s %s\n", "ranks", "parameters",
@@ -373,6 +390,13 @@ std::string memory_text(const Plan& plan) {
     memory.add(line, r.rank);
   }
   out << grouped_rows(memory);
+  if (stage == 3) {
+    out << "  parameters under ZeRO-3: the shard (and any parameter kept whole) + the units gathered at once\n";
+    Grouped split;
+    for (const auto& r : plan.ranks)
+      split.add(human(r.param_shard_bytes) + " + " + human(r.gather_bytes), r.rank);
+    out << grouped_rows(split);
+  }
   return out.str();
 }
 
@@ -445,6 +469,10 @@ std::string to_json(const Plan& plan) {
                      {"optimizer_bytes", r.optimizer_bytes},
                      {"master_bytes", r.master_bytes},
                      {"zero", {{"stage", r.zero_stage}, {"group", r.zero_group}}},
+                     {"zero3", r.zero_stage == 3 ? json{{"param_shard_bytes", r.param_shard_bytes},
+                                                        {"gather_bytes", r.gather_bytes},
+                                                        {"gathers_all", r.gathers_all}}
+                                                  : json(nullptr)},
                      {"model_state_bytes", r.model_state_bytes()},
                      {"activation_bytes", r.activation_bytes < 0 ? json(nullptr) : json(r.activation_bytes)},
                      {"collectives", comms},

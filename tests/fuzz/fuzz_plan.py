@@ -16,8 +16,8 @@ to common.MEMORY_LIMIT bytes of address space a process. Classes:
   bytes appended    1 to 64 random bytes after the end
   count inflated    a container's count (a string's length, a list's size) made larger,
                     huge, or smaller
-  version           the format version set to 0, 4 or 2^32-1, or the plan written properly
-                    in format 1 or 2 (no stages, no masters or ZeRO)
+  version           the format version set to 0, 5 or 2^32-1, or the plan written properly
+                    in format 1, 2 or 3 (no stages, no masters or ZeRO, no ZeRO-3 bytes)
   magic             the magic string altered
   compared field    a field the check compares changed and the file written again: the
                     layout, a rank's coordinates, bytes or ZeRO stage, a shard's name, dtype,
@@ -226,8 +226,8 @@ def damage(cls, pristine_bytes, plans, layout, rng):
         struct.pack_into("<Q", data, at, new)
         return bytes(data), f"count at {at}: {old} -> {new}"
     if cls == "version":
-        v = rng.choice([0, 4, 2 ** 32 - 1, 1, 2])
-        if v in (1, 2):
+        v = rng.choice([0, 5, 2 ** 32 - 1, 1, 2, 3])
+        if v in (1, 2, 3):
             return pf.write(plan, version=v), f"written as format {v}"
         struct.pack_into("<I", data, 8 + len(pf.MAGIC), v)
         return bytes(data), f"version {v}"

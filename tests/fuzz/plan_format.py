@@ -6,7 +6,7 @@ whose own plan is `run` matches a saved plan as plan::check compares them."""
 import struct
 
 MAGIC = b"partrain-plan"
-VERSION = 3
+VERSION = 4
 
 
 class Damaged(Exception):
@@ -93,13 +93,15 @@ SCHEMA = {
     "RankPlan": [("rank", "i"), ("tensor", "i"), ("data", "i"), ("pipeline", "i"), ("shards", "[Shard]"),
                  ("param_bytes", "q"), ("grad_bytes", "q"), ("optimizer_bytes", "q"), ("activation_bytes", "q"),
                  ("collectives", "[Collective]"), ("stage", "StagePlan"), ("master_bytes", "q"), ("zero_stage", "i"),
-                 ("zero_group", "i")],
+                 ("zero_group", "i"), ("param_shard_bytes", "q"), ("gather_bytes", "q"), ("gathers_all", "?")],
     "Plan": [("script", "s"), ("world", "i"), ("nproc_per_node", "i"), ("tensor", "i"), ("data", "i"),
              ("pipeline", "i"), ("zero", "i"), ("cpu_peak_bytes", "q"), ("seconds", "d"), ("ranks", "[RankPlan]")],
 }
 # What RankPlan holds from which format version on (1: none of these).
-SINCE = {"stage": 2, "master_bytes": 3, "zero_stage": 3, "zero_group": 3}
-DEFAULTS = {"stage": None, "master_bytes": 0, "zero_stage": 0, "zero_group": 1}
+SINCE = {"stage": 2, "master_bytes": 3, "zero_stage": 3, "zero_group": 3, "param_shard_bytes": 4, "gather_bytes": 4,
+         "gathers_all": 4}
+DEFAULTS = {"stage": None, "master_bytes": 0, "zero_stage": 0, "zero_group": 1, "param_shard_bytes": 0,
+            "gather_bytes": 0, "gathers_all": False}
 NUMBER_FORMATS = {"i": "i", "q": "q", "d": "d", "?": "B"}
 
 

@@ -3,8 +3,9 @@
 --   partrain --nproc-per-node 4 tests/plan/gpt2_step.lua --tensor 2 --report DIR   (a real run)
 -- A real run writes DIR/rank<N>.json: what pt.memory_report() says after the first step, and
 -- the bytes the first forward left allocated (measured here, around the forward).
--- --zero-stage 1|2 shards the optimizer over zero groups of --zero data ranks (0: the whole data
--- group); --dtype bfloat16 builds the model in bfloat16 (float32 masters).
+-- --zero-stage 1|2|3 shards the optimizer over zero groups of --zero data ranks (0: the whole data
+-- group), 3 the parameters too (--prefetch units gathered ahead); --dtype bfloat16 builds the
+-- model in bfloat16 (float32 masters).
 -- With --pipeline P the model is cut into P stages and model:train_step runs the schedule
 -- (--schedule, --microbatches); the activations a real run reports are then the peak of the
 -- CPU allocator's count during the second step above what that step began with (parameters,
@@ -22,6 +23,7 @@ local cfg = pt.args {
   sequence_parallel = false,
   zero_stage = 0,
   zero = 0,                  -- the zero group's size when --zero-stage is given (0: the data group)
+  prefetch = 1,              -- ZeRO-3: units gathered ahead
   dtype = "float32",
   steps = 1,
   report = "",               -- a folder for the real run's measurements
@@ -35,6 +37,7 @@ local model = pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, 
 local pipelined = cfg.pipeline > 1
 local options = { sequence_parallel = cfg.sequence_parallel }
 if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
+if cfg.zero_stage == 3 then options.zero.prefetch = cfg.prefetch end
 if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks
   options.microbatches = cfg.microbatches > 0 and cfg.microbatches or cfg.pipeline
@@ -69,9 +72,14 @@ end
 if cfg.report ~= "" then
   assert(activations, "--report needs --steps 2 or more with --pipeline")
   local r = pt.memory_report(model)
+  local status = io.open("/proc/self/status")  -- the process's peak address space (Linux), for rlimits
+  local vm_peak = status and tonumber(status:read("*a"):match("VmPeak:%s*(%d+)")) or 0
+  if status then status:close() end
   local f = assert(io.open(("%s/rank%d.json"):format(cfg.report, pt.dist.rank()), "w"))
   f:write(('{"params": %d, "grads": %d, "optimizer": %d, "master": %d, "zero_stage": %d, "zero_group": %d, '
-    .. '"activations": %d, "engine_activations": %d}\n'):format(r.params, r.grads, r.optimizer, r.master, r.zero_stage,
-    r.zero_group, activations, pt.plan.first_step().activations or -1))
+    .. '"activations": %d, "engine_activations": %d, "param_shard": %d, "peak_gathered": %d, "largest_unit": %d, '
+    .. '"root_unit": %d, "vm_peak": %d}\n'):format(r.params, r.grads, r.optimizer, r.master, r.zero_stage, r.zero_group, activations,
+    pt.plan.first_step().activations or -1, r.param_shard, r.peak_gathered, r.largest_unit, r.root_unit,
+    vm_peak * 1024))
   f:close()
 end

@@ -22,6 +22,10 @@
   optimizer-state, master-weight, gradient and parameter bytes match a real 4-rank run's tensors
   within 2 %; the zero stage and group are in the JSON and the text; ZeRO's optimizer state is a
   quarter of the unsharded one's (plus padding: a tied tensor has one slot in the flat buffer).
+- ZeRO-3 (prefetch 1 float32, prefetch 2 bfloat16) at data 4: the planned parameter shards, the units
+  gathered at once (root + (1 + prefetch) blocks), gradients, optimizer state, masters and
+  activations match the real run's (its peak gathered bytes) within 2 %; under a pipeline every
+  unit of a stage is planned as gathered.
 - A plan saved in format version 1 (before pipeline stages) still loads; a later version is
   refused by name.
 
@@ -125,6 +129,37 @@ for extra in (["--zero-stage", "1"], ["--zero-stage", "2"], ["--zero-stage", "2"
         ratio = planned["ranks"][0]["optimizer_bytes"] / plain["optimizer_bytes"]
         check(f"{name}: each rank's optimizer state is a quarter of the unsharded one's, plus padding ({ratio:.4f})",
               0.25 <= ratio <= 0.2525, (planned["ranks"][0]["optimizer_bytes"], plain["optimizer_bytes"]))
+# ZeRO-3 at data 4, 6 blocks: parameters are the shards plus the units gathered at once (the root
+# unit and 1 + prefetch blocks), equal to the most a real run gathered during its first step;
+# gradients, optimizer state and masters (none for float32: the shard is the master) as measured,
+# and the activations without the units the forward left gathered.
+for extra in (["--prefetch", "1"], ["--prefetch", "2", "--dtype", "bfloat16"]):
+    args = ["--zero-stage", "3", "--layers", "6", *extra]
+    name = " ".join(args)
+    planned = plan(4, *args)
+    measured = real(4, *args)
+    worst = {}
+    for r, m in zip(planned["ranks"], measured):
+        z3 = r["zero3"]
+        for key, p, q in (("shard", z3["param_shard_bytes"], m["param_shard"]),
+                          ("gathered", z3["gather_bytes"], m["peak_gathered"]),
+                          ("grads", r["grad_bytes"], m["grads"]), ("optimizer", r["optimizer_bytes"], m["optimizer"]),
+                          ("master", r["master_bytes"], m["master"]),
+                          ("activations", r["activation_bytes"], m["engine_activations"])):
+            worst[key] = max(worst.get(key, 0.0), abs(p - q) / max(q, 1))
+    check(f"{name} at data 4: planned shards, units gathered at once, gradients, optimizer state, masters and "
+          "activations match the real run within 2 % (worst " + ", ".join(f"{k} {v:.3%}" for k, v in worst.items()) + ")",
+          max(worst.values()) <= 0.02, [(r["zero3"], r["activation_bytes"], m) for r, m in zip(planned["ranks"], measured)][:1])
+    m, r = measured[0], planned["ranks"][0]
+    check(f"{name}: parameters are the shards plus root + (1 + prefetch) blocks, a quarter of the model's and less",
+          r["param_bytes"] == r["zero3"]["param_shard_bytes"] + r["zero3"]["gather_bytes"]
+          and r["zero3"]["gather_bytes"] == m["root_unit"] + (1 + int(extra[1])) * m["largest_unit"]
+          and r["zero"] == {"stage": 3, "group": 4} and m["params"] == m["param_shard"], (r["zero3"], m))
+r = run(["plan", "--world", "4", SCRIPT, "--zero-stage", "3", "--layers", "4", "--pipeline", "2", "--steps", "2"])
+check("a pipelined ZeRO-3 plan says every unit of a stage stays gathered",
+      r.returncode == 0 and "ZeRO-3 over 2 rank(s)" in r.stdout and "every unit (reshard_after_forward off, a "
+      "pipeline's default" in r.stdout and "the shard (and any parameter kept whole) + the units gathered" in r.stdout,
+      r.stdout + r.stderr)
 r = run(["plan", "--world", "4", SCRIPT, "--zero-stage", "2"])
 check("the text plan of a ZeRO-2 run names the stage, the group and the masters column, and says what stage 2 holds",
       r.returncode == 0 and "ZeRO-2 over 4 rank(s)" in r.stdout and "masters" in r.stdout
@@ -370,10 +405,10 @@ with tempfile.TemporaryDirectory() as d:
     check("a version 1 plan still loads and is compared with the run",
           r.returncode != 0 and "does not match the plan" in r.stderr and "h.0.attn.c_attn.weight: not in the plan" in r.stderr,
           r.stderr)
-    open(path, "wb").write(old_plan(4))
+    open(path, "wb").write(old_plan(5))
     r = run(["--threads", "1", "--plan", path, SCRIPT])
     check("a plan of a later format version is refused, naming the versions read",
-          r.returncode != 0 and "format version 4; this partrain reads 1 to 3" in r.stderr, r.stderr)
+          r.returncode != 0 and "format version 5; this partrain reads 1 to 4" in r.stderr, r.stderr)
 
 # 64 ranks of GPT-2 small (124 M) as data 16 x pipeline 4 (pipeline with tensor parallelism is not
 # built yet): quick, and four stages of three blocks.
