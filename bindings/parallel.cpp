@@ -4,6 +4,7 @@
 // blocks the policy sharder composes.
 #include <cmath>
 #include <sstream>
+#include <unordered_map>
 
 #include "bindings/lua.hpp"
 #include "engine/dist/mesh.hpp"
@@ -501,6 +502,57 @@ const Function kParallel[] = {
        if (!o.balance.costs.empty()) { push_ints(a.L, o.balance.costs); lua_setfield(a.L, -2, "costs"); }
        auto own = p.own_stages();
        push_ints(a.L, std::vector<int64_t>(own.begin(), own.end())); lua_setfield(a.L, -2, "stages");
+       return 1; }},
+    // zero3(model): nil below ZeRO-3, else { group (the zero group's global ranks), rank (this
+    // rank's place in it), units = { { name, buffers = { { numel (padded to the group), bytes,
+    // dtype, params = { { name, offset, numel }, ... } }, ... } }, ... } }: the flat buffer of
+    // each bucket a unit gathers, as its parameters lie in it; zero rank r keeps elements
+    // [r * numel / size, (r + 1) * numel / size) of each. Unit 1 is the root unit.
+    {"zero3", [](Args& a) {
+       auto pm = owner_of(a, 1);
+       if (!pm || !pm->fsdp() || !pm->data_parallel()) { lua_pushnil(a.L); return 1; }
+       const auto& f = *pm->fsdp();
+       const auto& dp = *pm->data_parallel();
+       const auto& group = dp.options().zero.group;
+       std::unordered_map<const c10::TensorImpl*, std::string> names;  // a tied tensor by its first name
+       for (const auto& item : pm->module().named_parameters(/*recurse=*/true))
+         names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+       lua_createtable(a.L, 0, 3);
+       push_ints(a.L, std::vector<int64_t>(group->ranks().begin(), group->ranks().end()));
+       lua_setfield(a.L, -2, "group");
+       lua_pushinteger(a.L, group->rank()); lua_setfield(a.L, -2, "rank");
+       lua_createtable(a.L, static_cast<int>(f.units()), 0);
+       for (size_t u = 0; u < f.units(); ++u) {
+         lua_createtable(a.L, 0, 2);
+         a.ret(f.unit_name(u)); lua_setfield(a.L, -2, "name");
+         lua_newtable(a.L);
+         int n = 0;
+         for (size_t i = 0; i < dp.buckets().size(); ++i) {
+           if (f.unit_of_bucket(i) != static_cast<int>(u)) continue;
+           const auto& b = dp.buckets()[i];
+           const auto& first = dp.params()[b.params.front()];
+           lua_createtable(a.L, 0, 4);
+           lua_pushnumber(a.L, double(b.padded)); lua_setfield(a.L, -2, "numel");
+           lua_pushnumber(a.L, double(b.padded * static_cast<int64_t>(first.element_size())));
+           lua_setfield(a.L, -2, "bytes");
+           a.ret(std::string(c10::toString(first.scalar_type()))); lua_setfield(a.L, -2, "dtype");
+           lua_createtable(a.L, static_cast<int>(b.params.size()), 0);
+           for (size_t slot = 0; slot < b.params.size(); ++slot) {
+             const auto& p = dp.params()[b.params[slot]];
+             auto it = names.find(p.unsafeGetTensorImpl());
+             lua_createtable(a.L, 0, 3);
+             a.ret(it == names.end() ? std::string("?") : it->second); lua_setfield(a.L, -2, "name");
+             lua_pushnumber(a.L, double(b.offsets[slot])); lua_setfield(a.L, -2, "offset");
+             lua_pushnumber(a.L, double(p.numel())); lua_setfield(a.L, -2, "numel");
+             lua_rawseti(a.L, -2, static_cast<int>(slot + 1));
+           }
+           lua_setfield(a.L, -2, "params");
+           lua_rawseti(a.L, -2, ++n);
+         }
+         lua_setfield(a.L, -2, "buffers");
+         lua_rawseti(a.L, -2, static_cast<int>(u + 1));
+       }
+       lua_setfield(a.L, -2, "units");
        return 1; }},
     {"live", [](Args& a) { return a.ret(double(parallel::ParallelModel::live())); }},
     {"last", [](Args& a) {  // last(): the model pt.parallelize made last, while it lives, or nil

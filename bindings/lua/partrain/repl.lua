@@ -290,6 +290,41 @@ function R.helpers(stop)
       table.concat(parts, "; "))
   end
 
+  --- ZeRO-3's slices: for each unit (matching `pattern` by a parameter's name), its flat buffer's
+  --- length and, for each zero rank, the element range it keeps and the parameters that range
+  --- cuts ("h.0.ln_1.weight .. h.0.attn.c_attn.weight[:48896], 4 parameters").
+  local function zero3_text(z3, pattern)
+    local size = #z3.group
+    local out = { ("ZeRO-3 over ranks %s: zero rank r keeps elements [r*n/%d, (r+1)*n/%d) of each unit's flat buffer "
+      .. "(n elements, padded); a unit is whole only while it is gathered"):format(rank_list(z3.group), size, size) }
+    local function cut(p, lo, hi)  -- parameter p's part of [lo, hi), as text, or nil when none
+      local a, b = math.max(lo, p.offset), math.min(hi, p.offset + p.numel)
+      if a >= b then return nil end
+      if a == p.offset and b == p.offset + p.numel then return p.name end
+      return ("%s[%s:%s]"):format(p.name, a > p.offset and (a - p.offset) or "", b < p.offset + p.numel and (b - p.offset) or "")
+    end
+    for _, unit in ipairs(z3.units) do
+      for _, buffer in ipairs(unit.buffers) do
+        local shown = not pattern
+        for _, p in ipairs(buffer.params) do shown = shown or p.name:find(pattern) ~= nil end
+        if shown then
+          out[#out + 1] = ("  %s: %d elements, %s (%s), %d parameters"):format(unit.name, buffer.numel, mb(buffer.bytes),
+            buffer.dtype, #buffer.params)
+          local part = buffer.numel / size
+          for r = 0, size - 1 do
+            local lo, hi = r * part, (r + 1) * part
+            local cuts = {}
+            for _, p in ipairs(buffer.params) do cuts[#cuts + 1] = cut(p, lo, hi) end
+            local names = #cuts == 0 and "padding" or #cuts == 1 and cuts[1] or ("%s .. %s, %d parameters"):format(cuts[1],
+              cuts[#cuts], #cuts)
+            out[#out + 1] = ("    rank %-4d [%d:%d)  %s"):format(z3.group[r + 1], lo, hi, names)
+          end
+        end
+      end
+    end
+    return out
+  end
+
   --- A table of the model's parameters matching `pattern` (a Lua pattern over names): logical
   --- shape, local shape, split dimension, which ranks hold which slice, bytes a rank.
   function H.shards(pattern, model)
@@ -309,6 +344,13 @@ function R.helpers(stop)
       end
       table.sort(members)
       whole = ("ranks %s (whole)"):format(rank_list(members))
+    end
+    local z3 = core.parallel.zero3(model)
+    local sliced = {}  -- ZeRO-3: the parameters its units slice over the zero ranks
+    for _, unit in ipairs(z3 and z3.units or {}) do
+      for _, buffer in ipairs(unit.buffers) do
+        for _, p in ipairs(buffer.params) do sliced[p.name] = true end
+      end
     end
     local lines = { ("%-32s %-14s %-14s %-5s %-10s %s"):format("parameter", "shape", "local", "split", "bytes/rank", "held by") }
     local total = 0
@@ -332,13 +374,17 @@ function R.helpers(stop)
           end
           held = table.concat(parts, "; ")
         else
-          held = whole
+          held = sliced[row.name] and "ZeRO-3: a slice a zero rank, whole while gathered (below)" or whole
         end
         lines[#lines + 1] = ("%-32s %-14s %-14s %-5s %-10s %s"):format(row.name, shape_text(row.shape),
           shape_text(row.local_shape), row.dim and tostring(row.dim) or "-", mb(row.bytes), held)
       end
     end
     lines[#lines + 1] = ("total on this rank: %s"):format(mb(total))
+    if z3 then
+      lines[#lines + 1] = ("(whole sizes: ZeRO-3 keeps %s of the model here)"):format(mb(pt.memory_report(model).param_shard))
+      for _, line in ipairs(zero3_text(z3, pattern)) do lines[#lines + 1] = line end
+    end
     if staged then lines[#lines + 1] = staged .. " (the other stages' parameters are not here)" end
     print(table.concat(lines, "\n"))
   end
@@ -374,6 +420,10 @@ function R.helpers(stop)
       zero = (" | ZeRO-1 over %d ranks (optimizer and masters: this rank's shard)"):format(r.zero_group)
     elseif r.zero_stage == 2 then
       zero = (" | ZeRO-2 over %d ranks (optimizer, masters and gradients: this rank's shard)"):format(r.zero_group)
+    elseif r.zero_stage == 3 then
+      zero = (" | ZeRO-3 over %d ranks (params: shard %s + gathered now %s, at most %s so far; largest unit %s, root %s)")
+        :format(r.zero_group, mb(r.param_shard), mb(r.gathered), mb(r.peak_gathered), mb(r.largest_unit),
+          mb(r.root_unit))
     end
     local grads = mb(r.grads) .. (r.scratch > 0 and (" (scratch %s)"):format(mb(r.scratch)) or "")
     print(("params %s | grads %s | optimizer %s | masters %s%s | tensors %s (peak %s) | resident %s (peak %s)"):format(
