@@ -34,6 +34,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/parallel/data_parallel.hpp"
@@ -71,6 +72,7 @@ struct FsdpBytes {
   int64_t largest_unit = 0;  ///< the largest unit's gathered bytes (the root's included)
   int64_t root_unit = 0;     ///< the root unit's gathered bytes
   int64_t gathers = 0;       ///< gathers started since attach
+  int64_t pooled = 0;        ///< freed gather buffers kept for the next gathers (CPU)
 };
 
 class Fsdp : public std::enable_shared_from_this<Fsdp> {
@@ -116,6 +118,25 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
   /// asked for explicitly), then all are freed.
   void hold(bool on);
   bool holding() const { return hold_; }
+  /// hold(true) for a step's span (nothing for a null Fsdp), hold(false) on leaving it.
+  class StepHold {
+   public:
+    explicit StepHold(Fsdp* fsdp) : fsdp_(fsdp) {
+      if (fsdp_) fsdp_->hold(true);
+    }
+    ~StepHold() {
+      try {
+        if (fsdp_) fsdp_->hold(false);
+      } catch (...) {
+        // a gather that failed raised where it was waited for
+      }
+    }
+    StepHold(const StepHold&) = delete;
+    StepHold& operator=(const StepHold&) = delete;
+
+   private:
+    Fsdp* fsdp_;
+  };
 
   /// Reads and writes of parameters outside the forward (checkpoints): touch(p) before each use
   /// gathers p's unit (freeing the unit touched before); with `writeback`, a unit's part r is
@@ -180,6 +201,8 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
   };
   explicit Fsdp(std::shared_ptr<DataParallel> dp, const FsdpOptions& options);
   void prefetch(size_t u, int direction);
+  void allocate(const torch::Tensor& gathered);  // a unit buffer's storage, from the pool if one is kept
+  void release(const torch::Tensor& gathered);   // ... and back, or to the allocator
 
   std::shared_ptr<DataParallel> dp_;
   dist::GroupPtr zero_;
@@ -187,7 +210,8 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
   std::vector<Unit> units_;
   std::vector<Store> stores_;  // by bucket
   std::vector<torch::Tensor> shard_buffers_;
-  int64_t whole_bytes_ = 0, gathered_bytes_ = 0, peak_ = 0, gathers_ = 0;
+  int64_t whole_bytes_ = 0, gathered_bytes_ = 0, peak_ = 0, gathers_ = 0, pooled_bytes_ = 0;
+  std::unordered_map<size_t, std::vector<at::DataPtr>> pool_;  // CPU: freed buffers by bytes
   bool hold_ = false;
 };
 

@@ -518,19 +518,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   if (pipeline_) {
     // ZeRO-3: the stage's units stay gathered over the step's micro-batches (unless
     // reshard_after_forward was asked for), freed at its end however it ends.
-    struct Hold {
-      Fsdp* fsdp;
-      explicit Hold(Fsdp* f) : fsdp(f) {
-        if (fsdp) fsdp->hold(true);
-      }
-      ~Hold() {
-        try {
-          if (fsdp) fsdp->hold(false);
-        } catch (...) {
-          // a gather that failed raised where it was waited for
-        }
-      }
-    } hold(fsdp_.get());
+    Fsdp::StepHold hold(fsdp_.get());
     auto sum = pipeline_->train_step(
         x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options, "sum"); }, weight,
         data_parallel_.get(), scale);

@@ -743,12 +743,12 @@ test("what cannot run is refused at the caller's line", function()
              "zero: overlap_comm overlaps ZeRO's reduce-scatters with backward, but the zero stage is 0")
   ok(e:find(here), e)
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1, overlap_comm = false } }) end,
-             "zero: overlap_comm = false is stage 2's choice: stage 1 always leaves its reductions in flight")
+             "zero: overlap_comm = false is stage 2's and 3's choice: stage 1 always leaves its reductions in flight")
   ok(e:find(here), e)
   ok(pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 1, overlap_comm = true } }), "stage 1 takes overlap_comm = true")
   raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stag = 1 } }) end, "stag")
   e = raises(function() pt.parallelize(mlp("float32")(), nil, m, { zero = { stage = 2, reduce_scatter = false } }) end,
-             "stage 2 always reduce-scatters them")
+             "stages 2 and 3 always reduce-scatter them")
   ok(e:find(here), e)
   -- A plain optimizer over a ZeRO model's parameters (all of them, or a block's) would step on
   -- gradients ZeRO-2 never leaves in .grad: refused, naming the parameter.

@@ -168,7 +168,10 @@ test("a ZeRO-3 save gathers one unit at a time: its peak is under half the model
     print(("zero-3 save: peak %d tensor bytes beside the shards; the model gathered whole %d, one block %d")
       :format(save, whole, unit))
   end
-  ok(whole >= 6 * unit, ("gathering the whole model holds at least its 6 blocks (%d of %d)"):format(whole, 6 * unit))
+  -- (Between steps ZeRO-3 keeps 1 + prefetch freed block buffers for the next gathers: allocated
+  -- before, they are not in the delta.)
+  ok(whole >= 4 * unit, ("gathering the whole model holds at least its 6 blocks but the 2 kept (%d of %d)")
+    :format(whole, 4 * unit))
   ok(save < whole / 2, ("the save's peak %d is under half the model gathered whole (%d)"):format(save, whole))
   -- The checkpoint holds the values: it resumes as the run goes on.
   local b = run("wide -> zero-3 groups of 2", { zero = 2 }, ZERO3, 99, wide)
