@@ -236,6 +236,18 @@ bool Work::done() const {
   return true;
 }
 
+void Work::when_done(std::function<void()> fn) const {
+  if (!work_) {
+    fn();
+    return;
+  }
+  try {
+    work_->getFuture()->addCallback([fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
+  } catch (const std::exception&) {
+    // a backend without completion futures: the caller learns of the completion when it waits
+  }
+}
+
 void Work::wait() {
   if (work_) {
     group_->ledger_set(ticket_, ledger::State::Waiting);

@@ -45,6 +45,9 @@ class Work {
        std::function<void()> after = {}, int64_t ticket = -1);
   void wait();
   bool done() const;
+  /// Calls `fn` once the collective has completed (on the thread that completes it; at once when
+  /// there is none). Nothing where the backend gives no completion future.
+  void when_done(std::function<void()> fn) const;
 
  private:
   std::shared_ptr<const ProcessGroup> group_;

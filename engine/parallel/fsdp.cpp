@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "engine/parallel/recompute.hpp"
+#include "engine/parallel/trace.hpp"
 
 namespace partrain::parallel {
 
@@ -167,6 +168,18 @@ void Fsdp::gather(size_t u) {
     allocate(s.gathered);
     unit.works.push_back(zero_->start_all_gather_flat(s.gathered, s.shard));
   }
+  // --trace: the gather's span on the rank's gather row, from now to its last collective's end.
+  unit.completion.reset();
+  if (StepTrace::instance().active() && !unit.works.empty()) {
+    unit.started = std::chrono::steady_clock::now();
+    auto done = std::make_shared<Completion>();
+    done->left = static_cast<int>(unit.works.size());
+    unit.completion = done;
+    for (auto& w : unit.works)
+      w.when_done([done] {
+        if (--done->left == 0) done->end_ns = std::chrono::steady_clock::now().time_since_epoch().count();
+      });
+  }
   unit.state = State::Gathering;
   gathered_bytes_ += unit.bytes;
   peak_ = std::max(peak_, gathered_bytes_);
@@ -181,6 +194,14 @@ void Fsdp::wait(size_t u) {
   unit.works.clear();
   unit.state = State::Gathered;  // (a failed wait leaves it gathered: reshard frees it)
   for (auto& w : works) w.wait();
+  if (auto done = std::move(unit.completion)) {
+    const int64_t end = done->end_ns.load();
+    const auto now = std::chrono::steady_clock::now();
+    StepTrace::instance().record_span(
+        TraceKind::Gather, unit.started,
+        end > 0 ? std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(end)) : now,
+        static_cast<int>(u));
+  }
 }
 
 void Fsdp::reshard(size_t u) {

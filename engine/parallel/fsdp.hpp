@@ -32,6 +32,8 @@
 // every gathered unit, whose values are then stale.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -186,11 +188,18 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
 
  private:
   enum class State { Sharded, Gathering, Gathered };
+  // A traced gather's completion, noted by the thread that completes its last collective.
+  struct Completion {
+    std::atomic<int> left{0};
+    std::atomic<int64_t> end_ns{0};  // steady clock, since its epoch
+  };
   struct Unit {
     std::string name;
     std::vector<size_t> buckets;  // its buckets (sharded ones)
     State state = State::Sharded;
     std::vector<dist::Work> works;
+    std::chrono::steady_clock::time_point started;  // a traced gather's start
+    std::shared_ptr<Completion> completion;         // ... and its end (null: not traced)
     size_t done = 0;  // buckets whose gradients are in, this pass
     int64_t bytes = 0;
   };

@@ -32,6 +32,7 @@ const char* kind_prefix(TraceKind k) {
     case TraceKind::Wait: return "wait";
     case TraceKind::Sync: return "sync";
     case TraceKind::Step: return "step";
+    case TraceKind::Gather: return "GATHER u";
   }
   return "?";
 }
@@ -47,6 +48,7 @@ const char* kind_category(TraceKind k) {
     case TraceKind::Wait: return "wait";
     case TraceKind::Sync: return "sync";
     case TraceKind::Step: return "step";
+    case TraceKind::Gather: return "gather";
   }
   return "?";
 }
@@ -161,8 +163,24 @@ void StepTrace::record(TraceKind kind, Clock::time_point start, int mb, int chun
   events_.push_back({kind, begin, ns(Clock::now()) + offset_ns_ - begin, step_, mb, chunk, peer});
 }
 
+void StepTrace::record_span(TraceKind kind, Clock::time_point start, Clock::time_point end, int mb) {
+  if (!active_) return;
+  auto ns = [&](Clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t - zero_).count();
+  };
+  auto begin = ns(start) + offset_ns_;
+  events_.push_back({kind, begin, std::max<int64_t>(0, ns(end) - ns(start)), step_, mb, -1, -1});
+}
+
 std::string StepTrace::events_json(int rank) const {
   std::ostringstream out;
+  // ZeRO-3's gathers: a row of their own below the ranks' (tid world + rank), named here.
+  const int world = dist::World::instance().size();
+  const bool gathers = std::any_of(events_.begin(), events_.end(), [](const Event& e) { return e.kind == TraceKind::Gather; });
+  if (gathers)
+    out << ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << world + rank << ",\"args\":{\"name\":"
+        << quoted("rank " + std::to_string(rank) + ": ZeRO-3 gathers") << "}},\n{\"name\":\"thread_sort_index\",\"ph\":"
+        << "\"M\",\"pid\":0,\"tid\":" << world + rank << ",\"args\":{\"sort_index\":" << world + rank << "}}";
   for (const auto& e : events_) {
     std::string name = kind_prefix(e.kind);
     if (e.kind == TraceKind::Step) {
@@ -174,7 +192,8 @@ std::string StepTrace::events_json(int rank) const {
       if (e.kind == TraceKind::RecvActivation || e.kind == TraceKind::RecvGradient) name += "<-" + std::to_string(e.peer);
     }
     out << ",\n{\"name\":" << quoted(name) << ",\"cat\":\"" << kind_category(e.kind) << "\",\"ph\":\"X\",\"ts\":"
-        << micros(e.start_ns) << ",\"dur\":" << micros(e.dur_ns) << ",\"pid\":0,\"tid\":" << rank
+        << micros(e.start_ns) << ",\"dur\":" << micros(e.dur_ns) << ",\"pid\":0,\"tid\":"
+        << (e.kind == TraceKind::Gather ? world + rank : rank)
         << ",\"args\":{\"step\":" << e.step;
     if (e.mb >= 0) out << ",\"mb\":" << e.mb;
     if (e.chunk >= 0) out << ",\"chunk\":" << e.chunk;

@@ -18,7 +18,10 @@ struct TraceOptions {
 
 /// The kinds of event a row shows; each is one Chrome "X" (complete) event, named like the
 /// schedule's actions ("F3.c0", "SEND_F3.c0->1", "RECV_B3.c0<-1"; "wait" inside a receive).
-enum class TraceKind { Step, Forward, Backward, SendActivation, SendGradient, RecvActivation, RecvGradient, Wait, Sync };
+/// ZeRO-3's unit gathers ("GATHER u3": from its start to its completion, `mb` the unit) go on a
+/// row of their own a rank ("rank r: ZeRO-3 gathers"), beside the compute they overlap.
+enum class TraceKind { Step, Forward, Backward, SendActivation, SendGradient, RecvActivation, RecvGradient, Wait, Sync,
+                       Gather };
 
 /// This process's step trace. Off unless configured (from PARTRAIN_TRACE and PARTRAIN_TRACE_STEPS,
 /// which `partrain --trace FILE --trace-steps K` sets for every rank, or by configure()).
@@ -49,6 +52,8 @@ class StepTrace {
   /// Records an event of this step that ran from `start` to now (nothing when inactive).
   /// `mb`/`chunk` are -1 where they do not apply; `peer` is the other rank of a transfer.
   void record(TraceKind kind, Clock::time_point start, int mb = -1, int chunk = -1, int peer = -1);
+  /// The same for an event that ended at `end` (a collective that completed on another thread).
+  void record_span(TraceKind kind, Clock::time_point start, Clock::time_point end, int mb = -1);
   /// Called by every rank at the end of a recorded step (the step event itself is added here):
   /// the world group gathers every rank's events and rank 0 rewrites the file with all the
   /// recorded steps so far. `row` names this rank's row ("rank 1: pipeline stage 1").

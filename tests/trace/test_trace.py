@@ -3,7 +3,8 @@ and interleaved with 2 chunks) every rank's row holds exactly one forward and on
 micro-batch and chunk of each traced step, in the schedule's order, every receive holds the wait
 inside it, events on a row never overlap and run forward in time, each transfer's receive ends
 after its send starts on the other rank (the clocks are aligned), and only --trace-steps steps are
-kept; a data-parallel run traces its forward, backward and sync; a restarted attempt writes a
+kept; a data-parallel run traces its forward, backward and sync; under ZeRO-3 each rank's unit
+gathers have a row of their own, in the order the units run; a restarted attempt writes a
 trace of its own beside the first; a folder, a missing folder or a bad step count are refused with
 a message naming them.
 Usage: test_trace.py PATH/TO/partrain"""
@@ -134,6 +135,34 @@ if rc == 0:
         got = [(e["args"]["step"], e["name"]) for e in by_rank.get(r, []) if e["cat"] != "step"]
         want = [(s, n) for s in (1, 2) for n in ("F0", "B0", "sync")]
         check(f"data parallel: rank {r} traces F0, B0 and sync in each of its 2 steps", got == want, got)
+
+# ZeRO-3 at data 2: each rank's gathers on a row of its own (tid 2 + rank), in the order the units
+# run: the root unit, each block in forward, then each block again in backward (freed after its
+# forward), or only forward's when the units are kept to backward (--no-reshard).
+for name, extra, want_units in [("zero3", [], [0, 1, 2, 3, 4, 4, 3, 2, 1]),
+                                ("zero3 kept", ["--no-reshard"], [0, 1, 2, 3, 4])]:
+    path = os.path.join(tmp, name.replace(" ", "_") + ".json")
+    rc, out, err = run(["--nproc-per-node", "2", "--threads", "1", "--trace", path, SCRIPT, "--pipeline", "1",
+                        "--steps", "2", "--zero3"] + extra)
+    check(f"{name}: the run succeeds", rc == 0, err[-2000:])
+    if rc != 0:
+        continue
+    trace = load(path)
+    by_rank = rows(trace)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    for r in (0, 1):
+        check(f"{name}: rank {r}'s gathers have a row named for them", names.get(2 + r) == f"rank {r}: ZeRO-3 gathers",
+              names)
+        gathers = by_rank.get(2 + r, [])
+        steps = [e for e in by_rank.get(r, []) if e["cat"] == "step"]
+        for s in (1, 2):
+            got = [int(e["name"].split("GATHER u")[1]) for e in gathers if e["args"]["step"] == s]
+            check(f"{name}: rank {r} step {s}: the units gathered in order {want_units}", got == want_units, got)
+            span = [e for e in steps if e["args"]["step"] == s]
+            inside = span and all(span[0]["ts"] - SLACK_US <= e["ts"] and e["ts"] + e["dur"] <= span[0]["ts"] +
+                                  span[0]["dur"] + SLACK_US for e in gathers if e["args"]["step"] == s)
+            check(f"{name}: rank {r} step {s}: every gather within its step", bool(inside), span)
 
 # A restarted attempt's first steps are not the run's: it writes PATH.restart1.json beside the
 # first attempt's trace, which is kept, and each says which attempt it is.

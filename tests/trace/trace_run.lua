@@ -3,12 +3,15 @@
 -- trace against the compute order this script prints: "order RANK: F0.c0 F1.c0 B0.c0 ...".
 --   partrain --nproc-per-node 2 --trace t.json tests/trace/trace_run.lua --pipeline 2 --schedule 1f1b
 local pt = require "partrain"
-local cfg = pt.args { pipeline = 2, schedule = "1f1b", microbatches = 4, chunks = 1, steps = 3, fail_first = false }
+local cfg = pt.args { pipeline = 2, schedule = "1f1b", microbatches = 4, chunks = 1, steps = 3, fail_first = false,
+                     zero3 = false, reshard = true }
 local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 4 }
 
-local mesh = pt.mesh { pipeline = cfg.pipeline }
+local mesh = pt.mesh { pipeline = cfg.pipeline, zero = cfg.zero3 and 0 or nil }
 pt.manual_seed(5)
 local opts = cfg.pipeline > 1 and { schedule = cfg.schedule, microbatches = cfg.microbatches, chunks = cfg.chunks } or {}
+-- --zero3: ZeRO-3 over the data ranks, its units (the 4 blocks) freed after forward unless --no-reshard.
+if cfg.zero3 then opts.zero = { stage = 3, reshard_after_forward = cfg.reshard } end
 local model = pt.parallelize(pt.models.gpt2(gpt), "policies.gpt2", mesh, opts)
 local opt = pt.optim.adamw(model, { lr = 1e-2 })
 if cfg.pipeline > 1 then
