@@ -55,7 +55,8 @@ const Function kPlan[] = {
        auto r = rank_plan(a, &m);
        return a.ret(plan::check(r, plan::layout_of(m), a.string(4), a.string(5))); }},
     // held(model, optimizers) -> { params, grads, scratch, optimizer, master, zero_stage, zero_group,
-    // param_shard, gathered, peak_gathered, largest_unit, root_unit } (the last five ZeRO-3's, 0 below)
+    // param_shard, gathered, peak_gathered, largest_unit, root_unit, pooled } (the last six ZeRO-3's,
+    // 0 below; pooled: freed gather buffers kept for the next gathers, beside params)
     {"held", [](Args& a) {
        auto h = plan::held(*a.module(1), optimizers_at(a));
        lua_createtable(a.L, 0, 12);
@@ -71,6 +72,7 @@ const Function kPlan[] = {
        lua_pushnumber(a.L, double(h.peak_gathered)); lua_setfield(a.L, -2, "peak_gathered");
        lua_pushnumber(a.L, double(h.largest_unit)); lua_setfield(a.L, -2, "largest_unit");
        lua_pushnumber(a.L, double(h.root_unit)); lua_setfield(a.L, -2, "root_unit");
+       lua_pushnumber(a.L, double(h.pooled)); lua_setfield(a.L, -2, "pooled");
        return 1; }},
     {"first_step", [](Args& a) {  // { begun, forward_done, activations }
        const auto& f = plan::first_step();

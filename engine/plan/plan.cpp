@@ -38,12 +38,15 @@ c10::DeviceType counted_device() {
   return planning() ? c10::kMeta : dist::World::instance().device().type();
 }
 
-// ZeRO-3's units gathered now, over every model of this process: a forward allocates them
-// (its units' gathers) beside its activations.
+// ZeRO-3's gather buffers now, over every model of this process: the units gathered and the
+// freed buffers kept for the next gathers (a forward allocates them beside its activations).
 int64_t gathered_now() {
   int64_t sum = 0;
   for (const auto& m : parallel::ParallelModel::alive())
-    if (m->fsdp()) sum += m->fsdp()->bytes().gathered;
+    if (m->fsdp()) {
+      const auto b = m->fsdp()->bytes();
+      sum += b.gathered + b.pooled;
+    }
   return sum;
 }
 }  // namespace
@@ -297,7 +300,8 @@ Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& o
     }
   }
   // ZeRO-3: a parameter's nbytes() is its whole size; what exists is its shard, or its unit's
-  // gathered buffer while the unit is gathered.
+  // gathered buffer while the unit is gathered (and on the CPU the freed buffers kept for the
+  // next gathers, never more than were gathered at once).
   if (owner && owner->fsdp() && owner->data_parallel()) {
     const auto f = owner->fsdp()->bytes();
     h.param_shard = zero3_params(model, *owner).kept;
@@ -305,6 +309,7 @@ Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& o
     h.peak_gathered = f.peak_gathered;
     h.largest_unit = f.largest_unit;
     h.root_unit = f.root_unit;
+    h.pooled = f.pooled;
     h.params = h.param_shard + h.gathered;
   }
   return h;

@@ -174,6 +174,9 @@ struct Held {
   /// ZeRO-3 (0 below): the shards and parameters kept whole, the units gathered now and the most
   /// at once so far (Fsdp::bytes), the largest unit and the root unit (gathered bytes).
   int64_t param_shard = 0, gathered = 0, peak_gathered = 0, largest_unit = 0, root_unit = 0;
+  /// ZeRO-3 on the CPU: freed gather buffers kept for the next gathers (at most what was gathered
+  /// at once), beside params.
+  int64_t pooled = 0;
 };
 Held held(const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers);
 

@@ -596,7 +596,8 @@ pt.reset_peak_memory = core.reset_peak
 --- float32 master weights (under ZeRO this rank's shard). Under ZeRO-3 params is what exists now:
 --- param_shard (this rank's shards and any parameter kept whole) plus gathered (the units gathered
 --- now); peak_gathered is the most gathered at once so far, largest_unit and root_unit a unit's
---- gathered bytes (all 0 below stage 3); master leaves out float32 masters that are the shards.
+--- gathered bytes (all 0 below stage 3); master leaves out float32 masters that are the shards;
+--- pooled counts, on the CPU, the freed gather buffers kept for the next gathers (beside params).
 function pt.memory_report(model)
   if not core.nn.is_module(model) then raise("pt.memory_report: a module expected, got " .. type(model), 2) end
   local r = pt.memory()
