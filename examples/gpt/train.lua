@@ -9,7 +9,7 @@
 --   partrain examples/gpt/train.lua --ckpt ckpt/ --save-every 50   (resumes from ckpt/ when it has one)
 --   partrain examples/gpt/train.lua --dtype bfloat16               (float32 master weights in the optimizer)
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --pipeline 2 --zero-stage 2   (ZeRO-2 x pipeline 2)
---   partrain plan --world 4 examples/gpt/train.lua --zero-stage 3   (ZeRO-3: each rank's memory, planned)
+--   partrain --nproc-per-node 4 examples/gpt/train.lua --zero-stage 3   (ZeRO-3: parameters sharded, a block gathered at a time)
 local pt = require "partrain"
 
 local cfg = pt.args {

@@ -7,7 +7,7 @@
 -- ZeRO-2's. Each rank holds 1/4 of the parameters between steps (its shards), no parameter's
 -- values are readable outside a gather (an error names model:gathered), and model:gathered reads
 -- and writes them. What cannot run is refused at the caller's line.
---   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero3.lua
+--   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero3.lua   (2 ranks: data 2 only)
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
 local H = require "harness"
@@ -36,10 +36,11 @@ local function equal(c)
   local make = c.make or gpt2(c.dtype)
   pt.manual_seed(11)
   -- A deferred model is initialized by name: its serial twin is materialized whole the same way.
-  local b = c.against and pt.parallelize(make(), "policies.gpt2", mesh, c.against)
+  local policy = c.policy or "policies.gpt2"
+  local b = c.against and pt.parallelize(make(), policy, mesh, c.against)
             or (c.deferred and pt.deferred(make):materialize() or make())
   pt.manual_seed(11)
-  local a = pt.parallelize(c.deferred and pt.deferred(make) or make(), "policies.gpt2", mesh, c.opts)
+  local a = pt.parallelize(c.deferred and pt.deferred(make) or make(), policy, mesh, c.opts)
   local optim = c.optim or { lr = 1e-2, weight_decay = 0.1, clip_grad_norm = 0.5 }
   local ao, bo = pt.optim.adamw(a, optim), pt.optim.adamw(b, optim)
   local d, n = mesh:coord().data, mesh:size("data")
@@ -70,6 +71,18 @@ local function equal(c)
   end
   ok(held > 0, c.what .. ": holds parameters")
   return a, ao, mesh
+end
+
+-- At 2 ranks (ctest dist.zero3_2): data 2, plain and deferred, with recompute.
+if pt.dist.world_size() == 2 then
+  test("ZeRO-3 over data 2 equals serial AdamW (float64, clipping on)", function()
+    local _, opt = equal { what = "zero-3 data 2", mesh = { zero = 0 }, opts = { zero = { stage = 3 } } }
+    eq(opt:zero().group, 2)
+    equal { what = "zero-3 data 2 deferred recompute", mesh = { zero = 0 }, deferred = true, steps = 10,
+            opts = { zero = { stage = 3 }, recompute = "block" } }
+  end)
+  H.run()
+  return
 end
 
 test("ZeRO-3 over data 4 equals serial AdamW (float64, clipping on)", function()
@@ -110,6 +123,19 @@ test("ZeRO-3 with recompute, accumulation, prefetch 0 and 3, reshard_after_forwa
           opts = { zero = { stage = 3, prefetch = 3 }, recompute = "block" } }
   equal { what = "zero-3 kept to backward", mesh = { zero = 0 }, steps = 10,
           opts = { zero = { stage = 3, reshard_after_forward = false } } }
+end)
+
+test("ZeRO-3 of LLaMA (grouped-query attention, its blocks 'layers') and with overlap_comm equals serial AdamW", function()
+  local llama = function()
+    return pt.models.llama { vocab = GPT.vocab, seq = GPT.seq, dim = GPT.dim, heads = 4, kv_heads = 2, layers = 3 }
+      :to("float64")
+  end
+  equal { what = "zero-3 llama", mesh = { zero = 0 }, make = llama, policy = "policies.llama", steps = 10,
+          opts = { zero = { stage = 3 } } }
+  equal { what = "zero-3 llama tensor 2", mesh = { tensor = 2, zero = 0 }, make = llama, policy = "policies.llama",
+          steps = 10, opts = { zero = { stage = 3 } } }
+  equal { what = "zero-3 overlap_comm", mesh = { zero = 0 }, steps = 10,
+          opts = { zero = { stage = 3, overlap_comm = true } } }
 end)
 
 test("ZeRO-3's bf16 parameters with float32 masters train bit for bit as ZeRO-2's", function()
