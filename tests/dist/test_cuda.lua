@@ -1,5 +1,5 @@
 -- On a GPU (tests/dist/test_cuda.sh runs it there, and skips without one): data parallelism and
--- tensor x data parallelism with every rank on the same CUDA device (Gloo over CUDA tensors)
+-- tensor x data parallelism and ZeRO-3 with every rank on the same CUDA device (Gloo over CUDA tensors)
 -- train as serial training does, in float32 (losses and parameters within 1e-5, relative to
 -- max(|x|, 1)) and float64 (1e-10); a checkpoint saved from the device reloads bit for bit; the
 -- CUDA and CPU generators come back with a checkpoint (the draws after a load repeat the draws
@@ -49,12 +49,12 @@ if cfg.phase == "ranks" then
     return x, y, x:narrow(0, d * b, b), y:narrow(0, d * b, b)
   end
 
-  local function equal_to_serial(what, mesh, make, policy, make_batch, dtype)
+  local function equal_to_serial(what, mesh, make, policy, make_batch, dtype, opts)
     local tol = TOL[dtype]
     pt.manual_seed(21)
     local serial = make():to(dtype)
     pt.manual_seed(21)
-    local model = pt.parallelize(make():to(dtype), policy, mesh)
+    local model = pt.parallelize(make():to(dtype), policy, mesh, opts)
     eq(model:parameters()[1].device, device, what .. ": the parallelized model is on the rank's device")
     local so = pt.optim.adamw(serial, { lr = 1e-3 })
     local po = pt.optim.adamw(model, { lr = 1e-3 })
@@ -82,6 +82,11 @@ if cfg.phase == "ranks" then
     test("tensor x data parallel GPT-2 on " .. device .. " equals serial training (" .. dtype .. ")", function()
       equal_to_serial("gpt2", pt.mesh { tensor = pt.dist.world_size() }, function() return pt.models.gpt2(gpt) end,
         "policies.gpt2", gpt_batch, dtype)
+    end)
+    -- ZeRO-3: the units' storage allocated and freed on the device, gathered, reduce-scattered.
+    test("ZeRO-3 GPT-2 on " .. device .. " equals serial training (" .. dtype .. ")", function()
+      equal_to_serial("gpt2 zero-3", pt.mesh { zero = 0 }, function() return pt.models.gpt2(gpt) end,
+        "policies.gpt2", gpt_batch, dtype, { zero = { stage = 3 } })
     end)
   end
 
