@@ -48,12 +48,16 @@ torch::Tensor& Args::tensor(int i) const {
     *t = torch::empty(t->sizes(), t->options().device(torch::kMeta).requires_grad(false));
     if (grad) t->requires_grad_(true);
   }
+  check_values(i, *t);
+  return *t;
+}
+
+void Args::check_values(int i, const torch::Tensor& t, const std::string& element) const {
   // ZeRO-3 frees a parameter's storage between uses: its values are there only while its unit is
   // gathered (a kernel would read nothing at all).
-  if (t->defined() && !t->is_meta() && t->numel() > 0 && t->has_storage() && !t->storage().data())
-    fail(i, "this tensor is a parameter sharded by ZeRO-3, whose values exist only while its unit is gathered: "
-            "read or change it inside model:gathered(function() ... end), or use model:full_state_dict()");
-  return *t;
+  if (t.defined() && !t.is_meta() && t.numel() > 0 && t.has_storage() && !t.storage().data())
+    fail(i, element + "this tensor is a parameter sharded by ZeRO-3, whose values exist only while its unit is "
+            "gathered: read or change it inside model:gathered(function() ... end), or use model:full_state_dict()");
 }
 
 torch::Tensor Args::tensor_or_number(int i, const torch::Tensor& like) const {
@@ -184,7 +188,7 @@ std::vector<int64_t> Args::dims(int i) const {
   return {integer(i)};
 }
 
-std::vector<torch::Tensor> Args::tensors(int i) const {
+std::vector<torch::Tensor> Args::tensors(int i, bool values) const {
   if (!is_table(i)) expected(i, "table of tensors");
   std::vector<torch::Tensor> out;
   int n = static_cast<int>(lua_objlen(L, i));
@@ -193,6 +197,8 @@ std::vector<torch::Tensor> Args::tensors(int i) const {
     auto* t = ud_test<torch::Tensor>(L, -1, PT_TENSOR_MT);
     lua_pop(L, 1);
     if (!t) fail(i, "table of tensors expected, element " + std::to_string(k) + " is not a tensor");
+    // pt.cat { p1, p2 } of ZeRO-3 parameters outside a gather had read freed storage (SIGSEGV).
+    if (values) check_values(i, *t, "element " + std::to_string(k) + ": ");
     out.push_back(*t);
   }
   list_only(i, n, "tensors");

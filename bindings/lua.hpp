@@ -111,6 +111,9 @@ class Args {
   /// The tensor at i for what reads only its shape and type (no values): also a ZeRO-3
   /// parameter whose unit is not gathered, which tensor() refuses.
   torch::Tensor& tensor_shape(int i) const;
+  /// Refuses argument i when `t` is a ZeRO-3 parameter whose unit is not gathered (no values to
+  /// read); `element` names a table's element in the message.
+  void check_values(int i, const torch::Tensor& t, const std::string& element = "") const;
   /// A tensor, or a number turned into a 0-dim tensor like `like`.
   torch::Tensor tensor_or_number(int i, const torch::Tensor& like) const;
   double number(int i) const;
@@ -133,7 +136,9 @@ class Args {
   std::vector<int64_t> ints(int i, int* end = nullptr) const;
   /// One dimension or a table of them.
   std::vector<int64_t> dims(int i) const;
-  std::vector<torch::Tensor> tensors(int i) const;
+  /// A table of tensors; `values`: each is read (a ZeRO-3 parameter outside its gather is refused,
+  /// as tensor(i) refuses it), else only their shapes and flags are (an optimizer's parameters).
+  std::vector<torch::Tensor> tensors(int i, bool values = true) const;
   std::shared_ptr<nn::Module>& module(int i) const;
 
   int ret() const { return 0; }

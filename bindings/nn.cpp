@@ -193,7 +193,7 @@ void refuse_replacing_held(lua_State* L, const nn::Module& parent, const std::st
 
 std::vector<Tensor> params_of(const Args& a, int i) {
   if (auto* m = ud_test<ModulePtr>(a.L, i, PT_MODULE_MT)) return nn::unique_parameters(**m);
-  if (a.is_table(i)) return a.tensors(i);
+  if (a.is_table(i)) return a.tensors(i, /*values=*/false);  // their gradients are read, not their values
   a.expected(i, "module or table of tensors");
 }
 

@@ -103,7 +103,7 @@ std::vector<torch::Tensor> optimizer_params(Args& a, const std::string& what, nn
       throw std::invalid_argument(what + ": the " + model->type() + " has no trainable parameters (every one has "
                                   "requires_grad = false)");
   } else if (a.is_table(1)) {
-    params = a.tensors(1);
+    params = a.tensors(1, /*values=*/false);  // its shapes: a ZeRO-3 parameter has no values now
     for (size_t i = 0; i < params.size(); ++i)
       if (params[i].defined() && (!params[i].requires_grad() || !params[i].is_leaf()))
         throw std::invalid_argument(what + ": parameter #" + std::to_string(i + 1) + " of the table " +

@@ -461,7 +461,18 @@ const Function kParallel[] = {
     {"gather", [](Args& a) {  // gather(model, name [, t]): the logical tensor of the parameter (or of t laid out like it)
        auto s = sharding_at(a, 1, 2);
        auto param = a.module(1)->named_parameters(/*recurse=*/true)[a.string(2)];
-       const torch::Tensor& t = a.none(3) ? param : a.tensor(3);
+       if (a.none(3)) {
+         // Under ZeRO-3 the parameter's values exist while its unit is gathered: gathered for the
+         // read (over the zero group, as the gather is over the tensor group), and a copy returned,
+         // which outlives it (its freed storage had been all-gathered: SIGSEGV).
+         auto pm = a.module(1)->parallel_tree();
+         auto fsdp = pm ? pm->fsdp() : nullptr;
+         parallel::Fsdp::Access access(fsdp, /*writeback=*/false);
+         access.touch(param);
+         auto whole = s ? parallel::gather_full(param, *s) : param;
+         return a.ret(fsdp ? whole.detach().clone() : whole);
+       }
+       const torch::Tensor& t = a.tensor(3);
        if (!t.sizes().equals(param.sizes())) a.fail(3, "a tensor shaped like the parameter expected");
        if (!s) return a.ret(t);
        return a.ret(parallel::gather_full(t, *s)); }},

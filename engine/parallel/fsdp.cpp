@@ -52,6 +52,16 @@ std::vector<std::vector<torch::Tensor>> unit_params(nn::Module& root, const std:
       params.push_back(p);
     }
   }
+  // A unit's tensor held outside every unit too (tied to a module the root runs): the root's
+  // forward read it while its unit was freed, and a backward saving it read freed storage.
+  for (const auto& item : root.named_parameters(/*recurse=*/true)) {
+    auto it = owner.find(item.value().unsafeGetTensorImpl());
+    if (it == owner.end()) continue;
+    const bool inside = std::any_of(paths.begin(), paths.end(),
+                                    [&](const std::string& path) { return item.key().rfind(path + ".", 0) == 0; });
+    TORCH_CHECK(inside, "zero: '", it->second, "' and '", item.key(), "' are one tensor held by a unit and outside "
+                "every unit (by the root unit): make the modules holding it one unit, or leave them to the root");
+  }
   return out;
 }
 
@@ -335,8 +345,28 @@ FsdpBytes Fsdp::bytes() const {
   return b;
 }
 
+std::vector<size_t> Fsdp::gathered_units() const {
+  std::vector<size_t> out;
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u].state != State::Sharded) out.push_back(u);
+  return out;
+}
+
+void Fsdp::regather(const std::vector<size_t>& us) {
+  for (size_t u : us) gather(u);
+  for (size_t u : us) wait(u);
+}
+
+// A whole-model read between a forward and its backward (a state dict, a checkpoint, a look
+// inside model:gathered) must leave the forward's root unit gathered: its backward reads the
+// root's parameters, saved by autograd, without gathering them (a unit's backward gathers its
+// own), and a kernel reading their freed storage was killed by SIGSEGV. The units gathered
+// before are gathered again from the shards: what the scope wrote, each rank its part r, is
+// what they then hold, alike on every rank.
 Fsdp::Gathered::Gathered(std::shared_ptr<Fsdp> fsdp, bool writeback) : fsdp_(std::move(fsdp)), writeback_(writeback) {
-  if (fsdp_) fsdp_->gather_all();
+  if (!fsdp_) return;
+  restore_ = fsdp_->gathered_units();
+  fsdp_->gather_all();
 }
 
 Fsdp::Gathered::~Gathered() {
@@ -345,18 +375,22 @@ Fsdp::Gathered::~Gathered() {
     if (writeback_)
       for (size_t u = 0; u < fsdp_->units(); ++u) fsdp_->write_back(u);
     fsdp_->reshard_all();
+    fsdp_->regather(restore_);
   } catch (...) {
     // a failed gather's error was raised where it was waited for
   }
 }
 
 Fsdp::Access::Access(std::shared_ptr<Fsdp> fsdp, bool writeback) : fsdp_(std::move(fsdp)), writeback_(writeback) {
-  if (fsdp_) fsdp_->reshard_all();  // outside a step: nothing need stay gathered
+  if (!fsdp_) return;
+  restore_ = fsdp_->gathered_units();
+  fsdp_->reshard_all();  // one unit at a time from here
 }
 
 Fsdp::Access::~Access() {
   try {
     finish();
+    if (fsdp_) fsdp_->regather(restore_);
   } catch (...) {
     // a failed gather's error was raised where it was waited for
   }

@@ -143,7 +143,9 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
   /// Reads and writes of parameters outside the forward (checkpoints): touch(p) before each use
   /// gathers p's unit (freeing the unit touched before); with `writeback`, a unit's part r is
   /// copied back into the shard before it is freed, so what was written into the parameters
-  /// stays. Every rank of the zero group must touch the same units in the same order.
+  /// stays. Every rank of the zero group must touch the same units in the same order. The units
+  /// gathered when it began are gathered again at its end (from the shards, as written): a
+  /// forward's root unit, which its backward reads without gathering it.
   class Access {
    public:
     Access(std::shared_ptr<Fsdp> fsdp, bool writeback);
@@ -157,10 +159,12 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
     std::shared_ptr<Fsdp> fsdp_;
     bool writeback_;
     int current_ = -1;
+    std::vector<size_t> restore_;  // the units gathered when it began
   };
 
   /// Every unit gathered for the scope's span (a whole-model read or write: a state dict),
-  /// written back into the shards at its end with `writeback`, then freed. Null: nothing.
+  /// written back into the shards at its end with `writeback`, then freed, but for the units
+  /// gathered when it began, gathered again from the shards. Null: nothing.
   class Gathered {
    public:
     Gathered(std::shared_ptr<Fsdp> fsdp, bool writeback);
@@ -171,10 +175,15 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
    private:
     std::shared_ptr<Fsdp> fsdp_;
     bool writeback_;
+    std::vector<size_t> restore_;
   };
 
   /// Copies unit u's gathered part r into its shard (the values written into its parameters).
   void write_back(size_t u);
+  /// The units gathered (or on their way) now, in order.
+  std::vector<size_t> gathered_units() const;
+  /// Gathers the units `us` (as gathered_units gave them) and waits.
+  void regather(const std::vector<size_t>& us);
 
   FsdpBytes bytes() const;
   void reset_peak() { peak_ = gathered_bytes_; }

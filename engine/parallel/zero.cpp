@@ -255,6 +255,15 @@ class ZeroShards : public optim::Distributed {
         if (param_sharded(i) && !master_is_shard_[buckets[i].buffer])
           fsdp_->shard_of(i).copy_(masters_[buckets[i].buffer].narrow(0, bucket_master_[i], buckets[i].padded / z));
       fsdp_->reshard_all();
+      // The parameters changed without a write through them: a backward still to come over a
+      // forward from before the step (its root unit freed here) must refuse, as serial training's
+      // in-place step makes autograd refuse ("modified by an inplace operation"), not read freed
+      // storage (SIGSEGV). The masters took these values: no change to take back at prepare().
+      for (size_t k = 0; k < params.size(); ++k)
+        if (param_sharded(dp_->bucket_of(k))) {
+          params[k].unsafeGetTensorImpl()->bump_version();
+          versions_[k] = params[k]._version();
+        }
     }
     if (overlap_) {
       // Each gather's updated parts, cast to the parameters' dtype, all-gathered asynchronously
