@@ -7,7 +7,9 @@
 -- plain checkpoints load under ZeRO-3; ZeRO-3 saves at tensor 2, at pipeline 2 and consolidated
 -- (full = true) load elsewhere; the run that saved goes on as if it had not. A ZeRO-3 save holds
 -- one unit gathered at a time (its peak of tensor bytes is under half of the model gathered
--- whole), and safetensors export and import gather the model for their span.
+-- whole), and safetensors export and import gather the model for their span. In bfloat16 (float32
+-- masters, saved in float32) ZeRO-3 checkpoints at zero groups of 4 and 2 resume under ZeRO-2 and
+-- ZeRO-3 at either group size bit for bit as the run that saved them goes on.
 --   partrain --nproc-per-node 4 --threads 1 tests/dist/test_zero3_ckpt.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -143,6 +145,46 @@ test("ZeRO-3 saves at tensor 2, at pipeline 2 and consolidated (full) resume els
   resume_into("zero3-pp", "zero-3 tensor 2", { tensor = 2, zero = 0 }, ZERO3)
   save_after_3("zero3-full", "zero-3 data 4, full", { zero = 0 }, ZERO3, true)
   resume_into("zero3-full", "zero-3 groups of 2", { zero = 2 }, ZERO3)
+end)
+
+-- bfloat16 parameters with float32 masters: the checkpoint holds the masters and the moments in
+-- float32, so a run that loads it steps from the values the saving run steps from. Against the
+-- saving run's own steps 4..6 (no serial float64 twin to compare a bf16 run with), bit for bit.
+local function bf16() return pt.models.gpt2(GPT):to("bfloat16") end
+
+test("a ZeRO-3 bf16 checkpoint resumes under ZeRO-2 and ZeRO-3 at other zero groups as the run goes on", function()
+  local function saved(tag, what, mesh_opts)
+    local a = run(what, mesh_opts, ZERO3, 11, bf16)
+    train(a, 1, 3)
+    pt.ckpt.save(DIR, { model = a.model, optim = a.opt, data = a.data, step = 3, tag = tag, overwrite = true })
+    train(a, 4, 6)
+    return a, a.model:full_state_dict()
+  end
+  local function resume(tag, a, want, what, mesh_opts, opts)
+    local r = run(tag .. " -> " .. what, mesh_opts, opts, 99, bf16)
+    local loaded = pt.ckpt.load(DIR, tag, { model = r.model, optim = r.opt, data = r.data })
+    eq(loaded.step, 3, r.what .. ": the step")
+    eq(r.data:samples_seen(), 3 * BATCH, r.what .. ": the data position")
+    train(r, 4, 6)
+    for n = 4, 6 do near(r.losses[n], a.losses[n], 0, ("%s: loss at step %d"):format(r.what, n)) end
+    local held = 0
+    for name, t in pairs(r.model:full_state_dict()) do
+      eq(t.dtype, "bfloat16", r.what .. ": " .. name .. " stays bf16")
+      near(t, want[name], 0, ("%s: parameter %s after step 6"):format(r.what, name))
+      held = held + 1
+    end
+    ok(held > 0, r.what .. ": holds parameters")
+    eq(r.opt:zero().stage, opts.zero.stage, r.what .. ": the zero stage")
+  end
+  local a, want = saved("zero3-bf16", "zero-3 bf16 data 4", { zero = 0 })
+  resume("zero3-bf16", a, want, "zero-2 data 4", { zero = 0 }, { zero = { stage = 2 } })
+  resume("zero3-bf16", a, want, "zero-3 data 4", { zero = 0 }, ZERO3)
+  resume("zero3-bf16", a, want, "zero-3 groups of 2", { zero = 2 }, ZERO3)
+  resume("zero3-bf16", a, want, "zero-2 groups of 2", { zero = 2 }, { zero = { stage = 2 } })
+  a, want = saved("zero3-bf16-2", "zero-3 bf16 groups of 2", { zero = 2 })
+  resume("zero3-bf16-2", a, want, "zero-3 groups of 2", { zero = 2 }, ZERO3)
+  resume("zero3-bf16-2", a, want, "zero-3 data 4", { zero = 0 }, ZERO3)
+  resume("zero3-bf16-2", a, want, "zero-2 data 4", { zero = 0 }, { zero = { stage = 2 } })
 end)
 
 -- A wider GPT-2 (6 blocks of 64) so that a unit's gathered bytes stand well above the save's
