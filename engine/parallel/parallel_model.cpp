@@ -521,7 +521,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     Fsdp::StepHold hold(fsdp_.get());
     auto sum = pipeline_->train_step(
         x, y, [&](const torch::Tensor& out, const torch::Tensor& t) { return loss(out, t, options, "sum"); }, weight,
-        data_parallel_.get(), scale);
+        data_parallel_.get(), scale, fsdp_.get());
     return global_mean(sum, pipeline_->loss_dtype());
   }
   root_->train();

@@ -17,6 +17,7 @@
 namespace partrain::parallel {
 
 class DataParallel;
+class Fsdp;
 
 /// How the blocks are divided among the stages.
 struct StageBalance {
@@ -126,10 +127,12 @@ class Pipeline {
   /// backwards from that loss times `weight` (a scalar tensor: the share that turns the sums into
   /// the global batch's mean) and `loss_scale` (loss scaling), the transfers; then sums the tied
   /// parameters' gradients and completes `dp`'s sync (it syncs during the rank's last backward).
+  /// `fsdp` (ZeRO-3, if any): the first step's measure leaves out the units its forwards gather.
   /// Returns the sum of the micro-batches' losses (float64) on every pipeline rank.
   torch::Tensor train_step(const torch::Tensor& x, const torch::Tensor& y,
                            const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                           const torch::Tensor& weight, DataParallel* dp, double loss_scale = 1.0);
+                           const torch::Tensor& weight, DataParallel* dp, double loss_scale = 1.0,
+                           const Fsdp* fsdp = nullptr);
 
   /// Refuses a step after one that failed part-way (its messages may still be queued in the
   /// group, unless the group was renewed since): before anything is sent over the group.

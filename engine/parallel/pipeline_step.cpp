@@ -356,13 +356,14 @@ void Pipeline::sum_tie_gradients(const std::vector<torch::Tensor>& kept, DataPar
 
 torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& y,
                                    const std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>& loss,
-                                   const torch::Tensor& weight, DataParallel* dp, double loss_scale) {
+                                   const torch::Tensor& weight, DataParallel* dp, double loss_scale,
+                                   const Fsdp* fsdp) {
   const int m = options_.microbatches, chunks = options_.chunks, last = stages() - 1;
   check_runnable();
   root_->train();
   events::forward_begins();  // a script's first training step begins (once): the planner counts from here
   auto xs = x.chunk(m, 0), ys = y.chunk(m, 0);
-  StageMeter meter(measured_, chunks, device_.type(), *root_);  // the first step weighs its chunks
+  StageMeter meter(measured_, chunks, device_.type(), *root_, dp, fsdp);  // the first step weighs its chunks
   // Its backwards set data parallelism's passes (the sync in the last, a chunk each); leaving, by
   // return or exception, they are the sync's again. The caller's scope carries the counts.
   DataParallel::StepScope passes(dp, /*carries_counts=*/false);

@@ -5,6 +5,8 @@
 #include <map>
 #include <set>
 
+#include "engine/parallel/data_parallel.hpp"
+#include "engine/parallel/fsdp.hpp"
 #include "engine/util/tensor_memory.hpp"
 
 namespace partrain::parallel {
@@ -60,12 +62,15 @@ int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const Pipe
   return peak;
 }
 
-StageMeter::StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType device, nn::Module& root)
+StageMeter::StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType device, nn::Module& root,
+                       const DataParallel* dp, const Fsdp* fsdp)
     : m_(measure),
       measure_(!measure.done),
       countable_(device == c10::kCPU || device == c10::kMeta),
       device_(device),
-      root_(root) {
+      root_(root),
+      dp_(dp),
+      fsdp_(fsdp) {
   if (!measure_) return;
   m_.activations.assign(chunks, -1);
   m_.backward.assign(chunks, -1);
@@ -73,14 +78,31 @@ StageMeter::StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType dev
   m_.gradients.assign(chunks, 0);
 }
 
-void StageMeter::forward_begins(int) {
-  if (measure_ && countable_) before_ = util::memory(device_).allocated;
+// Gather buffers come and go only through Fsdp::allocate and release, so their change over a
+// phase is the change in gathered + pooled (a buffer kept for reuse stays allocated).
+int64_t StageMeter::gather_buffers() const {
+  if (!fsdp_) return 0;
+  const auto b = fsdp_->bytes();
+  return b.gathered + b.pooled;
 }
 
+// ZeRO-2 and 3 take a bucket's scratch while backward fills it (at the backward's peak) and keep
+// it; ZeRO-1's inboxes come at the sync, after the activations they replace are freed.
+int64_t StageMeter::held() const { return dp_ && dp_->sharded() ? dp_->held_bytes() : 0; }
+
+void StageMeter::forward_begins(int) {
+  if (!measure_ || !countable_) return;
+  before_ = util::memory(device_).allocated;
+  gathered_before_ = gather_buffers();
+}
+
+// A chunk's first forward gathers its units (a pipeline holds them for the step): without ZeRO-3's
+// share, its activations are what they are under ZeRO-2.
 void StageMeter::forward_ends(int chunk, const torch::Tensor& input) {
   if (!measure_ || !countable_ || m_.activations[chunk] >= 0) return;
   m_.inputs[chunk] = input.defined() ? static_cast<int64_t>(input.nbytes()) : 0;
-  m_.activations[chunk] = util::memory(device_).allocated - before_ + m_.inputs[chunk];
+  const int64_t gathered = gather_buffers() - gathered_before_;
+  m_.activations[chunk] = util::memory(device_).allocated - before_ - gathered + m_.inputs[chunk];
 }
 
 void StageMeter::gradient_received(int chunk, const torch::Tensor& grad) {
@@ -95,6 +117,8 @@ void StageMeter::backward_begins() {
   for (const auto& p : root_.parameters(/*recurse=*/true))
     if (!p.grad().defined()) gradless_.push_back(p);
   before_ = util::memory(device_).allocated;
+  gathered_before_ = gather_buffers();
+  held_before_ = held();
   util::start_mark(device_);
 }
 
@@ -104,7 +128,13 @@ void StageMeter::backward_ends(int chunk) {
   for (const auto& p : gradless_)
     if (p.grad().defined()) new_grads += static_cast<int64_t>(p.grad().nbytes());
   gradless_.clear();
-  m_.backward[chunk] = std::max<int64_t>(m_.backward[chunk], std::max<int64_t>(0, util::mark(device_) - before_ - new_grads));
+  // A unit gathered again for backward (reshard_after_forward asked for) is a parameter too, and
+  // the scratch and gradient shards data parallelism takes in the first backward are gradients
+  // (under ZeRO-2 a chunk's whole gradient scratch: the planned peak had counted it twice).
+  const int64_t gathered = std::max<int64_t>(0, gather_buffers() - gathered_before_);
+  const int64_t kept = std::max<int64_t>(0, held() - held_before_);
+  m_.backward[chunk] = std::max<int64_t>(
+      m_.backward[chunk], std::max<int64_t>(0, util::mark(device_) - before_ - new_grads - gathered - kept));
 }
 
 void StageMeter::finish(const std::vector<PipeAction>& actions, bool receives_ahead) {

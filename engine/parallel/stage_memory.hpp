@@ -13,9 +13,14 @@ namespace partrain::parallel {
 
 /// Fills a PipelineMeasure from one train_step: active when the measure is not done yet and the
 /// device's allocations are counted (the CPU, the meta device); every call does nothing otherwise.
+/// What the planner counts as model state is left out: under ZeRO-3 (`fsdp`) the gather buffers
+/// a phase allocates (the stage's units, gathered at their first use and held for the step, and
+/// the freed ones kept for reuse: its units gathered at once), and what data parallelism (`dp`)
+/// comes to hold during a backward under ZeRO-2 and 3 (gradient shards and bucket scratch).
 class StageMeter {
  public:
-  StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType device, nn::Module& root);
+  StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType device, nn::Module& root,
+             const DataParallel* dp = nullptr, const Fsdp* fsdp = nullptr);
   /// A chunk's forward of one micro-batch begins ...
   void forward_begins(int chunk);
   /// ... and ends, having received `input` (undefined on the first virtual stage): the first of
@@ -36,7 +41,11 @@ class StageMeter {
   const bool measure_, countable_;
   const c10::DeviceType device_;
   nn::Module& root_;
-  int64_t before_ = 0;
+  const DataParallel* dp_;
+  const Fsdp* fsdp_;
+  int64_t gather_buffers() const;  // ZeRO-3's gathered and pooled bytes now (0 without it)
+  int64_t held() const;            // data parallelism's gradient buffers and scratch (0 without it)
+  int64_t before_ = 0, gathered_before_ = 0, held_before_ = 0;
   std::vector<torch::Tensor> gradless_;  // parameters without a gradient when a backward began
 };
 

@@ -25,7 +25,9 @@
 - ZeRO-3 (prefetch 1 float32, prefetch 2 bfloat16) at data 4: the planned parameter shards, the units
   gathered at once (root + (1 + prefetch) blocks), gradients, optimizer state, masters and
   activations match the real run's (its peak gathered bytes) within 2 %; under a pipeline every
-  unit of a stage is planned as gathered.
+  unit of a stage is planned as gathered, and pipeline 2 x zero 2's planned activations (each
+  chunk's and the schedule's peak) are ZeRO-2's within 2 % (the units gathered and the gradient
+  scratch are model state, not activations) and the real step's allocator peak within 25 %.
 - A plan saved in format version 1 (before pipeline stages) still loads; a later version is
   refused by name.
 
@@ -160,6 +162,23 @@ check("a pipelined ZeRO-3 plan says every unit of a stage stays gathered",
       r.returncode == 0 and "ZeRO-3 over 2 rank(s)" in r.stdout and "every unit (reshard_after_forward off, a "
       "pipeline's default" in r.stdout and "the shard (and any parameter kept whole) + the units gathered" in r.stdout,
       r.stdout + r.stderr)
+# Pipeline 2 x zero 2: the units a stage gathers at their first use (held for the step) and the
+# gradient scratch its first backward takes are parameters and gradients, not activations, so the
+# planned activations are ZeRO-2's (they had counted the gathered units twice: 9.06 MiB against
+# 6.82 MiB, and ZeRO-2's its scratch twice) and the real step's.
+PIPE_Z = ["--layers", "4", "--pipeline", "2", "--steps", "2"]
+by_stage = {z: plan(4, "--zero-stage", z, *PIPE_Z)["ranks"] for z in ("2", "3")}
+off = max(max(abs(a["activation_bytes"] - b["activation_bytes"]) / b["activation_bytes"],
+              *(abs(p["activation_bytes"] - q["activation_bytes"]) / q["activation_bytes"]
+                for p, q in zip(a["pipeline"]["chunks"], b["pipeline"]["chunks"])))
+          for a, b in zip(by_stage["3"], by_stage["2"]))
+check(f"pipeline 2 x zero 2: ZeRO-3's planned activations (chunks and peak) are ZeRO-2's within 2 % (worst {off:.4%})",
+      off <= 0.02, [(a["activation_bytes"], b["activation_bytes"]) for a, b in zip(by_stage["3"], by_stage["2"])])
+measured = real(4, "--zero-stage", "3", *PIPE_Z)
+worst_act = max(abs(r["activation_bytes"] - m["activations"]) / m["activations"] for r, m in zip(by_stage["3"], measured))
+check(f"pipeline 2 x zero 2, ZeRO-3: planned peak activations match the real step's allocator peak within 25 % "
+      f"(worst {worst_act:.4%})", worst_act <= 0.25,
+      [(r["activation_bytes"], m["activations"]) for r, m in zip(by_stage["3"], measured)])
 r = run(["plan", "--world", "4", SCRIPT, "--zero-stage", "2"])
 check("the text plan of a ZeRO-2 run names the stage, the group and the masters column, and says what stage 2 holds",
       r.returncode == 0 and "ZeRO-2 over 4 rank(s)" in r.stdout and "masters" in r.stdout
