@@ -167,6 +167,24 @@ test("between steps a rank holds its shards only; values are read inside model:g
   near(out, pt.no_grad(function() return serial(x) end), 1e-12, "evaluation's output")
 end)
 
+test("a policy's units are ZeRO-3's units, and equal serial AdamW", function()
+  local P = require "partrain.policy"
+  local base = require "policies.gpt2"
+  -- Every block in one unit: one larger gather in place of three.
+  local whole = P.policy { name = "gpt2_one_unit", targets = { "GPT2" }, modules = base.modules, ties = base.ties,
+                           pipeline = base.pipeline, units = { "h" } }
+  local _, opt = equal { what = "zero-3 policy units", mesh = { zero = 0 }, policy = whole, steps = 10,
+                         opts = { zero = { stage = 3 } } }
+  local n = 0
+  for name, t in pairs(gpt2()():state_dict()) do
+    if name:find("^h%.") then n = n + t:numel() end
+  end
+  eq(opt:zero().largest_unit_bytes, math.ceil(n / 4) * 4 * 8, "the unit is the blocks' parameters, padded to the zero group")
+  local e = raises(function() P.policy { name = "x", targets = { "GPT2" }, modules = {}, pipeline = base.pipeline,
+                                         units = { "h.0", 3 } } end, "policy field 'units': entry 2 must be a module path")
+  ok(e:find("test_zero3.lua:%d+"), e)
+end)
+
 test("what cannot run under ZeRO-3 is refused at the caller's line", function()
   local here = "test_zero3.lua:%d+"
   local mesh = pt.mesh { zero = 0 }

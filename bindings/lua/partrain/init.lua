@@ -383,16 +383,17 @@ function pt.parallelize(model, policy, mesh, opts)
       end
       recompute_blocks = blocks
     end
-    -- ZeRO-3 gathers a block at a time: its units are the blocks the policy's pipeline
-    -- description names (the engine falls back to the root's children without one).
+    -- ZeRO-3 gathers a unit at a time: the policy's units, or else each of the blocks its
+    -- pipeline description names (the engine falls back to the root's children without either).
     if type(dp.zero) == "table" and dp.zero.stage == 3 and dp.zero.units == nil and dp.zero.blocks == nil then
       local d = policy or P.registry[model:type()]
       if type(d) == "string" then d = require(d) end
+      local units = type(d) == "table" and d.units
       local blocks = type(d) == "table" and d.pipeline and d.pipeline.blocks
-      if blocks then
+      if units or blocks then
         local zero = {}
         for k, v in pairs(dp.zero) do zero[k] = v end
-        zero.blocks = blocks
+        if units then zero.units = units else zero.blocks = blocks end
         dp.zero = zero
       end
     end

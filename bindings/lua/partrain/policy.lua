@@ -323,7 +323,7 @@ local function check_modules(modules, at)
 end
 
 local FIELDS = { name = "string", targets = "table", modules = "table or function", preprocess = "function",
-                 postprocess = "function", pipeline = "table", ties = "table" }
+                 postprocess = "function", pipeline = "table", ties = "table", units = "table" }
 local PIPELINE = { blocks = "string", first = "list", last = "list" }
 
 -- Checks a policy's fields (written at `at`).
@@ -332,7 +332,7 @@ local function check_policy(spec, at)
   for _, k in ipairs(sorted_keys(spec)) do
     local v, want = spec[k], FIELDS[k]
     if not want then
-      fail(at, "policy has no field %s (fields: modules, name, pipeline, postprocess, preprocess, targets, ties)",
+      fail(at, "policy has no field %s (fields: modules, name, pipeline, postprocess, preprocess, targets, ties, units)",
         core._key_text(k))
     end
     if want == "table or function" then
@@ -356,6 +356,13 @@ local function check_policy(spec, at)
       if type(pair) ~= "table" or not is_list(pair) or #pair ~= 2 or type(pair[1]) ~= "string" or type(pair[2]) ~= "string" then
         fail(at, "policy field 'ties': entry %d must be a pair of parameter names { \"a.weight\", \"b.weight\" }", i)
       end
+    end
+  end
+  -- ZeRO-3's units: the modules gathered together, by dotted path in forward order.
+  if spec.units then
+    if not is_list(spec.units) or #spec.units == 0 then fail(at, "policy field 'units' must be a non-empty list of module paths") end
+    for i, p in ipairs(spec.units) do
+      if type(p) ~= "string" then fail(at, "policy field 'units': entry %d must be a module path (a string), got %s", i, type(p)) end
     end
   end
   if spec.pipeline then
