@@ -344,12 +344,18 @@ local function check_policy(spec, at)
     end
   end
   if spec.modules == nil then fail(at, "policy %s has no modules", spec.name or "?") end
-  if spec.targets then
-    if not is_list(spec.targets) or #spec.targets == 0 then fail(at, "policy field 'targets' must be a non-empty list of model types") end
-    for i, name in ipairs(spec.targets) do
-      if type(name) ~= "string" then fail(at, "policy field 'targets': entry %d must be a model type (a string), got %s", i, type(name)) end
+  -- A field that must be a non-empty list of names (`what`, plural and singular).
+  local function names(field, plural, singular)
+    local v = spec[field]
+    if v == nil then return end
+    if not is_list(v) or #v == 0 then fail(at, "policy field '%s' must be a non-empty list of %s", field, plural) end
+    for i, name in ipairs(v) do
+      if type(name) ~= "string" then
+        fail(at, "policy field '%s': entry %d must be %s (a string), got %s", field, i, singular, type(name))
+      end
     end
   end
+  names("targets", "model types", "a model type")
   if spec.ties then
     if not is_list(spec.ties) then fail(at, "policy field 'ties' must be a list of { \"a.weight\", \"b.weight\" } pairs") end
     for i, pair in ipairs(spec.ties) do
@@ -358,13 +364,7 @@ local function check_policy(spec, at)
       end
     end
   end
-  -- ZeRO-3's units: the modules gathered together, by dotted path in forward order.
-  if spec.units then
-    if not is_list(spec.units) or #spec.units == 0 then fail(at, "policy field 'units' must be a non-empty list of module paths") end
-    for i, p in ipairs(spec.units) do
-      if type(p) ~= "string" then fail(at, "policy field 'units': entry %d must be a module path (a string), got %s", i, type(p)) end
-    end
-  end
+  names("units", "module paths", "a module path")  -- ZeRO-3's units, in forward order
   if spec.pipeline then
     for _, k in ipairs(sorted_keys(spec.pipeline)) do
       local v, want = spec.pipeline[k], PIPELINE[k]
