@@ -164,10 +164,44 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
   };
   wrap(root, 0);
   for (size_t u = 1; u < f->units_.size(); ++u) wrap(*root.find(f->units_[u].name), u);
+  f->guard_inner_modules(root);
   dp->set_bucket_done([weak](size_t i) {
     if (auto fsdp = weak.lock()) fsdp->bucket_done(i);
   });
   return f;
+}
+
+// A module holding sharded parameters below a unit's entry (or the root's, outside every unit),
+// called on its own while its unit is freed (model.h[1].mlp.c_fc(x) between steps), would read
+// released storage: it is refused naming the unit and the ways to run it; one on its way is
+// waited for.
+void Fsdp::guard_inner_modules(nn::Module& root) {
+  std::weak_ptr<Fsdp> weak = shared_from_this();
+  for (auto& [path, m] : root.modules()) {
+    if (path.empty()) continue;
+    bool holds = false;
+    for (const auto& p : m->named_parameters(/*recurse=*/false))
+      holds = holds || (p.value().requires_grad() && dp_->index_of(p.value()) >= 0);
+    if (!holds) continue;
+    size_t unit = 0;
+    for (size_t u = 1; u < units_.size(); ++u)
+      if (path == units_[u].name || path.rfind(units_[u].name + ".", 0) == 0) unit = u;
+    if (unit > 0 && path == units_[unit].name) continue;  // the unit's entry gathers it
+    auto previous = m->replaced_forward();
+    m->replace_forward([weak, unit, path = path, previous](nn::Module& self, const std::vector<torch::Tensor>& inputs) {
+      if (auto fsdp = weak.lock()) fsdp->expect_gathered(unit, path);
+      return previous ? previous(self, inputs) : self.own_forward(inputs);
+    });
+  }
+}
+
+void Fsdp::expect_gathered(size_t u, const std::string& path) {
+  auto& unit = units_[u];
+  if (unit.state == State::Gathering) wait(u);
+  TORCH_CHECK(unit.state == State::Gathered, "ZeRO-3: '", path, "' holds parameters of ",
+              u == 0 ? std::string("the root unit") : "unit '" + unit.name + "'",
+              ", which exist only while it is gathered: run ", u == 0 ? std::string("the model") : "the unit or the model",
+              ", or call it inside model:gathered(function() ... end)");
 }
 
 void Fsdp::gather(size_t u) {

@@ -219,6 +219,8 @@ class Fsdp : public std::enable_shared_from_this<Fsdp> {
   };
   explicit Fsdp(std::shared_ptr<DataParallel> dp, const FsdpOptions& options);
   void prefetch(size_t u, int direction);
+  void guard_inner_modules(nn::Module& root);                // refuse a unit's inner module run while it is freed
+  void expect_gathered(size_t u, const std::string& path);  // ... the check itself
   void allocate(const torch::Tensor& gathered);  // a unit buffer's storage, from the pool if one is kept
   void release(const torch::Tensor& gathered);   // ... and back, or to the allocator
 

@@ -154,6 +154,12 @@ test("between steps a rank holds its shards only; values are read inside model:g
   local e = raises(function() local s = w:sum(); return s end, "sharded by ZeRO-3")
   ok(e:find("test_zero3.lua:%d+"), e)
   ok(e:find("model:gathered"), e)
+  -- A module inside a unit run on its own while the unit is freed is refused, naming the unit.
+  e = raises(function() local y = model.h[1].mlp.c_fc(pt.randn(2, GPT.dim):to("float64")); return y end,
+             "ZeRO-3: 'h.1.mlp.c_fc' holds parameters of unit 'h.1', which exist only while it is gathered")
+  ok(e:find("test_zero3.lua:%d+"), e)
+  local inner = model:gathered(function() return model.h[1].mlp.c_fc(pt.ones(2, GPT.dim):to("float64")) end)
+  near(inner, serial.h[1].mlp.c_fc(pt.ones(2, GPT.dim):to("float64")), 1e-12, "inside model:gathered it runs")
   local got = model:gathered(function() return w:clone() end)
   near(got, serial.h[1].mlp.c_fc.weight, 0, "gathered: the unit's weight")
   -- A write inside the gather stays: the shard takes it.
