@@ -97,6 +97,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     auto& b = dp->buckets_.emplace_back();
     b.whole = sizes[members.front()].whole;
     b.chunk = sizes[members.front()].chunk;
+    b.unit = sizes[members.front()].unit;
     for (size_t k : members) {
       dp->bucket_of_[k] = dp->buckets_.size() - 1;
       dp->slot_of_[k] = b.params.size();

@@ -111,6 +111,7 @@ struct Bucket {
   int64_t shard_start = 0;       ///< where this rank's part r of it starts in the shard buffer
   bool whole = false;            ///< all-reduced whole under ZeRO-2 too (DataParallelOptions::whole)
   int chunk = 0;                 ///< the pipeline chunk its parameters belong to
+  int unit = 0;                  ///< ZeRO-3's unit its parameters belong to (0: the root unit)
   int pending = 0;               ///< gradients still to arrive this pass
   bool ready = false;
   bool in_pass = false;          ///< reduced by the backward pass running now

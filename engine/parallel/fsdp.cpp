@@ -96,9 +96,6 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
   TORCH_CHECK(units.size() == paths.size(), "ZeRO-3: ", paths.size(), " unit names for ", units.size(), " units");
   f->units_.push_back({"(root)"});
   for (const auto& p : paths) f->units_.push_back({p});
-  std::unordered_map<const c10::TensorImpl*, int> unit_of;
-  for (size_t u = 0; u < units.size(); ++u)
-    for (const auto& p : units[u]) unit_of[p.unsafeGetTensorImpl()] = static_cast<int>(u) + 1;
   const int z = f->zero_->size(), r = f->zero_->rank();
   // The shard buffers: one per flat buffer whose (sharded) buckets hold parameters of its dtype.
   std::vector<bool> shareable(dp->buffer_options().size(), true);
@@ -124,13 +121,7 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
       }
       continue;
     }
-    s.unit = unit_of.count(params[b.params.front()].unsafeGetTensorImpl())
-                 ? unit_of[params[b.params.front()].unsafeGetTensorImpl()]
-                 : 0;
-    for (size_t k : b.params)
-      TORCH_CHECK((unit_of.count(params[k].unsafeGetTensorImpl()) ? unit_of[params[k].unsafeGetTensorImpl()] : 0) ==
-                      s.unit,
-                  "ZeRO-3: a bucket spans two units (the bucket layout must close at unit boundaries)");
+    s.unit = b.unit;  // the layout closed the buckets at unit boundaries
     const auto& first = params[b.params.front()];
     const int64_t part = b.padded / z;
     s.gathered = torch::zeros({b.padded}, first.options().requires_grad(false));
