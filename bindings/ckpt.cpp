@@ -122,18 +122,13 @@ const parallel::Pipeline* pipeline_of(const nn::Module& m) {
   return pm ? pm->pipeline().get() : nullptr;
 }
 
-// ZeRO-3's sharded parameters of the model `m` is part of (null below stage 3).
-std::shared_ptr<parallel::Fsdp> fsdp_of(const nn::Module& m) {
-  auto tree = m.parallel_tree();
-  return tree ? tree->fsdp() : nullptr;
-}
 
 // The logical tensors this rank contributes to an export: its state (tensor-parallel parts
 // gathered), by logical name, a tensor tied across stages only from the first rank holding it.
 // Under ZeRO-3 every unit is gathered for the read (the file holds the whole model anyway) and
 // the tensors are copies, which outlive the gather.
 std::map<std::string, torch::Tensor> exported_tensors(nn::Module& m) {
-  auto fsdp = fsdp_of(m);
+  auto fsdp = parallel::ParallelModel::fsdp_of(m);
   parallel::Fsdp::Gathered gathered(fsdp, /*writeback=*/false);
   auto full = parallel::full_state_dict(m);
   if (fsdp)
@@ -434,7 +429,7 @@ const Function kCkpt[] = {
        if (!failed.empty()) throw std::runtime_error(failed);
        try {
          // Under ZeRO-3 every unit is gathered for the write and each rank's shards take it.
-         parallel::Fsdp::Gathered gathered(fsdp_of(*m), /*writeback=*/true);
+         parallel::Fsdp::Gathered gathered(parallel::ParallelModel::fsdp_of(*m), /*writeback=*/true);
          parallel::load_full_state_dict(*m, local, /*strict=*/true);  // any other unknown or missing name fails
        } catch (const std::exception& e) {
          throw std::runtime_error("importing '" + path + "': " + util::message_of(e));

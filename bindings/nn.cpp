@@ -25,11 +25,6 @@ using torch::Tensor;
 
 namespace {
 
-// ZeRO-3's sharded parameters of the model `m` is part of (null when it has none).
-std::shared_ptr<parallel::Fsdp> fsdp_of(const nn::Module& m) {
-  auto pm = m.parallel_tree();
-  return pm ? pm->fsdp() : nullptr;
-}
 
 // The tensors of `map` as copies when `copy` (views of gathered parameters outlive no gather).
 nn::TensorMap owned(nn::TensorMap map, bool copy) {
@@ -363,30 +358,30 @@ const Function kMethods[] = {
     // them with every unit gathered for the call (a collective over the zero group).
     {"state_dict", [](Args& a) {  // this rank's tensors (its parts of split ones): smp's local_state_dict
        auto& m = *a.module(1);
-       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/false);
-       push_tensor_map(a.L, owned(m.state_dict(), fsdp_of(m) != nullptr));
+       parallel::Fsdp::Gathered gathered(parallel::ParallelModel::fsdp_of(m), /*writeback=*/false);
+       push_tensor_map(a.L, owned(m.state_dict(), parallel::ParallelModel::fsdp_of(m) != nullptr));
        return 1; }},
     {"load_state_dict", [](Args& a) {
        auto& m = *a.module(1);
-       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
+       parallel::Fsdp::Gathered gathered(parallel::ParallelModel::fsdp_of(m), /*writeback=*/true);
        m.load_state_dict(tensor_map(a, 2), a.boolean(3, true));
        return a.ret(); }},
     {"gathered", [](Args& a) {  // gathered(fn): fn() with every ZeRO-3 unit gathered; what it writes is kept
        auto& m = *a.module(1);
        if (lua_type(a.L, 2) != LUA_TFUNCTION) a.expected(2, "function");
-       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
+       parallel::Fsdp::Gathered gathered(parallel::ParallelModel::fsdp_of(m), /*writeback=*/true);
        lua_pushvalue(a.L, 2);
        std::string error;
        if (!pcall(a.L, 0, LUA_MULTRET, &error)) throw Rethrow(error);
        return lua_gettop(a.L) - 2; }},
     {"full_state_dict", [](Args& a) {  // split tensors gathered to their logical shapes (a collective)
        auto& m = *a.module(1);
-       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/false);
-       push_tensor_map(a.L, owned(parallel::full_state_dict(m), fsdp_of(m) != nullptr));
+       parallel::Fsdp::Gathered gathered(parallel::ParallelModel::fsdp_of(m), /*writeback=*/false);
+       push_tensor_map(a.L, owned(parallel::full_state_dict(m), parallel::ParallelModel::fsdp_of(m) != nullptr));
        return 1; }},
     {"load_full_state_dict", [](Args& a) {  // logical tensors in; each rank keeps its parts
        auto& m = *a.module(1);
-       parallel::Fsdp::Gathered gathered(fsdp_of(m), /*writeback=*/true);
+       parallel::Fsdp::Gathered gathered(parallel::ParallelModel::fsdp_of(m), /*writeback=*/true);
        parallel::load_full_state_dict(m, tensor_map(a, 2), a.boolean(3, true));
        return a.ret(); }},
     {"train", [](Args& a) { a.module(1)->train(a.boolean(2, true)); lua_settop(a.L, 1); return 1; }},

@@ -19,7 +19,6 @@
 
 namespace partrain::parallel {
 struct Sharding;
-class Fsdp;
 }
 
 namespace partrain::ckpt::internal {
@@ -123,9 +122,6 @@ struct Held {
   bool first = true;
 };
 std::vector<Held> held(const nn::Module& model);
-// ZeRO-3's sharded parameters of the model `model` is part of (null below stage 3): a save and a
-// load reach the parameters' values through an Fsdp::Access, one unit gathered at a time.
-std::shared_ptr<parallel::Fsdp> fsdp_of(const nn::Module& model);
 
 // ---- Data files (save.cpp, load.cpp) ----------------------------------------------------------
 

@@ -285,7 +285,7 @@ void apply(const Reading& r, const std::string& tag, State& state, int rank, Loa
     // ZeRO-3: each parameter's unit is gathered when the parameter is reached and written back
     // into this rank's shard when the next unit is (every rank of the zero group in the same
     // order): one unit gathered at a time. The optimizer takes its master from the written value.
-    parallel::Fsdp::Access access(fsdp_of(*state.model), /*writeback=*/true);
+    parallel::Fsdp::Access access(parallel::ParallelModel::fsdp_of(*state.model), /*writeback=*/true);
     for (size_t i = 0; i < params.size(); ++i) {
       access.touch(params[i].param);
       params[i].param.copy_(values[i]);

@@ -59,9 +59,4 @@ std::vector<Held> held(const nn::Module& model) {
   return out;
 }
 
-std::shared_ptr<parallel::Fsdp> fsdp_of(const nn::Module& model) {
-  auto tree = model.parallel_tree();
-  return tree ? tree->fsdp() : nullptr;
-}
-
 }  // namespace partrain::ckpt::internal

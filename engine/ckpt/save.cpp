@@ -242,7 +242,7 @@ std::string write_part(const State& state, const SaveOptions& options, const std
   // ZeRO-3: each parameter's unit is gathered when the parameter is reached (the unit before it
   // freed), on every rank of the zero group in the same order, writer or not (a collective): a
   // rank holds its shards and one unit, never the whole model.
-  parallel::Fsdp::Access access(fsdp_of(*state.model), /*writeback=*/false);
+  parallel::Fsdp::Access access(parallel::ParallelModel::fsdp_of(*state.model), /*writeback=*/false);
   for (const auto& h : held(*state.model)) {
     access.touch(h.param);
     auto s = parallel::sharding_of(*state.model, h.local);

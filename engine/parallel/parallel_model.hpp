@@ -165,6 +165,12 @@ class ParallelModel : public std::enable_shared_from_this<ParallelModel> {
   int zero_stage() const { return data_parallel_ ? data_parallel_->options().zero.stage : 0; }
   /// ZeRO-3's sharded parameters (null below stage 3).
   const std::shared_ptr<Fsdp>& fsdp() const { return fsdp_; }
+  /// ZeRO-3's sharded parameters of the parallelized model `module` is part of (the root or any
+  /// module below it), or null (below stage 3, or not parallelized).
+  static std::shared_ptr<Fsdp> fsdp_of(const nn::Module& module) {
+    auto tree = module.parallel_tree();
+    return tree ? tree->fsdp() : nullptr;
+  }
   /// This rank's stages and their schedule (null without pipeline parallelism).
   const std::shared_ptr<Pipeline>& pipeline() const { return pipeline_; }
   const std::vector<ParameterRecord>& records() const { return records_; }
