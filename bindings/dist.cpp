@@ -103,6 +103,19 @@ const Function kGroupMethods[] = {
     {"recv", [](Args& a) {
        bool async = async_option(a, 4, "recv");
        return finish(a, group(a, 1)->recv(a.tensor(2), a.int32(3), async, /*tag=*/0, /*described=*/true), async, 2); }},
+    // send_recv(t, dst, into, src [, tag = 0]): sends t to group rank dst while receiving into
+    // `into` from group rank src (a ring step: every rank sends and receives at once), with
+    // send's and recv's dtype and element count check; waits and returns `into`.
+    {"send_recv", [](Args& a) {
+       auto& into = a.tensor(4);
+       group(a, 1)->send_recv(a.tensor(2), a.int32(3), into, a.int32(5), a.int32(6, 0), /*described=*/true).wait();
+       lua_pushvalue(a.L, 4);
+       return 1; }},
+    {"all_to_all", [](Args& a) {  // all_to_all(t): slice j of t's dim 0 to rank j; a new tensor
+       dist::AgreedCall agreed;
+       torch::Tensor out;
+       group(a, 1)->all_to_all_single(out, a.tensor(2));
+       return a.ret(out); }},
     {"barrier", [](Args& a) {
        bool async = async_option(a, 2, "barrier");
        return finish(a, group(a, 1)->barrier(async), async, 0); }},
@@ -149,6 +162,17 @@ const Function kDist[] = {
     {"local_world_size", [](Args& a) { return a.ret(double(world().options().local_world_size)); }},
     {"world", [](Args& a) { return push_group(a, world().world()); }},
     {"barrier", [](Args& a) { world().world()->barrier(); return a.ret(); }},
+    // new_group(ranks [, name = "group[0,1,2]"]): a group of those global ranks, in that order;
+    // nil on the ranks outside it. Every rank makes the same groups in the same order.
+    {"new_group", [](Args& a) {
+       if (!a.is_table(1)) a.expected(1, "table of ranks");
+       std::vector<int> ranks;
+       for (int64_t r : a.ints(1)) {
+         if (r < 0 || r >= world().size())
+           a.fail(1, "rank " + std::to_string(r) + " is outside the world of " + std::to_string(world().size()));
+         ranks.push_back(static_cast<int>(r));
+       }
+       return push_group(a, world().new_group(a.string(2, "group[" + dist::join_ranks(ranks) + "]"), ranks)); }},
     {"check_collectives", [](Args& a) {  // check_collectives([on]) -> whether it was on
        bool was = dist::check_collectives();
        if (!a.none(1)) dist::set_check_collectives(a.boolean(1));

@@ -1,6 +1,6 @@
 // Process groups over c10d (see process_group.hpp): their collectives, each checked, recorded in
-// the ledger and bounded by the group's timeout; the flat ones ZeRO uses are flat.cpp, the world
-// world.cpp, the mesh mesh.cpp.
+// the ledger and bounded by the group's timeout; the flat ones ZeRO uses are flat.cpp, context
+// parallelism's exchanges exchange.cpp, the world world.cpp, the mesh mesh.cpp.
 #include <unistd.h>
 
 #include <algorithm>
@@ -168,12 +168,12 @@ void fatal_exit(const std::string& message) {
 // ---- Waiting -------------------------------------------------------------------------------
 
 namespace {
-
 std::atomic<bool (*)()> wait_interrupt{nullptr};
+}  // namespace
 
-// Waits for `work` up to `timeout`. With an interrupt check installed the wait goes in slices,
-// asking the check between them, so that Ctrl-C in the REPL ends a wait no peer will answer;
-// a collective that completes within the first slice costs nothing more.
+// With an interrupt check installed the wait goes in slices, asking the check between them, so
+// that Ctrl-C in the REPL ends a wait no peer will answer; a collective that completes within
+// the first slice costs nothing more.
 void wait_for(c10d::Work& work, std::chrono::milliseconds timeout) {
   auto interrupted = wait_interrupt.load();
   if (!interrupted) {
@@ -197,8 +197,6 @@ void wait_for(c10d::Work& work, std::chrono::milliseconds timeout) {
     if (interrupted()) throw std::runtime_error("interrupted while waiting for the other ranks (Ctrl-C)");
   }
 }
-
-}  // namespace
 
 void set_call_site_provider(CallSiteFn fn) { site_provider = fn; }
 
@@ -230,6 +228,7 @@ Work::Work(std::shared_ptr<const ProcessGroup> group, std::string op, c10::intru
     : group_(std::move(group)), op_(std::move(op)), work_(std::move(work)), after_(std::move(after)), ticket_(ticket) {}
 
 bool Work::done() const {
+  if (also_ && !also_->done()) return false;
   if (!work_) return true;
   if (!work_->isCompleted()) return false;
   if (!work_->exception()) group_->ledger_set(ticket_, ledger::State::Completed);  // a failure: wait() says so
@@ -237,6 +236,7 @@ bool Work::done() const {
 }
 
 void Work::when_done(std::function<void()> fn) const {
+  if (also_) fn = [also = also_, fn = std::move(fn)] { also->when_done(fn); };  // this one, then the other
   if (!work_) {
     fn();
     return;
@@ -265,6 +265,10 @@ void Work::wait() {
     }
     work_.reset();
     group_->ledger_set(ticket_, ledger::State::Completed);
+  }
+  if (also_) {
+    also_->wait();
+    also_.reset();
   }
   if (after_) {
     auto after = std::move(after_);
@@ -570,10 +574,27 @@ Work ProcessGroup::reduce_scatter(Tensor& output, const std::vector<Tensor>& inp
   return done;
 }
 
-namespace {
-// A described send's header: its own channel beside the tensor's (tags below it are the caller's).
-constexpr int kHeaderTag = 1 << 24;
-}  // namespace
+Tensor header_of(const Tensor& t, const torch::Device& device) {
+  return torch::tensor({int64_t(t.scalar_type()), t.numel()}, torch::kInt64).to(device);
+}
+
+void check_header(const Tensor& header, c10::ScalarType dtype, int64_t numel, const std::string& what) {
+  auto h = header.cpu();
+  const auto sent_dtype = static_cast<c10::ScalarType>(h[0].item<int64_t>());
+  const int64_t sent_numel = h[1].item<int64_t>();
+  TORCH_CHECK(sent_dtype == dtype && sent_numel == numel, what, ": it sent ", sent_numel, " ", dtype_name(sent_dtype),
+              " elements; this tensor holds ", numel, " ", dtype_name(dtype),
+              " (a send and its recv must agree in dtype and element count)");
+}
+
+void ProcessGroup::check_peer(int peer, const char* what, const std::string& op) const {
+  if (size() == 1) {
+    TORCH_CHECK(peer == 0, op, " on ", describe(), ": bad ", what, " ", peer, " (a group of one has only group rank 0)");
+    return;
+  }
+  TORCH_CHECK(peer >= 0 && peer < size() && peer != rank_, op, " on ", describe(), ": bad ", what, " ", peer,
+              " (expected another group rank than this one, ", rank_, ", in 0..", size() - 1, ")");
+}
 
 Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag, bool described) const {
   check(t, "send");
@@ -587,8 +608,7 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag, bool desc
   if (described && impl_) {
     // Posted first and waited last, never alone: a rank that sends before it receives (a ring)
     // must not block on its header.
-    std::vector<Tensor> header{
-        torch::tensor({int64_t(t.scalar_type()), t.numel()}, torch::kInt64).to(World::instance().device())};
+    std::vector<Tensor> header{header_of(t, World::instance().device())};
     auto sent = impl_->group->send(header, dst, kHeaderTag + tag);
     after = [sent, header, timeout = options_.timeout] { wait_for(*sent, timeout); };
   }
@@ -608,15 +628,10 @@ Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag, bool described)
   if (described && impl_) {
     std::vector<Tensor> header{torch::zeros({2}, torch::kInt64).to(World::instance().device())};
     auto got = impl_->group->recv(header, src, kHeaderTag + tag);
-    after = [got, header, timeout = options_.timeout, dtype = t.scalar_type(), numel = t.numel(), src,
-             where = describe()] {
+    after = [got, header, timeout = options_.timeout, dtype = t.scalar_type(), numel = t.numel(),
+             what = "recv from group rank " + std::to_string(src) + " on " + describe()] {
       wait_for(*got, timeout);
-      auto h = header[0].cpu();
-      const auto sent_dtype = static_cast<c10::ScalarType>(h[0].item<int64_t>());
-      const int64_t sent_numel = h[1].item<int64_t>();
-      TORCH_CHECK(sent_dtype == dtype && sent_numel == numel, "recv from group rank ", src, " on ", where,
-                  ": it sent ", sent_numel, " ", dtype_name(sent_dtype), " elements; this tensor holds ", numel, " ",
-                  dtype_name(dtype), " (a send and its recv must agree in dtype and element count)");
+      check_header(header[0], dtype, numel, what);
     };
   }
   std::vector<Tensor> ts{t};

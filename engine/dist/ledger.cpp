@@ -33,6 +33,7 @@ const char* op_name(Op op) {
     case Op::Barrier: return "barrier";
     case Op::Send: return "send";
     case Op::Recv: return "recv";
+    case Op::AllToAll: return "all_to_all";
     case Op::None: break;
   }
   return "?";
@@ -343,7 +344,7 @@ Copy read(const Region* r) {
       const Entry& e = g->entries[((k % kEntries) + kEntries) % kEntries];
       if (e.call != k) continue;
       Call call;
-      call.op = e.op <= static_cast<uint8_t>(Op::Recv) ? static_cast<Op>(e.op) : Op::None;
+      call.op = e.op <= static_cast<uint8_t>(kLastOp) ? static_cast<Op>(e.op) : Op::None;
       call.state = e.state <= static_cast<uint8_t>(State::TimedOut) ? static_cast<State>(e.state) : State::Empty;
       call.reduce = e.reduce;
       call.dtype = e.dtype;

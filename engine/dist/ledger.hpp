@@ -27,12 +27,13 @@ constexpr int32_t kRingTag = 0x7a00;     // the tag of the sends and receives in
 constexpr const char* kEndOfRun = "(end of run)";  // the site of rank 0's wait for the others at the end
 
 /// What a call is. Collectives are numbered in their group; sends and receives on their channel.
-enum class Op : uint8_t { None, AllReduce, Broadcast, AllGather, ReduceScatter, Barrier, Send, Recv };
+enum class Op : uint8_t { None, AllReduce, Broadcast, AllGather, ReduceScatter, Barrier, Send, Recv, AllToAll };
+constexpr Op kLastOp = Op::AllToAll;  // what a reader accepts
 /// Where a call is: launched (an async call nobody waits on yet), a thread blocked waiting on it,
 /// done, failed, or given up at the group's timeout.
 enum class State : uint8_t { Empty, Started, Waiting, Completed, Failed, TimedOut };
 
-const char* op_name(Op op);        // "all_reduce", ..., "recv"
+const char* op_name(Op op);        // "all_reduce", ..., "recv", "all_to_all"
 const char* state_name(State s);   // "started", "waiting", "completed", "failed", "timed out"
 
 // ---- The shared block (plain data: the launcher reads it from another process) ---------------

@@ -55,6 +55,10 @@ class Work {
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> after_;  // runs once the collective has completed (e.g. the mean's divide)
   int64_t ticket_ = -1;
+  // A second operation that completes with this one, waited for after it and before `after_`
+  // (send_recv's send, with its own ledger entry); null for most.
+  std::shared_ptr<Work> also_;
+  friend class ProcessGroup;
 };
 
 /// Whether every collective first checks that all ranks of its group are calling the same one:
@@ -180,6 +184,25 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// reinterpreted). What pt.dist's send and recv use; a pipeline sends its own headers.
   Work send(const Tensor& t, int dst, bool async = false, int tag = 0, bool described = false) const;
   Work recv(Tensor& t, int src, bool async = false, int tag = 0, bool described = false) const;
+  /// A ring step (ring attention): sends `out` to group rank `dst` while receiving `in` from group
+  /// rank `src`, on the channel `tag` as send and recv use it, always left in flight: the work
+  /// covers both halves (wait() waits for the receive, then the send), and neither tensor may be
+  /// touched before. dst and src are other ranks (or both 0 in a group of one, which copies `out`
+  /// into `in`); they may be the same rank (a ring of two). Gloo posts the two as separate
+  /// operations; NCCL batches them in one group (ncclGroupStart/End, as torch's batch_isend_irecv
+  /// does), without which two ranks whose sends each wait for the other's receive deadlock. So on
+  /// NCCL the peer's side should be a send_recv too: c10d may run batched point-to-point on
+  /// another communicator than single sends and receives. `described` as for recv: a header beside
+  /// each tensor, compared on the receiving side when the work is waited for. The ledger has a
+  /// send and a recv entry; traffic() counts "send_recv" with out's bytes (what this rank sends).
+  /// A planned group records it and leaves `in` as it is.
+  Work send_recv(const Tensor& out, int dst, Tensor& in, int src, int tag = 0, bool described = false) const;
+  /// DeepSpeed-Ulysses' exchange: `in` (n, ...), n a multiple of size(), is read as size() equal
+  /// slices of dim 0; rank r's slice j lands in slice r of `out` on rank j. `out` must have in's
+  /// shape, dtype and device and not share its memory; undefined, it is made so. A collective
+  /// (c10d's all-to-all with equal splits, both backends), counted in traffic() as "all_to_all"
+  /// with the input's bytes. A group of one copies `in` into `out`; a planned group records it.
+  Work all_to_all_single(Tensor& out, const Tensor& in, bool async = false) const;
   Work barrier(bool async = false) const;
   /// Runs `wait` recorded in the ledger as a barrier at the current call site, though no
   /// collective runs: how rank 0's wait for the others at the end of the run shows in a hang
@@ -229,6 +252,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
            std::function<void()> after = {}, int64_t ticket = -1) const;
   [[noreturn]] void fail(const std::string& op, const std::string& why) const;
   void check(const Tensor& t, const std::string& op) const;
+  // Refuses a peer `peer` that is not another group rank (0 in a group of one), as `what`
+  // ("destination", "source") of `op`.
+  void check_peer(int peer, const char* what, const std::string& op) const;
   // check(), and that `flat` is 1-D of a length size() divides; returns that of a part.
   int64_t flat_part(const Tensor& flat, const std::string& op) const;
   // Records the call about to run in the ledger (`lop`, `reduce` = 1 + ReduceOp or 0, and for

@@ -246,6 +246,9 @@ GroupPtr World::new_group(const std::string& name, const std::vector<int>& ranks
   for (int r : ranks)
     TORCH_CHECK(r >= 0 && r < options_.world_size, "group '", name, "': rank ", r, " is outside the world of ",
                 options_.world_size);
+  for (size_t i = 0; i < ranks.size(); ++i)
+    TORCH_CHECK(std::find(ranks.begin(), ranks.begin() + i, ranks[i]) == ranks.begin() + i, "group '", name,
+                "': rank ", ranks[i], " is listed twice");
   // A unique store prefix even when names repeat (a second mesh, say).
   std::string unique = std::to_string(groups_made_++) + ":" + name;
   if (std::find(ranks.begin(), ranks.end(), options_.rank) == ranks.end()) return nullptr;

@@ -152,6 +152,113 @@ test("reduce_scatter_flat and all_gather_flat equal all_reduce then slice", func
   raises(function() W:all_gather_flat(pt.zeros(2, world)) end, "needs a flat tensor")
 end)
 
+-- Context parallelism's exchanges on groups of 2, 3 and 4 ranks. Every rank makes every group, in
+-- the same order, and gets nil for those it is not in: {0,1} and {2,3} (every rank in one),
+-- {3,1,2} (rank 0 outside; group ranks in another order than the global ones) and the world.
+local exchange
+local function exchange_groups()
+  if exchange then return exchange end
+  local pair_a, pair_b = pt.dist.new_group({ 0, 1 }), pt.dist.new_group({ 2, 3 })
+  local three = pt.dist.new_group({ 3, 1, 2 }, "three")
+  exchange = { pair_a or pair_b }
+  if three then exchange[#exchange + 1] = three end
+  exchange[#exchange + 1] = W
+  return exchange
+end
+
+test("send_recv: a ring at 2, 3 and 4 ranks gives each rank its previous rank's tensor", function()
+  for _, g in ipairs(exchange_groups()) do
+    local c, r, members = g:size(), g:rank(), g:ranks()
+    local next_rank, prev = (r + 1) % c, (r - 1) % c  -- at c = 2 the same peer both ways
+    g:reset_traffic()
+    local sent = 0
+    for _, dtype in ipairs { "float32", "bfloat16", "int64", "float64" } do
+      for step = 1, 2 do  -- messages on one channel arrive in order
+        local out = (pt.arange(6):view({ 2, 3 }) + 100 * rank + 10 * step):to(dtype)
+        local into = pt.zeros({ 2, 3 }):to(dtype)
+        local same = g:send_recv(out, next_rank, into, prev)
+        ok(rawequal(same, into) or same:equal(into), "returns the tensor received into")
+        local from = members[prev + 1]  -- the sender's global rank
+        near(into:double(), (pt.arange(6):view({ 2, 3 }) + 100 * from + 10 * step):to(dtype):double(), 0,
+             g:name() .. " " .. dtype .. " step " .. step .. ": from group rank " .. prev)
+        sent = sent + out:numel() * ({ float32 = 4, bfloat16 = 2, int64 = 8, float64 = 8 })[dtype]
+      end
+    end
+    -- Another tag is another channel; the shapes may differ (6 elements received as 3 x 2).
+    local got = g:send_recv(pt.full({ 6 }, rank), next_rank, pt.zeros({ 3, 2 }), prev, 5)
+    near(got, pt.full({ 3, 2 }, members[prev + 1]), 0, g:name() .. " on tag 5")
+    sent = sent + 24
+    local traffic = g:traffic().send_recv
+    eq(traffic.calls, 9, g:name() .. ": send_recv calls counted")
+    eq(traffic.bytes, sent, g:name() .. ": send_recv counts the bytes this rank sent")
+    eq(g:traffic().send, nil, "a send_recv is not also counted as a send")
+    -- The receiving side refuses what disagrees with its tensor, after the exchange.
+    raises(function() g:send_recv(pt.ones(4), next_rank, pt.zeros(6), prev) end,
+           "send_recv from group rank " .. prev .. " on group '" .. g:name() .. "'")
+    raises(function() g:send_recv(pt.ones(4):double(), next_rank, pt.zeros(8), prev) end,
+           "it sent 4 float64 elements; this tensor holds 8 float32")
+    -- Bad peers are refused at the entry, naming the group, the op and the script's line.
+    local e = raises(function() g:send_recv(pt.ones(1), r, pt.zeros(1), prev) end,
+                     "send_recv on group '" .. g:name() .. "' (ranks " .. table.concat(members, ",") ..
+                     "): bad destination " .. r .. " (expected another group rank than this one")
+    ok(e:find("test_collectives.lua:%d+"), "the refusal names the script's line: " .. e)
+    raises(function() g:send_recv(pt.ones(1), c, pt.zeros(1), prev) end, "bad destination " .. c)
+    raises(function() g:send_recv(pt.ones(1), next_rank, pt.zeros(1), -1) end, "bad source -1")
+    raises(function() g:send_recv(pt.ones(2, 2):t(), next_rank, pt.zeros(4), prev) end, "must be contiguous")
+    raises(function() g:send_recv(pt.ones(1), next_rank, pt.zeros(1), prev, -2) end, "tag must be in [0, 2^24)")
+  end
+  W:barrier()
+end)
+
+test("all_to_all: slice j of rank r's tensor lands in slice r on rank j, at 2, 3 and 4 ranks", function()
+  for _, g in ipairs(exchange_groups()) do
+    local c, r = g:size(), g:rank()
+    g:reset_traffic()
+    for _, dtype in ipairs { "float32", "bfloat16", "int64" } do
+      -- (c * 2, 3): slice j (rows 2j, 2j+1) holds 8 * r + j in the row's first element, then the
+      -- row's index and its column (small integers: exact in bfloat16).
+      local function slices(first, second)
+        local rows = {}
+        for j = 0, c - 1 do
+          for row = 0, 1 do rows[#rows + 1] = { 8 * first(j) + second(j), row, 2 } end
+        end
+        return pt.tensor(rows):to(dtype)
+      end
+      local t = slices(function() return r end, function(j) return j end)
+      local got = g:all_to_all(t)
+      ok(not rawequal(got, t), "a new tensor")
+      eq(got.dtype, t.dtype, "the input's dtype")
+      near(got:double(), slices(function(j) return j end, function() return r end):double(), 0,
+           g:name() .. " " .. dtype .. ": slice j from group rank j")
+    end
+    local traffic = g:traffic().all_to_all
+    eq(traffic.calls, 3, g:name() .. ": all_to_all calls counted")
+    eq(traffic.bytes, c * 2 * 3 * (4 + 2 + 8), g:name() .. ": all_to_all counts the input's bytes")
+    local empty = g:all_to_all(pt.zeros({ 0, 4 }))
+    eq(empty.shape[1] .. "x" .. empty.shape[2], "0x4", "an empty tensor stays empty")
+    raises(function() g:all_to_all(pt.zeros(c + 1)) end, "needs a tensor whose dim 0 is a multiple of " .. c)
+    raises(function() g:all_to_all(pt.ones(2 * c, 2):t()) end, "all_to_all on group '" .. g:name())
+  end
+end)
+
+test("a group of one exchanges with itself", function()
+  local solo = pt.dist.new_group({ rank }, "solo")
+  eq(solo:size(), 1)
+  local got = solo:send_recv(pt.tensor({ 1, 2, 3, 4 }), 0, pt.zeros({ 2, 2 }), 0)
+  near(got, { { 1, 2 }, { 3, 4 } }, 0, "send_recv copies into the tensor received into")
+  near(solo:all_to_all(pt.tensor({ 5, 6 })), { 5, 6 }, 0, "all_to_all returns a copy")
+  raises(function() solo:send_recv(pt.ones(1), 1, pt.zeros(1), 0) end, "(a group of one has only group rank 0)")
+  raises(function() solo:send_recv(pt.ones(2), 0, pt.zeros(3), 0) end,
+         "it sends 2 float32 elements to itself; the tensor received into holds 3 float32")
+  eq(next(solo:traffic()), nil, "a group of one moves nothing")
+  local named = pt.dist.new_group({ 0, 1 }, "pair")
+  eq(named and named:name() or "pair", "pair", "a group made with a name has it")
+  eq(pt.dist.new_group({ 0, 1 }) and "made" or nil, rank < 2 and "made" or nil, "nil on the ranks outside it")
+  raises(function() pt.dist.new_group({ 0, world }) end, "rank " .. world .. " is outside the world of " .. world)
+  raises(function() pt.dist.new_group(0) end, "table of ranks expected, got number")
+  raises(function() pt.dist.new_group({ 1, 1 }) end, "rank 1 is listed twice")
+end)
+
 test("the mesh follows Megatron's layout and its groups agree with it", function()
   local mesh = pt.mesh { tensor = 2 }
   local c = mesh:coord()

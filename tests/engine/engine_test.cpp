@@ -1,4 +1,5 @@
-// GoogleTest for the engine alone (no Lua): the module tree, layers, optimizers, data, the collective ledger.
+// GoogleTest for the engine alone (no Lua): the module tree, layers, optimizers, data, the collective ledger,
+// process groups of one rank and planned ones.
 #include <gtest/gtest.h>
 #include <zlib.h>
 
@@ -24,6 +25,7 @@
 #include "engine/ckpt/ckpt.hpp"
 #include "engine/data/data.hpp"
 #include "engine/dist/ledger.hpp"
+#include "engine/dist/process_group.hpp"
 #include "engine/models/gpt2.hpp"
 #include "engine/models/models.hpp"
 #include "engine/nn/layers.hpp"
@@ -611,6 +613,86 @@ TEST(Ledger, ACallCostsLessThanTwoMicroseconds) {
   double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - begin).count() / n;
   std::printf("ledger: %.0f ns a call (start, waiting, completed)\n", ns);
   EXPECT_LT(ns, 2000) << "bookkeeping that must stay small beside a collective (milliseconds on this machine)";
+}
+
+TEST(Ledger, AnAllToAllIsACollectiveNamedAsSuch) {
+  ledger::Book book("context", "test:all_to_all", {0, 1}, 0);
+  book.start(ledger::Op::AllToAll, 0, int(torch::kFloat), 8, 32);
+  const auto copy = ledger::read(ledger::region());
+  const auto* g = ledger_group(copy, "test:all_to_all");
+  ASSERT_NE(g, nullptr);
+  ASSERT_EQ(g->calls_kept.size(), 1u);
+  EXPECT_EQ(g->calls_kept[0].op, ledger::Op::AllToAll) << "read back, not taken for an unknown op";
+  EXPECT_TRUE(g->calls_kept[0].collective()) << "numbered with the group's collectives";
+  EXPECT_EQ(g->calls_kept[0].describe(), "all_to_all of 8 float32 (32 B)");
+}
+
+// ---- Process groups without peers ------------------------------------------------------------
+
+namespace {
+dist::GroupPtr group_without_peers(const std::string& name, std::vector<int> ranks, bool planned) {
+  dist::GroupOptions o;
+  o.name = name;
+  o.ranks = std::move(ranks);
+  o.planned = planned;
+  return dist::ProcessGroup::create(o, 0, nullptr);
+}
+}  // namespace
+
+TEST(ProcessGroup, AGroupOfOneExchangesWithItself) {
+  auto solo = group_without_peers("solo", {0}, false);
+  Tensor into = torch::zeros({2, 3});
+  auto out = torch::arange(6, torch::kFloat32);
+  solo->send_recv(out, 0, into, 0).wait();
+  EXPECT_TRUE(into.equal(out.view({2, 3}))) << "send_recv copies what it sends into what it receives into";
+  Tensor gathered;
+  auto in = torch::arange(4, torch::kFloat64).view({2, 2});
+  solo->all_to_all_single(gathered, in).wait();
+  EXPECT_TRUE(gathered.equal(in)) << "all_to_all_single makes the output and copies the input";
+  EXPECT_FALSE(gathered.is_alias_of(in));
+  EXPECT_TRUE(solo->traffic().empty()) << "a group of one moves nothing";
+  EXPECT_EQ(error_of([&] { solo->send_recv(out, 1, into, 0); }),
+            "send_recv on group 'solo' (ranks 0): bad destination 1 (a group of one has only group rank 0)");
+  EXPECT_NE(error_of([&] { solo->send_recv(out, 0, into, -1); }).find("bad source -1"), std::string::npos);
+  Tensor three = torch::zeros({3});
+  EXPECT_NE(error_of([&] { solo->send_recv(out, 0, three, 0); })
+                .find("it sends 6 float32 elements to itself; the tensor received into holds 3 float32"),
+            std::string::npos);
+  Tensor elsewhere = torch::empty({6}, torch::TensorOptions().device(torch::kMeta));
+  EXPECT_NE(error_of([&] { solo->send_recv(out, 0, elsewhere, 0); })
+                .find("send_recv on group 'solo' (ranks 0): the tensor sent is on cpu and the one received into on meta"),
+            std::string::npos);
+  Tensor strided = torch::zeros({3, 2}).t();
+  EXPECT_NE(error_of([&] { solo->send_recv(out, 0, strided, 0); }).find("send_recv on group 'solo' (ranks 0): the tensor must be contiguous"),
+            std::string::npos);
+  Tensor wrong = torch::zeros({2, 2}, torch::kFloat32);
+  EXPECT_NE(error_of([&] { solo->all_to_all_single(wrong, in); })
+                .find("all_to_all on group 'solo' (ranks 0): the output must have the input's shape [2, 2], dtype float64"),
+            std::string::npos);
+  Tensor same = in;
+  EXPECT_NE(error_of([&] { solo->all_to_all_single(same, in); }).find("must not share the input's memory"),
+            std::string::npos);
+}
+
+TEST(ProcessGroup, APlannedGroupRecordsExchangesAndMovesNothing) {
+  auto planned = group_without_peers("planned", {0, 1}, true);
+  Tensor into = torch::full({4}, 7.0);
+  planned->send_recv(torch::ones({4}), 1, into, 1).wait();
+  EXPECT_TRUE(into.equal(torch::full({4}, 7.0))) << "the tensor received into is left as it is";
+  Tensor out = torch::full({4, 3}, 7.0);
+  planned->all_to_all_single(out, torch::ones({4, 3})).wait();
+  EXPECT_TRUE(out.equal(torch::full({4, 3}, 7.0)));
+  auto traffic = planned->traffic();
+  EXPECT_EQ(traffic["send_recv"].calls, 1);
+  EXPECT_EQ(traffic["send_recv"].bytes, 16) << "the bytes sent";
+  EXPECT_EQ(traffic["all_to_all"].calls, 1);
+  EXPECT_EQ(traffic["all_to_all"].bytes, 48) << "the input's bytes";
+  EXPECT_NE(error_of([&] { planned->send_recv(torch::ones({4}), 0, into, 1); })
+                .find("bad destination 0 (expected another group rank than this one, 0, in 0..1)"),
+            std::string::npos);
+  Tensor odd = torch::ones({3});
+  EXPECT_NE(error_of([&] { planned->all_to_all_single(out, odd); }).find("needs a tensor whose dim 0 is a multiple of 2"),
+            std::string::npos);
 }
 
 // ---- The CPU heap -----------------------------------------------------------------------------
