@@ -339,13 +339,15 @@ std::string header_table(const std::vector<Metrics>& runs) {
   row("world", [&](const Metrics& m) { return field(m, "world"); });
   row("mesh", [](const Metrics& m) -> std::string {
     if (!m.header.is_object() || !m.header.contains("mesh") || !m.header["mesh"].is_object()) return "";
-    // In the mesh's own order (pipeline x data x tensor), then any other dimension.
+    // In the mesh's own order (pipeline x data x context x tensor), then any other dimension.
     const auto& mesh = m.header["mesh"];
+    const std::vector<std::string> order{"pipeline", "data", "context", "tensor"};
     std::string s;
-    for (const char* k : {"pipeline", "data", "tensor"})
-      if (mesh.contains(k)) s += (s.empty() ? "" : " x ") + std::string(k) + " " + value_text(mesh[k]);
+    for (const auto& k : order)
+      if (mesh.contains(k)) s += (s.empty() ? "" : " x ") + k + " " + value_text(mesh[k]);
     for (const auto& [k, v] : mesh.items())
-      if (k != "pipeline" && k != "data" && k != "tensor") s += (s.empty() ? "" : " x ") + k + " " + value_text(v);
+      if (std::find(order.begin(), order.end(), k) == order.end())
+        s += (s.empty() ? "" : " x ") + k + " " + value_text(v);
     return s;
   });
   row("device", [&](const Metrics& m) { return field(m, "device"); });

@@ -1,5 +1,5 @@
 // Process groups and the mesh in Lua: pt.dist (this rank, the world, the collectives) and
-// pt.mesh { tensor = t, pipeline = p, data = d, zero = z }. Parallelisms: bindings/parallel.cpp.
+// pt.mesh { tensor = t, context = c, pipeline = p, data = d, zero = z }. Parallelisms: bindings/parallel.cpp.
 #include <map>
 #include <sstream>
 
@@ -144,8 +144,9 @@ const Function kMeshMethods[] = {
     {"group", [](Args& a) { return push_group(a, mesh(a, 1)->group(a.string(2))); }},
     {"coord", [](Args& a) {
        const auto& c = mesh(a, 1)->coord();
-       lua_createtable(a.L, 0, 3);
+       lua_createtable(a.L, 0, 4);
        lua_pushnumber(a.L, c.tensor); lua_setfield(a.L, -2, "tensor");
+       lua_pushnumber(a.L, c.context); lua_setfield(a.L, -2, "context");
        lua_pushnumber(a.L, c.data); lua_setfield(a.L, -2, "data");
        lua_pushnumber(a.L, c.pipeline); lua_setfield(a.L, -2, "pipeline");
        return 1; }},
@@ -191,6 +192,7 @@ const Function kDist[] = {
        Options o(a, 1, "mesh");
        dist::MeshOptions m;
        m.tensor = o.int32("tensor", m.tensor);
+       m.context = o.int32("context", m.context);
        m.pipeline = o.int32("pipeline", m.pipeline);
        m.data = o.int32("data", m.data);
        m.zero = o.int32("zero", m.zero);

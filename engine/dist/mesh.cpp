@@ -7,57 +7,104 @@
 
 namespace partrain::dist {
 
-Layout::Layout(const MeshOptions& o, int world) : tensor(o.tensor), data(o.data), pipeline(o.pipeline) {
-  TORCH_CHECK(o.tensor >= 1 && o.pipeline >= 1 && o.data >= 0, "mesh sizes must be positive: tensor=", o.tensor,
-              " pipeline=", o.pipeline, " data=", o.data);
-  int unit = o.tensor * o.pipeline;
+namespace {
+
+// " x context=C" where context is split, else nothing: messages read as before without it.
+std::string context_term(int context) { return context == 1 ? "" : " x context=" + std::to_string(context); }
+
+}  // namespace
+
+Layout::Layout(const MeshOptions& o, int world)
+    : tensor(o.tensor), data(o.data), pipeline(o.pipeline), context(o.context) {
+  TORCH_CHECK(o.tensor >= 1 && o.pipeline >= 1 && o.context >= 1 && o.data >= 0,
+              "mesh sizes must be positive: tensor=", o.tensor, " context=", o.context, " pipeline=", o.pipeline,
+              " data=", o.data);
+  int unit = o.tensor * o.context * o.pipeline;  // the ranks of one model replica
   // What to start instead, when the world is one of too few ranks: the launcher's flag.
   auto start_with = [](int ranks) {
     return " (start it with partrain --nproc-per-node " + std::to_string(ranks) + ")";
   };
   if (data == 0) {
-    TORCH_CHECK(world % unit == 0, "mesh: tensor=", o.tensor, " x pipeline=", o.pipeline, " = ", unit,
-                " does not divide the world of ", world, " ranks", world < unit ? start_with(unit) : "");
+    TORCH_CHECK(world % unit == 0, "mesh: tensor=", o.tensor, context_term(o.context), " x pipeline=", o.pipeline,
+                " = ", unit, " does not divide the world of ", world, " ranks", world < unit ? start_with(unit) : "");
     data = world / unit;
   }
-  TORCH_CHECK(unit * data == world, "mesh: tensor=", o.tensor, " x data=", data, " x pipeline=", o.pipeline, " = ",
-              unit * data, " ranks, but the world has ", world, world < unit * data ? start_with(unit * data) : "");
-  zero = o.zero <= 0 ? data : o.zero;  // <= 0: the whole data group (InternLM's zero1); unset (1): off
-  TORCH_CHECK(zero <= data && data % zero == 0, "mesh: zero=", o.zero, " does not divide the data size ", data,
-              " (zero <= 0: the whole data group; 1: off; n: groups of n data ranks)");
+  TORCH_CHECK(unit * data == world, "mesh: tensor=", o.tensor, context_term(o.context), " x data=", data,
+              " x pipeline=", o.pipeline, " = ", unit * data, " ranks, but the world has ", world,
+              world < unit * data ? start_with(unit * data) : "");
+  // Zero groups split data_context, the ranks that hold the same parameters.
+  const int replicas = data * context;
+  zero = o.zero <= 0 ? replicas : o.zero;  // <= 0: the whole data_context group (InternLM's zero1); unset (1): off
+  TORCH_CHECK(zero <= replicas && replicas % zero == 0, "mesh: zero=", o.zero, " does not divide ",
+              context == 1 ? "the data size " + std::to_string(data)
+                           : "data x context = " + std::to_string(data) + " x " + std::to_string(context) + " = " +
+                                 std::to_string(replicas),
+              " (zero <= 0: the whole data", context == 1 ? "" : "_context",
+              " group; 1: off; n: groups of n consecutive ranks)");
 }
 
 Coord Layout::coord(int rank) const {
   TORCH_CHECK(rank >= 0 && rank < world(), "rank ", rank, " is outside the mesh of ", world());
-  return Coord{rank % tensor, (rank / tensor) % data, rank / (tensor * data)};
+  Coord c;
+  c.tensor = rank % tensor;
+  c.context = (rank / tensor) % context;
+  c.data = (rank / (tensor * context)) % data;
+  c.pipeline = rank / (tensor * context * data);
+  return c;
 }
 
 const std::vector<std::string>& Layout::kinds() {
-  static const std::vector<std::string> k{"world", "tensor", "data", "pipeline", "unit", "zero"};
+  static const std::vector<std::string> k{"world", "tensor", "context", "data", "data_context", "pipeline", "unit",
+                                          "zero"};
   return k;
 }
 
+namespace {
+
+// "world, tensor, ..., unit or zero": the kinds, for messages.
+std::string kinds_text() {
+  const auto& k = Layout::kinds();
+  std::string s;
+  for (size_t i = 0; i < k.size(); ++i) s += (i == 0 ? "" : i + 1 == k.size() ? " or " : ", ") + k[i];
+  return s;
+}
+
+}  // namespace
+
 std::vector<int> Layout::group_of(const std::string& kind, int rank) const {
-  Coord c = coord(rank);
+  const Coord c = coord(rank);
+  // The rank at c with some coordinates replaced.
+  auto at = [&](int t, int x, int d, int p) {
+    Coord o;
+    o.tensor = t, o.context = x, o.data = d, o.pipeline = p;
+    return rank_of(o);
+  };
+  // The i-th rank of c's data_context group: i = context + C * data, so the order is global-rank order.
+  auto replica = [&](int i) { return at(c.tensor, i % context, i / context, c.pipeline); };
+  const int place = c.context + context * c.data;  // c's index in its data_context group
   std::vector<int> out;
   if (kind == "world") {
     for (int r = 0; r < world(); ++r) out.push_back(r);
   } else if (kind == "tensor") {
-    for (int t = 0; t < tensor; ++t) out.push_back(rank_of({t, c.data, c.pipeline}));
+    for (int t = 0; t < tensor; ++t) out.push_back(at(t, c.context, c.data, c.pipeline));
+  } else if (kind == "context") {
+    for (int x = 0; x < context; ++x) out.push_back(at(c.tensor, x, c.data, c.pipeline));
   } else if (kind == "data") {
-    for (int d = 0; d < data; ++d) out.push_back(rank_of({c.tensor, d, c.pipeline}));
+    for (int d = 0; d < data; ++d) out.push_back(at(c.tensor, c.context, d, c.pipeline));
+  } else if (kind == "data_context") {
+    for (int i = 0; i < data * context; ++i) out.push_back(replica(i));
   } else if (kind == "pipeline") {
-    for (int p = 0; p < pipeline; ++p) out.push_back(rank_of({c.tensor, c.data, p}));
+    for (int p = 0; p < pipeline; ++p) out.push_back(at(c.tensor, c.context, c.data, p));
   } else if (kind == "unit") {
     for (int p = 0; p < pipeline; ++p)
-      for (int t = 0; t < tensor; ++t) out.push_back(rank_of({t, c.data, p}));
+      for (int x = 0; x < context; ++x)
+        for (int t = 0; t < tensor; ++t) out.push_back(at(t, x, c.data, p));
   } else if (kind == "zero") {
-    int first = c.data / zero * zero;
-    for (int d = first; d < first + zero; ++d) out.push_back(rank_of({c.tensor, d, c.pipeline}));
+    for (int i = place / zero * zero; i < place / zero * zero + zero; ++i) out.push_back(replica(i));
   } else if (kind == "zero_across") {
-    for (int d = c.data % zero; d < data; d += zero) out.push_back(rank_of({c.tensor, d, c.pipeline}));
+    for (int i = place % zero; i < data * context; i += zero) out.push_back(replica(i));
   } else {
-    TORCH_CHECK(false, "unknown group kind '", kind, "' (expected world, tensor, data, pipeline, unit or zero)");
+    TORCH_CHECK(false, "unknown group kind '", kind, "' (expected ", kinds_text(), ")");
   }
   return out;
 }
@@ -80,13 +127,20 @@ Mesh::Mesh(const MeshOptions& options, World& world)
       groups_[kind] = world.world();
       continue;
     }
+    // Without context parallelism data_context is the data group: the same communicator, not a
+    // second one over the same ranks. (With it, it gets its own, even where it has the members of
+    // the context group, so that gradient sync and the attention's exchanges never share one.)
+    if (kind == "data_context" && layout_.context == 1) {
+      groups_[kind] = groups_.at("data");
+      continue;
+    }
     for (const auto& ranks : layout_.groups(kind)) {
       std::string name = kind + "[" + join_ranks(ranks) + "]";
       if (auto g = world.new_group(name, ranks)) groups_[kind] = g;
     }
   }
   // Hierarchical ZeRO only: shards all-reduced across the zero groups.
-  if (layout_.zero > 1 && layout_.zero < layout_.data)
+  if (layout_.zero > 1 && layout_.zero < layout_.data * layout_.context)
     for (const auto& ranks : layout_.groups("zero_across")) {
       std::string name = "zero_across[" + join_ranks(ranks) + "]";
       if (auto g = world.new_group(name, ranks)) zero_across_ = g;
@@ -95,18 +149,21 @@ Mesh::Mesh(const MeshOptions& options, World& world)
 
 const GroupPtr& Mesh::group(const std::string& kind) const {
   auto it = groups_.find(kind);
-  TORCH_CHECK(it != groups_.end(), "unknown group kind '", kind,
-              "' (expected world, tensor, data, pipeline, unit or zero)");
+  TORCH_CHECK(it != groups_.end(), "unknown group kind '", kind, "' (expected ", kinds_text(), ")");
   return it->second;
 }
 
 std::string Mesh::describe() const {
   std::ostringstream s;
-  s << "mesh tensor=" << layout_.tensor << " data=" << layout_.data << " pipeline=" << layout_.pipeline
-    << " zero=" << layout_.zero << " (world " << layout_.world() << "); rank " << rank_ << " at tensor="
-    << coord_.tensor << " data=" << coord_.data << " pipeline=" << coord_.pipeline;
+  s << "mesh tensor=" << layout_.tensor << " context=" << layout_.context << " data=" << layout_.data
+    << " pipeline=" << layout_.pipeline << " zero=" << layout_.zero << " (world " << layout_.world() << "); rank "
+    << rank_ << " at tensor=" << coord_.tensor << " context=" << coord_.context << " data=" << coord_.data
+    << " pipeline=" << coord_.pipeline;
   for (const auto& kind : Layout::kinds()) {
-    if ((kind == "zero" && layout_.zero == 1) || (kind == "pipeline" && layout_.pipeline == 1)) continue;  // nothing runs
+    // Groups where nothing runs, and data_context while it is the data group.
+    if ((kind == "zero" && layout_.zero == 1) || (kind == "pipeline" && layout_.pipeline == 1) ||
+        ((kind == "context" || kind == "data_context") && layout_.context == 1))
+      continue;
     s << "\n  " << kind << ": ranks " << join_ranks(group(kind)->ranks());
   }
   return s.str();

@@ -285,6 +285,42 @@ test("the mesh follows Megatron's layout and its groups agree with it", function
   raises(function() mesh:group("expert") end, "unknown group kind 'expert'")
 end)
 
+test("a context dimension sits just outside tensor and data_context joins data across it", function()
+  local mesh = pt.mesh { context = 2 }
+  local c = mesh:coord()
+  eq(rank, c.tensor + 1 * (c.context + 2 * (c.data + (world / 2) * c.pipeline)),
+    "rank = tensor + T * (context + C * (data + D * pipeline))")
+  eq(c.tensor, 0); eq(c.context, rank % 2, "context fastest without tensor"); eq(c.data, math.floor(rank / 2))
+  eq(mesh:size("context"), 2); eq(mesh:size("data"), world / 2, "data defaults to world / (T x C x P)")
+  eq(mesh:size("data_context"), world, "data_context: every data x context rank of one tensor and pipeline place")
+  eq(mesh:size("unit"), 2, "a unit is tensor x context x pipeline")
+  eq(table.concat(mesh:ranks("context", 3), ","), "2,3", "context neighbours are adjacent")
+  eq(table.concat(mesh:ranks("data", 1), ","), "1,3", "data groups stride by T x C")
+  local everyone = {}
+  for r = 0, world - 1 do everyone[#everyone + 1] = r end
+  eq(table.concat(mesh:group("data_context"):ranks(), ","), table.concat(everyone, ","))
+  eq(table.concat(mesh:group("context"):ranks(), ","), table.concat(mesh:ranks("context"), ","))
+  -- The context group's collective involves its pair only.
+  local t = pt.tensor({ rank })
+  mesh:group("context"):all_reduce(t)
+  local first = rank - rank % 2
+  near(t, { first + first + 1 }, 0, "context-group sum")
+  ok(tostring(mesh):find("context=2", 1, true)
+    and tostring(mesh):find("data_context: ranks " .. table.concat(everyone, ","), 1, true),
+    "print(mesh) shows the context size and the data_context group: " .. tostring(mesh))
+  -- Zero groups are consecutive parts of data_context; a size not dividing data x context is refused.
+  eq(table.concat(pt.mesh { context = 2, zero = 2 }:ranks("zero", 1), ","), "0,1", "zero = 2: one data rank's context pair")
+  eq(pt.mesh { context = 2, zero = 0 }:size("zero"), world, "zero = 0: all of data_context")
+  raises(function() pt.mesh { context = 2, zero = 3 } end,
+    ("zero=3 does not divide data x context = %d x 2 = %d"):format(world / 2, world))
+  raises(function() pt.mesh { tensor = 3, context = 2 } end,
+    "tensor=3 x context=2 x pipeline=1 = 6 does not divide the world of " .. world)
+  -- Without context the coordinate is 0 and data_context is the data group.
+  local plain = pt.mesh { tensor = 2 }
+  eq(plain:coord().context, 0); eq(plain:size("context"), 1)
+  eq(table.concat(plain:ranks("data_context"), ","), table.concat(plain:ranks("data"), ","))
+end)
+
 test("sharded loaders give the ranks of one unit the same slice", function()
   local mesh = pt.mesh { tensor = 2 }
   local data = pt.data.mnist { batch = 8, seed = 3, mesh = mesh }

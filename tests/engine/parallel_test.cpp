@@ -1,8 +1,8 @@
 // GoogleTest for the parallel engine without processes: sharding arithmetic (slices, padding,
 // unequal parts, re-cutting along another dimension), the mesh layout for every size that
-// divides 8, the data-parallel bucket layout, and the parallelized model's records, lifetime,
-// thread-bound hooks and train_step on a world of one, the split of blocks into pipeline stages, and
-// the peak activation bytes a rank's pipeline schedule holds.
+// divides 8 (context included), the data-parallel bucket layout, and the parallelized model's
+// records, lifetime, thread-bound hooks and train_step on a world of one, the split of blocks into
+// pipeline stages, and the peak activation bytes a rank's pipeline schedule holds.
 #include <gtest/gtest.h>
 
 #include <sstream>
@@ -181,6 +181,119 @@ TEST(MeshLayout, EverySizeThatDividesEightLaysOutAndGroupsAgree) {
   EXPECT_EQ(groups_of_two.group_of("zero_across", 5), (std::vector<int>{1, 3, 5, 7}));
 }
 
+// The coordinates every member of a group of `kind` shares with the others (1: shared).
+struct Shared {
+  bool tensor, context, data, pipeline;
+};
+
+TEST(MeshLayout, EveryTensorContextDataPipelineOfEightPartitionsTheWorldByItsCoordinates) {
+  const std::vector<int> sizes{1, 2, 4, 8};
+  const std::map<std::string, Shared> shared{
+      {"tensor", {false, true, true, true}},   {"context", {true, false, true, true}},
+      {"data", {true, true, false, true}},     {"data_context", {true, false, false, true}},
+      {"pipeline", {true, true, true, false}}, {"unit", {false, false, true, false}},
+      {"zero", {true, false, false, true}},    {"zero_across", {true, false, false, true}}};
+  int layouts = 0;
+  for (int t : sizes)
+    for (int c : sizes)
+      for (int d : sizes)
+        for (int p : sizes) {
+          if (t * c * d * p != 8) continue;
+          for (int z : sizes) {
+            if ((d * c) % z) continue;
+            SCOPED_TRACE("tensor=" + std::to_string(t) + " context=" + std::to_string(c) + " data=" +
+                         std::to_string(d) + " pipeline=" + std::to_string(p) + " zero=" + std::to_string(z));
+            dist::MeshOptions o;
+            o.tensor = t, o.context = c, o.pipeline = p, o.zero = z;  // data from the world
+            dist::Layout layout(o, 8);
+            ++layouts;
+            ASSERT_EQ(layout.data, d);
+            ASSERT_EQ(layout.context, c);
+            ASSERT_EQ(layout.zero, z);
+            ASSERT_EQ(layout.world(), 8);
+            for (int r = 0; r < 8; ++r) {
+              auto at = layout.coord(r);
+              EXPECT_EQ(layout.rank_of(at), r) << "rank_of(coord(r)) == r";
+              EXPECT_EQ(r, at.tensor + t * (at.context + c * (at.data + d * at.pipeline)))
+                  << "tensor fastest, then context, then data, then pipeline";
+            }
+            const std::map<std::string, int> want{
+                {"world", 8},           {"tensor", t},   {"context", c},     {"data", d},
+                {"data_context", d * c}, {"pipeline", p}, {"unit", t * c * p}, {"zero", z},
+                {"zero_across", d * c / z}};
+            for (const auto& [kind, size] : want) {
+              std::vector<int> seen(8, 0);
+              for (const auto& g : layout.groups(kind)) {
+                EXPECT_EQ(static_cast<int>(g.size()), size) << kind;
+                EXPECT_TRUE(std::is_sorted(g.begin(), g.end())) << kind << ": group ranks in global-rank order";
+                for (int member : g) {
+                  ++seen[member];
+                  EXPECT_EQ(layout.group_of(kind, member), g) << kind << ": every member sees the same group";
+                  if (!shared.count(kind)) continue;
+                  const Shared& same = shared.at(kind);
+                  auto a = layout.coord(g.front()), b = layout.coord(member);
+                  if (same.tensor) EXPECT_EQ(a.tensor, b.tensor) << kind << " shares the tensor coordinate";
+                  if (same.context) EXPECT_EQ(a.context, b.context) << kind << " shares the context coordinate";
+                  if (same.data) EXPECT_EQ(a.data, b.data) << kind << " shares the data coordinate";
+                  if (same.pipeline) EXPECT_EQ(a.pipeline, b.pipeline) << kind << " shares the pipeline coordinate";
+                }
+              }
+              for (int r = 0; r < 8; ++r) EXPECT_EQ(seen[r], 1) << kind << ": rank " << r << " is in exactly one group";
+            }
+            for (int r = 0; r < 8; ++r) {
+              // data_context is the union of the data groups of r's context group.
+              std::vector<int> joined;
+              for (int x : layout.group_of("context", r))
+                for (int m : layout.group_of("data", x)) joined.push_back(m);
+              std::sort(joined.begin(), joined.end());
+              const auto replicas = layout.group_of("data_context", r);
+              EXPECT_EQ(replicas, joined) << "data_context = the data groups across context, rank " << r;
+              // A zero group is a consecutive part of data_context; zero_across takes one rank of each.
+              const auto zero = layout.group_of("zero", r);
+              auto first = std::find(replicas.begin(), replicas.end(), zero.front());
+              ASSERT_NE(first, replicas.end()) << "a zero group lies in data_context";
+              EXPECT_EQ((first - replicas.begin()) % z, 0) << "zero groups start at multiples of zero";
+              EXPECT_TRUE(std::equal(zero.begin(), zero.end(), first)) << "a zero group is consecutive in data_context";
+              for (int m : layout.group_of("zero_across", r)) {
+                EXPECT_NE(std::find(replicas.begin(), replicas.end(), m), replicas.end()) << "zero_across lies in data_context";
+                const auto other = layout.group_of("zero", m);
+                EXPECT_EQ(std::find(other.begin(), other.end(), m) - other.begin(),
+                          std::find(zero.begin(), zero.end(), r) - zero.begin())
+                    << "zero_across: the same place in every zero group";
+              }
+            }
+          }
+        }
+  EXPECT_EQ(layouts, 50) << "the 20 (tensor, context, data, pipeline) with product 8, each with every zero dividing "
+                            "data x context";
+}
+
+TEST(MeshLayout, ContextSizesThatDoNotFitAreRefusedNamingThem) {
+  auto options = [](int t, int c, int d, int z) {
+    dist::MeshOptions o;
+    o.tensor = t, o.context = c, o.data = d, o.zero = z;
+    return o;
+  };
+  EXPECT_NE(error_of([&] { dist::Layout(options(2, 3, 0, 1), 8); })
+                .find("tensor=2 x context=3 x pipeline=1 = 6 does not divide the world of 8 ranks"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dist::Layout(options(2, 2, 4, 1), 8); })
+                .find("tensor=2 x context=2 x data=4 x pipeline=1 = 16 ranks, but the world has 8"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dist::Layout(options(1, 2, 0, 3), 8); })
+                .find("zero=3 does not divide data x context = 4 x 2 = 8"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dist::Layout(options(1, 0, 0, 1), 8); }).find("context=0"), std::string::npos);
+  EXPECT_EQ(dist::Layout(options(2, 2, 0, 0), 8).zero, 4) << "zero <= 0: the whole data_context group";
+  dist::Layout l(options(1, 2, 0, 1), 8);
+  EXPECT_EQ(l.group_of("context", 5), (std::vector<int>{4, 5})) << "context neighbours are adjacent without tensor";
+  EXPECT_EQ(l.group_of("data", 5), (std::vector<int>{1, 3, 5, 7})) << "data strides by tensor x context";
+  EXPECT_EQ(l.group_of("unit", 5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(dist::Layout(options(1, 2, 0, 2), 8).group_of("zero", 5), (std::vector<int>{4, 5}))
+      << "a zero group of two is one data rank's context pair";
+  EXPECT_EQ(dist::Layout(options(1, 2, 0, 2), 8).group_of("zero_across", 5), (std::vector<int>{1, 3, 5, 7}));
+}
+
 TEST(Mesh, ZeroGroupsMustFitTheDataGroup) {
   auto& w = world_of_one();
   EXPECT_NE(error_of([&] { dist::Mesh({1, 1, 0, 2}, w); }).find("zero=2 does not divide the data size 1"),
@@ -188,6 +301,11 @@ TEST(Mesh, ZeroGroupsMustFitTheDataGroup) {
   dist::Mesh mesh({}, w);
   EXPECT_EQ(mesh.describe().find("zero:"), std::string::npos) << "no zero group printed while ZeRO is off";
   EXPECT_EQ(mesh.zero_across(), nullptr) << "no hierarchical groups without ZeRO";
+  EXPECT_EQ(mesh.group("data_context"), mesh.group("data")) << "without context, data_context is the data group";
+  EXPECT_EQ(mesh.size("context"), 1);
+  EXPECT_EQ(mesh.describe().find("data_context:"), std::string::npos) << "no context groups printed while unsplit";
+  EXPECT_NE(error_of([&] { mesh.group("expert"); }).find("expected world, tensor, context, data, data_context"),
+            std::string::npos);
 }
 
 TEST(DataParallel, BucketsInReverseOrderUnderTheCapEveryParameterOnce) {

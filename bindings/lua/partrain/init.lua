@@ -219,8 +219,8 @@ end
 --- pt.tp: the tensor-parallel building blocks (column/row-parallel linear, vocab-parallel
 --- embedding and cross-entropy, the region functions); sharding policies compose them.
 pt.tp = core.tp
---- pt.mesh { tensor = t, pipeline = p, data = d, zero = z }: the world laid out as
---- pipeline x data x tensor (tensor fastest), with its groups made once.
+--- pt.mesh { tensor = t, context = c, pipeline = p, data = d, zero = z }: the world laid out as
+--- pipeline x data x context x tensor (tensor fastest), with its groups made once.
 local last_mesh = setmetatable({}, { __mode = "v" })
 function pt.mesh(...)
   local ok, mesh = pcall(core.dist.mesh, ...)   -- its errors name the caller's line, not this one's

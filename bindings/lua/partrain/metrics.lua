@@ -113,7 +113,10 @@ local function header()
               device = core.device and tostring(core.device()) or nil }
   local pt = package.loaded.partrain
   local mesh = pt and pt.last_mesh and pt.last_mesh()
-  if mesh then h.mesh = { pipeline = mesh:size("pipeline"), tensor = mesh:size("tensor"), data = mesh:size("data") } end
+  if mesh then
+    h.mesh = { pipeline = mesh:size("pipeline"), tensor = mesh:size("tensor"), data = mesh:size("data") }
+    if mesh:size("context") > 1 then h.mesh.context = mesh:size("context") end  -- absent: not split
+  end
   local args = package.loaded["partrain.args"]
   if args and args.resolved then h.config = args.resolved end
   for k, v in pairs(state.extra) do h[k] = v end

@@ -339,7 +339,7 @@ function R.helpers(stop)
     local whole = "all (whole)"
     if staged then
       local members = {}
-      for _, r in ipairs(mesh:ranks("data")) do
+      for _, r in ipairs(mesh:ranks("data_context")) do
         for _, t in ipairs(mesh:ranks("tensor", r)) do members[#members + 1] = t end
       end
       table.sort(members)
@@ -367,7 +367,7 @@ function R.helpers(stop)
           local parts = {}
           for r, slices in ipairs(row.slices) do
             local global = row.ranks[r]
-            local replicas = mesh and mesh:ranks("data", global) or { global }
+            local replicas = mesh and mesh:ranks("data_context", global) or { global }
             local ranges = {}
             for _, s in ipairs(slices) do ranges[#ranges + 1] = s[1] .. ":" .. (s[1] + s[2]) end
             parts[#parts + 1] = ("ranks %s %s"):format(rank_list(replicas), table.concat(ranges, "+"))
@@ -399,8 +399,13 @@ function R.helpers(stop)
     local model = pt.parallelized()
     m = m or pt.mesh_of(model) or pt.mesh {}
     local c = m:coord()
-    local text = ("%s | rank %d: tensor %d, data %d, pipeline %d | tensor group %s, data group %s"):format(
-      tostring(m):match("^[^\n;]*"), rank, c.tensor, c.data, c.pipeline, rank_list(m:ranks("tensor")), rank_list(m:ranks("data")))
+    -- The context coordinate and group only where the sequence is split.
+    local split = m:size("context") > 1
+    local context = split and ("context %d, "):format(c.context) or ""
+    local context_group = split and ("context group %s, "):format(rank_list(m:ranks("context"))) or ""
+    local text = ("%s | rank %d: tensor %d, %sdata %d, pipeline %d | tensor group %s, %sdata group %s"):format(
+      tostring(m):match("^[^\n;]*"), rank, c.tensor, context, c.data, c.pipeline, rank_list(m:ranks("tensor")),
+      context_group, rank_list(m:ranks("data")))
     if m:size("pipeline") > 1 then
       text = text .. (", pipeline group %s"):format(rank_list(m:ranks("pipeline")))
       local mine = model and pt.mesh_of(model)
