@@ -22,10 +22,12 @@ data::LoaderOptions read_loader(Options& t) {
   o.drop_last = t.boolean("drop_last", o.drop_last);
   o.shard_rank = t.integer("shard_rank", o.shard_rank);
   o.shard_count = t.integer("shard_count", o.shard_count);
+  o.context_rank = t.integer("context_rank", o.context_rank);
+  o.context_count = t.integer("context_count", o.context_count);
   o.device = dist::World::instance().device();  // batches land on this rank's device
   // mesh = m: this rank reads its data-parallel slice; the ranks of one unit read the same one.
   if (t.push("mesh")) {
-    bool is_mesh = mesh_data_shard(t.state(), -1, &o.shard_rank, &o.shard_count);
+    bool is_mesh = mesh_data_shard(t.state(), -1, &o.shard_rank, &o.shard_count, &o.context_rank, &o.context_count);
     lua_pop(t.state(), 1);
     if (!is_mesh) throw std::invalid_argument("option 'mesh' must be a mesh made by pt.mesh");
   }

@@ -219,11 +219,14 @@ const dist::Mesh* mesh_at(lua_State* L, int idx) {
   return m ? m->get() : nullptr;
 }
 
-bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count) {
+bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count, int64_t* context_rank,
+                     int64_t* context_count) {
   auto* m = ud_test<MeshPtr>(L, idx, PT_MESH_MT);
   if (!m) return false;
   *rank = (*m)->coord().data;
   *count = (*m)->layout().data;
+  if (context_rank) *context_rank = (*m)->coord().context;
+  if (context_count) *context_count = (*m)->layout().context;
   return true;
 }
 

@@ -317,8 +317,10 @@ nn::ModulePtr model_of_optimizer(const optim::Optimizer* opt);
 int push_group(lua_State* L, const dist::GroupPtr& g);
 /// The mesh at idx, as its owning pointer, or nullptr.
 std::shared_ptr<dist::Mesh>* mesh_test(lua_State* L, int idx);
-/// When the value at idx is a mesh: this rank's data index and the data size.
-bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count);
+/// When the value at idx is a mesh: this rank's data index and the data size (and, when asked,
+/// its context index and the context size).
+bool mesh_data_shard(lua_State* L, int idx, int64_t* rank, int64_t* count, int64_t* context_rank = nullptr,
+                     int64_t* context_count = nullptr);
 /// The mesh at idx, or nullptr when the value there is not one.
 const dist::Mesh* mesh_at(lua_State* L, int idx);
 

@@ -70,13 +70,16 @@ Tensor call_lua_forward(lua_State* L, int top, const ModulePtr& self, const std:
 
 // A module defined in Lua. Its class table (methods, forward) and its fields table (plain Lua
 // values the user stored on it) live in the registry; parameters and children live in C++.
-class LuaModule : public nn::Module {
+// Its forward may split attention over a context group itself (pt.cp.attention): the composer
+// accepts it under context parallelism, and train_step checks that it did.
+class LuaModule : public nn::Module, public parallel::ContextSplit {
  public:
   LuaModule(lua_State* L, std::string type, int class_idx) : nn::Module(std::move(type)), class_(L, class_idx) {
     lua_newtable(L);
     fields_ = std::make_unique<LuaRef>(L, -1);
     lua_pop(L, 1);
   }
+  bool attends() const override { return true; }
   void push_class(lua_State* L) const { class_.push(L); }
   void push_fields(lua_State* L) const { fields_->push(L); }
 

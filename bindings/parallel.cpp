@@ -8,6 +8,7 @@
 
 #include "bindings/lua.hpp"
 #include "engine/dist/mesh.hpp"
+#include "engine/parallel/context_parallel.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/recompute.hpp"
@@ -168,6 +169,53 @@ T& layer(const Args& a, int i, const char* what) {
 }
 
 // The tensor-parallel building blocks; the policy sharder composes them.
+// The context group of an options table's `group` field at argument i (required).
+GroupPtr context_group(Options& o, const Args& a, int i, const char* what) {
+  if (!o.push("group")) a.fail(i, std::string(what) + ": needs { group = mesh:group(\"context\") }");
+  auto* g = ud_test<GroupPtr>(a.L, -1, PT_GROUP_MT);
+  if (!g) a.fail(i, std::string(what) + ": group must be a process group, got a " + luaL_typename(a.L, -1));
+  lua_pop(a.L, 1);
+  return *g;
+}
+
+// pt.cp: context parallelism's attention and layout, for models written in Lua.
+const Function kContextParallel[] = {
+    {"attention", [](Args& a) {  // attention(q, k, v, { group, mode = "ring", causal = true, scale })
+       Options o(a, 4, "pt.cp.attention");
+       parallel::ContextAttentionOptions c;
+       c.group = context_group(o, a, 4, "pt.cp.attention");
+       try {
+         c.mode = parallel::parse_context_mode(o.string("mode", "ring"));
+       } catch (const c10::Error& e) {
+         a.fail(4, e.what_without_backtrace());
+       }
+       c.causal = o.boolean("causal", true);
+       if (o.has("scale")) c.scale = o.number("scale", 1.0);
+       if (o.has("dropout") && o.number("dropout", 0.0) != 0)
+         a.fail(4, "pt.cp.attention: dropout on the attention weights is not supported under context parallelism "
+                   "(its mask would have to be drawn for the whole sequence); drop the residual branch instead");
+       o.finish();
+       return a.ret(parallel::context_attention(a.tensor(1), a.tensor(2), a.tensor(3), c)); }},
+    {"positions", [](Args& a) {  // positions(local, group) -> the global positions of this rank's rows
+       const int64_t local = a.integer(1);
+       if (local < 0) a.fail(1, "pt.cp.positions: a count of positions >= 0, got " + std::to_string(local));
+       return a.ret(parallel::context_positions(local, group(a, 2)).to(dist::World::instance().device())); }},
+    {"split", [](Args& a) {  // split(t, group [, dim = 1]) -> this rank's rows along dim (0-based, as narrow's)
+       auto& t = a.tensor(1);
+       const int64_t dim = a.integer(3, 1);
+       if (dim < -t.dim() || dim >= t.dim())
+         a.fail(3, "pt.cp.split: dimension " + std::to_string(dim) + " of a tensor of " + std::to_string(t.dim()) +
+                       " dimensions");
+       return a.ret(parallel::split_context(t, group(a, 2), dim)); }},
+    {"dropout", [](Args& a) {  // dropout(x, p, training, group): x (B, rows, ...) this rank's rows
+       return a.ret(parallel::sequence_dropout(a.tensor(1), a.number(2), a.boolean(3), group(a, 4), 1, 0)); }},
+    {"zigzag", [](Args& a) {  // zigzag(length, c, r) -> positions (0-based) context rank r (0-based) holds
+       const int64_t c = a.integer(2), r = a.integer(3);
+       if (c < 1 || c > 1 << 20) a.fail(2, "pt.cp.zigzag: context size must be >= 1, got " + std::to_string(c));
+       if (r < 0 || r >= c) a.fail(3, "pt.cp.zigzag: rank must be in 0.." + std::to_string(c - 1) + ", got " + std::to_string(r));
+       return a.ret(parallel::zigzag_index(a.integer(1), static_cast<int>(c), static_cast<int>(r))); }},
+    {nullptr, nullptr}};
+
 const Function kTensorParallel[] = {
     {"column", [](Args& a) {  // column(linear, group [, { fused = 1 | parts = {...}, gather_output = false }])
        Options o(a, 3, "column");
@@ -300,6 +348,8 @@ void data_parallel_options(const Args& a, int idx, const std::vector<std::string
     z.finish();
     out.zero = zero;
   }
+  // context = "ring" | "all_to_all": how attention splits over the mesh's context group.
+  if (o.has("context")) out.context = parallel::parse_context_mode(o.string("context", "ring"));
   o.finish();
   out.data_parallel = d;
 }
@@ -580,6 +630,7 @@ void open_parallel(lua_State* L, int core) {
   new_metatable<ProbePtr>(L, PT_PROBE_MT);  // opaque: no methods
   lua_pop(L, 1);
   set_library(L, core, "tp", kTensorParallel);
+  set_library(L, core, "cp", kContextParallel);
   set_library(L, core, "parallel", kParallel);
 }
 

@@ -11,13 +11,19 @@ local pt = require "partrain"
 local P = require "partrain.policy"
 
 -- GPT-2's forward with the sequence split after the embeddings' dropout: each rank keeps its part
--- of the mask the whole sequence draws, so the parts differ as the unsplit model's do.
-local function sequence_parallel_forward(group)
+-- of the mask the whole sequence draws, so the parts differ as the unsplit model's do. Under
+-- context parallelism the ids are this rank's chunks of a longer sequence: their positions are
+-- the chunks', and the mask is drawn for the whole sequence (the model says it is split once
+-- pt.parallelize has given it the context group, after the policy's probe).
+local function sequence_parallel_forward(group, context)
   return function(self, ids)
+    local c = self:attribute("context")
     local T, seq = ids.shape[2], self:attribute("seq")
-    if T > seq then error(("GPT2: sequence of %d tokens is longer than seq=%d"):format(T, seq)) end
-    local x = self.wte(ids) + self.wpe(pt.arange(T, { device = ids.device }))
-    x = pt.tp.split_sequence(x:dropout(self:attribute("dropout"), self:is_training()), group)
+    if T * c > seq then error(("GPT2: sequence of %d tokens is longer than seq=%d"):format(T * c, seq)) end
+    local positions = c > 1 and pt.cp.positions(T, context) or pt.arange(T, { device = ids.device })
+    local x = self.wte(ids) + self.wpe(positions)
+    local p, training = self:attribute("dropout"), self:is_training()
+    x = pt.tp.split_sequence(c > 1 and pt.cp.dropout(x, p, training, context) or x:dropout(p, training), group)
     return self.lm_head(self.ln_f(self.h(x)))
   end
 end
@@ -50,7 +56,7 @@ return P.policy {
       },
     }
     if cfg.sequence_parallel then
-      modules.GPT2.methods = { forward = sequence_parallel_forward(cfg.group) }
+      modules.GPT2.methods = { forward = sequence_parallel_forward(cfg.group, cfg.context) }
     end
     return modules
   end,

@@ -12,9 +12,11 @@
 local pt = require "partrain"
 local P = require "partrain.policy"
 
+-- Under context parallelism the ids are this rank's chunks of a sequence context times as long
+-- (the attention rotates them at their global positions).
 local function sequence_parallel_forward(group)
   return function(self, ids)
-    local T, seq = ids.shape[2], self:attribute("seq")
+    local T, seq = ids.shape[2] * self:attribute("context"), self:attribute("seq")
     if T > seq then error(("Llama: sequence of %d tokens is longer than seq=%d"):format(T, seq)) end
     local x = pt.tp.split_sequence(self.embed_tokens(ids), group)
     return self.lm_head(self.norm(self.layers(x)))

@@ -223,15 +223,16 @@ std::string write_part(const State& state, const SaveOptions& options, const std
     const parallel::Sharding* split = s ? &*s : nullptr;
     // Who writes a split tensor's slices is read from the mesh (data rank 0 of each tensor
     // group): without one, a rank would be taken for a data-parallel copy and its slices lost.
+    // Context ranks hold the same parameters as their context rank 0, which writes them.
     TORCH_CHECK(!split || split->ranks == 1 || state.mesh, "'", key, "' is split over tensor=", split ? split->ranks : 1,
                 " but the save was given no mesh: pass mesh = <the mesh it was split over> (pt.parallelize's "
                 "models carry theirs)");
     const bool stage = pipe ? first : coord.pipeline == 0;
-    bool writer = stage && coord.data == 0 && (split || coord.tensor == 0);
+    bool writer = stage && coord.data == 0 && coord.context == 0 && (split || coord.tensor == 0);
     if (options.full) {
       if (split) value = parallel::gather_full(t, *split);  // collective: every rank, same order
       split = nullptr;
-      writer = pipe ? stage && coord.data == 0 && coord.tensor == 0 : rank == 0;
+      writer = pipe ? stage && coord.data == 0 && coord.context == 0 && coord.tensor == 0 : rank == 0;
     }
     if (!writer) return false;
     if (!file) file = std::make_unique<DataFile>(join_path(tmp, name));
@@ -299,7 +300,9 @@ Manifest manifest_of(const State& state, const SaveOptions& options, const dist:
   m.world = group ? group->size() : 1;
   if (state.mesh) {
     m.tensor = state.mesh->layout().tensor;
-    m.data = state.mesh->layout().data;
+    // Context ranks hold the same parameters as data replicas do: the checkpoint counts them
+    // among its data ranks, and loads without them (or with others) alike.
+    m.data = state.mesh->layout().data * state.mesh->layout().context;
     m.pipeline = state.mesh->layout().pipeline;
     m.zero = state.mesh->layout().zero;
     if (pipe && m.pipeline > 1) {

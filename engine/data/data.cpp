@@ -2,6 +2,7 @@
 #include "engine/data/data.hpp"
 
 #include "engine/compat.hpp"
+#include "engine/util/zigzag.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -308,6 +309,10 @@ Loader::Loader(std::shared_ptr<Dataset> dataset, LoaderOptions o)
   TORCH_CHECK(o.shard_count >= 1, "shard_count must be 1 or more (the data-parallel slices), got ", o.shard_count);
   TORCH_CHECK(o.shard_rank >= 0 && o.shard_rank < o.shard_count,
               "shard_rank=", o.shard_rank, " must be in [0, shard_count=", o.shard_count, ")");
+  TORCH_CHECK(o.context_count >= 1 && o.context_count <= (1 << 20),
+              "context_count must be 1 or more (the context-parallel ranks), got ", o.context_count);
+  TORCH_CHECK(o.context_rank >= 0 && o.context_rank < o.context_count, "context_rank=", o.context_rank,
+              " must be in [0, context_count=", o.context_count, ")");
   TORCH_CHECK(o.batch % o.shard_count == 0, "batch=", o.batch,
               " does not divide into shard_count=", o.shard_count, " equal slices");
   TORCH_CHECK(o.drop_last || o.shard_count == 1 || dataset_->size() % o.batch == 0,
@@ -355,6 +360,18 @@ std::vector<Tensor> Loader::next() {
   int64_t lo = begin + total * r / n, hi = begin + total * (r + 1) / n;
   std::vector<int64_t> indices(order_.begin() + lo, order_.begin() + hi);
   auto batch = dataset_->batch(indices);  // read on the host...
+  if (options_.context_count > 1) {        // ...this rank's chunks of each sequence...
+    const int c = static_cast<int>(options_.context_count);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      auto& t = batch[i];
+      TORCH_CHECK(t.dim() >= 2, "loader: context=", c, " splits each sample's sequence (dimension 2), but batch tensor ",
+                  i + 1, " has shape ", t.sizes(), " (no sequence)");
+      TORCH_CHECK(t.size(1) % (2 * c) == 0, "loader: context=", c, " splits each sequence into 2*context = ", 2 * c,
+                  " equal chunks, but batch tensor ", i + 1, " has sequences of ", t.size(1),
+                  " positions: make the sequence length a multiple of ", 2 * c);
+      t = t.index_select(1, util::zigzag_index(t.size(1), c, static_cast<int>(options_.context_rank)));
+    }
+  }
   for (auto& t : batch) t = compat::to_device(t, options_.device);  // ...used on the rank's device
   return batch;
 }

@@ -90,11 +90,18 @@ struct LoaderOptions {
   bool drop_last = true;      ///< skip a last batch smaller than `batch`
   int64_t shard_rank = 0;     ///< this rank's slice of each global batch...
   int64_t shard_count = 1;    ///< ...out of this many equal slices
+  /// Context parallelism: each sample's sequence (dimension 2 of every batch tensor) split over
+  /// `context_count` ranks, this one keeping its early and late chunk (util/zigzag.hpp).
+  int64_t context_rank = 0;
+  int64_t context_count = 1;
   torch::Device device = torch::kCPU;  ///< where batches land (the rank's device)
 };
 
 /// Walks a dataset in batches, epoch after epoch. Given the same options it yields the same
-/// batches; a rank with shard (r, n) gets slice r of the n equal slices of each global batch.
+/// batches; a rank with shard (r, n) gets slice r of the n equal slices of each global batch, and
+/// with context (q, c) its two chunks of each sample's sequence: positions chunk q and chunk
+/// 2c-1-q of 2c equal chunks. Targets shifted by one are made whole before the split, so a
+/// chunk's last target is the next chunk's first token.
 class Loader {
  public:
   Loader(std::shared_ptr<Dataset> dataset, LoaderOptions options);

@@ -42,7 +42,7 @@ std::pair<int64_t, int64_t> sequence_part(const nn::Module& c_proj) {
 
 Gpt2Attention::Gpt2Attention(const Gpt2Options& o)
     : nn::Unary("GPT2Attention"), heads(o.heads), head_dim(o.dim / o.heads), dropout(o.dropout),
-      flash_attention(o.flash_attention) {
+      attn_dropout(o.attn_dropout < 0 ? o.dropout : o.attn_dropout), flash_attention(o.flash_attention) {
   set_child("c_attn", linear(o.dim, 3 * o.dim));
   set_child("c_proj", linear(o.dim, o.dim));
 }
@@ -77,19 +77,30 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   const int64_t hd = head_dim;
   auto split = qkv.view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // (3, B, heads, T, hd)
   auto q = split[0], k = split[1], v = split[2];
-  const double p = is_training() ? dropout : 0.0;
+  const double p = is_training() ? attn_dropout : 0.0;
+  const auto context = context_group();
   // c_proj, then the residual branch's dropout (Hugging Face's resid_dropout), under sequence
-  // parallelism on this rank's positions of the whole branch's mask.
+  // (and context) parallelism on this rank's positions of the whole branch's mask.
   auto project = [&](const Tensor& y) {
     const auto [positions, mine] = sequence_part(*child("c_proj"));
-    return nn::dropout_part(child("c_proj")->forward({y}), dropout, is_training(), 1, positions, mine);
+    return parallel::sequence_dropout(child("c_proj")->forward({y}), dropout, is_training(), context, positions, mine);
   };
   if (auto* cache = KvCache::current()) {  // generating: this input's keys after the cached ones
+    TORCH_CHECK(!context, "GPT2Attention: generation is not supported under context parallelism (context=",
+                context->size(), "): generate with a model of context=1");
     auto [keys, values] = cache->extend(*this, k, v);
     nn::AttentionOptions a;
     a.causal = true;
     a.training = false;
     auto y = nn::scaled_dot_product_attention(q, keys, values, a).transpose(1, 2).reshape({B, T, width});
+    return project(y);
+  }
+  if (context) {  // this rank's rows of the sequence, attending to all of it
+    TORCH_CHECK(p == 0, "GPT2Attention: dropout on the attention probabilities (attn_dropout=", attn_dropout,
+                ") is not supported under context parallelism (context=", context->size(),
+                "): its mask would be drawn for the whole sequence; set attn_dropout = 0 (dropout still applies to "
+                "the embeddings and residual branches)");
+    auto y = parallel::context_attention(q, k, v, context_).transpose(1, 2).reshape({B, T, width});
     return project(y);
   }
   // Heads split over a tensor group drop with the mask the whole model's heads would have; the
@@ -102,7 +113,7 @@ Tensor Gpt2Attention::forward(const Tensor& x) {
   auto scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, heads, T, T)
   auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
   auto probs = nn::dropout_part(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1),
-                                dropout, is_training(), 1, parts, part);
+                                attn_dropout, is_training(), 1, parts, part);
   auto y = probs.matmul(v).transpose(1, 2).reshape({B, T, width});  // (B, T, heads * hd)
   return project(y);
 }
@@ -144,7 +155,7 @@ Gpt2Mlp::Gpt2Mlp(const Gpt2Options& o) : nn::Unary("GPT2MLP"), dropout(o.dropout
 Tensor Gpt2Mlp::forward(const Tensor& x) {
   auto h = at::gelu(child("c_fc")->forward({x}), "tanh");  // (B, T, 4 dim)
   const auto [parts, part] = sequence_part(*child("c_proj"));  // sequence-parallel: this rank's positions
-  return nn::dropout_part(child("c_proj")->forward({h}), dropout, is_training(), 1, parts, part);
+  return parallel::sequence_dropout(child("c_proj")->forward({h}), dropout, is_training(), context_group(), parts, part);
 }
 
 void Gpt2Mlp::check(const std::string& path) const {
@@ -196,6 +207,8 @@ Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
   TORCH_CHECK(o.layers <= kMaxLayers, "gpt2: layers must be at most ", kMaxLayers, ", got ", o.layers);
   TORCH_CHECK(o.dim % o.heads == 0, "gpt2: heads=", o.heads, " does not divide dim=", o.dim);
   TORCH_CHECK(o.dropout >= 0 && o.dropout < 1, "gpt2: dropout must be in [0, 1), got ", o.dropout);
+  TORCH_CHECK(o.attn_dropout < 1 && !std::isnan(o.attn_dropout), "gpt2: attn_dropout must be in [0, 1) (or < 0: dropout's), got ",
+              o.attn_dropout);
   TORCH_CHECK(o.eps >= 0 && std::isfinite(o.eps), "gpt2: eps must be a finite number >= 0, got ", o.eps);
   set_child("wte", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.vocab, o.dim)));
   set_child("wpe", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.seq, o.dim)));
@@ -208,7 +221,9 @@ Gpt2::Gpt2(const Gpt2Options& o) : nn::Unary("GPT2"), options(o) {
 
 Tensor Gpt2::forward(const Tensor& ids) { return head(child("h")->forward({embed(ids)})); }
 
-Tensor Gpt2::embed(const Tensor& ids) { return at::dropout(embeddings(ids), options.dropout, is_training()); }
+Tensor Gpt2::embed(const Tensor& ids) {
+  return parallel::sequence_dropout(embeddings(ids), options.dropout, is_training(), context_group(), 1, 0);
+}
 
 bool Gpt2::check_batch(const Tensor& x, const Tensor& y, const std::string& loss, int64_t ignore_index) {
   return check_lm_batch("GPT2", x, y, options.vocab, options.seq, loss, ignore_index, sequence_group(*this));
@@ -218,7 +233,14 @@ Tensor Gpt2::embeddings(const Tensor& ids) {
   const int64_t first = KvCache::current() ? KvCache::current()->offset : 0;  // generating: after the cache
   check_token_ids("GPT2", ids, options.vocab, options.seq, first, ids.is_cpu());
   const int64_t T = ids.size(1);
-  auto pos = torch::arange(first, first + T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
+  Tensor pos;
+  if (auto context = context_group()) {  // this rank's rows of a sequence of T * context positions
+    TORCH_CHECK(T * context->size() <= options.seq, "GPT2: a sequence of ", T * context->size(), " positions (", T,
+                " here, context=", context->size(), ") is longer than seq=", options.seq);
+    pos = parallel::context_positions(T, context).to(ids.device());
+  } else {
+    pos = torch::arange(first, first + T, torch::TensorOptions().dtype(torch::kInt64).device(ids.device()));
+  }
   return child("wte")->forward({ids}) + child("wpe")->forward({pos});  // (B, T, dim)
 }
 
@@ -227,7 +249,7 @@ Tensor Gpt2::stage_in(const Tensor& ids) {
   auto group = sequence_group(*this);
   if (!group) return embed(ids);
   auto x = parallel::split_sequence(embeddings(ids), group);  // (B, T/t, dim)
-  return nn::dropout_part(x, options.dropout, is_training(), 1, group->size(), group->rank());
+  return parallel::sequence_dropout(x, options.dropout, is_training(), context_group(), group->size(), group->rank());
 }
 
 Tensor Gpt2::head(const Tensor& x) {
@@ -237,6 +259,7 @@ Tensor Gpt2::head(const Tensor& x) {
 c10::optional<double> Gpt2::attribute(const std::string& name) const {
   if (name == "dropout") return options.dropout;
   if (name == "seq") return static_cast<double>(options.seq);
+  if (name == "context") return context_group() ? context_group()->size() : 1;
   return c10::nullopt;
 }
 
@@ -250,6 +273,7 @@ std::vector<nn::ConfigField> Gpt2::config() const {
           {"heads", double(o.heads), true},
           {"layers", double(o.layers)},
           {"dropout", o.dropout},
+          {"attn_dropout", o.attn_dropout < 0 ? o.dropout : o.attn_dropout},
           {"eps", o.eps, true},
           {"flash_attention", o.flash_attention ? 1.0 : 0.0}};
 }
@@ -310,6 +334,7 @@ Family gpt2_family() {
     o.heads = r.integer("heads", o.heads);
     o.layers = r.integer("layers", o.layers);
     o.dropout = r.number("dropout", o.dropout);
+    o.attn_dropout = r.number("attn_dropout", o.attn_dropout);
     o.eps = r.number("eps", o.eps);
     o.flash_attention = r.boolean("flash_attention", o.flash_attention);
     o.dtype = nn::model_dtype(r.string("dtype", "float32"));

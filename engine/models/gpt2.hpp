@@ -6,6 +6,7 @@
 #pragma once
 
 #include "engine/nn/layers.hpp"
+#include "engine/parallel/context_parallel.hpp"
 
 namespace partrain::models {
 
@@ -18,6 +19,7 @@ struct Gpt2Options {
   int64_t heads = 12;      ///< attention heads; must divide dim
   int64_t layers = 12;     ///< blocks
   double dropout = 0.0;    ///< on embeddings, attention probabilities and residual branches
+  double attn_dropout = -1;  ///< on the attention probabilities alone; < 0: `dropout`
   double eps = 1e-5;       ///< LayerNorm epsilon
   bool flash_attention = false;  ///< fused attention kernel where LibTorch has one (2.x)
   torch::ScalarType dtype = torch::kFloat32;  ///< parameters and compute (initialized in float32, then cast)
@@ -27,7 +29,7 @@ struct Gpt2Options {
 /// `heads` is the number of heads this module computes (a policy divides it under tensor
 /// parallelism); each head is `head_dim` = dim / heads (of the serial model) wide, so c_attn
 /// must give 3 * heads * head_dim features: forward and check() refuse anything else.
-class Gpt2Attention : public nn::Unary {
+class Gpt2Attention : public nn::Unary, public parallel::ContextSplit {
  public:
   Gpt2Attention(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;  // (B, T, dim) -> (B, T, dim)
@@ -42,14 +44,17 @@ class Gpt2Attention : public nn::Unary {
   void check(const std::string& path) const override;
   c10::optional<nn::Features> input_features() const override { return child("c_attn")->input_features(); }
   c10::optional<nn::Features> output_features() const override { return child("c_proj")->output_features(); }
+  /// Under context parallelism: this rank's rows of the sequence, attention over all of them.
+  bool attends() const override { return true; }
   int64_t heads;
   int64_t head_dim;
-  double dropout;
+  double dropout;       ///< on the residual branch
+  double attn_dropout;  ///< on the attention probabilities
   bool flash_attention;
 };
 
 /// c_fc (dim -> 4 dim), GELU (tanh), c_proj (4 dim -> dim).
-class Gpt2Mlp : public nn::Unary {
+class Gpt2Mlp : public nn::Unary, public parallel::ContextSplit {
  public:
   Gpt2Mlp(const Gpt2Options& o);
   Tensor forward(const Tensor& x) override;
@@ -70,7 +75,7 @@ class Gpt2Block : public nn::Unary {
 };
 
 /// Token ids (B, T) -> logits (B, T, vocab).
-class Gpt2 : public nn::Unary {
+class Gpt2 : public nn::Unary, public parallel::ContextSplit {
  public:
   explicit Gpt2(const Gpt2Options& o);
   Tensor forward(const Tensor& ids) override;
@@ -93,10 +98,11 @@ class Gpt2 : public nn::Unary {
   /// GPT-2's initialization by name: N(0, 0.02) weights, N(0, 0.02/sqrt(2 layers)) for the
   /// residual projections (c_proj), N(0, 0.01) for wpe, zero biases, LayerNorm at (1, 0).
   bool init_tensor(const std::string& path, Tensor& t, at::Generator& gen) const override;
-  /// Read-only: "dropout" (on the embeddings' sum) and "seq" (the context length), for a
-  /// replaced forward to behave as this one does.
+  /// Read-only: "dropout" (on the embeddings' sum), "seq" (the context length) and "context"
+  /// (the context ranks its sequence is split over, 1 when not), for a replaced forward to behave
+  /// as this one does.
   c10::optional<double> attribute(const std::string& name) const override;
-  std::vector<std::string> attribute_names() const override { return {"dropout", "seq"}; }
+  std::vector<std::string> attribute_names() const override { return {"dropout", "seq", "context"}; }
   /// Its options but dtype (each tensor's is recorded anyway); heads and eps fixed.
   std::vector<nn::ConfigField> config() const override;
   /// Only lm_head may be a vocabulary head, and its logits split only as one; ln_f, lm_head and

@@ -69,8 +69,12 @@ Tensor LlamaAttention::forward(const Tensor& x) {
   k = k.view({B, T, kv_heads, hd}).transpose(1, 2);
   v = v.view({B, T, kv_heads, hd}).transpose(1, 2);
   auto* cache = KvCache::current();  // generating: positions continue after the cached ones
+  const auto context = context_group();
+  TORCH_CHECK(!(cache && context), "LlamaAttention: generation is not supported under context parallelism (context=",
+              context ? context->size() : 1, "): generate with a model of context=1");
   const int64_t first = cache ? cache->offset : 0;
-  auto positions = torch::arange(first, first + T, torch::TensorOptions().dtype(torch::kInt64).device(x.device()));
+  auto positions = context ? parallel::context_positions(T, context).to(x.device())  // this rank's rows
+                           : torch::arange(first, first + T, torch::TensorOptions().dtype(torch::kInt64).device(x.device()));
   auto [cos, sin] = nn::rotary_tables(hd, positions, rope_base, q.scalar_type());
   q = nn::apply_rotary(q, cos, sin);
   k = nn::apply_rotary(k, cos, sin);
@@ -80,6 +84,10 @@ Tensor LlamaAttention::forward(const Tensor& x) {
   if (cache) {
     std::tie(k, v) = cache->extend(*this, k, v);
     auto y = nn::scaled_dot_product_attention(q, k, v, a);
+    return child("o_proj")->forward({y.transpose(1, 2).reshape({B, T, heads * hd})});
+  }
+  if (context) {
+    auto y = parallel::context_attention(q, k, v, context_);
     return child("o_proj")->forward({y.transpose(1, 2).reshape({B, T, heads * hd})});
   }
   // The fused kernel where asked for; the same math in steps otherwise.
@@ -188,7 +196,11 @@ bool Llama::check_batch(const Tensor& x, const Tensor& y, const std::string& los
 }
 
 Tensor Llama::embed(const Tensor& ids) {
-  const int64_t first = KvCache::current() ? KvCache::current()->offset : 0;
+  // Generating: after the cached positions. Under context parallelism the ids are this rank's
+  // rows of a sequence context times as long, which must fit seq (the rotary tables have no bound).
+  const auto context = context_group();
+  const int64_t first = KvCache::current() ? KvCache::current()->offset
+                                           : context ? ids.size(1) * (context->size() - 1) : 0;
   check_token_ids("Llama", ids, options.vocab, options.seq, first, ids.is_cpu());
   return child("embed_tokens")->forward({ids});
 }
@@ -205,6 +217,7 @@ Tensor Llama::stage_in(const Tensor& ids) {
 c10::optional<double> Llama::attribute(const std::string& name) const {
   if (name == "seq") return static_cast<double>(options.seq);
   if (name == "tie") return options.tie ? 1 : 0;
+  if (name == "context") return context_group() ? context_group()->size() : 1;
   return c10::nullopt;
 }
 

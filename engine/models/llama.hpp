@@ -6,6 +6,7 @@
 #pragma once
 
 #include "engine/nn/layers.hpp"
+#include "engine/parallel/context_parallel.hpp"
 
 namespace partrain::models {
 
@@ -30,7 +31,7 @@ struct LlamaOptions {
 /// k_proj and v_proj (dim -> kv_heads·hd), o_proj (heads·hd -> dim), no biases. `heads` and
 /// `kv_heads` are what this module computes (a policy divides both under tensor parallelism);
 /// `head_dim` is the serial model's dim / heads.
-class LlamaAttention : public nn::Unary {
+class LlamaAttention : public nn::Unary, public parallel::ContextSplit {
  public:
   explicit LlamaAttention(const LlamaOptions& o);
   Tensor forward(const Tensor& x) override;  // (B, T, dim) -> (B, T, dim)
@@ -43,6 +44,9 @@ class LlamaAttention : public nn::Unary {
   void check(const std::string& path) const override;
   c10::optional<nn::Features> input_features() const override { return child("q_proj")->input_features(); }
   c10::optional<nn::Features> output_features() const override { return child("o_proj")->output_features(); }
+  /// Under context parallelism: this rank's rows of the sequence (rotated at their global
+  /// positions), attention over all of them.
+  bool attends() const override { return true; }
   int64_t heads, kv_heads, head_dim;
   double rope_base;
   bool flash_attention;
@@ -68,7 +72,7 @@ class LlamaBlock : public nn::Unary {
 };
 
 /// Token ids (B, T) -> logits (B, T, vocab).
-class Llama : public nn::Unary {
+class Llama : public nn::Unary, public parallel::ContextSplit {
  public:
   explicit Llama(const LlamaOptions& o);
   Tensor forward(const Tensor& ids) override;
@@ -85,9 +89,10 @@ class Llama : public nn::Unary {
   /// Hugging Face's initialization by name: N(0, 0.02) for every Linear and the embedding, RMSNorm weights 1.
   bool init_tensor(const std::string& path, Tensor& t, at::Generator& gen) const override;
   /// Read-only: "seq" (the longest sequence), for a replaced forward to check as this one does;
-  /// "tie" (1: lm_head shares embed_tokens' weight), for the policy to keep the tie.
+  /// "tie" (1: lm_head shares embed_tokens' weight), for the policy to keep the tie; "context"
+  /// (the context ranks its sequence is split over, 1 when not).
   c10::optional<double> attribute(const std::string& name) const override;
-  std::vector<std::string> attribute_names() const override { return {"seq", "tie"}; }
+  std::vector<std::string> attribute_names() const override { return {"seq", "tie", "context"}; }
   /// Its options but dtype, kv_heads and hidden as built (0 resolved); heads, kv_heads, eps and
   /// rope_base fixed.
   std::vector<nn::ConfigField> config() const override;

@@ -120,6 +120,21 @@ Tensor dropout_part(const Tensor& x, double p, bool training, int64_t dim, int64
   return x * noise.narrow(dim, index * x.size(dim), x.size(dim)).contiguous();
 }
 
+Tensor dropout_rows(const Tensor& x, double p, bool training, int64_t dim, int64_t whole, const Tensor& rows) {
+  TORCH_CHECK(p >= 0 && p < 1, "dropout: p must be in [0, 1), got ", p);
+  TORCH_CHECK(x.dim() >= 1 && dim >= -x.dim() && dim < x.dim(), "dropout: dimension ", dim, " of a tensor of ",
+              x.dim(), " dimensions (the rows are taken along one of them)");
+  if (dim < 0) dim += x.dim();
+  TORCH_CHECK(rows.dim() == 1 && rows.numel() == x.size(dim) && x.size(dim) <= whole, "dropout_rows: ", rows.numel(),
+              " rows of ", whole, " for a tensor of ", x.size(dim), " along dimension ", dim);
+  if (!training || p == 0) return at::dropout(x, p, training);
+  auto shape = x.sizes().vec();
+  shape[dim] = whole;
+  auto noise = at::empty(shape, x.options().requires_grad(false)).bernoulli_(1 - p);
+  noise.div_(1 - p);
+  return x * noise.index_select(dim, rows.to(noise.device()));
+}
+
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, int64_t ignore_index, const std::string& reduction) {
   TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none", "nll_loss: reduction must be 'mean', "
               "'sum' or 'none', got '", reduction, "'");

@@ -63,6 +63,11 @@ Tensor apply_rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
 /// With parts = 1, or not training, or p = 0: at::dropout.
 Tensor dropout_part(const Tensor& x, double p, bool training, int64_t dim, int64_t parts, int64_t index);
 
+/// Dropout on the rows `rows` (positions of a dimension of size `whole`) along `dim` that x holds
+/// of a tensor the unsplit model holds whole: as dropout_part, for rows that are not one
+/// contiguous part (context parallelism's early and late chunks of a sequence).
+Tensor dropout_rows(const Tensor& x, double p, bool training, int64_t dim, int64_t whole, const Tensor& rows);
+
 /// The negative log-likelihood of log-probabilities (N, C) or (..., C) at class ids (N) or (...);
 /// targets equal to `ignore_index` do not count. reduction: "mean" (over counted targets), "sum"
 /// or "none".

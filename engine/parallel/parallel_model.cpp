@@ -198,6 +198,40 @@ void RecomputeOptions::validate(bool pipelined) const {
   TORCH_CHECK(mode == "none" || !pipelined, "parallelize: recompute = 'block' is not built for pipelined models");
 }
 
+namespace {
+
+// Tells every ContextSplit module of the tree the context group and mode. A tree with no
+// attention that splits, and no forward of its own written in Lua (which can call
+// pt.cp.attention), is refused: its attention would see this rank's rows alone.
+void split_context(nn::Module& tree, const dist::GroupPtr& group, ContextMode mode) {
+  if (!group || group->size() == 1) return;
+  ContextAttentionOptions o;
+  o.group = group;
+  o.mode = mode;
+  int attending = 0;
+  for (auto& [path, m] : tree.modules()) {
+    auto* split = dynamic_cast<ContextSplit*>(m.get());
+    if (!split) continue;
+    if (split->attends()) {
+      const auto heads = m->attribute("heads");
+      const auto kv_heads = m->attribute("kv_heads");
+      if (heads) {
+        auto why = context_mode_refusal(mode, static_cast<int64_t>(*heads),
+                                        static_cast<int64_t>(kv_heads.value_or(*heads)), group->size());
+        TORCH_CHECK(why.empty(), "parallelize: ", path.empty() ? m->type() : path, ": ", why);
+      }
+      ++attending;
+    }
+    split->split_context(o);
+  }
+  TORCH_CHECK(attending > 0 || tree.forward_replaced_in_tree(), "parallelize: ", tree.type(),
+              " cannot split its sequence over context=", group->size(),
+              ": none of its modules computes attention over a split sequence (GPT-2's and LLaMA's do; a module "
+              "written in Lua calls pt.cp.attention)");
+}
+
+}  // namespace
+
 void ParallelizeOptions::validate(const dist::Mesh& mesh) const {
   const int pp = mesh.size("pipeline");
   TORCH_CHECK(pp == 1 || pipeline, "parallelize: the mesh has pipeline=", pp, ", but no pipeline schedule was given");
@@ -238,6 +272,9 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   // 2. Pipeline parallelism cuts the tree into stages, before anything keeps a list of
   //    parameters: this rank keeps its stages' modules only.
   if (on.size("pipeline") > 1) model->pipeline_ = Pipeline::cut(tree, on, std::move(*options.pipeline));
+  //    Context parallelism: the modules that compute over the sequence (the attentions, the
+  //    models' positions and dropout) learn the context group; it changes no parameter.
+  split_context(tree, on.group("context"), options.context);
   // 3. A model built deferred (on the meta device) gets its tensors now, only those this rank
   //    holds: each initialized by name as the serial model (the logical tensor, then this rank's
   //    slice of a split one), one at a time. The planner keeps them on the meta device.
@@ -269,7 +306,9 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   }
   model->overlap_sync_param_ = stage > 0 && options.zero && options.zero->overlap_sync_param;
   if (options.zero) model->allgather_bucket_mb_ = options.zero->allgather_bucket_size;
-  model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data"), dp);
+  //    Every parameter is replicated over the context ranks too: gradients are synced (and ZeRO
+  //    shards) over data x context.
+  model->data_parallel_ = DataParallel::attach(tree, model->mesh_->group("data_context"), dp);
   model->note_flat_slots();
   //    ZeRO-3 keeps 1/z of each bucket's parameters and frees the rest: each unit is gathered when
   //    its forward (or backward) needs it. Under a pipeline a stage's units stay gathered over its
@@ -526,6 +565,7 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   }
   root_->train();
   auto xs = x.chunk(n, 0), ys = y.chunk(n, 0);
+  const int context = mesh_ ? mesh_->size("context") : 1;
   torch::Tensor total;
   auto dtype = torch::kFloat32;  // the loss's
   events::train_step_begins();  // the tracer (--trace) records its forwards, backwards and sync
@@ -536,7 +576,13 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
     torch::Tensor l;
     {
       TraceSpan span(TraceKind::Forward, i);
+      const auto attended = context_attention_calls();
       auto out = root_->forward(std::vector<torch::Tensor>{xs[i]});
+      // Every context rank runs the same forward: all of them refuse here, before any backward.
+      TORCH_CHECK(context == 1 || context_attention_calls() > attended, "train_step: the mesh splits each sequence "
+                  "over context=", context, ", but ", root_->type(), "'s forward computed no context attention: "
+                  "its attention saw this rank's rows of the sequence alone (a module written in Lua calls "
+                  "pt.cp.attention)");
       l = loss(out, ys[i], options, "sum");
     }
     events::forward_ends();

@@ -18,6 +18,7 @@
 #include "engine/nn/module.hpp"
 #include "engine/optim/loss_scale.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/context_parallel.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/fsdp.hpp"
 #include "engine/parallel/pipeline.hpp"
@@ -124,6 +125,9 @@ struct ParallelizeOptions {
   /// one rank, else off. A stage above 0 on a mesh whose zero groups are of one rank is refused.
   c10::optional<ZeroOptions> zero;
   RecomputeOptions recompute;
+  /// How attention splits the sequence over the mesh's context group (when it has more than one
+  /// rank): every module of the tree that computes over the sequence (ContextSplit) learns it.
+  ContextMode context = ContextMode::Ring;
 
   /// Checks every option against `mesh`; throws naming the one that does not fit.
   void validate(const dist::Mesh& mesh) const;

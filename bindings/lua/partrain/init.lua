@@ -219,6 +219,8 @@ end
 --- pt.tp: the tensor-parallel building blocks (column/row-parallel linear, vocab-parallel
 --- embedding and cross-entropy, the region functions); sharding policies compose them.
 pt.tp = core.tp
+--- Context parallelism (docs/parallel.md): attention over a sequence split across the context group.
+pt.cp = core.cp
 --- pt.mesh { tensor = t, context = c, pipeline = p, data = d, zero = z }: the world laid out as
 --- pipeline x data x context x tensor (tensor fastest), with its groups made once.
 local last_mesh = setmetatable({}, { __mode = "v" })
@@ -765,9 +767,9 @@ function pt.evaluate(model, loader, opts)
   loader:_place(epoch, position)
   if not ok then rethrow(total, 2) end
   local mesh = pt.mesh_of(model)
-  if mesh and mesh:size("data") > 1 then
+  if mesh and mesh:size("data_context") > 1 then  -- each rank's batches, and its chunks of them
     local t = pt.tensor({ total }, { dtype = "float64" })
-    mesh:group("data"):all_reduce(t, "mean")
+    mesh:group("data_context"):all_reduce(t, "mean")
     total = t:item()
   end
   return total

@@ -299,6 +299,7 @@ end
 local function run(model, policy, mesh, cfg, at)
   local group = mesh:group("tensor")
   cfg.tensor, cfg.group = group:size(), group
+  cfg.context = mesh:group("context")  -- a forward the policy installs reads its positions from it
   local splitting = cfg.tensor_parallel and cfg.tensor > 1
   local timeout = cfg.policy_timeout
   -- One serial model to cut from: the tensor group's ranks hold rank 0's weights (they differ
