@@ -1,6 +1,7 @@
 -- Trains a byte-level GPT-2 (or, with --model llama, a LLaMA) on the King James Bible and prints a
 -- sample of what it learned. Split over --tensor ranks or cut into --pipeline stages by the model's
--- policy (policies/gpt2.lua, policies/llama.lua), data-parallel over the rest.
+-- policy (policies/gpt2.lua, policies/llama.lua), each sequence split over --context ranks,
+-- data-parallel over the rest.
 --   partrain examples/gpt/train.lua [--steps 200] [--dim 128] [--layers 4] ...
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --tensor 2      (tensor 2 x data 2)
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --tensor 2 --sequence-parallel
@@ -10,6 +11,8 @@
 --   partrain examples/gpt/train.lua --dtype bfloat16               (float32 master weights in the optimizer)
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --pipeline 2 --zero-stage 2   (ZeRO-2 x pipeline 2)
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --zero-stage 3   (ZeRO-3: parameters sharded, a block gathered at a time)
+--   partrain --nproc-per-node 2 examples/gpt/train.lua --context 2      (each sequence split over 2 ranks: ring attention)
+--   partrain --nproc-per-node 4 examples/gpt/train.lua --context 2 --context-mode all_to_all --zero-stage 2
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -24,6 +27,8 @@ local cfg = pt.args {
                  .. "measures a real model's head with the bytes as its first 256 tokens)" },
   kv_heads = { 0, "llama: key/value heads (grouped-query attention; 0: as many as heads)" },
   dropout = pt.args.number(0, "dropout (gpt2)"),
+  attn_dropout = pt.args.number(-1, "gpt2: dropout on the attention probabilities alone (-1: --dropout's; "
+                                    .. "must be 0 with --context above 1)"),
   lr = pt.args.number(3e-3, "peak learning rate (cosine schedule after the warmup)"),
   warmup = { 20, "warmup steps" },
   seed = { 1, "seed of the weights, the data order and the sample" },
@@ -32,7 +37,10 @@ local cfg = pt.args {
   prompt = { "And God said", "the sample's prompt" },
   corpus = { "", "the text to train on (default: data/kjv.txt of this checkout, made by scripts/setup)" },
   threads = { 0, "intra-op threads (0: LibTorch's default)" },
-  tensor = { 1, "tensor-parallel size (data = ranks / tensor / pipeline)" },
+  tensor = { 1, "tensor-parallel size (data = ranks / tensor / context / pipeline)" },
+  context = { 1, "context-parallel size: ranks that split each sequence between them (--seq a multiple of "
+                 .. "2 x context; docs/parallel.md#context-parallelism)" },
+  context_mode = { "ring", "with --context: ring (any heads) or all_to_all (heads / tensor must divide by context)" },
   sequence_parallel = { false, "keep activations split along the sequence between TP regions" },
   pipeline = { 1, "pipeline stages (ranks); each runs its blocks through model:train_step" },
   microbatches = { 0, "with --pipeline: micro-batches a batch is split into (0: the pipeline size)" },
@@ -55,7 +63,27 @@ if cfg.corpus == "" then cfg.corpus = (arg[0]:match("^(.*)/") or ".") .. "/../..
 pt.manual_seed(cfg.seed)
 if cfg.metrics ~= "" then pt.metrics(cfg.metrics) end
 
--- ZeRO's flags, checked before any group is made.
+-- Context parallelism's flags: each rank holds 2 of the 2 x context equal chunks of every sequence.
+if cfg.context < 1 or cfg.context % 1 ~= 0 then error(("--context %s: expected a whole number of ranks, 1 or more"):format(cfg.context)) end
+if cfg.context_mode ~= "ring" and cfg.context_mode ~= "all_to_all" then
+  error(("--context-mode %s: expected ring or all_to_all"):format(cfg.context_mode))
+end
+if cfg.context_mode ~= "ring" and cfg.context == 1 then
+  error(("--context-mode %s needs --context 2 or more"):format(cfg.context_mode))
+end
+if cfg.seq % (2 * cfg.context) ~= 0 then
+  error(("--seq %d with --context %d: each sequence is cut into 2 x context = %d equal chunks (one early and one late "
+    .. "a rank), so --seq must be a multiple of %d"):format(cfg.seq, cfg.context, 2 * cfg.context, 2 * cfg.context))
+end
+local attn_dropout = cfg.attn_dropout < 0 and cfg.dropout or cfg.attn_dropout
+if cfg.context > 1 and cfg.model == "gpt2" and attn_dropout ~= 0 then
+  error(("--dropout %g with --context %d: dropout on the attention probabilities cannot be split over context ranks "
+    .. "(its mask spans the whole sequence); add --attn-dropout 0 (dropout stays on the embeddings and residual "
+    .. "branches)"):format(cfg.dropout, cfg.context))
+end
+
+-- ZeRO's flags, checked before any group is made. Its groups are parts of the data x context
+-- ranks, which hold the same parameters.
 local data_size = pt.dist.world_size() / (cfg.tensor * cfg.pipeline)
 if cfg.zero_stage ~= 0 and cfg.zero_stage ~= 1 and cfg.zero_stage ~= 2 and cfg.zero_stage ~= 3 then
   error(("--zero-stage %s: expected 0 (off), 1, 2 or 3"):format(cfg.zero_stage))
@@ -76,12 +104,12 @@ if cfg.zero_stage > 0 then
   end
   zero = groups == 1 and 0 or data_size / groups
 end
-local mesh = pt.mesh { tensor = cfg.tensor, pipeline = cfg.pipeline, zero = zero }
+local mesh = pt.mesh { tensor = cfg.tensor, context = cfg.context, pipeline = cfg.pipeline, zero = zero }
 -- Built deferred (on the meta device): pt.parallelize then allocates only what this rank holds
 -- (its stages, its shards), with the weights the whole model would have.
 if cfg.model ~= "gpt2" and cfg.model ~= "llama" then error(("--model %s: expected gpt2 or llama"):format(cfg.model)) end
 if cfg.model == "gpt2" and cfg.kv_heads ~= 0 then error("--kv-heads is LLaMA's (--model llama)") end
-if cfg.model == "llama" and cfg.dropout ~= 0 then error("--dropout: LLaMA has no dropout") end
+if cfg.model == "llama" and (cfg.dropout ~= 0 or cfg.attn_dropout >= 0) then error("--dropout, --attn-dropout: LLaMA has no dropout") end
 if cfg.vocab < 256 then error(("--vocab %d: the data are bytes, 256 symbols; give at least 256"):format(cfg.vocab)) end
 local model = pt.deferred(function()
   if cfg.model == "llama" then
@@ -89,12 +117,12 @@ local model = pt.deferred(function()
                              layers = cfg.layers, dtype = cfg.dtype }
   end
   return pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
-                          layers = cfg.layers, dropout = cfg.dropout, dtype = cfg.dtype }
+                          layers = cfg.layers, dropout = cfg.dropout, attn_dropout = attn_dropout, dtype = cfg.dtype }
 end)
 -- The whole model's training FLOPs a token (6·N + attention), counted before it is split.
 local flops_per_token = pt.flops_per_token(model, cfg.seq)
 local pipelined = cfg.pipeline > 1
-local options = { sequence_parallel = cfg.sequence_parallel }
+local options = { sequence_parallel = cfg.sequence_parallel, context = cfg.context_mode }
 if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
 if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks
@@ -102,15 +130,18 @@ if pipelined then
 end
 model = pt.parallelize(model, pipelined and "policies." .. cfg.model or nil, mesh, options)  -- the family's policy when split
 local loss_of = pt.loss_fn(model)          -- from vocabulary-split logits when they are split
+-- Over the mesh: each rank reads its data slice of every global batch, and its two chunks of each
+-- sequence of it (targets shifted before the split).
 local data = pt.data.text { path = cfg.corpus, seq = cfg.seq, batch = cfg.batch, seed = cfg.seed, mesh = mesh }
 local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0.9, 0.95 }, clip_grad_norm = 1.0,
   schedule = { kind = "cosine", warmup = math.min(cfg.warmup, cfg.steps - 1), total = cfg.steps, min_lr = cfg.lr / 10 },
   -- float16's small gradients need loss scaling: read from the model, whichever name --dtype gave
   loss_scale = model:parameters()[1]:type() == "float16" and "dynamic" or nil })
 local sharded = opt:zero()  -- nil without ZeRO
-print(("%s: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s"):format(
+print(("%s: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s%s"):format(
   cfg.model, cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
-  mesh:size("data"), sharded and ("; ZeRO-%d over %d ranks (%.2f MB of master weights a rank)"):format(sharded.stage,
+  mesh:size("data"), cfg.context > 1 and (" x context %d (%s)"):format(cfg.context, cfg.context_mode) or "",
+  sharded and ("; ZeRO-%d over %d ranks (%.2f MB of master weights a rank)"):format(sharded.stage,
   sharded.group, sharded.master_bytes / 1e6) or ""))
 
 -- Resuming: from the newest checkpoint in --ckpt, whatever mesh saved it.
@@ -134,6 +165,9 @@ for step = first, cfg.steps do
   if pipelined then
     loss = model:train_step(x, y)          -- the schedule's forwards and backwards; the global batch's loss
   else
+    -- This rank's mean over its targets. Under --context every rank's chunks hold as many targets
+    -- (the corpus has no padding), so the gradient sync's mean over data x context is the global
+    -- batch's mean; with padding spread unevenly, model:train_step weighs it right.
     loss = loss_of(model(x), y)
     opt:scale_loss(loss):backward()        -- loss x the loss scale (float16); the loss itself otherwise
   end
@@ -141,7 +175,7 @@ for step = first, cfg.steps do
   local global = loss:detach()              -- the global batch's loss, for the progress line and the log
   if not pipelined then
     global = global:clone()
-    mesh:group("data"):all_reduce(global, "mean")
+    mesh:group("data_context"):all_reduce(global, "mean")  -- every data and context rank's part
   end
   -- The tensor itself: progress reads it only when it prints or logs (no host sync every step on a GPU).
   progress:step(step, { loss = global, lr = opt:lr(), seconds = pt.time() - start })
@@ -161,10 +195,12 @@ elseif cfg.sample > 0 then
   model:eval()
   pt.manual_seed(cfg.seed)
   local tokens = pt.data.encode(cfg.prompt):view(1, -1)
-  -- Under sequence parallelism the sequence splits over the tensor ranks: the context is padded
-  -- on the right to a multiple of them (causal attention: the padding changes no earlier position)
-  -- and the logits read at its last real position.
-  local split = cfg.sequence_parallel and cfg.tensor or 1
+  -- Under sequence parallelism the sequence splits over the tensor ranks, and under context
+  -- parallelism into 2 x context chunks over the context ranks: the context is padded on the right
+  -- to a multiple of them (causal attention: the padding changes no earlier position) and the
+  -- logits read at its last real position, on the context rank that holds it.
+  local c, group = mesh:size("context"), mesh:group("context")
+  local split = (cfg.sequence_parallel and cfg.tensor or 1) * (c > 1 and 2 * c or 1)
   local room = cfg.seq - cfg.seq % split
   pt.no_grad(function()
     for _ = 1, cfg.sample do
@@ -172,8 +208,18 @@ elseif cfg.sample > 0 then
       local context = tokens:narrow(1, tokens:size(1) - n, n)
       local padded = math.ceil(n / split) * split
       if padded > n then context = pt.cat({ context, pt.zeros({ 1, padded - n }, { dtype = "int64" }) }, 1) end
-      local logits = model(context):select(1, n - 1):float()  -- (1, 256 / tensor) at the last real position
+      -- Position n - 1 is in chunk k of 2c; rank k holds chunks k and 2c-1-k, in that order.
+      local row, owner = n - 1, 0
+      if c > 1 then
+        local chunk = padded / (2 * c)
+        local k = math.floor((n - 1) / chunk)
+        owner = k < c and k or 2 * c - 1 - k
+        row = (k < c and 0 or chunk) + (n - 1) % chunk
+        context = pt.cp.split(context, group)  -- (1, padded / context): this rank's chunks
+      end
+      local logits = model(context):select(1, row):float()  -- (1, 256 / tensor) at the last real position
       logits = pt.tp.gather_from(logits, mesh:group("tensor")):narrow(-1, 0, 256)  -- the whole vocabulary: bytes
+      if c > 1 then logits = group:all_gather(logits:contiguous())[owner + 1] end  -- the owner's row, on every rank
       local next_byte = (logits / 0.8):softmax(-1):multinomial(1)
       tokens = pt.cat({ tokens, next_byte }, 1)
     end

@@ -4,7 +4,10 @@
 # pipeline=2 (1F1B, 4 micro-batches) through policies/gpt2.lua, with gradient clipping) gives the same loss at every one of 20 steps (within 1e-5 relative)
 # through the real launcher. GPT-2 with ZeRO: --zero-stage 1 at data 4 and --zero-stage 2 with
 # --zero-groups 2 equal the plain data-4 run, and --pipeline 2 --zero-stage 2 (ZeRO-2 x pipeline,
-# data 2) equals 1 rank and its loss falls; bad ZeRO flags are refused naming the flag.
+# data 2) equals 1 rank and its loss falls; bad ZeRO flags are refused naming the flag. GPT-2 with
+# each sequence split over 2 ranks (--context 2: ring attention; all_to_all; with ZeRO-2 over
+# data x context at 4 ranks) equals 1 rank and its loss falls; a --seq that does not cut into
+# 2 x context chunks is refused naming the flag.
 # Usage: test_examples_dp.sh PATH/TO/partrain
 set -u
 bin="$(realpath "$1")"
@@ -60,6 +63,16 @@ compare "examples/gpt with --pipeline 2 --zero-stage 2 (data 2) equals 1 rank" "
 falls=$(awk 'NR == 1 { first = $1 } { last = $1 } END { print (NR >= 2 && last < first - 0.5) ? 0 : 1 }' "$tmp/gpt.p2z2")
 report "$falls" "examples/gpt --pipeline 2 --zero-stage 2 runs, says so and its loss falls ($(head -1 "$tmp/gpt.p2z2") -> $(tail -1 "$tmp/gpt.p2z2"))"
 echo "$out" | grep -q "ZeRO-2 over 2 ranks" || report 1 "the ZeRO-2 x pipeline run names its stage and group: $(echo "$out" | head -3)"
+# Context parallelism through the example's flags: each rank holds 2 of the 4 chunks of every sequence.
+losses 2 "${gpt[@]}" --context 2 >"$tmp/gpt.c2"
+compare "examples/gpt at context=2 (ring) equals 1 rank" "$tmp/gpt.c2" "$tmp/gpt.1"
+falls=$(awk 'NR == 1 { first = $1 } { last = $1 } END { print (NR >= 2 && last < first - 0.5) ? 0 : 1 }' "$tmp/gpt.c2")
+report "$falls" "examples/gpt --context 2 trains: its loss falls ($(head -1 "$tmp/gpt.c2") -> $(tail -1 "$tmp/gpt.c2"))"
+losses 2 "${gpt[@]}" --context 2 --context-mode all_to_all >"$tmp/gpt.c2a2a"
+compare "examples/gpt at context=2 (all_to_all) equals 1 rank" "$tmp/gpt.c2a2a" "$tmp/gpt.1"
+losses 4 "${gpt[@]}" --context 2 --zero-stage 2 >"$tmp/gpt.c2d2z2"
+compare "examples/gpt at context=2 x data=2 with --zero-stage 2 equals 1 rank" "$tmp/gpt.c2d2z2" "$tmp/gpt.1"
+
 refused() {  # refused NAME EXPECTED ARGS...: the run fails, naming EXPECTED at the example's line
   local name="$1" want="$2"; shift 2
   local err
@@ -71,6 +84,9 @@ refused "--zero-stage 4 is refused" "--zero-stage 4: expected 0 (off), 1, 2 or 3
 refused "--zero-groups without a stage is refused" "--zero-groups 2 needs --zero-stage 1, 2 or 3" --zero-groups 2
 refused "zero groups that do not split the data ranks are refused" "must split into 3 group(s)" --zero-stage 1 --zero-groups 3
 refused "ZeRO where the data group has one rank is refused" "the 1 data rank(s)" --zero-stage 1 --tensor 2 --pipeline 2
+refused "a --seq that does not cut into 2 x context chunks is refused" "--seq 62 with --context 2" --context 2 --seq 62
+refused "--context-mode without --context is refused" "--context-mode all_to_all needs --context 2 or more" --context-mode all_to_all
+refused "GPT-2's attention dropout under --context is refused" "add --attn-dropout 0" --context 2 --dropout 0.1
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
