@@ -1,7 +1,9 @@
 -- On a GPU (tests/dist/test_cuda.sh runs it there, and skips without one): data parallelism and
 -- tensor x data parallelism and ZeRO-3 with every rank on the same CUDA device (Gloo over CUDA tensors)
 -- train as serial training does, in float32 (losses and parameters within 1e-5, relative to
--- max(|x|, 1)) and float64 (1e-10); a checkpoint saved from the device reloads bit for bit; the
+-- max(|x|, 1)) and float64 (1e-10); so does GPT-2 with each sequence split over the ranks (context
+-- parallelism, ring and all_to_all), and in bfloat16 pt.cp.attention and that GPT-2 stay within
+-- 1e-2 of float32 over the whole sequence; a checkpoint saved from the device reloads bit for bit; the
 -- CUDA and CPU generators come back with a checkpoint (the draws after a load repeat the draws
 -- after the save). --phase cpu_load and --phase compare are the single-process halves of the
 -- device round trip (saved on CUDA, loaded and saved again on the CPU, both loaded on CUDA).
@@ -40,13 +42,16 @@ local function has_note(notes, text)
 end
 
 if cfg.phase == "ranks" then
-  -- The global batch (the same on every rank) and this rank's data slice of it.
+  -- The global batch (the same on every rank) and this rank's data slice of it (and, over a
+  -- context group, its chunks of each sequence).
   local function batches(mesh, make_batch)
     local x, y = make_batch()
     mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
-    local d, n = mesh:coord().data, mesh:size("data")
+    local d, n, g = mesh:coord().data, mesh:size("data"), mesh:group("context")
     local b = x.shape[1] / n
-    return x, y, x:narrow(0, d * b, b), y:narrow(0, d * b, b)
+    local mx, my = x:narrow(0, d * b, b), y:narrow(0, d * b, b)
+    if g:size() > 1 then mx, my = pt.cp.split(mx, g), pt.cp.split(my, g) end
+    return x, y, mx, my
   end
 
   local function equal_to_serial(what, mesh, make, policy, make_batch, dtype, opts)
@@ -113,6 +118,81 @@ if cfg.phase == "ranks" then
     local fresh = pt.parallelize(make_mlp(), nil, pt.mesh {})
     pt.ckpt.load(cfg.dir, { model = fresh })
     same_bits(fresh, model, "reloaded on " .. device)
+  end)
+
+  -- Context parallelism, last: its ring is the only user here of point-to-point exchanges over
+  -- Gloo on the device. Each rank holds 2 of the 2 x ranks chunks of every sequence (seq 8: 4
+  -- positions a rank at 2 ranks); on CUDA the ring's blocks are the plain formulas, accumulated in
+  -- float32; all_to_all trades positions for heads around one attention.
+  for _, dtype in ipairs { "float32", "float64" } do
+    for _, mode in ipairs { "ring", "all_to_all" } do
+      test(("context-parallel GPT-2 (%s) on %s equals serial training (%s)"):format(mode, device, dtype), function()
+        equal_to_serial("gpt2 context " .. mode, pt.mesh { context = pt.dist.world_size() },
+          function() return pt.models.gpt2(gpt) end, "policies.gpt2", gpt_batch, dtype, { context = mode })
+      end)
+    end
+  end
+
+  -- bfloat16 against float32 over the whole sequence, on the same (bfloat16) values: the output
+  -- and gradients within BF16 in ||got - want|| / ||want|| (bfloat16 keeps 8 bits of mantissa,
+  -- 2e-3 relative a rounding; the blocks accumulate in float32; up to 5e-3 measured on the CPU).
+  local BF16 = 1e-2
+  local function within(got, want, what)
+    local g, w = got:detach():double(), want:detach():double()
+    local rel = (g - w):norm():item() / w:norm():item()
+    ok(rel <= BF16, ("%s: relative difference %.2e exceeds %.0e"):format(what, rel, BF16))
+  end
+  test("pt.cp.attention in bfloat16 on " .. device .. " is within 1e-2 of float32 attention over the whole sequence",
+       function()
+    local g = pt.mesh({ context = pt.dist.world_size() }):group("context")
+    local function draw(heads)  -- (2, heads, 8 x ranks, 16), the same on every rank, bfloat16's values
+      local t = pt.randn({ 2, heads, 8 * pt.dist.world_size(), 16 }, { device = device })
+      pt.dist.world():broadcast(t, 0)
+      return t:bfloat16():float()
+    end
+    local q, k, v, w = draw(4), draw(2), draw(2), draw(4)
+    local qa, ka, va = q:clone():requires_grad_(), k:clone():requires_grad_(), v:clone():requires_grad_()
+    local whole = pt.nn.scaled_dot_product_attention(qa, ka, va, { causal = true })
+    local serial_loss = (whole * w):sum()
+    serial_loss:backward()
+    for _, mode in ipairs { "ring", "all_to_all" } do
+      local function mine(x) return pt.cp.split(x, g, 2):bfloat16():detach():requires_grad_() end
+      local qr, kr, vr = mine(q), mine(k), mine(v)
+      local out = pt.cp.attention(qr, kr, vr, { group = g, mode = mode })
+      eq(out:type(), "bfloat16", mode .. ": the output's dtype")
+      local loss = (out:float() * pt.cp.split(w, g, 2)):sum()
+      loss:backward()
+      within(out, pt.cp.split(whole, g, 2), mode .. " in bfloat16: output")
+      within(qr.grad, pt.cp.split(qa.grad, g, 2), mode .. " in bfloat16: dq")
+      within(kr.grad, pt.cp.split(ka.grad, g, 2), mode .. " in bfloat16: dk")
+      within(vr.grad, pt.cp.split(va.grad, g, 2), mode .. " in bfloat16: dv")
+    end
+  end)
+
+  -- GPT-2 in bfloat16 (SGD on float32 masters) beside the same weights in float32: losses and
+  -- parameters within 1e-2 relative to max(|x|, 1) over 5 steps (2e-4 and 1.4e-3 measured on the CPU).
+  test("context-parallel GPT-2 in bfloat16 on " .. device .. " trains within 1e-2 of serial float32", function()
+    local mesh = pt.mesh { context = pt.dist.world_size() }
+    local bf16 = { vocab = gpt.vocab, seq = gpt.seq, dim = gpt.dim, heads = gpt.heads, layers = gpt.layers,
+                   dtype = "bfloat16" }
+    pt.manual_seed(21)
+    local serial = pt.models.gpt2(bf16):to("float32")  -- the same (bfloat16) weights, computed in float32
+    pt.manual_seed(21)
+    local model = pt.parallelize(pt.models.gpt2(bf16), "policies.gpt2", mesh)
+    eq(model:parameters()[1]:type(), "bfloat16", "the context-parallel model's parameters")
+    local so, po = pt.optim.sgd(serial, { lr = 0.1 }), pt.optim.sgd(model, { lr = 0.1 })  -- float32 masters
+    for step = 1, 5 do
+      local gx, gy, x, y = batches(mesh, gpt_batch)
+      local out = serial(gx)
+      local ls = pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), gy:reshape(-1))
+      ls:backward()
+      local lp = model:train_step(x, y)
+      near(lp, ls, BF16, ("gpt2 context in bfloat16: loss at step %d"):format(step))
+      so:step(); po:step()
+      so:zero_grad(); po:zero_grad()
+    end
+    local full, want = model:full_state_dict(), serial:state_dict()
+    for name, w in pairs(want) do near(full[name], w, BF16, "gpt2 context in bfloat16: parameter " .. name) end
   end)
 elseif cfg.phase == "cpu_load" then  -- one process on the CPU: load the device's checkpoint, save it again
   test("a checkpoint saved on CUDA loads on the CPU (its CUDA generator states ignored, with a note)", function()
