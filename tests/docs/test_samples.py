@@ -163,7 +163,7 @@ def ranks_of(text):
     """The ranks a Lua sample needs: its pt.mesh sizes multiplied, or a comment's "N ranks or more"."""
     n = 1
     for body in re.findall(r"pt\.mesh\s*\{([^}]*)\}", text):
-        for kind in ("tensor", "pipeline", "data"):
+        for kind in ("tensor", "context", "pipeline", "data"):
             m = re.search(kind + r"\s*=\s*(\d+)", body)
             n *= int(m.group(1)) if m else 1
     m = re.search(r"--.*?\b(\d+) ranks or more", text)
