@@ -1,10 +1,13 @@
 // Ring and all-to-all attention over a context group (see context_parallel.hpp).
 #include "engine/parallel/context_parallel.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "engine/nn/functional.hpp"
+#include "engine/parallel/trace.hpp"
 #include "engine/util/text.hpp"
 #include "engine/util/zigzag.hpp"
 
@@ -156,19 +159,28 @@ void merge_attention(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor
 
 namespace {
 
-// Point-to-point channels of the ring's two messages (keys/values, and their gradients).
-constexpr int kKeysTag = 0x6370;
-constexpr int kGradsTag = 0x6371;
-
 class GroupRing : public RingLink {
  public:
   explicit GroupRing(dist::GroupPtr group) : group_(std::move(group)) {}
   int rank() const override { return group_->rank(); }
   int size() const override { return group_->size(); }
-  std::function<void()> pass(const Tensor& out, Tensor& in, int tag) override {
+  std::function<void()> pass(const Tensor& out, Tensor& in, Channel channel, int step) override {
     const int c = size(), r = rank();
-    auto work = std::make_shared<dist::Work>(group_->send_recv(out, (r + 1) % c, in, (r + c - 1) % c, tag));
-    return [work] { work->wait(); };
+    const auto start = StepTrace::Clock::now();
+    auto work = std::make_shared<dist::Work>(group_->send_recv(out, (r + 1) % c, in, (r + c - 1) % c, channel));
+    if (!StepTrace::instance().active()) return [work] { work->wait(); };
+    // Traced: the exchange from its start to its completion (on the thread that completes it),
+    // recorded once it has been waited for.
+    auto end = std::make_shared<std::atomic<int64_t>>(0);
+    work->when_done([end] { end->store(StepTrace::Clock::now().time_since_epoch().count()); });
+    const auto kind = channel == Keys ? TraceKind::RingPass : TraceKind::RingGradient;
+    return [work, end, start, kind, step] {
+      work->wait();
+      const int64_t at = end->load();
+      StepTrace::instance().record_span(
+          kind, start, at > 0 ? StepTrace::Clock::time_point(StepTrace::Clock::duration(at)) : StepTrace::Clock::now(),
+          step);
+    };
   }
 
  private:
@@ -204,9 +216,10 @@ struct Ring : torch::autograd::Function<Ring> {
       std::function<void()> arrived;
       if (i < c - 1) {
         next = torch::empty_like(cur);
-        arrived = link->pass(cur, next, kKeysTag);
+        arrived = link->pass(cur, next, RingLink::Keys, i);
       }
       auto [kb, vb] = unpack(cur, k, v);
+      std::optional<TraceSpan> span(std::in_place, TraceKind::RingBlock, i);  // under the exchange started above
       switch (part_at(i, r, c, causal)) {
         case Part::Diagonal:
         case Part::All: {
@@ -226,6 +239,7 @@ struct Ring : torch::autograd::Function<Ring> {
           break;
         }
       }
+      span.reset();
       if (arrived) {
         arrived();
         cur = next;
@@ -257,11 +271,12 @@ struct Ring : torch::autograd::Function<Ring> {
       std::function<void()> arrived;
       if (i < c - 1) {
         next = torch::empty_like(cur);
-        arrived = link->pass(cur, next, kKeysTag);
+        arrived = link->pass(cur, next, RingLink::Keys, i);
       }
       auto [kb, vb] = unpack(cur, k, v);
       // This step's gradient of the keys/values held, into zeroed accumulators of their shape.
       auto dk = torch::zeros(k.sizes(), k.options().dtype(acc)), dv = torch::zeros(v.sizes(), v.options().dtype(acc));
+      std::optional<TraceSpan> span(std::in_place, TraceKind::RingBlock, i);
       switch (part_at(i, r, c, causal)) {
         case Part::Diagonal:
         case Part::All: {
@@ -289,6 +304,7 @@ struct Ring : torch::autograd::Function<Ring> {
           break;
         }
       }
+      span.reset();
       // The gradient of source s's keys/values so far: what arrived from the previous rank (the
       // sum of the steps before) plus this step's, passed on towards the owner.
       auto sum = pack(dk, dv);
@@ -300,7 +316,7 @@ struct Ring : torch::autograd::Function<Ring> {
         grads_in = sum;
       } else {
         grads_in = torch::empty_like(sum);
-        grads_arrived = link->pass(sum, grads_in, kGradsTag);
+        grads_arrived = link->pass(sum, grads_in, RingLink::Grads, i);
       }
       if (arrived) {
         arrived();

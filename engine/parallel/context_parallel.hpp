@@ -97,13 +97,15 @@ Tensor sequence_dropout(const Tensor& x, double p, bool training, const dist::Gr
 // ---- The pieces, exposed for tests ------------------------------------------------------------
 
 /// How a ring passes a block on: sends `out` to the next rank while receiving `in` from the
-/// previous one, on channel `tag`, and returns the wait for both. A process group's ring is
-/// ring_of(group); tests run c ranks as threads of one process over a link of their own.
+/// previous one, on channel `tag` (keys and values, or their gradients), at ring step `step`, and
+/// returns the wait for both. A process group's ring is ring_of(group) (its passes traced under
+/// --trace); tests run c ranks as threads of one process over a link of their own.
 class RingLink : public torch::CustomClassHolder {
  public:
+  enum Channel { Keys = 0x6370, Grads = 0x6371 };
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::function<void()> pass(const Tensor& out, Tensor& in, int tag) = 0;
+  virtual std::function<void()> pass(const Tensor& out, Tensor& in, Channel channel, int step) = 0;
 };
 c10::intrusive_ptr<RingLink> ring_of(const dist::GroupPtr& group);
 

@@ -33,9 +33,15 @@ const char* kind_prefix(TraceKind k) {
     case TraceKind::Sync: return "sync";
     case TraceKind::Step: return "step";
     case TraceKind::Gather: return "GATHER u";
+    case TraceKind::RingPass: return "KV";
+    case TraceKind::RingGradient: return "DKV";
+    case TraceKind::RingBlock: return "ATTN";
   }
   return "?";
 }
+
+// Events on the rank's second row (its communication beside its compute).
+bool beside(TraceKind k) { return k == TraceKind::Gather || k == TraceKind::RingPass || k == TraceKind::RingGradient; }
 
 const char* kind_category(TraceKind k) {
   switch (k) {
@@ -49,6 +55,9 @@ const char* kind_category(TraceKind k) {
     case TraceKind::Sync: return "sync";
     case TraceKind::Step: return "step";
     case TraceKind::Gather: return "gather";
+    case TraceKind::RingPass:
+    case TraceKind::RingGradient: return "exchange";
+    case TraceKind::RingBlock: return "attention";
   }
   return "?";
 }
@@ -174,13 +183,19 @@ void StepTrace::record_span(TraceKind kind, Clock::time_point start, Clock::time
 
 std::string StepTrace::events_json(int rank) const {
   std::ostringstream out;
-  // ZeRO-3's gathers: a row of their own below the ranks' (tid world + rank), named here.
+  // ZeRO-3's gathers and ring attention's exchanges: a row of their own below the ranks' (tid
+  // world + rank), named here for what it holds.
   const int world = dist::World::instance().size();
-  const bool gathers = std::any_of(events_.begin(), events_.end(), [](const Event& e) { return e.kind == TraceKind::Gather; });
-  if (gathers)
+  auto any = [&](auto pred) { return std::any_of(events_.begin(), events_.end(), pred); };
+  const bool gathers = any([](const Event& e) { return e.kind == TraceKind::Gather; });
+  const bool passes = any([](const Event& e) { return e.kind == TraceKind::RingPass || e.kind == TraceKind::RingGradient; });
+  if (gathers || passes) {
+    const std::string what = gathers && passes ? "ZeRO-3 gathers, ring exchanges" : gathers ? "ZeRO-3 gathers"
+                                                                                               : "ring exchanges";
     out << ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":" << world + rank << ",\"args\":{\"name\":"
-        << quoted("rank " + std::to_string(rank) + ": ZeRO-3 gathers") << "}},\n{\"name\":\"thread_sort_index\",\"ph\":"
+        << quoted("rank " + std::to_string(rank) + ": " + what) << "}},\n{\"name\":\"thread_sort_index\",\"ph\":"
         << "\"M\",\"pid\":0,\"tid\":" << world + rank << ",\"args\":{\"sort_index\":" << world + rank << "}}";
+  }
   for (const auto& e : events_) {
     std::string name = kind_prefix(e.kind);
     if (e.kind == TraceKind::Step) {
@@ -193,7 +208,7 @@ std::string StepTrace::events_json(int rank) const {
     }
     out << ",\n{\"name\":" << quoted(name) << ",\"cat\":\"" << kind_category(e.kind) << "\",\"ph\":\"X\",\"ts\":"
         << micros(e.start_ns) << ",\"dur\":" << micros(e.dur_ns) << ",\"pid\":0,\"tid\":"
-        << (e.kind == TraceKind::Gather ? world + rank : rank)
+        << (beside(e.kind) ? world + rank : rank)
         << ",\"args\":{\"step\":" << e.step;
     if (e.mb >= 0) out << ",\"mb\":" << e.mb;
     if (e.chunk >= 0) out << ",\"chunk\":" << e.chunk;

@@ -19,9 +19,12 @@ struct TraceOptions {
 /// The kinds of event a row shows; each is one Chrome "X" (complete) event, named like the
 /// schedule's actions ("F3.c0", "SEND_F3.c0->1", "RECV_B3.c0<-1"; "wait" inside a receive).
 /// ZeRO-3's unit gathers ("GATHER u3": from its start to its completion, `mb` the unit) go on a
-/// row of their own a rank ("rank r: ZeRO-3 gathers"), beside the compute they overlap.
+/// row of their own a rank ("rank r: ZeRO-3 gathers"), beside the compute they overlap. So do
+/// ring attention's exchanges ("KV2": the key/value block passed at ring step 2, "DKV2": a block's
+/// gradient passed on in backward, each from its start to its completion), while each step's
+/// attention block ("ATTN2") goes on the rank's own row, inside the forward or backward.
 enum class TraceKind { Step, Forward, Backward, SendActivation, SendGradient, RecvActivation, RecvGradient, Wait, Sync,
-                       Gather };
+                       Gather, RingPass, RingGradient, RingBlock };
 
 /// This process's step trace. Off unless configured (from PARTRAIN_TRACE and PARTRAIN_TRACE_STEPS,
 /// which `partrain --trace FILE --trace-steps K` sets for every rank, or by configure()).

@@ -40,7 +40,7 @@ class ThreadRing : public parallel::RingLink {
   ThreadRing(std::shared_ptr<Mailboxes> boxes, int rank, int size) : boxes_(std::move(boxes)), rank_(rank), size_(size) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::function<void()> pass(const Tensor& out, Tensor& in, int tag) override {
+  std::function<void()> pass(const Tensor& out, Tensor& in, Channel tag, int) override {
     {
       std::lock_guard<std::mutex> lock(boxes_->mutex);
       boxes_->box[{(rank_ + 1) % size_, tag, sent_[tag]++}] = out.clone();

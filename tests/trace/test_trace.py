@@ -4,7 +4,8 @@ micro-batch and chunk of each traced step, in the schedule's order, every receiv
 inside it, events on a row never overlap and run forward in time, each transfer's receive ends
 after its send starts on the other rank (the clocks are aligned), and only --trace-steps steps are
 kept; a data-parallel run traces its forward, backward and sync; under ZeRO-3 each rank's unit
-gathers have a row of their own, in the order the units run; a restarted attempt writes a
+gathers have a row of their own, in the order the units run; under context parallelism the ring's
+key/value exchanges have a row of their own and run under the attention blocks; a restarted attempt writes a
 trace of its own beside the first; a folder, a missing folder or a bad step count are refused with
 a message naming them.
 Usage: test_trace.py PATH/TO/partrain"""
@@ -163,6 +164,43 @@ for name, extra, want_units in [("zero3", [], [0, 1, 2, 3, 4, 4, 3, 2, 1]),
             inside = span and all(span[0]["ts"] - SLACK_US <= e["ts"] and e["ts"] + e["dur"] <= span[0]["ts"] +
                                   span[0]["dur"] + SLACK_US for e in gathers if e["args"]["step"] == s)
             check(f"{name}: rank {r} step {s}: every gather within its step", bool(inside), span)
+
+# Ring attention at context 2: each rank's key/value exchanges have a row of their own (tid 2 +
+# rank), and each is started before the attention block it runs under: KVi starts no later than
+# ATTNi in forward (the block computes while the next keys travel); backward passes the blocks
+# again and each block's gradient (DKVi). Across the traced steps some exchange is still in flight
+# when its block starts: the overlap the ring is for.
+path = os.path.join(tmp, "ring.json")
+rc, out, err = run(["--nproc-per-node", "2", "--threads", "1", "--trace", path, "--trace-steps", "2", SCRIPT,
+                    "--pipeline", "1", "--context", "2", "--steps", "2", "--seq", "256", "--dim", "64"])
+check("ring: the run succeeds", rc == 0, err[-2000:])
+if rc == 0:
+    trace = load(path)
+    by_rank = rows(trace)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    overlapped = 0
+    for r in (0, 1):
+        check(f"ring: rank {r}'s exchanges have a row named for them", names.get(2 + r) == f"rank {r}: ring exchanges",
+              names)
+        passes = by_rank.get(2 + r, [])
+        blocks = [e for e in by_rank.get(r, []) if e["cat"] == "attention"]
+        for s in (1, 2):
+            kv = [e for e in passes if e["args"]["step"] == s and e["name"] == "KV0"]
+            dkv = [e for e in passes if e["args"]["step"] == s and e["name"].startswith("DKV")]
+            attn = [e for e in blocks if e["args"]["step"] == s]
+            # 4 layers: forward passes one key/value block a layer (ring of 2), backward another,
+            # and two gradient blocks; every layer computes two blocks each way.
+            check(f"ring: rank {r} step {s}: 8 key/value passes, 8 gradient passes, 16 blocks",
+                  len([e for e in passes if e["args"]["step"] == s and e["name"] == "KV0"]) == 8 and len(dkv) == 8
+                  and len(attn) == 16, (len(kv), len(dkv), len(attn)))
+            firsts = [e for e in attn if e["name"] == "ATTN0"]
+            pairs = list(zip(kv, firsts))
+            check(f"ring: rank {r} step {s}: each exchange starts before the block it runs under",
+                  pairs and all(k["ts"] <= a["ts"] + SLACK_US for k, a in pairs), pairs[:2])
+            overlapped += sum(1 for k, a in pairs if k["ts"] + k["dur"] > a["ts"])
+    check("ring: some key/value exchange is still in flight when its block starts (overlap)", overlapped > 0,
+          overlapped)
 
 # A restarted attempt's first steps are not the run's: it writes PATH.restart1.json beside the
 # first attempt's trace, which is kept, and each says which attempt it is.

@@ -4,10 +4,11 @@
 --   partrain --nproc-per-node 2 --trace t.json tests/trace/trace_run.lua --pipeline 2 --schedule 1f1b
 local pt = require "partrain"
 local cfg = pt.args { pipeline = 2, schedule = "1f1b", microbatches = 4, chunks = 1, steps = 3, fail_first = false,
-                     zero3 = false, reshard = true }
-local gpt = { vocab = 64, seq = 8, dim = 16, heads = 4, layers = 4 }
+                     zero3 = false, reshard = true, context = 1, seq = 8, dim = 16 }
+local gpt = { vocab = 64, seq = cfg.seq, dim = cfg.dim, heads = 4, layers = 4 }
 
-local mesh = pt.mesh { pipeline = cfg.pipeline, zero = cfg.zero3 and 0 or nil }
+-- --context c: each sequence split over c ranks (ring attention; this rank's chunks of its batch).
+local mesh = pt.mesh { pipeline = cfg.pipeline, context = cfg.context, zero = cfg.zero3 and 0 or nil }
 pt.manual_seed(5)
 local opts = cfg.pipeline > 1 and { schedule = cfg.schedule, microbatches = cfg.microbatches, chunks = cfg.chunks } or {}
 -- --zero3: ZeRO-3 over the data ranks, its units (the 4 blocks) freed after forward unless --no-reshard.
@@ -26,6 +27,7 @@ if cfg.pipeline > 1 then
 end
 for step = 1, cfg.steps do
   local x, y = pt.randint(0, gpt.vocab, { 8, gpt.seq }), pt.randint(0, gpt.vocab, { 8, gpt.seq })
+  if cfg.context > 1 then x, y = pt.cp.split(x, mesh:group("context")), pt.cp.split(y, mesh:group("context")) end
   local loss = model:train_step(x, y)
   opt:step(); opt:zero_grad()
   if pt.dist.rank() == 0 then print(("step %d loss %.4f"):format(step, loss:item())) end
