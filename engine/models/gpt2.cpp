@@ -273,7 +273,6 @@ std::vector<nn::ConfigField> Gpt2::config() const {
           {"heads", double(o.heads), true},
           {"layers", double(o.layers)},
           {"dropout", o.dropout},
-          {"attn_dropout", o.attn_dropout < 0 ? o.dropout : o.attn_dropout},
           {"eps", o.eps, true},
           {"flash_attention", o.flash_attention ? 1.0 : 0.0}};
 }

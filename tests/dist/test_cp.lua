@@ -300,8 +300,9 @@ test("ignored targets on one context rank's chunks only are counted over the who
 end)
 
 if world == 4 then
-  test("context 2 composed with data 2 (and ZeRO-2, ZeRO-3) trains as serial AdamW", function()
+  test("context 2 composed with data 2 (and ZeRO-1, 2 and 3) trains as serial AdamW", function()
     equal { what = "context 2 x data 2", mesh = { context = 2 } }
+    equal { what = "context 2 x data 2 zero-1", mesh = { context = 2, zero = 0 }, opts = { zero = { stage = 1 } }, steps = 10 }
     equal { what = "context 2 x data 2 zero-2", mesh = { context = 2, zero = 0 }, opts = { zero = { stage = 2 } }, steps = 10 }
     equal { what = "context 2 x data 2 zero-3", mesh = { context = 2, zero = 0 }, opts = { zero = { stage = 3 } }, steps = 10 }
   end)
@@ -321,9 +322,11 @@ if world == 4 then
             opts = { context = "all_to_all" } }
   end)
 
-  test("context 2 composed with pipeline 2 trains as serial AdamW", function()
+  test("context 2 composed with pipeline 2 (1F1B and GPipe) trains as serial AdamW", function()
     equal { what = "context 2 x pipeline 2", mesh = { context = 2, pipeline = 2 },
             opts = { schedule = "1f1b", microbatches = 2 }, steps = 10 }
+    equal { what = "context 2 x pipeline 2 gpipe", mesh = { context = 2, pipeline = 2 },
+            opts = { schedule = "gpipe", microbatches = 2 }, steps = 10 }
   end)
 
   test("context 4 with activation checkpointing trains as serial AdamW", function()
