@@ -205,20 +205,42 @@ Part part_at(int i, int r, int c, bool causal) {
   return (r + c - i) % c < r ? Part::EarlyKeys : Part::LateQueries;
 }
 
+// The key/value blocks going around the ring: the one held at step i, and the next one arriving
+// from the previous rank while step i computes (none after the last step).
+class KeysInFlight {
+ public:
+  KeysInFlight(c10::intrusive_ptr<RingLink> link, Tensor first) : link_(std::move(link)), held_(std::move(first)) {}
+  /// The block held at step i, its pass to the next rank started.
+  const Tensor& start(int i) {
+    if (i < link_->size() - 1) {
+      next_ = torch::empty_like(held_);
+      arrived_ = link_->pass(held_, next_, RingLink::Keys, i);
+    }
+    return held_;
+  }
+  /// Waits for the next block, which is then the one held.
+  void finish() {
+    if (!arrived_) return;
+    arrived_();
+    arrived_ = nullptr;
+    held_ = next_;
+  }
+
+ private:
+  c10::intrusive_ptr<RingLink> link_;
+  Tensor held_, next_;
+  std::function<void()> arrived_;
+};
+
 struct Ring : torch::autograd::Function<Ring> {
   static Tensor forward(AutogradContext* ctx, Tensor q, Tensor k, Tensor v, c10::intrusive_ptr<RingLink> link,
                         bool causal, double scale) {
     const int c = link->size(), r = link->rank();
     const int64_t n = q.size(2) / 2;
-    Tensor out, lse, cur = pack(k, v);
+    Tensor out, lse;
+    KeysInFlight keys(link, pack(k, v));
     for (int i = 0; i < c; ++i) {
-      Tensor next;
-      std::function<void()> arrived;
-      if (i < c - 1) {
-        next = torch::empty_like(cur);
-        arrived = link->pass(cur, next, RingLink::Keys, i);
-      }
-      auto [kb, vb] = unpack(cur, k, v);
+      auto [kb, vb] = unpack(keys.start(i), k, v);
       std::optional<TraceSpan> span(std::in_place, TraceKind::RingBlock, i);  // under the exchange started above
       switch (part_at(i, r, c, causal)) {
         case Part::Diagonal:
@@ -240,10 +262,7 @@ struct Ring : torch::autograd::Function<Ring> {
         }
       }
       span.reset();
-      if (arrived) {
-        arrived();
-        cur = next;
-      }
+      keys.finish();
     }
     auto result = out.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, result, lse});
@@ -264,16 +283,11 @@ struct Ring : torch::autograd::Function<Ring> {
     const auto acc = accumulation(q);
     auto grad = grads[0];
     auto dq = torch::zeros(q.sizes(), q.options().dtype(acc));
-    Tensor cur = pack(k, v), grads_in;
+    KeysInFlight keys(link, pack(k, v));
+    Tensor grads_in;
     std::function<void()> grads_arrived;
     for (int i = 0; i < c; ++i) {
-      Tensor next;
-      std::function<void()> arrived;
-      if (i < c - 1) {
-        next = torch::empty_like(cur);
-        arrived = link->pass(cur, next, RingLink::Keys, i);
-      }
-      auto [kb, vb] = unpack(cur, k, v);
+      auto [kb, vb] = unpack(keys.start(i), k, v);
       // This step's gradient of the keys/values held, into zeroed accumulators of their shape.
       auto dk = torch::zeros(k.sizes(), k.options().dtype(acc)), dv = torch::zeros(v.sizes(), v.options().dtype(acc));
       std::optional<TraceSpan> span(std::in_place, TraceKind::RingBlock, i);
@@ -318,10 +332,7 @@ struct Ring : torch::autograd::Function<Ring> {
         grads_in = torch::empty_like(sum);
         grads_arrived = link->pass(sum, grads_in, RingLink::Grads, i);
       }
-      if (arrived) {
-        arrived();
-        cur = next;
-      }
+      keys.finish();
     }
     if (c > 1) grads_arrived();
     auto [gk, gv] = unpack(grads_in, k, v);
@@ -362,32 +373,30 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const c
 
 namespace {
 
+// The group an autograd context keeps for its backward.
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(dist::GroupPtr g) : group(std::move(g)) {}
+  dist::GroupPtr group;
+};
+
 // The all-to-all of equal parts along dimension 0 is its own transpose: its backward is itself.
 struct AllToAll : torch::autograd::Function<AllToAll> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return exchange(x, group);
+  static Tensor forward(AutogradContext* ctx, Tensor x, c10::intrusive_ptr<GroupHolder> group) {
+    auto out = exchange(x, *group->group);
+    ctx->saved_data["group"] = c10::IValue::make_capsule(std::move(group));
+    return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {exchange(grads[0], ctx->saved_data["group"].toInt()), Tensor()};
+    auto group = c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule());
+    return {exchange(grads[0], *group->group), Tensor()};
   }
-  static Tensor exchange(const Tensor& x, int64_t group) {
+  static Tensor exchange(const Tensor& x, const dist::ProcessGroup& g) {
     auto in = x.contiguous();
     auto out = torch::empty_like(in);
-    reinterpret_cast<const dist::ProcessGroup*>(group)->all_to_all_single(out, in);
+    g.all_to_all_single(out, in);
     return out;
   }
 };
-
-// Keeps the groups the autograd contexts name by address alive.
-int64_t key_of(const dist::GroupPtr& g) {
-  static std::mutex mutex;
-  static std::unordered_map<int64_t, dist::GroupPtr> groups;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto key = reinterpret_cast<int64_t>(g.get());
-  groups.emplace(key, g);
-  return key;
-}
 
 // The order of all ranks' rows, rank after rank (each in the zigzag layout), as positions of the
 // whole sequence; its inverse puts the gathered rows in sequence order.
@@ -402,7 +411,7 @@ Tensor sequence_to_heads(const Tensor& x, const dist::GroupPtr& g, const Tensor&
   const int c = g->size();
   const int64_t B = x.size(0), h = x.size(1), L = x.size(2), d = x.size(3);
   auto parts = x.reshape({B, c, h / c, L, d}).permute({1, 0, 2, 3, 4});  // dim 0: the destination
-  auto got = AllToAll::apply(parts, key_of(g));                          // dim 0: the source
+  auto got = AllToAll::apply(parts, c10::make_intrusive<GroupHolder>(g));  // dim 0: the source
   auto rows = got.permute({1, 2, 0, 3, 4}).reshape({B, h / c, c * L, d});
   return rows.index_select(2, inverse);
 }
@@ -412,7 +421,7 @@ Tensor heads_to_sequence(const Tensor& y, const dist::GroupPtr& g, const Tensor&
   const int c = g->size();
   const int64_t B = y.size(0), hc = y.size(1), L = y.size(2) / c, d = y.size(3);
   auto parts = y.index_select(2, order).reshape({B, hc, c, L, d}).permute({2, 0, 1, 3, 4});
-  auto got = AllToAll::apply(parts, key_of(g));  // (c source, B, h/c, L, d)
+  auto got = AllToAll::apply(parts, c10::make_intrusive<GroupHolder>(g));  // (c source, B, h/c, L, d)
   return got.permute({1, 0, 2, 3, 4}).reshape({B, c * hc, L, d});
 }
 

@@ -137,13 +137,7 @@ local function equal(c)
     near(na, nb, tol, ("%s: clipping's norm at step %d"):format(c.what, step))
     ao:zero_grad(); bo:zero_grad()
   end
-  local want = b:state_dict()
-  local held = 0
-  for name, t in pairs(a:full_state_dict()) do
-    near(t, want[name], tol, ("%s: parameter %s"):format(c.what, name))
-    held = held + 1
-  end
-  ok(held > 0, c.what .. ": holds parameters")
+  H.same_parameters(a:full_state_dict(), b:state_dict(), tol, c.what)
   -- The attention's exchanges went over the context group.
   local moved = g:traffic()
   local op = (c.opts or {}).context == "all_to_all" and "all_to_all" or "send_recv"

@@ -63,13 +63,7 @@ local function equal(c)
     if optim.clip_grad_norm then near(na, nb, tol, ("%s: clipping's norm at step %d"):format(c.what, step)) end
     ao:zero_grad(); bo:zero_grad()
   end
-  local want = c.against and b:full_state_dict() or b:state_dict()
-  local held = 0
-  for name, t in pairs(a:full_state_dict()) do
-    near(t, want[name], tol, ("%s: parameter %s"):format(c.what, name))
-    held = held + 1
-  end
-  ok(held > 0, c.what .. ": holds parameters")
+  H.same_parameters(a:full_state_dict(), c.against and b:full_state_dict() or b:state_dict(), tol, c.what)
   return a, ao, mesh
 end
 

@@ -47,6 +47,17 @@ function H.raises(fn, pattern, msg)
   return err
 end
 
+--- Every tensor of the state dict `got` near `want`'s of the same name (H.near's tolerance),
+--- and at least one of them: what a parallel run's parameters are checked with against serial's.
+function H.same_parameters(got, want, tol, what)
+  local held = 0
+  for name, t in pairs(got) do
+    H.near(t, want[name], tol, ("%s: parameter %s"):format(what, name))
+    held = held + 1
+  end
+  H.ok(held > 0, what .. ": holds parameters")
+end
+
 --- A table's keys and values in a new table (one level); anything else as it is.
 function H.shallow_copy(x)
   if type(x) ~= "table" then return x end
