@@ -612,7 +612,7 @@ Work ProcessGroup::send(const Tensor& t, int dst, bool async, int tag, bool desc
     auto sent = impl_->group->send(header, dst, kHeaderTag + tag);
     after = [sent, header, timeout = options_.timeout] { wait_for(*sent, timeout); };
   }
-  std::vector<Tensor> ts{t};
+  std::vector<Tensor> ts{host_to_send(t)};
   return run("send", [&] { return impl_->group->send(ts, dst, tag); }, async, std::move(after), ticket);
 }
 
@@ -634,7 +634,13 @@ Work ProcessGroup::recv(Tensor& t, int src, bool async, int tag, bool described)
       check_header(header[0], dtype, numel, what);
     };
   }
-  std::vector<Tensor> ts{t};
+  std::vector<Tensor> ts{host_to_receive(t)};
+  if (stages_on_host(t)) {  // staged on the host: into `t` once it has arrived (and its header checked)
+    after = [checked = std::move(after), host = ts[0], t]() mutable {
+      if (checked) checked();
+      t.copy_(host);
+    };
+  }
   return run("recv", [&] { return impl_->group->recv(ts, src, tag); }, async, std::move(after), ticket);
 }
 

@@ -47,7 +47,8 @@ Work ProcessGroup::send_recv(const Tensor& out, int dst, Tensor& in, int src, in
                                      /*collective=*/false, 0, 0, dst, tag);
   const int64_t got_ticket = verify(0, op + ": recv from group rank " + std::to_string(src), in, ledger::Op::Recv,
                                     /*collective=*/false, 0, 0, src, tag);
-  std::vector<Tensor> wire_out{bytes_for_gloo(out)}, wire_in{bytes_for_gloo(in)};  // views: nothing to copy back
+  // Views in Gloo's dtype (nothing to copy back), on the host for Gloo when `in` is on a GPU.
+  std::vector<Tensor> wire_out{host_to_send(bytes_for_gloo(out))}, wire_in{host_to_receive(bytes_for_gloo(in))};
   std::vector<Tensor> header_out, header_in;
   if (described) {
     header_out = {header_of(out, out.device())};
@@ -84,6 +85,12 @@ Work ProcessGroup::send_recv(const Tensor& out, int dst, Tensor& in, int src, in
     if (header_sent)
       sent.after_ = [header_sent, header_out, timeout = options_.timeout] { wait_for(*header_sent, timeout); };
     got.after_ = compare(header_got);
+    if (stages_on_host(in)) {  // staged on the host: into `in` once it has arrived
+      got.after_ = [checked = std::move(got.after_), host = wire_in[0], into = bytes_for_gloo(in)]() mutable {
+        if (checked) checked();
+        into.copy_(host);
+      };
+    }
     got.also_ = std::make_shared<Work>(std::move(sent));
     return got;
   }

@@ -240,6 +240,14 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   void record(const char* op, int64_t bytes) const;
   // `t` as Gloo can move it unchanged (bfloat16 viewed as float16: the same bytes).
   Tensor bytes_for_gloo(const Tensor& t) const;
+  // Point to point over Gloo hands the transport the tensor's address as host memory: a CUDA
+  // tensor goes through a host copy. What to send (`t` itself, or its copy on the host), and
+  // where to receive `t` (itself, or a host buffer copied into `t` by host_received).
+  bool stages_on_host(const Tensor& t) const { return options_.backend != "nccl" && t.is_cuda(); }
+  Tensor host_to_send(const Tensor& t) const { return stages_on_host(t) ? t.cpu() : t; }
+  Tensor host_to_receive(const Tensor& t) const {
+    return stages_on_host(t) ? torch::empty(t.sizes(), t.options().device(torch::kCPU)) : t;
+  }
   bool recorded_only() const { return !impl_ && options_.planned && size() > 1; }  // a planned group's collective
   mutable std::mutex traffic_mutex_;
   mutable std::map<std::string, Traffic> traffic_;

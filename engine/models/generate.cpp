@@ -80,6 +80,10 @@ Tensor generate(nn::Module& model, const Tensor& ids, const GenerateOptions& o) 
   auto owner = parallel::ParallelModel::of(model);
   TORCH_CHECK(!(owner && owner->pipeline()), "generate: the model is cut into pipeline stages, and a stage cannot "
               "generate alone (it runs only through model:train_step)");
+  const int split = owner && owner->mesh() ? owner->mesh()->size("context") : 1;
+  TORCH_CHECK(split == 1, "generate: the model splits its sequences over context=", split, ", and generation "
+              "extends one sequence a token at a time: generate with a model parallelized without context (a "
+              "checkpoint of this one loads into it)");
   for (const auto& [path, m] : model.modules()) {
     auto* norm = dynamic_cast<const parallel::ParallelLayerNorm*>(m.get());
     TORCH_CHECK(!(norm && norm->sequence_parallel), "generate: the model is sequence-parallel (", path,

@@ -167,7 +167,10 @@ class GroupRing : public RingLink {
   std::function<void()> pass(const Tensor& out, Tensor& in, Channel channel, int step) override {
     const int c = size(), r = rank();
     const auto start = StepTrace::Clock::now();
-    auto work = std::make_shared<dist::Work>(group_->send_recv(out, (r + 1) % c, in, (r + c - 1) % c, channel));
+    // The first pass of each attention carries a header (dtype and size): ranks holding different
+    // lengths fail there, naming both, rather than mixing partial blocks.
+    auto work = std::make_shared<dist::Work>(
+        group_->send_recv(out, (r + 1) % c, in, (r + c - 1) % c, channel, /*described=*/channel == Keys && step == 0));
     if (!StepTrace::instance().active()) return [work] { work->wait(); };
     // Traced: the exchange from its start to its completion (on the thread that completes it),
     // recorded once it has been waited for.

@@ -94,6 +94,9 @@ test("context attention refuses what it cannot split, naming the sizes", functio
   raises(function() pt.cp.attention(q6, q6, q6, { mode = "ring" }) end, "needs { group")
   raises(function() pt.cp.attention(q6, q6, q6, { group = g, dropout = 0.1 }) end, "dropout")
   raises(function() pt.cp.split(pt.zeros({ 2, 6 }), g) end, "does not split into 2*context")
+  local m = pt.parallelize(pt.models.gpt2(GPT), "policies.gpt2", pt.mesh { context = world })
+  raises(function() m:generate(pt.zeros({ 1, 2 }, { dtype = "int64" }), { max_new = 1, cache = false }) end,
+         "splits its sequences over context=" .. world)
   local positions = pt.cp.positions(4, g)
   eq(positions.shape[1], 4)
 end)
