@@ -8,6 +8,7 @@
 
 #include "engine/nn/functional.hpp"
 #include "engine/parallel/trace.hpp"
+#include "engine/util/planning.hpp"
 #include "engine/util/text.hpp"
 #include "engine/util/zigzag.hpp"
 
@@ -471,6 +472,12 @@ Tensor context_attention(const Tensor& q, const Tensor& k, const Tensor& v, cons
   TORCH_CHECK(q.size(2) % 2 == 0, "context attention: this rank holds ", q.size(2),
               " positions, not an even number (each rank holds one early and one late chunk of equal length)");
   ++attention_calls;
+  if (util::planning()) {  // the planner predicts either mode's exchanges from these shapes
+    const bool backward = torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    util::note_context_attention({q.size(0), q.size(1), k.size(1), q.size(2), q.size(3),
+                                  static_cast<int64_t>(q.element_size()), o.group->size(),
+                                  o.mode == ContextMode::Ring, backward});
+  }
   if (o.mode == ContextMode::AllToAll) return all_to_all_attention(q, k, v, o, scale);
   return Ring::apply(q, k, v, ring_of(o.group), o.causal, scale);
 }

@@ -60,6 +60,16 @@ Tensor where(const Tensor& condition, const Tensor& self, const Tensor& other) {
   return at::empty(shape, self.options().dtype(at::result_type(self, other)));
 }
 
+// log_sigmoid's forward: the result and the CPU kernel's buffer, both of self's shape (context
+// attention merges partial softmaxes with it).
+std::tuple<Tensor, Tensor> log_sigmoid_forward(const Tensor& self) {
+  return std::make_tuple(at::empty_like(self), at::empty_like(self));
+}
+
+Tensor log_sigmoid_backward(const Tensor& grad, const Tensor& self, const Tensor&) {
+  return at::empty(at::infer_size(grad.sizes(), self.sizes()), self.options());
+}
+
 // An elementwise operator's out= form: `out` takes the broadcast shape of the tensor arguments.
 void elementwise_out(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   size_t n = op.schema().arguments().size();
@@ -110,6 +120,13 @@ void install() {
     // where's out= form: scaled_dot_product_attention's math path masks with it on meta tensors.
     if (missing("aten::where", "self_out"))
       library.impl("where.self_out", torch::CppFunction::makeFromBoxedFunction<&elementwise_out>());
+    // Context attention's plain blocks: logsumexp takes abs (its out= form) of the row maxima.
+    if (missing("aten::abs", "out"))
+      library.impl("abs.out", torch::CppFunction::makeFromBoxedFunction<&elementwise_out>());
+    if (missing("aten::log_sigmoid_forward", ""))
+      library.impl("log_sigmoid_forward", TORCH_FN(log_sigmoid_forward));
+    if (missing("aten::log_sigmoid_backward", ""))
+      library.impl("log_sigmoid_backward", TORCH_FN(log_sigmoid_backward));
     for (const char* name : {"logical_or", "logical_and", "logical_xor", "logical_not"})
       if (missing((std::string("aten::") + name).c_str(), "out")) {
         std::string overload = std::string(name) + ".out";

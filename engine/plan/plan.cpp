@@ -16,6 +16,7 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/context_parallel.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
@@ -72,6 +73,7 @@ class FirstStepObserver final : public events::StepObserver {
     gathered_base_ = gathered_now();
     traffic_base_.clear();
     for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
+    util::keep_context_attention_notes(0);
   }
   void forward_ends() override {
     if (!first_step_.begun || first_step_.forward_done) return;
@@ -81,12 +83,15 @@ class FirstStepObserver final : public events::StepObserver {
   }
   // A forward set aside puts the record (and the traffic it counts from) back as it was, so that
   // a forward of its that passes through Lua (a policy's sequence-parallel forward) begins no step.
-  void aside_begins() override { saved_.push_back({first_step_, traffic_base_, gathered_base_}); }
+  void aside_begins() override {
+    saved_.push_back({first_step_, traffic_base_, gathered_base_, util::context_attention_notes().size()});
+  }
   void aside_ends() override {
     if (saved_.empty()) return;
     first_step_ = saved_.back().step;
     traffic_base_ = std::move(saved_.back().traffic);
     gathered_base_ = saved_.back().gathered;
+    util::keep_context_attention_notes(saved_.back().notes);
     saved_.pop_back();
   }
 
@@ -95,6 +100,7 @@ class FirstStepObserver final : public events::StepObserver {
     FirstStep step;
     std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic;
     int64_t gathered = 0;
+    size_t notes = 0;  // context attention notes
   };
   std::vector<Saved> saved_;
   int64_t gathered_base_ = 0;
@@ -116,6 +122,7 @@ const FirstStep& first_step() { return first_step_; }
 void reset_first_step() {
   first_step_ = FirstStep{};
   traffic_base_.clear();
+  util::keep_context_attention_notes(0);
 }
 
 // ---- Building a rank's plan ----------------------------------------------------------------
@@ -175,6 +182,37 @@ Zero3Params zero3_params(const nn::Module& model, const parallel::ParallelModel&
   return out;
 }
 
+// What the first step's context attention calls would exchange in each mode (see ContextPlan).
+ContextPlan context_plan(const std::vector<util::ContextAttentionNote>& notes) {
+  ContextPlan p;
+  if (notes.empty()) return p;
+  const auto& first = notes.front();
+  p.mode = first.ring ? "ring" : "all_to_all";
+  p.calls = static_cast<int64_t>(notes.size());
+  p.batch = first.batch;
+  p.heads = first.heads;
+  p.kv_heads = first.kv_heads;
+  p.rows = first.rows;
+  p.head_size = first.head_size;
+  p.element_size = first.element_size;
+  for (const auto& n : notes) {
+    const int64_t c = n.context, e = n.element_size, passes = n.backward ? 2 : 1;
+    // Ring: a block is this rank's keys and values; a forward passes c - 1 of them, a backward
+    // c - 1 again and c gradient blocks, accumulated in float32 (float64 stays float64).
+    const int64_t block = 2 * n.batch * n.kv_heads * n.rows * n.head_size;
+    const int64_t gradient = std::max<int64_t>(e, 4);
+    p.ring_bytes += (c - 1) * block * e + (n.backward ? (c - 1) * block * e + c * block * gradient : 0);
+    // all_to_all: q, k, v and the output, each whole through an all-to-all, in a forward and
+    // again (their gradients) in a backward; key/value heads fewer than c are repeated to c.
+    const int64_t kv_heads = n.kv_heads < c ? c : n.kv_heads;
+    p.all_to_all_bytes += passes * 2 * (n.heads + kv_heads) * n.batch * n.rows * n.head_size * e;
+    if (p.all_to_all_refusal.empty())
+      p.all_to_all_refusal = parallel::context_mode_refusal(parallel::ContextMode::AllToAll, n.heads, n.kv_heads, n.context);
+  }
+  if (!p.all_to_all_refusal.empty()) p.all_to_all_bytes = 0;  // it cannot run
+  return p;
+}
+
 }  // namespace
 
 RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
@@ -185,6 +223,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     r.tensor = mesh->coord().tensor;
     r.data = mesh->coord().data;
     r.pipeline = mesh->coord().pipeline;
+    r.context = mesh->coord().context;
   } else {
     r.data = rank;
   }
@@ -249,6 +288,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     }
   }
   r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
+  if (first_step_.begun) r.context_plan = context_plan(util::context_attention_notes());
   // What the groups moved since the first step began.
   for (const auto& g : dist::World::instance().groups()) {
     auto before = traffic_base_.find(g.get());
@@ -359,6 +399,7 @@ Plan layout_of(const dist::Mesh* mesh) {
     p.data = mesh->layout().data;
     p.pipeline = mesh->layout().pipeline;
     p.zero = mesh->layout().zero;
+    p.context = mesh->layout().context;
   } else {
     p.data = p.world;
     p.zero = 1;  // ZeRO is not built yet: no zero groups
@@ -398,11 +439,9 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
         Plan planned = load(path);
         std::ostringstream d;
         if (planned.world != layout.world || planned.tensor != layout.tensor || planned.data != layout.data ||
-            planned.pipeline != layout.pipeline || planned.zero != layout.zero)
-          d << "  layout: planned world " << planned.world << " (tensor " << planned.tensor << " x data "
-            << planned.data << " x pipeline " << planned.pipeline << ", zero " << planned.zero << "); this run world "
-            << layout.world << " (tensor " << layout.tensor << " x data " << layout.data << " x pipeline "
-            << layout.pipeline << ", zero " << layout.zero << ")\n";
+            planned.pipeline != layout.pipeline || planned.zero != layout.zero || planned.context != layout.context)
+          d << "  layout: planned world " << planned.world << " (" << layout_text(planned) << ", zero " << planned.zero
+            << "); this run world " << layout.world << " (" << layout_text(layout) << ", zero " << layout.zero << ")\n";
         auto it = std::find_if(planned.ranks.begin(), planned.ranks.end(),
                                [&](const RankPlan& r) { return r.rank == actual.rank; });
         if (it == planned.ranks.end()) d << "  rank " << actual.rank << " is not in the plan\n";

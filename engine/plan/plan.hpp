@@ -119,9 +119,31 @@ struct StagePlan {
   std::vector<PeerTraffic> peers;
 };
 
+/// Context parallelism on this rank (the mesh's context > 1): the attention calls its first step
+/// made over the context group, and what each mode would exchange over it in a step, predicted
+/// from their shapes (q (batch, heads, rows, head_size) and kv_heads heads of k and v, this rank's
+/// rows). Bytes as the group's traffic counts them: send_recv the bytes sent (ring: a forward
+/// passes c - 1 key/value blocks, a backward c - 1 again and c gradient blocks in float32, or
+/// float64 for float64 inputs), all_to_all the whole input (4 all-to-alls of q, k, v and the
+/// output a forward, 4 a backward), of which 1/c stays on the rank. A planned run notes them; a
+/// real run's plan has none (calls 0).
+struct ContextPlan {
+  std::string mode;   ///< the mode the model ran: "ring" or "all_to_all" ("" when none ran)
+  int64_t calls = 0;  ///< context attention calls in the first step (a replay under recompute too)
+  int64_t batch = 0, heads = 0, kv_heads = 0, rows = 0, head_size = 0;  ///< the first call's shapes
+  int64_t element_size = 0;            ///< of q, k and v
+  int64_t ring_bytes = 0;              ///< ring: bytes sent a step (send_recv)
+  int64_t all_to_all_bytes = 0;        ///< all_to_all: bytes through its all-to-alls a step (0: it cannot run)
+  std::string all_to_all_refusal;      ///< why all_to_all cannot split these heads ("" when it can)
+  /// all_to_all's bytes that leave the rank ((c - 1)/c of them), to compare with the ring's.
+  int64_t all_to_all_sent(int context) const { return context > 0 ? all_to_all_bytes / context * (context - 1) : 0; }
+};
+
 struct RankPlan {
   int rank = 0;
   int tensor = 0, data = 0, pipeline = 0;  ///< coordinates in the mesh
+  int context = 0;                         ///< this rank's context coordinate
+  ContextPlan context_plan;                ///< under context parallelism (calls 0 otherwise)
   std::vector<Shard> shards;
   /// Parameters in their dtype; gradients as the run holds them (data parallelism's flat buffers,
   /// a parameter's own .grad where the buffer has another dtype, and the float32 gradients the
@@ -151,6 +173,7 @@ struct Plan {
   std::string script;
   int world = 1, nproc_per_node = 1;
   int tensor = 1, data = 1, pipeline = 1, zero = 1;
+  int context = 1;             ///< ranks each sequence is split over (format 5 on; 1 before)
   int64_t cpu_peak_bytes = 0;  ///< tensor memory the planner allocated on the CPU (when planning)
   double seconds = 0;          ///< how long planning took
   std::vector<RankPlan> ranks;
@@ -226,6 +249,8 @@ struct TextOptions {
   bool shards = false;
 };
 std::string to_text(const Plan& plan, const TextOptions& options = {});
+/// "tensor 2 x context 2 x data 2 x pipeline 1": a plan's mesh sizes (context only above 1).
+std::string layout_text(const Plan& plan);
 /// The verdict line of a plan against one device's memory (see TextOptions).
 std::string fit_verdict(const Plan& plan, int64_t device_memory, const std::string& source);
 /// For machines.

@@ -44,11 +44,17 @@ void serialize(Archive& ar, StagePlan& st) {
      st.bubble, st.peers);
 }
 
+template <class Archive>
+void serialize(Archive& ar, ContextPlan& c) {
+  ar(c.mode, c.calls, c.batch, c.heads, c.kv_heads, c.rows, c.head_size, c.element_size, c.ring_bytes,
+     c.all_to_all_bytes, c.all_to_all_refusal);
+}
+
 namespace {
 // The format version being read: version 1 plans (before pipeline stages) have no StagePlan,
 // version 2 ones (before ZeRO) no master bytes or zero stage, version 3 ones (before ZeRO-3) no
-// parameter shard or gather bytes.
-uint32_t reading_version = 4;
+// parameter shard or gather bytes, version 4 ones (before context parallelism) no context.
+uint32_t reading_version = 5;
 }  // namespace
 
 template <class Archive>
@@ -58,17 +64,21 @@ void serialize(Archive& ar, RankPlan& r) {
   if (reading_version >= 2) ar(r.stage);
   if (reading_version >= 3) ar(r.master_bytes, r.zero_stage, r.zero_group);
   if (reading_version >= 4) ar(r.param_shard_bytes, r.gather_bytes, r.gathers_all);
+  if (reading_version >= 5) ar(r.context, r.context_plan);
 }
 template <class Archive>
 void serialize(Archive& ar, Plan& p) {
-  ar(p.script, p.world, p.nproc_per_node, p.tensor, p.data, p.pipeline, p.zero, p.cpu_peak_bytes, p.seconds, p.ranks);
+  ar(p.script, p.world, p.nproc_per_node, p.tensor, p.data, p.pipeline, p.zero);
+  if (reading_version >= 5) ar(p.context);
+  ar(p.cpu_peak_bytes, p.seconds, p.ranks);
 }
 
 namespace {
 const char kMagic[] = "partrain-plan";
-// 2: pipeline stages; 3: master bytes and the zero stage; 4: ZeRO-3's shard and gather bytes
-// (1 to 3 still read)
-constexpr uint32_t kVersion = 4;
+// 2: pipeline stages; 3: master bytes and the zero stage; 4: ZeRO-3's shard and gather bytes;
+// 5: context parallelism (the layout's context, a rank's coordinate and its ContextPlan)
+// (1 to 4 still read)
+constexpr uint32_t kVersion = 5;
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 

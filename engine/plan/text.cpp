@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <initializer_list>
 #include <map>
 #include <sstream>
 #include <string>
@@ -59,9 +60,11 @@ std::string shard_text(const Shard& s) {
 std::string differences(const RankPlan& planned, const RankPlan& actual) {
   std::ostringstream d;
   int shown = 0, hidden = 0;  // at most 8 tensors named, then a count
-  if (planned.tensor != actual.tensor || planned.data != actual.data || planned.pipeline != actual.pipeline)
-    d << "  coordinates: planned tensor " << planned.tensor << ", data " << planned.data << ", pipeline "
-      << planned.pipeline << "; this run " << actual.tensor << ", " << actual.data << ", " << actual.pipeline << "\n";
+  if (planned.tensor != actual.tensor || planned.data != actual.data || planned.pipeline != actual.pipeline ||
+      planned.context != actual.context)
+    d << "  coordinates: planned tensor " << planned.tensor << ", context " << planned.context << ", data "
+      << planned.data << ", pipeline " << planned.pipeline << "; this run " << actual.tensor << ", " << actual.context
+      << ", " << actual.data << ", " << actual.pipeline << "\n";
   std::map<std::string, const Shard*> mine;
   for (const auto& s : actual.shards) mine[s.name] = &s;
   for (const auto& s : planned.shards) {
@@ -242,10 +245,14 @@ namespace {
 std::string remedies(const Plan& plan, const RankPlan& r, int64_t device) {
   std::vector<std::string> tries;
   const int64_t sharded = r.grad_bytes + r.optimizer_bytes + r.master_bytes;
-  if (r.zero_stage < 2 && plan.data > 1) {
-    // ZeRO-2 keeps 1/data of the gradients, optimizer state and masters (the buckets aside).
-    const int64_t saved = sharded - sharded / plan.data;
-    tries.push_back("ZeRO-2 over the " + std::to_string(plan.data) + " data ranks (zero = { stage = 2 }; about " +
+  // Gradients sync over data x context (every parameter is replicated over the context ranks),
+  // and ZeRO shards over the same ranks.
+  const int replicas = plan.data * plan.context;
+  if (r.zero_stage < 2 && replicas > 1) {
+    // ZeRO-2 keeps 1/replicas of the gradients, optimizer state and masters (the buckets aside).
+    const int64_t saved = sharded - sharded / replicas;
+    tries.push_back("ZeRO-2 over the " + std::to_string(replicas) +
+                    (plan.context > 1 ? " data x context ranks" : " data ranks") + " (zero = { stage = 2 }; about " +
                     human(saved) + " less)");
   } else if (r.zero_stage == 2 && r.zero_group > 1) {
     // ZeRO-3 keeps 1/z of the parameters too, and gathers a few blocks at a time (not counted
@@ -294,8 +301,8 @@ int zero_stage_of(const Plan& plan) { return plan.ranks.empty() ? 0 : plan.ranks
 std::string header_text(const Plan& plan, const TextOptions& options) {
   std::ostringstream out;
   out << "plan of " << plan.script << " on " << plan.world << " virtual rank(s) (" << plan.world / plan.nproc_per_node
-      << " node(s) x " << plan.nproc_per_node << "): tensor " << plan.tensor << " x data " << plan.data
-      << " x pipeline " << plan.pipeline << (plan.zero > 1 ? ", zero groups of " + std::to_string(plan.zero) : "");
+      << " node(s) x " << plan.nproc_per_node << "): " << layout_text(plan)
+      << (plan.zero > 1 ? ", zero groups of " + std::to_string(plan.zero) : "");
   const int stage = zero_stage_of(plan);
   if (stage > 0) out << ", ZeRO-" << stage << " over " << plan.ranks.front().zero_group << " rank(s)";
   out << "\n";
@@ -421,11 +428,53 @@ std::string collectives_text(const Plan& plan) {
   return out.str();
 }
 
+// "4x4x8x4": a shape.
+std::string dims(std::initializer_list<int64_t> sizes) { return list(std::vector<int64_t>(sizes)); }
+
+// Context parallelism: how each sequence is split, the step's attention calls over the context
+// group, and what each mode would move in a step, predicted from the calls' shapes.
+std::string context_text(const Plan& plan) {
+  const int c = plan.context;
+  std::ostringstream out;
+  out << "\ncontext parallelism: each sequence split over " << c << " context ranks, context rank r holding chunks r "
+      << "and " << 2 * c - 1 << "-r of " << 2 * c << " (moves: bytes a rank sends the others a step; an all-to-all "
+      << "also keeps 1/" << c << " of its input on the rank, which the collectives table counts)\n";
+  Grouped rows;
+  for (const auto& r : plan.ranks) {
+    const auto& p = r.context_plan;
+    if (p.calls == 0) {
+      rows.add("no context attention in the first step", r.rank);
+      continue;
+    }
+    std::ostringstream row;
+    row << p.mode << ": " << p.calls << " attention call(s) a step of q " << dims({p.batch, p.heads, p.rows, p.head_size})
+        << " and k, v " << dims({p.batch, p.kv_heads, p.rows, p.head_size})
+        << " (batch x heads x positions x head size, " << p.element_size << "-byte elements)\n" << std::string(17, ' ');
+    const int64_t ring = p.ring_bytes, a2a = p.all_to_all_sent(c);
+    row << "context " << c << ": ring moves " << human(ring) << " a step, ";
+    if (!p.all_to_all_refusal.empty()) {
+      row << "all_to_all cannot run: " << p.all_to_all_refusal;
+    } else {
+      row << "all_to_all " << human(a2a) << " (it splits the " << p.heads << " query heads " << c << " ways); "
+          << (ring < a2a ? "ring moves less" : a2a < ring ? "all_to_all moves less" : "both move the same");
+    }
+    rows.add(row.str(), r.rank);
+  }
+  out << grouped_rows(rows);
+  return out.str();
+}
+
 }  // namespace
+
+std::string layout_text(const Plan& plan) {
+  return "tensor " + std::to_string(plan.tensor) + (plan.context > 1 ? " x context " + std::to_string(plan.context) : "") +
+         " x data " + std::to_string(plan.data) + " x pipeline " + std::to_string(plan.pipeline);
+}
 
 std::string to_text(const Plan& plan, const TextOptions& options) {
   std::string out = header_text(plan, options) + shards_text(plan, options) + memory_text(plan);
   if (plan.pipeline > 1) out += stages_text(plan);
+  if (plan.context > 1) out += context_text(plan);
   return out + collectives_text(plan);
 }
 
@@ -462,8 +511,20 @@ std::string to_json(const Plan& plan) {
                {"activation_peak_bytes", st.activation_peak < 0 ? json(nullptr) : json(st.activation_peak)},
                {"bubble", st.bubble < 0 ? json(nullptr) : json(st.bubble)}, {"p2p", peers}};
     }
+    json context = nullptr;
+    if (r.context_plan.calls > 0) {
+      const auto& p = r.context_plan;
+      context = {{"mode", p.mode}, {"calls", p.calls}, {"batch", p.batch}, {"heads", p.heads},
+                 {"kv_heads", p.kv_heads}, {"rows", p.rows}, {"head_size", p.head_size},
+                 {"element_size", p.element_size}, {"ring_bytes", p.ring_bytes},
+                 {"all_to_all_refusal", p.all_to_all_refusal.empty() ? json(nullptr) : json(p.all_to_all_refusal)}};
+      // What all_to_all would move (null where it cannot run).
+      const bool runs = p.all_to_all_refusal.empty();
+      context["all_to_all_bytes"] = runs ? json(p.all_to_all_bytes) : json(nullptr);
+      context["all_to_all_sent_bytes"] = runs ? json(p.all_to_all_sent(plan.context)) : json(nullptr);
+    }
     ranks.push_back({{"rank", r.rank},
-                     {"coord", {{"tensor", r.tensor}, {"data", r.data}, {"pipeline", r.pipeline}}},
+                     {"coord", {{"tensor", r.tensor}, {"context", r.context}, {"data", r.data}, {"pipeline", r.pipeline}}},
                      {"param_bytes", r.param_bytes},
                      {"grad_bytes", r.grad_bytes},
                      {"optimizer_bytes", r.optimizer_bytes},
@@ -477,12 +538,14 @@ std::string to_json(const Plan& plan) {
                      {"activation_bytes", r.activation_bytes < 0 ? json(nullptr) : json(r.activation_bytes)},
                      {"collectives", comms},
                      {"pipeline", stage},
+                     {"context", context},
                      {"shards", shards}});
   }
   json j = {{"script", plan.script},
             {"world", plan.world},
             {"nproc_per_node", plan.nproc_per_node},
-            {"mesh", {{"tensor", plan.tensor}, {"data", plan.data}, {"pipeline", plan.pipeline}, {"zero", plan.zero}}},
+            {"mesh", {{"tensor", plan.tensor}, {"context", plan.context}, {"data", plan.data}, {"pipeline", plan.pipeline},
+                      {"zero", plan.zero}}},
             {"seconds", plan.seconds},
             {"cpu_peak_bytes", plan.cpu_peak_bytes},
             {"ranks", ranks}};

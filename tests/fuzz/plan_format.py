@@ -6,7 +6,7 @@ whose own plan is `run` matches a saved plan as plan::check compares them."""
 import struct
 
 MAGIC = b"partrain-plan"
-VERSION = 4
+VERSION = 5
 
 
 class Damaged(Exception):
@@ -90,23 +90,32 @@ SCHEMA = {
     "StagePlan": [("present", "?"), ("schedule", "s"), ("blocks", "s"), ("first", "[s]"), ("last", "[s]"),
                   ("microbatches", "i"), ("stages", "i"), ("chunks", "[StageChunk]"), ("in_flight", "q"),
                   ("activation_peak", "q"), ("bubble", "d"), ("peers", "[PeerTraffic]")],
+    "ContextPlan": [("mode", "s"), ("calls", "q"), ("batch", "q"), ("heads", "q"), ("kv_heads", "q"), ("rows", "q"),
+                    ("head_size", "q"), ("element_size", "q"), ("ring_bytes", "q"), ("all_to_all_bytes", "q"),
+                    ("all_to_all_refusal", "s")],
     "RankPlan": [("rank", "i"), ("tensor", "i"), ("data", "i"), ("pipeline", "i"), ("shards", "[Shard]"),
                  ("param_bytes", "q"), ("grad_bytes", "q"), ("optimizer_bytes", "q"), ("activation_bytes", "q"),
                  ("collectives", "[Collective]"), ("stage", "StagePlan"), ("master_bytes", "q"), ("zero_stage", "i"),
-                 ("zero_group", "i"), ("param_shard_bytes", "q"), ("gather_bytes", "q"), ("gathers_all", "?")],
+                 ("zero_group", "i"), ("param_shard_bytes", "q"), ("gather_bytes", "q"), ("gathers_all", "?"),
+                 ("context", "i"), ("context_plan", "ContextPlan")],
     "Plan": [("script", "s"), ("world", "i"), ("nproc_per_node", "i"), ("tensor", "i"), ("data", "i"),
-             ("pipeline", "i"), ("zero", "i"), ("cpu_peak_bytes", "q"), ("seconds", "d"), ("ranks", "[RankPlan]")],
+             ("pipeline", "i"), ("zero", "i"), ("context", "i"), ("cpu_peak_bytes", "q"), ("seconds", "d"),
+             ("ranks", "[RankPlan]")],
 }
-# What RankPlan holds from which format version on (1: none of these).
-SINCE = {"stage": 2, "master_bytes": 3, "zero_stage": 3, "zero_group": 3, "param_shard_bytes": 4, "gather_bytes": 4,
-         "gathers_all": 4}
+# What RankPlan and Plan hold from which format version on (1: none of these), and their values
+# in a plan of an earlier version.
+SINCE = {("RankPlan", "stage"): 2, ("RankPlan", "master_bytes"): 3, ("RankPlan", "zero_stage"): 3,
+         ("RankPlan", "zero_group"): 3, ("RankPlan", "param_shard_bytes"): 4, ("RankPlan", "gather_bytes"): 4,
+         ("RankPlan", "gathers_all"): 4, ("RankPlan", "context"): 5, ("RankPlan", "context_plan"): 5,
+         ("Plan", "context"): 5}
 DEFAULTS = {"stage": None, "master_bytes": 0, "zero_stage": 0, "zero_group": 1, "param_shard_bytes": 0,
-            "gather_bytes": 0, "gathers_all": False}
+            "gather_bytes": 0, "gathers_all": False, "context": 0, "context_plan": None}
+PLAN_DEFAULTS = {"context": 1}
 NUMBER_FORMATS = {"i": "i", "q": "q", "d": "d", "?": "B"}
 
 
 def fields(kind, version):
-    return [(n, k) for n, k in SCHEMA[kind] if not (kind == "RankPlan" and SINCE.get(n, 1) > version)]
+    return [(n, k) for n, k in SCHEMA[kind] if SINCE.get((kind, n), 1) <= version]
 
 
 def read_struct(r, kind, version):
@@ -127,8 +136,12 @@ def read_struct(r, kind, version):
         else:
             out[name] = read_struct(r, k, version)
     if kind == "RankPlan":
-        for name in SINCE:
-            out.setdefault(name, DEFAULTS[name])
+        for (owner, name) in SINCE:
+            if owner == "RankPlan":
+                out.setdefault(name, DEFAULTS[name])
+    if kind == "Plan":
+        for name, value in PLAN_DEFAULTS.items():
+            out.setdefault(name, value)
     return out
 
 
@@ -148,12 +161,20 @@ def write_struct(w, kind, value, version):
         elif k.startswith("["):
             w.items(v, lambda ww, x, sub=k[1:-1]: write_struct(ww, sub, x, version))
         else:
-            write_struct(w, k, v if v is not None else empty_stage(), version)
+            write_struct(w, k, v if v is not None else EMPTY[k](), version)
+
+
+def empty_context():
+    return {"mode": b"", "calls": 0, "batch": 0, "heads": 0, "kv_heads": 0, "rows": 0, "head_size": 0,
+            "element_size": 0, "ring_bytes": 0, "all_to_all_bytes": 0, "all_to_all_refusal": b""}
 
 
 def empty_stage():
     return {"present": 0, "schedule": b"", "blocks": b"", "first": [], "last": [], "microbatches": 0, "stages": 0,
             "chunks": [], "in_flight": -1, "activation_peak": -1, "bubble": -1.0, "peers": []}
+
+
+EMPTY = {"StagePlan": empty_stage, "ContextPlan": empty_context}
 
 
 def read(data):
@@ -182,9 +203,9 @@ def write(plan, version=VERSION, magic=MAGIC):
 # ---- what a run compares ----------------------------------------------------------------
 
 SHARD_KEYS = ["name", "dtype", "shape", "local_shape", "dim", "slices", "group", "bytes"]
-RANK_KEYS = ["tensor", "data", "pipeline", "param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes", "zero_stage",
+RANK_KEYS = ["tensor", "context", "data", "pipeline", "param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes", "zero_stage",
              "zero_group"]
-LAYOUT_KEYS = ["world", "tensor", "data", "pipeline", "zero"]
+LAYOUT_KEYS = ["world", "tensor", "context", "data", "pipeline", "zero"]
 
 
 def same_shards(planned, actual):
