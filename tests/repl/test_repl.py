@@ -214,6 +214,19 @@ with tempfile.TemporaryDirectory() as home:
     check("on(rank, fn) reaches a parameter only the first stage holds", out == "[rank 0] 64\n", repr(out))
     s.chunk("pmodel = nil; collectgarbage()")
 
+    # Context 2 (with data 2 on 4 ranks): shards() says which positions of a sequence of the
+    # model's 16 each context rank holds, chunks r and 3-r of 4.
+    s.chunk("cfg.layers, cfg.seq = 1, 16; cm = pt.mesh { context = 2 }")
+    out = s.chunk("cmodel = pt.parallelize(pt.models.gpt2(cfg), 'policies.gpt2', cm)")
+    check("a model split over context 2 is made at the prompt", out == "", out)
+    out = s.chunk("shards('ln_f', cmodel)")
+    zero, one = ("[ranks 0,2]", "[ranks 1,3]") if RANKS == 4 else ("[rank 0]", "[rank 1]")
+    check("shards() under context parallelism shows the positions each context rank holds",
+          re.search(re.escape(zero) + r"\n(.*\n)*context rank 0 of 2: positions 0-3 and 12-15 of 16 \(chunks 0 and 3 of 4", out)
+          is not None and re.search(re.escape(one) + r"\n(.*\n)*context rank 1 of 2: positions 4-7 and 8-11 of 16", out)
+          is not None and "ln_f.weight" in out, out)
+    s.chunk("cmodel = nil; collectgarbage()")
+
     s.send("while true do end\n")
     time.sleep(1.5)
     s.send("\x03")  # Ctrl-C

@@ -290,6 +290,22 @@ function R.helpers(stop)
       table.concat(parts, "; "))
   end
 
+  --- "context rank 1 of 2: positions 4-7 and 8-11 of 16 (chunks 1 and 2 of 4 of every
+  --- sequence)": under context parallelism, the rows of each sequence this rank holds (chunks r
+  --- and 2c-1-r of 2c), as positions of a sequence of the model's `seq` when it has one; nil
+  --- without a context split.
+  local function context_text(model, mesh)
+    if not mesh or mesh:size("context") <= 1 then return nil end
+    local c, r = mesh:size("context"), mesh:coord().context
+    local chunks = ("chunks %d and %d of %d of every sequence"):format(r, 2 * c - 1 - r, 2 * c)
+    local seq = model:attribute("seq")
+    if not seq or seq % (2 * c) ~= 0 then return ("context rank %d of %d: %s"):format(r, c, chunks) end
+    local n, held = seq / (2 * c), pt.cp.zigzag(seq, c, r)
+    local early, late = held:select(0, 0):item(), held:select(0, n):item()
+    return ("context rank %d of %d: positions %d-%d and %d-%d of %d (%s)"):format(r, c, early, early + n - 1, late,
+      late + n - 1, seq, chunks)
+  end
+
   --- ZeRO-3's slices: for each unit (matching `pattern` by a parameter's name), its flat buffer's
   --- length and, for each zero rank, the element range it keeps and the parameters that range
   --- cuts ("h.0.ln_1.weight .. h.0.attn.c_attn.weight[:48896], 4 parameters").
@@ -386,6 +402,8 @@ function R.helpers(stop)
       for _, line in ipairs(zero3_text(z3, pattern)) do lines[#lines + 1] = line end
     end
     if staged then lines[#lines + 1] = staged .. " (the other stages' parameters are not here)" end
+    local split = context_text(model, mesh)
+    if split then lines[#lines + 1] = split .. "; the parameters are the same on every context rank" end
     print(table.concat(lines, "\n"))
   end
 
