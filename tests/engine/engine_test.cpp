@@ -589,7 +589,8 @@ TEST(Ledger, TheRingKeepsTheLastCallsAndLongSitesAreCut) {
   const std::string long_site = std::string(300, 'x') + ".lua:7";
   ledger::SiteOverride site(long_site.c_str());
   for (int i = 0; i < ledger::kEntries + 10; ++i) book.start(ledger::Op::Barrier, 0, -1, 0, 0);
-  const auto* g = ledger_group(ledger::read(ledger::region()), "test:ring");
+  const auto snapshot = ledger::read(ledger::region());  // kept: g points into it
+  const auto* g = ledger_group(snapshot, "test:ring");
   ASSERT_NE(g, nullptr);
   EXPECT_EQ(g->collectives, ledger::kEntries + 10);
   ASSERT_EQ(g->calls_kept.size(), size_t(ledger::kEntries)) << "a fixed ring";
