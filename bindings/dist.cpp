@@ -111,7 +111,30 @@ const Function kGroupMethods[] = {
        group(a, 1)->send_recv(a.tensor(2), a.int32(3), into, a.int32(5), a.int32(6, 0), /*described=*/true).wait();
        lua_pushvalue(a.L, 4);
        return 1; }},
-    {"all_to_all", [](Args& a) {  // all_to_all(t): slice j of t's dim 0 to rank j; a new tensor
+    // all_to_all(t): slice j of t's dim 0 to rank j; a new tensor. all_to_all(t, { n0, n1, ... }):
+    // n_j rows of t to rank j (counts exchanged first); the rows that arrived, rank after rank, and
+    // their counts.
+    {"all_to_all", [](Args& a) {
+       if (a.is_table(3)) {
+         std::vector<int64_t> splits;
+         const int n = static_cast<int>(lua_objlen(a.L, 3));
+         for (int i = 1; i <= n; ++i) {
+           lua_rawgeti(a.L, 3, i);
+           if (!lua_isnumber(a.L, -1)) a.fail(3, "all_to_all: the row counts must be numbers, one a rank");
+           splits.push_back(static_cast<int64_t>(lua_tonumber(a.L, -1)));
+           lua_pop(a.L, 1);
+         }
+         a.list_only(3, n, "row counts");
+         std::vector<int64_t> arrived;
+         auto out = group(a, 1)->all_to_all_rows(a.tensor(2), splits, &arrived);
+         a.ret(out);
+         lua_createtable(a.L, static_cast<int>(arrived.size()), 0);
+         for (size_t i = 0; i < arrived.size(); ++i) {
+           lua_pushnumber(a.L, static_cast<double>(arrived[i]));
+           lua_rawseti(a.L, -2, static_cast<int>(i + 1));
+         }
+         return 2;
+       }
        dist::AgreedCall agreed;
        torch::Tensor out;
        group(a, 1)->all_to_all_single(out, a.tensor(2));

@@ -149,4 +149,68 @@ Work ProcessGroup::all_to_all_single(Tensor& out, const Tensor& in, bool async) 
   return run(op, [&] { return impl_->group->alltoall_base(wire_out, wire_in, equal, equal, o); }, async, {}, ticket);
 }
 
+Work ProcessGroup::all_to_all_single(Tensor& out, const Tensor& in, const std::vector<int64_t>& out_splits,
+                                     const std::vector<int64_t>& in_splits, bool async) const {
+  const std::string op = "all_to_all";
+  check(in, op);
+  TORCH_CHECK(in.dim() >= 1, op, " on ", describe(), ": needs rows (a tensor of at least one dimension), got a scalar");
+  auto total = [&](const std::vector<int64_t>& splits, const char* which) {
+    TORCH_CHECK(static_cast<int>(splits.size()) == size(), op, " on ", describe(), ": ", which, " needs one count a rank (",
+                size(), "), got ", splits.size());
+    int64_t sum = 0;
+    for (auto n : splits) {
+      TORCH_CHECK(n >= 0, op, " on ", describe(), ": ", which, " holds a negative count ", n);
+      sum += n;
+    }
+    return sum;
+  };
+  const int64_t sent = total(in_splits, "in_splits"), arriving = total(out_splits, "out_splits");
+  TORCH_CHECK(sent == in.size(0), op, " on ", describe(), ": in_splits sum to ", sent, " rows, but the tensor has ",
+              in.size(0));
+  auto shape = in.sizes().vec();
+  shape[0] = arriving;
+  if (!out.defined()) out = torch::empty(shape, in.options().memory_format(torch::MemoryFormat::Contiguous));
+  check(out, op);
+  TORCH_CHECK(out.sizes().vec() == shape && out.scalar_type() == in.scalar_type() && out.device() == in.device(), op,
+              " on ", describe(), ": the output must have shape ", c10::IntArrayRef(shape), ", dtype ",
+              dtype_name(in.scalar_type()), " and device ", in.device(), ", got ", out.sizes(), " ",
+              dtype_name(out.scalar_type()), " on ", out.device());
+  TORCH_CHECK(out.numel() == 0 || in.numel() == 0 || !out.is_alias_of(in), op, " on ", describe(),
+              ": the output must not share the input's memory");
+  // Checked on the trailing shape: every rank's row count differs by design.
+  const int64_t ticket = verify(13, op + " (rows)", in.narrow(0, 0, 0), ledger::Op::AllToAll);
+  if (recorded_only()) {
+    record("all_to_all", static_cast<int64_t>(in.nbytes()));
+    return Work();
+  }
+  if (!impl_) {
+    TORCH_CHECK(out_splits[0] == in_splits[0], op, " on ", describe(), ": it sends ", in_splits[0],
+                " rows to itself but expects ", out_splits[0]);
+    out.copy_(in);
+    return Work();
+  }
+  record("all_to_all", static_cast<int64_t>(in.nbytes()));
+  // No early return for empty tensors: a rank that sends nothing may still receive.
+  auto wire_out = bytes_for_gloo(out), wire_in = bytes_for_gloo(in);
+  auto outs = out_splits, ins = in_splits;
+  c10d::AllToAllOptions o;
+  o.timeout = options_.timeout;
+  return run(op, [&] { return impl_->group->alltoall_base(wire_out, wire_in, outs, ins, o); }, async, {}, ticket);
+}
+
+Tensor ProcessGroup::all_to_all_rows(const Tensor& in, const std::vector<int64_t>& in_splits,
+                                     std::vector<int64_t>* out_splits) const {
+  TORCH_CHECK(static_cast<int>(in_splits.size()) == size(), "all_to_all on ", describe(),
+              ": in_splits needs one count a rank (", size(), "), got ", in_splits.size());
+  auto counts = torch::tensor(in_splits, torch::TensorOptions(torch::kInt64)).to(in.device());
+  Tensor arrived;
+  all_to_all_single(arrived, counts);
+  auto host = arrived.cpu();
+  std::vector<int64_t> splits(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  Tensor out;
+  all_to_all_single(out, in, splits, in_splits);
+  if (out_splits) *out_splits = std::move(splits);
+  return out;
+}
+
 }  // namespace partrain::dist

@@ -203,6 +203,18 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// (c10d's all-to-all with equal splits, both backends), counted in traffic() as "all_to_all"
   /// with the input's bytes. A group of one copies `in` into `out`; a planned group records it.
   Work all_to_all_single(Tensor& out, const Tensor& in, bool async = false) const;
+  /// The same with rows of unequal counts (an expert's tokens): `in_splits[j]` rows of `in`, in
+  /// rank order, go to rank j, and `out_splits[j]` rows arrive from rank j, in rank order
+  /// (every rank's in_splits[me] must be this rank's out_splits[j]: all_to_all_rows exchanges
+  /// them first). `out` is made with sum(out_splits) rows when undefined. A rank may send or
+  /// receive no rows and still takes part. Checked by --check-collectives on dtype and trailing
+  /// shape (the row counts differ by design); counted as "all_to_all" with the input's bytes.
+  Work all_to_all_single(Tensor& out, const Tensor& in, const std::vector<int64_t>& out_splits,
+                         const std::vector<int64_t>& in_splits, bool async = false) const;
+  /// Rows to every rank, their counts exchanged first (an equal all-to-all of one count a rank):
+  /// returns the rows that arrived, rank after rank, and their counts in `out_splits` when given.
+  Tensor all_to_all_rows(const Tensor& in, const std::vector<int64_t>& in_splits,
+                         std::vector<int64_t>* out_splits = nullptr) const;
   Work barrier(bool async = false) const;
   /// Runs `wait` recorded in the ledger as a barrier at the current call site, though no
   /// collective runs: how rank 0's wait for the others at the end of the run shows in a hang

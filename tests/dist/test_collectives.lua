@@ -241,12 +241,46 @@ test("all_to_all: slice j of rank r's tensor lands in slice r on rank j, at 2, 3
   end
 end)
 
+test("all_to_all with row counts: rank r's rows for j land on j in rank order, counts exchanged first", function()
+  for _, g in ipairs(exchange_groups()) do
+    local c, r = g:size(), g:rank()
+    g:reset_traffic()
+    -- Rank r sends (r + j) % 3 rows to rank j: some ranks send or receive none. Each row holds
+    -- (sender, receiver, index within the pair).
+    local rows, counts = {}, {}
+    for j = 0, c - 1 do
+      counts[j + 1] = (r + j) % 3
+      for i = 0, counts[j + 1] - 1 do rows[#rows + 1] = { r, j, i } end
+    end
+    local t = #rows > 0 and pt.tensor(rows, { dtype = "float64" }) or pt.zeros({ 0, 3 }, { dtype = "float64" })
+    local got, arrived = g:all_to_all(t, counts)
+    local want, want_counts = {}, {}
+    for j = 0, c - 1 do
+      want_counts[j + 1] = (j + r) % 3
+      for i = 0, want_counts[j + 1] - 1 do want[#want + 1] = { j, r, i } end
+    end
+    eq(table.concat(arrived, ","), table.concat(want_counts, ","), g:name() .. ": the counts that arrived")
+    eq(got.shape[1], #want, g:name() .. ": rows arrived")
+    if #want > 0 then near(got, want, 0, g:name() .. ": each sender's rows, in rank order") end
+    local traffic = g:traffic().all_to_all
+    eq(traffic.calls, 2, g:name() .. ": the counts, then the rows")
+    eq(traffic.bytes, c * 8 + #rows * 3 * 8, g:name() .. ": the input's bytes, counts included")
+    raises(function() g:all_to_all(pt.zeros({ 2, 3 }), { 1 }) end, "needs one count a rank (" .. c .. ")")
+    local bad = {}
+    for j = 1, c do bad[j] = 1 end
+    raises(function() g:all_to_all(pt.zeros({ 1, 3 }), bad) end, "in_splits sum to " .. c .. " rows, but the tensor has 1")
+  end
+end)
+
 test("a group of one exchanges with itself", function()
   local solo = pt.dist.new_group({ rank }, "solo")
   eq(solo:size(), 1)
   local got = solo:send_recv(pt.tensor({ 1, 2, 3, 4 }), 0, pt.zeros({ 2, 2 }), 0)
   near(got, { { 1, 2 }, { 3, 4 } }, 0, "send_recv copies into the tensor received into")
   near(solo:all_to_all(pt.tensor({ 5, 6 })), { 5, 6 }, 0, "all_to_all returns a copy")
+  local rows, counts = solo:all_to_all(pt.tensor({ { 1, 2 }, { 3, 4 } }), { 2 })
+  near(rows, { { 1, 2 }, { 3, 4 } }, 0, "all_to_all with row counts returns a copy")
+  eq(counts[1], 2, "... and the count that arrived")
   raises(function() solo:send_recv(pt.ones(1), 1, pt.zeros(1), 0) end, "(a group of one has only group rank 0)")
   raises(function() solo:send_recv(pt.ones(2), 0, pt.zeros(3), 0) end,
          "it sends 2 float32 elements to itself; the tensor received into holds 3 float32")
