@@ -203,8 +203,12 @@ namespace {
 // Tells every ContextSplit module of the tree the context group and mode. A tree with no
 // attention that splits, and no forward of its own written in Lua (which can call
 // pt.cp.attention), is refused: its attention would see this rank's rows alone.
-void split_context(nn::Module& tree, const dist::GroupPtr& group, ContextMode mode) {
-  if (!group || group->size() == 1) return;
+void split_context(nn::Module& tree, const dist::GroupPtr& group, c10::optional<ContextMode> asked) {
+  const int c = group ? group->size() : 1;
+  TORCH_CHECK(!asked || c > 1, "parallelize: context = \"", to_string(*asked), "\" splits attention over the mesh's ",
+              "context ranks, but the mesh has context=1: make it with pt.mesh { context = c }, or drop the option");
+  if (c == 1) return;
+  const ContextMode mode = asked.value_or(ContextMode::Ring);
   ContextAttentionOptions o;
   o.group = group;
   o.mode = mode;

@@ -125,9 +125,10 @@ struct ParallelizeOptions {
   /// one rank, else off. A stage above 0 on a mesh whose zero groups are of one rank is refused.
   c10::optional<ZeroOptions> zero;
   RecomputeOptions recompute;
-  /// How attention splits the sequence over the mesh's context group (when it has more than one
-  /// rank): every module of the tree that computes over the sequence (ContextSplit) learns it.
-  ContextMode context = ContextMode::Ring;
+  /// How attention splits the sequence over the mesh's context group: every module of the tree
+  /// that computes over the sequence (ContextSplit) learns it. Unset: ring. Set on a mesh whose
+  /// context group is of one rank, it is refused (it would do nothing).
+  c10::optional<ContextMode> context;
 
   /// Checks every option against `mesh`; throws naming the one that does not fit.
   void validate(const dist::Mesh& mesh) const;

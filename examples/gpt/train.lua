@@ -122,7 +122,7 @@ end)
 -- The whole model's training FLOPs a token (6·N + attention), counted before it is split.
 local flops_per_token = pt.flops_per_token(model, cfg.seq)
 local pipelined = cfg.pipeline > 1
-local options = { sequence_parallel = cfg.sequence_parallel, context = cfg.context_mode }
+local options = { sequence_parallel = cfg.sequence_parallel, context = cfg.context > 1 and cfg.context_mode or nil }
 if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
 if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks

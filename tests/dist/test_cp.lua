@@ -97,6 +97,8 @@ test("context attention refuses what it cannot split, naming the sizes", functio
   local m = pt.parallelize(pt.models.gpt2(GPT), "policies.gpt2", pt.mesh { context = world })
   raises(function() m:generate(pt.zeros({ 1, 2 }, { dtype = "int64" }), { max_new = 1, cache = false }) end,
          "splits its sequences over context=" .. world)
+  raises(function() pt.parallelize(pt.models.gpt2(GPT), "policies.gpt2", pt.mesh {}, { context = "all_to_all" }) end,
+         "but the mesh has context=1")
   local positions = pt.cp.positions(4, g)
   eq(positions.shape[1], 4)
 end)
