@@ -339,15 +339,17 @@ std::string header_table(const std::vector<Metrics>& runs) {
   row("world", [&](const Metrics& m) { return field(m, "world"); });
   row("mesh", [](const Metrics& m) -> std::string {
     if (!m.header.is_object() || !m.header.contains("mesh") || !m.header["mesh"].is_object()) return "";
-    // In the mesh's own order (pipeline x data x context x tensor), then any other dimension.
+    // In the mesh's own order (pipeline x data x context x tensor), then any other dimension;
+    // expert last and apart, since it splits data x context rather than multiplying the world.
     const auto& mesh = m.header["mesh"];
-    const std::vector<std::string> order{"pipeline", "data", "context", "tensor"};
+    const std::vector<std::string> order{"pipeline", "data", "context", "tensor", "expert"};
     std::string s;
     for (const auto& k : order)
-      if (mesh.contains(k)) s += (s.empty() ? "" : " x ") + k + " " + value_text(mesh[k]);
+      if (mesh.contains(k) && k != "expert") s += (s.empty() ? "" : " x ") + k + " " + value_text(mesh[k]);
     for (const auto& [k, v] : mesh.items())
       if (std::find(order.begin(), order.end(), k) == order.end())
         s += (s.empty() ? "" : " x ") + k + " " + value_text(v);
+    if (mesh.contains("expert")) s += (s.empty() ? "" : ", ") + std::string("expert ") + value_text(mesh["expert"]);
     return s;
   });
   row("device", [&](const Metrics& m) { return field(m, "device"); });

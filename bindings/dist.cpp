@@ -167,11 +167,12 @@ const Function kMeshMethods[] = {
     {"group", [](Args& a) { return push_group(a, mesh(a, 1)->group(a.string(2))); }},
     {"coord", [](Args& a) {
        const auto& c = mesh(a, 1)->coord();
-       lua_createtable(a.L, 0, 4);
+       lua_createtable(a.L, 0, 5);
        lua_pushnumber(a.L, c.tensor); lua_setfield(a.L, -2, "tensor");
        lua_pushnumber(a.L, c.context); lua_setfield(a.L, -2, "context");
        lua_pushnumber(a.L, c.data); lua_setfield(a.L, -2, "data");
        lua_pushnumber(a.L, c.pipeline); lua_setfield(a.L, -2, "pipeline");
+       lua_pushnumber(a.L, c.expert); lua_setfield(a.L, -2, "expert");
        return 1; }},
     {"ranks", [](Args& a) {  // ranks(kind [, rank]): members of that rank's group of kind
        auto& m = mesh(a, 1);
@@ -219,6 +220,7 @@ const Function kDist[] = {
        m.pipeline = o.int32("pipeline", m.pipeline);
        m.data = o.int32("data", m.data);
        m.zero = o.int32("zero", m.zero);
+       m.expert = o.int32("expert", m.expert);
        o.finish();
        ud_push(a.L, std::make_shared<dist::Mesh>(m, world()), PT_MESH_MT);
        return 1; }},

@@ -16,9 +16,9 @@ std::string context_term(int context) { return context == 1 ? "" : " x context="
 
 Layout::Layout(const MeshOptions& o, int world)
     : tensor(o.tensor), data(o.data), pipeline(o.pipeline), context(o.context) {
-  TORCH_CHECK(o.tensor >= 1 && o.pipeline >= 1 && o.context >= 1 && o.data >= 0,
+  TORCH_CHECK(o.tensor >= 1 && o.pipeline >= 1 && o.context >= 1 && o.data >= 0 && o.expert >= 1,
               "mesh sizes must be positive: tensor=", o.tensor, " context=", o.context, " pipeline=", o.pipeline,
-              " data=", o.data);
+              " data=", o.data, " expert=", o.expert);
   int unit = o.tensor * o.context * o.pipeline;  // the ranks of one model replica
   // What to start instead, when the world is one of too few ranks: the launcher's flag.
   auto start_with = [](int ranks) {
@@ -41,6 +41,13 @@ Layout::Layout(const MeshOptions& o, int world)
                                  std::to_string(replicas),
               " (zero <= 0: the whole data", context == 1 ? "" : "_context",
               " group; 1: off; n: groups of n consecutive ranks)");
+  // Expert groups split data_context too: expert ranks are data ranks, each reading its own rows.
+  expert = o.expert;
+  TORCH_CHECK(replicas % expert == 0, "mesh: expert=", expert, " does not divide data x context = ",
+              context == 1 ? std::to_string(data)
+                           : std::to_string(data) + " x " + std::to_string(context) + " = " + std::to_string(replicas),
+              " (expert ranks are data ranks: groups of that many consecutive data", context == 1 ? "" : "_context",
+              " ranks split the experts)");
 }
 
 Coord Layout::coord(int rank) const {
@@ -50,12 +57,13 @@ Coord Layout::coord(int rank) const {
   c.context = (rank / tensor) % context;
   c.data = (rank / (tensor * context)) % data;
   c.pipeline = rank / (tensor * context * data);
+  c.expert = (c.context + context * c.data) % expert;  // its place in data_context, within its expert group
   return c;
 }
 
 const std::vector<std::string>& Layout::kinds() {
   static const std::vector<std::string> k{"world", "tensor", "context", "data", "data_context", "pipeline", "unit",
-                                          "zero"};
+                                          "zero", "expert", "expert_data", "expert_tensor"};
   return k;
 }
 
@@ -103,6 +111,14 @@ std::vector<int> Layout::group_of(const std::string& kind, int rank) const {
     for (int i = place / zero * zero; i < place / zero * zero + zero; ++i) out.push_back(replica(i));
   } else if (kind == "zero_across") {
     for (int i = place % zero; i < data * context; i += zero) out.push_back(replica(i));
+  } else if (kind == "expert") {
+    for (int i = place / expert * expert; i < place / expert * expert + expert; ++i) out.push_back(replica(i));
+  } else if (kind == "expert_data") {
+    for (int i = place % expert; i < data * context; i += expert) out.push_back(replica(i));
+  } else if (kind == "expert_tensor") {
+    // Place-major, tensor-minor: the tensor ranks of one place are consecutive global ranks.
+    for (int i = place / expert * expert; i < place / expert * expert + expert; ++i)
+      for (int t = 0; t < tensor; ++t) out.push_back(at(t, i % context, i / context, c.pipeline));
   } else {
     TORCH_CHECK(false, "unknown group kind '", kind, "' (expected ", kinds_text(), ")");
   }
@@ -134,6 +150,16 @@ Mesh::Mesh(const MeshOptions& options, World& world)
       groups_[kind] = groups_.at("data");
       continue;
     }
+    // Likewise without expert parallelism: the ranks holding the same experts are data_context and
+    // expert x tensor is tensor, so expert parameters sync and gather over the dense ones' groups.
+    if (kind == "expert_data" && layout_.expert == 1) {
+      groups_[kind] = groups_.at("data_context");
+      continue;
+    }
+    if (kind == "expert_tensor" && layout_.expert == 1) {
+      groups_[kind] = groups_.at("tensor");
+      continue;
+    }
     for (const auto& ranks : layout_.groups(kind)) {
       std::string name = kind + "[" + join_ranks(ranks) + "]";
       if (auto g = world.new_group(name, ranks)) groups_[kind] = g;
@@ -156,13 +182,17 @@ const GroupPtr& Mesh::group(const std::string& kind) const {
 std::string Mesh::describe() const {
   std::ostringstream s;
   s << "mesh tensor=" << layout_.tensor << " context=" << layout_.context << " data=" << layout_.data
-    << " pipeline=" << layout_.pipeline << " zero=" << layout_.zero << " (world " << layout_.world() << "); rank "
-    << rank_ << " at tensor=" << coord_.tensor << " context=" << coord_.context << " data=" << coord_.data
-    << " pipeline=" << coord_.pipeline;
+    << " pipeline=" << layout_.pipeline << " zero=" << layout_.zero;
+  if (layout_.expert > 1) s << " expert=" << layout_.expert;  // absent: the text reads as before experts
+  s << " (world " << layout_.world() << "); rank " << rank_ << " at tensor=" << coord_.tensor
+    << " context=" << coord_.context << " data=" << coord_.data << " pipeline=" << coord_.pipeline;
+  if (layout_.expert > 1) s << " expert=" << coord_.expert;
   for (const auto& kind : Layout::kinds()) {
-    // Groups where nothing runs, and data_context while it is the data group.
+    // Groups where nothing runs, data_context while it is the data group, and the expert groups
+    // while they are groups of one or the dense groups.
     if ((kind == "zero" && layout_.zero == 1) || (kind == "pipeline" && layout_.pipeline == 1) ||
-        ((kind == "context" || kind == "data_context") && layout_.context == 1))
+        ((kind == "context" || kind == "data_context") && layout_.context == 1) ||
+        (kind.rfind("expert", 0) == 0 && layout_.expert == 1))
       continue;
     s << "\n  " << kind << ": ranks " << join_ranks(group(kind)->ranks());
   }

@@ -2,7 +2,10 @@
 // (Megatron's tp-cp-dp-pp order), with one process group per axis and the derived groups:
 // data_context (the data x context ranks of one tensor and pipeline place: where gradients are
 // synchronised), unit (one tensor x context x pipeline replica of the model: Cube's plan_ngpus)
-// and zero (data_context or consecutive parts of it: InternLM's zero1, Cube's zero_ngroups).
+// zero (data_context or consecutive parts of it: InternLM's zero1, Cube's zero_ngroups) and the
+// expert groups, which split data_context rather than add an axis (expert ranks are data ranks, as
+// in Megatron and torchtitan): expert (consecutive parts), expert_data (the strided ranks holding
+// the same experts) and expert_tensor (tensor x expert).
 // Layout is pure arithmetic, usable without processes.
 #pragma once
 
@@ -24,11 +27,14 @@ struct MeshOptions {
                       ///< whole data_context group
   int context = 1;    ///< context-parallel size: ranks that split each sequence (last, so that
                       ///< { tensor, pipeline, data, zero } initialisers keep their meaning)
+  int expert = 1;     ///< expert-parallel size: groups of n consecutive data_context ranks that split
+                      ///< the experts (n divides data * context); 1: every rank holds every expert
 };
 
-/// A rank's place on each axis (context last, as in MeshOptions).
+/// A rank's place on each axis (context last, as in MeshOptions), and its place in its expert group.
 struct Coord {
   int tensor = 0, data = 0, pipeline = 0, context = 0;
+  int expert = 0;  ///< (context + C * data) % expert: which of its expert group's shares of experts it holds
 };
 
 /// Which global rank sits where, and which ranks form each group.
@@ -51,7 +57,8 @@ class Layout {
   static const std::vector<std::string>& kinds();
 
   int tensor, data, pipeline, context;
-  int zero;  ///< size of each zero group (1: ZeRO off), a divisor of data * context
+  int zero;    ///< size of each zero group (1: ZeRO off), a divisor of data * context
+  int expert;  ///< size of each expert group (1: experts not split), a divisor of data * context
 };
 
 class Mesh {

@@ -1,5 +1,5 @@
 -- Collectives and the mesh from Lua, at 4 ranks: every operation's result on every rank, sync
--- and async, and the mesh's groups against Megatron's layout formula.
+-- and async, and the mesh's groups (expert groups included) against Megatron's layout formula.
 --   partrain --nproc-per-node 4 tests/dist/test_collectives.lua
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
@@ -316,7 +316,7 @@ test("the mesh follows Megatron's layout and its groups agree with it", function
   local e = raises(function() pt.mesh { zero = 3 } end, "zero=3 does not divide the data size " .. world)
   ok(e:find("test_collectives.lua:%d+"), "the refusal names the script's line: " .. e)
   raises(function() pt.mesh { tensr = 2 } end, "unknown option 'tensr' for mesh")
-  raises(function() mesh:group("expert") end, "unknown group kind 'expert'")
+  raises(function() mesh:group("experts") end, "unknown group kind 'experts'")
 end)
 
 test("a context dimension sits just outside tensor and data_context joins data across it", function()
@@ -353,6 +353,47 @@ test("a context dimension sits just outside tensor and data_context joins data a
   local plain = pt.mesh { tensor = 2 }
   eq(plain:coord().context, 0); eq(plain:size("context"), 1)
   eq(table.concat(plain:ranks("data_context"), ","), table.concat(plain:ranks("data"), ","))
+end)
+
+test("expert groups split data_context: consecutive expert ranks, strided expert_data", function()
+  local mesh = pt.mesh { expert = 2 }
+  local c = mesh:coord()
+  eq(c.expert, rank % 2, "expert = this rank's place in its expert group")
+  eq(mesh:size("expert"), 2); eq(mesh:size("expert_data"), world / 2); eq(mesh:size("data"), world, "data unchanged")
+  eq(table.concat(mesh:group("expert"):ranks(), ","), table.concat(mesh:ranks("expert"), ","))
+  eq(table.concat(mesh:group("expert_data"):ranks(), ","), table.concat(mesh:ranks("expert_data"), ","))
+  eq(table.concat(mesh:ranks("expert", 3), ","), "2,3", "expert ranks are consecutive data ranks")
+  eq(table.concat(mesh:ranks("expert_data", 1), ","), "1,3", "expert_data strides by the expert size")
+  -- Each group's collective involves exactly its members.
+  local t = pt.tensor({ rank })
+  mesh:group("expert"):all_reduce(t)
+  local first = rank - rank % 2
+  near(t, { first + first + 1 }, 0, "expert-group sum")
+  local same, want = pt.tensor({ rank }), 0
+  for r = rank % 2, world - 1, 2 do want = want + r end
+  mesh:group("expert_data"):all_reduce(same)
+  near(same, { want }, 0, "expert_data-group sum: the ranks holding the same experts")
+  ok(tostring(mesh):find("expert=2", 1, true) and tostring(mesh):find("expert_data: ranks", 1, true),
+    "print(mesh) shows the expert size and groups: " .. tostring(mesh))
+  -- With tensor, expert_tensor joins the tensor groups of an expert group.
+  local both = pt.mesh { tensor = 2, expert = 2 }
+  eq(table.concat(both:ranks("expert", 1), ","), "1,3", "expert groups keep the tensor coordinate")
+  eq(both:size("expert_tensor"), 4)
+  local all = pt.tensor({ rank })
+  both:group("expert_tensor"):all_reduce(all)
+  near(all, { world * (world - 1) / 2 }, 0, "expert_tensor-group sum")
+  -- Across context too: expert splits data x context.
+  eq(pt.mesh { context = 2, expert = world }:size("expert"), world, "expert = data x context")
+  -- Unsplit: expert_data is data_context, and print(mesh) reads as before.
+  local plain = pt.mesh { context = 2 }
+  eq(plain:coord().expert, 0); eq(plain:size("expert"), 1)
+  eq(table.concat(plain:group("expert_data"):ranks(), ","), table.concat(plain:group("data_context"):ranks(), ","))
+  ok(not tostring(plain):find("expert", 1, true), "no expert text while unsplit: " .. tostring(plain))
+  local e = raises(function() pt.mesh { expert = 3 } end,
+    ("expert=3 does not divide data x context = %d (expert ranks are data ranks"):format(world))
+  ok(e:find("test_collectives.lua:%d+"), "the refusal names the script's line: " .. e)
+  raises(function() pt.mesh { context = 2, expert = 3 } end,
+    ("expert=3 does not divide data x context = %d x 2 = %d"):format(world / 2, world))
 end)
 
 test("sharded loaders give the ranks of one unit the same slice", function()

@@ -1,6 +1,6 @@
 // GoogleTest for the parallel engine without processes: sharding arithmetic (slices, padding,
 // unequal parts, re-cutting along another dimension), the mesh layout for every size that
-// divides 8 (context included), the data-parallel bucket layout, and the parallelized model's
+// divides 8 (context and expert groups included), the data-parallel bucket layout, and the parallelized model's
 // records, lifetime, thread-bound hooks and train_step on a world of one, the split of blocks into
 // pipeline stages, and the peak activation bytes a rank's pipeline schedule holds.
 #include <gtest/gtest.h>
@@ -304,7 +304,145 @@ TEST(Mesh, ZeroGroupsMustFitTheDataGroup) {
   EXPECT_EQ(mesh.group("data_context"), mesh.group("data")) << "without context, data_context is the data group";
   EXPECT_EQ(mesh.size("context"), 1);
   EXPECT_EQ(mesh.describe().find("data_context:"), std::string::npos) << "no context groups printed while unsplit";
-  EXPECT_NE(error_of([&] { mesh.group("expert"); }).find("expected world, tensor, context, data, data_context"),
+  EXPECT_NE(error_of([&] { mesh.group("experts"); }).find("expected world, tensor, context, data, data_context"),
+            std::string::npos);
+}
+
+// The mesh sizes of a layout with expert groups (data from the world).
+dist::MeshOptions expert_mesh(int tensor, int context, int pipeline, int expert) {
+  dist::MeshOptions o;
+  o.tensor = tensor, o.context = context, o.pipeline = pipeline, o.expert = expert;
+  return o;
+}
+
+TEST(MeshLayout, ExpertGroupsSplitDataContextIntoConsecutiveAndStridedRanks) {
+  // data=4 expert=2: experts split over pairs of neighbours, each half synced over the ranks two apart.
+  dist::Layout pairs(expert_mesh(1, 1, 1, 2), 4);
+  EXPECT_EQ(pairs.group_of("expert", 1), (std::vector<int>{0, 1}));
+  EXPECT_EQ(pairs.group_of("expert", 2), (std::vector<int>{2, 3}));
+  EXPECT_EQ(pairs.group_of("expert_data", 1), (std::vector<int>{1, 3})) << "the ranks holding the same experts";
+  EXPECT_EQ(pairs.group_of("expert_tensor", 2), (std::vector<int>{2, 3})) << "without tensor: the expert group";
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(pairs.coord(r).expert, r % 2) << "rank " << r << "'s place in its expert group";
+  // data=2 context=2 expert=4: one expert group of all of data_context; each rank alone in expert_data.
+  dist::Layout across(expert_mesh(1, 2, 1, 4), 4);
+  EXPECT_EQ(across.group_of("expert", 2), (std::vector<int>{0, 1, 2, 3})) << "expert spans data x context";
+  EXPECT_EQ(across.group_of("expert_data", 2), (std::vector<int>{2})) << "every rank its own experts";
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(across.coord(r).expert, r) << "expert = context + C * data";
+  // tensor=2 data=2 expert=2: expert groups stride by the tensor size; expert_tensor joins them.
+  dist::Layout tp(expert_mesh(2, 1, 1, 2), 4);
+  EXPECT_EQ(tp.group_of("expert", 1), (std::vector<int>{1, 3})) << "same tensor rank, consecutive data places";
+  EXPECT_EQ(tp.group_of("expert_data", 1), (std::vector<int>{1}));
+  EXPECT_EQ(tp.group_of("expert_tensor", 1), (std::vector<int>{0, 1, 2, 3})) << "tensor x expert, global-rank order";
+  EXPECT_EQ(tp.coord(3).expert, 1);
+  // tensor=2 context=2 data=2 expert=2 of 8: rank 5 (tensor 1, context 0, data 1) at data_context place 2.
+  dist::Layout all(expert_mesh(2, 2, 1, 2), 8);
+  EXPECT_EQ(all.group_of("expert", 5), (std::vector<int>{5, 7})) << "places 2 and 3: context 0 and 1 of data 1";
+  EXPECT_EQ(all.group_of("expert_data", 5), (std::vector<int>{1, 5})) << "places 0 and 2";
+  EXPECT_EQ(all.group_of("expert_tensor", 5), (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(all.coord(5).expert, 0);
+  // pipeline=2 data=2 expert=2: groups stay within one pipeline stage.
+  EXPECT_EQ(dist::Layout(expert_mesh(1, 1, 2, 2), 4).group_of("expert", 3), (std::vector<int>{2, 3}));
+  // Unset (1): experts not split; expert_data has data_context's members and expert_tensor tensor's.
+  dist::Layout dense(expert_mesh(2, 2, 1, 1), 8);
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(dense.group_of("expert", r), (std::vector<int>{r})) << "an expert group of one";
+    EXPECT_EQ(dense.group_of("expert_data", r), dense.group_of("data_context", r));
+    EXPECT_EQ(dense.group_of("expert_tensor", r), dense.group_of("tensor", r));
+    EXPECT_EQ(dense.coord(r).expert, 0);
+  }
+}
+
+TEST(MeshLayout, EveryExpertSizeDividingDataContextOfEightPartitionsTheWorld) {
+  const std::vector<int> sizes{1, 2, 4, 8};
+  int layouts = 0;
+  for (int t : sizes)
+    for (int c : sizes)
+      for (int p : sizes) {
+        if (8 % (t * c * p)) continue;
+        const int d = 8 / (t * c * p);
+        for (int e : sizes) {
+          if ((d * c) % e) continue;
+          SCOPED_TRACE("tensor=" + std::to_string(t) + " context=" + std::to_string(c) + " data=" + std::to_string(d) +
+                       " pipeline=" + std::to_string(p) + " expert=" + std::to_string(e));
+          dist::Layout layout(expert_mesh(t, c, p, e), 8);
+          ++layouts;
+          ASSERT_EQ(layout.expert, e);
+          const std::map<std::string, int> want{{"expert", e}, {"expert_data", d * c / e}, {"expert_tensor", t * e}};
+          for (const auto& [kind, size] : want) {
+            std::vector<int> seen(8, 0);
+            for (const auto& g : layout.groups(kind)) {
+              EXPECT_EQ(static_cast<int>(g.size()), size) << kind;
+              EXPECT_TRUE(std::is_sorted(g.begin(), g.end())) << kind << ": group ranks in global-rank order";
+              for (int member : g) {
+                ++seen[member];
+                EXPECT_EQ(layout.group_of(kind, member), g) << kind << ": every member sees the same group";
+              }
+            }
+            for (int r = 0; r < 8; ++r) EXPECT_EQ(seen[r], 1) << kind << ": rank " << r << " is in exactly one group";
+          }
+          for (int r = 0; r < 8; ++r) {
+            const auto replicas = layout.group_of("data_context", r);
+            const auto expert = layout.group_of("expert", r), across = layout.group_of("expert_data", r);
+            // expert: consecutive in data_context, starting at a multiple of e; r at its coordinate.
+            auto first = std::find(replicas.begin(), replicas.end(), expert.front());
+            ASSERT_NE(first, replicas.end()) << "an expert group lies in data_context";
+            EXPECT_EQ((first - replicas.begin()) % e, 0) << "expert groups start at multiples of expert";
+            EXPECT_TRUE(std::equal(expert.begin(), expert.end(), first)) << "an expert group is consecutive";
+            EXPECT_EQ(expert[layout.coord(r).expert], r) << "coord.expert is r's place in its expert group";
+            // expert_data: the data_context ranks at r's place in every expert group.
+            for (int m : across) {
+              EXPECT_NE(std::find(replicas.begin(), replicas.end(), m), replicas.end())
+                  << "expert_data lies in data_context";
+              EXPECT_EQ(layout.coord(m).expert, layout.coord(r).expert) << "expert_data: the same experts";
+            }
+            std::vector<int> meet;
+            for (int m : expert)
+              if (std::find(across.begin(), across.end(), m) != across.end()) meet.push_back(m);
+            EXPECT_EQ(meet, std::vector<int>{r}) << "expert and expert_data cross at r alone";
+            // expert_tensor: the tensor groups of r's expert group, joined.
+            std::vector<int> joined;
+            for (int m : expert)
+              for (int x : layout.group_of("tensor", m)) joined.push_back(x);
+            std::sort(joined.begin(), joined.end());
+            EXPECT_EQ(layout.group_of("expert_tensor", r), joined) << "expert_tensor = tensor x expert";
+          }
+        }
+      }
+  EXPECT_EQ(layouts, 50) << "the 20 (tensor, context, data, pipeline) with product 8, each with every expert "
+                            "dividing data x context";
+}
+
+TEST(MeshLayout, ExpertSizesThatDoNotDivideDataContextAreRefusedNamingThem) {
+  EXPECT_NE(error_of([] { dist::Layout(expert_mesh(1, 1, 1, 3), 4); })
+                .find("mesh: expert=3 does not divide data x context = 4 (expert ranks are data ranks"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dist::Layout(expert_mesh(2, 2, 1, 3), 8); })
+                .find("expert=3 does not divide data x context = 2 x 2 = 4"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dist::Layout(expert_mesh(1, 1, 1, 8), 4); }).find("expert=8 does not divide"),
+            std::string::npos)
+      << "larger than data x context";
+  EXPECT_NE(error_of([] { dist::Layout(expert_mesh(1, 1, 1, 0), 4); }).find("mesh sizes must be positive"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dist::Layout(expert_mesh(2, 1, 1, 2), 2); })
+                .find("expert=2 does not divide data x context = 1"),
+            std::string::npos)
+      << "a tensor pair has no data ranks to split experts over";
+}
+
+TEST(Mesh, ExpertGroupsReuseTheDenseCommunicatorsWhileExpertsAreNotSplit) {
+  auto& w = world_of_one();
+  dist::Mesh mesh({}, w);
+  EXPECT_EQ(mesh.group("expert_data"), mesh.group("data_context")) << "expert=1: expert_data is data_context";
+  EXPECT_EQ(mesh.group("expert_tensor"), mesh.group("tensor")) << "expert=1: expert_tensor is tensor";
+  EXPECT_EQ(mesh.size("expert"), 1);
+  EXPECT_EQ(mesh.coord().expert, 0);
+  EXPECT_EQ(mesh.describe().find("expert"), std::string::npos) << "print(mesh) reads as before while unsplit";
+  EXPECT_NE(error_of([&] { dist::Mesh(expert_mesh(1, 1, 1, 2), w); })
+                .find("expert=2 does not divide data x context = 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { mesh.group("experts"); }).find("expected world, tensor, context, data, data_context, "
+                                                          "pipeline, unit, zero, expert, expert_data or expert_tensor"),
             std::string::npos);
 }
 

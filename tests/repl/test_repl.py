@@ -170,6 +170,10 @@ with tempfile.TemporaryDirectory() as home:
     check("mem() given a string says what it takes", "mem: the model must be a module" in out, out)
     out = s.chunk("mesh()")
     check("mesh() shows each rank's coordinates", "rank 0: tensor 0" in out and f"rank {last}: tensor 1" in out, out)
+    out = s.chunk("mesh(pt.mesh { expert = 2 })")
+    check("mesh() shows the expert size, this rank's expert place and groups where experts are split",
+          "expert=2" in out and f"rank {last}: tensor 0, data {last}, pipeline 0, expert 1 |" in out
+          and "expert group" in out and "expert_data group" in out, out)
     out = s.chunk("opt = pt.optim.adamw(model); pt.loss_fn(model)(model(pt.randint(0, 64, {2, 8})), "
                   "pt.randint(0, 64, {2, 8})):backward(); opt:step()")
     out = s.chunk("mem()")

@@ -116,6 +116,7 @@ local function header()
   if mesh then
     h.mesh = { pipeline = mesh:size("pipeline"), tensor = mesh:size("tensor"), data = mesh:size("data") }
     if mesh:size("context") > 1 then h.mesh.context = mesh:size("context") end  -- absent: not split
+    if mesh:size("expert") > 1 then h.mesh.expert = mesh:size("expert") end  -- absent: experts not split
   end
   local args = package.loaded["partrain.args"]
   if args and args.resolved then h.config = args.resolved end

@@ -421,9 +421,14 @@ function R.helpers(stop)
     local split = m:size("context") > 1
     local context = split and ("context %d, "):format(c.context) or ""
     local context_group = split and ("context group %s, "):format(rank_list(m:ranks("context"))) or ""
-    local text = ("%s | rank %d: tensor %d, %sdata %d, pipeline %d | tensor group %s, %sdata group %s"):format(
-      tostring(m):match("^[^\n;]*"), rank, c.tensor, context, c.data, c.pipeline, rank_list(m:ranks("tensor")),
-      context_group, rank_list(m:ranks("data")))
+    -- The expert coordinate and groups only where the experts are split.
+    local experts = m:size("expert") > 1
+    local expert = experts and (", expert %d"):format(c.expert) or ""
+    local expert_groups = experts and (", expert group %s, expert_data group %s"):format(rank_list(m:ranks("expert")),
+      rank_list(m:ranks("expert_data"))) or ""
+    local text = ("%s | rank %d: tensor %d, %sdata %d, pipeline %d%s | tensor group %s, %sdata group %s%s"):format(
+      tostring(m):match("^[^\n;]*"), rank, c.tensor, context, c.data, c.pipeline, expert, rank_list(m:ranks("tensor")),
+      context_group, rank_list(m:ranks("data")), expert_groups)
     if m:size("pipeline") > 1 then
       text = text .. (", pipeline group %s"):format(rank_list(m:ranks("pipeline")))
       local mine = model and pt.mesh_of(model)
