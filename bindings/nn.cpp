@@ -10,9 +10,11 @@
 #include "engine/models/registry.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/nn/functional.hpp"
+#include "engine/nn/grouped.hpp"
 #include "engine/nn/init.hpp"
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/moe.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/plan/plan.hpp"
@@ -150,6 +152,45 @@ nn::Module::ForwardFn lua_forward(lua_State* L, int index) {
     return call_lua_forward(L, top, std::static_pointer_cast<nn::Module>(self.shared_from_this()), inputs,
                             "the replaced forward of " + self.type());
   };
+}
+
+// A Lua function as an MoE block's router: fn(self, logits, x) -> weights, indices [, probs].
+// "file:line" of its definition names it in the block's errors.
+void set_lua_router(lua_State* L, int index, parallel::MoE& block) {
+  lua_pushvalue(L, index);
+  lua_Debug info;
+  lua_getinfo(L, ">S", &info);
+  const std::string where = std::string(info.short_src) + ":" + std::to_string(info.linedefined);
+  auto fn = std::make_shared<LuaRef>(L, index);
+  block.set_router([fn, where](parallel::MoE& self, const Tensor& logits, const Tensor& x) {
+    TORCH_CHECK(fn->alive(), "MoE: the Lua state that set the router (", where, ") is gone");
+    lua_State* L = active_state(fn->main());
+    const int top = lua_gettop(L);
+    fn->push(L);
+    push_module(L, std::static_pointer_cast<nn::Module>(self.shared_from_this()));
+    push_tensor(L, logits);
+    push_tensor(L, x);
+    std::string error;
+    if (!pcall(L, 3, 3, &error)) throw Rethrow(error);
+    parallel::Routing r;
+    const char* names[] = {"weights", "indices", "probs"};
+    Tensor* slots[] = {&r.weights, &r.indices, &r.probs};
+    for (int i = 0; i < 3; ++i) {
+      const int at = top + 1 + i;
+      if (lua_isnil(L, at) && i == 2) continue;
+      auto* t = ud_test<Tensor>(L, at, PT_TENSOR_MT);
+      if (!t) {
+        std::string got = luaL_typename(L, at);
+        lua_settop(L, top);
+        TORCH_CHECK(false, "MoE router ", where, " returned a ", got, " as its ", names[i], " (", i + 1,
+                    "th result): it returns weights [tokens, top_k], indices [tokens, top_k] and optionally "
+                    "probabilities [tokens, experts]");
+      }
+      *slots[i] = *t;
+    }
+    lua_settop(L, top);
+    return r;
+  }, where);
 }
 
 LuaModule* as_lua(const ModulePtr& m) { return dynamic_cast<LuaModule*>(m.get()); }
@@ -460,6 +501,34 @@ const Function kMethods[] = {
        if (!v) { lua_pushnil(a.L); return 1; }
        return a.ret(*v); }},
     {"set_attribute", [](Args& a) { a.module(1)->set_attribute(a.string(2), a.number(3)); return a.ret(); }},
+    {"set_router", [](Args& a) {  // set_router(fn(self, logits, x) -> weights, indices [, probs]) on an MoE block
+       auto m = a.module(1);
+       auto* block = dynamic_cast<parallel::MoE*>(m.get());
+       if (!block) a.fail(1, "set_router: " + m->type() + " is not an MoE block");
+       if (lua_type(a.L, 2) != LUA_TFUNCTION) a.expected(2, "function(self, logits, x)");
+       set_lua_router(a.L, 2, *block);
+       return a.ret(); }},
+    {"_take_moe_stats", [](Args& a) {  // { [path] = { routed = {...}, dropped, slots, aux, z, forwards } }, reset
+       lua_newtable(a.L);
+       for (auto& [path, block] : parallel::moe_blocks(*a.module(1))) {
+         auto st = block->take_stats();
+         lua_newtable(a.L);
+         lua_newtable(a.L);
+         for (size_t i = 0; i < st.routed.size(); ++i) {
+           lua_pushnumber(a.L, st.routed[i]);
+           lua_rawseti(a.L, -2, static_cast<int>(i) + 1);
+         }
+         lua_setfield(a.L, -2, "routed");
+         const std::pair<const char*, double> fields[] = {{"dropped", st.dropped}, {"slots", st.slots}, {"aux", st.aux},
+                                                          {"z", st.z}, {"forwards", double(st.forwards)}};
+         for (const auto& [k, v] : fields) {
+           lua_pushnumber(a.L, v);
+           lua_setfield(a.L, -2, k);
+         }
+         lua_setfield(a.L, -2, path.c_str());
+       }
+       return 1; }},
+
     {"attribute_names", [](Args& a) {
        auto names = a.module(1)->attribute_names();
        lua_createtable(a.L, static_cast<int>(names.size()), 0);
@@ -583,6 +652,18 @@ const Function kMeta[] = {
        return a.ret(); }},
     {nullptr, nullptr}};
 
+// The rows a group holds, for the grouped matmuls: a table of integers or a 1-D integer tensor.
+std::vector<int64_t> group_counts(const Args& a, int i) {
+  if (a.is_table(i)) return a.ints(i);
+  if (!a.is_tensor(i)) a.expected(i, "table of counts (one integer a group) or 1-D integer tensor");
+  const auto& t = a.tensor(i);
+  if (t.dim() != 1 || at::isFloatingType(t.scalar_type()) || t.scalar_type() == torch::kBool)
+    a.fail(i, "counts must be a 1-D integer tensor, got " + std::string(c10::toString(t.scalar_type())) + " of " +
+                  std::to_string(t.dim()) + " dimensions");
+  auto host = t.to(torch::kCPU, torch::kInt64).contiguous();
+  return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
+}
+
 // Constructors: pt.nn.Linear(784, 256, {bias = false}), ...
 const Function kConstructors[] = {
     {"Linear", [](Args& a) {
@@ -609,6 +690,26 @@ const Function kConstructors[] = {
        o.affine = t.boolean("affine", o.affine);
        t.finish();
        return a.ret(ModulePtr(std::make_shared<nn::RMSNorm>(o))); }},
+    {"MoE", [](Args& a) {  // MoE { dim, hidden, experts, top_k = 2, normalize, aux_loss, z_loss, capacity_factor, router }
+       parallel::MoEOptions o;
+       Options t(a, 1, "MoE");
+       o.dim = t.integer("dim", 0);
+       o.hidden = t.integer("hidden", 0);
+       o.experts = t.integer("experts", o.experts);
+       o.top_k = t.integer("top_k", o.top_k);
+       o.normalize = t.boolean("normalize", o.normalize);
+       o.aux_loss = t.number("aux_loss", o.aux_loss);
+       o.z_loss = t.number("z_loss", o.z_loss);
+       o.capacity_factor = t.number("capacity_factor", o.capacity_factor);
+       const bool routed = t.push("router");
+       if (routed && lua_type(a.L, -1) != LUA_TFUNCTION) a.fail(1, "MoE: router must be a function(self, logits, x)");
+       auto block = std::make_shared<parallel::MoE>(o);
+       if (routed) {
+         set_lua_router(a.L, lua_gettop(a.L), *block);
+         lua_pop(a.L, 1);
+       }
+       t.finish();
+       return a.ret(ModulePtr(block)); }},
     {"Identity", [](Args& a) {
        if (!a.none(1)) a.fail(1, "Identity takes no arguments");
        return a.ret(ModulePtr(std::make_shared<nn::Identity>())); }},
@@ -750,6 +851,12 @@ const Function kConstructors[] = {
        a.ret(cos);
        return 1 + a.ret(sin); }},
     {"apply_rotary", [](Args& a) { return a.ret(nn::apply_rotary(a.tensor(1), a.tensor(2), a.tensor(3))); }},
+    // Experts' grouped matmul (engine/nn/grouped.hpp): (x [T, in] sorted by group, w [G, in, out], counts)
+    {"grouped_matmul", [](Args& a) { return a.ret(nn::grouped_matmul(a.tensor(1), a.tensor(2), group_counts(a, 3))); }},
+    {"padded_bmm_matmul", [](Args& a) {
+       return a.ret(nn::padded_bmm_matmul(a.tensor(1), a.tensor(2), group_counts(a, 3))); }},
+    {"looped_matmul", [](Args& a) { return a.ret(nn::looped_matmul(a.tensor(1), a.tensor(2), group_counts(a, 3))); }},
+    {"grouped_matmul_path", [](Args& a) { return a.ret(nn::grouped_matmul_path(a.tensor(1), a.tensor(2))); }},
 
     {"clip_grad_norm", [](Args& a) {  // split parameters' norms add up over their tensor group
        auto params = params_of(a, 1);

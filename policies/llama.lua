@@ -41,9 +41,16 @@ return P.policy {
           { "self_attn.v_proj",         P.column {} },
           { "self_attn.o_proj",         P.row {} },
           { "post_attention_layernorm", P.norm {} },
-          { "mlp.gate_proj",            P.column {} },
-          { "mlp.up_proj",              P.column {} },
-          { "mlp.down_proj",            P.row {} },
+        },
+      },
+      -- A dense block's MLP; a mixture of experts (block_sparse_moe) keeps its experts whole on
+      -- each tensor rank (expert parallelism splits them).
+      LlamaMLP = {
+        optional = true,
+        replace = {
+          { "gate_proj", P.column {} },
+          { "up_proj",   P.column {} },
+          { "down_proj", P.row {} },
         },
       },
       Llama = {

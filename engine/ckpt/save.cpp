@@ -207,8 +207,9 @@ std::string cuda_rng_state() {
 }
 
 // Writes this rank's data file into `tmp` and returns what it sends rank 0. Each rank writes what
-// it alone holds: split tensors from data rank 0 of each tensor group, whole ones from rank
-// (tensor 0, data 0), of the first pipeline stage holding them (every stage saves its own).
+// it alone holds: split tensors from data rank 0 of each tensor group (experts from each expert
+// rank of the first expert_data place), whole ones from rank (tensor 0, data 0), of the first
+// pipeline stage holding them (every stage saves its own).
 // `full`: every tensor gathered whole, written by rank 0 (by tensor 0, data 0 of each stage under
 // a pipeline).
 std::string write_part(const State& state, const SaveOptions& options, const std::string& tmp, int rank,
@@ -229,6 +230,12 @@ std::string write_part(const State& state, const SaveOptions& options, const std
                 "models carry theirs)");
     const bool stage = pipe ? first : coord.pipeline == 0;
     bool writer = stage && coord.data == 0 && coord.context == 0 && (split || coord.tensor == 0);
+    // Experts split over the expert group: each expert rank at the first place of expert_data
+    // writes its experts (tensor rank 0: they are whole over the tensor ranks).
+    if (split && split->ranks > 1 && state.mesh && split->group == state.mesh->group("expert")) {
+      const auto& l = state.mesh->layout();
+      writer = stage && coord.context + l.context * coord.data < l.expert && coord.tensor == 0;
+    }
     if (options.full) {
       if (split) value = parallel::gather_full(t, *split);  // collective: every rank, same order
       split = nullptr;

@@ -27,6 +27,18 @@ nn::ModulePtr rms_norm(const LlamaOptions& o) {
 int64_t kv_heads_of(const LlamaOptions& o) { return o.kv_heads > 0 ? o.kv_heads : o.heads; }
 int64_t hidden_of(const LlamaOptions& o) { return o.hidden > 0 ? o.hidden : (8 * o.dim / 3 + 31) / 32 * 32; }
 bool positive_whole(double v) { return v > 0 && v == static_cast<double>(static_cast<int64_t>(v)); }
+parallel::MoEOptions moe_options(const LlamaOptions& o) {
+  parallel::MoEOptions m;
+  m.dim = o.dim;
+  m.hidden = hidden_of(o);
+  m.experts = o.experts;
+  m.top_k = o.top_k;
+  m.normalize = o.normalize;
+  m.aux_loss = o.aux_loss;
+  m.z_loss = o.z_loss;
+  m.capacity_factor = o.capacity_factor;
+  return m;
+}
 }  // namespace
 
 LlamaAttention::LlamaAttention(const LlamaOptions& o)
@@ -148,27 +160,34 @@ LlamaBlock::LlamaBlock(const LlamaOptions& o) : nn::Unary("LlamaBlock") {
   set_child("input_layernorm", rms_norm(o));
   set_child("self_attn", std::make_shared<LlamaAttention>(o));
   set_child("post_attention_layernorm", rms_norm(o));
-  set_child("mlp", std::make_shared<LlamaMlp>(o));
+  if (o.experts > 0) set_child("block_sparse_moe", std::make_shared<parallel::MoE>(moe_options(o)));
+  else set_child("mlp", std::make_shared<LlamaMlp>(o));
 }
+
+const char* LlamaBlock::ffn() const { return child("mlp") ? "mlp" : "block_sparse_moe"; }
 
 Tensor LlamaBlock::forward(const Tensor& x) {
   auto h = x + child("self_attn")->forward({child("input_layernorm")->forward({x})});
-  return h + child("mlp")->forward({child("post_attention_layernorm")->forward({h})});
+  return h + child(ffn())->forward({child("post_attention_layernorm")->forward({h})});
 }
 
 void LlamaBlock::check(const std::string& path) const {
   auto in = child("input_layernorm")->input_features();
   const int64_t dim = in ? in->width : -1;
-  for (const char* branch : {"self_attn", "mlp"}) {
+  for (const char* branch : {"self_attn", ffn()}) {
     auto out = child(branch)->output_features();
     TORCH_CHECK(!out || dim < 0 || out->matches(nn::Features{dim}), path, ": ", branch, " gives ", out->describe(),
                 ", but the residual stream needs ", nn::Features{dim}.describe());
   }
   nn::check_chain({{"input_layernorm", child("input_layernorm")}, {"self_attn", child("self_attn")}}, path);
-  nn::check_chain({{"post_attention_layernorm", child("post_attention_layernorm")}, {"mlp", child("mlp")}}, path);
-  check_sequence(*this, path, {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                               "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-                               "mlp.down_proj"});
+  nn::check_chain({{"post_attention_layernorm", child("post_attention_layernorm")}, {ffn(), child(ffn())}}, path);
+  if (child("mlp"))
+    check_sequence(*this, path, {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                 "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                                 "mlp.down_proj"});
+  else  // the experts take whole sequences: sequence parallelism stops at them
+    check_sequence(*this, path, {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                 "self_attn.o_proj", "post_attention_layernorm", "block_sparse_moe"});
 }
 
 Llama::Llama(const LlamaOptions& o) : nn::Unary("Llama"), options(o) {
@@ -181,6 +200,8 @@ Llama::Llama(const LlamaOptions& o) : nn::Unary("Llama"), options(o) {
               " (each key/value head serves an equal group of query heads)");
   TORCH_CHECK((o.dim / o.heads) % 2 == 0, "llama: the head size dim/heads=", o.dim / o.heads,
               " must be even (rotary embeddings rotate pairs)");
+  TORCH_CHECK(o.experts >= 0, "llama: experts must be >= 0 (0: a dense MLP), got ", o.experts);
+  if (o.experts > 0) moe_options(o).validate("llama");
   TORCH_CHECK(o.eps > 0 && o.rope_base > 0 && std::isfinite(o.eps) && std::isfinite(o.rope_base),
               "llama: eps and rope_base must be finite numbers > 0, got ", o.eps, " and ", o.rope_base);
   set_child("embed_tokens", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(o.vocab, o.dim)));
@@ -227,7 +248,7 @@ std::vector<nn::ConfigField> Llama::config() const {
   // shape), eps and rope_base change the function and no shape; vocab, dim, layers, hidden and
   // tie are pinned by the parameters' shapes and names; seq (rotary: no parameter) and the
   // attention kernel may change when a run resumes.
-  return {{"vocab", double(o.vocab)},
+  std::vector<nn::ConfigField> fields{{"vocab", double(o.vocab)},
           {"seq", double(o.seq)},
           {"dim", double(o.dim)},
           {"heads", double(o.heads), true},
@@ -238,6 +259,15 @@ std::vector<nn::ConfigField> Llama::config() const {
           {"rope_base", o.rope_base, true},
           {"tie", o.tie ? 1.0 : 0.0},
           {"flash_attention", o.flash_attention ? 1.0 : 0.0}};
+  if (o.experts == 0) return fields;
+  // experts is pinned by the stacked shapes; top_k and normalize change the function only.
+  fields.push_back({"experts", double(o.experts)});
+  fields.push_back({"top_k", double(o.top_k), true});
+  fields.push_back({"normalize", o.normalize ? 1.0 : 0.0, true});
+  fields.push_back({"aux_loss", o.aux_loss});
+  fields.push_back({"z_loss", o.z_loss});
+  fields.push_back({"capacity_factor", o.capacity_factor});
+  return fields;
 }
 
 std::string Llama::extra_repr() const {
@@ -245,6 +275,7 @@ std::string Llama::extra_repr() const {
   s << "vocab=" << options.vocab << ", seq=" << options.seq << ", dim=" << options.dim << ", heads=" << options.heads
     << ", kv_heads=" << kv_heads_of(options) << ", layers=" << options.layers << ", hidden=" << hidden_of(options)
     << (options.tie ? ", tied head" : "") << (options.flash_attention ? ", flash_attention" : "");
+  if (options.experts > 0) s << ", experts=" << options.experts << ", top_k=" << options.top_k;
   return s.str();
 }
 
@@ -264,7 +295,8 @@ bool Llama::init_tensor(const std::string& path, Tensor& t, at::Generator& gen) 
     return path.size() >= end.size() && path.compare(path.size() - end.size(), end.size(), end) == 0;
   };
   if (path == "norm.weight" || ends("layernorm.weight")) t.fill_(1.0);
-  else if (ends(".weight")) t.normal_(0, 0.02, gen);  // every projection, the embedding and an untied head
+  else if (ends(".weight") || ends("experts.w1") || ends("experts.w2") || ends("experts.w3"))
+    t.normal_(0, 0.02, gen);  // every projection (stacked experts too), the embedding and an untied head
   else return false;
   return true;
 }
@@ -297,6 +329,12 @@ Family llama_family() {
     o.rope_base = r.number("rope_base", o.rope_base);
     o.tie = r.boolean("tie", o.tie);
     o.flash_attention = r.boolean("flash_attention", o.flash_attention);
+    o.experts = r.integer("experts", o.experts);
+    o.top_k = r.integer("top_k", o.top_k);
+    o.normalize = r.boolean("normalize", o.normalize);
+    o.aux_loss = r.number("aux_loss", o.aux_loss);
+    o.z_loss = r.number("z_loss", o.z_loss);
+    o.capacity_factor = r.number("capacity_factor", o.capacity_factor);
     o.dtype = nn::model_dtype(r.string("dtype", "float32"));
     return llama(o);
   };

@@ -7,6 +7,7 @@
 
 #include "engine/nn/layers.hpp"
 #include "engine/parallel/context_parallel.hpp"
+#include "engine/parallel/moe.hpp"
 
 namespace partrain::models {
 
@@ -24,6 +25,14 @@ struct LlamaOptions {
   double rope_base = 10000; ///< rotary base (rope_theta)
   bool tie = false;         ///< lm_head shares embed_tokens' weight (tie_word_embeddings)
   bool flash_attention = false;  ///< fused attention kernel where LibTorch has one (2.x)
+  /// Mixtral: experts > 0 makes every block's MLP a mixture of `experts` SwiGLU experts of width
+  /// `hidden` (block_sparse_moe), each token routed to `top_k` of them.
+  int64_t experts = 0;           ///< num_local_experts; 0: dense
+  int64_t top_k = 2;             ///< num_experts_per_tok
+  bool normalize = true;         ///< renormalise the top-k weights (Qwen2-MoE's norm_topk_prob)
+  double aux_loss = 0.01;        ///< load-balancing loss coefficient (router_aux_loss_coef)
+  double z_loss = 0.0;           ///< router z-loss coefficient
+  double capacity_factor = 0.0;  ///< 0: dropless
   torch::ScalarType dtype = torch::kFloat32;  ///< parameters and compute (initialized in float32, then cast)
 };
 
@@ -62,11 +71,14 @@ class LlamaMlp : public nn::Unary {
   c10::optional<nn::Features> output_features() const override { return child("down_proj")->output_features(); }
 };
 
-/// x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)).
+/// x + self_attn(input_layernorm(x)), then x + mlp(post_attention_layernorm(x)); with experts,
+/// block_sparse_moe (a parallel::MoE) in place of mlp.
 class LlamaBlock : public nn::Unary {
  public:
   explicit LlamaBlock(const LlamaOptions& o);
   Tensor forward(const Tensor& x) override;
+  /// The feed-forward branch's name: "mlp", or "block_sparse_moe" with experts.
+  const char* ffn() const;
   /// The branches give whole features; sequence parallelism is on for every layer of the block or none.
   void check(const std::string& path) const override;
 };

@@ -20,7 +20,7 @@ std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& p
     if (!fresh) {
       const auto& first = params[buckets.back().front()];
       fresh = first.dtype != p.dtype || first.device != p.device || first.whole != p.whole || first.chunk != p.chunk ||
-              first.unit != p.unit;
+              first.unit != p.unit || first.expert != p.expert;
     }
     if (fresh) {
       buckets.emplace_back();
@@ -44,6 +44,13 @@ void DataParallelOptions::validate() const {
                   options.reduce == dist::ReduceOp::Sum,
               "ZeRO-", options.zero.stage, " reduce-scatters gradients: reduce must be 'mean' or 'sum', got '",
               to_string(options.reduce), "'");
+  TORCH_CHECK(options.experts.params.empty() || options.experts.group, "data parallelism: expert parameters need "
+              "their group");
+  TORCH_CHECK(options.experts.params.empty() || options.zero.stage <= 1, "ZeRO-", options.zero.stage,
+              " with expert parallelism is not built yet: ZeRO-1 shards expert and dense parameters in groups of their "
+              "own (stage 2 and 3: planned)");
+  TORCH_CHECK(options.experts.params.empty() || options.zero.stage == 0 || (options.experts.zero && !options.zero.across),
+              "ZeRO-1 with expert parallelism needs the experts' zero group, and zero groups of every data rank");
 }
 
 DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
@@ -56,13 +63,17 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
                                                    const DataParallelOptions& options) {
   std::shared_ptr<DataParallel> dp(new DataParallel(std::move(group), options));
   auto& g = *dp->group_;
+  auto holds = [](const std::vector<torch::Tensor>& list, const torch::Tensor& p) {
+    return std::any_of(list.begin(), list.end(), [&](const auto& t) { return t.is_same(p); });
+  };
   {
-    // Every rank starts from data rank 0's weights (smp's broadcast_buffers).
+    // Every rank starts from data rank 0's weights (smp's broadcast_buffers); an expert rank from
+    // the first of the ranks holding its experts.
     torch::NoGradGuard no_grad;
     if (options.broadcast_parameters)
       for (auto& p : model.parameters()) {
         auto data = p.data();
-        g.broadcast(data, 0);
+        (holds(options.experts.params, p) ? *options.experts.group : g).broadcast(data, 0);
       }
     if (options.broadcast_buffers)
       for (auto& b : model.buffers()) g.broadcast(b, 0);
@@ -75,10 +86,6 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
       dp->params_.push_back(p);
   }
   TORCH_CHECK(!dp->params_.empty(), "data parallelism: the model has no trainable parameters");
-
-  auto holds = [](const std::vector<torch::Tensor>& list, const torch::Tensor& p) {
-    return std::any_of(list.begin(), list.end(), [&](const auto& t) { return t.is_same(p); });
-  };
   std::vector<BucketParam> sizes;
   for (const auto& p : dp->params_) {
     int chunk = 0, unit = 0;
@@ -87,7 +94,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     for (size_t u = 0; u < options.zero.units.size(); ++u)
       if (holds(options.zero.units[u], p)) unit = static_cast<int>(u) + 1;
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), p.scalar_type(), p.device(),
-                     holds(options.pipeline.whole, p), chunk, unit});
+                     holds(options.pipeline.whole, p), chunk, unit, holds(options.experts.params, p)});
   }
   // Bytes a bucket; a cap past 2^62 bytes is one bucket of everything (and stays an int64).
   const auto cap = static_cast<int64_t>(std::min(options.bucket_cap_mb * 1024 * 1024, 0x1p62));
@@ -98,6 +105,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     b.whole = sizes[members.front()].whole;
     b.chunk = sizes[members.front()].chunk;
     b.unit = sizes[members.front()].unit;
+    b.expert = sizes[members.front()].expert;
     for (size_t k : members) {
       dp->bucket_of_[k] = dp->buckets_.size() - 1;
       dp->slot_of_[k] = b.params.size();
@@ -106,11 +114,11 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     }
   }
   // One flat buffer per (dtype, device), the buckets laid end to end in it, each padded to a
-  // multiple of the zero group's size so that it splits into equal parts.
-  const int64_t parts = dp->zero_size();
+  // multiple of its zero group's size so that it splits into equal parts.
   std::vector<std::pair<torch::ScalarType, torch::Device>> keys;
   std::vector<int64_t> lengths;
   for (auto& b : dp->buckets_) {
+    const int64_t parts = dp->parts(b);
     const auto& last = dp->params_[b.params.back()];
     b.numel = b.offsets.back() + last.numel();
     b.padded = (b.numel + parts - 1) / parts * parts;
@@ -138,7 +146,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   if (dp->sharded()) {
     // ZeRO-2: the shards (1/n of each buffer) and the tied buckets whole.
     for (size_t i = 0; i < keys.size(); ++i)
-      dp->shards_.push_back(torch::zeros({lengths[i] / parts}, dp->buffer_options_[i]));
+      dp->shards_.push_back(torch::zeros({lengths[i] / dp->zero_size()}, dp->buffer_options_[i]));
     for (auto& b : dp->buckets_)
       if (b.whole) b.flat = torch::zeros({b.padded}, dp->buffer_options_[b.buffer]);
   } else {
@@ -150,7 +158,10 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   dp->filled_.assign(dp->params_.size(), 0);
   dp->used_.assign(dp->params_.size(), 0);
   dp->unused_.assign(dp->params_.size(), 1);  // no gradient yet
-  for (const auto& p : dp->params_) dp->tied_.push_back(holds(options.pipeline.tied, p));
+  // Expert parameters count as used too: each rank's experts differ, so their counts summed over
+  // the data group say nothing (and the grouped compute gives every expert a gradient, zero or not).
+  for (const auto& p : dp->params_)
+    dp->tied_.push_back(holds(options.pipeline.tied, p) || holds(options.experts.params, p));
   // The hooks hold the object weakly: a model dropped by its user does not stay synced.
   std::weak_ptr<DataParallel> weak = dp;
   for (size_t k = 0; k < dp->params_.size(); ++k)
@@ -258,7 +269,7 @@ torch::Tensor DataParallel::take_inbox(Bucket& b) {
                                [&](size_t i) { return buckets_[i].buffer == b.buffer; });
     await_bucket(*oldest);
   }
-  if (!options_.zero.group->needs_inbox()) return {};  // NCCL's own reduce-scatter takes none
+  if (!zero_group(b)->needs_inbox()) return {};  // NCCL's own reduce-scatter takes none
   b.inbox = take_pooled(b.buffer);
   return pool_[b.buffer][b.inbox].narrow(0, 0, b.padded);
 }
@@ -278,8 +289,8 @@ void DataParallel::reduce_across(size_t i) {
   // This rank's part of the bucket, reduced over the zero group: then over the other zero groups
   // (hierarchical ZeRO); ZeRO-2 adds it into the shard and gives the scratch back.
   auto& b = buckets_[i];
-  const int64_t n = b.padded / zero_size();
-  auto part = b.flat.narrow(0, options_.zero.group->rank() * n, n);
+  const int64_t n = b.padded / parts(b);
+  auto part = b.flat.narrow(0, part_rank(b) * n, n);
   if (options_.zero.across) options_.zero.across->all_reduce(part, wire_op());
   if (sharded()) {
     shard_of(i).add_(part);
@@ -322,7 +333,7 @@ void DataParallel::await_inboxes() {
 torch::Tensor DataParallel::shard_of(size_t i) const {
   const auto& b = buckets_[i];
   TORCH_CHECK(sharded(), "data parallelism: bucket ", i, " has no shard without ZeRO-2");
-  return shards_[b.buffer].narrow(0, b.shard_start, b.padded / zero_size());
+  return shards_[b.buffer].narrow(0, b.shard_start, b.padded / parts(b));
 }
 
 torch::ScalarType DataParallel::reduce_dtype_for(torch::ScalarType param_dtype) const {
@@ -343,8 +354,8 @@ torch::Tensor DataParallel::bucket_grad(const torch::Tensor& param) const {
 torch::Tensor DataParallel::reduced_part(size_t i) const {
   const auto& b = buckets_[i];
   if (sharded() && !b.whole) return shard_of(i);
-  const int64_t part = b.padded / zero_size();
-  return b.flat.narrow(0, (options_.zero.group ? options_.zero.group->rank() : 0) * part, part);
+  const int64_t part = b.padded / parts(b);
+  return b.flat.narrow(0, part_rank(b) * part, part);
 }
 
 std::vector<torch::Tensor> DataParallel::held() const {
@@ -450,16 +461,16 @@ void DataParallel::launch_ready() {
       // the other zero groups when settled. ZeRO-1 leaves it in the bucket's part r, where the
       // optimizer reads it; ZeRO-2 adds it into the shard and gives the scratch back.
       auto inbox = take_inbox(b);
-      b.work = options_.zero.group->start_reduce_scatter_flat(b.flat, op, inbox);
+      b.work = zero_group(b)->start_reduce_scatter_flat(b.flat, op, inbox);
       inboxes_out_.push_back(i);
     } else if (scatters() && !b.whole) {
       // ZeRO-2: reduced over the zero group here (a ring on Gloo: it completes before backward
       // goes on, so that the scratch is free for the next bucket), then finished at once.
-      options_.zero.group->reduce_scatter_flat(b.flat, op);
+      zero_group(b)->reduce_scatter_flat(b.flat, op);
       reduce_across(i);
       b.work = dist::Work();
     } else {
-      b.work = group_->all_reduce(b.flat, op, /*async=*/true);
+      b.work = (b.expert ? options_.experts.group : group_)->all_reduce(b.flat, op, /*async=*/true);
     }
   }
 }
@@ -590,16 +601,15 @@ void DataParallel::settle_unused() {
 void DataParallel::gather_shards() {
   if (!scatters()) return;
   torch::NoGradGuard no_grad;
-  const int64_t z = zero_size(), r = options_.zero.group->rank();
   for (size_t i = 0; i < buckets_.size(); ++i) {
     auto& b = buckets_[i];
     if (b.whole) continue;  // whole already: .grad views it
-    const int64_t part = b.padded / z;
+    const int64_t r = part_rank(b), part = b.padded / parts(b);
     if (sharded()) {  // ZeRO-2: the shard into scratch; ZeRO-1's bucket holds its part r already
       take_scratch(b);
       b.flat.narrow(0, r * part, part).copy_(shard_of(i));
     }
-    options_.zero.group->all_gather_flat(b.flat);
+    zero_group(b)->all_gather_flat(b.flat);
     for (size_t s = 0; s < b.params.size(); ++s) {
       auto& p = params_[b.params[s]];
       auto slice = b.flat.narrow(0, b.offsets[s], p.numel()).view(p.sizes());

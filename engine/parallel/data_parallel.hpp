@@ -63,6 +63,18 @@ struct PipelineParts {
   std::vector<std::vector<torch::Tensor>> chunks;
 };
 
+/// Expert parallelism's parameters: each rank holds some experts, the same ones as the ranks of
+/// `group` (the mesh's expert_data). Their buckets are reduced over `group` alone, still divided by
+/// the whole data group's size under a mean: each rank's expert gradients hold every data rank's
+/// tokens already (the all-to-all brought them). They are broadcast over `group` alone.
+struct ExpertParts {
+  std::vector<torch::Tensor> params;
+  dist::GroupPtr group;
+  /// ZeRO-1: the ranks that split each expert bucket (expert_data: the zero group holds every
+  /// data rank); null without ZeRO.
+  dist::GroupPtr zero;
+};
+
 struct DataParallelOptions {
   double bucket_cap_mb = 25.0;                  ///< bytes of gradient a bucket holds (MiB)
   dist::ReduceOp reduce = dist::ReduceOp::Mean; ///< how ranks' gradients combine (Cube's reducer_op)
@@ -75,6 +87,7 @@ struct DataParallelOptions {
   c10::optional<torch::ScalarType> reduce_dtype;
   ZeroSplit zero;          ///< ZeRO's shards of the buckets
   PipelineParts pipeline;  ///< a pipeline rank's ties and chunks
+  ExpertParts experts;     ///< expert parallelism's parameters and their group
 
   /// Throws naming the option whose value does not fit (bucket size, accumulation, the reduce op
   /// and what ZeRO-2 allows of it).
@@ -89,10 +102,11 @@ struct BucketParam {
   bool whole = false;  ///< reduced whole even under ZeRO-2 (kept in buckets of its own)
   int chunk = 0;       ///< the pipeline chunk of this rank it belongs to
   int unit = 0;        ///< ZeRO-3's unit (0: the root unit)
+  bool expert = false; ///< an expert-parallel parameter (reduced over ExpertParts::group)
 };
 /// The buckets for `params` (in parameter order): lists of parameter indices, in reverse parameter
 /// order (roughly the order backward produces gradients), a bucket closed once it holds at least
-/// `cap_bytes` and wherever dtype, device, `whole`, chunk or unit changes. Every parameter is in exactly
+/// `cap_bytes` and wherever dtype, device, `whole`, chunk, unit or `expert` changes. Every parameter is in exactly
 /// one bucket.
 std::vector<std::vector<size_t>> bucket_layout(const std::vector<BucketParam>& params, int64_t cap_bytes);
 
@@ -112,6 +126,7 @@ struct Bucket {
   bool whole = false;            ///< all-reduced whole under ZeRO-2 too (DataParallelOptions::whole)
   int chunk = 0;                 ///< the pipeline chunk its parameters belong to
   int unit = 0;                  ///< ZeRO-3's unit its parameters belong to (0: the root unit)
+  bool expert = false;           ///< holds expert-parallel parameters: reduced over their group
   int pending = 0;               ///< gradients still to arrive this pass
   bool ready = false;
   bool in_pass = false;          ///< reduced by the backward pass running now
@@ -276,6 +291,13 @@ class DataParallel : public std::enable_shared_from_this<DataParallel> {
   }
   /// The zero group's size (1 without ZeRO): how many parts each bucket splits into.
   int zero_size() const { return options_.zero.group ? options_.zero.group->size() : 1; }
+  /// The group bucket `b` splits over under ZeRO: the expert zero group for an expert bucket,
+  /// else the zero group (null without ZeRO); its size and this rank's place in it.
+  const dist::GroupPtr& zero_group(const Bucket& b) const {
+    return b.expert && options_.experts.zero ? options_.experts.zero : options_.zero.group;
+  }
+  int parts(const Bucket& b) const { return zero_group(b) ? zero_group(b)->size() : 1; }
+  int part_rank(const Bucket& b) const { return zero_group(b) ? zero_group(b)->rank() : 0; }
   /// When buckets are reduce-scattered (scatters(): ZeRO-2, ZeRO-1 unless zero.reduce_scatter is
   /// off): gathers every bucket's reduced parts over the zero group into newly allocated .grad
   /// tensors, so that each .grad is the whole reduced gradient (Cube's sync_shard_grad). Does

@@ -9,6 +9,7 @@
 
 #include "engine/dist/world.hpp"
 #include "engine/nn/init.hpp"
+#include "engine/parallel/moe.hpp"
 #include "engine/parallel/recompute.hpp"
 #include "engine/parallel/stage_timing.hpp"
 #include "engine/parallel/trace.hpp"
@@ -234,6 +235,40 @@ void split_context(nn::Module& tree, const dist::GroupPtr& group, c10::optional<
               "written in Lua calls pt.cp.attention)");
 }
 
+// Tells every MoE block the expert group (its experts are cut to this rank's E/e) and the ranks
+// that split the batch (its load-balancing counts are summed there). A mesh with expert ranks
+// and no MoE block is refused, as are what is not built for experts yet.
+void split_experts(nn::Module& tree, const dist::Mesh& mesh, int zero_stage) {
+  const int e = mesh.size("expert");
+  auto blocks = moe_blocks(tree);
+  TORCH_CHECK(e == 1 || !blocks.empty() || mesh.size("pipeline") > 1, "parallelize: the mesh has expert=", e,
+              ", but ", tree.type(), " has no mixture-of-experts block (pt.nn.MoE, or pt.models.llama { experts = E })"
+              " whose experts could split over it");
+  const auto& l = mesh.layout();
+  TORCH_CHECK(e == 1 || zero_stage <= 1, "parallelize: ZeRO-", zero_stage, " with expert=", e, " is not built yet: "
+              "use ZeRO-1 (or none) with expert parallelism");
+  TORCH_CHECK(e == 1 || zero_stage == 0 || l.zero == l.data * l.context, "parallelize: ZeRO-1 with expert=", e,
+              " needs zero groups of every data rank (pt.mesh { zero = 0 }), got zero=", l.zero,
+              ": expert and dense parameters are sharded in groups of their own");
+  for (auto& [path, block] : blocks) {
+    try {
+      block->split_experts(mesh.group("expert"), mesh.group("data_context"));
+    } catch (const c10::Error& err) {
+      TORCH_CHECK(false, "parallelize: ", path, ": ", err.what_without_backtrace());
+    }
+  }
+}
+
+// Expert parameters (this rank's part of each block's stacked experts), for data parallelism's
+// buckets of their own.
+std::vector<torch::Tensor> expert_params(nn::Module& tree) {
+  std::vector<torch::Tensor> out;
+  for (auto& [path, block] : moe_blocks(tree))
+    if (block->expert_size() > 1)
+      for (const auto& p : block->child("experts")->parameters()) out.push_back(p);
+  return out;
+}
+
 }  // namespace
 
 void ParallelizeOptions::validate(const dist::Mesh& mesh) const {
@@ -279,6 +314,9 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   //    Context parallelism: the modules that compute over the sequence (the attentions, the
   //    models' positions and dropout) learn the context group; it changes no parameter.
   split_context(tree, on.group("context"), options.context);
+  //    Expert parallelism: each MoE block keeps its experts of this expert rank (a split of its
+  //    stacked experts along dimension 0); tokens travel to them by all-to-all.
+  split_experts(tree, on, zero_stage_of(options.zero, on));
   // 3. A model built deferred (on the meta device) gets its tensors now, only those this rank
   //    holds: each initialized by name as the serial model (the logical tensor, then this rank's
   //    slice of a split one), one at a time. The planner keeps them on the meta device.
@@ -302,6 +340,11 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   auto dp = options.data_parallel;
   if (model->pipeline_) dp.pipeline.tied = model->pipeline_->tied_params();
   dp.broadcast_parameters = deferred.empty();  // made by name: alike on every rank, and not yet
+  dp.experts.params = expert_params(tree);
+  if (!dp.experts.params.empty()) {
+    dp.experts.group = on.group("expert_data");
+    if (stage > 0) dp.experts.zero = dp.experts.group;  // ZeRO-1: experts split over their own replicas
+  }
   zero_data_parallel(stage, options.zero, on, model->pipeline_.get(), dp);
   std::vector<std::string> units;  // ZeRO-3's unit modules, in forward order
   if (stage == 3) {
@@ -532,6 +575,8 @@ torch::Tensor ParallelModel::train_step(const torch::Tensor& x, const torch::Ten
   sync_params();  // overlap_sync_param: the last step's parameters, before the forward reads them
   auto scaler = loss_scaler();
   const double scale = scaler ? scaler->scale() : 1.0;  // loss scaling: backward from loss x scale
+  // The router losses of MoE blocks: each micro-batch's weighs 1 / micro-batches, scaled alike.
+  RouterLossWeight router_losses(scale / (pipeline_ ? pipeline_->options().microbatches : n));
   // Serial training's loss is the mean over the global batch's counted targets (cross-entropy's
   // not ignore_index; every element for mse). Micro-batches and data ranks may hold different
   // counts (padding), so their own means must not weigh alike: each backward starts from its

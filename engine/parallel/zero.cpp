@@ -93,6 +93,7 @@ struct Segment {
 struct Gather {
   size_t first = 0, last = 0;
   int64_t begin = 0, length = 0;
+  dist::GroupPtr group;  // the buckets' zero group (the experts' have their own)
 };
 
 class ZeroShards : public optim::Distributed {
@@ -102,13 +103,12 @@ class ZeroShards : public optim::Distributed {
     const auto& o = dp_->options();
     zero_ = o.zero.group;
     stage_ = o.zero.stage;
-    const int z = zero_->size(), r = zero_->rank();
     const auto& params = dp_->params();
     // One master per flat buffer: the buffer's buckets' parts r laid end to end, in float32 (or
     // float64 for float64 gradients): the layout of data parallelism's ZeRO-2 shards.
     std::vector<int64_t> length(dp_->buffer_options().size(), 0);
     for (const auto& b : dp_->buckets()) {
-      const int64_t part = b.padded / z, begin = r * part;
+      const int64_t part = b.padded / dp_->parts(b), begin = dp_->part_rank(b) * part;
       bucket_master_.push_back(length[b.buffer]);
       for (size_t s = 0; s < b.params.size(); ++s) {
         const int64_t lo = std::max(b.offsets[s], begin);
@@ -163,6 +163,10 @@ class ZeroShards : public optim::Distributed {
     steps_.assign(params.size(), 0);
     stepped_.assign(params.size(), 0);
     groups_ = split_groups(model->module(), params);
+    // Experts are split over the expert group, and their zero group over the rest of the data
+    // ranks: the norm's sum over every data rank (grad_norm) has every expert's elements once.
+    for (size_t k = 0; k < params.size(); ++k)
+      if (dp_->buckets()[dp_->bucket_of(k)].expert) groups_[k] = nullptr;
     // The all-gathers after the step: runs of consecutive buckets of one buffer whose parts lie
     // end to end in its master, up to allgather_bucket_size of gathered parameters. On Gloo each
     // collective is a round trip between the ranks: the 13 buckets of 1 MiB of a 3 M-parameter
@@ -172,18 +176,19 @@ class ZeroShards : public optim::Distributed {
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
       if (param_sharded(i)) continue;  // ZeRO-3: the next forward gathers it
+      const int z = dp_->parts(b);
       if (!gathers_.empty() && gathers_.back().last == i) {
         auto& g = gathers_.back();
         const auto dtype = dtype_of(g);
         const double bytes = static_cast<double>(z) * (g.length + b.padded / z) * c10::elementSize(dtype);
         if (buckets[g.last - 1].buffer == b.buffer && params[b.params.front()].scalar_type() == dtype &&
-            g.begin + g.length == bucket_master_[i] && bytes <= cap) {
+            g.begin + g.length == bucket_master_[i] && bytes <= cap && g.group == dp_->zero_group(b)) {
           g.last = i + 1;
           g.length += b.padded / z;
           continue;
         }
       }
-      gathers_.push_back({i, i + 1, bucket_master_[i], b.padded / z});
+      gathers_.push_back({i, i + 1, bucket_master_[i], b.padded / z, dp_->zero_group(b)});
     }
   }
 
@@ -218,7 +223,7 @@ class ZeroShards : public optim::Distributed {
     for (size_t i = 0; i < buckets.size(); ++i) {
       const auto& b = buckets[i];
       if (shared_[b.buffer] && !b.whole) continue;  // grads_ is the shard buffer itself
-      grads_[b.buffer].narrow(0, bucket_master_[i], b.padded / zero_->size()).copy_(dp_->reduced_part(i));
+      grads_[b.buffer].narrow(0, bucket_master_[i], b.padded / dp_->parts(b)).copy_(dp_->reduced_part(i));
     }
     // A parameter no data rank gave a gradient keeps none, and the optimizer skips its pieces
     // (its moments, weight decay and step count stay), as it skips the parameter in serial
@@ -243,7 +248,6 @@ class ZeroShards : public optim::Distributed {
 
   void publish() override {
     torch::NoGradGuard no_grad;
-    const int z = zero_->size(), r = zero_->rank();
     const auto& params = dp_->params();
     const auto& buckets = dp_->buckets();
     for (size_t k = 0; k < params.size(); ++k)  // the same on every rank: the counts are the group's
@@ -253,7 +257,8 @@ class ZeroShards : public optim::Distributed {
       // not the shard itself); the units gathered now hold the old values and are freed.
       for (size_t i = 0; i < buckets.size(); ++i)
         if (param_sharded(i) && !master_is_shard_[buckets[i].buffer])
-          fsdp_->shard_of(i).copy_(masters_[buckets[i].buffer].narrow(0, bucket_master_[i], buckets[i].padded / z));
+          fsdp_->shard_of(i).copy_(
+              masters_[buckets[i].buffer].narrow(0, bucket_master_[i], buckets[i].padded / zero_->size()));
       fsdp_->reshard_all();
       // The parameters changed without a write through them: a backward still to come over a
       // forward from before the step (its root unit freed here) must refuse, as serial training's
@@ -274,19 +279,20 @@ class ZeroShards : public optim::Distributed {
         f.gather = n;
         f.mine = masters_[buckets[g.first].buffer].narrow(0, g.begin, g.length)
                      .to(dtype_of(g), /*non_blocking=*/false, /*copy=*/true);
-        f.work = zero_->all_gather(f.mine, f.parts, /*async=*/true);
+        f.work = g.group->all_gather(f.mine, f.parts, /*async=*/true);
         in_flight_.push_back(std::move(f));
       }
       return;
     }
     for (const auto& g : gathers_) {
+      const int z = g.group->size(), r = g.group->rank();
       // (z x length,) in the parameters' dtype: rank j's updated parts of the run's buckets at j x length.
       auto& scratch = scratch_[dtype_of(g)];
       if (!scratch.defined() || scratch.numel() < z * g.length)
         scratch = torch::empty({z * g.length}, params[buckets[g.first].params.front()].options().requires_grad(false));
       auto flat = scratch.narrow(0, 0, z * g.length);
       flat.narrow(0, r * g.length, g.length).copy_(masters_[buckets[g.first].buffer].narrow(0, g.begin, g.length));
-      zero_->all_gather_flat(flat);
+      g.group->all_gather_flat(flat);
       place(g, [&](int j) { return flat.narrow(0, j * g.length, g.length); });
     }
   }
@@ -313,7 +319,7 @@ class ZeroShards : public optim::Distributed {
     const auto& buckets = dp_->buckets();
     for (size_t i = g.first; i < g.last; ++i) {
       const auto& b = buckets[i];
-      const int64_t part = b.padded / zero_->size(), at = bucket_master_[i] - g.begin;
+      const int64_t part = b.padded / dp_->parts(b), at = bucket_master_[i] - g.begin;
       for (size_t s = 0; s < b.params.size(); ++s) {
         auto p = params[b.params[s]].detach();
         auto flat = p.view({-1});
@@ -354,7 +360,7 @@ class ZeroShards : public optim::Distributed {
       for (const auto& s : segments_)
         if (static_cast<int64_t>(s.param) == k)
           for_pieces(s, [&](size_t q, int64_t from, int64_t n) { full.narrow(0, s.param_offset + from, n).copy_(source(q)); });
-      zero_->all_reduce(full);
+      dp_->zero_group(dp_->buckets()[dp_->bucket_of(k)])->all_reduce(full);
       return full.view(p.sizes());
     };
     if (stepped_[k])  // a parameter that has not stepped yet has no state, as in serial training

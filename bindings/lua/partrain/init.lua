@@ -221,6 +221,32 @@ end
 pt.tp = core.tp
 --- Context parallelism (docs/parallel.md): attention over a sequence split across the context group.
 pt.cp = core.cp
+--- Mixture of experts (docs/parallel.md, "Expert parallelism"): routers written in Lua, and what
+--- the blocks counted.
+pt.moe = pt.moe or {}
+--- pt.moe.set_router(model, fn): fn(block, logits, x) -> weights, indices [, probs] routes every
+--- MoE block of `model` (or `model` itself, an MoE block); returns how many it set.
+function pt.moe.set_router(model, fn)
+  need_module(model, "pt.moe.set_router", 2)
+  if type(fn) ~= "function" then
+    error("pt.moe.set_router: expected a function(block, logits, x), got " .. type(fn), 2)
+  end
+  local n = 0
+  for _, m in model:named_modules() do
+    if m:type() == "MoE" then
+      m:set_router(fn)
+      n = n + 1
+    end
+  end
+  if n == 0 then error("pt.moe.set_router: " .. model:type() .. " has no MoE block", 2) end
+  return n
+end
+--- pt.moe.stats(model): { [block path] = { routed = { per expert }, dropped, slots, aux, z,
+--- forwards } }, this rank's counts since the last call (which resets them).
+function pt.moe.stats(model)
+  need_module(model, "pt.moe.stats", 2)
+  return model:_take_moe_stats()
+end
 --- pt.mesh { tensor = t, context = c, pipeline = p, data = d, zero = z }: the world laid out as
 --- pipeline x data x context x tensor (tensor fastest), with its groups made once.
 local last_mesh = setmetatable({}, { __mode = "v" })

@@ -272,9 +272,12 @@ local function check_modules(modules, at)
     if type(entry) ~= "table" then fail(at, "modules.%s must be a table, got %s", key, type(entry)) end
     local ew = entry_where(entry, at)
     for k in pairs(entry) do
-      if k ~= "attributes" and k ~= "replace" and k ~= "methods" then
-        fail(ew, "modules.%s has no field %s (fields: attributes, methods, replace)", key, core._key_text(k))
+      if k ~= "attributes" and k ~= "replace" and k ~= "methods" and k ~= "optional" then
+        fail(ew, "modules.%s has no field %s (fields: attributes, methods, optional, replace)", key, core._key_text(k))
       end
+    end
+    if entry.optional ~= nil and type(entry.optional) ~= "boolean" then
+      fail(ew, "modules.%s.optional must be a boolean, got %s", key, type(entry.optional))
     end
     if entry.replace ~= nil then
       if type(entry.replace) ~= "table" then fail(ew, "modules.%s.replace must be a list, got %s", key, type(entry.replace)) end

@@ -62,7 +62,8 @@ local function plan(model, policy, modules, cfg, at)
     local entry = modules[key]
     local ew = entry_where(entry, at)
     local found = matches(model, key)
-    if #found == 0 then fail(ew, "modules.%s matches no module of %s", key, model:type()) end
+    -- optional = true: a module only some models of the family have (LLaMA's dense MLP).
+    if #found == 0 and not entry.optional then fail(ew, "modules.%s matches no module of %s", key, model:type()) end
     for _, item in ipairs(found) do
       local base, parent = item[1], item[2]
       for i, r in ipairs(entry.replace or {}) do
