@@ -2,7 +2,8 @@
 -- tensor x data parallelism and ZeRO-3 with every rank on the same CUDA device (Gloo over CUDA tensors)
 -- train as serial training does, in float32 (losses and parameters within 1e-5, relative to
 -- max(|x|, 1)) and float64 (1e-10); so does GPT-2 with each sequence split over the ranks (context
--- parallelism, ring and all_to_all), and in bfloat16 pt.cp.attention and that GPT-2 stay within
+-- parallelism, ring and all_to_all) and a Mixtral-style LLaMA with its experts split over the
+-- ranks (expert parallelism), and in bfloat16 pt.cp.attention and that GPT-2 stay within
 -- 1e-2 of float32 over the whole sequence; a checkpoint saved from the device reloads bit for bit; the
 -- CUDA and CPU generators come back with a checkpoint (the draws after a load repeat the draws
 -- after the save). --phase cpu_load and --phase compare are the single-process halves of the
@@ -131,6 +132,18 @@ if cfg.phase == "ranks" then
           function() return pt.models.gpt2(gpt) end, "policies.gpt2", gpt_batch, dtype, { context = mode })
       end)
     end
+  end
+
+  -- Experts: a Mixtral-style LLaMA with its 4 experts split over the ranks (tokens by the
+  -- all-to-all of unequal row counts over Gloo on the device, the experts as grouped matmuls:
+  -- at::_grouped_mm in float32 where CUDA takes it, the padded bmm in float64).
+  for _, dtype in ipairs { "float32", "float64" } do
+    test(("expert-parallel Mixtral-style LLaMA on %s equals serial training (%s)"):format(device, dtype), function()
+      equal_to_serial("llama experts", pt.mesh { expert = pt.dist.world_size() },
+        function() return pt.models.llama { vocab = gpt.vocab, seq = gpt.seq, dim = 16, heads = 4, layers = 1,
+                                            hidden = 24, experts = 4, top_k = 2 } end,
+        "policies.llama", gpt_batch, dtype)
+    end)
   end
 
   -- bfloat16 against float32 over the whole sequence, on the same (bfloat16) values: the output
