@@ -331,6 +331,14 @@ int64_t Optimizer::planned_state_bytes() const {
   return bytes;
 }
 
+int64_t Optimizer::planned_state_bytes(const torch::Tensor& param) const {
+  const bool mine = std::any_of(params_.begin(), params_.end(), [&](const torch::Tensor& p) { return p.is_same(param); });
+  if (!mine || !param.requires_grad()) return 0;
+  const auto slots = static_cast<int64_t>(state_slots(options_).size());
+  const int64_t element = needs_master(param.scalar_type()) ? 4 : static_cast<int64_t>(param.element_size());
+  return slots * element * param.numel();
+}
+
 int64_t Optimizer::planned_master_bytes() const {
   int64_t bytes = 0;
   for (const auto& p : params_)

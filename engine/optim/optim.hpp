@@ -149,6 +149,8 @@ class Optimizer {
   /// float32 for a low-precision parameter; masters not included), computed from the parameters
   /// without allocating it: what the planner reports.
   int64_t planned_state_bytes() const;
+  /// The same for one of its parameters (0 for one it does not step).
+  int64_t planned_state_bytes(const torch::Tensor& param) const;
   /// Bytes of the float32 masters of the low-precision parameters (made on the first step where
   /// the parameters are on the meta device): what the planner reports beside the state. Their
   /// gradients, cast from the parameters' by step(), take as many again.

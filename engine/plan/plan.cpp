@@ -17,6 +17,7 @@
 #include "engine/nn/layers.hpp"
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/context_parallel.hpp"
+#include "engine/parallel/moe.hpp"
 #include "engine/parallel/parallel_model.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
@@ -74,6 +75,7 @@ class FirstStepObserver final : public events::StepObserver {
     traffic_base_.clear();
     for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
     util::keep_context_attention_notes(0);
+    util::keep_expert_exchange_notes(0);
   }
   void forward_ends() override {
     if (!first_step_.begun || first_step_.forward_done) return;
@@ -84,7 +86,8 @@ class FirstStepObserver final : public events::StepObserver {
   // A forward set aside puts the record (and the traffic it counts from) back as it was, so that
   // a forward of its that passes through Lua (a policy's sequence-parallel forward) begins no step.
   void aside_begins() override {
-    saved_.push_back({first_step_, traffic_base_, gathered_base_, util::context_attention_notes().size()});
+    saved_.push_back({first_step_, traffic_base_, gathered_base_, util::context_attention_notes().size(),
+                      util::expert_exchange_notes().size()});
   }
   void aside_ends() override {
     if (saved_.empty()) return;
@@ -92,6 +95,7 @@ class FirstStepObserver final : public events::StepObserver {
     traffic_base_ = std::move(saved_.back().traffic);
     gathered_base_ = saved_.back().gathered;
     util::keep_context_attention_notes(saved_.back().notes);
+    util::keep_expert_exchange_notes(saved_.back().expert_notes);
     saved_.pop_back();
   }
 
@@ -100,7 +104,8 @@ class FirstStepObserver final : public events::StepObserver {
     FirstStep step;
     std::map<const dist::ProcessGroup*, std::map<std::string, dist::ProcessGroup::Traffic>> traffic;
     int64_t gathered = 0;
-    size_t notes = 0;  // context attention notes
+    size_t notes = 0;         // context attention notes
+    size_t expert_notes = 0;  // expert exchange notes
   };
   std::vector<Saved> saved_;
   int64_t gathered_base_ = 0;
@@ -123,6 +128,7 @@ void reset_first_step() {
   first_step_ = FirstStep{};
   traffic_base_.clear();
   util::keep_context_attention_notes(0);
+  util::keep_expert_exchange_notes(0);
 }
 
 // ---- Building a rank's plan ----------------------------------------------------------------
@@ -213,6 +219,58 @@ ContextPlan context_plan(const std::vector<util::ContextAttentionNote>& notes) {
   return p;
 }
 
+// This rank's share of the stacked experts, their gradients (data parallelism's buffers hold them
+// in the buffer's dtype) and optimizer state, and what the first step's MoE forwards would move
+// over the expert group (see ExpertPlan).
+ExpertPlan expert_plan(const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
+                       const std::vector<util::ExpertExchangeNote>& notes) {
+  ExpertPlan p;
+  auto owner = parallel::ParallelModel::of(model);
+  const auto dp = owner ? owner->data_parallel() : nullptr;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto& t = item.value();
+    const auto& name = item.key();
+    const auto dot = name.rfind('.');
+    auto holder = dot == std::string::npos ? nullptr : model.find(name.substr(0, dot));
+    auto* experts = dynamic_cast<const parallel::GroupedExperts*>(holder.get());
+    if (!experts || !t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (name.compare(dot + 1, std::string::npos, "w1") == 0) ++p.blocks;
+    p.experts = experts->experts;
+    p.local = experts->local;
+    const auto bytes = static_cast<int64_t>(t.nbytes());
+    p.param_bytes += bytes;
+    p.stacked_bytes += bytes / experts->local * experts->experts;
+    if (t.requires_grad()) {
+      const int64_t k = dp ? dp->index_of(t) : -1;
+      const auto element = k >= 0 ? c10::elementSize(
+                                        c10::typeMetaToScalarType(dp->buffer_options()[dp->buckets()[dp->bucket_of(k)].buffer].dtype()))
+                                  : t.element_size();
+      p.grad_bytes += t.numel() * static_cast<int64_t>(element);
+    }
+    for (const auto* o : optimizers) p.optimizer_bytes += o->planned_state_bytes(t);
+  }
+  for (const auto& n : notes) {
+    // Forward: the counts, the rows to their experts' ranks (T of them) and the results back
+    // (balanced: T/E rows of every rank for each expert); backward: both rows' gradients again.
+    const int64_t passes = n.backward ? 2 : 1, row = n.dim * n.element_size;
+    const int64_t back = n.experts * (n.slots / n.experts);
+    if (p.forwards++ == 0) {
+      p.top_k = n.top_k;
+      p.tokens = n.tokens;
+      p.slots = n.slots;
+      p.dim = n.dim;
+      p.element_size = n.element_size;
+    }
+    p.all_to_alls += 1 + 2 * passes;
+    p.count_bytes += n.experts * 8;
+    p.balanced_bytes += passes * (n.slots + back) * row;
+    p.balanced_sent += passes * (n.slots + back) * row / n.expert * (n.expert - 1);
+    p.worst_sent += passes * 2 * n.slots * row;
+  }
+  return p;
+}
+
 }  // namespace
 
 RankPlan describe(int rank, const nn::Module& model, const std::vector<const optim::Optimizer*>& optimizers,
@@ -224,6 +282,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     r.data = mesh->coord().data;
     r.pipeline = mesh->coord().pipeline;
     r.context = mesh->coord().context;
+    r.expert = mesh->coord().expert;
   } else {
     r.data = rank;
   }
@@ -289,6 +348,8 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
   }
   r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
   if (first_step_.begun) r.context_plan = context_plan(util::context_attention_notes());
+  r.expert_plan = expert_plan(model, optimizers, first_step_.begun ? util::expert_exchange_notes()
+                                                                   : std::vector<util::ExpertExchangeNote>{});
   // What the groups moved since the first step began.
   for (const auto& g : dist::World::instance().groups()) {
     auto before = traffic_base_.find(g.get());
@@ -400,6 +461,7 @@ Plan layout_of(const dist::Mesh* mesh) {
     p.pipeline = mesh->layout().pipeline;
     p.zero = mesh->layout().zero;
     p.context = mesh->layout().context;
+    p.expert = mesh->layout().expert;
   } else {
     p.data = p.world;
     p.zero = 1;  // ZeRO is not built yet: no zero groups
@@ -439,7 +501,8 @@ std::string check(const RankPlan& actual, const Plan& layout, const std::string&
         Plan planned = load(path);
         std::ostringstream d;
         if (planned.world != layout.world || planned.tensor != layout.tensor || planned.data != layout.data ||
-            planned.pipeline != layout.pipeline || planned.zero != layout.zero || planned.context != layout.context)
+            planned.pipeline != layout.pipeline || planned.zero != layout.zero || planned.context != layout.context ||
+            planned.expert != layout.expert)
           d << "  layout: planned world " << planned.world << " (" << layout_text(planned) << ", zero " << planned.zero
             << "); this run world " << layout.world << " (" << layout_text(layout) << ", zero " << layout.zero << ")\n";
         auto it = std::find_if(planned.ranks.begin(), planned.ranks.end(),

@@ -139,11 +139,38 @@ struct ContextPlan {
   int64_t all_to_all_sent(int context) const { return context > 0 ? all_to_all_bytes / context * (context - 1) : 0; }
 };
 
+/// Expert parallelism on this rank (the mesh's expert > 1): its share of the mixture-of-experts
+/// blocks' stacked experts, and what their all-to-alls over the expert group move in a step. Each
+/// MoE forward exchanges the routed counts (an equal all-to-all of E int64), then its T routed rows
+/// of width dim (an all-to-all of unequal row counts), and the experts' results back the same way;
+/// its backward sends both row exchanges' gradients back (2 more calls). The routing depends on
+/// the data, so the bytes are predicted for a balanced routing (T/E rows an expert, the planner's
+/// meta routing), where (e - 1)/e of each rank's rows leave it, and for the worst case, where all
+/// of them do. Bytes as a group's traffic counts them: whole messages, the rows kept on the rank
+/// included. A real run's plan notes no exchanges (forwards 0) but holds the same parameters.
+struct ExpertPlan {
+  int64_t experts = 0, local = 0;  ///< E of a block and the experts a rank holds (E/e); 0: no MoE block
+  int64_t blocks = 0;              ///< MoE blocks (stacks of experts) on this rank
+  int64_t top_k = 0;
+  int64_t forwards = 0;            ///< MoE forwards over the expert group in the first step (replays too)
+  int64_t tokens = 0, slots = 0, dim = 0, element_size = 0;  ///< the first forward's N, T = N x top_k, width
+  int64_t all_to_alls = 0;         ///< predicted calls a step: 3 a forward (counts, rows, results), 2 a backward
+  int64_t count_bytes = 0;         ///< the counts' all-to-alls a step (E x 8 bytes a forward)
+  int64_t balanced_bytes = 0;      ///< the rows' all-to-alls a step, balanced routing (whole messages)
+  int64_t balanced_sent = 0;       ///< of them, what leaves the rank: (e - 1)/e
+  int64_t worst_sent = 0;          ///< what leaves the rank when every routed row goes to another rank
+  /// This rank's expert tensors (E/e of every stack), the whole stacks (what one rank would hold
+  /// unsplit), and the experts' gradients and optimizer state (also counted in the memory table).
+  int64_t param_bytes = 0, stacked_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+};
+
 struct RankPlan {
   int rank = 0;
   int tensor = 0, data = 0, pipeline = 0;  ///< coordinates in the mesh
   int context = 0;                         ///< this rank's context coordinate
   ContextPlan context_plan;                ///< under context parallelism (calls 0 otherwise)
+  int expert = 0;                          ///< which share of the experts this rank holds (format 6 on)
+  ExpertPlan expert_plan;                  ///< under expert parallelism (experts 0 otherwise)
   std::vector<Shard> shards;
   /// Parameters in their dtype; gradients as the run holds them (data parallelism's flat buffers,
   /// a parameter's own .grad where the buffer has another dtype, and the float32 gradients the
@@ -174,6 +201,7 @@ struct Plan {
   int world = 1, nproc_per_node = 1;
   int tensor = 1, data = 1, pipeline = 1, zero = 1;
   int context = 1;             ///< ranks each sequence is split over (format 5 on; 1 before)
+  int expert = 1;              ///< ranks each expert group splits the experts over (format 6 on; 1 before)
   int64_t cpu_peak_bytes = 0;  ///< tensor memory the planner allocated on the CPU (when planning)
   double seconds = 0;          ///< how long planning took
   std::vector<RankPlan> ranks;
@@ -234,7 +262,8 @@ std::string to_bytes(const RankPlan& rank);
 RankPlan from_bytes(const std::string& bytes);
 
 /// How `actual` differs from `planned`, one line a difference, "" when they match. Shards,
-/// model-state bytes and collectives are compared; activations are an estimate and are not.
+/// model-state bytes and collectives are compared; activations are an estimate and are not, nor
+/// are the bytes of the expert group's all-to-alls (the routing decides them): their calls are.
 std::string differences(const RankPlan& planned, const RankPlan& actual);
 
 /// For people: the shard map, memory per rank and collectives per step.
@@ -249,7 +278,8 @@ struct TextOptions {
   bool shards = false;
 };
 std::string to_text(const Plan& plan, const TextOptions& options = {});
-/// "tensor 2 x context 2 x data 2 x pipeline 1": a plan's mesh sizes (context only above 1).
+/// "tensor 2 x context 2 x data 2 x pipeline 1, expert 2": a plan's mesh sizes (context and
+/// expert only above 1).
 std::string layout_text(const Plan& plan);
 /// The verdict line of a plan against one device's memory (see TextOptions).
 std::string fit_verdict(const Plan& plan, int64_t device_memory, const std::string& source);

@@ -50,11 +50,18 @@ void serialize(Archive& ar, ContextPlan& c) {
      c.all_to_all_bytes, c.all_to_all_refusal);
 }
 
+template <class Archive>
+void serialize(Archive& ar, ExpertPlan& e) {
+  ar(e.experts, e.local, e.blocks, e.top_k, e.forwards, e.tokens, e.slots, e.dim, e.element_size, e.all_to_alls, e.count_bytes,
+     e.balanced_bytes, e.balanced_sent, e.worst_sent, e.param_bytes, e.stacked_bytes, e.grad_bytes, e.optimizer_bytes);
+}
+
 namespace {
 // The format version being read: version 1 plans (before pipeline stages) have no StagePlan,
 // version 2 ones (before ZeRO) no master bytes or zero stage, version 3 ones (before ZeRO-3) no
-// parameter shard or gather bytes, version 4 ones (before context parallelism) no context.
-uint32_t reading_version = 5;
+// parameter shard or gather bytes, version 4 ones (before context parallelism) no context,
+// version 5 ones (before expert parallelism) no expert size, coordinate or ExpertPlan.
+uint32_t reading_version = 6;
 }  // namespace
 
 template <class Archive>
@@ -65,20 +72,23 @@ void serialize(Archive& ar, RankPlan& r) {
   if (reading_version >= 3) ar(r.master_bytes, r.zero_stage, r.zero_group);
   if (reading_version >= 4) ar(r.param_shard_bytes, r.gather_bytes, r.gathers_all);
   if (reading_version >= 5) ar(r.context, r.context_plan);
+  if (reading_version >= 6) ar(r.expert, r.expert_plan);
 }
 template <class Archive>
 void serialize(Archive& ar, Plan& p) {
   ar(p.script, p.world, p.nproc_per_node, p.tensor, p.data, p.pipeline, p.zero);
   if (reading_version >= 5) ar(p.context);
+  if (reading_version >= 6) ar(p.expert);
   ar(p.cpu_peak_bytes, p.seconds, p.ranks);
 }
 
 namespace {
 const char kMagic[] = "partrain-plan";
 // 2: pipeline stages; 3: master bytes and the zero stage; 4: ZeRO-3's shard and gather bytes;
-// 5: context parallelism (the layout's context, a rank's coordinate and its ContextPlan)
-// (1 to 4 still read)
-constexpr uint32_t kVersion = 5;
+// 5: context parallelism (the layout's context, a rank's coordinate and its ContextPlan);
+// 6: expert parallelism (the layout's expert, a rank's expert coordinate and its ExpertPlan)
+// (1 to 5 still read)
+constexpr uint32_t kVersion = 6;
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 

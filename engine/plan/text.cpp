@@ -55,16 +55,30 @@ std::string shard_text(const Shard& s) {
   return text.size() > 300 ? text.substr(0, 300) + "..." : text;
 }
 
+// The expert group's all-to-alls: their bytes follow the routing, which depends on the data, so a
+// run is compared with its plan by their calls (the plan's bytes are a balanced routing's).
+bool routed(const Collective& c) { return c.group.rfind("expert[", 0) == 0 && c.op == "all_to_all"; }
+
+bool same_collectives(const std::vector<Collective>& planned, const std::vector<Collective>& actual) {
+  if (planned.size() != actual.size()) return false;
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const auto &p = planned[i], &a = actual[i];
+    if (p.group != a.group || p.op != a.op || p.calls != a.calls || (!routed(p) && p.bytes != a.bytes)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 std::string differences(const RankPlan& planned, const RankPlan& actual) {
   std::ostringstream d;
   int shown = 0, hidden = 0;  // at most 8 tensors named, then a count
   if (planned.tensor != actual.tensor || planned.data != actual.data || planned.pipeline != actual.pipeline ||
-      planned.context != actual.context)
+      planned.context != actual.context || planned.expert != actual.expert)
     d << "  coordinates: planned tensor " << planned.tensor << ", context " << planned.context << ", data "
-      << planned.data << ", pipeline " << planned.pipeline << "; this run " << actual.tensor << ", " << actual.context
-      << ", " << actual.data << ", " << actual.pipeline << "\n";
+      << planned.data << ", pipeline " << planned.pipeline << ", expert " << planned.expert << "; this run "
+      << actual.tensor << ", " << actual.context << ", " << actual.data << ", " << actual.pipeline << ", "
+      << actual.expert << "\n";
   std::map<std::string, const Shard*> mine;
   for (const auto& s : actual.shards) mine[s.name] = &s;
   for (const auto& s : planned.shards) {
@@ -98,17 +112,18 @@ std::string differences(const RankPlan& planned, const RankPlan& actual) {
   if (planned.zero_stage != actual.zero_stage || planned.zero_group != actual.zero_group)
     d << "  ZeRO: planned stage " << planned.zero_stage << " over " << planned.zero_group << " rank(s); this run stage "
       << actual.zero_stage << " over " << actual.zero_group << "\n";
-  if (planned.collectives != actual.collectives) {
-    auto text = [](const std::vector<Collective>& cs) {  // the first 16, then a count
+  if (!same_collectives(planned.collectives, actual.collectives)) {
+    // The first 16, then a count; the plan's bytes of a routed all-to-all are a balanced routing's.
+    auto text = [](const std::vector<Collective>& cs, bool plan) {
       std::ostringstream t;
       for (size_t i = 0; i < cs.size() && i < 16; ++i)
-        t << " " << name_text(cs[i].group) << " " << name_text(cs[i].op) << " x" << cs[i].calls << " (" << cs[i].bytes
-          << " B)";
+        t << " " << name_text(cs[i].group) << " " << name_text(cs[i].op) << " x" << cs[i].calls << " ("
+          << (plan && routed(cs[i]) ? "balanced " : "") << cs[i].bytes << " B)";
       if (cs.size() > 16) t << " and " << cs.size() - 16 << " more";
       return cs.empty() ? std::string(" none") : t.str();
     };
-    d << "  collectives in the first step: planned" << text(planned.collectives) << "; this run"
-      << text(actual.collectives) << "\n";
+    d << "  collectives in the first step: planned" << text(planned.collectives, true) << "; this run"
+      << text(actual.collectives, false) << "\n";
   }
   return d.str();
 }
@@ -464,17 +479,60 @@ std::string context_text(const Plan& plan) {
   return out.str();
 }
 
+// Expert parallelism: the share of the stacked experts a rank holds, and the MoE forwards'
+// all-to-alls over the expert group, their bytes predicted for a balanced and the worst routing.
+std::string expert_text(const Plan& plan) {
+  const int e = plan.expert;
+  std::ostringstream out;
+  out << "\nexpert parallelism: each block's experts split over expert groups of " << e << " ranks (moves: bytes a "
+      << "rank sends the others a step; the routing decides them, so they are predicted for a balanced routing, T/E "
+      << "rows an expert, and the worst, every routed row to another rank; the collectives table counts the whole "
+      << "messages of a balanced routing)\n";
+  Grouped rows;
+  for (const auto& r : plan.ranks) {
+    const auto& p = r.expert_plan;
+    if (p.experts == 0) {
+      rows.add("no mixture-of-experts block", r.rank);
+      continue;
+    }
+    std::ostringstream row;
+    const std::string pad = "\n" + std::string(17, ' ');
+    const int64_t first = r.expert * p.local;
+    row << "experts " << first << (p.local > 1 ? "-" + std::to_string(first + p.local - 1) : "") << " of "
+        << p.experts << " in each of " << p.blocks << " block(s): " << human(p.param_bytes) << " of the "
+        << human(p.stacked_bytes) << " stacked (gradients " << human(p.grad_bytes) << ", optimizer state "
+        << human(p.optimizer_bytes) << "; in the memory table)";
+    if (p.forwards == 0) {
+      row << pad << "no MoE forward over the expert group in the first step";
+    } else {
+      const int64_t f = p.forwards;
+      row << pad << f << " MoE forward(s) a step of " << p.tokens << " tokens, top_k " << p.top_k << ": "
+          << p.slots << " routed rows of " << p.dim << " (" << p.element_size << "-byte elements); all_to_all x"
+          << p.all_to_alls << " a step: counts x" << f << " " << human(p.count_bytes) << ", rows x"
+          << p.all_to_alls - f << " " << human(p.balanced_bytes) << " balanced"
+          << pad << "a forward and its backward: balanced moves " << human(p.balanced_sent / f) << ", worst "
+          << human(p.worst_sent / f) << "; the step: balanced " << human(p.balanced_sent) << ", worst "
+          << human(p.worst_sent);
+    }
+    rows.add(row.str(), r.rank);
+  }
+  out << grouped_rows(rows);
+  return out.str();
+}
+
 }  // namespace
 
 std::string layout_text(const Plan& plan) {
   return "tensor " + std::to_string(plan.tensor) + (plan.context > 1 ? " x context " + std::to_string(plan.context) : "") +
-         " x data " + std::to_string(plan.data) + " x pipeline " + std::to_string(plan.pipeline);
+         " x data " + std::to_string(plan.data) + " x pipeline " + std::to_string(plan.pipeline) +
+         (plan.expert > 1 ? ", expert " + std::to_string(plan.expert) : "");
 }
 
 std::string to_text(const Plan& plan, const TextOptions& options) {
   std::string out = header_text(plan, options) + shards_text(plan, options) + memory_text(plan);
   if (plan.pipeline > 1) out += stages_text(plan);
   if (plan.context > 1) out += context_text(plan);
+  if (plan.expert > 1) out += expert_text(plan);
   return out + collectives_text(plan);
 }
 
@@ -523,8 +581,21 @@ std::string to_json(const Plan& plan) {
       context["all_to_all_bytes"] = runs ? json(p.all_to_all_bytes) : json(nullptr);
       context["all_to_all_sent_bytes"] = runs ? json(p.all_to_all_sent(plan.context)) : json(nullptr);
     }
+    json expert = nullptr;
+    if (r.expert_plan.experts > 0) {
+      const auto& p = r.expert_plan;
+      expert = {{"experts", p.experts}, {"local", p.local}, {"blocks", p.blocks}, {"top_k", p.top_k},
+                {"forwards", p.forwards},
+                {"tokens", p.tokens}, {"slots", p.slots}, {"dim", p.dim}, {"element_size", p.element_size},
+                {"all_to_all_calls", p.all_to_alls}, {"count_bytes", p.count_bytes},
+                {"balanced_bytes", p.balanced_bytes}, {"balanced_sent_bytes", p.balanced_sent},
+                {"worst_sent_bytes", p.worst_sent}, {"param_bytes", p.param_bytes},
+                {"stacked_bytes", p.stacked_bytes}, {"grad_bytes", p.grad_bytes},
+                {"optimizer_bytes", p.optimizer_bytes}};
+    }
     ranks.push_back({{"rank", r.rank},
-                     {"coord", {{"tensor", r.tensor}, {"context", r.context}, {"data", r.data}, {"pipeline", r.pipeline}}},
+                     {"coord", {{"tensor", r.tensor}, {"context", r.context}, {"data", r.data}, {"pipeline", r.pipeline},
+                                {"expert", r.expert}}},
                      {"param_bytes", r.param_bytes},
                      {"grad_bytes", r.grad_bytes},
                      {"optimizer_bytes", r.optimizer_bytes},
@@ -539,13 +610,14 @@ std::string to_json(const Plan& plan) {
                      {"collectives", comms},
                      {"pipeline", stage},
                      {"context", context},
+                     {"expert", expert},
                      {"shards", shards}});
   }
   json j = {{"script", plan.script},
             {"world", plan.world},
             {"nproc_per_node", plan.nproc_per_node},
             {"mesh", {{"tensor", plan.tensor}, {"context", plan.context}, {"data", plan.data}, {"pipeline", plan.pipeline},
-                      {"zero", plan.zero}}},
+                      {"zero", plan.zero}, {"expert", plan.expert}}},
             {"seconds", plan.seconds},
             {"cpu_peak_bytes", plan.cpu_peak_bytes},
             {"ranks", ranks}};

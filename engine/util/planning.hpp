@@ -37,4 +37,21 @@ std::vector<ContextAttentionNote> context_attention_notes();
 /// aside ends.
 void keep_context_attention_notes(size_t count);
 
+/// One mixture-of-experts forward whose experts are split over an expert group of more than one
+/// rank, as a planned run calls it: this rank's `tokens` (N) routed to `top_k` experts each, the
+/// `slots` (T) rows of width `dim` that travel (N x top_k, less any capacity drops). The planner
+/// routes meta tensors evenly (T/E rows an expert), so what it notes is the balanced exchange.
+struct ExpertExchangeNote {
+  int64_t experts = 0, top_k = 0, tokens = 0, slots = 0, dim = 0;
+  int64_t element_size = 0;  ///< bytes of an element of the rows (the model's dtype)
+  int expert = 1;            ///< the expert group's size
+  bool backward = false;     ///< a backward will follow (gradients on): its two exchanges count too
+};
+/// Adds a note (planning only; a real run notes nothing).
+void note_expert_exchange(const ExpertExchangeNote& note);
+/// The notes so far, oldest first.
+std::vector<ExpertExchangeNote> expert_exchange_notes();
+/// Keeps the first `count` notes (0: none), as keep_context_attention_notes.
+void keep_expert_exchange_notes(size_t count);
+
 }  // namespace partrain::util

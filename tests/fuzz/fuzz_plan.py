@@ -16,16 +16,16 @@ to common.MEMORY_LIMIT bytes of address space a process. Classes:
   bytes appended    1 to 64 random bytes after the end
   count inflated    a container's count (a string's length, a list's size) made larger,
                     huge, or smaller
-  version           the format version set to 0, 6 or 2^32-1, or the plan written properly
-                    in format 1, 2, 3 or 4 (no stages, no masters or ZeRO, no ZeRO-3 bytes, no
-                    context)
+  version           the format version set to 0, 7 or 2^32-1, or the plan written properly
+                    in format 1, 2, 3, 4 or 5 (no stages, no masters or ZeRO, no ZeRO-3 bytes, no
+                    context, no experts)
   magic             the magic string altered
   compared field    a field the check compares changed and the file written again: the
                     layout, a rank's coordinates, bytes or ZeRO stage, a shard's name, dtype,
                     shapes, split, slices, group or bytes, a collective
   free field        a field it does not compare changed: the script, cpu peak, seconds (NaN,
                     infinite), activation bytes, the pipeline stage description, the context
-                    attention's prediction
+                    attention's prediction, the experts' prediction
   entries           shards, ranks or collectives removed, repeated, reordered, or a rank
                     that does not exist added
   strings           a name made empty, 100 KB long, or of binary bytes
@@ -146,13 +146,19 @@ def mutate_free(plan, rng):
     if kind == 3:
         r["activation_bytes"] = rng.choice([-1, 0, 2 ** 62])
         return p, "activation bytes"
-    if kind == 4:  # a prediction, not compared: a real run notes no attention calls
+    if kind == 4 and rng.random() < 0.5:  # a prediction, not compared: a real run notes no attention calls
         context = r["context_plan"] or pf.empty_context()
         r["context_plan"] = context
         what = rng.choice(["mode", "calls", "ring_bytes", "all_to_all_refusal"])
         context[what] = rng.choice([b"", b"ring", b"\xff" * 300]) if what in ("mode", "all_to_all_refusal") \
             else rng.choice([-1, 2 ** 62, 12])
         return p, f"context {what}"
+    if kind == 4:  # nor the experts' prediction (their parameters are compared as shards)
+        expert = r["expert_plan"] or pf.empty_expert()
+        r["expert_plan"] = expert
+        what = rng.choice(["experts", "forwards", "balanced_bytes", "worst_sent", "param_bytes"])
+        expert[what] = rng.choice([-1, 2 ** 62, 12])
+        return p, f"expert {what}"
     stage = r["stage"] or pf.empty_stage()
     r["stage"] = stage
     what = rng.choice(["schedule", "present", "chunks", "bubble", "peers", "microbatches"])
@@ -235,8 +241,8 @@ def damage(cls, pristine_bytes, plans, layout, rng):
         struct.pack_into("<Q", data, at, new)
         return bytes(data), f"count at {at}: {old} -> {new}"
     if cls == "version":
-        v = rng.choice([0, 6, 2 ** 32 - 1, 1, 2, 3, 4])
-        if v in (1, 2, 3, 4):
+        v = rng.choice([0, 7, 2 ** 32 - 1, 1, 2, 3, 4, 5])
+        if v in (1, 2, 3, 4, 5):
             return pf.write(plan, version=v), f"written as format {v}"
         struct.pack_into("<I", data, 8 + len(pf.MAGIC), v)
         return bytes(data), f"version {v}"

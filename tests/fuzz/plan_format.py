@@ -6,7 +6,7 @@ whose own plan is `run` matches a saved plan as plan::check compares them."""
 import struct
 
 MAGIC = b"partrain-plan"
-VERSION = 5
+VERSION = 6
 
 
 class Damaged(Exception):
@@ -93,13 +93,17 @@ SCHEMA = {
     "ContextPlan": [("mode", "s"), ("calls", "q"), ("batch", "q"), ("heads", "q"), ("kv_heads", "q"), ("rows", "q"),
                     ("head_size", "q"), ("element_size", "q"), ("ring_bytes", "q"), ("all_to_all_bytes", "q"),
                     ("all_to_all_refusal", "s")],
+    "ExpertPlan": [("experts", "q"), ("local", "q"), ("blocks", "q"), ("top_k", "q"), ("forwards", "q"),
+                   ("tokens", "q"), ("slots", "q"), ("dim", "q"), ("element_size", "q"), ("all_to_alls", "q"),
+                   ("count_bytes", "q"), ("balanced_bytes", "q"), ("balanced_sent", "q"), ("worst_sent", "q"),
+                   ("param_bytes", "q"), ("stacked_bytes", "q"), ("grad_bytes", "q"), ("optimizer_bytes", "q")],
     "RankPlan": [("rank", "i"), ("tensor", "i"), ("data", "i"), ("pipeline", "i"), ("shards", "[Shard]"),
                  ("param_bytes", "q"), ("grad_bytes", "q"), ("optimizer_bytes", "q"), ("activation_bytes", "q"),
                  ("collectives", "[Collective]"), ("stage", "StagePlan"), ("master_bytes", "q"), ("zero_stage", "i"),
                  ("zero_group", "i"), ("param_shard_bytes", "q"), ("gather_bytes", "q"), ("gathers_all", "?"),
-                 ("context", "i"), ("context_plan", "ContextPlan")],
+                 ("context", "i"), ("context_plan", "ContextPlan"), ("expert", "i"), ("expert_plan", "ExpertPlan")],
     "Plan": [("script", "s"), ("world", "i"), ("nproc_per_node", "i"), ("tensor", "i"), ("data", "i"),
-             ("pipeline", "i"), ("zero", "i"), ("context", "i"), ("cpu_peak_bytes", "q"), ("seconds", "d"),
+             ("pipeline", "i"), ("zero", "i"), ("context", "i"), ("expert", "i"), ("cpu_peak_bytes", "q"), ("seconds", "d"),
              ("ranks", "[RankPlan]")],
 }
 # What RankPlan and Plan hold from which format version on (1: none of these), and their values
@@ -107,10 +111,11 @@ SCHEMA = {
 SINCE = {("RankPlan", "stage"): 2, ("RankPlan", "master_bytes"): 3, ("RankPlan", "zero_stage"): 3,
          ("RankPlan", "zero_group"): 3, ("RankPlan", "param_shard_bytes"): 4, ("RankPlan", "gather_bytes"): 4,
          ("RankPlan", "gathers_all"): 4, ("RankPlan", "context"): 5, ("RankPlan", "context_plan"): 5,
-         ("Plan", "context"): 5}
+         ("RankPlan", "expert"): 6, ("RankPlan", "expert_plan"): 6, ("Plan", "context"): 5, ("Plan", "expert"): 6}
 DEFAULTS = {"stage": None, "master_bytes": 0, "zero_stage": 0, "zero_group": 1, "param_shard_bytes": 0,
-            "gather_bytes": 0, "gathers_all": False, "context": 0, "context_plan": None}
-PLAN_DEFAULTS = {"context": 1}
+            "gather_bytes": 0, "gathers_all": False, "context": 0, "context_plan": None, "expert": 0,
+            "expert_plan": None}
+PLAN_DEFAULTS = {"context": 1, "expert": 1}
 NUMBER_FORMATS = {"i": "i", "q": "q", "d": "d", "?": "B"}
 
 
@@ -169,12 +174,16 @@ def empty_context():
             "element_size": 0, "ring_bytes": 0, "all_to_all_bytes": 0, "all_to_all_refusal": b""}
 
 
+def empty_expert():
+    return {name: 0 for name, _ in SCHEMA["ExpertPlan"]}
+
+
 def empty_stage():
     return {"present": 0, "schedule": b"", "blocks": b"", "first": [], "last": [], "microbatches": 0, "stages": 0,
             "chunks": [], "in_flight": -1, "activation_peak": -1, "bubble": -1.0, "peers": []}
 
 
-EMPTY = {"StagePlan": empty_stage, "ContextPlan": empty_context}
+EMPTY = {"StagePlan": empty_stage, "ContextPlan": empty_context, "ExpertPlan": empty_expert}
 
 
 def read(data):
@@ -203,9 +212,9 @@ def write(plan, version=VERSION, magic=MAGIC):
 # ---- what a run compares ----------------------------------------------------------------
 
 SHARD_KEYS = ["name", "dtype", "shape", "local_shape", "dim", "slices", "group", "bytes"]
-RANK_KEYS = ["tensor", "context", "data", "pipeline", "param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes", "zero_stage",
+RANK_KEYS = ["tensor", "context", "data", "pipeline", "expert", "param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes", "zero_stage",
              "zero_group"]
-LAYOUT_KEYS = ["world", "tensor", "context", "data", "pipeline", "zero"]
+LAYOUT_KEYS = ["world", "tensor", "context", "data", "pipeline", "zero", "expert"]
 
 
 def same_shards(planned, actual):
@@ -219,10 +228,16 @@ def same_shards(planned, actual):
     return not mine
 
 
+def compared(collective):
+    """What the check compares of a collective: group, op, calls and bytes, but for the expert
+    group's all-to-alls, whose bytes the routing decides, the calls alone."""
+    routed = collective["group"].startswith(b"expert[") and collective["op"] == b"all_to_all"
+    return tuple(collective[k] for k in (("group", "op", "calls") if routed else ("group", "op", "calls", "bytes")))
+
+
 def rank_matches(planned, actual):
     return (all(planned[k] == actual[k] for k in RANK_KEYS) and same_shards(planned["shards"], actual["shards"])
-            and [tuple(c[k] for k in ("group", "op", "calls", "bytes")) for c in planned["collectives"]]
-            == [tuple(c[k] for k in ("group", "op", "calls", "bytes")) for c in actual["collectives"]])
+            and [compared(c) for c in planned["collectives"]] == [compared(c) for c in actual["collectives"]])
 
 
 def matches(saved, run):
