@@ -118,7 +118,14 @@ end)
 
 test("expert " .. world .. " (every data rank its own experts) trains as serial AdamW", function()
   local _, _, moved = equal { what = "expert " .. world, mesh = { expert = world } }
-  ok(moved.all_to_all and moved.all_to_all.calls > 0, "tokens travel by all-to-all over the expert group")
+  -- A layer's step: the counts (E int64), then each rank sends its routed rows (N k of dim
+  -- float64) and gets back as many as it received, forward and again backward. What one rank
+  -- sends depends on the routing; over the group the rows sent equal the rows received.
+  local steps, rows = 30, BATCH / world * T * MOE.top_k
+  eq(moved.all_to_all.calls, steps * MOE.layers * 5, "all-to-alls: counts, rows out and back, twice back")
+  local total = pt.tensor({ moved.all_to_all.bytes }, { dtype = "float64" })
+  WORLD:all_reduce(total)
+  eq(total:item(), world * steps * MOE.layers * (MOE.experts * 8 + 4 * rows * MOE.dim * 8), "all-to-all bytes")
 end)
 
 test("expert " .. world .. " with ZeRO-1 trains as serial AdamW", function()
