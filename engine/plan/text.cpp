@@ -435,8 +435,11 @@ std::string collectives_text(const Plan& plan) {
       k.bytes += c.bytes;
     }
     std::string text;
+    // A planned expert group's all-to-alls moved a balanced routing's rows (a run's, its own).
+    const bool balanced = r.expert_plan.forwards > 0;
     for (const auto& [what, c] : by_kind)
-      text += (text.empty() ? "" : "; ") + what + " x" + std::to_string(c.calls) + " " + human(c.bytes);
+      text += (text.empty() ? "" : "; ") + what + " x" + std::to_string(c.calls) + " " + human(c.bytes) +
+              (balanced && what == "expert all_to_all" ? " (balanced routing)" : "");
     comms.add(text.empty() ? "none" : text, r.rank);
   }
   out << grouped_rows(comms);
@@ -486,8 +489,7 @@ std::string expert_text(const Plan& plan) {
   std::ostringstream out;
   out << "\nexpert parallelism: each block's experts split over expert groups of " << e << " ranks (moves: bytes a "
       << "rank sends the others a step; the routing decides them, so they are predicted for a balanced routing, T/E "
-      << "rows an expert, and the worst, every routed row to another rank; the collectives table counts the whole "
-      << "messages of a balanced routing)\n";
+      << "rows an expert, and the worst, every routed row to another rank)\n";
   Grouped rows;
   for (const auto& r : plan.ranks) {
     const auto& p = r.expert_plan;

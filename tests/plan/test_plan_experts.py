@@ -125,7 +125,7 @@ check("the text names the expert size and shows each rank's experts and the all-
       and "experts 0-1 of 4 in each of 2 block(s): 18.00 KiB of the 36.00 KiB stacked" in r.stdout
       and "experts 2-3 of 4" in r.stdout and "all_to_all x10 a step: counts x2 64 B, rows x8 64.00 KiB balanced" in r.stdout
       and "a forward and its backward: balanced moves 16.00 KiB, worst 32.00 KiB" in r.stdout
-      and "expert all_to_all x10" in r.stdout, r.stdout + r.stderr)
+      and "expert all_to_all x10 64.06 KiB (balanced routing)" in r.stdout, r.stdout + r.stderr)
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "experts.bin")
     r = run(["plan", "--world", "2", "--save", path, SCRIPT, "--expert", "2"])
