@@ -43,8 +43,14 @@ return P.policy {
           { "post_attention_layernorm", P.norm {} },
         },
       },
-      -- A dense block's MLP; a mixture of experts (block_sparse_moe) keeps its experts whole on
-      -- each tensor rank (expert parallelism splits them).
+      -- A mixture of experts (Mixtral's block_sparse_moe): each expert's hidden width split over
+      -- the tensor ranks when the model is parallelized (w1, w3 by rows, w2 by columns), its gate
+      -- whole; expert parallelism splits the experts between ranks besides.
+      MoE = {
+        optional = true,
+        attributes = { tensor_parallel = true },
+      },
+      -- A dense block's MLP.
       LlamaMLP = {
         optional = true,
         replace = {

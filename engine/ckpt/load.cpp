@@ -217,7 +217,9 @@ void read_values(Reading& r, const State& state, const std::string& tag_dir) {
       const auto& [name, local, p, first] = params[i];
       auto s = parallel::sharding_of(*state.model, local);
       auto read = [&](const TensorEntry& t, const torch::TensorOptions& options) {
-        auto part = s ? read_part(tag_dir, m, t, s->local_shape(), s->dim, s->slices(s->group->rank()))
+        // Split both ways: the part of the outer split, then this rank's inner slice of it.
+        auto part = s ? parallel::inner_part(read_part(tag_dir, m, t, s->outer().local_shape(), s->dim,
+                                                       s->slices(s->group->rank())), *s)
                       : read_tensor(tag_dir, m, t);
         return part.to(options);
       };

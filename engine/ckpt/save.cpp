@@ -222,6 +222,14 @@ std::string write_part(const State& state, const SaveOptions& options, const std
                    bool first) {
     torch::Tensor value = t;
     const parallel::Sharding* split = s ? &*s : nullptr;
+    // Experts split over tensor ranks too: their slices put together over the tensor group (a
+    // collective: every rank, same order), written as the split over the expert group alone.
+    c10::optional<parallel::Sharding> outer;
+    if (split && split->inner_dim >= 0 && !options.full) {
+      value = parallel::gather_inner(t, *split);
+      outer = split->outer();
+      split = &*outer;
+    }
     // Who writes a split tensor's slices is read from the mesh (data rank 0 of each tensor
     // group): without one, a rank would be taken for a data-parallel copy and its slices lost.
     // Context ranks hold the same parameters as their context rank 0, which writes them.

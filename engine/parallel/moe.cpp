@@ -1,12 +1,14 @@
 // The mixture-of-experts block and its expert parallelism (see moe.hpp).
 #include "engine/parallel/moe.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <sstream>
 
 #include "engine/nn/grouped.hpp"
 #include "engine/parallel/recompute.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/planning.hpp"
 
 namespace partrain::parallel {
@@ -50,13 +52,41 @@ void GroupedExperts::reset_tensor(const std::string& name, Tensor& t, at::Genera
   t.uniform_(-1.0 / std::sqrt(in), 1.0 / std::sqrt(in), gen);
 }
 
-Tensor GroupedExperts::compute(const Tensor& x, const std::vector<int64_t>& counts) {
+Tensor GroupedExperts::compute(const Tensor& rows, const std::vector<int64_t>& counts) {
   TORCH_CHECK(static_cast<int64_t>(counts.size()) == local, "MoEExperts: ", counts.size(), " counts for ", local,
               " experts");
+  // Split over tensor ranks: each computes its slice of the hidden width from whole rows (their
+  // gradient summed over the ranks in backward) and the partial outputs are summed (Megatron's
+  // column then row split, per expert).
+  auto x = tensor_ ? copy_to_tensor_region(rows, tensor_) : rows;
   // [T, dim] @ [E, dim, hidden] (the [E, hidden, dim] stack read transposed), per expert's rows.
   auto gate = nn::grouped_matmul(x, param("w1").transpose(1, 2), counts);
   auto up = nn::grouped_matmul(x, param("w3").transpose(1, 2), counts);
-  return nn::grouped_matmul(at::silu(gate) * up, param("w2").transpose(1, 2), counts);
+  auto y = nn::grouped_matmul(at::silu(gate) * up, param("w2").transpose(1, 2), counts);
+  return tensor_ ? reduce_from_tensor_region(y, tensor_) : y;
+}
+
+void GroupedExperts::split_tensor(const dist::GroupPtr& tensor, const dist::GroupPtr& both) {
+  const int t = tensor ? tensor->size() : 1;
+  if (t == 1) return;
+  TORCH_CHECK(hidden % t == 0, "tensor parallelism inside the experts: hidden=", hidden, " is not divisible by the "
+              "mesh's tensor=", t);
+  tensor_ = tensor;
+  for (const char* name : {"w1", "w3", "w2"}) {
+    const int64_t d = std::string(name) == "w2" ? 2 : 1;  // the hidden width's dimension
+    const auto& held = param(name);
+    std::vector<int64_t> shape{experts, d == 1 ? hidden : dim, d == 1 ? dim : hidden};
+    auto it = std::find_if(shardings_.begin(), shardings_.end(), [&](const auto& e) { return e.first == name; });
+    if (it == shardings_.end()) shardings_.emplace_back(name, Sharding::split(tensor, d, shape));
+    else it->second = it->second.within(d, tensor, both);
+    torch::NoGradGuard no_grad;
+    const int64_t each = held.size(d) / t;
+    auto sizes = held.sizes().vec();
+    sizes[d] = each;
+    auto mine = held.is_meta() ? torch::empty(sizes, held.options())
+                               : held.narrow(d, each * tensor->rank(), each).clone();
+    replace_tensor(name, mine.set_requires_grad(held.requires_grad()));
+  }
 }
 
 void GroupedExperts::split(const dist::GroupPtr& group) {
@@ -172,6 +202,7 @@ c10::optional<double> MoE::attribute(const std::string& name) const {
   if (name == "z_loss") return options.z_loss;
   if (name == "capacity_factor") return options.capacity_factor;
   if (name == "normalize") return options.normalize ? 1 : 0;
+  if (name == "tensor_parallel") return tensor_parallel ? 1 : 0;
   return c10::nullopt;
 }
 
@@ -191,9 +222,15 @@ void MoE::set_attribute(const std::string& name, double value) {
   } else if (name == "normalize") {
     TORCH_CHECK(value == 0 || value == 1, "MoE: normalize must be 0 or 1, got ", value);
     o.normalize = value == 1;
+  } else if (name == "tensor_parallel") {
+    TORCH_CHECK(value == 0 || value == 1, "MoE: tensor_parallel must be 0 or 1, got ", value);
+    TORCH_CHECK(!dynamic_cast<const GroupedExperts&>(*child("experts")).tensor_group(), "MoE: its experts are split "
+                "over the tensor ranks already");
+    tensor_parallel = value == 1;
+    return;
   } else {
     TORCH_CHECK(false, "MoE has no attribute '", name, "' (it has experts, expert, top_k, aux_loss, z_loss, "
-                "capacity_factor, normalize)");
+                "capacity_factor, normalize, tensor_parallel)");
   }
   o.validate("MoE");
   options = o;
@@ -207,6 +244,7 @@ std::string MoE::extra_repr() const {
   else s << ", dropless";
   if (router_) s << ", router " << router_where_;
   if (expert_size() > 1) s << ", expert=" << expert_size();
+  if (tensor_parallel) s << ", tensor_parallel";
   return s.str();
 }
 
@@ -227,10 +265,12 @@ void MoE::set_router(RouterFn fn, std::string where) {
   router_where_ = std::move(where);
 }
 
-void MoE::split_experts(const dist::GroupPtr& expert, const dist::GroupPtr& replicas) {
+void MoE::split_experts(const dist::GroupPtr& expert, const dist::GroupPtr& replicas, const dist::GroupPtr& tensor,
+                        const dist::GroupPtr& both) {
   auto* e = dynamic_cast<GroupedExperts*>(child("experts").get());
   TORCH_CHECK(e, "MoE: its experts are not the stacked experts (MoEExperts)");
   e->split(expert);
+  if (tensor_parallel) e->split_tensor(tensor, both);
   expert_ = expert && expert->size() > 1 ? expert : nullptr;
   replicas_ = replicas && replicas->size() > 1 ? replicas : nullptr;
 }

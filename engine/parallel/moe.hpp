@@ -53,12 +53,18 @@ class GroupedExperts : public nn::Module {
   std::string extra_repr() const override;
   /// Cuts this rank's experts out of the stack (the composer, under expert parallelism).
   void split(const dist::GroupPtr& group);
+  /// Tensor parallelism inside each expert (after split()): w1 and w3 keep this rank's rows of
+  /// the hidden width, w2 its columns; compute() takes whole rows and sums the partial outputs
+  /// over `tensor`. `both`: the expert x tensor ranks (expert_tensor), where norms sum.
+  void split_tensor(const dist::GroupPtr& tensor, const dist::GroupPtr& both);
+  const dist::GroupPtr& tensor_group() const { return tensor_; }
   int64_t experts, dim, hidden;
   /// The experts this rank holds (experts / e) and the first one's index.
   int64_t local = 0, first = 0;
 
  private:
   std::vector<std::pair<std::string, Sharding>> shardings_;
+  dist::GroupPtr tensor_;
 };
 
 /// What a router returns: [N, k] weights (floating), [N, k] expert indices (int64) and, for the
@@ -82,11 +88,14 @@ class MoE : public nn::Unary {
   Tensor forward(const Tensor& x) override;  // (..., dim) -> (..., dim)
   std::string extra_repr() const override;
   /// "experts" and "expert" (the expert-parallel size) read-only; "top_k" (a fixed setting: it
-  /// changes the function), "aux_loss", "z_loss", "capacity_factor", "normalize" (0 or 1).
+  /// changes the function), "aux_loss", "z_loss", "capacity_factor", "normalize" (0 or 1);
+  /// "tensor_parallel" (0 or 1: a policy's say that the experts split over the tensor ranks,
+  /// each expert's hidden width divided, when the model is parallelized).
+
   c10::optional<double> attribute(const std::string& name) const override;
   void set_attribute(const std::string& name, double value) override;
   std::vector<std::string> attribute_names() const override {
-    return {"experts", "expert", "top_k", "aux_loss", "z_loss", "capacity_factor", "normalize"};
+    return {"experts", "expert", "top_k", "aux_loss", "z_loss", "capacity_factor", "normalize", "tensor_parallel"};
   }
   /// The block is token-wise on whole features: sequence parallelism does not pass through it.
   c10::optional<bool> sequence_split() const override { return false; }
@@ -103,7 +112,10 @@ class MoE : public nn::Unary {
   /// Expert parallelism: this block's experts split over `expert` (null or one rank: none), and
   /// the load-balancing counts summed over `replicas` (the ranks that split the batch: data x
   /// context). The composer calls it once, before any forward.
-  void split_experts(const dist::GroupPtr& expert, const dist::GroupPtr& replicas);
+  /// With tensor_parallel set and `tensor` of more than one rank, each expert is split over it
+  /// too (`both`: the expert x tensor ranks).
+  void split_experts(const dist::GroupPtr& expert, const dist::GroupPtr& replicas,
+                     const dist::GroupPtr& tensor = nullptr, const dist::GroupPtr& both = nullptr);
   const dist::GroupPtr& expert_group() const { return expert_; }
   int expert_size() const { return expert_ ? expert_->size() : 1; }
 
@@ -112,6 +124,7 @@ class MoE : public nn::Unary {
   const MoEStats& stats() const { return stats_; }
 
   MoEOptions options;
+  bool tensor_parallel = false;
 
  private:
   Routing route(const Tensor& logits, const Tensor& x);

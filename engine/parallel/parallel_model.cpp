@@ -70,7 +70,7 @@ std::vector<ParameterRecord> parameter_records(nn::Module& root) {
 std::vector<dist::GroupPtr> split_groups(nn::Module& root, const std::vector<torch::Tensor>& params) {
   std::unordered_map<const c10::TensorImpl*, dist::GroupPtr> group_of;
   for (const auto& r : parameter_records(root))
-    if (r.sharding) group_of[r.param.unsafeGetTensorImpl()] = r.sharding->group;
+    if (r.sharding) group_of[r.param.unsafeGetTensorImpl()] = r.sharding->norm_group();
   std::vector<dist::GroupPtr> groups;
   groups.reserve(params.size());
   for (const auto& p : params) {
@@ -252,7 +252,8 @@ void split_experts(nn::Module& tree, const dist::Mesh& mesh, int zero_stage) {
               ": expert and dense parameters are sharded in groups of their own");
   for (auto& [path, block] : blocks) {
     try {
-      block->split_experts(mesh.group("expert"), mesh.group("data_context"));
+      block->split_experts(mesh.group("expert"), mesh.group("data_context"), mesh.group("tensor"),
+                           mesh.group("expert_tensor"));
     } catch (const c10::Error& err) {
       TORCH_CHECK(false, "parallelize: ", path, ": ", err.what_without_backtrace());
     }

@@ -60,7 +60,30 @@ std::vector<Slice> Sharding::slices(int r) const {
 std::vector<int64_t> Sharding::local_shape() const {
   auto local = shape;
   local[dim] = (parts.size() <= 1 ? padded : shape[dim]) / ranks;
+  if (inner_dim >= 0) local[inner_dim] /= inner_ranks;
   return local;
+}
+
+Sharding Sharding::within(int64_t d, dist::GroupPtr g, dist::GroupPtr all) const {
+  TORCH_CHECK(g && d >= 0 && d < static_cast<int64_t>(shape.size()) && d != dim && inner_dim < 0,
+              "a sharding split on dimension ", dim, " cannot be split again on dimension ", d);
+  TORCH_CHECK(shape[d] % g->size() == 0, "dimension ", d, " of size ", shape[d], " does not split into tensor=",
+              g->size(), " equal slices");
+  Sharding s = *this;
+  s.inner_dim = d;
+  s.inner_ranks = g->size();
+  s.inner_group = std::move(g);
+  s.both = std::move(all);
+  return s;
+}
+
+Sharding Sharding::outer() const {
+  Sharding s = *this;
+  s.inner_dim = -1;
+  s.inner_group = nullptr;
+  s.inner_ranks = 1;
+  s.both = nullptr;
+  return s;
 }
 
 int64_t Sharding::equal_parts() const {
@@ -79,12 +102,14 @@ std::string Sharding::describe() const {
     s << ")";
   }
   if (padded != shape[dim]) s << " (padded to " << padded << ")";
+  if (inner_dim >= 0) s << ", each part on dimension " << inner_dim << " over tensor=" << inner_ranks;
   return s.str();
 }
 
 Tensor local_part(const Tensor& full, const Sharding& s, int r) {
   TORCH_CHECK(full.sizes().equals(s.shape), "a split tensor's logical shape is ", c10::IntArrayRef(s.shape),
               ", got ", full.sizes());
+  if (s.inner_dim >= 0) return inner_part(local_part(full, s.outer(), r), s);
   auto local = torch::zeros(s.local_shape(), full.options().requires_grad(false));
   int64_t offset = 0;
   for (auto [start, length] : s.slices(r)) {
@@ -113,7 +138,21 @@ Tensor assemble(const std::vector<Tensor>& parts, const Sharding& s) {
 
 Tensor gather_full(const Tensor& local, const Sharding& s) {
   TORCH_CHECK(s.group, "gathering a split tensor needs its group");
+  if (s.inner_dim >= 0) return gather_full(gather_inner(local, s), s.outer());
   return assemble(s.group->all_gather(local.detach().contiguous()), s);
+}
+
+Tensor gather_inner(const Tensor& local, const Sharding& s) {
+  if (s.inner_dim < 0) return local;
+  TORCH_CHECK(s.inner_group, "gathering a split tensor needs its inner group");
+  return torch::cat(s.inner_group->all_gather(local.detach().contiguous()), s.inner_dim);
+}
+
+Tensor inner_part(const Tensor& outer_local, const Sharding& s) {
+  if (s.inner_dim < 0) return outer_local;
+  const int64_t each = outer_local.size(s.inner_dim) / s.inner_ranks;
+  const int r = s.inner_group ? s.inner_group->rank() : 0;
+  return outer_local.narrow(s.inner_dim, r * each, each).contiguous();
 }
 
 c10::optional<Sharding> sharding_of(const nn::Module& root, const std::string& name) {

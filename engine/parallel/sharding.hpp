@@ -44,6 +44,20 @@ struct Sharding {
   std::vector<int64_t> shape;  ///< the logical shape: what a serial model has, without padding
   std::vector<int64_t> parts;  ///< the sizes `dim` is made of, in order (their sum: shape[dim])
   int64_t padded = 0;          ///< `dim`'s size padded to a multiple of `ranks` (== shape[dim] if none)
+  /// Split both ways (an MoE block's experts under expert x tensor parallelism): each rank's part
+  /// along `dim` is split again along `inner_dim` into `inner_ranks` equal slices over
+  /// `inner_group`; -1: not. `both`: the ranks of both splits, where a squared norm sums.
+  int64_t inner_dim = -1;
+  dist::GroupPtr inner_group;
+  int inner_ranks = 1;
+  dist::GroupPtr both;
+
+  /// Adds the inner split: `dim` (not this one's) over `group`, `both` the two groups' ranks.
+  Sharding within(int64_t dim, dist::GroupPtr group, dist::GroupPtr both) const;
+  /// The same without the inner split: what the ranks of one inner group hold together.
+  Sharding outer() const;
+  /// The ranks a squared norm of the parameter sums over: `both`, or `group`.
+  const dist::GroupPtr& norm_group() const { return inner_dim >= 0 ? both : group; }
 
   /// The ranges of the logical `dim` that group rank `r` holds, in the order of its local rows:
   /// its slice of every part. Local rows past their total are padding (one part only).
@@ -58,7 +72,8 @@ struct Sharding {
   /// The same split: the same group, dimension, logical shape, parts and padding.
   bool operator==(const Sharding& o) const {
     return group == o.group && ranks == o.ranks && dim == o.dim && shape == o.shape && parts == o.parts &&
-           padded == o.padded;
+           padded == o.padded && inner_dim == o.inner_dim && inner_group == o.inner_group &&
+           inner_ranks == o.inner_ranks;
   }
   bool operator!=(const Sharding& o) const { return !(*this == o); }
 };
@@ -68,8 +83,14 @@ Tensor local_part(const Tensor& full, const Sharding& s, int r);
 /// The logical tensor put together from every rank's part, `parts[r]` being group rank r's
 /// (what an all-gather returns). No communication.
 Tensor assemble(const std::vector<Tensor>& parts, const Sharding& s);
-/// The logical tensor assembled from every rank's part: an all-gather over the group.
+/// The logical tensor assembled from every rank's part: an all-gather over the group (first
+/// over the inner group when split both ways).
 Tensor gather_full(const Tensor& local, const Sharding& s);
+/// Split both ways: this rank's part put together over the inner group (an all-gather there),
+/// the part of s.outer(); `local` itself otherwise.
+Tensor gather_inner(const Tensor& local, const Sharding& s);
+/// Split both ways: this rank's inner slice of its part of s.outer(); `outer_local` otherwise.
+Tensor inner_part(const Tensor& outer_local, const Sharding& s);
 
 /// How the parameter at dotted `name` of `root` is split: asked of the module that holds it
 /// (nn::Module::sharding_of), so a tied tensor answers as the holder named. nullopt for a whole

@@ -165,8 +165,15 @@ class ZeroShards : public optim::Distributed {
     groups_ = split_groups(model->module(), params);
     // Experts are split over the expert group, and their zero group over the rest of the data
     // ranks: the norm's sum over every data rank (grad_norm) has every expert's elements once.
+    // Experts split over tensor ranks too sum there as well.
+    std::unordered_map<const c10::TensorImpl*, dist::GroupPtr> inner;
+    for (const auto& rec : parameter_records(model->module()))
+      if (rec.sharding && rec.sharding->inner_dim >= 0) inner[rec.param.unsafeGetTensorImpl()] = rec.sharding->inner_group;
     for (size_t k = 0; k < params.size(); ++k)
-      if (dp_->buckets()[dp_->bucket_of(k)].expert) groups_[k] = nullptr;
+      if (dp_->buckets()[dp_->bucket_of(k)].expert) {
+        auto it = inner.find(params[k].unsafeGetTensorImpl());
+        groups_[k] = it == inner.end() ? nullptr : it->second;
+      }
     // The all-gathers after the step: runs of consecutive buckets of one buffer whose parts lie
     // end to end in its master, up to allgather_bucket_size of gathered parameters. On Gloo each
     // collective is a round trip between the ranks: the 13 buckets of 1 MiB of a 3 M-parameter

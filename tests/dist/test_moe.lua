@@ -149,8 +149,22 @@ if world == 4 then
     local want = dense / 4 + experts / 2
     ok(masters >= want and masters < want + 64, ("masters of %d elements, want %d"):format(masters, want))
   end)
-  test("expert 2 x tensor 2 trains as serial AdamW", function()
-    equal { what = "expert 2 x tensor 2", mesh = { tensor = 2, expert = 2 } }
+  -- Each expert's hidden width split over the tensor ranks too (policies/llama.lua).
+  local function local_shape(model, name)
+    for n, p in model:named_parameters() do if n == name then return p.shape end end
+  end
+  test("expert 2 x tensor 2 (each expert split over the tensor ranks) trains as serial AdamW", function()
+    local a = equal { what = "expert 2 x tensor 2", mesh = { tensor = 2, expert = 2 } }
+    local w1, w2 = local_shape(a, "layers.0.block_sparse_moe.experts.w1"), local_shape(a, "layers.0.block_sparse_moe.experts.w2")
+    eq(table.concat(w1, "x"), "2x12x16", "w1: 2 of 4 experts, 12 of 24 hidden rows")
+    eq(table.concat(w2, "x"), "2x16x12", "w2: 2 of 4 experts, 12 of 24 hidden columns")
+  end)
+  test("tensor 2 (experts split inside, not between ranks) and expert 2 x tensor 2 with ZeRO-1 train as serial",
+       function()
+    local a = equal { what = "tensor 2 of data 2", mesh = { tensor = 2 } }
+    eq(table.concat(local_shape(a, "layers.1.block_sparse_moe.experts.w3"), "x"), "4x12x16", "w3 split inside")
+    equal { what = "expert 2 x tensor 2, zero-1", mesh = { tensor = 2, expert = 2, zero = 0 },
+            opts = { zero = { stage = 1 } }, steps = 10 }
   end)
   test("expert 2 x pipeline 2 trains as serial AdamW (micro-batches)", function()
     equal { what = "expert 2 x pipeline 2", mesh = { pipeline = 2, expert = 2 }, accumulate = 2,
@@ -224,6 +238,7 @@ test("a checkpoint saved at one expert size resumes at another", function()
   resume({}, { expert = world }, "data-to-expert")
   if world == 4 then resume({ expert = 2 }, { expert = 4 }, "expert2-to-expert4") end
   if world == 4 then resume({ expert = 2, tensor = 2 }, { expert = 4 }, "expert2-tensor2-to-expert4") end
+  if world == 4 then resume({ expert = 4 }, { expert = 2, tensor = 2 }, "expert4-to-expert2-tensor2") end
   if world == 4 then
     resume({ expert = 2, zero = 0 }, { expert = 4 }, "expert2-zero1-to-expert4", { zero = { stage = 1 } })
   end
