@@ -39,7 +39,12 @@ local function equal(c)
   pt.manual_seed(5)
   local b = moe_llama(c.model)
   pt.manual_seed(5)
-  local a = pt.parallelize(moe_llama(c.model), "policies.llama", mesh, c.opts)
+  local built = c.deferred and pt.deferred(function()
+    local o = { dtype = "float64" }
+    for k, v in pairs(MOE) do o[k] = v end
+    return pt.models.llama(o)
+  end) or moe_llama(c.model)
+  local a = pt.parallelize(built, "policies.llama", mesh, c.opts)
   -- train_step weighs each micro-batch's router losses by 1 / micro-batches, as its loss: the
   -- serial micro-batches' coefficients say so.
   for _, m in b:named_modules() do
@@ -70,7 +75,10 @@ local function equal(c)
       l:backward()
       lb = lb + l:item()
     end
-    local la = a:train_step(x:narrow(0, d * part, part), y:narrow(0, d * part, part))
+    local xs, ys = x:narrow(0, d * part, part), y:narrow(0, d * part, part)
+    local cg = mesh:group("context")
+    if cg:size() > 1 then xs, ys = pt.cp.split(xs, cg), pt.cp.split(ys, cg) end
+    local la = a:train_step(xs, ys)
     near(la:item(), lb, TOL, ("%s: loss at step %d"):format(c.what, step))
     local nb, na = bo:step(), ao:step()
     near(na, nb, TOL, ("%s: clipping's norm at step %d"):format(c.what, step))
@@ -171,6 +179,15 @@ if world == 4 then
             opts = { schedule = "1f1b", microbatches = 2 } }
   end)
 end
+
+test("expert " .. world .. " built deferred, with activation checkpointing, trains as serial AdamW", function()
+  equal { what = "expert " .. world .. " deferred", mesh = { expert = world }, deferred = true, steps = 10 }
+  equal { what = "expert " .. world .. " recompute", mesh = { expert = world }, opts = { recompute = "block" },
+          steps = 10 }
+  if world == 4 then
+    equal { what = "expert 4 over context 2 x data 2", mesh = { context = 2, expert = 4 }, steps = 10 }
+  end
+end)
 
 test("with a capacity, expert " .. world .. " equals data parallelism over the same local batches", function()
   -- Drops depend on the tokens a rank holds, so a run with drops equals the data-parallel run
