@@ -13,6 +13,7 @@
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --zero-stage 3   (ZeRO-3: parameters sharded, a block gathered at a time)
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --context 2      (each sequence split over 2 ranks: ring attention)
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --context 2 --context-mode all_to_all --zero-stage 2
+--   partrain --nproc-per-node 2 examples/llama/train.lua --experts 8 --expert 2   (a mixture of experts, split)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -26,6 +27,10 @@ local cfg = pt.args {
   vocab = { 256, "vocabulary size (the data are bytes: 256; a larger one, such as GPT-2's 50257, plans or "
                  .. "measures a real model's head with the bytes as its first 256 tokens)" },
   kv_heads = { 0, "llama: key/value heads (grouped-query attention; 0: as many as heads)" },
+  experts = { 0, "llama: a mixture of this many experts in every block (Mixtral; 0: a dense MLP)" },
+  top_k = { 2, "with --experts: experts a token goes to" },
+  expert = { 1, "with --experts: expert-parallel size, data ranks that split the experts between them "
+                .. "(docs/parallel.md#expert-parallelism)" },
   dropout = pt.args.number(0, "dropout (gpt2)"),
   attn_dropout = pt.args.number(-1, "gpt2: dropout on the attention probabilities alone (-1: --dropout's; "
                                     .. "must be 0 with --context above 1)"),
@@ -104,7 +109,10 @@ if cfg.zero_stage > 0 then
   end
   zero = groups == 1 and 0 or data_size / groups
 end
-local mesh = pt.mesh { tensor = cfg.tensor, context = cfg.context, pipeline = cfg.pipeline, zero = zero }
+if cfg.experts > 0 and cfg.model ~= "llama" then error("--experts: a mixture of experts is LLaMA's (--model llama)") end
+if cfg.expert ~= 1 and cfg.experts == 0 then error(("--expert %s needs --experts E to split"):format(cfg.expert)) end
+local mesh = pt.mesh { tensor = cfg.tensor, context = cfg.context, pipeline = cfg.pipeline, zero = zero,
+                       expert = cfg.expert }
 -- Built deferred (on the meta device): pt.parallelize then allocates only what this rank holds
 -- (its stages, its shards), with the weights the whole model would have.
 if cfg.model ~= "gpt2" and cfg.model ~= "llama" then error(("--model %s: expected gpt2 or llama"):format(cfg.model)) end
@@ -114,7 +122,7 @@ if cfg.vocab < 256 then error(("--vocab %d: the data are bytes, 256 symbols; giv
 local model = pt.deferred(function()
   if cfg.model == "llama" then
     return pt.models.llama { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, kv_heads = cfg.kv_heads,
-                             layers = cfg.layers, dtype = cfg.dtype }
+                             layers = cfg.layers, dtype = cfg.dtype, experts = cfg.experts, top_k = cfg.top_k }
   end
   return pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
                           layers = cfg.layers, dropout = cfg.dropout, attn_dropout = attn_dropout, dtype = cfg.dtype }
@@ -140,7 +148,8 @@ local opt = pt.optim.adamw(model, { lr = cfg.lr, weight_decay = 0.1, betas = { 0
 local sharded = opt:zero()  -- nil without ZeRO
 print(("%s: %d layers of width %d, %d parameters a rank; %s; pipeline %d x tensor %d x data %d%s%s"):format(
   cfg.model, cfg.layers, cfg.dim, model:num_parameters(), tostring(data), mesh:size("pipeline"), mesh:size("tensor"),
-  mesh:size("data"), cfg.context > 1 and (" x context %d (%s)"):format(cfg.context, cfg.context_mode) or "",
+  mesh:size("data"), (cfg.context > 1 and (" x context %d (%s)"):format(cfg.context, cfg.context_mode) or "")
+  .. (cfg.experts > 0 and ("; %d experts, top-%d, split over expert %d"):format(cfg.experts, cfg.top_k, cfg.expert) or ""),
   sharded and ("; ZeRO-%d over %d ranks (%.2f MB of master weights a rank)"):format(sharded.stage,
   sharded.group, sharded.master_bytes / 1e6) or ""))
 
