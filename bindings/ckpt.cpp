@@ -407,9 +407,19 @@ const Function kCkpt[] = {
            const auto& t = state.at(logical.at(name));
            auto split = parallel::sharding_of(*m, name);
            auto shape = split ? split->shape : target.sizes().vec();
-           if (!t.sizes().equals(shape))
+           if (!t.sizes().equals(shape)) {
+             // A stack of another length: the file numbers other slices than the model holds.
+             auto slice = hf && hf->slice_name ? hf->slice_name(logical.at(name), 0) : std::nullopt;
+             const bool other_count = t.dim() >= 1 && t.size(0) >= 1 && !shape.empty() &&
+                                      t.sizes().slice(1).equals(c10::IntArrayRef(shape).slice(1));
+             if (slice && other_count)
+               fail("tensor '" + logical.at(name) + "' has " + std::to_string(t.size(0)) + " " + hf->slice_noun +
+                    "s in the file ('" + *slice + "' to '" + *hf->slice_name(logical.at(name), t.size(0) - 1) +
+                    "'); the model has " + std::to_string(shape[0]) + " (numbered 0 to " +
+                    std::to_string(shape[0] - 1) + ")");
              fail("tensor '" + logical.at(name) + "' has shape " + c10::str(t.sizes()) + "; the model's is " +
                   c10::str(c10::IntArrayRef(shape)));
+           }
            auto want = target.scalar_type(), got = t.scalar_type();
            if (c10::isFloatingType(want) ? !c10::isFloatingType(got) : want != got)
              fail("tensor '" + logical.at(name) + "' is " + c10::toString(got) + "; the model's is " + c10::toString(want));

@@ -225,16 +225,20 @@ void convert(const std::string& src_tag_dir, const std::string& dst_dir, int ten
 // ---- safetensors (Hugging Face) ------------------------------------------------------------
 
 /// Writes logical tensors as a .safetensors file. With a model family's Hugging Face names `hf`
-/// (models/registry.hpp), tensors take Hugging Face's names, and those it stores transposed (GPT-2's
-/// Conv1D weights: c_attn, c_proj, c_fc, [in, out]) are written so; without, as they are.
+/// (models/registry.hpp), tensors take Hugging Face's names, those it stores transposed (GPT-2's
+/// Conv1D weights: c_attn, c_proj, c_fc, [in, out]) are written so, and stacked ones are cut into
+/// the slices it stores apart (Mixtral's experts.w1 [E, ffn, dim] as E experts.M.w1.weight
+/// [ffn, dim]); without, as they are.
 void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                        const models::HfNames* hf);
 /// Reads a .safetensors file, refusing (with the tensor named) anything but a regular file whose
 /// header is one JSON object without duplicate keys, each tensor a known dtype, a shape of
 /// non-negative integers and integer data_offsets matching it, the tensors' bytes tiling the
 /// data exactly (no overlap, hole or trailing byte). With `hf`, names map to partrain's (GPT-2:
-/// a "transformer." prefix dropped, refusing a file that has a name both ways) and transposed
-/// weights turn back to [out, in].
+/// a "transformer." prefix dropped, refusing a file that has a name both ways), transposed
+/// weights turn back to [out, in], and slices stack (Mixtral's experts.M.w1.weight for M = 0..n-1,
+/// each once, of one shape and dtype, into experts.w1 [n, ...]; a hole in the numbering, a
+/// slice named twice or slices that differ are refused, naming them).
 std::map<std::string, torch::Tensor> read_safetensors(const std::string& path, const models::HfNames* hf);
 /// Reads Hugging Face's sharded layout from its index (model.safetensors.index.json: a weight_map
 /// of tensor name -> file): each file a plain name beside the index, read as read_safetensors

@@ -71,8 +71,35 @@ nlohmann::json parse_header(const std::string& text, std::string* duplicate) {
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
-                       const models::HfNames* hf) {
+namespace {
+
+// partrain's tensors under a file's names and layouts: Hugging Face's names, its transposed
+// weights turned, stacked tensors cut into their slices (Mixtral's experts). Without `hf`, as
+// they are.
+std::map<std::string, torch::Tensor> to_file_names(const std::map<std::string, torch::Tensor>& tensors,
+                                                   const models::HfNames* hf) {
+  std::map<std::string, torch::Tensor> named;  // by the file's names: sorted, as safetensors writes them
+  auto add = [&](const std::string& file_name, const torch::Tensor& t) {
+    TORCH_CHECK(file_name != "__metadata__", "safetensors: a tensor cannot be named '__metadata__' (the format's ",
+                "name for the file's metadata): rename the parameter to export it");
+    TORCH_CHECK(named.emplace(file_name, t.detach()).second, "safetensors: two tensors take the name '", file_name,
+                "' in the ", hf ? hf->layout : "", " layout");
+  };
+  for (const auto& [name, t] : tensors) {
+    if (hf && hf->slice_name && hf->slice_name(name, 0)) {
+      // [n, ...] -> n tensors [...], slice i under its own name (slices are never transposed).
+      TORCH_CHECK(t.dim() >= 1, "safetensors: '", name, "' is stacked in partrain and stored one ", hf->slice_noun,
+                  " a tensor in the ", hf->layout, " layout, but it has no dimension to cut");
+      for (int64_t i = 0; i < t.size(0); ++i) add(*hf->slice_name(name, i), t.select(0, i));
+      continue;
+    }
+    add(hf ? hf->to_hf(name) : name, hf && hf->transposed(name) ? t.t() : t);
+  }
+  return named;
+}
+
+// Writes tensors under the names they have.
+void write_named(const std::string& path, const std::map<std::string, torch::Tensor>& named) {
   // Over a .safetensors file only (its 8-byte header length, then the header's '{').
   auto refused = util::may_replace(path, [](const std::string& head) { return head.size() > 8 && head[8] == '{'; },
                                    "a .safetensors file");
@@ -80,14 +107,6 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
   nlohmann::json header = {{"__metadata__", {{"format", "pt"}, {"producer", "partrain"}}}};
   std::vector<torch::Tensor> blobs;
   uint64_t offset = 0;
-  std::map<std::string, torch::Tensor> named;  // by the file's names: sorted, as safetensors writes them
-  for (const auto& [name, t] : tensors) {
-    auto hf_name = hf ? hf->to_hf(name) : name;
-    TORCH_CHECK(hf_name != "__metadata__", "safetensors: a tensor cannot be named '__metadata__' (the format's name "
-                "for the file's metadata): rename the parameter to export it");
-    TORCH_CHECK(named.emplace(hf_name, hf && hf->transposed(name) ? t.detach().t() : t).second, "safetensors: ",
-                "two tensors take the name '", hf_name, "' in the ", hf ? hf->layout : "", " layout");
-  }
   for (const auto& [name, t] : named) {
     auto value = t.detach().to(torch::kCPU);
     value = value.contiguous();
@@ -108,6 +127,13 @@ void write_safetensors(const std::string& path, const std::map<std::string, torc
   bytes += text;
   for (const auto& b : blobs) bytes.append(static_cast<const char*>(b.data_ptr()), b.nbytes());
   util::write_atomic(path, bytes);
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
+                       const models::HfNames* hf) {
+  write_named(path, to_file_names(tensors, hf));
 }
 
 namespace {
@@ -237,13 +263,63 @@ std::map<std::string, torch::Tensor> read_file_names(const std::string& path, ut
   return out;
 }
 
+// Slices of stacked tensors (Mixtral's experts) as a file names them: stacked name -> index ->
+// (the file's name, the slice).
+using Slices = std::map<std::string, std::map<int64_t, std::pair<std::string, torch::Tensor>>>;
+
+// Each stacked tensor from its slices: indices 0..n-1 each present once (the file's own names
+// are unique, but two of them may name one slice: with and without "model."), one shape and one
+// dtype. The stack is as large as the slices already read: nothing is sized by an index.
+void stack_slices(Slices& slices, const models::HfNames& hf, const std::string& where,
+                  std::map<std::string, torch::Tensor>& out, std::map<std::string, std::string>& source) {
+  const std::string& noun = hf.slice_noun;
+  for (auto& [key, parts] : slices) {
+    const auto& [name0, first] = parts.begin()->second;
+    TORCH_CHECK(!source.count(key), "'", where, "' has both '", shown(source[key]), "' and '", shown(name0),
+                "', which name the same tensor '", shown(key), "' (stacked, and one ", noun, " of it)");
+    const int64_t n = static_cast<int64_t>(parts.size());
+    int64_t next = 0;  // the first index missing from 0, 1, ...
+    for (const auto& [index, part] : parts) {
+      if (index != next) break;
+      ++next;
+    }
+    if (next != n) {
+      const auto& [last, part] = *parts.rbegin();
+      auto missing = hf.slice_name ? hf.slice_name(key, next) : std::nullopt;
+      TORCH_CHECK(false, "'", where, "' has ", noun, " ", last, " of '", shown(key), "' ('", shown(part.first),
+                  "') but no ", noun, " ", next, missing ? " ('" + shown(*missing) + "')" : std::string(), ": its ", n,
+                  " ", noun, "s must be numbered 0 to ", n - 1, ", each once");
+    }
+    std::vector<torch::Tensor> stack;
+    for (auto& [index, part] : parts) {
+      const auto& [name, t] = part;
+      TORCH_CHECK(t.sizes().equals(first.sizes()) && t.scalar_type() == first.scalar_type(), "'", where, "' tensor '",
+                  shown(name), "' is ", c10::toString(t.scalar_type()), " ", t.sizes(), ", but ", noun, " 0 of '",
+                  shown(key), "' ('", shown(name0), "') is ", c10::toString(first.scalar_type()), " ", first.sizes(),
+                  ": the ", noun, "s of one tensor share a shape and a dtype");
+      stack.push_back(t);
+    }
+    source[key] = name0;
+    out[key] = torch::stack(stack);
+    parts.clear();  // the slices' memory goes as the stacks are made
+  }
+}
+
 // Tensors under a file's names -> partrain's names and layouts (`where` names the file in errors).
 std::map<std::string, torch::Tensor> to_partrain(std::map<std::string, torch::Tensor> raw, const models::HfNames* hf,
                                                  const std::string& where) {
   if (!hf) return raw;
   std::map<std::string, torch::Tensor> out;
   std::map<std::string, std::string> source;  // key -> the name in the file
+  Slices slices;
   for (auto& [name, t] : raw) {
+    if (auto slice = hf->sliced ? hf->sliced(name) : std::nullopt) {
+      auto [at, fresh] = slices[slice->name].emplace(slice->index, std::make_pair(name, t));
+      TORCH_CHECK(fresh, "'", where, "' has both '", shown(at->second.first), "' and '", shown(name),
+                  "', which name the same ", hf->slice_noun, " ", slice->index, " of '", shown(slice->name), "'");
+      t = torch::Tensor();
+      continue;
+    }
     std::string key = hf->from_hf(name);
     TORCH_CHECK(!source.count(key), "'", where, "' has both '", shown(source[key]), "' and '", shown(name),
                 "', which name the same tensor '", shown(key), "'");
@@ -255,6 +331,7 @@ std::map<std::string, torch::Tensor> to_partrain(std::map<std::string, torch::Te
     }
     out[key] = t;
   }
+  stack_slices(slices, *hf, where, out, source);
   return out;
 }
 
@@ -313,19 +390,17 @@ void write_safetensors_sharded(const std::string& dir, const std::map<std::strin
                                const models::HfNames* hf, int64_t max_shard_bytes) {
   TORCH_CHECK(max_shard_bytes > 0, "safetensors: the largest shard must be > 0 bytes, got ", max_shard_bytes);
   TORCH_CHECK(util::is_plain_dir(dir), "safetensors: '", dir, "' is not a folder (a sharded export writes its files there)");
-  // Tensors in Hugging Face's name order, a new file when the next would pass the limit (a tensor
-  // larger than the limit sits alone in its file).
-  std::map<std::string, std::pair<std::string, torch::Tensor>> by_file_name;  // HF name -> (name, tensor)
-  for (const auto& [name, t] : tensors) by_file_name[hf ? hf->to_hf(name) : name] = {name, t};
-  std::vector<std::map<std::string, torch::Tensor>> shards(1);
+  // Tensors in Hugging Face's name order (a stacked one as its slices), a new file when the next
+  // would pass the limit (a tensor larger than the limit sits alone in its file).
+  std::vector<std::map<std::string, torch::Tensor>> shards(1);  // by the file's names
   int64_t bytes = 0, total = 0;
-  for (const auto& [file_name, entry] : by_file_name) {
-    const int64_t n = static_cast<int64_t>(entry.second.nbytes());
+  for (const auto& [file_name, t] : to_file_names(tensors, hf)) {
+    const int64_t n = static_cast<int64_t>(t.nbytes());
     if (bytes > 0 && bytes + n > max_shard_bytes) {
       shards.emplace_back();
       bytes = 0;
     }
-    shards.back()[entry.first] = entry.second;
+    shards.back()[file_name] = t;
     bytes += n;
     total += n;
   }
@@ -337,8 +412,8 @@ void write_safetensors_sharded(const std::string& dir, const std::map<std::strin
     return std::string(name);
   };
   for (size_t i = 0; i < count; ++i) {
-    write_safetensors(dir + "/" + file_of(i), shards[i], hf);
-    for (const auto& [name, t] : shards[i]) weight_map[hf ? hf->to_hf(name) : name] = file_of(i);
+    write_named(dir + "/" + file_of(i), shards[i]);
+    for (const auto& [name, t] : shards[i]) weight_map[name] = file_of(i);
   }
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
   util::write_atomic(dir + "/model.safetensors.index.json", index.dump(2) + "\n");

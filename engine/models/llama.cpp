@@ -311,6 +311,39 @@ nn::ModulePtr llama(const LlamaOptions& o) {
 
 // ---- The family's descriptor ---------------------------------------------------------------
 
+namespace {
+
+// Mixtral's experts: Hugging Face names expert M's matrices apart (experts.M.w1.weight [ffn,
+// dim]); partrain stacks them (experts.w1 [E, ffn, dim]). `key` is a name without "model.".
+const char kExperts[] = "block_sparse_moe.experts.";
+
+std::optional<HfSlice> mixtral_slice(const std::string& key) {
+  const std::string mid = kExperts;
+  const auto at = key.rfind(mid);
+  if (at == std::string::npos || (at > 0 && key[at - 1] != '.')) return std::nullopt;
+  const size_t first = at + mid.size();
+  size_t end = first;
+  while (end < key.size() && key[end] >= '0' && key[end] <= '9') ++end;
+  // M in decimal as Hugging Face writes it: no sign, no leading zero (then one name, one
+  // expert), at most 18 digits (an int64).
+  if (end == first || end - first > 18 || (key[first] == '0' && end - first > 1)) return std::nullopt;
+  const std::string rest = key.substr(end);
+  if (rest != ".w1.weight" && rest != ".w2.weight" && rest != ".w3.weight") return std::nullopt;
+  return HfSlice{key.substr(0, first) + rest.substr(1, 2), std::stoll(key.substr(first, end - first))};
+}
+
+// "layers.N.block_sparse_moe.experts.w1" -> "layers.N.block_sparse_moe.experts.M.w1.weight".
+std::optional<std::string> mixtral_slice_name(const std::string& name, int64_t index) {
+  const std::string mid = kExperts;
+  const auto at = name.rfind(mid);
+  if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) return std::nullopt;
+  const std::string w = name.substr(at + mid.size());
+  if (w != "w1" && w != "w2" && w != "w3") return std::nullopt;
+  return name.substr(0, at + mid.size()) + std::to_string(index) + "." + w + ".weight";
+}
+
+}  // namespace
+
 Family llama_family() {
   Family f;
   f.name = "llama";
@@ -340,6 +373,7 @@ Family llama_family() {
   };
   // LlamaForCausalLM's names: "model." before everything but lm_head; no transposes (nn.Linear
   // layers, [out, in] like these). A tied head is stored once, as the embedding.
+  // MixtralForCausalLM's experts are stored one tensor an expert: stacked on import, cut on export.
   f.hf.layout = "Hugging Face LLaMA";
   f.hf.from_hf = [](const std::string& hf) { return hf.rfind("model.", 0) == 0 ? hf.substr(6) : hf; };
   f.hf.to_hf = [](const std::string& name) { return name.rfind("lm_head.", 0) == 0 ? name : "model." + name; };
@@ -349,6 +383,13 @@ Family llama_family() {
     return hf.size() >= end.size() && hf.compare(hf.size() - end.size(), end.size(), end) == 0;
   };
   f.hf.tied = {{"lm_head.weight", "embed_tokens.weight"}};
+  f.hf.sliced = [from = f.hf.from_hf](const std::string& hf) { return mixtral_slice(from(hf)); };
+  f.hf.slice_name = [to = f.hf.to_hf](const std::string& name, int64_t index) -> std::optional<std::string> {
+    auto slice = mixtral_slice_name(name, index);
+    if (!slice) return std::nullopt;
+    return to(*slice);
+  };
+  f.hf.slice_noun = "expert";
   return f;
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,13 @@ class OptionReader {
   virtual std::vector<int64_t> integers(const char* key, std::vector<int64_t> fallback) = 0;
 };
 
+/// A Hugging Face tensor that partrain holds as one slice of a stacked tensor: Mixtral's
+/// `experts.M.w1.weight` [ffn, dim] is slice M of `experts.w1` [E, ffn, dim].
+struct HfSlice {
+  std::string name;   ///< partrain's stacked tensor
+  int64_t index = 0;  ///< which slice along its dimension 0 (M)
+};
+
 /// How a family's tensor names and layouts map onto Hugging Face's (absent: names are kept).
 struct HfNames {
   std::string layout;  ///< how messages name the layout: "Hugging Face GPT-2"
@@ -42,6 +50,15 @@ struct HfNames {
   /// Tied pairs (tensor, the one it is tied to): an export leaves the first out, as Hugging Face
   /// stores only the second; an import fills it from the second, or checks the two agree.
   std::vector<std::pair<std::string, std::string>> tied;
+  /// Tensors Hugging Face stores one per index that partrain stacks along a new dimension 0
+  /// (Mixtral's experts); both may be empty. `sliced`: the stacked tensor and index a Hugging
+  /// Face name holds, or nullopt when it is a tensor of its own. `slice_name`: the Hugging Face
+  /// name of slice `index` of partrain's tensor `name`, or nullopt when `name` is not stacked.
+  /// An import stacks slices 0..n-1, each present once, of one shape and dtype; an export cuts
+  /// the stack back into them.
+  std::function<std::optional<HfSlice>(const std::string& hf)> sliced;
+  std::function<std::optional<std::string>(const std::string& name, int64_t index)> slice_name;
+  std::string slice_noun = "slice";  ///< how messages name one slice ("expert")
 };
 
 struct Family {

@@ -87,6 +87,33 @@ TEST(ModelRegistry, MapsGpt2NamesToHuggingFaceAndBack) {
   EXPECT_EQ(hf.tied[0], std::make_pair(std::string("lm_head.weight"), std::string("wte.weight")));
 }
 
+TEST(ModelRegistry, MapsMixtralExpertsToSlicesOfTheStackedTensorsAndBack) {
+  const auto& hf = models::family("llama").hf;
+  ASSERT_TRUE(hf.sliced && hf.slice_name);
+  auto s = hf.sliced("model.layers.3.block_sparse_moe.experts.12.w2.weight");
+  ASSERT_TRUE(s) << "a Hugging Face expert is a slice";
+  EXPECT_EQ(s->name, "layers.3.block_sparse_moe.experts.w2");
+  EXPECT_EQ(s->index, 12);
+  EXPECT_EQ(hf.slice_name("layers.3.block_sparse_moe.experts.w2", 12),
+            "model.layers.3.block_sparse_moe.experts.12.w2.weight") << "and back";
+  s = hf.sliced("layers.0.block_sparse_moe.experts.0.w1.weight");
+  ASSERT_TRUE(s) << "without the model. prefix too";
+  EXPECT_EQ(s->name, "layers.0.block_sparse_moe.experts.w1");
+  EXPECT_EQ(s->index, 0);
+  for (std::string other : {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.mlp.gate_proj.weight",
+                            "model.layers.0.block_sparse_moe.experts.01.w1.weight",
+                            "model.layers.0.block_sparse_moe.experts.-1.w1.weight",
+                            "model.layers.0.block_sparse_moe.experts.1.w4.weight",
+                            "model.layers.0.block_sparse_moe.experts.1.w1.bias",
+                            "model.layers.0.block_sparse_moe.experts.1234567890123456789.w1.weight",
+                            "model.layers.0.xblock_sparse_moe.experts.1.w1.weight"})
+    EXPECT_FALSE(hf.sliced(other)) << other << " is no expert slice";
+  EXPECT_FALSE(hf.slice_name("layers.0.block_sparse_moe.gate.weight", 0)) << "the gate is one tensor";
+  EXPECT_FALSE(hf.slice_name("layers.0.mlp.up_proj.weight", 0));
+  EXPECT_EQ(hf.slice_noun, "expert");
+  EXPECT_FALSE(models::family("gpt2").hf.sliced) << "GPT-2 stacks nothing";
+}
+
 TEST(ModelRegistry, RefusesAnUnknownFamilyNamingTheKnownOnes) {
   try {
     models::family("mamba");

@@ -7,6 +7,7 @@
 --   partrain ckpt_batch.lua ckpt WORK LIST RESULTS                 damaged checkpoint folders
 --   partrain ckpt_batch.lua staged WORK LIST RESULTS               the same, of a pipeline-2 save
 --   partrain ckpt_batch.lua safetensors WORK LIST RESULTS          malformed .safetensors files
+--   partrain ckpt_batch.lua safetensors_moe WORK LIST RESULTS      the same, of a Mixtral's (experts)
 --
 -- LIST holds "<index>\t<path>" lines. A checkpoint case is a folder holding step-00000002,
 -- step-00000004 and newest, damaged; a safetensors case is one file.
@@ -35,6 +36,14 @@ local function setup_staged(seed, pipeline)
   local data = pt.data.text { path = work .. "/corpus.txt", seq = 8, batch = 4, seed = 7, mesh = mesh }
   local optim = pt.optim.adamw(model, { lr = 3e-3, schedule = { kind = "cosine", warmup = 1, total = 10 } })
   return { model = model, optim = optim, data = data }
+end
+
+-- A Mixtral (LLaMA with experts) of two blocks: Hugging Face stores its experts one tensor an
+-- expert, partrain stacked.
+local function moe_model(seed)
+  pt.manual_seed(seed)
+  return pt.models.llama { vocab = 32, seq = 8, dim = 8, heads = 2, kv_heads = 1, layers = 2, hidden = 8, experts = 4,
+                           top_k = 2 }
 end
 
 local function staged_step(s)
@@ -70,6 +79,8 @@ if mode == "make" then
   save(work .. "/decoy", d, 3)
   pt.ckpt.export_safetensors(s.model, work .. "/base.safetensors")
   pt.ckpt.export_safetensors(d.model, work .. "/decoy.safetensors")
+  pt.ckpt.export_safetensors(moe_model(1), work .. "/base_moe.safetensors")
+  pt.ckpt.export_safetensors(moe_model(2), work .. "/decoy_moe.safetensors")
   -- At pipeline 2: the same two tags, each stage writing its own data file, and a decoy.
   s = setup_staged(1, 2)
   for step = 1, 4 do
@@ -148,8 +159,10 @@ if mode == "ckpt" or mode == "staged" then
     R.resume(r, case.path, s, want, state_bytes)
     record(r)
   end
-elseif mode == "safetensors" then
-  local m = setup(9).model
+elseif mode == "safetensors" or mode == "safetensors_moe" then
+  local moe = mode == "safetensors_moe"
+  local m = moe and moe_model(9) or setup(9).model
+  local decoy = work .. (moe and "/decoy_moe.safetensors" or "/decoy.safetensors")
   -- A state as bytes: the model exported again.
   local function weights()
     serial = serial + 1
@@ -159,12 +172,12 @@ elseif mode == "safetensors" then
     os.remove(path)
     return bytes
   end
-  pt.ckpt.import_safetensors(m, work .. "/decoy.safetensors")
+  pt.ckpt.import_safetensors(m, decoy)
   local decoy_bytes = weights()
   ready()
   for _, case in ipairs(cases) do
     local r = { index = case.index }
-    pt.ckpt.import_safetensors(m, work .. "/decoy.safetensors")
+    pt.ckpt.import_safetensors(m, decoy)
     local ok, err = pcall(pt.ckpt.import_safetensors, m, case.path)
     if ok then
       r.import = "ok"
@@ -179,6 +192,6 @@ elseif mode == "safetensors" then
     record(r)
   end
 else
-  error("usage: ckpt_batch.lua make|ckpt|staged|safetensors WORK [LIST RESULTS]")
+  error("usage: ckpt_batch.lua make|ckpt|staged|safetensors|safetensors_moe WORK [LIST RESULTS]")
 end
 out:close()

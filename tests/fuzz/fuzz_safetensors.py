@@ -4,7 +4,12 @@ the data, truncations and extensions, and structured damage of the header (offse
 swapped, overlapping, fractional, negative or huge; shapes and dtypes changed; keys duplicated,
 unknown or missing; names with and without "transformer."; tensors added or removed; metadata;
 a header that is no JSON object or nests too deep), beside valid variants (keys reordered,
-padding, dtypes converted exactly, mask buffers, a tied lm_head).
+padding, dtypes converted exactly, mask buffers, a tied lm_head). The same damage, and damage of
+the experts' numbering, goes to a tiny Mixtral's files (LLaMA with experts: Hugging Face stores
+an expert a tensor, experts.M.w1.weight, which partrain stacks into experts.w1): an expert
+missing, named twice, out of range, numbered with a sign or a leading zero, of another shape or
+dtype, the stack beside its experts; beside valid variants (experts renumbered, every expert of
+a tensor converted alike, the stack stored whole, names without "model.").
 
 A strict reference reader written here, from the safetensors format and the rules of
 docs/checkpoints.md, says whether each file is valid for the model and what it holds. All files
@@ -18,7 +23,7 @@ Classes: refused, accepted (a valid file, imported exactly); failures: wrong (a 
 accepted, or other values), unclear (a valid file refused, or a refusal without its file or
 tensor), crash, hang.
 
-Usage: fuzz_safetensors.py PARTRAIN [--seed N] [--cases N]
+Usage: fuzz_safetensors.py PARTRAIN [--seed N] [--cases N] [--moe-cases N]
 """
 import json
 import math
@@ -35,10 +40,49 @@ import common  # noqa: E402
 from fuzz_ckpt import BATCH, BIN, ROOT, SEED, run_batch  # noqa: E402
 
 CASES = common.int_flag("--cases", 320)
+MOE_CASES = common.int_flag("--moe-cases", 200)
 SIZES = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 FLOATS = {"F32", "F64", "F16", "BF16"}
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MAX_ELEMENTS = 1 << 48
+
+
+class Family:
+    """What the reference knows of a model family's Hugging Face names (engine/models/registry.hpp):
+    the prefix an import drops, the Conv1D weights stored [in, out], the buffers it skips, the tied
+    pair (tensor, source) and whether experts are stored one tensor an expert."""
+
+    # Mixtral's expert M of a stacked tensor: decimal, no sign or leading zero, at most 18 digits.
+    SLICE = re.compile(r"^((?:.*\.)?block_sparse_moe\.experts\.)(0|[1-9][0-9]{0,17})\.(w[123])\.weight$", re.DOTALL)
+
+    def __init__(self, name, prefix, conv1d=(), ignored=(), tied=None, experts=False):
+        self.name, self.prefix, self.conv1d, self.ignored, self.tied, self.experts = \
+            name, prefix, conv1d, ignored, tied, experts
+
+    def key(self, name):
+        """partrain's name of a file's tensor (the prefix dropped)."""
+        return name[len(self.prefix):] if name.startswith(self.prefix) else name
+
+    def file_name(self, key):
+        """The name an export gives partrain's tensor `key`."""
+        if self.name == "gpt2" or key.startswith("lm_head."):
+            return key
+        return self.prefix + key
+
+    def slice(self, key):
+        """(stacked tensor, expert) of a partrain name that is one expert, or None."""
+        m = self.SLICE.match(key) if self.experts else None
+        return (m.group(1) + m.group(3), int(m.group(2))) if m else None
+
+    @staticmethod
+    def slice_key(stacked, index):
+        """"...experts.w1", 3 -> "...experts.3.w1.weight"."""
+        return f"{stacked[:-2]}{index}.{stacked[-2:]}.weight"
+
+
+GPT2 = Family("gpt2", "transformer.", conv1d=CONV1D, ignored=(".attn.bias", ".attn.masked_bias"),
+              tied=("lm_head.weight", "wte.weight"))
+MIXTRAL = Family("mixtral", "model.", ignored=("rotary_emb.inv_freq",), experts=True)
 
 
 class Bad(Exception):
@@ -86,9 +130,19 @@ def decode(dtype, raw):
     raise ValueError(dtype)
 
 
-def reference(raw, params):
-    """The tensors (name -> (dtype, shape, bytes), HF layout) partrain must import from `raw`, or
-    Bad. `params`: the model's names -> shape in the file's (HF) layout."""
+def model_stacks(params, fam):
+    """The model's stacked tensors: partrain name -> (experts, one expert's shape)."""
+    out = {}
+    for name, shape in params.items():
+        s = fam.slice(fam.key(name))
+        if s:
+            out[s[0]] = (out.get(s[0], (0, shape))[0] + 1, shape)
+    return out
+
+
+def reference(raw, params, fam):
+    """The tensors (name -> (dtype, shape, bytes), HF layout: an expert a tensor) partrain must
+    import from `raw`, or Bad. `params`: the model's names -> shape in the file's (HF) layout."""
     if len(raw) < 8:
         raise Bad("too short")
     n = struct.unpack("<Q", raw[:8])[0]
@@ -147,36 +201,73 @@ def reference(raw, params):
         at = e
     if at != len(data):
         raise Bad("trailing bytes", "?")
-    out = {}
+    out, slices = {}, {}  # partrain name -> entry; stacked name -> {expert: (file's name, entry)}
     for name, dtype, shape, b, e in entries:
-        key = name[len("transformer."):] if name.startswith("transformer.") else name
-        if key in out:
-            raise Bad("both names", name)
+        key = fam.key(name)
         blob = data[b:e]
         if dtype == "BOOL" and any(x > 1 for x in blob):
             raise Bad("bool byte", name)
-        if key.endswith(CONV1D) and len(shape) != 2:
+        s = fam.slice(key)
+        if s:
+            if s[1] in slices.setdefault(s[0], {}):
+                raise Bad("one expert named twice", name)
+            slices[s[0]][s[1]] = (name, (dtype, shape, blob))
+            continue
+        if key in out:
+            raise Bad("both names", name)
+        if fam.conv1d and key.endswith(fam.conv1d) and len(shape) != 2:
             raise Bad("Conv1D rank", name)
         out[key] = (dtype, shape, blob)
-    # The model's side: a tied lm_head equal to wte, mask buffers dropped, names, shapes, kinds.
-    if "wte.weight" in out and "lm_head.weight" in out:
-        a, w = out["lm_head.weight"], out["wte.weight"]
+    # Experts stack: numbered 0..n-1, each once, of one dtype and shape; never beside the stack.
+    stacks = {}  # stacked name -> [entry of expert 0, 1, ...]
+    for stacked, parts in slices.items():
+        if stacked in out:
+            raise Bad("the stack and its experts", stacked)
+        if sorted(parts) != list(range(len(parts))):
+            raise Bad("experts not numbered 0..n-1", stacked)
+        first = parts[0][1]
+        for i in range(len(parts)):
+            if parts[i][1][:2] != first[:2]:
+                raise Bad("experts of other dtypes or shapes", parts[i][0])
+        stacks[stacked] = [parts[i][1] for i in range(len(parts))]
+    # The model's side: a tied tensor equal to its source, buffers dropped, names, shapes, kinds.
+    if fam.tied and fam.tied[0] in out and fam.tied[1] in out:
+        a, w = out[fam.tied[0]], out[fam.tied[1]]
         av = decode(a[0], a[2]) if a[0] in FLOATS else list(a[2])
         wv = decode(w[0], w[2]) if w[0] in FLOATS else list(w[2])
         if a[1] != w[1] or any(x != y for x, y in zip(av, wv)):
-            raise Bad("lm_head differs", "lm_head.weight")
-    out = {k: v for k, v in out.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+            raise Bad("tied tensor differs", fam.tied[0])
+    out = {k: v for k, v in out.items() if not (fam.ignored and k.endswith(fam.ignored))}
+    model = model_stacks(params, fam)
+    for key in [k for k in out if k in model]:  # a stack stored whole: the model's experts, cut
+        dtype, shape, blob = out.pop(key)
+        experts, one = model[key]
+        if shape != [experts] + one:
+            raise Bad("shape", key)
+        size = len(blob) // experts
+        stacks[key] = [(dtype, one, blob[i * size:(i + 1) * size]) for i in range(experts)]
+    result = {}
     for key, (dtype, shape, blob) in out.items():
-        if key not in params:
+        if fam.file_name(key) not in params:
             raise Bad("not in the model", key)
-        if shape != params[key]:
+        if shape != params[fam.file_name(key)]:
             raise Bad("shape", key)
         if dtype not in FLOATS:
             raise Bad("kind", key)
-    for key in params:
-        if key not in out and key != "lm_head.weight":
-            raise Bad("missing", key)
-    return out
+        result[fam.file_name(key)] = (dtype, shape, blob)
+    for stacked, parts in stacks.items():
+        if stacked not in model:
+            raise Bad("not in the model", stacked)
+        if len(parts) != model[stacked][0] or parts[0][1] != model[stacked][1]:
+            raise Bad("shape", stacked)
+        if parts[0][0] not in FLOATS:
+            raise Bad("kind", stacked)
+        for i, entry in enumerate(parts):
+            result[fam.file_name(Family.slice_key(stacked, i))] = entry
+    for name in params:
+        if name not in result and not (fam.tied and name == fam.tied[0]):
+            raise Bad("missing", name)
+    return result
 
 
 def read_plain(path):
@@ -213,7 +304,90 @@ def build(tensors, metadata=None, order=None):
     return header, data
 
 
-def mutate(cls, base_header, base_data, rng):
+def expert_damage(tensors, rng):
+    """(tensors, description): a Mixtral's experts numbered, named or shaped otherwise."""
+    experts = {}  # stacked name -> {expert: the file's name}
+    for name in tensors:
+        s = MIXTRAL.slice(MIXTRAL.key(name))
+        if s:
+            experts.setdefault(s[0], {})[s[1]] = name
+    stacked = rng.choice(sorted(experts))
+    parts = experts[stacked]
+    n = len(parts)
+    e = rng.randrange(n)
+    name = parts[e]
+
+    def named(index):
+        return MIXTRAL.file_name(Family.slice_key(stacked, index))
+
+    what = rng.choice(["missing", "last missing", "twice", "out of range", "far out of range", "leading zero",
+                       "signed", "renumbered", "shape", "dtype", "all converted", "stacked", "stack and experts",
+                       "w4", "dropped prefix"])
+    if what == "missing":
+        del tensors[name]
+    elif what == "last missing":
+        del tensors[parts[n - 1]]
+    elif what == "twice":  # the same expert with and without "model."
+        tensors[MIXTRAL.key(name)] = list(tensors[name])
+    elif what == "out of range":
+        tensors[named(n)] = list(tensors[name])
+    elif what == "far out of range":
+        far = rng.choice([n + 1, 9, 1000, 10 ** 17, 10 ** 18 - 1, 10 ** 18, 10 ** 19, 2 ** 63, 2 ** 64])
+        tensors[named(far)] = list(tensors[name])
+        what += f" {far}"
+    elif what == "leading zero":
+        tensors[named(f"0{e}")] = list(tensors[name])
+    elif what == "signed":
+        tensors[named(rng.choice(["-1", "+1", f"-{e}"]))] = list(tensors[name])
+    elif what == "renumbered":  # valid: other experts in each place
+        order = list(range(n))
+        rng.shuffle(order)
+        moved = {named(order[i]): tensors.pop(parts[i]) for i in range(n)}
+        tensors.update(moved)
+    elif what == "shape":  # the bytes of another shape
+        dtype, shape, blob = tensors[name]
+        cut = shape[-1] * SIZES[dtype]
+        tensors[name] = [dtype, shape[:-2] + [shape[-2] - 1, shape[-1]], blob[:-cut]]
+    elif what in ("dtype", "all converted"):  # one expert re-encoded exactly, or all of them (valid)
+        for index in ([e] if what == "dtype" else range(n)):
+            dtype, shape, blob = tensors[parts[index]]
+            values = decode(dtype, blob)
+            tensors[parts[index]] = ["F64", shape, struct.pack(f"<{len(values)}d", *values)]
+    elif what in ("stacked", "stack and experts"):  # valid: the stack stored whole, as partrain names it
+        dtype, shape, _ = tensors[parts[0]]
+        whole = b"".join(tensors[parts[i]][2] for i in range(n))
+        if what == "stacked":
+            for i in range(n):
+                del tensors[parts[i]]
+        tensors[MIXTRAL.file_name(stacked)] = [dtype, [n] + shape, whole]
+    elif what == "w4":
+        tensors[name[:-len("w1.weight")] + "w4.weight"] = tensors.pop(name)
+    else:  # valid: every expert of one tensor without "model."
+        for i in range(n):
+            tensors[MIXTRAL.key(parts[i])] = tensors.pop(parts[i])
+    return tensors, f"{what} {name}"
+
+
+def mixtral_names(tensors, name, rng):
+    """(tensors, description): the "names" class on a Mixtral's file."""
+    what = rng.choice(["all unprefixed", "prefixed twice", "extra tensor", "missing tensor", "rotary buffer",
+                       "renamed"])
+    if what == "all unprefixed":
+        tensors = {MIXTRAL.key(k): v for k, v in tensors.items()}
+    elif what == "prefixed twice":
+        tensors[MIXTRAL.key(name)] = list(tensors[name])
+    elif what == "extra tensor":
+        tensors["model.layers.9.extra.weight"] = ["F32", [2], b"\0" * 8]
+    elif what == "missing tensor":
+        del tensors[name]
+    elif what == "rotary buffer":  # older files carry it; partrain computes it
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = ["F32", [2], struct.pack("<2f", 1, 0.01)]
+    else:
+        tensors[name + "x"] = tensors.pop(name)
+    return tensors, f"{what} {name}"
+
+
+def mutate(cls, base_header, base_data, rng, fam=GPT2):
     """(bytes, description) of a file of class `cls`, or (special, description) for a path that
     is not a plain file."""
     tensors = tensors_of(base_header, base_data)
@@ -328,6 +502,10 @@ def mutate(cls, base_header, base_data, rng):
             header[name] = [header[name]["dtype"]]
             text = entry_text(header)
         return assemble(text, data), f"{what} {name}"
+    if cls == "experts":
+        return (lambda t, what: (assemble(*build(t)), what))(*expert_damage(tensors, rng))
+    if cls == "names" and fam is MIXTRAL:
+        return (lambda t, what: (assemble(*build(t)), what))(*mixtral_names(tensors, name, rng))
     if cls == "names":
         what = rng.choice(["all prefixed", "prefixed twice", "extra tensor", "missing tensor", "mask buffer",
                            "lm_head tied", "lm_head different", "renamed"])
@@ -394,7 +572,12 @@ def floats_equal(a, b):
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def judge(path, r, expected, names):
+def shown(name):
+    """A name as partrain's messages show it: control characters as \\xNN."""
+    return "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7f else c for c in name)
+
+
+def judge(path, r, expected, names, fam):
     """(kind, ok, detail) for one file."""
     if r["import"] == "error":
         err = r["error"]
@@ -411,8 +594,8 @@ def judge(path, r, expected, names):
         return "wrong", False, f"accepted, though {expected} ({expected.tensor})"
     got, data = read_plain(r["export"])
     for key, (dtype, shape, blob) in expected.items():
-        if key == "lm_head.weight":
-            continue  # tied to wte, which is compared
+        if fam.tied and key == fam.tied[0]:
+            continue  # GPT-2's lm_head: tied to wte, which is compared
         info = got.get(key)
         if info is None or info["shape"] != shape:
             return "wrong", False, f"{key}: exported as {info}, expected shape {shape}"
@@ -436,42 +619,52 @@ def main():
         if made.kind != "accepted":
             print("could not make the base files:", made)
             return 1
-        base_header, base_data = read_plain(os.path.join(work, "base.safetensors"))
-        params = {k: v["shape"] for k, v in base_header.items() if k != "__metadata__"}
-        params["lm_head.weight"] = params["wte.weight"]
-        meta, paths = {}, []
-        for i in range(CASES):
-            cls = CLASSES[i % len(CLASSES)]
-            path = os.path.join(work, f"case-{i}.safetensors")
-            if cls == "not a file":
-                what = common.special_file(path, rng)
-                expected, raw = Bad(what), b""
-            else:
-                raw, what = mutate(cls, base_header, base_data, rng)
-                open(path, "wb").write(raw)
-                try:
-                    expected = reference(raw, params)
-                except Bad as e:
-                    expected = e
-            # The names a refusal may cite: the model's, and any the file's header spells.
-            names = set(params) | {m.decode(errors="replace") for m in re.findall(rb'"([^"\\]{1,200})"', raw[:1 << 16])}
-            meta[i] = (path, cls, what, expected, names)
-            paths.append((i, path))
-        classes = {}
+        # GPT-2's cases, then the Mixtral's (its classes named so), each family in its own batch.
+        runs = [(GPT2, "base.safetensors", "safetensors", CLASSES, range(CASES), ""),
+                (MIXTRAL, "base_moe.safetensors", "safetensors_moe", CLASSES + ["experts"] * 3,
+                 range(CASES, CASES + MOE_CASES), "Mixtral: ")]
+        for fam, base, mode, classes_of, cases, label in runs:
+            base_header, base_data = read_plain(os.path.join(work, base))
+            params = {k: v["shape"] for k, v in base_header.items() if k != "__metadata__"}
+            if fam.tied:
+                params[fam.tied[0]] = params[fam.tied[1]]
+            # The names a refusal may cite: the model's (both ways), its stacks, and any the file
+            # spells (both ways: partrain's drops the prefix).
+            model_names = set(params) | {fam.key(k) for k in params} | set(model_stacks(params, fam))
+            meta, paths = {}, []
+            for i in cases:
+                cls = classes_of[i % len(classes_of)]
+                path = os.path.join(work, f"case-{i}.safetensors")
+                if cls == "not a file":
+                    what = common.special_file(path, rng)
+                    expected, raw = Bad(what), b""
+                else:
+                    raw, what = mutate(cls, base_header, base_data, rng, fam)
+                    open(path, "wb").write(raw)
+                    try:
+                        expected = reference(raw, params, fam)
+                    except Bad as e:
+                        expected = e
+                spelled = {m.decode(errors="replace") for m in re.findall(rb'"([^"\\]{1,200})"', raw[:1 << 16])}
+                spelled |= {shown(n) for n in spelled}
+                names = model_names | spelled | {fam.key(n) for n in spelled}
+                meta[i] = (path, label + cls, what, expected, names)
+                paths.append((i, path))
+            classes = {}
 
-        def crashed(i, kind, detail):
-            path, cls, what, expected, names = meta[i]
-            tally.add(cls, kind, False, f"case {i} ({what}): {detail}")
-            classes[i] = kind
+            def crashed(i, kind, detail):
+                path, cls, what, expected, names = meta[i]
+                tally.add(cls, kind, False, f"case {i} ({what}): {detail}")
+                classes[i] = kind
 
-        malformed = sum(isinstance(m[3], Bad) for m in meta.values())
-        print(f"{malformed} malformed files and {CASES - malformed} valid ones", flush=True)
-        results = run_batch("safetensors", work, paths, crashed)
-        for i, (path, cls, what, expected, names) in meta.items():
-            if i in classes:
-                continue
-            kind, ok, detail = judge(path, results[i], expected, names)
-            tally.add(cls, kind, ok, f"case {i} ({what}): {detail}")
+            malformed = sum(isinstance(m[3], Bad) for m in meta.values())
+            print(f"{fam.name}: {malformed} malformed files and {len(meta) - malformed} valid ones", flush=True)
+            results = run_batch(mode, work, paths, crashed)
+            for i, (path, cls, what, expected, names) in meta.items():
+                if i in classes:
+                    continue
+                kind, ok, detail = judge(path, results[i], expected, names, fam)
+                tally.add(cls, kind, ok, f"case {i} ({what}): {detail}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     tally.finish()
