@@ -46,11 +46,11 @@ void DataParallelOptions::validate() const {
               to_string(options.reduce), "'");
   TORCH_CHECK(options.experts.params.empty() || options.experts.group, "data parallelism: expert parameters need "
               "their group");
-  TORCH_CHECK(options.experts.params.empty() || options.zero.stage <= 1, "ZeRO-", options.zero.stage,
-              " with expert parallelism is not built yet: ZeRO-1 shards expert and dense parameters in groups of their "
-              "own (stage 2 and 3: planned)");
+  TORCH_CHECK(options.experts.params.empty() || options.zero.stage <= 2, "ZeRO-", options.zero.stage,
+              " with expert parallelism is not built yet: ZeRO-1 and 2 shard expert and dense parameters in groups of "
+              "their own");
   TORCH_CHECK(options.experts.params.empty() || options.zero.stage == 0 || (options.experts.zero && !options.zero.across),
-              "ZeRO-1 with expert parallelism needs the experts' zero group, and zero groups of every data rank");
+              "ZeRO with expert parallelism needs the experts' zero group, and zero groups of every data rank");
 }
 
 DataParallel::DataParallel(dist::GroupPtr group, const DataParallelOptions& options)
@@ -116,7 +116,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   // One flat buffer per (dtype, device), the buckets laid end to end in it, each padded to a
   // multiple of its zero group's size so that it splits into equal parts.
   std::vector<std::pair<torch::ScalarType, torch::Device>> keys;
-  std::vector<int64_t> lengths;
+  std::vector<int64_t> lengths, shard_lengths;  // per flat buffer: its length, and its shard's
   for (auto& b : dp->buckets_) {
     const int64_t parts = dp->parts(b);
     const auto& last = dp->params_[b.params.back()];
@@ -128,10 +128,12 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
     if (it == keys.end()) {
       keys.push_back(key);
       lengths.push_back(0);
+      shard_lengths.push_back(0);
     }
     b.start = lengths[b.buffer];
-    b.shard_start = b.start / parts;  // every bucket before it gave its part of the same length
+    b.shard_start = shard_lengths[b.buffer];  // every bucket before it gave its part (experts': of their group)
     lengths[b.buffer] += b.padded;
+    shard_lengths[b.buffer] += b.padded / parts;
   }
   for (const auto& [dtype, device] : keys)
     dp->buffer_options_.push_back(torch::TensorOptions().dtype(dtype).device(device));
@@ -146,7 +148,7 @@ std::shared_ptr<DataParallel> DataParallel::attach(nn::Module& model, dist::Grou
   if (dp->sharded()) {
     // ZeRO-2: the shards (1/n of each buffer) and the tied buckets whole.
     for (size_t i = 0; i < keys.size(); ++i)
-      dp->shards_.push_back(torch::zeros({lengths[i] / dp->zero_size()}, dp->buffer_options_[i]));
+      dp->shards_.push_back(torch::zeros({shard_lengths[i]}, dp->buffer_options_[i]));
     for (auto& b : dp->buckets_)
       if (b.whole) b.flat = torch::zeros({b.padded}, dp->buffer_options_[b.buffer]);
   } else {

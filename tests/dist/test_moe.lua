@@ -136,15 +136,17 @@ test("expert " .. world .. " (every data rank its own experts) trains as serial 
   eq(total:item(), world * steps * MOE.layers * (MOE.experts * 8 + 4 * rows * MOE.dim * 8), "all-to-all bytes")
 end)
 
-test("expert " .. world .. " with ZeRO-1 trains as serial AdamW", function()
+test("expert " .. world .. " with ZeRO-1 and ZeRO-2 trains as serial AdamW", function()
   equal { what = "expert " .. world .. " zero-1", mesh = { expert = world, zero = 0 }, opts = { zero = { stage = 1 } } }
+  equal { what = "expert " .. world .. " zero-2", mesh = { expert = world, zero = 0 }, opts = { zero = { stage = 2 } },
+          steps = 10 }
 end)
 
 if world == 4 then
   test("expert 2 x data 4 (experts synced over expert_data) trains as serial AdamW", function()
     equal { what = "expert 2 of data 4", mesh = { expert = 2 } }
   end)
-  test("expert 2 x data 4 with ZeRO-1 (experts sharded over expert_data) trains as serial AdamW", function()
+  test("expert 2 x data 4 with ZeRO-1 and 2 (experts sharded over expert_data) trains as serial AdamW", function()
     local a, mesh = equal { what = "expert 2 of data 4, zero-1", mesh = { expert = 2, zero = 0 },
                             opts = { zero = { stage = 1 } } }
     -- Masters: the dense parameters split over the 4 data ranks, this rank's experts over the
@@ -156,6 +158,8 @@ if world == 4 then
     local masters = pt.optim.adamw(a, { lr = 1e-2 }):zero().master_bytes / 8
     local want = dense / 4 + experts / 2
     ok(masters >= want and masters < want + 64, ("masters of %d elements, want %d"):format(masters, want))
+    equal { what = "expert 2 of data 4, zero-2", mesh = { expert = 2, zero = 0 }, opts = { zero = { stage = 2 } },
+            steps = 10 }
   end)
   -- Each expert's hidden width split over the tensor ranks too (policies/llama.lua).
   local function local_shape(model, name)
@@ -334,8 +338,8 @@ test("expert parallelism refuses what it cannot split, at the caller's line", fu
                                    "policies.llama", pt.mesh { expert = world }) end, "no mixture-of-experts block")
   raises(function() moe_llama { top_k = 5 } end, "top_k=5 must be between 1 and experts=4")
   raises(function() pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = world, zero = 0 },
-                                   { zero = { stage = 2 } }) end,
-         "ZeRO-2 with expert=" .. world .. " is not built yet")
+                                   { zero = { stage = 3 } }) end,
+         "ZeRO-3 with expert=" .. world .. " is not built yet")
   if world == 4 then
     raises(function() pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = 2, zero = 2 },
                                      { zero = { stage = 1 } }) end, "needs zero groups of every data rank")
