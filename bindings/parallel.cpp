@@ -71,7 +71,8 @@ void push_parallel_model(lua_State* L, const ParallelModelPtr& pm) {
   if (ud && ud->get() == pm->root().get()) *ud = nn::ModulePtr(pm, pm->root().get());
 }
 
-// { dim, shape, local_shape, parts, fused, padded, group, slices = { [r + 1] = { {start, length}... } } }
+// { dim, shape, local_shape, parts, fused, padded, group, slices = { [r + 1] = { {start, length}... } }
+//   [, inner_dim, inner_group] }
 int push_sharding(lua_State* L, const parallel::Sharding& s) {
   lua_createtable(L, 0, 8);
   lua_pushnumber(L, double(s.dim)); lua_setfield(L, -2, "dim");
@@ -82,6 +83,10 @@ int push_sharding(lua_State* L, const parallel::Sharding& s) {
   if (equal) { lua_pushnumber(L, double(s.parts.size())); lua_setfield(L, -2, "fused"); }
   lua_pushnumber(L, double(s.padded)); lua_setfield(L, -2, "padded");
   lua::push_group(L, s.group); lua_setfield(L, -2, "group");
+  if (s.inner_dim >= 0) {  // split both ways (experts x tensor): each part split again over inner_group
+    lua_pushnumber(L, double(s.inner_dim)); lua_setfield(L, -2, "inner_dim");
+    lua::push_group(L, s.inner_group); lua_setfield(L, -2, "inner_group");
+  }
   lua_createtable(L, s.ranks, 0);
   for (int r = 0; r < s.ranks; ++r) {
     auto slices = s.slices(r);
