@@ -46,9 +46,6 @@ void DataParallelOptions::validate() const {
               to_string(options.reduce), "'");
   TORCH_CHECK(options.experts.params.empty() || options.experts.group, "data parallelism: expert parameters need "
               "their group");
-  TORCH_CHECK(options.experts.params.empty() || options.zero.stage <= 2, "ZeRO-", options.zero.stage,
-              " with expert parallelism is not built yet: ZeRO-1 and 2 shard expert and dense parameters in groups of "
-              "their own");
   TORCH_CHECK(options.experts.params.empty() || options.zero.stage == 0 || (options.experts.zero && !options.zero.across),
               "ZeRO with expert parallelism needs the experts' zero group, and zero groups of every data rank");
 }

@@ -96,12 +96,12 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
   TORCH_CHECK(units.size() == paths.size(), "ZeRO-3: ", paths.size(), " unit names for ", units.size(), " units");
   f->units_.push_back({"(root)"});
   for (const auto& p : paths) f->units_.push_back({p});
-  const int z = f->zero_->size(), r = f->zero_->rank();
   // The shard buffers: one per flat buffer whose (sharded) buckets hold parameters of its dtype.
+  // Each bucket splits over its own zero group (experts over theirs).
   std::vector<bool> shareable(dp->buffer_options().size(), true);
   std::vector<int64_t> length(dp->buffer_options().size(), 0);
   for (const auto& b : buckets) {
-    length[b.buffer] = std::max(length[b.buffer], b.shard_start + b.padded / z);
+    length[b.buffer] = std::max(length[b.buffer], b.shard_start + b.padded / dp->parts(b));
     if (!b.whole && params[b.params.front()].scalar_type() != dp->buffer_options()[b.buffer].dtype())
       shareable[b.buffer] = false;
   }
@@ -123,7 +123,7 @@ std::shared_ptr<Fsdp> Fsdp::attach(nn::Module& root, std::shared_ptr<DataParalle
     }
     s.unit = b.unit;  // the layout closed the buckets at unit boundaries
     const auto& first = params[b.params.front()];
-    const int64_t part = b.padded / z;
+    const int64_t part = b.padded / dp->parts(b), r = dp->part_rank(b);
     s.gathered = torch::zeros({b.padded}, first.options().requires_grad(false));
     s.shard = f->shard_buffers_[b.buffer].defined() ? f->shard_buffers_[b.buffer].narrow(0, b.shard_start, part)
                                                     : torch::zeros({part}, s.gathered.options());
@@ -201,7 +201,7 @@ void Fsdp::gather(size_t u) {
   for (size_t i : unit.buckets) {
     auto& s = stores_[i];
     allocate(s.gathered);
-    unit.works.push_back(zero_->start_all_gather_flat(s.gathered, s.shard));
+    unit.works.push_back(dp_->zero_group(dp_->buckets()[i])->start_all_gather_flat(s.gathered, s.shard));
   }
   // --trace: the gather's span on the rank's gather row, from now to its last collective's end.
   unit.completion.reset();
@@ -295,9 +295,8 @@ void Fsdp::gather_all() {
 void Fsdp::write_back(size_t u) {
   torch::NoGradGuard no_grad;
   const auto& buckets = dp_->buckets();
-  const int r = zero_->rank();
   for (size_t i : units_[u].buckets) {
-    const int64_t part = buckets[i].padded / zero_->size();
+    const int64_t part = buckets[i].padded / dp_->parts(buckets[i]), r = dp_->part_rank(buckets[i]);
     stores_[i].shard.copy_(stores_[i].gathered.narrow(0, r * part, part));
   }
 }

@@ -245,8 +245,6 @@ void split_experts(nn::Module& tree, const dist::Mesh& mesh, int zero_stage) {
               ", but ", tree.type(), " has no mixture-of-experts block (pt.nn.MoE, or pt.models.llama { experts = E })"
               " whose experts could split over it");
   const auto& l = mesh.layout();
-  TORCH_CHECK(e == 1 || zero_stage <= 2, "parallelize: ZeRO-", zero_stage, " with expert=", e, " is not built yet: "
-              "use ZeRO-1 or 2 (or none) with expert parallelism");
   TORCH_CHECK(e == 1 || zero_stage == 0 || l.zero == l.data * l.context, "parallelize: ZeRO-", zero_stage, " with expert=", e,
               " needs zero groups of every data rank (pt.mesh { zero = 0 }), got zero=", l.zero,
               ": expert and dense parameters are sharded in groups of their own");

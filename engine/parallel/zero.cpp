@@ -265,7 +265,7 @@ class ZeroShards : public optim::Distributed {
       for (size_t i = 0; i < buckets.size(); ++i)
         if (param_sharded(i) && !master_is_shard_[buckets[i].buffer])
           fsdp_->shard_of(i).copy_(
-              masters_[buckets[i].buffer].narrow(0, bucket_master_[i], buckets[i].padded / zero_->size()));
+              masters_[buckets[i].buffer].narrow(0, bucket_master_[i], buckets[i].padded / dp_->parts(buckets[i])));
       fsdp_->reshard_all();
       // The parameters changed without a write through them: a backward still to come over a
       // forward from before the step (its root unit freed here) must refuse, as serial training's

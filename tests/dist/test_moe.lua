@@ -136,17 +136,21 @@ test("expert " .. world .. " (every data rank its own experts) trains as serial 
   eq(total:item(), world * steps * MOE.layers * (MOE.experts * 8 + 4 * rows * MOE.dim * 8), "all-to-all bytes")
 end)
 
-test("expert " .. world .. " with ZeRO-1 and ZeRO-2 trains as serial AdamW", function()
+test("expert " .. world .. " with ZeRO-1, 2 and 3 trains as serial AdamW", function()
   equal { what = "expert " .. world .. " zero-1", mesh = { expert = world, zero = 0 }, opts = { zero = { stage = 1 } } }
   equal { what = "expert " .. world .. " zero-2", mesh = { expert = world, zero = 0 }, opts = { zero = { stage = 2 } },
           steps = 10 }
+  equal { what = "expert " .. world .. " zero-3", mesh = { expert = world, zero = 0 }, opts = { zero = { stage = 3 } },
+          steps = 10 }
+  equal { what = "expert " .. world .. " zero-3 deferred", mesh = { expert = world, zero = 0 },
+          opts = { zero = { stage = 3 } }, deferred = true, steps = 10 }
 end)
 
 if world == 4 then
   test("expert 2 x data 4 (experts synced over expert_data) trains as serial AdamW", function()
     equal { what = "expert 2 of data 4", mesh = { expert = 2 } }
   end)
-  test("expert 2 x data 4 with ZeRO-1 and 2 (experts sharded over expert_data) trains as serial AdamW", function()
+  test("expert 2 x data 4 with ZeRO-1, 2 and 3 (experts sharded over expert_data) trains as serial AdamW", function()
     local a, mesh = equal { what = "expert 2 of data 4, zero-1", mesh = { expert = 2, zero = 0 },
                             opts = { zero = { stage = 1 } } }
     -- Masters: the dense parameters split over the 4 data ranks, this rank's experts over the
@@ -159,6 +163,8 @@ if world == 4 then
     local want = dense / 4 + experts / 2
     ok(masters >= want and masters < want + 64, ("masters of %d elements, want %d"):format(masters, want))
     equal { what = "expert 2 of data 4, zero-2", mesh = { expert = 2, zero = 0 }, opts = { zero = { stage = 2 } },
+            steps = 10 }
+    equal { what = "expert 2 of data 4, zero-3", mesh = { expert = 2, zero = 0 }, opts = { zero = { stage = 3 } },
             steps = 10 }
   end)
   -- Each expert's hidden width split over the tensor ranks too (policies/llama.lua).
@@ -262,6 +268,7 @@ test("a checkpoint saved at one expert size resumes at another", function()
   if world == 4 then resume({ expert = 4 }, { expert = 2, tensor = 2 }, "expert4-to-expert2-tensor2") end
   if world == 4 then
     resume({ expert = 2, zero = 0 }, { expert = 4 }, "expert2-zero1-to-expert4", { zero = { stage = 1 } })
+    resume({ expert = 2, zero = 0 }, { expert = 4 }, "expert2-zero3-to-expert4", { zero = { stage = 3 } })
   end
   WORLD:barrier()
   if pt.dist.rank() == 0 then os.execute("rm -rf '" .. DIR .. "'") end
@@ -337,9 +344,6 @@ test("expert parallelism refuses what it cannot split, at the caller's line", fu
   raises(function() pt.parallelize(pt.models.llama { vocab = 64, seq = 16, dim = 16, heads = 4, layers = 1 },
                                    "policies.llama", pt.mesh { expert = world }) end, "no mixture-of-experts block")
   raises(function() moe_llama { top_k = 5 } end, "top_k=5 must be between 1 and experts=4")
-  raises(function() pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = world, zero = 0 },
-                                   { zero = { stage = 3 } }) end,
-         "ZeRO-3 with expert=" .. world .. " is not built yet")
   if world == 4 then
     raises(function() pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = 2, zero = 2 },
                                      { zero = { stage = 1 } }) end, "needs zero groups of every data rank")
