@@ -194,6 +194,12 @@ with tempfile.TemporaryDirectory() as home:
                   and re.search(r"grads [0-9.]+ MB \(scratch [0-9.]+ MB\)", l)]
     check("mem() under ZeRO-2 names the stage and the zero group, counts the master shard and the gradient scratch",
           ranks_shown("\n".join(zero_lines)) == set(range(RANKS)) and re.search(r"masters 0.00 MB", out) is None, out)
+    out = s.chunk("moe = pt.parallelize(pt.models.llama { vocab = 64, seq = 16, dim = 16, heads = 4, layers = 1, "
+                  "hidden = 24, experts = 4 }, 'policies.llama', pt.mesh { expert = 2 }); shards('experts.w1', moe)")
+    holders = f"ranks {','.join(str(r) for r in range(0, RANKS, 2))} 0:2"
+    check("shards() shows which ranks hold which experts (the expert_data ranks alike)",
+          "layers.0.block_sparse_moe.experts.w1" in out and "[4, 24, 16]" in out and "[2, 24, 16]" in out
+          and holders in out, out)
     out = s.chunk(f"=on({last}, function() return 'only here' end)")
     check("on(rank, fn) runs on one rank only",
           f"[rank {last}] \"only here\"" in out and out.count("only here") == 1, repr(out))

@@ -381,14 +381,19 @@ function R.helpers(stop)
         local held
         if row.dim then
           local parts = {}
+          -- Experts split over the expert group: the ranks holding the same experts are expert_data's.
+          local experts = mesh and mesh:size("expert") > 1 and rank_list(mesh:ranks("expert", row.ranks[1]))
+                          == rank_list(row.ranks)
           for r, slices in ipairs(row.slices) do
             local global = row.ranks[r]
-            local replicas = mesh and mesh:ranks("data_context", global) or { global }
+            local replicas = mesh and mesh:ranks(experts and "expert_data" or "data_context", global) or { global }
             local ranges = {}
             for _, s in ipairs(slices) do ranges[#ranges + 1] = s[1] .. ":" .. (s[1] + s[2]) end
             parts[#parts + 1] = ("ranks %s %s"):format(rank_list(replicas), table.concat(ranges, "+"))
           end
           held = table.concat(parts, "; ")
+          local inner = pt.tp.sharding(model, row.name).inner_dim
+          if inner then held = held .. (", each split on %d over tensor=%d"):format(inner, mesh:size("tensor")) end
         else
           held = sliced[row.name] and "ZeRO-3: a slice a zero rank, whole while gathered (below)" or whole
         end
