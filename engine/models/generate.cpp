@@ -84,6 +84,11 @@ Tensor generate(nn::Module& model, const Tensor& ids, const GenerateOptions& o) 
   TORCH_CHECK(split == 1, "generate: the model splits its sequences over context=", split, ", and generation "
               "extends one sequence a token at a time: generate with a model parallelized without context (a "
               "checkpoint of this one loads into it)");
+  const int experts = owner && owner->mesh() ? owner->mesh()->size("expert") : 1;
+  TORCH_CHECK(experts == 1 || parallel::moe_blocks(model).empty(), "generate: the model's experts are split over "
+              "expert=", experts, " ranks, and a token reaches its experts' rank by an all-to-all that every one of "
+              "them must join: generate with a model whose experts are not split (a checkpoint of this one loads "
+              "into it)");
   for (const auto& [path, m] : model.modules()) {
     auto* norm = dynamic_cast<const parallel::ParallelLayerNorm*>(m.get());
     TORCH_CHECK(!(norm && norm->sequence_parallel), "generate: the model is sequence-parallel (", path,

@@ -344,6 +344,9 @@ test("expert parallelism refuses what it cannot split, at the caller's line", fu
   raises(function() pt.parallelize(pt.models.llama { vocab = 64, seq = 16, dim = 16, heads = 4, layers = 1 },
                                    "policies.llama", pt.mesh { expert = world }) end, "no mixture-of-experts block")
   raises(function() moe_llama { top_k = 5 } end, "top_k=5 must be between 1 and experts=4")
+  local split = pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = world })
+  raises(function() split:generate(pt.zeros({ 1, 2 }, { dtype = "int64" }), { max_new = 1 }) end,
+         "experts are split over expert=" .. world)
   if world == 4 then
     raises(function() pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = 2, zero = 2 },
                                      { zero = { stage = 1 } }) end, "needs zero groups of every data rank")
