@@ -344,6 +344,8 @@ test("expert parallelism refuses what it cannot split, at the caller's line", fu
   raises(function() pt.parallelize(pt.models.llama { vocab = 64, seq = 16, dim = 16, heads = 4, layers = 1 },
                                    "policies.llama", pt.mesh { expert = world }) end, "no mixture-of-experts block")
   raises(function() moe_llama { top_k = 5 } end, "top_k=5 must be between 1 and experts=4")
+  raises(function() pt.parallelize(moe_llama(), "policies.llama", pt.mesh { tensor = 2 }, { sequence_parallel = true })
+         end, "off for block_sparse_moe")
   local split = pt.parallelize(moe_llama(), "policies.llama", pt.mesh { expert = world })
   raises(function() split:generate(pt.zeros({ 1, 2 }, { dtype = "int64" }), { max_new = 1 }) end,
          "experts are split over expert=" .. world)
