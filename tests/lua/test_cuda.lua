@@ -2,7 +2,8 @@
 -- is_available() is false, device_count() 0, synchronize() does nothing and the rest raise "CUDA
 -- is not available" from the caller's line; fused AdamW runs on the CPU (tests/lua/test_optim.lua
 -- compares it with the unfused update). On a CUDA build with a device the same calls report the
--- caching allocator's counters, and fused AdamW on CUDA tracks the unfused update.
+-- caching allocator's counters, and fused AdamW on CUDA tracks the unfused update; the experts'
+-- grouped matmul equals the loop over experts on whichever device there is.
 package.path = "tests/lua/?.lua;" .. package.path
 local pt = require "partrain"
 local H = require "harness"
@@ -77,6 +78,47 @@ test("adamw fused on CUDA tracks the unfused update within 1e-5 over 5 steps", f
   local b, ob = train(false)
   ok(oa:fused(), "auto chose the fused kernel on CUDA")
   for i, p in ipairs(a:parameters()) do H.near(p, b:parameters()[i], 1e-5, "parameter " .. i) end
+end)
+
+-- The experts' grouped matmul on the device: at::_grouped_mm where CUDA takes it (bfloat16 on
+-- sm90/sm100 a grouped kernel; float32 a loop of mm), against the loop of per-expert products,
+-- values and gradients, with empty experts (first, middle, last) and no rows at all. On the CPU
+-- the same checks run on the CPU's path (tests/engine/grouped_test.cpp covers it at length).
+test("the grouped matmul on the device equals the loop over experts, empty experts and all", function()
+  local device = cuda and ("cuda:" .. pt.cuda.current_device()) or "cpu"
+  for _, c in ipairs { { "float32", 1e-5 }, { "bfloat16", 2e-2 } } do
+    local dtype, tol = c[1], c[2]
+    for _, counts in ipairs { { 0, 5, 0, 11, 0 }, { 16, 0, 0, 16 }, { 0, 0, 0, 0 } } do
+      local T = 0
+      for _, n in ipairs(counts) do T = T + n end
+      local x = pt.randn({ T, 32 }, { device = device }):to(dtype)
+      local w = pt.randn({ #counts, 48, 32 }, { device = device }):to(dtype)  -- a [G, out, in] stack
+      local function run(fn)
+        local xa, wa = x:clone():requires_grad_(), w:clone():requires_grad_()
+        local y = fn(xa, wa:transpose(1, 2), counts)
+        if T > 0 then (y:float() * y:float()):sum():backward() end
+        return y, xa.grad, wa.grad
+      end
+      local y1, gx1, gw1 = run(pt.nn.grouped_matmul)
+      local y2, gx2, gw2 = run(pt.nn.looped_matmul)
+      local what = ("%s %s rows %s (%s)"):format(device, dtype, table.concat(counts, ","), pt.nn.grouped_matmul_path(x, w:transpose(1, 2)))
+      eq(y1.shape[1], T, what .. ": rows")
+      local function close(a, b, name)
+        if b == nil then return end
+        local d = (a:float() - b:float()):abs():max():item()
+        local m = math.max(b:float():abs():max():item(), 1)
+        ok(d <= tol * m, ("%s: %s differs by %g (scale %g)"):format(what, name, d, m))
+      end
+      if T > 0 then
+        close(y1, y2, "the output")
+        close(gx1, gx2, "x's gradient")
+        close(gw1, gw2, "w's gradient")
+        for e, n in ipairs(counts) do  -- an expert without rows gets a zero gradient
+          if n == 0 then eq(gw1:select(0, e - 1):float():abs():sum():item(), 0, what .. ": expert " .. (e - 1)) end
+        end
+      end
+    end
+  end
 end)
 
 H.run()
