@@ -225,6 +225,136 @@ function metrics.memory(step, model)
   return ranks
 end
 
+-- Experts ---------------------------------------------------------------------------------------
+-- Each model's MoE blocks over the whole world, found once (a weak table: the model's lifetime):
+-- { paths = { block path, ... } in natural order, experts = { E of each }, row = { [path] = i } }.
+local layouts = setmetatable({}, { __mode = "k" })
+
+-- "layers.10.x" after "layers.9.x": the numbers in a path compared as numbers.
+local function natural(path) return (path:gsub("%d+", function(d) return ("%012d"):format(tonumber(d)) end)) end
+
+-- Every rank's blocks (its pipeline stage holds only some, under their global paths), gathered
+-- as text over the world: the longest text's length (max), then each rank's bytes in its row of
+-- a [world, longest] table (sum). `mine`: { [path] = E } of this rank.
+local function gather_layout(mine, world, rank, device)
+  local lines = {}
+  for path, e in pairs(mine) do lines[#lines + 1] = e .. "\t" .. path end  -- "" is a lone block's path
+  local text = table.concat(lines, "\n")
+  local texts = { text }
+  if world > 1 and not core.plan.planning() then
+    local f64 = { dtype = "float64", device = device }
+    local longest = core.tensor({ #text }, f64)
+    core.dist.world():all_reduce(longest, "max")
+    local n = longest:item()
+    texts = {}
+    if n > 0 then
+      local all = core.zeros(world, n, f64)
+      if #text > 0 then
+        local bytes = {}
+        for i = 1, n do bytes[i] = text:byte(i) or 0 end
+        all:select(0, rank):copy_(core.tensor(bytes, f64))
+      end
+      core.dist.world():all_reduce(all, "sum")
+      for _, row in ipairs(all:cpu():totable()) do
+        local chars = {}
+        for _, b in ipairs(row) do
+          if b == 0 then break end
+          chars[#chars + 1] = string.char(b)
+        end
+        texts[#texts + 1] = table.concat(chars)
+      end
+    end
+  end
+  local experts = {}
+  for _, t in ipairs(texts) do
+    for line in (t .. "\n"):gmatch("([^\n]*)\n") do
+      local e, path = line:match("^(%d+)\t(.*)$")
+      if e then experts[path] = tonumber(e) end
+    end
+  end
+  local layout = { paths = {}, experts = {}, row = {} }
+  for path in pairs(experts) do layout.paths[#layout.paths + 1] = path end
+  table.sort(layout.paths, function(a, b) return natural(a) < natural(b) end)
+  for i, path in ipairs(layout.paths) do layout.experts[i], layout.row[path] = experts[path], i end
+  return layout
+end
+
+--- The load of every MoE block of `model` since the last call, summed over the world: a
+--- collective every rank calls (at the same steps; also where its pipeline stage holds no MoE
+--- block). Rank 0 writes { event = "experts", step, since, layers = { block paths }, routed =
+--- { { slots routed to each expert, before capacity drops }, ... a layer }, dropped, slots,
+--- forwards, aux_loss, z_loss (a layer each: the losses' mean a forward), dropped_fraction,
+--- max_over_mean }. Tensor ranks hold the same tokens: only tensor rank 0's are counted. Returns
+--- the step record's fields { moe_aux_loss, moe_dropped_fraction, moe_max_over_mean }, the same
+--- on every rank ({} when no forward was counted), or nil when the model has no MoE block.
+function metrics.experts(step, model)
+  metrics._check_step(step, "pt.metrics.experts", 2)  -- on every rank, before the collectives
+  if not core.nn.is_module(model) then raise("pt.metrics.experts: model must be a module, got " .. type(model), 2) end
+  local world, rank = core.dist.world_size(), core.dist.rank()
+  local device = tostring(core.device())
+  local pt = package.loaded.partrain
+  local stats = pt.moe.stats(model)   -- taken on every rank: the counts start again from here
+  local layout = layouts[model]
+  if not layout then
+    local mine = {}
+    for path, s in pairs(stats) do mine[path] = #s.routed end
+    layout = gather_layout(mine, world, rank, device)
+    layouts[model] = layout
+  end
+  local rows = #layout.paths
+  if rows == 0 then return nil end
+  -- A row a block: routed to each of its experts (the widest block's count of columns), then
+  -- dropped, slots, aux, z and forwards.
+  local width = 0
+  for _, e in ipairs(layout.experts) do width = math.max(width, e) end
+  local mesh = core.parallel.mesh(model)
+  local counted = not mesh or mesh:coord().tensor == 0
+  local flat, unknown = {}, nil
+  for i = 1, rows * (width + 5) + 1 do flat[i] = 0 end  -- and a last element: blocks the layout lacks
+  for path, s in pairs(stats) do
+    local at = layout.row[path]
+    if not at then
+      unknown, flat[#flat] = path, flat[#flat] + 1
+    elseif counted then
+      local base = (at - 1) * (width + 5)
+      for e, v in ipairs(s.routed) do flat[base + e] = v end
+      for j, v in ipairs { s.dropped, s.slots, s.aux, s.z, s.forwards } do flat[base + width + j] = v end
+    end
+  end
+  local sums = core.tensor(flat, { dtype = "float64", device = device })
+  if world > 1 and not core.plan.planning() then core.dist.world():all_reduce(sums, "sum") end
+  local values = sums:cpu():totable()
+  if values[#values] > 0 then  -- raised on every rank alike, after the collective
+    raise(("pt.metrics.experts: %d MoE block(s)%s appeared after the first call for this model; the blocks "
+      .. "must stay as they were"):format(values[#values], unknown and " ('" .. unknown .. "' here)" or ""), 2)
+  end
+  local event = { event = "experts", step = step, since = layout.since, layers = layout.paths, routed = {}, dropped = {},
+                  slots = {}, forwards = {}, aux_loss = {}, z_loss = {} }
+  local fields, dropped, slots, aux, worst = {}, 0, 0, 0, nil
+  for i = 1, rows do
+    local base = (i - 1) * (width + 5)
+    local routed, total, top = {}, 0, 0
+    for e = 1, layout.experts[i] do
+      routed[e] = values[base + e]
+      total, top = total + routed[e], math.max(top, routed[e])
+    end
+    local d, n, a, z, f = unpack(values, base + width + 1, base + width + 5)
+    event.routed[i], event.dropped[i], event.slots[i], event.forwards[i] = routed, d, n, f
+    -- Every rank that holds a block saw the same global losses a forward: their sums over the
+    -- counted ranks, over the forwards, are the losses' mean a forward.
+    event.aux_loss[i], event.z_loss[i] = f > 0 and a / f or 0, f > 0 and z / f or 0
+    dropped, slots, aux = dropped + d, slots + n, aux + event.aux_loss[i]
+    if total > 0 then worst = math.max(worst or 0, top / (total / #routed)) end
+  end
+  if slots > 0 then
+    event.dropped_fraction, event.max_over_mean = dropped / slots, worst
+    fields = { moe_aux_loss = aux, moe_dropped_fraction = dropped / slots, moe_max_over_mean = worst }
+  end
+  layout.since = step
+  metrics.write(event)
+  return fields
+end
+
 --- Writes the planner's per-rank summary (text) as { event = "plan", text }.
 function metrics.plan(text)
   if type(text) ~= "string" then raise("pt.metrics.plan: text expected, got " .. type(text), 2) end

@@ -140,7 +140,7 @@ Progress.__index = Progress
 
 local option_kinds = {
   total = "integer", tokens = "number", flops_per_token = "number", peak_tflops = "number", every = "integer",
-  seconds = "number", enabled = "boolean", memory = "boolean", model = "module",
+  seconds = "number", enabled = "boolean", memory = "boolean", model = "module", experts = "boolean",
 }
 
 local function human(x)
@@ -162,7 +162,7 @@ local function duration(s)
   return ("%ds"):format(s)
 end
 
---- pt.progress { total, tokens, flops_per_token, peak_tflops, every, seconds, enabled, memory, model }:
+--- pt.progress { total, tokens, flops_per_token, peak_tflops, every, seconds, enabled, memory, model, experts }:
 --- a progress object for a loop; create it just before the loop, call progress:step(step, fields)
 --- once a step on every rank and progress:finish() after the loop (collectives: memory records).
 ---   total: the last step (for step/total and the ETA); tokens: tokens (or samples) of the GLOBAL
@@ -172,7 +172,9 @@ end
 ---   without a terminal, also a line when this long has passed since the last (default 10, 0:
 ---   never); enabled: false for no live line and no timed lines (also PARTRAIN_PROGRESS=0,
 ---   partrain --no-progress); memory: false for no memory records (default true); model: the
----   model, whose state each rank holds goes in the memory records (pt.metrics.memory).
+---   model, whose state each rank holds goes in the memory records (pt.metrics.memory) and,
+---   when it has MoE blocks, whose experts' load is written at each logged step
+---   (pt.metrics.experts; experts: false for none).
 function progress.new(opts, level)
   level = level or 1
   opts = opts or {}
@@ -202,6 +204,7 @@ function progress.new(opts, level)
     seconds = opts.seconds or 10,
     memory = opts.memory ~= false,
     model = opts.model,
+    experts = opts.experts ~= false,
     enabled = opts.enabled ~= false and os.getenv("PARTRAIN_PROGRESS") ~= "0",
     rank0 = core.dist.rank() == 0,
     world = core.dist.world_size(),
@@ -267,6 +270,12 @@ function Progress:step(step, fields)
     and now - (self.printed or self.created) >= self.seconds
   if logged or timed then
     local record = self:rates(step - self.last_step, now - self.last_time)
+    if logged and self.model and self.experts then
+      -- A collective (on every rank: a logged step is every rank's): the experts record, and
+      -- the router's fields in this step's (none for a model without MoE blocks).
+      local metrics = require "partrain.metrics"
+      for k, v in pairs(metrics.experts(step, self.model) or {}) do record[k] = v end
+    end
     for k, v in pairs(fields) do record[k] = v end
     record.step = step
     record.mem_bytes = require("partrain.metrics").peak_bytes()
