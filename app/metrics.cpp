@@ -79,6 +79,67 @@ double number_or_nan(const nlohmann::json& v) {
   return std::isfinite(d) ? d : kNaN;
 }
 
+// An experts record (pt.metrics.experts) as a column of the heat map: each block's routed counts
+// over their mean. Kept as add_point keeps a series' points; a record whose blocks differ from
+// the ones before (another model in the same file) starts the map again.
+void add_experts(ExpertLoad& x, const nlohmann::json& record, const std::string& where, const ReadOptions& options) {
+  auto layers = record.find("layers"), routed = record.find("routed");
+  TORCH_CHECK(layers != record.end() && layers->is_array() && routed != record.end() && routed->is_array() &&
+                  routed->size() == layers->size(),
+              where, ": an experts record needs \"layers\": [block paths] and \"routed\": [[slots routed to each expert]",
+              " of each block]");
+  std::vector<std::string> paths;
+  std::vector<int64_t> experts;
+  ExpertLoad::Column column;
+  size_t cells = 0;
+  for (size_t i = 0; i < layers->size(); ++i) {
+    const auto& path = (*layers)[i];
+    const auto& row = (*routed)[i];
+    TORCH_CHECK(path.is_string(), where, ": an experts record's layers must be strings (block paths), not ",
+                path.type_name());
+    TORCH_CHECK(row.is_array() && !row.empty(), where, ": an experts record's routed[", i,
+                "] must be a list of numbers (slots routed to each expert)");
+    cells += row.size();
+    TORCH_CHECK(cells <= options.max_expert_cells, where, ": an experts record of more than ",
+                options.max_expert_cells, " experts; at most that many are read");
+    double total = 0;
+    std::vector<double> counts;
+    for (const auto& v : row) {
+      TORCH_CHECK(v.is_number() || v.is_null(), where, ": an experts record's routed counts must be numbers, not ",
+                  v.type_name());
+      counts.push_back(number_or_nan(v));
+      total += counts.back();
+    }
+    const double mean = total / static_cast<double>(counts.size());
+    for (double c : counts) column.load.push_back(mean > 0 ? c / mean : kNaN);
+    paths.push_back(path.get<std::string>());
+    experts.push_back(static_cast<int64_t>(row.size()));
+  }
+  auto step = record.find("step");
+  column.step = step != record.end() ? number_or_nan(*step) : kNaN;
+  if (!std::isfinite(column.step)) return;  // a record without a step has no column to go in
+  if (paths != x.layers || experts != x.experts) {
+    if (!x.layers.empty()) ++x.restarts;
+    x.layers = std::move(paths);
+    x.experts = std::move(experts);
+    x.columns.clear();
+    x.seen = 0;
+    x.stride = 1;
+  }
+  const size_t max = std::max<size_t>(2, std::min(options.max_expert_columns, options.max_expert_values /
+                                                                                  std::max<size_t>(cells, 1)));
+  if (x.seen % x.stride == 0) x.columns.push_back(column);
+  ++x.seen;
+  x.last = std::move(column);
+  if (x.columns.size() > max) {
+    size_t kept = 0;
+    for (size_t i = 0; i < x.columns.size(); i += 2, ++kept)
+      if (kept != i) x.columns[kept] = std::move(x.columns[i]);  // never moved onto itself: that empties it
+    x.columns.resize(kept);
+    x.stride *= 2;
+  }
+}
+
 // Reads a file line by line into `on_line(line, number, complete)`; `complete` is false for a last
 // line without its newline. Never holds more than one line (bounded by max_line) at a time.
 template <typename F>
@@ -190,6 +251,8 @@ Metrics read_metrics(const std::string& path, const std::string& name, const Rea
         auto step = record.find("step");
         double at = step != record.end() ? number_or_nan(*step) : kNaN;
         m.memory_step = at >= 0 && at < 9e15 ? static_cast<int64_t>(at) : -1;
+      } else if (kind == "experts") {
+        add_experts(m.experts, record, where(), options);
       } else if (kind == "plan") {
         auto text = record.find("text");
         TORCH_CHECK(text != record.end() && text->is_string(), where(), ": a plan record needs \"text\": a string");
@@ -236,6 +299,9 @@ Metrics read_metrics(const std::string& path, const std::string& name, const Rea
     std::stable_sort(s.points.begin(), s.points.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });
   }
+  auto& x = m.experts;
+  if (x.seen > 0 && (x.seen - 1) % x.stride != 0) x.columns.push_back(x.last);
+  std::stable_sort(x.columns.begin(), x.columns.end(), [](const auto& a, const auto& b) { return a.step < b.step; });
   return m;
 }
 

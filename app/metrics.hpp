@@ -22,6 +22,22 @@ struct Series {
   std::pair<double, double> last{0, 0};
 };
 
+/// The experts records of a file (pt.metrics.experts): each MoE block's load per expert at each
+/// record, over the block's mean load (1: an even share), for the report's heat map.
+struct ExpertLoad {
+  struct Column {
+    double step = 0;
+    std::vector<double> load;  ///< a row a block's expert, the blocks in turn (NaN: the block routed none)
+  };
+  std::vector<std::string> layers;  ///< the blocks' paths
+  std::vector<int64_t> experts;     ///< experts of each block
+  std::vector<Column> columns;      ///< in step order; at most ReadOptions::max_expert_columns, evenly spaced
+  int64_t seen = 0;                 ///< records read (of the newest layout of blocks)
+  int64_t stride = 1;               ///< columns keeps every stride-th record (and the last)
+  int64_t restarts = 0;             ///< records whose blocks differed from the ones before (the map restarts)
+  Column last;
+};
+
 /// What a metrics file says about one run (or one run and its resumptions).
 struct Metrics {
   std::string path;                       ///< the metrics file read
@@ -33,6 +49,7 @@ struct Metrics {
   std::vector<double> memory;             ///< the newest memory record: peak bytes of each rank
   int64_t memory_step = -1;               ///< its step (-1: none, or not given)
   std::string plan;                       ///< the newest plan record's text
+  ExpertLoad experts;                     ///< the experts records
   int64_t steps = 0;                      ///< step records read
   double first_step = 0, last_step = 0;   ///< the smallest and largest step logged
   double first_time = 0, last_time = 0;   ///< unix seconds of the first and last record
@@ -57,6 +74,9 @@ struct ReadOptions {
   int64_t max_exact = 2000000;                  ///< at most this many of them
   int64_t up_to_step = -1;                      ///< with exact_losses: only steps <= this (-1: all)
   size_t max_ranks = 65536;                     ///< ranks a memory record may list
+  size_t max_expert_cells = 65536;              ///< experts (over all blocks) an experts record may list
+  size_t max_expert_columns = 512;              ///< experts records kept (evenly spaced, and the last)
+  size_t max_expert_values = size_t(4) << 20;   ///< ... and at most this many loads in all
 };
 
 /// The metrics file `path` names: `path` itself, or `path`/metrics.jsonl when `path` is a folder

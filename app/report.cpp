@@ -502,6 +502,8 @@ pre { background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 12px; }
 
 }  // namespace
 
+std::string html_escape(const std::string& s) { return escape(s); }
+
 bool is_report_page(const std::string& head) { return head.rfind("<!DOCTYPE html>", 0) == 0; }
 
 std::string report_html(const std::vector<Metrics>& runs, const ReportOptions& options) {
@@ -533,12 +535,22 @@ std::string report_html(const std::vector<Metrics>& runs, const ReportOptions& o
     else html << line_chart(title, field, lines);
   }
   html << memory_chart(runs);
+  // Mixture of experts: the load heat maps, then the router's step fields where a run logs them.
+  html << expert_heatmaps(runs, options);
+  const Chart router[] = {{"moe_aux_loss", "Router load-balancing loss (moe_aux_loss)"},
+                          {"moe_dropped_fraction", "Slots dropped by the capacity (moe_dropped_fraction)"},
+                          {"moe_max_over_mean", "Busiest expert's load over the mean (moe_max_over_mean)"}};
+  for (auto [field, title] : router)
+    if (auto lines = lines_of(field); !lines.empty()) html << line_chart(title, field, lines);
   // Every other numeric field a run logs, a chart each, in the order first seen.
   std::vector<std::string> others;
+  auto charted = [&](const std::string& f) {
+    return f == "loss" || f == "lr" || f == "tokens_per_s" ||
+           std::any_of(std::begin(router), std::end(router), [&](const Chart& c) { return f == c.field; });
+  };
   for (const auto& m : runs)
     for (const auto& f : m.order)
-      if (f != "loss" && f != "lr" && f != "tokens_per_s" &&
-          std::find(others.begin(), others.end(), f) == others.end() && others.size() < kMaxOtherCharts)
+      if (!charted(f) && std::find(others.begin(), others.end(), f) == others.end() && others.size() < kMaxOtherCharts)
         others.push_back(f);
   for (const auto& f : others) html << line_chart(f, f, lines_of(f));
   if (!options.trace_path.empty()) html << timeline(options.trace_path);
@@ -551,7 +563,8 @@ std::string report_html(const std::vector<Metrics>& runs, const ReportOptions& o
 
 int run_report(int argc, char** argv, int first) {
   CLI::App app{"partrain report: one self-contained HTML page of a run's metrics (or several runs' on shared axes).\n\n"
-               "  partrain report RUN_DIR_OR_METRICS_FILE... [-o report.html] [--trace trace.json] [--title TEXT]\n\n"
+               "  partrain report RUN_DIR_OR_METRICS_FILE... [-o report.html] [--trace trace.json] [--title TEXT]\n"
+               "                  [--experts-layer PATH]\n\n"
                "A run folder holds metrics.jsonl (partrain --metrics DIR/metrics.jsonl) and, optionally,\n"
                "trace.json (partrain --trace), drawn as the pipeline timeline.\n",
                "partrain report"};
@@ -562,6 +575,11 @@ int run_report(int argc, char** argv, int first) {
   app.add_option("--trace", trace, "a Chrome trace (partrain --trace) to draw as the pipeline timeline")
       ->check(non_empty("a trace file"));
   app.add_option("--title", title, "the page's heading");
+  std::string experts_layer;
+  app.add_option("--experts-layer", experts_layer,
+                 "the MoE block whose experts the load heat map draws (its path, or a prefix such as layers.3); "
+                 "default: every block")
+      ->check(non_empty("a block path"));
   std::vector<char*> args{argv[0]};
   for (int i = first; i < argc; ++i) args.push_back(argv[i]);
   try {
@@ -590,6 +608,7 @@ int run_report(int argc, char** argv, int first) {
     ReportOptions options;
     options.title = title;
     options.trace_path = trace;
+    options.experts_layer = experts_layer;
     if (trace.empty())  // a run folder's own trace
       for (const auto& input : inputs)
         if (util::is_plain_dir(input) && util::is_regular(input + "/trace.json")) {
