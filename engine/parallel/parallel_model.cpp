@@ -371,6 +371,8 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   // 6. Activation checkpointing last: it wraps the blocks' forwards as every parallelism above
   //    left them (their layers split, their gradients hooked), and changes no parameter.
   if (options.recompute.mode == "block") recompute_blocks(tree, options.recompute.blocks);
+  //    The policy's probe forwards routed tokens too: the MoE blocks' counts start from here.
+  for (auto& [path, block] : moe_blocks(tree)) block->take_stats();
   // 7. Only once everything succeeded does the tree know its owner.
   tree.set_parallel_owner(model);
   for (auto& [path, m] : tree.modules()) m->set_parallel_tree(model);

@@ -124,6 +124,103 @@ test("the MoE block routes each token to top_k experts and its losses reach the 
   eq(routed, 20, "every slot routed")
 end)
 
+-- The loop form of a block from its own weights: each token through its k experts, weighted.
+local function loop_reference(block, x, k, normalize)
+  local d = x.shape[2]
+  local w1, w3, w2 = block.experts.w1, block.experts.w3, block.experts.w2
+  local probs = block.gate(x):softmax(-1)
+  local top, idx = probs:topk(k, -1)
+  if normalize then top = top / top:sum(-1, true) end
+  local rows = {}
+  for t = 0, x.shape[1] - 1 do
+    local xt = x:narrow(0, t, 1)
+    local acc = pt.zeros({ 1, d }, { dtype = "float64" })
+    for j = 0, k - 1 do
+      local e = idx:select(0, t):select(0, j):item()
+      local h = xt:matmul(w1:select(0, e):t()):silu() * xt:matmul(w3:select(0, e):t())
+      acc = acc + h:matmul(w2:select(0, e):t()) * top:select(0, t):select(0, j)
+    end
+    rows[#rows + 1] = acc
+  end
+  return #rows > 0 and pt.cat(rows, 0) or pt.zeros({ 0, d }, { dtype = "float64" })
+end
+
+test("the block equals the loop over experts for 30 seeded random shapes, routings and token counts", function()
+  local rng = H.rng(20261128)
+  for case = 1, 30 do
+    local E = rng.int(1, 6)
+    local k = rng.int(1, E)
+    local dim, hidden, n = 4 * rng.int(1, 3), 4 * rng.int(1, 4), rng.int(0, 12)
+    local normalize = rng.int(0, 1) == 1
+    pt.manual_seed(case)
+    local block = pt.nn.MoE { dim = dim, hidden = hidden, experts = E, top_k = k, normalize = normalize,
+                              aux_loss = 0 }
+    block:to("float64")
+    local x = pt.randn({ n, dim }, { dtype = "float64" })
+    local xa, xb = x:clone():requires_grad_(), x:clone():requires_grad_()
+    local ya, yb = block(xa), loop_reference(block, xb, k, normalize)
+    local what = ("case %d: E=%d k=%d dim=%d hidden=%d tokens=%d normalize=%s"):format(case, E, k, dim, hidden, n,
+                                                                                 tostring(normalize))
+    eq(ya.shape[1], n, what .. ": rows")
+    if n > 0 then
+      near(ya, yb, 1e-12, what .. ": output")
+      local wgt = pt.randn({ n, dim }, { dtype = "float64" })
+      ;(ya * wgt):sum():backward()
+      ;(yb * wgt):sum():backward()
+      near(xa.grad, xb.grad, 1e-12, what .. ": the tokens' gradient")
+    end
+  end
+end)
+
+test("expert " .. world .. " dispatch equals the block in one process for 20 seeded random routings", function()
+  -- Random token counts a rank (0 included) and skewed routers: ranks send and receive unequal
+  -- numbers of rows, some none; the output and every gradient equal the unsplit block's.
+  local mesh = pt.mesh { expert = world }
+  local rank = mesh:rank()
+  local rng = H.rng(77)  -- the same draws on every rank
+  for case = 1, 20 do
+    local E = world * rng.int(1, 3)
+    local k = rng.int(1, math.min(E, 3))
+    local counts = {}
+    for r = 1, world do counts[r] = rng.int(0, 6) end
+    local hot = rng.int(0, E - 1)  -- this case's favourite expert
+    local function make()
+      pt.manual_seed(100 + case)
+      -- No router losses: a rank's share of them is weighed for data parallelism's mean of the
+      -- parameters' gradients, which the tokens' gradients compared here do not go through.
+      local b = pt.nn.MoE { dim = 8, hidden = 12, experts = E, top_k = k, aux_loss = 0, z_loss = 0 }
+      b:to("float64")
+      -- Scores that favour `hot`, then the rest by logits: skewed, and the same in both blocks.
+      b:set_router(function(self, logits, xs)
+        local bias = pt.zeros({ 1, E }, { dtype = "float64" })
+        bias:narrow(1, hot, 1):fill_(3)
+        local p = (logits + bias):softmax(-1)
+        local w, idx = p:topk(k, -1)
+        return w / w:sum(-1, true), idx, logits:softmax(-1)
+      end)
+      return b
+    end
+    local serial = make()
+    local split = pt.parallelize(make(), nil, mesh)
+    local total = 0
+    for _, c in ipairs(counts) do total = total + c end
+    local x = shared(pt.randn({ total, 8 }, { dtype = "float64" }))
+    local first = 0
+    for r = 1, rank do first = first + counts[r] end
+    local mine = counts[rank + 1]
+    local xs, xp = x:clone():requires_grad_(), x:narrow(0, first, mine):clone():requires_grad_()
+    local wgt = shared(pt.randn({ total, 8 }, { dtype = "float64" }))
+    local ys = serial(xs)
+    local yp = split(xp)
+    local what = ("case %d: E=%d k=%d rows %s"):format(case, E, k, table.concat(counts, ","))
+    eq(yp.shape[1], mine, what .. ": rows")
+    if mine > 0 then near(yp, ys:narrow(0, first, mine), 1e-12, what .. ": output") end
+    ;(ys * wgt):sum():backward()
+    ;(yp * wgt:narrow(0, first, mine)):sum():backward()  -- every rank: its backward joins the all-to-alls
+    if mine > 0 then near(xp.grad, xs.grad:narrow(0, first, mine), 1e-12, what .. ": the tokens' gradient") end
+  end
+end)
+
 test("expert " .. world .. " (every data rank its own experts) trains as serial AdamW", function()
   local _, _, moved = equal { what = "expert " .. world, mesh = { expert = world } }
   -- A layer's step: the counts (E int64), then each rank sends its routed rows (N k of dim
