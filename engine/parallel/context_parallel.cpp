@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "engine/nn/functional.hpp"
+#include "engine/parallel/group_holder.hpp"
 #include "engine/parallel/trace.hpp"
 #include "engine/util/planning.hpp"
 #include "engine/util/text.hpp"
@@ -378,11 +379,6 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const c
 namespace {
 
 // The group an autograd context keeps for its backward.
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(dist::GroupPtr g) : group(std::move(g)) {}
-  dist::GroupPtr group;
-};
-
 // The all-to-all of equal parts along dimension 0 is its own transpose: its backward is itself.
 struct AllToAll : torch::autograd::Function<AllToAll> {
   static Tensor forward(AutogradContext* ctx, Tensor x, c10::intrusive_ptr<GroupHolder> group) {

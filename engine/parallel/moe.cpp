@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "engine/nn/grouped.hpp"
+#include "engine/parallel/group_holder.hpp"
 #include "engine/parallel/recompute.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/util/planning.hpp"
@@ -126,13 +127,8 @@ std::string GroupedExperts::extra_repr() const {
 
 namespace {
 
-struct GroupCapsule : torch::CustomClassHolder {
-  explicit GroupCapsule(dist::GroupPtr g) : group(std::move(g)) {}
-  dist::GroupPtr group;
-};
-
 struct AllToAllV : torch::autograd::Function<AllToAllV> {
-  static Tensor forward(AutogradContext* ctx, Tensor x, c10::intrusive_ptr<GroupCapsule> group,
+  static Tensor forward(AutogradContext* ctx, Tensor x, c10::intrusive_ptr<GroupHolder> group,
                         std::vector<int64_t> in_splits, std::vector<int64_t> out_splits) {
     ctx->saved_data["group"] = c10::IValue::make_capsule(group);
     ctx->saved_data["in"] = in_splits;
@@ -142,7 +138,7 @@ struct AllToAllV : torch::autograd::Function<AllToAllV> {
     return out;
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    auto group = c10::static_intrusive_pointer_cast<GroupCapsule>(ctx->saved_data["group"].toCapsule());
+    auto group = c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule());
     auto in = ctx->saved_data["in"].toIntVector(), out = ctx->saved_data["out"].toIntVector();
     Tensor back;
     group->group->all_to_all_single(back, grads[0].contiguous(), in, out);  // the splits swapped
@@ -176,7 +172,7 @@ std::string join(const std::vector<int64_t>& v) {
 
 Tensor all_to_all_rows(const Tensor& x, const dist::GroupPtr& group, const std::vector<int64_t>& in_splits,
                        const std::vector<int64_t>& out_splits) {
-  return AllToAllV::apply(x, c10::make_intrusive<GroupCapsule>(group), in_splits, out_splits);
+  return AllToAllV::apply(x, c10::make_intrusive<GroupHolder>(group), in_splits, out_splits);
 }
 
 RouterLossWeight::RouterLossWeight(double weight) : saved_(router_loss_weight) { router_loss_weight = weight; }
@@ -328,23 +324,23 @@ std::vector<int64_t> routed_counts(const Tensor& logits, const Routing& r, int64
   if (logits.is_meta()) return routed;
   auto flat = r.indices.reshape({-1});
   auto in_range = flat.ge(0).logical_and(flat.lt(E));
-  auto counts = at::bincount(flat.masked_fill(in_range.logical_not(), 0).cpu(), {}, E);
+  auto counts = at::bincount(flat.masked_fill(in_range.logical_not(), 0), {}, E).to(torch::kInt64);
   auto sorted = std::get<0>(r.indices.sort(-1));
   auto repeated = k > 1 ? sorted.narrow(1, 1, k - 1).eq(sorted.narrow(1, 0, k - 1)).any()
                         : torch::zeros({}, in_range.options());
   auto flags = torch::stack({in_range.logical_not().any(), repeated, logits.isfinite().logical_not().any(),
                              r.weights.isfinite().logical_not().any()})
-                   .to(torch::kInt64)
-                   .cpu();
-  const auto* f = flags.data_ptr<int64_t>();
+                   .to(torch::kInt64);
+  // One read: the flags, then the counts.
+  auto read = torch::cat({flags, counts}).cpu();
+  const auto* f = read.data_ptr<int64_t>();
   TORCH_CHECK(!f[2], "MoE: the router's logits are not finite (NaN or inf) for some of the ", N, " tokens: the "
               "gate's weights or its inputs have diverged");
   TORCH_CHECK(!f[0], who, " returned expert indices out of range: they must be in [0, ", E, ")");
   TORCH_CHECK(!f[1], who, " returned the same expert twice for a token: each of its top_k=", k,
               " choices must be a different expert");
   TORCH_CHECK(!f[3], who, " returned weights that are not finite (NaN or inf)");
-  auto c = counts.to(torch::kInt64);
-  routed.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + E);
+  routed.assign(f + 4, f + 4 + E);
   return routed;
 }
 
