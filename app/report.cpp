@@ -438,10 +438,10 @@ std::string timeline(const std::string& path) {
     return html.str();
   }
   static const std::map<std::string, std::string> fills = {
-      {"forward", "#4e9a06"}, {"backward", "#f57900"}, {"send", "#729fcf"}, {"recv", "#babdb6"},
-      {"wait", "#888a85"},    {"sync", "#ad7fa8"},     {"gather", "#c4a000"}};
+      {"forward", "#4e9a06"}, {"backward", "#f57900"}, {"weight", "#ce5c00"}, {"send", "#729fcf"},
+      {"recv", "#babdb6"},    {"wait", "#888a85"},     {"sync", "#ad7fa8"},  {"gather", "#c4a000"}};
   html << "<div class=\"legend\">";
-  for (const char* k : {"forward", "backward", "send", "recv", "wait", "sync", "gather"})
+  for (const char* k : {"forward", "backward", "weight", "send", "recv", "wait", "sync", "gather"})
     html << "<span><i class=\"swatch\" style=\"background:" << fills.at(k) << "\"></i>" << k << "</span>";
   html << "</div>\n";
   const double lane_h = 28, top = 10, left = 150, right = 16;

@@ -383,6 +383,7 @@ c10::optional<parallel::PipelineOptions> pipeline_options(const Args& a, int idx
   parallel::PipelineOptions p;
   p.blocks = o.string("blocks", "");
   p.schedule = o.string("schedule", "");
+  p.layout = o.string("layout", "interleaved");
   p.chunks = o.int32("chunks", 1);
   p.microbatches = o.int32("microbatches", 1);
   p.balance.method = o.string("balance", "uniform");
@@ -541,7 +542,7 @@ const Function kParallel[] = {
        a.ret(path); lua_setfield(a.L, -2, "path");
        return 1; }},
     // pipeline(model): nil without pipeline parallelism, else this rank's stages:
-    // { size, rank, schedule, chunks, microbatches, blocks, first, last, bounds, balance, costs,
+    // { size, rank, schedule, layout, chunks, microbatches, blocks, first, last, bounds, balance, costs,
     // stages } (stages: this rank's virtual stages, by chunk; bounds: split_stages' block
     // boundaries; costs, under balance "time": the measured microseconds of the first part, each
     // block and the last part).
@@ -558,6 +559,7 @@ const Function kParallel[] = {
        lua_pushinteger(a.L, p.size()); lua_setfield(a.L, -2, "size");
        lua_pushinteger(a.L, p.rank()); lua_setfield(a.L, -2, "rank");
        a.ret(o.schedule); lua_setfield(a.L, -2, "schedule");
+       a.ret(o.layout); lua_setfield(a.L, -2, "layout");
        lua_pushinteger(a.L, o.chunks); lua_setfield(a.L, -2, "chunks");
        lua_pushinteger(a.L, o.microbatches); lua_setfield(a.L, -2, "microbatches");
        a.ret(o.blocks); lua_setfield(a.L, -2, "blocks");

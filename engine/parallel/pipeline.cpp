@@ -77,14 +77,15 @@ std::vector<int64_t> split_stages(const std::vector<int64_t>& block_params, int6
 PipeOp parse_pipe_op(const std::string& op) {
   static const std::map<std::string, PipeOp> ops{{"F", PipeOp::Forward},         {"B", PipeOp::Backward},
                                                  {"SEND_F", PipeOp::SendForward}, {"RECV_F", PipeOp::RecvForward},
-                                                 {"SEND_B", PipeOp::SendBackward}, {"RECV_B", PipeOp::RecvBackward}};
+                                                 {"SEND_B", PipeOp::SendBackward}, {"RECV_B", PipeOp::RecvBackward},
+                                                 {"W", PipeOp::Weight}};
   auto it = ops.find(op);
-  TORCH_CHECK(it != ops.end(), "pipeline: unknown action '", op, "' (expected F, B, SEND_F, RECV_F, SEND_B or RECV_B)");
+  TORCH_CHECK(it != ops.end(), "pipeline: unknown action '", op, "' (expected F, B, W, SEND_F, RECV_F, SEND_B or RECV_B)");
   return it->second;
 }
 
 std::string describe(const PipeAction& a) {
-  static const char* names[] = {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"};
+  static const char* names[] = {"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "W"};
   std::ostringstream s;
   s << names[static_cast<int>(a.op)] << a.mb << ".c" << a.chunk;
   if (a.op == PipeOp::SendForward || a.op == PipeOp::SendBackward) s << "->" << a.peer;
@@ -136,7 +137,7 @@ void agree_on_pipeline(const dist::GroupPtr& world, const PipelineOptions& o, co
                         static_cast<int64_t>(a.peer), int64_t{-7}})
         plan = (plan ^ static_cast<uint64_t>(v)) * 1099511628211ull;
   std::ostringstream mine;
-  mine << "microbatches=" << o.microbatches << ", chunks=" << o.chunks << ", blocks a stage ";
+  mine << "microbatches=" << o.microbatches << ", chunks=" << o.chunks << ", layout " << o.layout << ", blocks a stage ";
   for (size_t s = 0; s + 1 < bounds.size(); ++s) mine << (s ? "," : "") << bounds[s + 1] - bounds[s];
   mine << ", schedule '" << o.schedule << "' whose plan hashes to " << std::hex << plan;
   auto all = dist::all_gather_strings(world, mine.str());
@@ -165,6 +166,8 @@ void PipelineOptions::validate(const dist::Mesh& mesh) const {
               " must be at least 1");
   TORCH_CHECK(static_cast<int>(plan.size()) == pp, "pipeline: the schedule has ", plan.size(),
               " rank lists for pipeline=", pp);
+  TORCH_CHECK(layout == "interleaved" || layout == "v", "pipeline: unknown stage layout '", layout,
+              "' (expected interleaved or v)");
 }
 
 std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh, PipelineOptions options) {
@@ -236,7 +239,8 @@ std::shared_ptr<Pipeline> Pipeline::cut(nn::Module& root, const dist::Mesh& mesh
   auto stage_of_block = [&](int64_t i) {
     return static_cast<int>(std::upper_bound(p.bounds_.begin(), p.bounds_.end(), i) - p.bounds_.begin() - 1);
   };
-  auto rank_of_stage = [&](int s) { return s % p.pp_; };
+  const StageLayout places{p.pp_, options.layout == "v"};
+  auto rank_of_stage = [&](int s) { return places.rank(s); };
   std::unordered_map<const c10::TensorImpl*, std::vector<int>> holders;  // ranks, in name order
   std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names;
   std::vector<torch::Tensor> order;
@@ -343,7 +347,7 @@ double Pipeline::grad_norm(const std::vector<torch::Tensor>& params, const std::
 
 std::vector<int> Pipeline::own_stages() const {
   std::vector<int> out;
-  for (int c = 0; c < options_.chunks; ++c) out.push_back(c * pp_ + rank_);
+  for (int c = 0; c < options_.chunks; ++c) out.push_back(layout().stage(rank_, c));
   return out;
 }
 
@@ -359,9 +363,9 @@ std::vector<std::vector<torch::Tensor>> Pipeline::chunk_params() const {
   if (rank_ == 0)
     for (const auto& name : options_.first)
       if (auto m = root_->child(name)) add(0, *m);
-  if (rank_ == last % pp_)
+  if (rank_ == layout().rank(last))
     for (const auto& name : options_.last)
-      if (auto m = root_->child(name)) add(last / pp_, *m);
+      if (auto m = root_->child(name)) add(layout().chunk(last), *m);
   return out;
 }
 

@@ -39,21 +39,35 @@ std::vector<int64_t> split_stages(const std::vector<int64_t>& block_params, int6
                                   const StageBalance& balance, int64_t first_params = 0, int64_t last_params = 0);
 
 /// One action of a lowered schedule (docs/pipeline.md), as plain data.
-enum class PipeOp { Forward, Backward, SendForward, RecvForward, SendBackward, RecvBackward };
+/// Backward is the whole backward of a micro-batch's chunk, or, when the rank's list also has its
+/// Weight, the input's gradient alone (B), Weight then computing the weights' (W: split_backward.hpp).
+enum class PipeOp { Forward, Backward, SendForward, RecvForward, SendBackward, RecvBackward, Weight };
 struct PipeAction {
   PipeOp op = PipeOp::Forward;
   int mb = 0, chunk = 0;
   int peer = -1;  ///< the pipeline rank a transfer goes to or comes from; -1 for compute
 };
-/// "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B" (an error names anything else).
+/// "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "W" (an error names anything else).
 PipeOp parse_pipe_op(const std::string& op);
 std::string describe(const PipeAction& a);  ///< "SEND_F3.c0->1"
+
+/// Where the virtual stages are: "interleaved" (Megatron-LM's: chunk c of rank r is stage
+/// c * pp + r) or "v" (ZB-V's: the odd chunks run back, c * pp + pp - 1 - r, so rank 0 holds the
+/// first stage and, with 2 chunks, the last).
+struct StageLayout {
+  int pp = 1;
+  bool v = false;
+  int stage(int rank, int chunk) const { return chunk * pp + (v && chunk % 2 ? pp - 1 - rank : rank); }
+  int rank(int stage) const { return v && (stage / pp) % 2 ? pp - 1 - stage % pp : stage % pp; }
+  int chunk(int stage) const { return stage / pp; }
+};
 
 struct PipelineOptions {
   std::string blocks;                     ///< the container of the blocks ("h")
   std::vector<std::string> first, last;   ///< the root's children before and after the blocks
   StageBalance balance;
   std::string schedule;                   ///< its name, for messages
+  std::string layout = "interleaved";     ///< StageLayout: "interleaved" or "v"
   int chunks = 1, microbatches = 1;
   /// The lowered, checked plan: one action list a pipeline rank (pipeline.build's result).
   std::vector<std::vector<PipeAction>> plan;
@@ -79,6 +93,9 @@ struct PipelineMeasure {
   /// virtual stage), the gradient it receives (0 on the last), and the most its backward
   /// allocates above what it began with, the parameters' new gradients left out.
   std::vector<int64_t> activations, inputs, gradients, backward;
+  /// Per chunk, under a split backward: the bytes a micro-batch holds from its B to its W (the
+  /// weights' products' inputs and the gradients captured for them); 0 where B is whole.
+  std::vector<int64_t> pending;
   /// The most bytes alive at once along this rank's action list (peak_activation_bytes).
   int64_t peak = -1;
   /// Point-to-point messages of a step by peer (pipeline rank); bytes include the headers.
@@ -152,6 +169,8 @@ class Pipeline {
   }
 
   int stages() const { return pp_ * options_.chunks; }
+  /// Where this pipeline's virtual stages are (options().layout).
+  StageLayout layout() const { return {pp_, options_.layout == "v"}; }
   const std::vector<int64_t>& bounds() const { return bounds_; }  ///< split_stages' boundaries
   const PipelineOptions& options() const { return options_; }
   const dist::GroupPtr& group() const { return group_; }
@@ -164,7 +183,7 @@ class Pipeline {
 
   // ---- What checkpoints and the REPL ask of the stages ----------------------------------------
   int size() const { return pp_; }  ///< the pipeline group's size
-  /// This rank's virtual stages, by chunk: chunk c is stage c * size() + rank().
+  /// This rank's virtual stages, by chunk: chunk c is stage layout().stage(rank(), c).
   std::vector<int> own_stages() const;
   /// The name the serial model gives this rank's parameter `name`: a tensor tied across stages
   /// goes by its first name in the serial tree (GPT-2's lm_head.weight is wte.weight) on every
@@ -175,7 +194,7 @@ class Pipeline {
   bool first_holder(const torch::Tensor& param) const;
   /// Whether any parameter is tied across stages (its gradient summed over the pipeline group).
   bool has_ties() const { return !ties_.empty(); }
-  /// This rank's parameters by its chunk (chunk c runs virtual stage c * size() + rank()): the
+  /// This rank's parameters by its chunk (chunk c runs virtual stage layout().stage(rank(), c)): the
   /// blocks' and, on the first and last virtual stages, the policy's first and last modules'. A
   /// tensor two chunks hold is listed under both.
   std::vector<std::vector<torch::Tensor>> chunk_params() const;

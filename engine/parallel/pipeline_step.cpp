@@ -10,6 +10,7 @@
 #include "engine/dist/world.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
+#include "engine/parallel/split_backward.hpp"
 #include "engine/parallel/stage_memory.hpp"
 #include "engine/parallel/trace.hpp"
 #include "engine/util/planning.hpp"
@@ -76,8 +77,8 @@ torch::Tensor receive_body(const dist::GroupPtr& group, const MessageShape& shap
 class Inbox {
  public:
   // `predicted`: an activation's shape by (micro-batch, receiving virtual stage), from last step.
-  Inbox(const dist::GroupPtr& group, torch::Device device, const std::vector<PipeAction>& actions, int chunks, int pp,
-        int rank, const std::map<std::pair<int, int>, MessageShape>& predicted)
+  Inbox(const dist::GroupPtr& group, torch::Device device, const std::vector<PipeAction>& actions, int chunks,
+        StageLayout layout, int rank, const std::map<std::pair<int, int>, MessageShape>& predicted)
       : group_(group), device_(device), of_action_(actions.size(), -1) {
     for (size_t i = 0; i < actions.size(); ++i) {
       const auto& a = actions[i];
@@ -92,7 +93,7 @@ class Inbox {
       } else {
         in.header = torch::zeros({kHeader}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
         in.header_work = group_->recv(in.header, in.peer, /*async=*/true, kActivationTag);
-        if (auto it = predicted.find({a.mb, a.chunk * pp + rank}); it != predicted.end()) in.predicted = it->second;
+        if (auto it = predicted.find({a.mb, layout.stage(rank, a.chunk)}); it != predicted.end()) in.predicted = it->second;
       }
       auto& channel = channels_[in.peer];
       if (in.gradient) channel.gradients.push_back(messages_.size());
@@ -205,7 +206,7 @@ class Inbox {
 // ---- The executor -----------------------------------------------------------------------------
 
 torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
-  const int v = chunk * pp_ + rank_;
+  const int v = layout().stage(rank_, chunk);
   const bool ends = root_->has_stage_ends();
   auto x = in;
   if (v == 0) {
@@ -369,17 +370,28 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   DataParallel::StepScope passes(dp, /*carries_counts=*/false);
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
+    bool split = false;                      // its weights' gradients wait for its W
+    std::unique_ptr<SplitBackward> weights;  // B ran: what W needs
   };
   std::vector<Slot> slots(static_cast<size_t>(m) * chunks);
   const auto& actions = options_.plan[rank_];
+  for (const auto& a : actions)
+    if (a.op == PipeOp::Weight) slots[static_cast<size_t>(a.mb) * chunks + a.chunk].split = true;
+  // The last action that accumulates weights' gradients (a whole B or a W) ends with the sync.
   size_t last_backward = 0;
-  for (size_t i = 0; i < actions.size(); ++i)
-    if (actions[i].op == PipeOp::Backward) last_backward = i;
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const auto& a = actions[i];
+    if (a.op == PipeOp::Weight || (a.op == PipeOp::Backward && !slots[static_cast<size_t>(a.mb) * chunks + a.chunk].split))
+      last_backward = i;
+  }
+  TORCH_CHECK(!fsdp || std::none_of(actions.begin(), actions.end(), [](const PipeAction& a) { return a.op == PipeOp::Weight; }),
+              "pipeline: schedule '", options_.schedule, "' splits backward (W actions), which ZeRO-3 does not run yet: "
+              "its gathered weights are freed after B; use ZeRO-2 or a schedule without W");
   torch::Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   events::train_step_begins();  // the tracer (--trace) records each action's span
   static const TraceKind kinds[] = {  // in PipeOp's order
       TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
-      TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient};
+      TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient, TraceKind::Weight};
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
   // A step that does not finish forgets the shapes the next one would predict: its messages may
   // be half-sent, and every rank's step fails (the loss's broadcast below waits for them all).
@@ -397,11 +409,11 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   } forget{*this};
   auto kept = set_aside_tie_gradients(dp);
   std::optional<Inbox> inbox;
-  if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks, pp_, rank_, received_shapes_);
+  if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks, layout(), rank_, received_shapes_);
   for (size_t i = 0; i < actions.size(); ++i) {
     const auto& a = actions[i];
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
-    const int v = a.chunk * pp_ + rank_;
+    const int v = layout().stage(rank_, a.chunk);
     if (inbox) inbox->post();
     TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
@@ -457,16 +469,33 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         meter.gradient_received(a.chunk, s.grad);
         break;
       case PipeOp::Backward: {
+        meter.backward_begins();
+        if (s.split) {  // B: the input's gradient only; the weights' wait for W
+          s.weights = SplitBackward::input(s.output, v == last ? torch::Tensor() : s.grad, s.input, &s.input_grad);
+          meter.backward_ends(a.chunk);
+          s.input = s.output = s.grad = torch::Tensor();  // what W does not need is freed
+          meter.split_ends(a.chunk, s.input_grad.defined() ? static_cast<int64_t>(s.input_grad.nbytes()) : 0);
+          break;
+        }
         // Under ZeRO-2 each backward reduces its chunk's buckets (the same on every data rank:
         // they run the same schedule).
         if (dp) dp->next_pass({i == last_backward, a.chunk});  // the sync: the rank's last backward only
-        meter.backward_begins();
         if (v == last) s.output.backward();
         else torch::autograd::backward({s.output}, {s.grad});
         meter.backward_ends(a.chunk);
         if (dp) dp->complete();  // a pass that backward left to this thread (thread-bound hooks)
         if (s.input.defined()) s.input_grad = s.input.grad();
         s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
+        break;
+      }
+      case PipeOp::Weight: {
+        TORCH_CHECK(s.weights, "pipeline: ", describe(a), " before its B");
+        if (dp) dp->next_pass({i == last_backward, a.chunk});
+        meter.backward_begins();
+        s.weights->weights();
+        s.weights.reset();
+        meter.backward_ends(a.chunk);
+        if (dp) dp->complete();
         break;
       }
       case PipeOp::SendBackward:
@@ -483,7 +512,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   if (dp) dp->complete();
   // The loss from the last stage's rank, on every rank.
   total = total.reshape({1}).contiguous();
-  group_->broadcast(total, last % pp_);
+  group_->broadcast(total, layout().rank(last));
   forget.done = true;
   meter.finish(actions, gradients_ahead());
   sync.reset();

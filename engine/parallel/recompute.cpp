@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "engine/nn/layers.hpp"
+#include "engine/parallel/split_backward.hpp"
 
 namespace partrain::parallel {
 
@@ -18,6 +19,8 @@ using torch::autograd::variable_list;
 struct Replay : torch::CustomClassHolder {
   std::shared_ptr<nn::Module> block;
   std::vector<std::pair<at::Generator, Tensor>> rng;
+  /// B of a split backward ran (the input's gradient only): what its W needs.
+  std::unique_ptr<SplitBackward> pending;
 };
 
 at::Generator generator_of(const torch::Device& d) {
@@ -42,8 +45,26 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto replay = c10::static_intrusive_pointer_cast<Replay>(ctx->saved_data["replay"].toCapsule());
-    auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     const auto count = ctx->saved_data["params"].toInt();
+    std::vector<Tensor> params;
+    for (const auto& p : replay->block->parameters())
+      if (p.requires_grad()) params.push_back(p);
+    TORCH_CHECK(static_cast<int64_t>(params.size()) == count, "recompute: the block's trainable parameters changed "
+                "between forward and backward");
+    // Under a split backward (zero-bubble pipelines) B asks for the input's gradient alone and W
+    // for the weights' alone: B runs the block again and splits its backward, W finishes it.
+    bool weights_wanted = false;
+    for (int64_t i = 1; i <= count; ++i) weights_wanted = weights_wanted || ctx->needs_input_grad(i);
+    const bool input_wanted = ctx->needs_input_grad(0);
+    if (replay->pending && !input_wanted && weights_wanted) {
+      auto pending = std::move(replay->pending);
+      variable_list g{Tensor()};
+      for (auto& w : pending->weight_gradients(params)) g.push_back(std::move(w));
+      g.push_back(Tensor());  // the replay record
+      return g;
+    }
+    replay->pending.reset();
+    auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     // Run forward again from the same random state, then put the generators back as they are now.
     std::vector<std::pair<at::Generator, Tensor>> now;
     for (auto& [gen, state] : replay->rng) {
@@ -64,12 +85,12 @@ struct Checkpoint : torch::autograd::Function<Checkpoint> {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(state);
     }
+    if (input_wanted && !weights_wanted && count > 0) {
+      variable_list g(static_cast<size_t>(count) + 2);
+      replay->pending = SplitBackward::input(out, grads[0], x, &g[0]);
+      return g;
+    }
     variable_list inputs{x};
-    std::vector<Tensor> params;
-    for (const auto& p : replay->block->parameters())
-      if (p.requires_grad()) params.push_back(p);
-    TORCH_CHECK(static_cast<int64_t>(params.size()) == count, "recompute: the block's trainable parameters changed "
-                "between forward and backward");
     inputs.insert(inputs.end(), params.begin(), params.end());
     auto g = torch::autograd::grad({out}, inputs, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
                                    /*allow_unused=*/true);

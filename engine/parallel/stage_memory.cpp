@@ -14,8 +14,11 @@ namespace partrain::parallel {
 int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const PipelineMeasure& m, bool receives_ahead) {
   std::map<std::pair<int, int>, int64_t> held;  // (micro-batch, chunk) -> bytes held for its backward
   std::set<std::pair<int, int>> gets_gradient;  // (micro-batch, chunk) whose gradient is received
-  for (const auto& a : actions)
+  std::set<std::pair<int, int>> split;          // (micro-batch, chunk) whose weights wait for W
+  for (const auto& a : actions) {
     if (a.op == PipeOp::RecvBackward) gets_gradient.insert({a.mb, a.chunk});
+    if (a.op == PipeOp::Weight) split.insert({a.mb, a.chunk});
+  }
   auto at = [](const std::vector<int64_t>& v, int c) { return c >= 0 && c < static_cast<int>(v.size()) ? v[c] : 0; };
   // Received ahead, an activation's buffer is allocated once the receive kActivationsAhead before
   // it on its channel has been taken (the executor posts before every action), the first ones
@@ -49,9 +52,12 @@ int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const Pipe
       case PipeOp::SendForward: now += at(m.gradients, a.chunk); break;  // the output: the gradient's shape
       case PipeOp::SendBackward: now += at(m.inputs, a.chunk); break;    // the input's gradient
       case PipeOp::Backward:
+      case PipeOp::Weight:
+        // A split B leaves what its W needs (pending); the W, or a whole B, frees the rest.
         peak = std::max(peak, now + at(m.backward, a.chunk));
         now -= held[{a.mb, a.chunk}];
         held.erase({a.mb, a.chunk});
+        if (a.op == PipeOp::Backward && split.count({a.mb, a.chunk})) add = at(m.pending, a.chunk);
         break;
       case PipeOp::RecvForward: break;  // counted in the forward's activations
     }
@@ -76,6 +82,7 @@ StageMeter::StageMeter(PipelineMeasure& measure, int chunks, c10::DeviceType dev
   m_.backward.assign(chunks, -1);
   m_.inputs.assign(chunks, 0);
   m_.gradients.assign(chunks, 0);
+  m_.pending.assign(chunks, 0);
 }
 
 // Gather buffers come and go only through Fsdp::allocate and release, so their change over a
@@ -135,6 +142,16 @@ void StageMeter::backward_ends(int chunk) {
   const int64_t kept = std::max<int64_t>(0, held() - held_before_);
   m_.backward[chunk] = std::max<int64_t>(
       m_.backward[chunk], std::max<int64_t>(0, util::mark(device_) - before_ - new_grads - gathered - kept));
+}
+
+void StageMeter::split_ends(int chunk, int64_t input_gradient) {
+  if (!measure_ || !countable_) return;
+  // What the micro-batch held when B began (its activations, the gradient received), less what
+  // B freed, less the input's gradient (held until its send, which the walk counts apart).
+  const int64_t held_before = std::max<int64_t>(0, m_.activations[chunk]) + m_.gradients[chunk];
+  const int64_t kept = std::max<int64_t>(0, held() - held_before_);
+  m_.pending[chunk] = std::max(m_.pending[chunk], std::max<int64_t>(0, util::memory(device_).allocated - before_ +
+                                                                           held_before - input_gradient - kept));
 }
 
 void StageMeter::finish(const std::vector<PipeAction>& actions, bool receives_ahead) {

@@ -33,6 +33,10 @@ class StageMeter {
   /// ... and ends: the most it allocated while it ran, less the parameters' gradients it made
   /// (model state), the largest over the chunk's micro-batches.
   void backward_ends(int chunk);
+  /// A split B of `chunk` ended (after backward_ends, its micro-batch's activations dropped):
+  /// what stays allocated for its W is the chunk's pending bytes. `input_gradient`: the bytes of
+  /// the gradient it sends (held apart until the send).
+  void split_ends(int chunk, int64_t input_gradient);
   /// The step ended: the measure is done, and its schedule's peak (peak_activation_bytes).
   void finish(const std::vector<PipeAction>& actions, bool receives_ahead);
 

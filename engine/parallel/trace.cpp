@@ -25,6 +25,7 @@ const char* kind_prefix(TraceKind k) {
   switch (k) {
     case TraceKind::Forward: return "F";
     case TraceKind::Backward: return "B";
+    case TraceKind::Weight: return "W";
     case TraceKind::SendActivation: return "SEND_F";
     case TraceKind::SendGradient: return "SEND_B";
     case TraceKind::RecvActivation: return "RECV_F";
@@ -47,6 +48,7 @@ const char* kind_category(TraceKind k) {
   switch (k) {
     case TraceKind::Forward: return "forward";
     case TraceKind::Backward: return "backward";
+    case TraceKind::Weight: return "weight";
     case TraceKind::SendActivation:
     case TraceKind::SendGradient: return "send";
     case TraceKind::RecvActivation:

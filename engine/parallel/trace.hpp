@@ -23,7 +23,7 @@ struct TraceOptions {
 /// ring attention's exchanges ("KV2": the key/value block passed at ring step 2, "DKV2": a block's
 /// gradient passed on in backward, each from its start to its completion), while each step's
 /// attention block ("ATTN2") goes on the rank's own row, inside the forward or backward.
-enum class TraceKind { Step, Forward, Backward, SendActivation, SendGradient, RecvActivation, RecvGradient, Wait, Sync,
+enum class TraceKind { Step, Forward, Backward, Weight, SendActivation, SendGradient, RecvActivation, RecvGradient, Wait, Sync,
                        Gather, RingPass, RingGradient, RingBlock };
 
 /// This process's step trace. Off unless configured (from PARTRAIN_TRACE and PARTRAIN_TRACE_STEPS,

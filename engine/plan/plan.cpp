@@ -430,7 +430,7 @@ StagePlan stage_plan(const parallel::Pipeline& pipe) {
   st.stages = pipe.stages();
   for (int c = 0; c < o.chunks; ++c) {
     StageChunk ch;
-    ch.stage = c * pp + pipe.rank();
+    ch.stage = pipe.layout().stage(pipe.rank(), c);
     ch.first_block = pipe.bounds()[ch.stage];
     ch.end_block = pipe.bounds()[ch.stage + 1];
     ch.first = ch.stage == 0;

@@ -347,7 +347,7 @@ local function pipeline_description(model, policy, mesh, opts)
     flat[r + 1] = list
   end
   return { blocks = stages.blocks, first = stages.first or {}, last = stages.last or {}, balance = balance,
-           sizes = sizes, schedule = plan.name or tostring(schedule), chunks = chunks,
+           sizes = sizes, schedule = plan.name or tostring(schedule), layout = plan.layout, chunks = chunks,
            microbatches = microbatches, plan = flat, bubble = report.bubble, peaks = peaks, sample = sample }
 end
 
