@@ -543,7 +543,8 @@ const Function kParallel[] = {
        return 1; }},
     // pipeline(model): nil without pipeline parallelism, else this rank's stages:
     // { size, rank, schedule, layout, chunks, microbatches, blocks, first, last, bounds, balance, costs,
-    // stages } (stages: this rank's virtual stages, by chunk; bounds: split_stages' block
+    // stages, measured } (stages: this rank's virtual stages, by chunk; measured, after the first
+    // step: its bytes by chunk, { activations, inputs, gradients, backward, pending, peak }; bounds: split_stages' block
     // boundaries; costs, under balance "time": the measured microseconds of the first part, each
     // block and the last part).
     {"pipeline", [](Args& a) {
@@ -570,6 +571,16 @@ const Function kParallel[] = {
        if (!o.balance.costs.empty()) { push_ints(a.L, o.balance.costs); lua_setfield(a.L, -2, "costs"); }
        auto own = p.own_stages();
        push_ints(a.L, std::vector<int64_t>(own.begin(), own.end())); lua_setfield(a.L, -2, "stages");
+       if (const auto& m = p.measured(); m.done) {  // the first step's weighing, bytes by chunk
+         lua_createtable(a.L, 0, 6);
+         push_ints(a.L, m.activations); lua_setfield(a.L, -2, "activations");
+         push_ints(a.L, m.inputs); lua_setfield(a.L, -2, "inputs");
+         push_ints(a.L, m.gradients); lua_setfield(a.L, -2, "gradients");
+         push_ints(a.L, m.backward); lua_setfield(a.L, -2, "backward");
+         push_ints(a.L, m.pending); lua_setfield(a.L, -2, "pending");
+         lua_pushnumber(a.L, static_cast<double>(m.peak)); lua_setfield(a.L, -2, "peak");
+         lua_setfield(a.L, -2, "measured");
+       }
        return 1; }},
     // zero3(model): nil below ZeRO-3, else { group (the zero group's global ranks), rank (this
     // rank's place in it), units = { { name, buffers = { { numel (padded to the group), bytes,
