@@ -439,6 +439,7 @@ StagePlan stage_plan(const parallel::Pipeline& pipe) {
       ch.activation_bytes = measured.activations[c];
       ch.gradient_bytes = measured.gradients[c];
       ch.backward_bytes = measured.backward[c];
+      ch.pending_bytes = measured.pending[c];
     }
     st.chunks.push_back(ch);
   }

@@ -92,12 +92,13 @@ struct Collective {
 
 /// One model chunk a pipeline rank holds: its virtual stage and blocks.
 struct StageChunk {
-  int stage = 0;                         ///< virtual stage (chunk c of pipeline rank r: c * pipeline + r)
+  int stage = 0;                         ///< virtual stage (parallel::StageLayout: c * pipeline + r, interleaved)
   int64_t first_block = 0, end_block = 0;  ///< the blocks [first_block, end_block)
   bool first = false, last = false;      ///< holds the policy's first (embeddings) / last (head) modules
   int64_t activation_bytes = -1;         ///< one micro-batch's forward leaves alive for backward (-1: not measured)
   int64_t gradient_bytes = 0;            ///< the gradient it receives a micro-batch (0 on the last stage)
   int64_t backward_bytes = -1;           ///< what a micro-batch's backward needs while it runs, above that
+  int64_t pending_bytes = 0;             ///< what a split B keeps for its W (0: the schedule splits none)
 };
 
 /// Point-to-point traffic of one step with one peer (a global rank); bytes include headers.

@@ -22,6 +22,15 @@ namespace partrain::plan {
 
 // ---- Saving and loading --------------------------------------------------------------------
 
+namespace {
+// The format version being read: version 1 plans (before pipeline stages) have no StagePlan,
+// version 2 ones (before ZeRO) no master bytes or zero stage, version 3 ones (before ZeRO-3) no
+// parameter shard or gather bytes, version 4 ones (before context parallelism) no context,
+// version 5 ones (before expert parallelism) no expert size, coordinate or ExpertPlan, version 6
+// ones (before split backwards) no pending bytes a stage.
+uint32_t reading_version = 7;
+}  // namespace
+
 template <class Archive>
 void serialize(Archive& ar, Shard& s) {
   ar(s.name, s.dtype, s.shape, s.local_shape, s.dim, s.slices, s.group, s.bytes);
@@ -33,6 +42,7 @@ void serialize(Archive& ar, Collective& c) {
 template <class Archive>
 void serialize(Archive& ar, StageChunk& c) {
   ar(c.stage, c.first_block, c.end_block, c.first, c.last, c.activation_bytes, c.gradient_bytes, c.backward_bytes);
+  if (reading_version >= 7) ar(c.pending_bytes);
 }
 template <class Archive>
 void serialize(Archive& ar, PeerTraffic& t) {
@@ -55,14 +65,6 @@ void serialize(Archive& ar, ExpertPlan& e) {
   ar(e.experts, e.local, e.blocks, e.top_k, e.forwards, e.tokens, e.slots, e.dim, e.element_size, e.all_to_alls, e.count_bytes,
      e.balanced_bytes, e.balanced_sent, e.worst_sent, e.param_bytes, e.stacked_bytes, e.grad_bytes, e.optimizer_bytes);
 }
-
-namespace {
-// The format version being read: version 1 plans (before pipeline stages) have no StagePlan,
-// version 2 ones (before ZeRO) no master bytes or zero stage, version 3 ones (before ZeRO-3) no
-// parameter shard or gather bytes, version 4 ones (before context parallelism) no context,
-// version 5 ones (before expert parallelism) no expert size, coordinate or ExpertPlan.
-uint32_t reading_version = 6;
-}  // namespace
 
 template <class Archive>
 void serialize(Archive& ar, RankPlan& r) {
@@ -88,7 +90,7 @@ const char kMagic[] = "partrain-plan";
 // 5: context parallelism (the layout's context, a rank's coordinate and its ContextPlan);
 // 6: expert parallelism (the layout's expert, a rank's expert coordinate and its ExpertPlan)
 // (1 to 5 still read)
-constexpr uint32_t kVersion = 6;
+constexpr uint32_t kVersion = 7;
 constexpr uint64_t kMaxPlanBytes = 256ull << 20;  // a plan of 65536 ranks of a large model fits
 }  // namespace
 

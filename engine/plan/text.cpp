@@ -216,7 +216,7 @@ std::string stages_text(const Plan& plan) {
   std::snprintf(bubble, sizeof bubble, "%.4f", any->bubble);
   out << "\npipeline stages: schedule " << any->schedule << ", " << any->microbatches << " micro-batches, "
       << any->stages << " stages; predicted bubble " << (any->bubble < 0 ? std::string("-") : bubble)
-      << " (a forward 1 unit, a backward 2, transfers free)\n";
+      << " (a forward 1 unit, a backward 2 or a split B and W 1 each, transfers free)\n";
   std::snprintf(line, sizeof line, "  %-14s %-6s %-11s %-11s %-9s %-12s %s\n", "ranks", "stage", "act./mb", "grad in/mb",
                 "in flight", "peak act.", "chunks");
   out << line;
@@ -561,7 +561,8 @@ std::string to_json(const Plan& plan) {
         chunks.push_back({{"stage", c.stage}, {"blocks", {c.first_block, c.end_block}}, {"first", c.first},
                           {"last", c.last}, {"activation_bytes", c.activation_bytes < 0 ? json(nullptr) : json(c.activation_bytes)},
                           {"gradient_bytes", c.gradient_bytes},
-                          {"backward_bytes", c.backward_bytes < 0 ? json(nullptr) : json(c.backward_bytes)}});
+                          {"backward_bytes", c.backward_bytes < 0 ? json(nullptr) : json(c.backward_bytes)},
+                          {"pending_bytes", c.pending_bytes}});
       for (const auto& t : st.peers)
         peers.push_back({{"peer", t.peer}, {"pipeline_peer", t.pipeline_peer}, {"sends", t.sends},
                          {"send_bytes", t.send_bytes}, {"recvs", t.recvs}, {"recv_bytes", t.recv_bytes}});

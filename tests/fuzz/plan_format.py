@@ -6,7 +6,7 @@ whose own plan is `run` matches a saved plan as plan::check compares them."""
 import struct
 
 MAGIC = b"partrain-plan"
-VERSION = 6
+VERSION = 7
 
 
 class Damaged(Exception):
@@ -84,7 +84,7 @@ SCHEMA = {
               ("slices", "[p]"), ("group", "[i]"), ("bytes", "q")],
     "Collective": [("group", "s"), ("op", "s"), ("calls", "q"), ("bytes", "q")],
     "StageChunk": [("stage", "i"), ("first_block", "q"), ("end_block", "q"), ("first", "?"), ("last", "?"),
-                   ("activation_bytes", "q"), ("gradient_bytes", "q"), ("backward_bytes", "q")],
+                   ("activation_bytes", "q"), ("gradient_bytes", "q"), ("backward_bytes", "q"), ("pending_bytes", "q")],
     "PeerTraffic": [("peer", "i"), ("pipeline_peer", "i"), ("sends", "q"), ("send_bytes", "q"), ("recvs", "q"),
                     ("recv_bytes", "q")],
     "StagePlan": [("present", "?"), ("schedule", "s"), ("blocks", "s"), ("first", "[s]"), ("last", "[s]"),
@@ -111,7 +111,8 @@ SCHEMA = {
 SINCE = {("RankPlan", "stage"): 2, ("RankPlan", "master_bytes"): 3, ("RankPlan", "zero_stage"): 3,
          ("RankPlan", "zero_group"): 3, ("RankPlan", "param_shard_bytes"): 4, ("RankPlan", "gather_bytes"): 4,
          ("RankPlan", "gathers_all"): 4, ("RankPlan", "context"): 5, ("RankPlan", "context_plan"): 5,
-         ("RankPlan", "expert"): 6, ("RankPlan", "expert_plan"): 6, ("Plan", "context"): 5, ("Plan", "expert"): 6}
+         ("RankPlan", "expert"): 6, ("RankPlan", "expert_plan"): 6, ("Plan", "context"): 5, ("Plan", "expert"): 6,
+         ("StageChunk", "pending_bytes"): 7}
 DEFAULTS = {"stage": None, "master_bytes": 0, "zero_stage": 0, "zero_group": 1, "param_shard_bytes": 0,
             "gather_bytes": 0, "gathers_all": False, "context": 0, "context_plan": None, "expert": 0,
             "expert_plan": None}
@@ -144,6 +145,8 @@ def read_struct(r, kind, version):
         for (owner, name) in SINCE:
             if owner == "RankPlan":
                 out.setdefault(name, DEFAULTS[name])
+    if kind == "StageChunk":
+        out.setdefault("pending_bytes", 0)
     if kind == "Plan":
         for name, value in PLAN_DEFAULTS.items():
             out.setdefault(name, value)

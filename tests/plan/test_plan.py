@@ -430,10 +430,10 @@ with tempfile.TemporaryDirectory() as d:
     check("a version 1 plan still loads and is compared with the run",
           r.returncode != 0 and "does not match the plan" in r.stderr and "h.0.attn.c_attn.weight: not in the plan" in r.stderr,
           r.stderr)
-    open(path, "wb").write(old_plan(7))
+    open(path, "wb").write(old_plan(8))
     r = run(["--threads", "1", "--plan", path, SCRIPT])
     check("a plan of a later format version is refused, naming the versions read",
-          r.returncode != 0 and "format version 7; this partrain reads 1 to 6" in r.stderr, r.stderr)
+          r.returncode != 0 and "format version 8; this partrain reads 1 to 7" in r.stderr, r.stderr)
 
 # 64 ranks of GPT-2 small (124 M) as data 16 x pipeline 4 (pipeline with tensor parallelism is not
 # built yet): quick, and four stages of three blocks.

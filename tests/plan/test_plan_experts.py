@@ -130,8 +130,8 @@ with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "experts.bin")
     r = run(["plan", "--world", "2", "--save", path, SCRIPT, "--expert", "2"])
     version, saved = pf.read(open(path, "rb").read())
-    check("a saved plan is format 6, with the expert size, coordinates and predictions",
-          r.returncode == 0 and version == 6 and saved["expert"] == 2 and [x["expert"] for x in saved["ranks"]] == [0, 1]
+    check("a saved plan is format 7, with the expert size, coordinates and predictions",
+          r.returncode == 0 and version == 7 and saved["expert"] == 2 and [x["expert"] for x in saved["ranks"]] == [0, 1]
           and saved["ranks"][0]["expert_plan"]["balanced_bytes"] == want_rows, (version, saved.get("expert")))
     r = run(["--nproc-per-node", "2", "--threads", "1", "--plan", path, SCRIPT, "--expert", "2"])
     check("a real expert 2 run with Mixtral's router matches its saved plan (all-to-alls by calls; the router's "
