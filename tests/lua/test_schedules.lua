@@ -225,7 +225,7 @@ local broken = {
     "rank 1, action 5 (RECV_F2.c0<-0): mb must be a micro-batch from 0 to 1, got 2" },
   { "an unknown op",
     { [0] = { { op = "FWD", mb = 0, chunk = 0 } }, [1] = {} },
-    "rank 0, action 1 (FWD0.c0): op must be one of F, B, SEND_F, RECV_F, SEND_B, RECV_B, got \"FWD\"" },
+    "rank 0, action 1 (FWD0.c0): op must be one of F, B, W, SEND_F, RECV_F, SEND_B, RECV_B, got \"FWD\"" },
   { "a compute action with a peer",
     { [0] = { { op = "F", mb = 0, chunk = 0, peer = 1 } }, [1] = {} },
     "rank 0, action 1 (F0.c0): a F has no peer (only sends and receives do), got peer=1" },
@@ -237,10 +237,10 @@ local broken = {
     "rank 1: its action list must be a table, got nil" },
   { "a rank too many",
     { [0] = {}, [1] = {}, [2] = {} },
-    "a plan's keys are ranks 0 to 1 (and name), got 2" },
+    "a plan's keys are ranks 0 to 1 (and name, layout), got 2" },
   { "ranks counted from 1",
     { [1] = good[0], [2] = good[1] },
-    "a plan's keys are ranks 0 to 1 (and name), got 2 (ranks count from 0)" },
+    "a plan's keys are ranks 0 to 1 (and name, layout), got 2 (ranks count from 0)" },
   { "a list with a hole",
     { [0] = { "F0", nil, "F1" }, [1] = {} },
     "rank 0: its action list has" },
@@ -286,12 +286,12 @@ test("refusals name the script line that asked, and bad sizes and names are refu
   raises(function() P.build("interleaved", 3, 4, 2) end,
     "pipeline schedule 'interleaved': interleaved needs microbatches to be a multiple of pp, got microbatches=4, pp=3")
   raises(function() P.build("1f1b", 2, 4, 2) end, "1f1b runs one chunk a rank, got chunks=2")
-  raises(function() P.build("zb", 2, 4, 1) end, "no shipped schedule named 'zb' (shipped: gpipe, 1f1b, interleaved; or pass a function)")
+  raises(function() P.build("zb", 2, 4, 1) end, "no shipped schedule named 'zb' (shipped: gpipe, 1f1b, interleaved, zbh1, zbh2, zbv; or pass a function)")
   raises(function() P.build("1f1b", 0, 4, 1) end, "pp must be an integer from 1 to 4096, got 0")
   raises(function() P.build("1f1b", 2, 1.5, 1) end, "microbatches must be an integer from 1 to 65536, got 1.5")
   raises(function() P.build("1f1b", 2, 4, "2") end, "chunks must be an integer from 1 to 64, got \"2\"")
   raises(function() P.build("1f1b", 4096, 65536, 1) end, "pp * microbatches * chunks = 268435456 is more actions than a plan may hold (at most 1048576)")
-  raises(function() P.build(42, 2, 4, 1) end, "a schedule is a shipped name (gpipe, 1f1b, interleaved) or a function")
+  raises(function() P.build(42, 2, 4, 1) end, "a schedule is a shipped name (gpipe, 1f1b, interleaved, zbh1, zbh2, zbv) or a function")
   raises(function() P.check("F0", 2, 4, 1) end, "a plan must be a table { [rank] = { actions... } }, got string")
   raises(function() P.check({ [0] = { "F0" }, [1] = { 1 } }, 2, 1, 1) end,
     "rank 1, action 1: an action must be a table or a string, got number")

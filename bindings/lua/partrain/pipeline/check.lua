@@ -1,7 +1,7 @@
 -- The pre-flight check of a pipeline plan: reads every rank's action list, simulates all ranks
 -- together as the executor will run them, and refuses a plan that would deadlock, mismatch a send
 -- and its receive, or run a micro-batch wrongly, naming the first offending action; else reports
--- the bubble and the peak in-flight activations.
+-- the bubble, the peak in-flight activations and the memory held.
 --
 -- Executor semantics the simulation models:
 --   * sends are asynchronous: SEND_* hands the tensor over and the rank goes on at once;
@@ -9,13 +9,25 @@
 --   * messages travel on ordered channels, one per (sender, receiver, kind): activations (F) and
 --     gradients (B) are tagged apart, and within a channel the k-th receive takes the k-th send.
 --     A receive whose channel's next message is for another micro-batch or chunk is a mismatch.
+--   * a rank whose list holds W m.c splits that backward: its B m.c computes the input's gradient
+--     only and W m.c, which must come after it, the weights'. Without a W, B does both (fused).
 -- So only receives block, and a deadlock is a state where every unfinished rank waits at a
 -- receive whose send has not been issued.
 --
--- Cost model of the timing (the bubble): a forward of one chunk takes 1 time unit, its backward 2,
--- communication takes none; a rank starts each action as soon as the one before it ended and its
--- input has arrived. makespan = the latest end over ranks; bubble = sum over ranks of
--- (makespan - busy time) / (pp * makespan). For 1F1B and GPipe this is (pp-1)/(m+pp-1).
+-- Cost model of the timing (the bubble): a forward of one chunk takes 1 time unit, a split B 1
+-- and a W 1, so a fused B takes 2; communication takes none. `costs` = { F, B, W, send } replaces
+-- these: each a number or a table by virtual stage { [v] = t } (seconds measured, say), a fused B
+-- taking B + W and `send` the time from a send until its receive can complete. A rank starts each
+-- action as soon as the one before it ended and its input has arrived. makespan = the latest end
+-- over ranks; bubble = sum over ranks of (makespan - busy time) / (pp * makespan); for 1F1B and
+-- GPipe this is (pp-1)/(m+pp-1). A rank's gaps: its idle time between the start of its first
+-- compute and the end of its last (the idle a schedule leaves inside a rank's own span, which is
+-- what "zero bubble" removes; the rest is the ramp-up and ramp-down no order avoids).
+--
+-- Memory model: a micro-batch's chunk holds `memory.activation` from its forward to its B, and
+-- `memory.pending` from a split B to its W (what W needs: the inputs of the weights' products and
+-- the gradients captured for them); each a number or a table by virtual stage, by default 1 and 1.
+-- A rank's `memory` is the most it holds at once.
 local core = require "partrain.core"
 local A = require "partrain.pipeline.actions"
 
@@ -28,6 +40,52 @@ C.REFUSAL = REFUSAL
 C.refuse = refuse
 
 local LIMITS = { pp = 4096, microbatches = 65536, chunks = 64 }
+
+-- A cost or a memory weight by virtual stage: `value` a finite number (every stage) or a table
+-- { [v] = number } covering stages 0 to S-1; nil gives `default`. Times of compute must be > 0 (a
+-- rank's clock must move); a send's time and a weight in bytes may be 0. Returns a function of v.
+local function by_stage(what, value, S, default, zero)
+  local expected = zero and ">= 0" or "> 0"
+  local function good(x) return type(x) == "number" and (x > 0 or (zero and x == 0)) and x < math.huge end
+  if value == nil then return function() return default end end
+  if good(value) then return function() return value end end
+  if type(value) ~= "table" then
+    refuse("%s must be a number %s or a table by virtual stage { [0] = ..., [%d] = ... }, got %s", what, expected, S - 1,
+      type(value) == "number" and A.format(value) or type(value))
+  end
+  for k in pairs(value) do
+    if not (A.is_int(k) and k >= 0 and k < S) then refuse("%s has the key %s (virtual stages are 0 to %d)", what, A.format(k), S - 1) end
+  end
+  for v = 0, S - 1 do
+    if not good(value[v]) then
+      refuse("%s[%d] (virtual stage %d) must be a number %s, got %s", what, v, v, expected, A.format(value[v]))
+    end
+  end
+  return function(v) return value[v] end
+end
+
+--- The simulation's options checked: { costs = { F, B, W, send }, memory = { activation, pending } }
+--- as functions of the virtual stage (see the top of the file).
+function C.model(opts, S)
+  if opts == nil then opts = {} end
+  if type(opts) ~= "table" then refuse("the simulation's options must be a table { costs, memory }, got %s", type(opts)) end
+  for k in pairs(opts) do
+    if k ~= "costs" and k ~= "memory" then refuse("the simulation has no option %s (options: costs, memory)", core._key_text(k)) end
+  end
+  local costs, memory = opts.costs or {}, opts.memory or {}
+  if type(costs) ~= "table" then refuse("costs must be a table { F, B, W, send }, got %s", type(costs)) end
+  if type(memory) ~= "table" then refuse("memory must be a table { activation, pending }, got %s", type(memory)) end
+  for k in pairs(costs) do
+    if k ~= "F" and k ~= "B" and k ~= "W" and k ~= "send" then refuse("costs has no field %s (fields: F, B, W, send)", core._key_text(k)) end
+  end
+  for k in pairs(memory) do
+    if k ~= "activation" and k ~= "pending" then refuse("memory has no field %s (fields: activation, pending)", core._key_text(k)) end
+  end
+  return { F = by_stage("costs.F", costs.F, S, 1), B = by_stage("costs.B", costs.B, S, 1),
+           W = by_stage("costs.W", costs.W, S, 1), send = by_stage("costs.send", costs.send, S, 0, true),
+           activation = by_stage("memory.activation", memory.activation, S, 1, true),
+           pending = by_stage("memory.pending", memory.pending, S, 1, true) }
+end
 
 --- Checks pp, microbatches and chunks are positive integers within bounds.
 function C.check_sizes(pp, microbatches, chunks)
@@ -85,14 +143,17 @@ function C.normalize(plan, pp, microbatches, chunks)
   C.check_sizes(pp, microbatches, chunks)
   if type(plan) ~= "table" then refuse("a plan must be a table { [rank] = { actions... } }, got %s", type(plan)) end
   if plan.name ~= nil and type(plan.name) ~= "string" then refuse("a plan's name must be a string, got %s", type(plan.name)) end
+  if plan.layout ~= nil and not A.LAYOUTS[plan.layout] then
+    refuse("a plan's layout must be \"interleaved\" or \"v\", got %s", A.format(plan.layout))
+  end
   for k in pairs(plan) do
-    if k ~= "name" and not (A.is_int(k) and k >= 0 and k < pp) then
-      refuse("a plan's keys are ranks 0 to %d (and name), got %s%s", pp - 1, A.format(k),
+    if k ~= "name" and k ~= "layout" and not (A.is_int(k) and k >= 0 and k < pp) then
+      refuse("a plan's keys are ranks 0 to %d (and name, layout), got %s%s", pp - 1, A.format(k),
         k == pp and plan[0] == nil and " (ranks count from 0)" or "")
     end
   end
-  local out = { name = plan.name }
-  local most = 6 * microbatches * chunks   -- a valid list: F, B and at most 4 transfers a pair
+  local out = { name = plan.name, layout = plan.layout ~= "interleaved" and plan.layout or nil }
+  local most = 7 * microbatches * chunks   -- a valid list: F, B, W and at most 4 transfers a pair
   for r = 0, pp - 1 do
     local list = plan[r]
     if type(list) ~= "table" then refuse("rank %d: its action list must be a table, got %s", r, type(list)) end
@@ -100,7 +161,7 @@ function C.normalize(plan, pp, microbatches, chunks)
     for k in pairs(list) do
       n = n + 1
       if not (A.is_int(k) and k >= 1) then refuse("rank %d: its action list has the key %s (a list is indexed 1, 2, ...)", r, A.format(k)) end
-      if n > most then refuse("rank %d: its list has more than %d actions (at most 6 per micro-batch and chunk)", r, most) end
+      if n > most then refuse("rank %d: its list has more than %d actions (at most 7 per micro-batch and chunk)", r, most) end
     end
     if n ~= #list then refuse("rank %d: its action list has holes (%d entries, length %d)", r, n, #list) end
     local actions = {}
@@ -113,8 +174,10 @@ end
 --- Simulates a normalized plan; returns the report or refuses. See the top of the file. With
 --- `origin` (what lowering returns for a compute-only plan), messages name the place in the list
 --- the schedule returned: a transfer lowering added is named with its forward or backward.
-function C.simulate(plan, pp, microbatches, chunks, origin)
+function C.simulate(plan, pp, microbatches, chunks, origin, opts)
   local S = pp * chunks
+  local layout = plan.layout
+  local model = C.model(opts, S)
   -- Action i of rank r as the schedule wrote it: its index there and its text.
   local function named(r, i, a)
     local o = origin and origin[r][i]
@@ -129,9 +192,24 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
   local function key(m, c) return m * chunks + c end
   local ranks, channels = {}, {}
   for r = 0, pp - 1 do
-    ranks[r] = { pos = 1, clock = 0, busy = 0, inflight = 0, peak = 0, fdone = {}, bdone = {},
-                 recv = { F = {}, B = {} }, sent = { F = {}, B = {} }, starts = {},
-                 counts = { F = 0, B = 0, SEND_F = 0, RECV_F = 0, SEND_B = 0, RECV_B = 0 } }
+    ranks[r] = { pos = 1, clock = 0, busy = 0, inflight = 0, peak = 0, pending = 0, pending_peak = 0, memory = 0,
+                 memory_peak = 0, fdone = {}, bdone = {}, wdone = {}, split = {},
+                 recv = { F = {}, B = {} }, sent = { F = {}, B = {} }, starts = {}, ends = {},
+                 counts = { F = 0, B = 0, W = 0, SEND_F = 0, RECV_F = 0, SEND_B = 0, RECV_B = 0 } }
+    for _, a in ipairs(plan[r]) do
+      if a.op == "W" then ranks[r].split[key(a.mb, a.chunk)] = true end
+    end
+  end
+  local function hold(st, bytes)
+    st.memory = st.memory + bytes
+    if st.memory > st.memory_peak then st.memory_peak = st.memory end
+  end
+  -- Action i of a rank computes for t from its clock on.
+  local function compute(st, i, t)
+    st.starts[i], st.ends[i] = st.clock, st.clock + t
+    st.first = st.first or st.clock
+    st.clock, st.busy = st.clock + t, st.busy + t
+    st.last = st.clock
   end
   local function channel(src, dst, kind)
     local name = src .. ">" .. dst .. kind
@@ -147,10 +225,10 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
     local a = list[i]
     if not a then return "done" end
     local m, c, op = a.mb, a.chunk, a.op
-    local v, k = A.stage(pp, r, c), key(m, c)
+    local v, k = A.stage(pp, r, c, layout), key(m, c)
     local function refuse_here(fmt, ...) refuse("%s: " .. fmt, where(r, i, a), ...) end
-    local pr, pc = A.place(pp, v - 1)   -- previous virtual stage
-    local nr, nc = A.place(pp, v + 1)   -- next virtual stage
+    local pr, pc = A.place(pp, v - 1, layout)   -- previous virtual stage
+    local nr, nc = A.place(pp, v + 1, layout)   -- next virtual stage
     local kind = op:sub(-1)             -- "F" or "B" for transfers
     if op == "F" then
       if st.fdone[k] then refuse_here("a second forward of micro-batch %d on chunk %d (the first is action %d)", m, c, index(r, st.fdone[k])) end
@@ -164,8 +242,9 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
       st.fdone[k] = i
       st.inflight = st.inflight + 1
       if st.inflight > st.peak then st.peak = st.inflight end
-      st.starts[i] = st.clock
-      st.clock, st.busy = st.clock + 1, st.busy + 1
+      hold(st, model.activation(v))
+      local t = model.F(v)
+      compute(st, i, t)
     elseif op == "B" then
       if st.bdone[k] then refuse_here("a second backward of micro-batch %d on chunk %d (the first is action %d)", m, c, index(r, st.bdone[k])) end
       if not st.fdone[k] then refuse_here("its forward F%d.c%d has not run on this rank", m, c) end
@@ -178,8 +257,24 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
       end
       st.bdone[k] = i
       st.inflight = st.inflight - 1
-      st.starts[i] = st.clock
-      st.clock, st.busy = st.clock + 2, st.busy + 2
+      hold(st, -model.activation(v))
+      local t = model.B(v)
+      if st.split[k] then  -- the weights' part waits for W
+        st.pending = st.pending + 1
+        if st.pending > st.pending_peak then st.pending_peak = st.pending end
+        hold(st, model.pending(v))
+      else
+        t = t + model.W(v)
+      end
+      compute(st, i, t)
+    elseif op == "W" then
+      if st.wdone[k] then refuse_here("a second W of micro-batch %d on chunk %d (the first is action %d)", m, c, index(r, st.wdone[k])) end
+      if not st.bdone[k] then refuse_here("its B%d.c%d has not run on this rank (a W comes after its B)", m, c) end
+      st.wdone[k] = i
+      st.pending = st.pending - 1
+      hold(st, -model.pending(v))
+      local t = model.W(v)
+      compute(st, i, t)
     elseif op == "SEND_F" or op == "SEND_B" then
       local to_stage, tr, tc, done, what = v + 1, nr, nc, st.fdone, "forward F"
       if op == "SEND_B" then to_stage, tr, tc, done, what = v - 1, pr, pc, st.bdone, "backward B" end
@@ -198,7 +293,7 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
       st.sent[kind][k] = i
       local ch = channel(r, tr, kind)
       ch.last = ch.last + 1
-      ch[ch.last] = { mb = m, chunk = tc, index = i, action = a, time = st.clock }
+      ch[ch.last] = { mb = m, chunk = tc, index = i, action = a, time = st.clock + model.send(v) }
     else  -- RECV_F, RECV_B
       local from_stage, fr = v - 1, pr
       if op == "RECV_B" then from_stage, fr = v + 1, nr end
@@ -283,16 +378,21 @@ function C.simulate(plan, pp, microbatches, chunks, origin)
 
   local makespan, idle, busy = 0, 0, 0
   for r = 0, pp - 1 do makespan = math.max(makespan, ranks[r].clock) end
-  local report = { name = plan.name, pp = pp, microbatches = microbatches, chunks = chunks,
-                   makespan = makespan, ranks = {}, peak = 0 }
+  local report = { name = plan.name, layout = layout or "interleaved", pp = pp, microbatches = microbatches,
+                   chunks = chunks, makespan = makespan, ranks = {}, peak = 0, pending_peak = 0, memory = 0, gaps = 0 }
   for r = 0, pp - 1 do
     local st = ranks[r]
     idle, busy = idle + (makespan - st.busy), busy + st.busy
     report.ranks[r] = { peak = st.peak, busy = st.busy, idle = makespan - st.busy, actions = #plan[r],
-                        forwards = st.counts.F, backwards = st.counts.B,
+                        forwards = st.counts.F, backwards = st.counts.B, weights = st.counts.W,
+                        pending_peak = st.pending_peak, memory = st.memory_peak,
+                        gaps = st.first and st.last - st.first - st.busy or 0,
                         sends = st.counts.SEND_F + st.counts.SEND_B, receives = st.counts.RECV_F + st.counts.RECV_B,
-                        starts = st.starts }
+                        starts = st.starts, ends = st.ends }
     report.peak = math.max(report.peak, st.peak)
+    report.pending_peak = math.max(report.pending_peak, st.pending_peak)
+    report.memory = math.max(report.memory, st.memory_peak)
+    report.gaps = math.max(report.gaps, report.ranks[r].gaps)
   end
   report.bubble = makespan > 0 and idle / (pp * makespan) or 0
   return report

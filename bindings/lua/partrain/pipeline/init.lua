@@ -1,6 +1,8 @@
 -- Pipeline schedules as data: `require "partrain.pipeline"` gives the action vocabulary, the
--- shipped schedules (gpipe, 1f1b, interleaved), the lowering that adds sends and receives, the
--- pre-flight check that simulates every rank, and a text timeline. See docs/pipeline.md.
+-- shipped schedules (gpipe, 1f1b, interleaved, and the zero-bubble zbh1, zbh2 and zbv), the
+-- lowering that adds sends and receives, the pre-flight check that simulates every rank, the
+-- simulator with measured costs, the search under a memory cap, and a text timeline. See
+-- docs/pipeline.md.
 local core = require "partrain.core"
 local A = require "partrain.pipeline.actions"
 local C = require "partrain.pipeline.check"
@@ -9,7 +11,7 @@ local lower = require "partrain.pipeline.lower"
 local P = {
   action = A.action, format = A.format, stage = A.stage, place = A.place,
   --- The schedules partrain ships: names for P.schedule and P.build.
-  schedules = { "gpipe", "1f1b", "interleaved" },
+  schedules = { "gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv" },
 }
 
 -- Runs fn(...) and turns a refusal into an error at the user's line that led here, prefixed with
@@ -109,22 +111,34 @@ end
 ---     ranks = { [r] = { peak, busy, idle, actions, forwards, backwards, sends, receives, starts } } }
 --- peak: the most activations (forward run, backward not yet) a rank holds at once; starts[i]:
 --- the time action i (a forward or backward) starts in the unit-time simulation.
-function P.check(plan, pp, microbatches, chunks)
+function P.check(plan, pp, microbatches, chunks, opts)
   return guarded(function() return type(plan) == "table" and type(plan.name) == "string" and plan.name or nil end, function()
     local n = C.normalize(plan, pp, microbatches, chunks or 1)
-    return C.simulate(n, pp, microbatches, chunks or 1)
+    return C.simulate(n, pp, microbatches, chunks or 1, nil, opts)
+  end)
+end
+
+--- P.simulate(plan, pp, microbatches, chunks, { costs = { F, B, W, send }, memory = { activation,
+--- pending } }): P.check's report with the given costs (seconds, say: each a number or a table by
+--- virtual stage) and bytes, so that `makespan` is the predicted step time and ranks[r].memory the
+--- predicted peak. A compute-only plan is lowered first.
+function P.simulate(plan, pp, microbatches, chunks, opts)
+  return guarded(function() return type(plan) == "table" and type(plan.name) == "string" and plan.name or nil end, function()
+    local n = C.normalize(plan, pp, microbatches, chunks or 1)
+    if not has_transfers(n, pp) then n = lower(n, pp, chunks or 1) end
+    return C.simulate(n, pp, microbatches, chunks or 1, nil, opts)
   end)
 end
 
 --- P.build(schedule, pp, microbatches, chunks, timeout): schedule, lower and check in one;
 --- returns the plan the executor will run and its report. A refusal names the action by its
 --- place in the list the schedule returned, also when lowering added the transfers.
-function P.build(schedule, pp, microbatches, chunks, timeout)
+function P.build(schedule, pp, microbatches, chunks, timeout, opts)
   local plan = P.schedule(schedule, pp, microbatches, chunks, timeout)
   return guarded(function() return plan.name end, function()
     local origin
     if not has_transfers(plan, pp) then plan, origin = lower(plan, pp, chunks or 1) end
-    return plan, C.simulate(plan, pp, microbatches, chunks or 1, origin)
+    return plan, C.simulate(plan, pp, microbatches, chunks or 1, origin, opts)
   end)
 end
 
@@ -147,7 +161,8 @@ end
 --- P.describe(plan [, { timeline = true, transfers = false }]): one line a rank. By default the
 --- ordered actions in text form ("rank 0: F0.c0 SEND_F0.c0->1 ..."); transfers = false leaves out
 --- sends and receives. timeline = true checks the plan and draws the unit-time simulation: a
---- column a time unit, "F0" a forward (1 unit), "B0==" a backward (2 units), "." idle.
+--- column a time unit, "F0" a forward (1 unit), "B0==" a whole backward (2 units), "B0" a split
+--- one's input part and "W0" its weights' (1 unit each), "." idle.
 function P.describe(plan, opts)
   opts = opts or {}
   guarded(function() end, function()
@@ -171,7 +186,7 @@ function P.describe(plan, opts)
         if start then
           local label = a.op .. a.mb .. (chunks > 1 and ".c" .. a.chunk or "")
           cells[start + 1] = label .. (" "):rep(width - #label)
-          if a.op == "B" then cells[start + 2] = ("="):rep(width) end
+          for t = start + 2, report.ranks[r].ends[i] do cells[t] = ("="):rep(width) end  -- a whole backward
         end
       end
       lines[r + 1] = ("rank %d | %s|"):format(r, table.concat(cells, " "))
@@ -188,6 +203,96 @@ function P.describe(plan, opts)
     lines[r + 1] = ("rank %d: %s"):format(r, table.concat(words, " "))
   end
   return table.concat(lines, "\n")
+end
+
+-- ---- The search ------------------------------------------------------------------------------
+
+local SEARCH_KEYS = { stages = true, microbatches = true, memory = true, costs = true, memory_model = true, chunks = true }
+
+--- P.search { stages = pp, microbatches = m, memory = cap [, costs = { F, B, W, send }]
+--- [, memory_model = { activation, pending }] [, chunks = { 1, 2 }] }: the fastest schedule whose
+--- predicted peak fits `memory`, among the shipped ones and the zero-bubble generator's variants
+--- (every cap on held micro-batches, one and two chunks, both layouts). costs and memory_model are
+--- numbers for a whole stage (one chunk a rank: seconds, bytes a micro-batch); a rank of c chunks
+--- takes 1/c of them a chunk. Defaults: unit times, and 1 a micro-batch's activations and 1 its
+--- pending weight-gradient inputs (so `memory` counts micro-batches). Returns { name, plan (its
+--- compute-only actions, with name and layout: keep it, edit it, pass it back as a schedule
+--- function returning it), chunks, makespan, bubble, memory, candidates = { { name, chunks,
+--- makespan, bubble, memory, fits }... } }, or refuses naming the least memory any candidate needs.
+function P.search(opts)
+  return guarded(function() return "search" end, function()
+    if type(opts) ~= "table" then C.refuse("search takes a table { stages, microbatches, memory, ... }, got %s", type(opts)) end
+    for k in pairs(opts) do
+      if not SEARCH_KEYS[k] then
+        C.refuse("search has no option %s (options: stages, microbatches, memory, costs, memory_model, chunks)", core._key_text(k))
+      end
+    end
+    local pp, m = opts.stages, opts.microbatches
+    C.check_sizes(pp, m, 1)
+    local cap = opts.memory
+    if type(cap) ~= "number" or not (cap > 0) then C.refuse("search's memory (the cap a rank) must be a number > 0, got %s", A.format(cap)) end
+    local allowed = opts.chunks or { 1, 2 }
+    if type(allowed) ~= "table" or #allowed == 0 then C.refuse("search's chunks must be a list of chunk counts, got %s", A.format(allowed)) end
+    for _, c in ipairs(allowed) do
+      if not A.is_int(c) or c < 1 or c > 64 then C.refuse("search's chunks must be integers from 1 to 64, got %s", A.format(c)) end
+    end
+    local costs, model = opts.costs or {}, opts.memory_model or {}
+    if type(costs) ~= "table" or type(model) ~= "table" then C.refuse("search's costs and memory_model must be tables") end
+    local function scalar(what, x, default)
+      if x == nil then return default end
+      if type(x) ~= "number" or not (x >= 0 and x < math.huge) then C.refuse("search's %s must be a number >= 0 (a whole stage's), got %s", what, A.format(x)) end
+      return x
+    end
+    for k in pairs(costs) do if k ~= "F" and k ~= "B" and k ~= "W" and k ~= "send" then C.refuse("search's costs has no field %s (fields: F, B, W, send)", core._key_text(k)) end end
+    for k in pairs(model) do if k ~= "activation" and k ~= "pending" then C.refuse("search's memory_model has no field %s (fields: activation, pending)", core._key_text(k)) end end
+    local F, B, W, send = scalar("costs.F", costs.F, 1), scalar("costs.B", costs.B, 1), scalar("costs.W", costs.W, 1), scalar("costs.send", costs.send, 0)
+    local act, pend = scalar("memory_model.activation", model.activation, 1), scalar("memory_model.pending", model.pending, 1)
+
+    local candidates, best, least = {}, nil, math.huge
+    local function weigh(name, plan, chunks)
+      plan.name = name
+      local ok, report = pcall(function()
+        local lowered = lower(C.normalize(plan, pp, m, chunks), pp, chunks)
+        return C.simulate(lowered, pp, m, chunks, nil, {
+          costs = { F = F / chunks, B = B / chunks, W = W / chunks, send = send },
+          memory = { activation = act / chunks, pending = pend / chunks } })
+      end)
+      if not ok then return end  -- a variant the check refuses is not a candidate
+      local c = { name = name, chunks = chunks, makespan = report.makespan, bubble = report.bubble,
+                  memory = report.memory, fits = report.memory <= cap, plan = plan }
+      candidates[#candidates + 1] = c
+      least = math.min(least, report.memory)
+      if c.fits and (not best or c.makespan < best.makespan - 1e-12
+                     or (math.abs(c.makespan - best.makespan) <= 1e-12 and c.memory < best.memory)) then
+        best = c
+      end
+    end
+    local zb = require "partrain.pipeline.schedules.zb"
+    for _, chunks in ipairs(allowed) do
+      for _, name in ipairs(P.schedules) do
+        local ok, plan = pcall(require("partrain.pipeline.schedules." .. name), pp, m, chunks)
+        if ok and type(plan) == "table" then weigh(name, plan, chunks) end
+      end
+      local layouts = chunks % 2 == 0 and { "interleaved", "v" } or { "interleaved" }
+      for _, layout in ipairs(layouts) do
+        for held = 1, math.min(2 * pp * chunks, m * chunks) do
+          -- (a cap too small for the chunks to pass micro-batches along makes no plan)
+          local made, plan = pcall(zb, pp, m, chunks, { layout = layout ~= "interleaved" and layout or nil,
+                                                       activations = function() return held end,
+                                                       held = function() return held end })
+          if made then weigh(("zb(chunks=%d, layout=%s, held=%d)"):format(chunks, layout, held), plan, chunks) end
+        end
+      end
+    end
+    if not best then
+      C.refuse("no schedule fits memory = %s a rank: the least any candidate needs is %s (of %d candidates)",
+        tostring(cap), tostring(least), #candidates)
+    end
+    local plan = best.plan
+    for _, c in ipairs(candidates) do c.plan = nil end
+    return { name = best.name, plan = plan, chunks = best.chunks, makespan = best.makespan, bubble = best.bubble,
+             memory = best.memory, candidates = candidates }
+  end)
 end
 
 return P

@@ -10,7 +10,7 @@ local A = require "partrain.pipeline.actions"
 --- check.normalize) and compute-only.
 return function(plan, pp, chunks)
   local S = pp * chunks
-  local out, origin = { name = plan.name }, { count = {} }
+  local out, origin = { name = plan.name, layout = plan.layout }, { count = {} }
   for r = 0, pp - 1 do
     local list, from = {}, {}
     local j, own
@@ -20,11 +20,13 @@ return function(plan, pp, chunks)
     end
     for i, a in ipairs(plan[r]) do
       j, own = i, a
-      local v = A.stage(pp, r, a.chunk)
-      local prev, next = v > 0 and A.place(pp, v - 1), v < S - 1 and A.place(pp, v + 1)
-      if prev == r then prev = false end   -- one rank (pp = 1): chunks hand over in place
+      local v = A.stage(pp, r, a.chunk, plan.layout)
+      local prev, next = v > 0 and A.place(pp, v - 1, plan.layout), v < S - 1 and A.place(pp, v + 1, plan.layout)
+      if prev == r then prev = false end   -- on this rank (pp = 1, a V's turn): handed over in place
       if next == r then next = false end
-      if a.op == "F" then
+      if a.op == "W" then                  -- the weights' gradients: nothing moves
+        add("W", a.mb, a.chunk)
+      elseif a.op == "F" then
         if prev then add("RECV_F", a.mb, a.chunk, prev) end
         add("F", a.mb, a.chunk)
         if next then add("SEND_F", a.mb, a.chunk, next) end
