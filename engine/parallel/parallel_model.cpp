@@ -196,7 +196,7 @@ void RecomputeOptions::validate(bool pipelined) const {
   TORCH_CHECK(mode == "none" || mode == "block", "parallelize: recompute must be 'block' or 'none', got ", mode);
   TORCH_CHECK(mode == "none" || !blocks.empty(), "parallelize: recompute = 'block' needs the container of the "
               "model's blocks");
-  TORCH_CHECK(mode == "none" || !pipelined, "parallelize: recompute = 'block' is not built for pipelined models");
+  (void)pipelined;  // a pipeline recomputes its stages' blocks itself (Pipeline::set_recompute)
 }
 
 namespace {
@@ -370,7 +370,11 @@ std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, st
   }
   // 6. Activation checkpointing last: it wraps the blocks' forwards as every parallelism above
   //    left them (their layers split, their gradients hooked), and changes no parameter.
-  if (options.recompute.mode == "block") recompute_blocks(tree, options.recompute.blocks);
+  //    A pipeline runs its stages' blocks one by one: it checkpoints each itself.
+  if (options.recompute.mode == "block") {
+    if (model->pipeline_) model->pipeline_->set_recompute(true);
+    else recompute_blocks(tree, options.recompute.blocks);
+  }
   //    The policy's probe forwards routed tokens too: the MoE blocks' counts start from here.
   for (auto& [path, block] : moe_blocks(tree)) block->take_stats();
   // 7. Only once everything succeeded does the tree know its owner.

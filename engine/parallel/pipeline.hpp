@@ -177,6 +177,11 @@ class Pipeline {
   int rank() const { return rank_; }  ///< this rank's place in the pipeline group
   const PipelineMeasure& measured() const { return measured_; }
 
+  /// Whether each block of this rank's stages runs checkpointed (parallelize's recompute =
+  /// "block"): its activations are recomputed in its backward (in B, under a split backward).
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
+
   /// Finds the tied parameters again by name in `root`, whose tensors were replaced since the
   /// cut (a deferred model materialized: its meta tensors gave way to real ones).
   void rebind(nn::Module& root);
@@ -262,6 +267,7 @@ class Pipeline {
   // The group's renewals when a step did not finish (a renewed group has left that step's
   // messages behind in its old backend).
   std::optional<int> failed_at_renewal_;
+  bool recompute_ = false;
 
 };
 

@@ -10,6 +10,7 @@
 #include "engine/dist/world.hpp"
 #include "engine/parallel/data_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
+#include "engine/parallel/recompute.hpp"
 #include "engine/parallel/split_backward.hpp"
 #include "engine/parallel/stage_memory.hpp"
 #include "engine/parallel/trace.hpp"
@@ -214,7 +215,7 @@ torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
     else
       for (auto& m : first_) x = m->forward({x});
   }
-  for (auto& b : chunk_blocks_[chunk]) x = b->forward({x});
+  for (auto& b : chunk_blocks_[chunk]) x = recompute_ ? checkpointed_forward(*b, x) : b->forward({x});
   if (v == stages() - 1) {
     if (ends) x = root_->stage_out(x);
     else
@@ -449,6 +450,12 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           last_shape = out.sizes().vec();
         }
         out = torch::Tensor();  // what the backward does not need goes now (the head's logits)
+        if (v != last && layout().rank(v + 1) == rank_) {
+          // The next stage is this rank's too (a V's turn, or pp = 1): handed over in place, as
+          // the input of its own graph, so that each chunk's backward stays its own.
+          auto& next = slots[static_cast<size_t>(a.mb) * chunks + layout().chunk(v + 1)];
+          next.input = s.output.detach().requires_grad_(true);
+        }
         meter.forward_ends(a.chunk, s.input);
         if (inbox && v != last) inbox->forward_ran(static_cast<size_t>(a.mb) * chunks + a.chunk, s.output);
         break;
@@ -469,12 +476,19 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         meter.gradient_received(a.chunk, s.grad);
         break;
       case PipeOp::Backward: {
+        // The gradient of the input, for the previous stage when this rank holds it too.
+        auto hand_back = [&] {
+          if (v == 0 || layout().rank(v - 1) != rank_ || !s.input_grad.defined()) return;
+          slots[static_cast<size_t>(a.mb) * chunks + layout().chunk(v - 1)].grad = s.input_grad;
+          s.input_grad = torch::Tensor();
+        };
         meter.backward_begins();
         if (s.split) {  // B: the input's gradient only; the weights' wait for W
           s.weights = SplitBackward::input(s.output, v == last ? torch::Tensor() : s.grad, s.input, &s.input_grad);
           meter.backward_ends(a.chunk);
           s.input = s.output = s.grad = torch::Tensor();  // what W does not need is freed
           meter.split_ends(a.chunk, s.input_grad.defined() ? static_cast<int64_t>(s.input_grad.nbytes()) : 0);
+          hand_back();
           break;
         }
         // Under ZeRO-2 each backward reduces its chunk's buckets (the same on every data rank:
@@ -486,6 +500,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         if (dp) dp->complete();  // a pass that backward left to this thread (thread-bound hooks)
         if (s.input.defined()) s.input_grad = s.input.grad();
         s.input = s.output = s.grad = torch::Tensor();  // this micro-batch's activations are freed
+        hand_back();
         break;
       }
       case PipeOp::Weight: {
