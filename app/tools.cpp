@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -177,6 +178,62 @@ int split_at_script(CLI::App& app, int from, int argc, char** argv) {
 // `partrain plan --world N [--nproc-per-node K] [--json] [--save FILE] script.lua [args]`: runs
 // the script once per virtual rank, on the meta device, with planned groups, up to its first
 // optimizer step, and prints what every rank holds (docs/plan.md).
+namespace {
+
+// --pipeline-search, printed: the planned stages' bytes a micro-batch (a rank's chunks summed, the most over
+// ranks), handed to partrain.plan's pipeline_search with the cap: `memory`, else the device's
+// less the largest model state. False with `error` when there is nothing to search.
+bool pipeline_search(const plan::Plan& p, int64_t memory, int64_t device, std::string* error) {
+  int64_t activation = 0, pending = 0, state = 0, blocks = 0;
+  bool measured = false, any = false;
+  int microbatches = 0;
+  for (const auto& r : p.ranks) {
+    if (!r.stage.present) continue;
+    any = true;
+    microbatches = r.stage.microbatches;
+    int64_t act = 0, pend = 0;
+    for (const auto& c : r.stage.chunks) {
+      act += std::max<int64_t>(c.activation_bytes, 0) + c.gradient_bytes;
+      pend += c.pending_bytes > 0 ? c.pending_bytes : std::max<int64_t>(c.activation_bytes, 0);
+      measured = measured || c.pending_bytes > 0;
+      blocks = std::max(blocks, c.end_block);
+    }
+    activation = std::max(activation, act);
+    pending = std::max(pending, pend);
+    state = std::max(state, r.model_state_bytes());
+  }
+  if (!any || p.pipeline < 2) {
+    *error = "the script's model is not pipelined (pt.mesh { pipeline = p } with p > 1 and pt.parallelize)";
+    return false;
+  }
+  if (memory == 0) {
+    if (device <= 0) {
+      *error = "give the activation bytes a rank may hold (--pipeline-memory 2GiB) or the device memory (--device-memory)";
+      return false;
+    }
+    memory = device - state;
+    if (memory <= 0) {
+      *error = "the model state alone (" + std::to_string(state) + " bytes a rank) fills the device memory";
+      return false;
+    }
+  }
+  std::ostringstream code;
+  code << "local text, found = require('partrain.plan').pipeline_search { pp = " << p.pipeline
+       << ", microbatches = " << microbatches << ", blocks = " << blocks << ", cap = " << memory
+       << ", activation = " << activation << ", pending = " << pending
+       << ", pending_measured = " << (measured ? "true" : "false") << " }\n"
+       << "io.write(text)\n"
+       << "if not found then error('no schedule fits the cap', 0) end";
+  lua::Host host;
+  std::string failed;
+  const bool ok = host.run_string(code.str(), "=(plan --pipeline-search)", &failed);
+  std::fflush(stdout);
+  if (!ok) *error = failed.substr(0, failed.find("\nstack traceback:"));
+  return ok;
+}
+
+}  // namespace
+
 int run_plan(int argc, char** argv, int first) {
   CLI::App app{"partrain plan: what each rank of a layout will hold, without processes or memory.\n\n"
                "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n",
@@ -191,6 +248,13 @@ int run_plan(int argc, char** argv, int first) {
       ->check(non_empty("the file to write the plan to"));
   app.add_option("--device-memory", memory_text, "one device's memory (80GiB, 141GB): the plan opens with whether "
                  "every rank's peak fits in it (default: this machine's first GPU's, when it has one)");
+  bool search = false;
+  std::string pipeline_memory_text;
+  app.add_flag("--pipeline-search", search, "after the plan, the fastest pipeline schedule whose activations "
+               "fit (pipeline.search over the built-ins and generated zero-bubble ones, from the planned stages' "
+               "bytes), printed as a Lua plan to keep");
+  app.add_option("--pipeline-memory", pipeline_memory_text, "the activation bytes a rank may hold for "
+                 "--pipeline-search (default: the device memory less the largest model state)");
   app.add_flag("-v,--verbose", verbose, "list every logical tensor and the slices ranks hold, and show what rank 0's "
                "script prints (the others stay quiet)");
   int split = split_at_script(app, first, argc, argv);
@@ -214,6 +278,11 @@ int run_plan(int argc, char** argv, int first) {
   } else if (compat::cuda_available() && compat::cuda_device_count() > 0) {
     text_options.device_memory = compat::cuda_total_memory(0);
     text_options.device_source = "cuda:0, " + compat::cuda_device_name(0);
+  }
+  int64_t pipeline_memory = 0;
+  if (bad.empty() && app.count("--pipeline-memory")) {
+    if (!search) bad = "--pipeline-memory is the cap of --pipeline-search, which is not given";
+    else bad = parse_bytes("--pipeline-memory", pipeline_memory_text, pipeline_memory);
   }
   if (!bad.empty()) return fail("plan: " + bad);
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
@@ -277,6 +346,12 @@ int run_plan(int argc, char** argv, int first) {
   result.cpu_peak_bytes = std::max<int64_t>(0, util::memory(c10::kCPU).peak - cpu_base);
   std::cout << (json ? plan::to_json(result) : plan::to_text(result, text_options)) << std::flush;
   if (json) std::cout << std::endl;
+  if (search) {
+    std::cout << "\n" << std::flush;
+    std::string error;
+    if (!pipeline_search(result, pipeline_memory, text_options.device_memory, &error))
+      return fail("plan: --pipeline-search: " + error);
+  }
   if (!save.empty()) {
     try {
       plan::save(result, save);

@@ -40,6 +40,7 @@
 Usage: test_plan.py PARTRAIN
 """
 import json
+import re
 import os
 import resource
 import struct
@@ -585,5 +586,40 @@ with tempfile.TemporaryDirectory() as d:
     r = run(["--nproc-per-node", "2", "--threads", "1", "--plan", path, SCRIPT])
     check("... and a data 2 run does not, naming the planned context",
           r.returncode != 0 and "tensor 1 x context 2 x data 1 x pipeline 1" in r.stderr, r.stderr)
+
+# --pipeline-search: the planned stages' bytes weigh the schedules; what it picks is the fastest
+# that fits, printed as a plan a real run takes back as its schedule.
+r = run(["plan", "--world", "2", "--pipeline-search", "--pipeline-memory", "100GiB", SCRIPT, "--pipeline", "2",
+         "--layers", "4", "--microbatches", "4", "--schedule", "zbh1"])
+picked = re.search(r"picked: (\S+) \((\d) chunks? a rank\): step ([0-9.]+) units", r.stdout)
+check("plan --pipeline-search lists the candidates and picks the fastest, with its plan as Lua",
+      r.returncode == 0 and picked is not None and "return {" in r.stdout and "(measured)" in r.stdout
+      and all(float(m) >= float(picked.group(3)) for m in re.findall(r"^  \S+\s+\d\s+([0-9.]+)\s+[0-9.]+\s+.*\byes$",
+                                                                   r.stdout, re.M)), r.stdout[-3000:] + r.stderr)
+if picked:
+    with tempfile.TemporaryDirectory() as d:
+        source = r.stdout[r.stdout.index("return {"):]
+        kept = os.path.join(d, "plan.lua")
+        open(kept, "w").write(source)
+        script = os.path.join(d, "check.lua")
+        open(script, "w").write(
+            "local P = require 'partrain.pipeline'\n"
+            f"local plan = dofile({json.dumps(kept)})\n"
+            f"local _, report = P.build(function() return plan end, 2, 4, {picked.group(2)})\n"
+            "print('built', report.makespan)\n")
+        b = run(["--threads", "1", script])
+        check("... and the printed plan passes the pre-flight check as a schedule",
+              b.returncode == 0 and "built" in b.stdout, b.stdout + b.stderr)
+r = run(["plan", "--world", "2", "--pipeline-search", "--pipeline-memory", "1MiB", SCRIPT, "--pipeline", "2",
+         "--layers", "4", "--microbatches", "4", "--batch", "64"])
+check("... a cap no schedule fits is refused, naming the least any needs",
+      r.returncode != 0 and "no schedule fits" in r.stdout + r.stderr and "least" in r.stdout + r.stderr,
+      r.stdout[-1500:] + r.stderr)
+r = run(["plan", "--world", "2", "--pipeline-memory", "1GiB", SCRIPT, "--pipeline", "2"])
+check("--pipeline-memory without --pipeline-search is refused",
+      r.returncode != 0 and "--pipeline-memory is the cap of --pipeline-search" in r.stderr, r.stderr)
+r = run(["plan", "--world", "2", "--pipeline-search", "--pipeline-memory", "1GiB", SCRIPT])
+check("--pipeline-search of a model that is not pipelined is refused",
+      r.returncode != 0 and "not pipelined" in r.stderr, r.stderr)
 
 finish("plan")
