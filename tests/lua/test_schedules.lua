@@ -12,9 +12,11 @@ local test, eq, ok, near, raises = H.test, H.eq, H.ok, H.near, H.raises
 local function plan_of(ranks)
   local plan = {}
   for r, line in pairs(ranks) do
+    if type(r) ~= "number" then plan[r] = line; goto continue end  -- name, layout
     local list = type(line) == "table" and line or {}
     for word in type(line) == "string" and line:gmatch("%S+") or function() end do list[#list + 1] = word end
     plan[r] = list
+    ::continue::
   end
   return plan
 end
@@ -153,6 +155,116 @@ test("describe prints one line a rank, in order or as a timeline", function()
   raises(function() P.describe(42) end, "describe takes a plan, got number")
 end)
 
+-- A list's values as text, for comparing lists.
+local function list(t) local out = {}; for i = 1, table.maxn(t) do out[i] = tostring(t[i]) end; return table.concat(out, ", ") end
+
+-- A plan splitting rank 0's backwards (its W's at the end) and fusing rank 1's, at pp=2, m=2.
+local mixed = { [0] = "F0 F1 B0 B1 W0 W1", [1] = "F0 B0 F1 B1" }
+
+test("W prints and parses like F and B", function()
+  eq(P.format(P.action("W", 3, 1)), "W3.c1")
+  eq(P.format(P.parse("W3.c0")), "W3.c0", "round trip")
+  eq(P.format(P.parse("W12")), "W12.c0", "the chunk defaults to 0")
+  raises(function() P.parse("W3.c0->1") end, "'W3.c0->1' is not an action (write e.g. F3.c0, B3.c0, W3.c0,")
+  raises(function() P.parse("W") end, "'W' is not an action")
+end)
+
+test("a split B takes 1 unit and its W 1, a fused B 2; W's hold pending memory from B to W", function()
+  local plan, report = P.build(function() return plan_of(mixed) end, 2, 2, 1)
+  eq(P.describe(plan, { transfers = false }), "rank 0: F0 F1 B0 B1 W0 W1\nrank 1: F0 B0 F1 B1")
+  eq(#plan[0], 10, "lowering adds no transfer for a W (4 sends and receives, 6 computes)")
+  -- by hand: rank 1 runs F0 [1,2], B0 [2,4], F1 [4,5], B1 [5,7]; rank 0 F0 F1 [0,2], B0 [4,5],
+  -- B1 [7,8], W0 W1 [8,10]
+  eq(report.makespan, 10)
+  near(report.bubble, 8 / 20, 1e-12)
+  eq(P.describe(plan, { timeline = true }),
+    "rank 0 | F0 F1 .. .. B0 .. .. B1 W0 W1|\n" ..
+    "rank 1 | .. F0 B0 == F1 B1 == .. .. ..|")
+  local r0, r1 = report.ranks[0], report.ranks[1]
+  eq(list { r0.peak, r0.pending_peak, r0.memory, r0.weights, r0.backwards, r0.gaps }, list { 2, 2, 2, 2, 2, 4 }, "rank 0")
+  eq(list { r1.peak, r1.pending_peak, r1.memory, r1.weights, r1.backwards, r1.gaps }, list { 1, 0, 1, 0, 2, 0 }, "rank 1")
+  eq(list { report.peak, report.pending_peak, report.memory, report.gaps }, list { 2, 2, 2, 4 }, "the largest over ranks")
+  eq(r0.starts[#plan[0]], 9, "W1 starts at 9")
+  eq(r0.ends[#plan[0]], 10)
+  -- Measured costs: F 1 s on stage 0 and 2 s on stage 1, B 1 s, W 2 s, 0.5 s a transfer. Rank 0:
+  -- F0 [0,1], F1 [1,2]; rank 1: F0 [1.5,3.5], B0 + W0 [3.5,6.5], F1 [6.5,8.5], B1 + W1 [8.5,11.5];
+  -- rank 0: B0 [7,8], B1 [12,13], W0 [13,15], W1 [15,17].
+  local sim = P.simulate(plan_of(mixed), 2, 2, 1, { costs = { F = { [0] = 1, [1] = 2 }, B = 1, W = 2, send = 0.5 },
+                                                     memory = { activation = { [0] = 1, [1] = 5 }, pending = 3 } })
+  near(sim.makespan, 17, 1e-12, "makespan")
+  near(sim.bubble, (17 - 8 + 17 - 10) / 34, 1e-12, "bubble")
+  near(sim.ranks[1].starts[3], 3.5, 1e-12, "rank 1's B0 starts when its F0 ends")  -- lowered: RECV_F0 F0 B0 ...
+  -- rank 0 holds F0, F1 (1 + 1), then B0 keeps 3 for W0 (1 + 3), B1 another (3 + 3), W0, W1 free them
+  eq(list { sim.ranks[0].memory, sim.ranks[1].memory, sim.memory }, list { 6, 5, 6 }, "bytes held")
+  eq(sim.ranks[0].peak, 2, "peak still counts activations")
+  -- P.check takes the same options; the defaults give the unit-time report
+  local _, again = P.build(function() return plan_of(mixed) end, 2, 2, 1, nil, { costs = { W = 2 } })
+  eq(again.makespan, 14, "W = 2: rank 1's fused B's take 3 (B1 ends at 9), rank 0's B1 [9,10], W's 2 each")
+  eq(P.check(plan, 2, 2, 1).makespan, 10)
+  eq(P.check(plan, 2, 2, 1, {}).makespan, 10)
+end)
+
+test("the V layout: stage and place invert each other; a V plan hands over in place", function()
+  for pp = 1, 5 do
+    for chunks = 1, 4 do
+      for _, layout in ipairs { "interleaved", "v" } do
+        local seen = {}
+        for r = 0, pp - 1 do
+          for c = 0, chunks - 1 do
+            local v = P.stage(pp, r, c, layout)
+            ok(v >= 0 and v < pp * chunks and not seen[v], ("%s pp=%d chunks=%d: stage of rank %d chunk %d"):format(layout, pp, chunks, r, c))
+            seen[v] = true
+            eq(list { P.place(pp, v, layout) }, list { r, c }, ("%s pp=%d: place(stage(%d, %d))"):format(layout, pp, r, c))
+            if layout == "interleaved" then eq(P.stage(pp, r, c), v, "nil is interleaved") end
+          end
+        end
+      end
+    end
+  end
+  eq(list { P.stage(4, 0, 0, "v"), P.stage(4, 0, 1, "v"), P.stage(4, 3, 1, "v"), P.stage(4, 1, 3, "v") }, list { 0, 7, 4, 14 })
+  eq(list { P.place(4, 7, "v") }, list { 0, 1 }, "rank 0 holds the last of 8 stages")
+  raises(function() P.stage(4, 0, 1, "V") end, "layout must be \"interleaved\" (chunk c of rank r is virtual stage c * pp + r, the default) or \"v\"")
+  raises(function() P.stage(4, 4, 0) end, "rank must be an integer from 0 to 3, got 4")
+  raises(function() P.place(4, -1) end, "stage must be an integer from 0 up, got -1")
+  -- pp = 2, 2 chunks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (handed over in place)
+  local v = { layout = "v", name = "v by hand", [0] = { "F0.c0", "F0.c1", "B0.c1", "B0.c0" }, [1] = { "F0.c0", "F0.c1", "B0.c1", "B0.c0" } }
+  local plan, report = P.build(function() return v end, 2, 1, 2)
+  eq(list { plan.layout, plan.name, report.layout }, list { "v", "v by hand", "v" }, "the lowered plan keeps its layout and name")
+  eq(P.describe(plan),
+    "rank 0: F0.c0 SEND_F0.c0->1 RECV_F0.c1<-1 F0.c1 B0.c1 SEND_B0.c1->1 RECV_B0.c0<-1 B0.c0\n" ..
+    "rank 1: RECV_F0.c0<-0 F0.c0 F0.c1 SEND_F0.c1->0 RECV_B0.c1<-0 B0.c1 B0.c0 SEND_B0.c0->0")
+  eq(report.makespan, 12)
+  eq(P.lower(v, 2, 1, 2).layout, "v", "lower keeps it")
+  -- the same lists read as interleaved: rank 1's chunk 1 is then the last stage, fed by rank 0
+  local lowered = P.lower(v, 2, 1, 2)
+  lowered.layout = nil
+  raises(function() P.check(lowered, 2, 1, 2) end,
+    "pipeline schedule 'v by hand': rank 1, action 3 (F0.c1): its input was not received (no RECV_F0.c1<-0 before it)")
+  raises(function() P.check({ layout = "v", [0] = {}, [1] = {} }, 2, 1, 2) end, "micro-batch 0 never runs forward")
+  -- one rank: every hand-over in place
+  local _, one = P.build(function() return { layout = "v", [0] = { "F0.c0", "F0.c1", "B0.c1", "B0.c0" } } end, 1, 1, 2)
+  eq(one.ranks[0].sends + one.ranks[0].receives, 0, "pp = 1: no transfers")
+end)
+
+test("costs and memory must be numbers or tables by virtual stage; refusals name them", function()
+  local plan = plan_of(mixed)
+  local function sim(opts) return function() return P.simulate(plan, 2, 2, 1, opts) end end
+  raises(sim { costs = { F = 0 } }, "pipeline schedule: costs.F must be a number > 0 or a table by virtual stage { [0] = ..., [1] = ... }, got 0")
+  raises(sim { costs = { W = 1 / 0 } }, "costs.W must be a number > 0 or a table by virtual stage { [0] = ..., [1] = ... }, got inf")
+  raises(sim { costs = { send = -1 } }, "costs.send must be a number >= 0 or a table")
+  raises(sim { costs = { B = { [0] = 1 } } }, "costs.B[1] (virtual stage 1) must be a number > 0, got nil")
+  raises(sim { costs = { B = { [0] = 1, [1] = 1, [2] = 1 } } }, "costs.B has the key 2 (virtual stages are 0 to 1)")
+  raises(sim { costs = { B = { 1, 1 } } }, "costs.B has the key 2 (virtual stages are 0 to 1)")
+  raises(sim { costs = { X = 1 } }, "costs has no field 'X' (fields: F, B, W, send)")
+  raises(sim { costs = 3 }, "costs must be a table { F, B, W, send }, got number")
+  raises(sim { memory = { pending = "x" } }, "memory.pending must be a number >= 0 or a table by virtual stage { [0] = ..., [1] = ... }, got string")
+  raises(sim { memory = { activations = 1 } }, "memory has no field 'activations' (fields: activation, pending")
+  raises(sim { bogus = 1 }, "the simulation has no option 'bogus' (options: costs, memory)")
+  raises(function() P.check(P.lower(plan, 2, 2, 1), 2, 2, 1, 5) end, "the simulation's options must be a table { costs, memory }, got number")
+  raises(function() P.build(function() return plan end, 2, 2, 1, nil, { costs = { F = -1 } }) end, "costs.F must be a number > 0")
+  eq(P.simulate(plan, 2, 2, 1, { memory = { activation = 0, pending = 0 } }).memory, 0, "zero bytes are allowed")
+end)
+
 -- The lowered 1F1B plan for pp=2, m=2, which the broken plans below start from.
 local good = {
   [0] = "F0 SEND_F0->1 F1 SEND_F1->1 RECV_B0<-1 B0 RECV_B1<-1 B1",
@@ -244,6 +356,18 @@ local broken = {
   { "a list with a hole",
     { [0] = { "F0", nil, "F1" }, [1] = {} },
     "rank 0: its action list has" },
+  { "a W before its B",
+    { [0] = good[0], [1] = "RECV_F0<-0 F0 W0 B0 SEND_B0->0 RECV_F1<-0 F1 B1 SEND_B1->0" },
+    "rank 1, action 3 (W0.c0): its B0.c0 has not run on this rank (a W comes after its B)" },
+  { "a second W",
+    { [0] = good[0], [1] = "RECV_F0<-0 F0 B0 W0 SEND_B0->0 W0 RECV_F1<-0 F1 B1 SEND_B1->0" },
+    "rank 1, action 6 (W0.c0): a second W of micro-batch 0 on chunk 0 (the first is action 4)" },
+  { "a W with a peer",
+    { [0] = { { op = "W", mb = 0, chunk = 0, peer = 1 } }, [1] = {} },
+    "rank 0, action 1 (W0.c0): a W has no peer (only sends and receives do), got peer=1" },
+  { "a layout that is not one",
+    { [0] = good[0], [1] = good[1], layout = "V" },
+    "a plan's layout must be \"interleaved\" (chunk c of rank r is virtual stage c * pp + r, the default) or \"v\" (odd chunks run back: c * pp + pp - 1 - r), got \"V\"" },
 }
 
 for _, case in ipairs(broken) do
@@ -366,10 +490,17 @@ end)
 -- A second, simpler validator: run any rank whose next action is possible, one action at a time
 -- (lowest rank first), with messages matched by identity on ordered (sender, receiver, kind)
 -- queues; the plan is valid if every list runs to its end, no message is left, and every
--- (micro-batch, chunk) ran one forward then one backward on every rank. (For pp >= 2 only: one
--- rank's in-place hand-over of chunks is not modelled.)
+-- (micro-batch, chunk) ran one forward then one backward on every rank, and at most one W after
+-- its backward. Its own statement of the layouts: stage u is on rank u % pp, or pp - 1 - u % pp
+-- when u // pp is odd under "v"; consecutive stages on one rank hand over in place.
 local function brute_valid(plan, pp, m, chunks)
   local S = pp * chunks
+  local layout = plan.layout
+  if layout ~= nil and layout ~= "interleaved" and layout ~= "v" then return false, "a layout" end
+  local function rank_of(u)
+    if layout == "v" and math.floor(u / pp) % 2 == 1 then return pp - 1 - u % pp end
+    return u % pp
+  end
   local pos, did, got, queues = {}, {}, {}, {}
   for r = 0, pp - 1 do
     pos[r], did[r], got[r] = 1, {}, {}
@@ -379,32 +510,37 @@ local function brute_valid(plan, pp, m, chunks)
   local function runnable(r, a)
     if type(a) == "string" then a = P.parse(a) end
     local op, mb, c, peer = a.op, a.mb, a.chunk or 0, a.peer
-    if (op == "F" or op == "B") and peer ~= nil then return nil end
+    if (op == "F" or op == "B" or op == "W") and peer ~= nil then return nil end
     if type(mb) ~= "number" or mb < 0 or mb >= m or mb % 1 ~= 0 then return nil end
     if type(c) ~= "number" or c < 0 or c >= chunks or c % 1 ~= 0 then return nil end
-    local v = c * pp + r
+    local v
+    for u = c * pp, c * pp + pp - 1 do if rank_of(u) == r then v = u end end
     local id = mb .. "." .. c
-    local prev_rank, next_rank = (v - 1) % pp, (v + 1) % pp
+    local function here(u) return u >= 0 and u < S and rank_of(u) == r end  -- handed over in place
+    local function id_at(u) return mb .. "." .. math.floor(u / pp) end
     if op == "F" then
       if did[r]["F" .. id] then return nil end
-      if v > 0 and not got[r]["F" .. id] then return nil end
+      if v > 0 and not (here(v - 1) and did[r]["F" .. id_at(v - 1)]) and not got[r]["F" .. id] then return nil end
       return function() did[r]["F" .. id] = true end
     elseif op == "B" then
       if did[r]["B" .. id] or not did[r]["F" .. id] then return nil end
-      if v < S - 1 and not got[r]["B" .. id] then return nil end
+      if v < S - 1 and not (here(v + 1) and did[r]["B" .. id_at(v + 1)]) and not got[r]["B" .. id] then return nil end
       return function() did[r]["B" .. id] = true end
+    elseif op == "W" then
+      if did[r]["W" .. id] or not did[r]["B" .. id] then return nil end
+      return function() did[r]["W" .. id] = true end
     elseif op == "SEND_F" or op == "SEND_B" then
       local kind = op:sub(-1)
       local to = kind == "F" and v + 1 or v - 1
-      if to < 0 or to >= S or peer ~= to % pp or not did[r][kind .. id] or did[r][op .. id] then return nil end
+      if to < 0 or to >= S or here(to) or peer ~= rank_of(to) or not did[r][kind .. id] or did[r][op .. id] then return nil end
       return function()
         did[r][op .. id] = true
-        table.insert(q(r, peer, kind), mb .. "." .. math.floor(to / pp))
+        table.insert(q(r, peer, kind), id_at(to))
       end
     elseif op == "RECV_F" or op == "RECV_B" then
       local kind = op:sub(-1)
       local from = kind == "F" and v - 1 or v + 1
-      if from < 0 or from >= S or peer ~= from % pp or got[r][kind .. id] then return nil end
+      if from < 0 or from >= S or here(from) or peer ~= rank_of(from) or got[r][kind .. id] then return nil end
       local queue = q(peer, r, kind)
       if queue[1] ~= id then return nil end
       return function() table.remove(queue, 1); got[r][kind .. id] = true end
@@ -445,6 +581,12 @@ test("the second validator agrees with the check on the shipped and the broken p
     ok(brute_valid(plan, pp, m, chunks), ("%s pp=%d m=%d chunks=%d"):format(name, pp, m, chunks))
   end)
   ok(brute_valid(plan_of(good), 2, 2, 1), "the good plan")
+  ok(brute_valid(P.build(function() return plan_of(mixed) end, 2, 2, 1), 2, 2, 1), "split and fused backwards")
+  local v = { layout = "v", [0] = { "F0.c0", "F0.c1", "B0.c1", "B0.c0" }, [1] = { "F0.c0", "F0.c1", "B0.c1", "B0.c0" } }
+  ok(brute_valid(P.build(function() return v end, 2, 1, 2), 2, 1, 2), "a V plan")
+  local wrong = P.lower(v, 2, 1, 2)
+  wrong.layout = nil
+  ok(not brute(wrong, 2, 1, 2), "a V plan read as interleaved")
   for _, case in ipairs(broken) do
     local plan = plan_of(case[2])
     ok(not brute(plan, 2, 2, 1), "the second validator refuses " .. case[1])
@@ -457,18 +599,40 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
   combos(function(name, pp, m, chunks)
     if m <= 4 then bases[#bases + 1] = { name, pp, m, chunks } end
   end)
+  -- 1F1B with every backward split, its W right after its B or all W's at the end
+  local function split(at_end)
+    return function(pp, m)
+      local plan = P.schedule("1f1b", pp, m, 1)
+      for r = 0, pp - 1 do
+        local list, ws = {}, {}
+        for _, a in ipairs(plan[r]) do
+          list[#list + 1] = a
+          if a.op == "B" then table.insert(at_end and ws or list, P.action("W", a.mb, a.chunk)) end
+        end
+        for _, w in ipairs(ws) do list[#list + 1] = w end
+        plan[r] = list
+      end
+      return plan
+    end
+  end
+  for pp = 2, 3 do
+    for m = 1, 4 do
+      bases[#bases + 1] = { split(false), pp, m, 1 }; bases[#bases + 1] = { split(true), pp, m, 1 }
+    end
+  end
   local function copy(plan, pp)
-    local out = { name = plan.name }
+    local out = { name = plan.name, layout = plan.layout }
     for r = 0, pp - 1 do
       out[r] = {}
       for i, a in ipairs(plan[r]) do out[r][i] = { op = a.op, mb = a.mb, chunk = a.chunk, peer = a.peer } end
     end
     return out
   end
-  local ops = { "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B" }
-  local junk = { "F0", "B1.c1", "RECV_F0.c0<-0", "SEND_B0->0", "X1", "F", "", 5, true, {}, { op = "F" },
+  local ops = { "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B" }
+  local junk = { "F0", "B1.c1", "W0", "W1.c1", { op = "W", mb = 0, chunk = 0, peer = 0 }, "RECV_F0.c0<-0", "SEND_B0->0", "X1", "F", "", 5, true, {}, { op = "F" },
                  { op = "F", mb = 0.5 }, { op = "SEND_F", mb = 0, chunk = 0, peer = -1 }, { op = "B", mb = 2^60 },
                  { op = "F", mb = 0, chunk = 0 / 0 }, { op = "RECV_B", mb = 0, chunk = 0, peer = "1" } }
+  local pick_layout = { "v", "interleaved", "V", 1 }
   local tally = { refused = 0, accepted = 0 }
   local mutations = 0
   local started = os.clock()
@@ -481,7 +645,7 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
       local list = plan[r]
       local n = #list
       local i, j = math.random(n), math.random(n)
-      local kind = math.random(10)
+      local kind = math.random(12)
       if kind >= 3 and kind <= 7 and type(list[i]) ~= "table" then kind = 1 end
       if kind == 1 then list[i], list[j] = list[j], list[i]                               -- swap
       elseif kind == 2 then table.remove(list, i)                                          -- delete
@@ -494,7 +658,9 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
         local other = plan[math.random(0, pp - 1)]
         table.insert(other, math.random(#other + 1), table.remove(list, i))
       elseif kind == 9 then local k = math.random(i, math.min(n, i + 3)); list[i], list[k] = list[k], list[i]  -- near swap
-      else list[i] = H.shallow_copy(junk[math.random(#junk)]) end                                         -- junk
+      elseif kind == 10 then list[i] = H.shallow_copy(junk[math.random(#junk)])                            -- junk
+      elseif kind == 11 then table.insert(list, j, { op = "W", mb = math.random(0, m - 1), chunk = math.random(0, chunks - 1) })  -- a W
+      else plan.layout = pick_layout[math.random(#pick_layout)] end                                         -- layout
       mutations = mutations + 1
     end
     -- A quarter of the plans lose their transfers: lowering adds them again, and a refusal must
@@ -519,8 +685,9 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
       tally.refused = tally.refused + 1
       ok(type(result) == "string", "a refusal is a message")
       ok(result:find("^[^:]*test_schedules%.lua:%d+: pipeline schedule '[^']*': "), ("trial %d: not a clear refusal: %s"):format(trial, result))
-      ok(result:find("pipeline schedule '[^']*': rank %d+") or result:find("pipeline schedule '[^']*': no rank can go on"),
-        ("trial %d: a refusal names a rank: %s"):format(trial, result))
+      ok(result:find("pipeline schedule '[^']*': rank %d+") or result:find("pipeline schedule '[^']*': no rank can go on")
+         or result:find("pipeline schedule '[^']*': a plan's layout must be"),
+        ("trial %d: a refusal names a rank (or the layout): %s"):format(trial, result))
       ok(not result:find("partrain/pipeline", 1, true) and not result:find("attempt to", 1, true),
         ("trial %d: the checker's own error: %s"):format(trial, result))
       ok(not brute(plan, pp, m, chunks), ("trial %d: refused a plan the second validator accepts: %s"):format(trial, result))

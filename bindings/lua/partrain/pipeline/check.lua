@@ -87,6 +87,14 @@ function C.model(opts, S)
            pending = by_stage("memory.pending", memory.pending, S, 1, true) }
 end
 
+--- Refuses a layout other than nil, "interleaved" and "v"; `what` names it in the message.
+function C.check_layout(layout, what)
+  if layout ~= nil and not A.LAYOUTS[layout] then
+    refuse("%s must be \"interleaved\" (chunk c of rank r is virtual stage c * pp + r, the default) or \"v\" "
+      .. "(odd chunks run back: c * pp + pp - 1 - r), got %s", what, A.format(layout))
+  end
+end
+
 --- Checks pp, microbatches and chunks are positive integers within bounds.
 function C.check_sizes(pp, microbatches, chunks)
   for _, kv in ipairs { { "pp", pp }, { "microbatches", microbatches }, { "chunks", chunks } } do
@@ -143,16 +151,14 @@ function C.normalize(plan, pp, microbatches, chunks)
   C.check_sizes(pp, microbatches, chunks)
   if type(plan) ~= "table" then refuse("a plan must be a table { [rank] = { actions... } }, got %s", type(plan)) end
   if plan.name ~= nil and type(plan.name) ~= "string" then refuse("a plan's name must be a string, got %s", type(plan.name)) end
-  if plan.layout ~= nil and not A.LAYOUTS[plan.layout] then
-    refuse("a plan's layout must be \"interleaved\" or \"v\", got %s", A.format(plan.layout))
-  end
+  C.check_layout(plan.layout, "a plan's layout")
   for k in pairs(plan) do
     if k ~= "name" and k ~= "layout" and not (A.is_int(k) and k >= 0 and k < pp) then
       refuse("a plan's keys are ranks 0 to %d (and name, layout), got %s%s", pp - 1, A.format(k),
         k == pp and plan[0] == nil and " (ranks count from 0)" or "")
     end
   end
-  local out = { name = plan.name, layout = plan.layout ~= "interleaved" and plan.layout or nil }
+  local out = { name = plan.name, layout = plan.layout }
   local most = 7 * microbatches * chunks   -- a valid list: F, B, W and at most 4 transfers a pair
   for r = 0, pp - 1 do
     local list = plan[r]

@@ -9,22 +9,28 @@ local C = require "partrain.pipeline.check"
 local lower = require "partrain.pipeline.lower"
 
 local P = {
-  action = A.action, format = A.format, stage = A.stage, place = A.place,
+  action = A.action, format = A.format,
   --- The schedules partrain ships: names for P.schedule and P.build.
   schedules = { "gpipe", "1f1b", "interleaved", "zbh1", "zbh2", "zbv" },
+  --- The stage layouts a plan may name in plan.layout (nil is "interleaved").
+  layouts = { "interleaved", "v" },
 }
 
 -- Runs fn(...) and turns a refusal into an error at the user's line that led here, prefixed with
--- the plan's name; any other error (a bug of this library) goes on as it is.
-local function guarded(name_of, fn, ...)
+-- `prefix` (or "pipeline schedule" and the plan's name that name_of returns); any other error (a
+-- bug of this library) goes on as it is.
+local function guarded_as(prefix, name_of, fn, ...)
   local results = { pcall(fn, ...) }
   if results[1] then return unpack(results, 2, table.maxn(results)) end
   local err = results[2]
   if getmetatable(err) ~= C.REFUSAL then error(err, 0) end
-  local name = name_of()
-  local msg = "pipeline schedule" .. (name and (" '" .. name .. "'") or "") .. ": " .. err.msg
-  core._raise(msg, 0)
+  if not prefix then
+    local name = name_of()
+    prefix = "pipeline schedule" .. (name and (" '" .. name .. "'") or "")
+  end
+  core._raise(prefix .. ": " .. err.msg, 0)
 end
+local function guarded(name_of, fn, ...) return guarded_as(nil, name_of, fn, ...) end
 
 --- The action a text names ("F3.c0", "SEND_F3.c0->1", "RECV_B2.c1<-3"; ".c0" may be left out).
 function P.parse(text)
@@ -32,6 +38,31 @@ function P.parse(text)
     local a, err = A.parse(text)
     if not a then C.refuse("%s", err) end
     return a
+  end)
+end
+
+local function check_int(what, x, low, high)
+  if not A.is_int(x) or x < low or (high and x > high) then
+    C.refuse("%s must be an integer from %d%s, got %s", what, low, high and (" to %d"):format(high) or " up", A.format(x))
+  end
+end
+
+--- P.stage(pp, rank, chunk [, layout]): the virtual stage chunk `chunk` of rank `rank` runs;
+--- P.place(pp, stage [, layout]): the rank and chunk that run virtual stage `stage`. layout:
+--- "interleaved" (nil: chunk c of rank r is stage c * pp + r) or "v" (odd chunks run back:
+--- c * pp + pp - 1 - r).
+function P.stage(pp, rank, chunk, layout)
+  return guarded(function() end, function()
+    check_int("pp", pp, 1); check_int("rank", rank, 0, pp - 1); check_int("chunk", chunk, 0)
+    C.check_layout(layout, "layout")
+    return A.stage(pp, rank, chunk, layout)
+  end)
+end
+function P.place(pp, stage, layout)
+  return guarded(function() end, function()
+    check_int("pp", pp, 1); check_int("stage", stage, 0)
+    C.check_layout(layout, "layout")
+    return A.place(pp, stage, layout)
   end)
 end
 
@@ -105,12 +136,18 @@ function P.lower(plan, pp, microbatches, chunks)
   end)
 end
 
---- P.check(plan, pp, microbatches, chunks): simulates every rank of a lowered plan and returns
---- its report, or raises naming the first offending action, its rank and its index:
----   { name, pp, microbatches, chunks, makespan, bubble, peak,
----     ranks = { [r] = { peak, busy, idle, actions, forwards, backwards, sends, receives, starts } } }
---- peak: the most activations (forward run, backward not yet) a rank holds at once; starts[i]:
---- the time action i (a forward or backward) starts in the unit-time simulation.
+--- P.check(plan, pp, microbatches, chunks [, { costs, memory }]): simulates every rank of a
+--- lowered plan (plan.layout: nil or "interleaved", or "v") and returns its report, or raises
+--- naming the first offending action, its rank and its index:
+---   { name, layout, pp, microbatches, chunks, makespan, bubble, gaps, peak, pending_peak, memory,
+---     ranks = { [r] = { peak, pending_peak, memory, weights, busy, idle, gaps, actions, forwards,
+---                       backwards, sends, receives, starts, ends } } }
+--- peak: the most activations (forward run, B not yet) a rank holds at once; pending_peak: the
+--- most micro-batch chunks whose split B ran and W not yet; memory: the most of activations x
+--- memory.activation + pending x memory.pending (both 1 by default) at once; weights: its W's;
+--- gaps: its idle time between its first compute and the end of its last; starts[i], ends[i]:
+--- when compute action i starts and ends. The top-level figures are the largest over ranks. Times
+--- are in units (F = B = W = 1, a fused B 2) unless `costs` says otherwise (see P.simulate).
 function P.check(plan, pp, microbatches, chunks, opts)
   return guarded(function() return type(plan) == "table" and type(plan.name) == "string" and plan.name or nil end, function()
     local n = C.normalize(plan, pp, microbatches, chunks or 1)
@@ -119,9 +156,13 @@ function P.check(plan, pp, microbatches, chunks, opts)
 end
 
 --- P.simulate(plan, pp, microbatches, chunks, { costs = { F, B, W, send }, memory = { activation,
---- pending } }): P.check's report with the given costs (seconds, say: each a number or a table by
---- virtual stage) and bytes, so that `makespan` is the predicted step time and ranks[r].memory the
---- predicted peak. A compute-only plan is lowered first.
+--- pending } }): P.check's report under measured costs, so that `makespan` is the predicted step
+--- time and ranks[r].memory the predicted peak. Each figure is a number or a table by virtual
+--- stage { [0] = x, ..., [pp * chunks - 1] = x }: F, B (a split B: the input's gradient) and W
+--- the seconds of one micro-batch's chunk (> 0; a fused B takes B + W), send the seconds from a
+--- send until its receive can complete (>= 0, default 0), activation and pending the bytes a
+--- micro-batch's chunk holds from F to B and from a split B to its W (>= 0, default 1). A
+--- compute-only plan is lowered first.
 function P.simulate(plan, pp, microbatches, chunks, opts)
   return guarded(function() return type(plan) == "table" and type(plan.name) == "string" and plan.name or nil end, function()
     local n = C.normalize(plan, pp, microbatches, chunks or 1)
@@ -130,9 +171,10 @@ function P.simulate(plan, pp, microbatches, chunks, opts)
   end)
 end
 
---- P.build(schedule, pp, microbatches, chunks, timeout): schedule, lower and check in one;
---- returns the plan the executor will run and its report. A refusal names the action by its
---- place in the list the schedule returned, also when lowering added the transfers.
+--- P.build(schedule, pp, microbatches, chunks, timeout [, { costs, memory }]): schedule, lower and
+--- check in one; returns the plan the executor will run (with its name and layout) and its
+--- report. A refusal names the action by its place in the list the schedule returned, also when
+--- lowering added the transfers.
 function P.build(schedule, pp, microbatches, chunks, timeout, opts)
   local plan = P.schedule(schedule, pp, microbatches, chunks, timeout)
   return guarded(function() return plan.name end, function()
