@@ -1,13 +1,15 @@
 -- Fuzzes pipeline schedules through real training at pipeline 2 or 4 (as many ranks): a shipped
--- schedule's lowered plan (gpipe, 1f1b or interleaved with 1 or 2 chunks, its sends and receives
--- spelled out) gets one to three seeded mutations (actions swapped, moved within a list or to
--- another rank's, deleted or duplicated; a micro-batch, chunk, peer or op changed; an action
--- written as text or without its chunk; every transfer left out, for lowering to add again;
--- ill-formed entries, holes and keys) and goes to pt.parallelize as the schedule function.
+-- schedule's lowered plan (gpipe, 1f1b, interleaved, zbh1 or zbh2 with 1 chunk; interleaved, gpipe
+-- or zbv, V layout and split backwards, with 2; its sends and receives spelled out) gets one to
+-- three seeded mutations (actions swapped, moved within a list or to another rank's, deleted or
+-- duplicated; a micro-batch, chunk, peer or op changed; an action written as text or without its
+-- chunk; every transfer left out, for lowering to add again; a W added, or a rank's W's all left
+-- out so that its backwards run whole; the layout changed; ill-formed entries, holes and keys) and
+-- goes to pt.parallelize as the schedule function.
 --   * Refused: on both ranks alike, at this file's line, before anything is sent (else the next
 --     cases would read its messages, or hang until --timeout ends the job).
---   * Accepted: two train_steps of a float64 GPT-2 whose losses and gradients must equal the
---     unmutated schedule's (1e-10): whatever the pre-flight check lets through runs right.
+--   * Accepted: two train_steps of a float64 GPT-2 whose losses and gradients must equal a shipped
+--     schedule's of the same layout (1e-10): whatever the pre-flight check lets through runs right.
 -- (tests/lua/test_schedules.lua checks the verdicts themselves against a second validator.)
 --   partrain --nproc-per-node 2|4 --threads 1 --timeout 30 tests/fuzz/fuzz_schedules.lua [--seed 1] [--cases 1000]
 package.path = "tests/lua/?.lua;" .. package.path
@@ -21,7 +23,7 @@ assert(world == 2 or world == 4, "run at 2 or 4 ranks (pipeline 2 or 4), got " .
 local rng = H.rng(cfg.seed)
 local pick = rng.pick
 
-local OPS = { "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B" }
+local OPS = { "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B" }
 local COMM = { SEND_F = true, RECV_F = true, SEND_B = true, RECV_B = true }
 local copy = H.shallow_copy
 
@@ -29,10 +31,10 @@ local copy = H.shallow_copy
 local function base()
   local pp = world
   local chunks = rng.int(1, 2)
-  local name = chunks > 1 and "interleaved" or pick { "gpipe", "1f1b", "interleaved" }
+  local name = chunks > 1 and pick { "interleaved", "gpipe", "zbv" } or pick { "gpipe", "1f1b", "interleaved", "zbh1", "zbh2" }
   local m = name == "interleaved" and pp * rng.int(1, 2) or rng.int(1, 4)
   local lowered = pipeline.build(name, pp, m, chunks)
-  local plan = {}
+  local plan = { layout = lowered.layout }
   for r = 0, pp - 1 do
     plan[r] = {}
     for i, a in ipairs(lowered[r]) do plan[r][i] = copy(a) end
@@ -116,6 +118,24 @@ local MUTATIONS = {
     end
     return "transfers left out"
   end },
+  { 1, function(plan, pp, m, chunks)  -- a W: a second one, one before its B, or a split
+    local r, l = rank_of(plan, pp)
+    local i, mb, c = rng.int(1, #l + 1), rng.int(0, m - 1), rng.int(0, chunks - 1)
+    table.insert(l, i, { op = "W", mb = mb, chunk = c })
+    return ("rank %d: W%d.c%d at %d"):format(r, mb, c, i)
+  end },
+  { 1, function(plan, pp)  -- a rank's W's left out: its backwards run whole (valid)
+    local r, l = rank_of(plan, pp)
+    local kept = {}
+    for _, a in ipairs(l) do if type(a) ~= "table" or a.op ~= "W" then kept[#kept + 1] = a end end
+    plan[r] = kept
+    return ("rank %d: its W's left out"):format(r)
+  end },
+  { 1, function(plan)
+    local layout = pick { "v", "interleaved", "none", "V" }
+    plan.layout = layout ~= "none" and layout or nil
+    return "layout " .. layout
+  end },
   { 1, function(plan, pp)
     local r, l = rank_of(plan, pp)
     local i = rng.int(1, math.max(#l, 1))
@@ -182,7 +202,7 @@ local function differs(got, want)
   for s = 1, 2 do
     local g, w = got[s], want[s]
     if math.abs(g.loss - w.loss) > 1e-10 * math.max(1, math.abs(w.loss)) then
-      return ("step %d: loss %.17g, the unmutated schedule's %.17g"):format(s, g.loss, w.loss)
+      return ("step %d: loss %.17g, the shipped schedule's %.17g"):format(s, g.loss, w.loss)
     end
     for n, t in pairs(w.grads) do
       local u = g.grads[n]
@@ -195,13 +215,17 @@ local function differs(got, want)
   end
 end
 
--- One case: the mutant is refused at this line, or trains as its unmutated schedule does.
+-- One case: the mutant is refused at this line, or trains as a shipped schedule of its layout
+-- does (any valid order, split or fused, gives the same gradients; the layout decides which
+-- stages, so which parameters, a rank holds).
 local function check_case(case)
   local plan, pp, m, chunks, name = base()
   local what = ("%s pp=%d m=%d chunks=%d: %s"):format(name, pp, m, chunks, mutate(plan, pp, m, chunks))
   if cfg.verbose then io.stderr:write(("case %d %s\n"):format(case, what)) end
-  local key = ("%s/%d/%d"):format(name, m, chunks)
-  references[key] = references[key] or train(name, m, chunks)
+  local v = chunks > 1 and plan.layout == "v"
+  local reference = chunks == 1 and "1f1b" or v and "zbv" or "gpipe"
+  local key = ("%s/%d/%d"):format(reference, m, chunks)
+  references[key] = references[key] or train(reference, m, chunks)
   local ok, got = pcall(train, function() return plan end, m, chunks)
   if ok then
     counts.accepted = counts.accepted + 1
@@ -220,7 +244,7 @@ for case = 1, cfg.cases do check_case(case) end
 local n = pt.tensor({ counts.accepted })  -- every rank ran every case the same way
 pt.dist.world():all_reduce(n, "sum")
 assert(n:item() == world * counts.accepted, "the ranks' verdicts diverged")
-print(("fuzz.schedules: seed %d, %d cases at pipeline %d: %d accepted and trained as their schedule, %d refused, %d faults"):format(
+print(("fuzz.schedules: seed %d, %d cases at pipeline %d: %d accepted and trained as a shipped schedule of their layout, %d refused, %d faults"):format(
   cfg.seed, cfg.cases, world, counts.accepted, counts.refused, #bad))
 for _, line in ipairs(bad) do print("  " .. line) end
 if #bad > 0 then os.exit(1) end

@@ -593,6 +593,90 @@ test("the second validator agrees with the check on the shipped and the broken p
   end
 end)
 
+-- ---- The zero-bubble schedules ----------------------------------------------------------------
+
+-- Builds a shipped zero-bubble schedule; checks what every plan of the family must be: valid for
+-- the second validator, every backward split, a W per backward on every rank.
+local function zero_bubble(name, pp, m, chunks)
+  local plan, report = P.build(name, pp, m, chunks)
+  local what = ("%s pp=%d m=%d"):format(name, pp, m)
+  ok(brute_valid(plan, pp, m, chunks), what .. ": the second validator agrees")
+  for r = 0, pp - 1 do
+    eq(report.ranks[r].weights, m * chunks, what .. " rank " .. r .. ": a W for every backward")
+    eq(report.ranks[r].busy, 3 * m * chunks, what .. " rank " .. r .. ": busy 3 units a micro-batch's chunk")
+  end
+  return plan, report, what
+end
+
+test("every zero-bubble schedule passes the check at pp 1 to 8 and any m", function()
+  for pp = 1, 8 do
+    for m = 1, 4 * pp + 1 do
+      zero_bubble("zbh1", pp, m, 1); zero_bubble("zbh2", pp, m, 1); zero_bubble("zbv", pp, m, 2)
+    end
+  end
+  raises(function() P.build("zbh1", 2, 4, 2) end, "pipeline schedule 'zbh1': zbh1 runs one chunk a rank, got chunks=2 (zbv runs two)")
+  raises(function() P.build("zbh2", 2, 4, 2) end, "zbh2 runs one chunk a rank, got chunks=2")
+  raises(function() P.build("zbv", 2, 4, 1) end, "zbv runs two chunks a rank in V placement, got chunks=1")
+end)
+
+test("zbh1 holds 1F1B's activations and peak, for a third of its idle: 3m + pp - 1 units", function()
+  for _, pp in ipairs { 2, 4, 8 } do
+    for _, m in ipairs { pp, 2 * pp, 3 * pp, 4 * pp } do
+      local _, zb, what = zero_bubble("zbh1", pp, m, 1)
+      local _, one = P.build("1f1b", pp, m, 1)
+      eq(zb.makespan, 3 * m + pp - 1, what .. ": makespan")
+      for r = 0, pp - 1 do
+        eq(zb.ranks[r].peak, one.ranks[r].peak, what .. ": rank " .. r .. "'s activations, as 1F1B's")
+        eq(zb.ranks[r].idle, pp - 1, what .. ": rank " .. r .. "'s idle")
+        eq(one.ranks[r].idle, 3 * (pp - 1), "1f1b: rank " .. r .. "'s idle, three times as much")
+      end
+      eq(zb.memory, one.memory, what .. ": the peak, activations and pending W's, is 1F1B's (rank 0's)")
+      near(zb.bubble, (pp - 1) / (3 * m + pp - 1), 1e-12, what .. ": bubble")
+      ok(zb.bubble < one.bubble, what .. ": less than 1F1B's")
+    end
+  end
+end)
+
+test("zbh2 leaves no idle inside any rank's span, holding up to 2pp - 1; it gains when B outweighs W", function()
+  for _, pp in ipairs { 2, 4, 8 } do
+    for _, m in ipairs { pp, 2 * pp, 3 * pp, 4 * pp } do
+      local plan, zb, what = zero_bubble("zbh2", pp, m, 1)
+      eq(zb.makespan, 3 * m + pp - 1, what .. ": makespan (the last rank's ramp, pp - 1 units, is unavoidable)")
+      if m >= 2 * pp - 1 then eq(zb.gaps, 0, what .. ": gaps") end
+      ok(zb.memory <= 2 * pp - 1, what .. ": memory")
+      for r = 0, pp - 1 do ok(zb.ranks[r].peak <= 2 * (pp - r) - 1, what .. ": rank " .. r .. "'s activations") end
+      -- B twice F and W: ZB-H1 idles at least (pp-1)(F + B - W) a rank, ZB-H2 (once m fills its
+      -- warm-up) only the last rank's ramp, (pp-1) F: the least any order can
+      local costs = { costs = { F = 1, B = 2, W = 1 } }
+      local h1 = P.simulate(P.build("zbh1", pp, m, 1), pp, m, 1, costs)
+      local h2 = P.simulate(plan, pp, m, 1, costs)
+      ok(h1.makespan >= 4 * m + 2 * (pp - 1), what .. ": ZB-H1 with B = 2")
+      if m >= 2 * pp then
+        near(h2.makespan, 4 * m + pp - 1, 1e-12, what .. ": ZB-H2 with B = 2")
+        ok(h2.makespan < h1.makespan, what .. ": ZB-H2 gains")
+      end
+    end
+  end
+end)
+
+test("zbv: V placement, two chunks of half a stage, 1F1B's peak in bytes, half of ZB-H1's ramp", function()
+  for _, pp in ipairs { 2, 4, 8 } do
+    for _, m in ipairs { pp, 2 * pp, 3 * pp, 4 * pp } do
+      local plan, zb, what = zero_bubble("zbv", pp, m, 2)
+      local _, one = P.build("1f1b", pp, m, 1)
+      local _, h1 = P.build("zbh1", pp, m, 1)
+      eq(plan.layout, "v", what .. ": layout")
+      eq(P.stage(pp, 0, 1, plan.layout), 2 * pp - 1, what .. ": rank 0 holds the last stage")
+      eq(zb.makespan, 6 * m + pp - 1, what .. ": makespan in chunk units")
+      near(zb.bubble, (pp - 1) / (6 * m + pp - 1), 1e-12, what .. ": bubble")
+      ok(zb.bubble < h1.bubble, what .. ": less than ZB-H1's")
+      local half = P.simulate(plan, pp, m, 2, { costs = { F = 0.5, B = 0.5, W = 0.5 }, memory = { activation = 0.5, pending = 0.5 } })
+      ok(half.memory <= one.memory, ("%s: a chunk half a stage: peak %g, 1F1B's %g"):format(what, half.memory, one.memory))
+      near(half.makespan, zb.makespan / 2, 1e-12, what .. ": the times in whole-stage units, unchanged")
+    end
+  end
+end)
+
 test("seeded random damage: refused clearly or accepted and valid, never a checker error", function()
   math.randomseed(20261122)
   local bases = {}
@@ -618,6 +702,7 @@ test("seeded random damage: refused clearly or accepted and valid, never a check
   for pp = 2, 3 do
     for m = 1, 4 do
       bases[#bases + 1] = { split(false), pp, m, 1 }; bases[#bases + 1] = { split(true), pp, m, 1 }
+      bases[#bases + 1] = { "zbh1", pp, m, 1 }; bases[#bases + 1] = { "zbh2", pp, m, 1 }; bases[#bases + 1] = { "zbv", pp, m, 2 }
     end
   end
   local function copy(plan, pp)

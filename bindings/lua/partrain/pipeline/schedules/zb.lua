@@ -9,10 +9,11 @@
 --      forwards the oldest micro-batch it has started still owes its deeper chunks (so that caps
 --      of at least `chunks` never stop the pipeline);
 --   3. its oldest pending W, which fills what would be a bubble;
--- and otherwise waits for the next arrival. Each stage takes its micro-batches in order (so every
--- channel's sends and receives agree), and the W left at the end drain. The order with 1 and 2
--- swapped is played too, and the play without room kept; the shortest is kept. zbh1, zbh2 and zbv call it with their caps;
--- pipeline.search with others and the measured costs.
+-- and otherwise waits for the next arrival. Each stage takes its micro-batches in order, and a
+-- rank takes what another sent it in the order it was sent (the executor's channels are ordered),
+-- so every plan it makes passes the check; the W left at the end drain. The order with 1 and 2
+-- swapped is played too, and the play without room kept; the shortest is kept. zbh1, zbh2 and
+-- zbv call it with their caps; pipeline.search with others and the measured costs.
 local A = require "partrain.pipeline.actions"
 
 local function unit() return 1 end
@@ -36,70 +37,139 @@ local function place(pp, microbatches, chunks, opts, forward_first, keep_room)
     for c = 0, chunks - 1 do st.stages[c], st.nextf[c], st.nextb[c] = A.stage(pp, r, c, layout), 0, 0 end
     ranks[r] = st
   end
-  local arrivals = {}  -- times after now at which something arrives somewhere
+  -- The times at which something arrives somewhere, as a binary min-heap.
+  local arrivals, narrivals = {}, 0
+  local function arrive(when)
+    narrivals = narrivals + 1
+    local i = narrivals
+    while i > 1 and arrivals[math.floor(i / 2)] > when do
+      arrivals[i] = arrivals[math.floor(i / 2)]
+      i = math.floor(i / 2)
+    end
+    arrivals[i] = when
+  end
+  local function first_arrival_after(t)  -- drops the arrivals up to t; the earliest after it
+    while narrivals > 0 and arrivals[1] <= t do
+      local last = arrivals[narrivals]
+      arrivals[narrivals], narrivals = nil, narrivals - 1
+      local i = 1
+      while true do
+        local c = 2 * i
+        if c > narrivals then break end
+        if c < narrivals and arrivals[c + 1] < arrivals[c] then c = c + 1 end
+        if arrivals[c] >= last then break end
+        arrivals[i] = arrivals[c]
+        i = c
+      end
+      if narrivals > 0 then arrivals[i] = last end
+    end
+    return narrivals > 0 and arrivals[1] or math.huge
+  end
+  local capped = false  -- whether the caps ever held back a ready F
+  -- The executor's ordered channels, one per (kind, sender, receiver): [kind][src * pp + dst] =
+  -- { first, last, [i] = at(v, m) of the stage the i-th message feeds }. A rank takes a message
+  -- only at its channel's head, so that its receives come in the order of the sends.
+  local channels = { F = {}, B = {} }
+  local function post(kind, src, dst, key)
+    local ch = channels[kind][src * pp + dst]
+    if not ch then ch = { first = 1, last = 0 }; channels[kind][src * pp + dst] = ch end
+    ch.last = ch.last + 1
+    ch[ch.last] = key
+  end
+  local function heads(kind, src, dst, key)
+    local ch = channels[kind][src * pp + dst]
+    return ch ~= nil and ch.first <= ch.last and ch[ch.first] == key
+  end
+  local function take(kind, src, dst)
+    local ch = channels[kind][src * pp + dst]
+    ch[ch.first] = nil
+    ch.first = ch.first + 1
+  end
+
+  -- The B rank r would take at time t (the earliest micro-batch, the deeper stage first): its
+  -- chunk, micro-batch and stage, or nil.
+  local function backward(st, r, t)
+    local pc, pm, pv
+    for c = chunks - 1, 0, -1 do
+      local m, v = st.nextb[c], st.stages[c]
+      if m < st.nextf[c] and (not pm or m < pm) then
+        local ready = v == S - 1 and fend[at(v, m)] or barrive[at(v + 1, m)]
+        if ready and ready <= t and (v == S - 1 or owner[v + 1] == r or heads("B", owner[v + 1], r, at(v, m))) then
+          pc, pm, pv = c, m, v
+        end
+      end
+    end
+    return pc, pm, pv
+  end
+  -- The F rank r would take at time t under its caps, likewise.
+  local function forward(st, r, t)
+    -- The oldest micro-batch this rank has started but not yet run forward through all its
+    -- chunks, and how many forwards it still owes them: the caps keep room for these.
+    local oldest = keep_room and st.nextf[chunks - 1] < st.nextf[0] and st.nextf[chunks - 1] or nil
+    local owed = 0
+    if oldest then for c = 0, chunks - 1 do if st.nextf[c] <= oldest then owed = owed + 1 end end end
+    local pc, pm, pv
+    for c = chunks - 1, 0, -1 do
+      local m, v = st.nextf[c], st.stages[c]
+      local room = m == oldest and owed or owed + 1
+      if m < microbatches and (not pm or m < pm) then
+        local ready = v == 0 and 0 or farrive[at(v - 1, m)]
+        if ready and ready <= t and (v == 0 or owner[v - 1] == r or heads("F", owner[v - 1], r, at(v, m))) then
+          if st.live + room <= st.live_limit and st.held + room <= st.held_limit then
+            pc, pm, pv = c, m, v
+          else
+            capped = true
+          end
+        end
+      end
+    end
+    return pc, pm, pv
+  end
 
   local total, done, t = pp * chunks * microbatches, 0, 0
   while done < total do
     for r = 0, pp - 1 do
       local st = ranks[r]
       if st.free <= t then
-        local pick
-        local function consider(op, c, m, v)
-          if not pick or m < pick.mb then pick = { op = op, mb = m, chunk = c, v = v } end
+        local op, c, m, v
+        if forward_first then
+          op, c, m, v = "F", forward(st, r, t)
+          if not c then op, c, m, v = "B", backward(st, r, t) end
+        else
+          op, c, m, v = "B", backward(st, r, t)
+          if not c then op, c, m, v = "F", forward(st, r, t) end
         end
-        local function backward()
-          for c = chunks - 1, 0, -1 do
-            local m, v = st.nextb[c], st.stages[c]
-            if m < st.nextf[c] then
-              local ready = v == S - 1 and fend[at(v, m)] or barrive[at(v + 1, m)]
-              if ready and ready <= t then consider("B", c, m, v) end
-            end
-          end
-        end
-        local function forward()
-          -- The oldest micro-batch this rank has started but not yet run forward through all its
-          -- chunks, and how many forwards it still owes: the caps keep room for them.
-          local oldest = keep_room and st.nextf[chunks - 1] < st.nextf[0] and st.nextf[chunks - 1] or nil
-          local owed = 0
-          if oldest then for c = 0, chunks - 1 do if st.nextf[c] <= oldest then owed = owed + 1 end end end
-          for c = chunks - 1, 0, -1 do
-            local m, v = st.nextf[c], st.stages[c]
-            local room = m == oldest and owed or owed + 1
-            if m < microbatches and st.live + room <= st.live_limit and st.held + room <= st.held_limit then
-              local ready = v == 0 and 0 or farrive[at(v - 1, m)]
-              if ready and ready <= t then consider("F", c, m, v) end
-            end
-          end
-        end
-        if forward_first then forward(); if not pick then backward() end
-        else backward(); if not pick then forward() end end
-        if not pick and st.first <= #st.pending then
-          pick = st.pending[st.first]
+        if not c and st.first <= #st.pending then
+          local w = st.pending[st.first]
+          op, c, m, v = "W", w.chunk, w.mb, w.v
           st.first = st.first + 1
         end
-        if pick then
-          local v, m = pick.v, pick.mb
-          st.list[#st.list + 1] = A.action(pick.op, m, pick.chunk)
-          if pick.op == "F" then
+        if c then
+          st.list[#st.list + 1] = A.action(op, m, c)
+          if op == "F" then
+            if v > 0 and owner[v - 1] ~= r then take("F", owner[v - 1], r) end
             st.free = t + cost_F(v)
             fend[at(v, m)] = st.free
             if v < S - 1 then
               local when = st.free + (owner[v + 1] == r and 0 or cost_send(v))
               farrive[at(v, m)] = when
-              arrivals[#arrivals + 1] = when
+              arrive(when)
+              if owner[v + 1] ~= r then post("F", r, owner[v + 1], at(v + 1, m)) end
             end
-            st.nextf[pick.chunk] = m + 1
+            st.nextf[c] = m + 1
             st.held, st.live = st.held + 1, st.live + 1
-          elseif pick.op == "B" then
+          elseif op == "B" then
+            if v < S - 1 and owner[v + 1] ~= r then take("B", owner[v + 1], r) end
             st.free = t + cost_B(v)
             if v > 0 then
               local when = st.free + (owner[v - 1] == r and 0 or cost_send(v))
               barrive[at(v, m)] = when
-              arrivals[#arrivals + 1] = when
+              arrive(when)
+              if owner[v - 1] ~= r then post("B", r, owner[v - 1], at(v - 1, m)) end
             end
-            st.nextb[pick.chunk] = m + 1
+            st.nextb[c] = m + 1
             st.live = st.live - 1
-            st.pending[#st.pending + 1] = { op = "W", mb = m, chunk = pick.chunk, v = v }
+            st.pending[#st.pending + 1] = { mb = m, chunk = c, v = v }
           else
             st.free = t + cost_W(v)
             st.held = st.held - 1
@@ -113,16 +183,9 @@ local function place(pp, microbatches, chunks, opts, forward_first, keep_room)
     for r = 0, pp - 1 do
       if ranks[r].free > t and ranks[r].free < next_t then next_t = ranks[r].free end
     end
-    local kept = {}
-    for _, when in ipairs(arrivals) do
-      if when > t then
-        kept[#kept + 1] = when
-        if when < next_t then next_t = when end
-      end
-    end
-    arrivals = kept
+    next_t = math.min(next_t, first_arrival_after(t))
     if next_t == math.huge then
-      if done < total then return nil end  -- stuck: the caps leave no rank an action
+      if done < total then return nil, nil, true end  -- stuck: the caps leave no rank an action
       break
     end
     t = next_t
@@ -132,20 +195,22 @@ local function place(pp, microbatches, chunks, opts, forward_first, keep_room)
     plan[r] = ranks[r].list
     makespan = math.max(makespan, ranks[r].free)
   end
-  return plan, makespan
+  return plan, makespan, capped
 end
 
 --- zb(pp, microbatches, chunks, { layout = nil|"v", activations = function(r) -> n, held =
 --- function(r) -> n [, costs = { F, B, W, send }: functions of the virtual stage] }) -> the plan
---- (compute only, with its layout) and its makespan as the generator played it. Four plays: B or
---- F preferred, with or without room kept for the oldest micro-batch's deeper forwards (without
---- it the caps may stop the pipeline, with it they may cost a step); the shortest is kept, the
---- first of equals. Raises when every play stops (caps below `chunks`).
+--- (compute only, with its layout), its makespan as the generator played it, and whether the
+--- caps held anything back (if not, larger caps give the same plan). Up to four plays: B or F
+--- preferred, and at two chunks or more with or without room kept for the oldest micro-batch's
+--- deeper forwards (without it the caps may stop the pipeline, with it they may cost a step); the
+--- shortest is kept, the first of equals. Raises when every play stops (caps below `chunks`).
 return function(pp, microbatches, chunks, opts)
-  local best, best_makespan
-  for _, keep_room in ipairs { false, true } do
+  local best, best_makespan, bound = nil, nil, false
+  for _, keep_room in ipairs(chunks > 1 and { false, true } or { false }) do
     for _, forward_first in ipairs { false, true } do
-      local plan, makespan = place(pp, microbatches, chunks, opts, forward_first, keep_room)
+      local plan, makespan, capped = place(pp, microbatches, chunks, opts, forward_first, keep_room)
+      bound = bound or capped
       if plan and (not best or makespan < best_makespan) then best, best_makespan = plan, makespan end
     end
   end
@@ -153,5 +218,5 @@ return function(pp, microbatches, chunks, opts)
     error(("the zero-bubble generator's caps leave no rank an action (pp=%d, microbatches=%d, chunks=%d: a cap "
       .. "below the chunks a rank?)"):format(pp, microbatches, chunks), 0)
   end
-  return best, best_makespan
+  return best, best_makespan, bound
 end
