@@ -677,6 +677,90 @@ test("zbv: V placement, two chunks of half a stage, 1F1B's peak in bytes, half o
   end
 end)
 
+-- ---- The search -------------------------------------------------------------------------------
+
+-- The fastest candidate that fits `cap` (the smaller memory on a tie), from a search's list.
+local function fastest(candidates, cap)
+  local best
+  for _, c in ipairs(candidates) do
+    if c.memory <= cap and (not best or c.makespan < best.makespan - 1e-9
+                            or (math.abs(c.makespan - best.makespan) <= 1e-9 and c.memory < best.memory)) then best = c end
+  end
+  return best
+end
+
+test("search picks the fastest schedule that fits, under three caps, and refuses below the least", function()
+  local pp, m = 4, 8
+  local all = P.search { stages = pp, microbatches = m, memory = math.huge }
+  local least = math.huge
+  for _, c in ipairs(all.candidates) do least = math.min(least, c.memory) end
+  eq(least, 1, "one micro-batch held at a time (zb with cap 1) is the least")
+  local _, one = P.build("1f1b", pp, m, 1)
+  local _, h1 = P.build("zbh1", pp, m, 1)
+  local _, v = P.build("zbv", pp, m, 2)
+  for _, cap in ipairs { least, one.memory, 100 } do
+    local found = P.search { stages = pp, microbatches = m, memory = cap }
+    local what = ("cap %g"):format(cap)
+    ok(found.memory <= cap, what .. ": fits")
+    local want = fastest(found.candidates, cap)
+    eq(found.makespan, want.makespan, what .. ": the fastest that fits")
+    eq(found.name, want.name, what .. ": its name")
+    eq(found.plan.name, found.name, what .. ": the plan is named")
+    ok(found.plan.layout == "interleaved" or found.plan.layout == "v", what .. ": the plan says its layout")
+    -- the plan is kept as it is and handed back as a schedule
+    local plan, report = P.build(function() return found.plan end, pp, m, found.chunks)
+    eq(plan.layout, found.plan.layout, what .. ": built with its layout")
+    near(report.makespan / found.chunks, found.makespan, 1e-9, what .. ": the check agrees (units of a chunk)")
+    for r = 0, pp - 1 do
+      for _, a in ipairs(found.plan[r]) do ok(a.op == "F" or a.op == "B" or a.op == "W", what .. ": compute only") end
+    end
+    if cap == one.memory then ok(found.makespan <= h1.makespan, what .. ": 1F1B's memory gets ZB-H1's time or better") end
+    if cap == 100 then near(found.makespan, v.makespan / 2, 1e-9, what .. ": ZB-V's time (whole-stage units)") end
+  end
+  raises(function() P.search { stages = pp, microbatches = m, memory = 0.99 } end,
+    ("pipeline search: no schedule fits memory = 0.99 a rank: the least any of the %d candidates needs is 1 ("):format(#all.candidates))
+  -- only 1 chunk: no V
+  local flat = P.search { stages = pp, microbatches = m, memory = 100, chunks = { 1 } }
+  eq(flat.chunks, 1)
+  eq(flat.makespan, h1.makespan, "one chunk a rank: ZB-H1's time is the least")
+end)
+
+test("search weighs measured costs and bytes; what it predicts, the check of its plan gives", function()
+  local pp, m = 4, 8
+  local costs, model = { F = 2, B = 3, W = 1, send = 0.25 }, { activation = 10, pending = 4 }
+  local _, one = P.build("1f1b", pp, m, 1)
+  local one_sim = P.simulate(P.build("1f1b", pp, m, 1), pp, m, 1, { costs = costs, memory = model })
+  local found = P.search { stages = pp, microbatches = m, memory = one_sim.memory, costs = costs, memory_model = model }
+  ok(found.makespan < one_sim.makespan, ("faster than 1F1B in its memory: %g < %g"):format(found.makespan, one_sim.makespan))
+  eq(fastest(found.candidates, one_sim.memory).makespan, found.makespan, "the fastest that fits")
+  local c = found.chunks
+  local sim = P.simulate(found.plan, pp, m, c, {
+    costs = { F = costs.F / c, B = costs.B / c, W = costs.W / c, send = costs.send },
+    memory = { activation = model.activation / c, pending = model.pending / c } })
+  near(sim.makespan, found.makespan, 1e-9, "the predicted step time")
+  near(sim.memory, found.memory, 1e-9, "the predicted peak")
+  ok(one.memory == 4, "1F1B holds 4 micro-batches on rank 0")
+end)
+
+test("search refuses what it cannot read, naming it", function()
+  local function search(opts) return function() return P.search(opts) end end
+  raises(search(5), "pipeline search: search takes a table { stages, microbatches, memory, ... }, got number")
+  raises(search { microbatches = 4, memory = 4 }, "search needs stages (the pipeline's ranks)")
+  raises(search { stages = 2, memory = 4 }, "search needs microbatches")
+  raises(search { stages = 2, microbatches = 4 }, "search needs memory")
+  raises(search { stages = 0, microbatches = 4, memory = 4 }, "search's stages must be an integer from 1 to 4096, got 0")
+  raises(search { stages = 2, microbatches = 4, memory = -1 }, "search's memory (the most a rank may hold) must be a number > 0, got -1")
+  raises(search { stages = 2, microbatches = 4, memory = 4, chunks = {} }, "search's chunks must be a list of chunk counts such as { 1, 2 }, got an empty table")
+  raises(search { stages = 2, microbatches = 4, memory = 4, chunks = { 1, 0 } }, "search's chunks[2] must be an integer from 1 to 64, got 0")
+  raises(search { stages = 2, microbatches = 4, memory = 4, costs = { F = 0 } }, "search's costs.F must be a number > 0 (a whole stage's, at one chunk a rank), got 0")
+  raises(search { stages = 2, microbatches = 4, memory = 4, costs = { F = { [0] = 1 } } }, "search's costs.F must be a number > 0 (a whole stage's, at one chunk a rank), got table")
+  raises(search { stages = 2, microbatches = 4, memory = 4, costs = { G = 1 } }, "search's costs has no field 'G' (fields: F, B, W, send)")
+  raises(search { stages = 2, microbatches = 4, memory = 4, memory_model = { activation = -1 } }, "search's memory_model.activation must be a number >= 0")
+  raises(search { stages = 2, microbatches = 4, memory = 4, layout = "v" }, "search has no option 'layout' (options: stages, microbatches, memory, costs, memory_model, chunks)")
+  local err = raises(function() local found = P.search { stages = 2, microbatches = 4, memory = "4" }; return found end, "got string")
+  ok(err:find("^[^:]*test_schedules%.lua:%d+: pipeline search: "), "at the caller's line: " .. err)
+end)
+
 test("seeded random damage: refused clearly or accepted and valid, never a checker error", function()
   math.randomseed(20261122)
   local bases = {}

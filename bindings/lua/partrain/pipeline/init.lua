@@ -251,88 +251,132 @@ end
 
 local SEARCH_KEYS = { stages = true, microbatches = true, memory = true, costs = true, memory_model = true, chunks = true }
 
---- P.search { stages = pp, microbatches = m, memory = cap [, costs = { F, B, W, send }]
---- [, memory_model = { activation, pending }] [, chunks = { 1, 2 }] }: the fastest schedule whose
---- predicted peak fits `memory`, among the shipped ones and the zero-bubble generator's variants
---- (every cap on held micro-batches, one and two chunks, both layouts). costs and memory_model are
---- numbers for a whole stage (one chunk a rank: seconds, bytes a micro-batch); a rank of c chunks
---- takes 1/c of them a chunk. Defaults: unit times, and 1 a micro-batch's activations and 1 its
---- pending weight-gradient inputs (so `memory` counts micro-batches). Returns { name, plan (its
---- compute-only actions, with name and layout: keep it, edit it, pass it back as a schedule
---- function returning it), chunks, makespan, bubble, memory, candidates = { { name, chunks,
---- makespan, bubble, memory, fits }... } }, or refuses naming the least memory any candidate needs.
-function P.search(opts)
-  return guarded(function() return "search" end, function()
-    if type(opts) ~= "table" then C.refuse("search takes a table { stages, microbatches, memory, ... }, got %s", type(opts)) end
-    for k in pairs(opts) do
-      if not SEARCH_KEYS[k] then
-        C.refuse("search has no option %s (options: stages, microbatches, memory, costs, memory_model, chunks)", core._key_text(k))
-      end
-    end
-    local pp, m = opts.stages, opts.microbatches
-    C.check_sizes(pp, m, 1)
-    local cap = opts.memory
-    if type(cap) ~= "number" or not (cap > 0) then C.refuse("search's memory (the cap a rank) must be a number > 0, got %s", A.format(cap)) end
-    local allowed = opts.chunks or { 1, 2 }
-    if type(allowed) ~= "table" or #allowed == 0 then C.refuse("search's chunks must be a list of chunk counts, got %s", A.format(allowed)) end
-    for _, c in ipairs(allowed) do
-      if not A.is_int(c) or c < 1 or c > 64 then C.refuse("search's chunks must be integers from 1 to 64, got %s", A.format(c)) end
-    end
-    local costs, model = opts.costs or {}, opts.memory_model or {}
-    if type(costs) ~= "table" or type(model) ~= "table" then C.refuse("search's costs and memory_model must be tables") end
-    local function scalar(what, x, default)
-      if x == nil then return default end
-      if type(x) ~= "number" or not (x >= 0 and x < math.huge) then C.refuse("search's %s must be a number >= 0 (a whole stage's), got %s", what, A.format(x)) end
-      return x
-    end
-    for k in pairs(costs) do if k ~= "F" and k ~= "B" and k ~= "W" and k ~= "send" then C.refuse("search's costs has no field %s (fields: F, B, W, send)", core._key_text(k)) end end
-    for k in pairs(model) do if k ~= "activation" and k ~= "pending" then C.refuse("search's memory_model has no field %s (fields: activation, pending)", core._key_text(k)) end end
-    local F, B, W, send = scalar("costs.F", costs.F, 1), scalar("costs.B", costs.B, 1), scalar("costs.W", costs.W, 1), scalar("costs.send", costs.send, 0)
-    local act, pend = scalar("memory_model.activation", model.activation, 1), scalar("memory_model.pending", model.pending, 1)
+-- A whole stage's figure from the search's options: a number (>= 0 where zero is allowed).
+local function stage_figure(what, x, default, zero)
+  if x == nil then return default end
+  if type(x) ~= "number" or not ((x > 0 or (zero and x == 0)) and x < math.huge) then
+    C.refuse("search's %s must be a number %s (a whole stage's, at one chunk a rank), got %s", what, zero and ">= 0" or "> 0",
+      type(x) == "number" and A.format(x) or type(x))
+  end
+  return x
+end
 
-    local candidates, best, least = {}, nil, math.huge
+-- The search's options checked: pp, m, the cap, the chunk counts, and the whole stage's costs and
+-- memory weights.
+local function search_options(opts)
+  if type(opts) ~= "table" then C.refuse("search takes a table { stages, microbatches, memory, ... }, got %s", type(opts)) end
+  for k in pairs(opts) do
+    if not SEARCH_KEYS[k] then
+      C.refuse("search has no option %s (options: stages, microbatches, memory, costs, memory_model, chunks)", core._key_text(k))
+    end
+  end
+  for _, k in ipairs { "stages", "microbatches", "memory" } do
+    if opts[k] == nil then C.refuse("search needs %s (the %s)", k, ({ stages = "pipeline's ranks",
+      microbatches = "micro-batches a step", memory = "most a rank may hold, in memory_model's units" })[k]) end
+  end
+  check_int("search's stages", opts.stages, 1, 4096)
+  check_int("search's microbatches", opts.microbatches, 1, 65536)
+  local cap = opts.memory
+  if type(cap) ~= "number" or not (cap > 0) then
+    C.refuse("search's memory (the most a rank may hold) must be a number > 0, got %s", type(cap) == "number" and A.format(cap) or type(cap))
+  end
+  local allowed = opts.chunks or { 1, 2 }
+  if type(allowed) ~= "table" or #allowed == 0 then
+    C.refuse("search's chunks must be a list of chunk counts such as { 1, 2 }, got %s", type(allowed) == "table" and "an empty table" or type(allowed))
+  end
+  for i, c in ipairs(allowed) do check_int(("search's chunks[%d]"):format(i), c, 1, 64) end
+  C.check_sizes(opts.stages, opts.microbatches, math.max(unpack(allowed)))
+  local costs, model = opts.costs or {}, opts.memory_model or {}
+  if type(costs) ~= "table" then C.refuse("search's costs must be a table { F, B, W, send }, got %s", type(costs)) end
+  if type(model) ~= "table" then C.refuse("search's memory_model must be a table { activation, pending }, got %s", type(model)) end
+  for k in pairs(costs) do
+    if k ~= "F" and k ~= "B" and k ~= "W" and k ~= "send" then C.refuse("search's costs has no field %s (fields: F, B, W, send)", core._key_text(k)) end
+  end
+  for k in pairs(model) do
+    if k ~= "activation" and k ~= "pending" then C.refuse("search's memory_model has no field %s (fields: activation, pending)", core._key_text(k)) end
+  end
+  return opts.stages, opts.microbatches, cap, allowed,
+    { F = stage_figure("costs.F", costs.F, 1), B = stage_figure("costs.B", costs.B, 1), W = stage_figure("costs.W", costs.W, 1),
+      send = stage_figure("costs.send", costs.send, 0, true) },
+    { activation = stage_figure("memory_model.activation", model.activation, 1, true),
+      pending = stage_figure("memory_model.pending", model.pending, 1, true) }
+end
+
+-- The caps the search gives the generator at `chunks` chunks a rank: every count from `chunks` to
+-- 16, then steps of about a quarter, up to what holding every micro-batch needs (2pp chunks a
+-- chunk, ZB-H2's, or all m): the search stops earlier at the first cap that holds nothing back.
+local function search_caps(pp, m, chunks)
+  local most = chunks * math.min(2 * pp, m)
+  local caps, k = {}, chunks
+  while k < most do
+    caps[#caps + 1] = k
+    k = k < 16 and k + 1 or math.ceil(k * 1.25)
+  end
+  caps[#caps + 1] = most
+  return caps
+end
+
+--- P.search { stages = pp, microbatches = m, memory = cap [, costs = { F, B, W, send }]
+--- [, memory_model = { activation, pending }] [, chunks = { 1, 2 }] }: the schedule predicted
+--- fastest among those whose peak a rank fits `memory`. It weighs the shipped schedules at each
+--- allowed chunk count (those that take it; zbh1, zbh2 and zbv placed under the given costs) and
+--- the zero-bubble generator's variants (every cap on the micro-batch chunks a rank holds, both
+--- layouts at two chunks or more), each simulated by the check. costs and memory_model are a
+--- whole stage's (one chunk a rank: seconds, bytes of a micro-batch); at c chunks a rank a chunk
+--- takes 1/c of each (send excepted). Defaults: unit times (F = B = W = 1, send = 0) and 1 a
+--- micro-batch's activations and 1 its pending weight-gradient inputs, so that `memory` counts
+--- micro-batches. Returns { name, plan, chunks, makespan, bubble, memory, candidates = { { name,
+--- chunks, makespan, bubble, memory, fits }... } }: plan is the winner's compute-only action
+--- lists with its name and layout (keep it, edit it, hand it back as a schedule: function()
+--- return plan end, at `chunks` chunks); ties go to the smaller memory, then the fewer chunks.
+--- Refuses, naming the least memory any candidate needs, when none fits.
+function P.search(opts)
+  return guarded_as("pipeline search", nil, function()
+    local pp, m, cap, allowed, costs, model = search_options(opts)
+    local candidates, plans, best, least = {}, {}, nil, nil
     local function weigh(name, plan, chunks)
-      plan.name = name
-      local ok, report = pcall(function()
-        local lowered = lower(C.normalize(plan, pp, m, chunks), pp, chunks)
-        return C.simulate(lowered, pp, m, chunks, nil, {
-          costs = { F = F / chunks, B = B / chunks, W = W / chunks, send = send },
-          memory = { activation = act / chunks, pending = pend / chunks } })
-      end)
-      if not ok then return end  -- a variant the check refuses is not a candidate
+      plan.name, plan.layout = name, plan.layout or "interleaved"
+      local lowered = lower(C.normalize(plan, pp, m, chunks), pp, chunks)
+      local report = C.simulate(lowered, pp, m, chunks, nil, {
+        costs = { F = costs.F / chunks, B = costs.B / chunks, W = costs.W / chunks, send = costs.send },
+        memory = { activation = model.activation / chunks, pending = model.pending / chunks } })
       local c = { name = name, chunks = chunks, makespan = report.makespan, bubble = report.bubble,
-                  memory = report.memory, fits = report.memory <= cap, plan = plan }
-      candidates[#candidates + 1] = c
-      least = math.min(least, report.memory)
-      if c.fits and (not best or c.makespan < best.makespan - 1e-12
-                     or (math.abs(c.makespan - best.makespan) <= 1e-12 and c.memory < best.memory)) then
+                  memory = report.memory, fits = report.memory <= cap }
+      candidates[#candidates + 1], plans[c] = c, plan
+      if not least or c.memory < least.memory then least = c end
+      local eps = 1e-9 * math.max(1, c.makespan)
+      if c.fits and (not best or c.makespan < best.makespan - eps
+                     or (math.abs(c.makespan - best.makespan) <= eps and c.memory < best.memory)) then
         best = c
       end
     end
     local zb = require "partrain.pipeline.schedules.zb"
     for _, chunks in ipairs(allowed) do
+      local unit = {}  -- the generator's costs at this chunk count: functions of the virtual stage
+      for _, k in ipairs { "F", "B", "W" } do local t = costs[k] / chunks; unit[k] = function() return t end end
+      unit.send = function() return costs.send end
       for _, name in ipairs(P.schedules) do
-        local ok, plan = pcall(require("partrain.pipeline.schedules." .. name), pp, m, chunks)
-        if ok and type(plan) == "table" then weigh(name, plan, chunks) end
+        -- (a shipped schedule refuses the chunk counts, or micro-batch counts, it does not take)
+        local made, plan = pcall(require("partrain.pipeline.schedules." .. name), pp, m, chunks, unit)
+        if made and type(plan) == "table" then weigh(name, plan, chunks) end
       end
-      local layouts = chunks % 2 == 0 and { "interleaved", "v" } or { "interleaved" }
-      for _, layout in ipairs(layouts) do
-        for held = 1, math.min(2 * pp * chunks, m * chunks) do
-          -- (a cap too small for the chunks to pass micro-batches along makes no plan)
-          local made, plan = pcall(zb, pp, m, chunks, { layout = layout ~= "interleaved" and layout or nil,
-                                                       activations = function() return held end,
-                                                       held = function() return held end })
-          if made then weigh(("zb(chunks=%d, layout=%s, held=%d)"):format(chunks, layout, held), plan, chunks) end
+      for _, layout in ipairs(chunks > 1 and { "interleaved", "v" } or { "interleaved" }) do
+        for _, held in ipairs(search_caps(pp, m, chunks)) do
+          local function cap_of() return held end
+          local made, plan, _, bound = pcall(zb, pp, m, chunks, { layout = layout ~= "interleaved" and layout or nil,
+                                                                  activations = cap_of, held = cap_of, costs = unit })
+          if made then
+            weigh(("zb%s(chunks=%d, held=%d)"):format(layout == "v" and "-v" or "", chunks, held), plan, chunks)
+            if not bound then break end  -- a larger cap would make the same plan
+          end
         end
       end
     end
     if not best then
-      C.refuse("no schedule fits memory = %s a rank: the least any candidate needs is %s (of %d candidates)",
-        tostring(cap), tostring(least), #candidates)
+      C.refuse("no schedule fits memory = %s a rank: the least any of the %d candidates needs is %s (%s at %d chunk%s a rank)",
+        A.format(cap), #candidates, A.format(least.memory), least.name, least.chunks, least.chunks == 1 and "" or "s")
     end
-    local plan = best.plan
-    for _, c in ipairs(candidates) do c.plan = nil end
-    return { name = best.name, plan = plan, chunks = best.chunks, makespan = best.makespan, bubble = best.bubble,
+    return { name = best.name, plan = plans[best], chunks = best.chunks, makespan = best.makespan, bubble = best.bubble,
              memory = best.memory, candidates = candidates }
   end)
 end
