@@ -693,7 +693,10 @@ test("search picks the fastest schedule that fits, under three caps, and refuses
   local pp, m = 4, 8
   local all = P.search { stages = pp, microbatches = m, memory = math.huge }
   local least = math.huge
-  for _, c in ipairs(all.candidates) do least = math.min(least, c.memory) end
+  for _, c in ipairs(all.candidates) do
+    least = math.min(least, c.memory)
+    ok(not c.name:find("%s"), "a candidate's name is one word (partrain plan prints them in columns): " .. c.name)
+  end
   eq(least, 1, "one micro-batch held at a time (zb with cap 1) is the least")
   local _, one = P.build("1f1b", pp, m, 1)
   local _, h1 = P.build("zbh1", pp, m, 1)

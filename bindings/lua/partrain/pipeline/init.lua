@@ -366,7 +366,7 @@ function P.search(opts)
           local made, plan, _, bound = pcall(zb, pp, m, chunks, { layout = layout ~= "interleaved" and layout or nil,
                                                                   activations = cap_of, held = cap_of, costs = unit })
           if made then
-            weigh(("zb%s(chunks=%d, held=%d)"):format(layout == "v" and "-v" or "", chunks, held), plan, chunks)
+            weigh(("zb%s(chunks=%d,held=%d)"):format(layout == "v" and "-v" or "", chunks, held), plan, chunks)
             if not bound then break end  -- a larger cap would make the same plan
           end
         end
