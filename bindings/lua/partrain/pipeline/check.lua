@@ -27,7 +27,8 @@
 -- Memory model: a micro-batch's chunk holds `memory.activation` from its forward to its B, and
 -- `memory.pending` from a split B to its W (what W needs: the inputs of the weights' products and
 -- the gradients captured for them); each a number or a table by virtual stage, by default 1 and 1.
--- A rank's `memory` is the most it holds at once.
+-- `memory.backward` (default 0) is what a B or a W needs above that while it runs (its working
+-- memory). A rank's `memory` is the most it holds at once.
 local core = require "partrain.core"
 local A = require "partrain.pipeline.actions"
 
@@ -79,12 +80,15 @@ function C.model(opts, S)
     if k ~= "F" and k ~= "B" and k ~= "W" and k ~= "send" then refuse("costs has no field %s (fields: F, B, W, send)", core._key_text(k)) end
   end
   for k in pairs(memory) do
-    if k ~= "activation" and k ~= "pending" then refuse("memory has no field %s (fields: activation, pending)", core._key_text(k)) end
+    if k ~= "activation" and k ~= "pending" and k ~= "backward" then
+      refuse("memory has no field %s (fields: activation, pending, backward)", core._key_text(k))
+    end
   end
   return { F = by_stage("costs.F", costs.F, S, 1), B = by_stage("costs.B", costs.B, S, 1),
            W = by_stage("costs.W", costs.W, S, 1), send = by_stage("costs.send", costs.send, S, 0, true),
            activation = by_stage("memory.activation", memory.activation, S, 1, true),
-           pending = by_stage("memory.pending", memory.pending, S, 1, true) }
+           pending = by_stage("memory.pending", memory.pending, S, 1, true),
+           backward = by_stage("memory.backward", memory.backward, S, 0, true) }
 end
 
 --- Refuses a layout other than nil, "interleaved" and "v"; `what` names it in the message.
@@ -263,7 +267,8 @@ function C.simulate(plan, pp, microbatches, chunks, origin, opts)
       end
       st.bdone[k] = i
       st.inflight = st.inflight - 1
-      hold(st, -model.activation(v))
+      hold(st, model.backward(v))   -- its working memory while it runs
+      hold(st, -model.backward(v) - model.activation(v))
       local t = model.B(v)
       if st.split[k] then  -- the weights' part waits for W
         st.pending = st.pending + 1
@@ -278,7 +283,8 @@ function C.simulate(plan, pp, microbatches, chunks, origin, opts)
       if not st.bdone[k] then refuse_here("its B%d.c%d has not run on this rank (a W comes after its B)", m, c) end
       st.wdone[k] = i
       st.pending = st.pending - 1
-      hold(st, -model.pending(v))
+      hold(st, model.backward(v))
+      hold(st, -model.backward(v) - model.pending(v))
       local t = model.W(v)
       compute(st, i, t)
     elseif op == "SEND_F" or op == "SEND_B" then
