@@ -10,19 +10,7 @@ local cfg = pt.args { input = "", out = "." }
 local data = assert(loadfile(cfg.input))()
 local pp, m = data.pp, data.microbatches
 
--- A plan as Lua source (what a user keeps and edits).
-local function source(plan)
-  local lines = { "return {" }
-  if plan.name then lines[#lines + 1] = ("  name = %q,"):format(plan.name) end
-  if plan.layout then lines[#lines + 1] = ("  layout = %q,"):format(plan.layout) end
-  for r = 0, pp - 1 do
-    local words = {}
-    for _, a in ipairs(plan[r]) do words[#words + 1] = ("%q"):format(P.format(a)) end
-    lines[#lines + 1] = ("  [%d] = { %s },"):format(r, table.concat(words, ", "))
-  end
-  lines[#lines + 1] = "}"
-  return table.concat(lines, "\n") .. "\n"
-end
+local source = function(plan) return require("partrain.plan").plan_source(plan, pp) .. "\n" end
 
 for _, s in ipairs(data.schedules) do
   local plan, unit = P.build(s.name, pp, m, s.chunks)
