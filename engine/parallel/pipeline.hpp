@@ -268,6 +268,12 @@ class Pipeline {
   // messages behind in its old backend).
   std::optional<int> failed_at_renewal_;
   bool recompute_ = false;
+  /// A train_step's end: unless `done`, it forgets the shapes and marks the group (pipeline_step.cpp).
+  struct StepGuard {
+    Pipeline& p;
+    bool done = false;
+    ~StepGuard();
+  };
 
 };
 

@@ -206,6 +206,45 @@ class Inbox {
 
 // ---- The executor -----------------------------------------------------------------------------
 
+namespace {
+
+// A trace span's kind by PipeOp.
+constexpr TraceKind kTraceKinds[] = {TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
+                                     TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient,
+                                     TraceKind::Weight};
+
+// Which slots (micro-batch * chunks + chunk) a rank's list splits (it holds their W), whether any,
+// and the last action that accumulates weights' gradients (a whole B or a W): it ends with the sync.
+struct Split {
+  std::vector<char> slots;
+  bool any = false;
+  size_t last = 0;
+};
+Split split_of(const std::vector<PipeAction>& actions, int m, int chunks) {
+  Split out{std::vector<char>(static_cast<size_t>(m) * chunks, 0)};
+  for (const auto& a : actions)
+    if (a.op == PipeOp::Weight) out.slots[static_cast<size_t>(a.mb) * chunks + a.chunk] = out.any = true;
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const auto& a = actions[i];
+    if (a.op == PipeOp::Weight || (a.op == PipeOp::Backward && !out.slots[static_cast<size_t>(a.mb) * chunks + a.chunk]))
+      out.last = i;
+  }
+  return out;
+}
+
+}  // namespace
+
+// A step that does not finish forgets the shapes the next one would predict: its messages may be
+// half-sent, and every rank's step fails (the loss's broadcast waits for them all). It also leaves
+// messages queued in the group (sent and not received, receives posted), which a later step would
+// take for its own: the pipeline refuses to run again on this backend.
+Pipeline::StepGuard::~StepGuard() {
+  if (done) return;
+  p.sent_shapes_.clear();
+  p.received_shapes_.clear();
+  p.failed_at_renewal_ = p.group_->renewals();
+}
+
 torch::Tensor Pipeline::run_chunk(int chunk, const torch::Tensor& in) {
   const int v = layout().stage(rank_, chunk);
   const bool ends = root_->has_stage_ends();
@@ -371,43 +410,17 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   DataParallel::StepScope passes(dp, /*carries_counts=*/false);
   struct Slot {
     torch::Tensor input, output, grad, input_grad;
-    bool split = false;                      // its weights' gradients wait for its W
     std::unique_ptr<SplitBackward> weights;  // B ran: what W needs
   };
   std::vector<Slot> slots(static_cast<size_t>(m) * chunks);
   const auto& actions = options_.plan[rank_];
-  for (const auto& a : actions)
-    if (a.op == PipeOp::Weight) slots[static_cast<size_t>(a.mb) * chunks + a.chunk].split = true;
-  // The last action that accumulates weights' gradients (a whole B or a W) ends with the sync.
-  size_t last_backward = 0;
-  for (size_t i = 0; i < actions.size(); ++i) {
-    const auto& a = actions[i];
-    if (a.op == PipeOp::Weight || (a.op == PipeOp::Backward && !slots[static_cast<size_t>(a.mb) * chunks + a.chunk].split))
-      last_backward = i;
-  }
-  TORCH_CHECK(!fsdp || std::none_of(actions.begin(), actions.end(), [](const PipeAction& a) { return a.op == PipeOp::Weight; }),
-              "pipeline: schedule '", options_.schedule, "' splits backward (W actions), which ZeRO-3 does not run yet: "
-              "its gathered weights are freed after B; use ZeRO-2 or a schedule without W");
+  const auto split = split_of(actions, m, chunks);
+  TORCH_CHECK(!fsdp || !split.any, "pipeline: schedule '", options_.schedule, "' splits backward (W actions), which "
+              "ZeRO-3 does not run yet: its gathered weights are freed after B; use ZeRO-2 or a schedule without W");
   torch::Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   events::train_step_begins();  // the tracer (--trace) records each action's span
-  static const TraceKind kinds[] = {  // in PipeOp's order
-      TraceKind::Forward,        TraceKind::Backward,     TraceKind::SendActivation,
-      TraceKind::RecvActivation, TraceKind::SendGradient, TraceKind::RecvGradient, TraceKind::Weight};
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
-  // A step that does not finish forgets the shapes the next one would predict: its messages may
-  // be half-sent, and every rank's step fails (the loss's broadcast below waits for them all).
-  // It also leaves messages queued in the group (sent and not received, receives posted), which
-  // a later step would take for its own: the pipeline refuses to run again on this backend.
-  struct ForgetUnlessDone {
-    Pipeline& p;
-    bool done = false;
-    ~ForgetUnlessDone() {
-      if (done) return;
-      p.sent_shapes_.clear();
-      p.received_shapes_.clear();
-      p.failed_at_renewal_ = p.group_->renewals();
-    }
-  } forget{*this};
+  StepGuard forget{*this};
   auto kept = set_aside_tie_gradients(dp);
   std::optional<Inbox> inbox;
   if (receives_ahead()) inbox.emplace(group_, device_, actions, chunks, layout(), rank_, received_shapes_);
@@ -416,7 +429,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
     auto& s = slots[static_cast<size_t>(a.mb) * chunks + a.chunk];
     const int v = layout().stage(rank_, a.chunk);
     if (inbox) inbox->post();
-    TraceSpan span(kinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
+    TraceSpan span(kTraceKinds[static_cast<int>(a.op)], a.mb, a.chunk, a.peer);
     switch (a.op) {
       case PipeOp::RecvForward: {
         // Under partrain plan nothing arrives: the shape is what the sending stage's forward gave
@@ -483,7 +496,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
           s.input_grad = torch::Tensor();
         };
         meter.backward_begins();
-        if (s.split) {  // B: the input's gradient only; the weights' wait for W
+        if (split.slots[static_cast<size_t>(a.mb) * chunks + a.chunk]) {  // B: the input's gradient; W the weights'
           s.weights = SplitBackward::input(s.output, v == last ? torch::Tensor() : s.grad, s.input, &s.input_grad);
           meter.backward_ends(a.chunk);
           s.input = s.output = s.grad = torch::Tensor();  // what W does not need is freed
@@ -493,7 +506,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
         }
         // Under ZeRO-2 each backward reduces its chunk's buckets (the same on every data rank:
         // they run the same schedule).
-        if (dp) dp->next_pass({i == last_backward, a.chunk});  // the sync: the rank's last backward only
+        if (dp) dp->next_pass({i == split.last, a.chunk});  // the sync: the rank's last backward only
         if (v == last) s.output.backward();
         else torch::autograd::backward({s.output}, {s.grad});
         meter.backward_ends(a.chunk);
@@ -505,7 +518,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
       }
       case PipeOp::Weight: {
         TORCH_CHECK(s.weights, "pipeline: ", describe(a), " before its B");
-        if (dp) dp->next_pass({i == last_backward, a.chunk});
+        if (dp) dp->next_pass({i == split.last, a.chunk});
         meter.backward_begins();
         s.weights->weights();
         s.weights.reset();

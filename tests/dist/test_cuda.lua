@@ -3,7 +3,7 @@
 -- train as serial training does, in float32 (losses and parameters within 1e-5, relative to
 -- max(|x|, 1)) and float64 (1e-10); so does GPT-2 with each sequence split over the ranks (context
 -- parallelism, ring and all_to_all) and a Mixtral-style LLaMA with its experts split over the
--- ranks (expert parallelism), and in bfloat16 pt.cp.attention and that GPT-2 stay within
+-- ranks (expert parallelism), and zero-bubble pipelines (ZB-V, ZB-H1), and in bfloat16 pt.cp.attention and that GPT-2 stay within
 -- 1e-2 of float32 over the whole sequence; a checkpoint saved from the device reloads bit for bit; the
 -- CUDA and CPU generators come back with a checkpoint (the draws after a load repeat the draws
 -- after the save). --phase cpu_load and --phase compare are the single-process halves of the
@@ -88,6 +88,34 @@ if cfg.phase == "ranks" then
     test("tensor x data parallel GPT-2 on " .. device .. " equals serial training (" .. dtype .. ")", function()
       equal_to_serial("gpt2", pt.mesh { tensor = pt.dist.world_size() }, function() return pt.models.gpt2(gpt) end,
         "policies.gpt2", gpt_batch, dtype)
+    end)
+    -- Zero-bubble pipelines: the split backward (B, then W from captured gradients) on the
+    -- device's autograd threads, ZB-V's in-place turn, point-to-point over CUDA tensors.
+    test("ZB-V and ZB-H1 pipelines of GPT-2 on " .. device .. " equal serial training (" .. dtype .. ")", function()
+      local deep = { vocab = gpt.vocab, seq = gpt.seq, dim = gpt.dim, heads = gpt.heads, layers = 4 }
+      for _, s in ipairs { { "zbv", 2 }, { "zbh1", 1 } } do
+        local mesh = pt.mesh { pipeline = pt.dist.world_size() }
+        pt.manual_seed(21)
+        local serial = pt.models.gpt2(deep):to(dtype)
+        pt.manual_seed(21)
+        local model = pt.parallelize(pt.models.gpt2(deep):to(dtype), "policies.gpt2", mesh,
+          { schedule = s[1], chunks = s[2], microbatches = 4 })
+        local so, po = pt.optim.adamw(serial, { lr = 1e-3 }), pt.optim.adamw(model, { lr = 1e-3 })
+        for step = 1, 5 do
+          local x, y = gpt_batch()
+          mesh:group("world"):broadcast(x, 0); mesh:group("world"):broadcast(y, 0)
+          local out = serial(x)
+          local ls = pt.nn.cross_entropy(out:reshape(-1, out.shape[#out.shape]), y:reshape(-1))
+          ls:backward()
+          near(model:train_step(x, y), ls, TOL[dtype], ("%s (%s): loss at step %d"):format(s[1], dtype, step))
+          so:step(); po:step()
+          so:zero_grad(); po:zero_grad()
+        end
+        local mine = model:state_dict()
+        for name, w in pairs(serial:state_dict()) do
+          if mine[name] then near(mine[name], w, TOL[dtype], ("%s (%s): parameter %s"):format(s[1], dtype, name)) end
+        end
+      end
     end)
     -- ZeRO-3: the units' storage allocated and freed on the device, gathered, reduce-scattered.
     test("ZeRO-3 GPT-2 on " .. device .. " equals serial training (" .. dtype .. ")", function()
