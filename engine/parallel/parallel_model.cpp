@@ -192,11 +192,10 @@ void time_stages(nn::Module& tree, const dist::Mesh& mesh, PipelineOptions& p) {
 
 }  // namespace
 
-void RecomputeOptions::validate(bool pipelined) const {
+void RecomputeOptions::validate() const {
   TORCH_CHECK(mode == "none" || mode == "block", "parallelize: recompute must be 'block' or 'none', got ", mode);
   TORCH_CHECK(mode == "none" || !blocks.empty(), "parallelize: recompute = 'block' needs the container of the "
               "model's blocks");
-  (void)pipelined;  // a pipeline recomputes its stages' blocks itself (Pipeline::set_recompute)
 }
 
 namespace {
@@ -277,10 +276,17 @@ void ParallelizeOptions::validate(const dist::Mesh& mesh) const {
               data_parallel.grad_accumulation, " with a pipeline: a pipeline step already accumulates over its "
               "micro-batches (one gradient sync a step); raise microbatches instead");
   if (pp > 1) pipeline->validate(mesh);
+  // ZeRO-3 frees a unit's gathered weights after its backward: a split one's W would find them gone.
+  const bool splits = pp > 1 && std::any_of(pipeline->plan.begin(), pipeline->plan.end(), [](const auto& list) {
+    return std::any_of(list.begin(), list.end(), [](const PipeAction& a) { return a.op == PipeOp::Weight; });
+  });
+  TORCH_CHECK(!splits || zero_stage_of(zero, mesh) < 3, "parallelize: schedule '", pipeline->schedule,
+              "' splits backward (W actions), which ZeRO-3 does not run yet: its gathered weights are freed after B; "
+              "use ZeRO-2 or a schedule without W");
   auto dp = data_parallel;  // as ZeRO will set it (its stage, its bucket size)
   zero_data_parallel(zero_stage_of(zero, mesh), zero, mesh, /*pipeline=*/nullptr, dp);
   dp.validate();
-  recompute.validate(pp > 1);
+  recompute.validate();
 }
 
 std::shared_ptr<ParallelModel> ParallelModel::parallelize(nn::ModulePtr root, std::shared_ptr<dist::Mesh> mesh,

@@ -108,7 +108,7 @@ struct RecomputeOptions {
   std::string mode = "none";  ///< "none", or "block": each block runs checkpointed
   std::string blocks;         ///< the container of the model's blocks ("h"; a policy's pipeline.blocks)
   /// Refuses a mode it does not know, "block" without blocks, and "block" on a pipeline.
-  void validate(bool pipelined) const;
+  void validate() const;
 };
 
 /// How ParallelModel::parallelize composes a model: one field a parallelism, each checked by

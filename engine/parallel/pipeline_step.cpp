@@ -415,8 +415,7 @@ torch::Tensor Pipeline::train_step(const torch::Tensor& x, const torch::Tensor& 
   std::vector<Slot> slots(static_cast<size_t>(m) * chunks);
   const auto& actions = options_.plan[rank_];
   const auto split = split_of(actions, m, chunks);
-  TORCH_CHECK(!fsdp || !split.any, "pipeline: schedule '", options_.schedule, "' splits backward (W actions), which "
-              "ZeRO-3 does not run yet: its gathered weights are freed after B; use ZeRO-2 or a schedule without W");
+  TORCH_CHECK(!fsdp || !split.any, "pipeline: a split backward under ZeRO-3 (parallelize refuses it)");
   torch::Tensor total = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   events::train_step_begins();  // the tracer (--trace) records each action's span
   std::vector<int64_t> last_shape;  // this rank's last activation's (partrain plan's fallback)
