@@ -19,7 +19,10 @@
 
 #include <torch/torch.h>
 
+#include "app/auto.hpp"
+#include "app/parity.hpp"
 #include "bindings/host.hpp"
+#include "bindings/plan_run.hpp"
 #include "engine/ckpt/ckpt.hpp"
 #include "engine/compat.hpp"
 #include "engine/dist/world.hpp"
@@ -37,19 +40,6 @@ int fail(const std::string& message) {
   return 1;
 }
 
-// LibTorch's "Could not run 'aten::op' with arguments from the 'Meta' backend" lists every
-// backend the operator has; the planner says the one thing that matters.
-std::string shorten_missing_meta_kernel(const std::string& error) {
-  auto at = error.find("Could not run 'aten::");
-  if (at == std::string::npos || error.find("'Meta' backend", at) == std::string::npos) return error;
-  auto name_end = error.find('\'', at + 13);
-  std::string op = error.substr(at + 13, name_end - at - 13);
-  std::string shorter = error.substr(0, at) + "the operator " + op +
-                        " has no meta kernel in this LibTorch, so it cannot be planned (it runs in real runs)";
-  auto trace = error.find("\nstack traceback:");
-  if (trace != std::string::npos) shorter += error.substr(trace);
-  return shorter;
-}
 
 }  // namespace
 
@@ -236,12 +226,14 @@ bool pipeline_search(const plan::Plan& p, int64_t memory, int64_t device, std::s
 
 int run_plan(int argc, char** argv, int first) {
   CLI::App app{"partrain plan: what each rank of a layout will hold, without processes or memory.\n\n"
-               "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n",
+               "  partrain plan --world 8 [--nproc-per-node 4] [--json] [--save plan.bin] script.lua [args...]\n"
+               "  partrain plan --auto --world 64 --nproc-per-node 8 [--device h100] [--verify] script.lua [args...]\n"
+               "  partrain plan --calibrate device.lua [--nproc-per-node 4]\n",
                "partrain plan"};
   std::string world_text, nproc_text, memory_text;
   bool json = false, verbose = false;
   std::string save;
-  app.add_option("--world", world_text, "ranks to plan for, 1-65536 (virtual: nothing is started)")->required();
+  app.add_option("--world", world_text, "ranks to plan for, 1-65536 (virtual: nothing is started)");
   app.add_option("--nproc-per-node", nproc_text, "ranks a machine, dividing --world (default: all on one); sets LOCAL_RANK");
   app.add_flag("--json", json, "print the plan as JSON");
   app.add_option("--save", save, "also write the plan here (cereal, binary) for a run to check with --plan")
@@ -255,6 +247,24 @@ int run_plan(int argc, char** argv, int first) {
                "bytes), printed as a Lua plan to keep");
   app.add_option("--pipeline-memory", pipeline_memory_text, "the activation bytes a rank may hold for "
                  "--pipeline-search (default: the device memory less the largest model state)");
+  AutoOptions auto_options;
+  bool automatic = false;
+  std::string device_text, top_text, verify_args_text, verify_steps_text, verify_tol_text, calibrate;
+  app.add_flag("--auto", automatic, "search the layouts the script can take (tensor, pipeline and schedule, "
+               "context, expert, ZeRO, recompute) for the fastest that fits, planning each (docs/plan.md)");
+  app.add_option("--device", device_text, "with --auto: h100, h200, a100, cpu, or a device table file "
+                 "(--calibrate writes one); default h100");
+  app.add_option("--top", top_text, "with --auto: layouts to print, 1-100 (default 5)");
+  app.add_option("--save-config", auto_options.save_config, "with --auto: write the winner as a config file "
+                 "for the script (script.lua --config FILE)")->check(non_empty("the file to write"));
+  app.add_flag("--verify", auto_options.verify, "with --auto: train the winner and the runner-up on CPU ranks "
+               "for a few steps against the serial run (partrain parity)");
+  app.add_option("--verify-args", verify_args_text, "with --verify: arguments added to the script's for the "
+                 "verification runs (a smaller model: \"--dim 64 --layers 4\")");
+  app.add_option("--verify-steps", verify_steps_text, "with --verify: steps to train, 1-1000 (default 5)");
+  app.add_option("--verify-tol", verify_tol_text, "with --verify: the largest relative loss difference (default 1e-5)");
+  app.add_option("--calibrate", calibrate, "measure this machine with --nproc-per-node ranks (default 1) and "
+                 "write its device table to this file, for --auto --device FILE")->check(non_empty("the file to write"));
   app.add_flag("-v,--verbose", verbose, "list every logical tensor and the slices ranks hold, and show what rank 0's "
                "script prints (the others stay quiet)");
   int split = split_at_script(app, first, argc, argv);
@@ -268,6 +278,17 @@ int run_plan(int argc, char** argv, int first) {
     return parse_failed(app, e);
   }
   int world = 0, nproc = 0;
+  if (!calibrate.empty()) {
+    std::string bad;
+    if (app.count("--world") || automatic || !rest.empty())
+      bad = "--calibrate measures this machine: give it --nproc-per-node K alone (no --world, --auto or script)";
+    if (bad.empty() && app.count("--nproc-per-node")) bad = parse_count("--nproc-per-node", nproc_text, 1, 64, nproc);
+    if (bad.empty() && util::is_plain_dir(calibrate)) bad = "--calibrate '" + calibrate + "' is a folder; give a file name";
+    if (bad.empty() && !writable_beside(calibrate)) bad = "--calibrate '" + calibrate + "': its folder does not exist";
+    if (!bad.empty()) return fail("plan: " + bad);
+    return run_calibrate(calibrate, std::max(nproc, 1));
+  }
+  if (!app.count("--world")) return fail("plan: --world is required (the ranks to plan for)");
   std::string bad = parse_count("--world", world_text, 1, 1 << 16, world);
   if (bad.empty() && app.count("--nproc-per-node")) bad = parse_count("--nproc-per-node", nproc_text, 1, world, nproc);
   plan::TextOptions text_options;
@@ -284,6 +305,26 @@ int run_plan(int argc, char** argv, int first) {
     if (!search) bad = "--pipeline-memory is the cap of --pipeline-search, which is not given";
     else bad = parse_bytes("--pipeline-memory", pipeline_memory_text, pipeline_memory);
   }
+  for (const char* flag : {"--device", "--top", "--save-config", "--verify", "--verify-args", "--verify-steps",
+                           "--verify-tol"})
+    if (bad.empty() && !automatic && app.count(flag)) bad = std::string(flag) + " is --auto's, which is not given";
+  for (const char* flag : {"--verify-args", "--verify-steps", "--verify-tol"})
+    if (bad.empty() && !auto_options.verify && app.count(flag)) bad = std::string(flag) + " is --verify's, which is not given";
+  if (bad.empty() && automatic && (search || !save.empty()))
+    bad = std::string(search ? "--pipeline-search" : "--save") + " plans one layout; --auto searches many (give one of them)";
+  if (bad.empty() && app.count("--top")) bad = parse_count("--top", top_text, 1, 100, auto_options.top);
+  if (bad.empty() && app.count("--verify-steps"))
+    bad = parse_count("--verify-steps", verify_steps_text, 1, 1000, auto_options.verify_steps);
+  if (bad.empty() && app.count("--verify-tol"))
+    bad = parse_seconds("--verify-tol", verify_tol_text, 0, 1, false, auto_options.verify_tol);
+  if (bad.empty() && app.count("--verify-args")) {
+    std::string why;
+    if (!split_words(verify_args_text, auto_options.verify_args, why)) bad = "--verify-args: " + why;
+  }
+  if (bad.empty() && !auto_options.save_config.empty() && util::is_plain_dir(auto_options.save_config))
+    bad = "--save-config '" + auto_options.save_config + "' is a folder; give a file name";
+  if (bad.empty() && !auto_options.save_config.empty() && !writable_beside(auto_options.save_config))
+    bad = "--save-config '" + auto_options.save_config + "': its folder does not exist";
   if (!bad.empty()) return fail("plan: " + bad);
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
   if (nproc == 0) nproc = world;
@@ -301,6 +342,18 @@ int run_plan(int argc, char** argv, int first) {
   }
   std::string script = rest[0];
   std::vector<std::string> script_args(rest.begin() + 1, rest.end());
+  if (automatic) {
+    auto_options.script = script;
+    auto_options.args = script_args;
+    auto_options.world = world;
+    auto_options.nproc = nproc;
+    auto_options.device = device_text;
+    // Only an explicit --device-memory overrides the device's own (not this machine's GPU).
+    auto_options.device_memory = text_options.device_source == "--device-memory" ? text_options.device_memory : 0;
+    auto_options.json = json;
+    auto_options.verbose = verbose;
+    return run_auto(auto_options);
+  }
 
   namespace plan = partrain::plan;
   at::set_num_threads(1);
@@ -308,40 +361,16 @@ int run_plan(int argc, char** argv, int first) {
   util::reset_peak(c10::kCPU);
   int64_t cpu_base = util::memory(c10::kCPU).allocated;
   auto start = std::chrono::steady_clock::now();
-  for (int rank = 0; rank < world; ++rank) {
-    std::string where = "plan: rank " + std::to_string(rank) + " of " + std::to_string(world) + ": ";
-    try {
-      partrain::dist::WorldOptions o;
-      o.rank = rank;
-      o.world_size = world;
-      o.local_rank = rank % nproc;
-      o.local_world_size = nproc;
-      o.planned = true;
-      partrain::dist::World::instance().init(o);
-      plan::reset_first_step();
-      size_t before = plan::recorded().ranks.size();
-      {
-        partrain::lua::Host host;
-        std::string error;
-        if (!(verbose && rank == 0) &&
-            !host.run_string("print = function() end; io.write = function() end", "=(plan)", &error))
-          return fail(where + error);
-        bool ok = host.run_file(script, script_args, &error);
-        if (plan::recorded().ranks.size() == before) {
-          if (!ok) return fail(where + shorten_missing_meta_kernel(error));
-          // Nothing to plan: the script, not partrain's own Lua, is what to look at.
-          if (!host.run_string("require('partrain.plan').at_end()", "=(plan)", &error))
-            return fail(where + "'" + script + "' " + error.substr(0, error.find("\nstack traceback:")));
-        }
-      }
-      partrain::dist::World::instance().shutdown();
-    } catch (const std::exception& e) {
-      return fail(where + partrain::util::message_of(e));
-    }
-  }
-  plan::Plan result = plan::recorded();
-  result.script = script;
-  result.nproc_per_node = nproc;
+  lua::PlanRequest request;
+  request.script = script;
+  request.args = script_args;
+  request.world = world;
+  request.nproc = nproc;
+  request.verbose = verbose;
+  lua::Planned planned;
+  std::string failed;
+  if (!lua::plan_ranks(request, &planned, &failed)) return fail("plan: " + failed);
+  plan::Plan result = std::move(planned.plan);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.cpu_peak_bytes = std::max<int64_t>(0, util::memory(c10::kCPU).peak - cpu_base);
   std::cout << (json ? plan::to_json(result) : plan::to_text(result, text_options)) << std::flush;

@@ -71,6 +71,7 @@ class FirstStepObserver final : public events::StepObserver {
     first_step_.begun = true;
     if (auto fn = before_first_step.load()) fn();
     first_step_.base = util::memory(counted_device()).allocated;
+    first_step_.flops_base = counted_flops();
     gathered_base_ = gathered_now();
     traffic_base_.clear();
     for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
@@ -347,6 +348,7 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     }
   }
   r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
+  if (planning() && first_step_.begun) r.flops = counted_flops() - first_step_.flops_base;
   if (first_step_.begun) r.context_plan = context_plan(util::context_attention_notes());
   r.expert_plan = expert_plan(model, optimizers, first_step_.begun ? util::expert_exchange_notes()
                                                                    : std::vector<util::ExpertExchangeNote>{});
@@ -357,7 +359,14 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
       dist::ProcessGroup::Traffic base;
       if (before != traffic_base_.end() && before->second.count(op)) base = before->second.at(op);
       int64_t calls = t.calls - base.calls, bytes = t.bytes - base.bytes;
-      if (first_step_.begun && calls > 0) r.collectives.push_back({g->name(), op, calls, bytes});
+      if (!first_step_.begun || calls <= 0) continue;
+      Collective c{g->name(), op, calls, bytes};
+      c.size = g->size();
+      const int per_node = std::max(1, dist::World::instance().options().local_world_size);
+      std::set<int> nodes;
+      for (int member : g->ranks()) nodes.insert(member / per_node);
+      c.nodes = static_cast<int>(nodes.size());
+      r.collectives.push_back(std::move(c));
     }
   }
   std::sort(r.collectives.begin(), r.collectives.end(),

@@ -44,6 +44,12 @@ using util::planning;
 /// Turns planning on or off; on, it also supplies the meta kernels LibTorch's C++ library lacks
 /// (PyTorch registers some from Python only: index_select's, for one).
 void set_planning(bool on);
+/// Counts, from now on, the FLOPs of the operators dispatched on any thread: matrix products and
+/// fused attention, forward and backward (engine/plan/flops.cpp); the layout search turns it on
+/// (it slows planning by about a quarter).
+void count_flops();
+/// The FLOPs counted so far in this process.
+double counted_flops();
 
 // ---- The first training step ---------------------------------------------------------------
 
@@ -60,6 +66,7 @@ struct FirstStep {
   /// start), part of what it left allocated but counted as parameters; activations exclude them.
   int64_t gathered = 0;
   bool hooked = false;       ///< the first optimizer step's hook has run
+  double flops_base = 0;     ///< counted_flops() when the forward began
 };
 /// Runs before the first step's memory is noted (once): the Lua host collects its garbage there,
 /// so that tensors already dead (a serial model pt.parallelize replaced) are not freed during
@@ -87,6 +94,9 @@ struct Shard {
 struct Collective {
   std::string group, op;
   int64_t calls = 0, bytes = 0;
+  /// The group's ranks and the nodes they span (of LOCAL_WORLD_SIZE ranks each): what a cost
+  /// model needs to pick the link. Not saved in a plan file, nor compared.
+  int size = 0, nodes = 0;
   bool operator==(const Collective& o) const;
 };
 
@@ -191,6 +201,10 @@ struct RankPlan {
   int64_t activation_bytes = -1;
   std::vector<Collective> collectives;
   StagePlan stage;  ///< under pipeline parallelism
+  /// The FLOPs of the first step (from its first forward to its first optimizer step: every
+  /// micro-batch's forward and backward, recompute's replays), counted while planning with
+  /// count_flops() on (partrain plan --auto); 0 otherwise. Not saved in a plan file, nor compared.
+  double flops = 0;
   int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + master_bytes; }
   /// The most this rank holds during a step: its model state and its activations (the first
   /// step's, or the schedule's peak under a pipeline, which counts the micro-batches in flight).

@@ -14,6 +14,7 @@
 --   partrain --nproc-per-node 2 examples/gpt/train.lua --context 2      (each sequence split over 2 ranks: ring attention)
 --   partrain --nproc-per-node 4 examples/gpt/train.lua --context 2 --context-mode all_to_all --zero-stage 2
 --   partrain --nproc-per-node 2 examples/llama/train.lua --experts 8 --expert 2   (a mixture of experts, split)
+--   partrain examples/gpt/train.lua --recompute block                 (activation checkpointing: a block's input kept)
 local pt = require "partrain"
 
 local cfg = pt.args {
@@ -51,6 +52,8 @@ local cfg = pt.args {
   microbatches = { 0, "with --pipeline: micro-batches a batch is split into (0: the pipeline size)" },
   schedule = { "1f1b", "with --pipeline: gpipe, 1f1b or interleaved (docs/pipeline.md)" },
   chunks = { 1, "with --pipeline: model chunks a rank (interleaved)" },
+  recompute = { "none", "block: keep only each block's input in forward and replay the block in backward (activation "
+                .. "checkpointing); none" },
   ckpt = { "", "checkpoint folder: resume from its newest checkpoint, save into it" },
   save_every = { 0, "with --ckpt: save every this many steps (and at the end)" },
   dtype = { "float32", "parameters and compute: float32, or bfloat16 or float16 (float32 masters kept by the "
@@ -130,7 +133,11 @@ end)
 -- The whole model's training FLOPs a token (6·N + attention), counted before it is split.
 local flops_per_token = pt.flops_per_token(model, cfg.seq)
 local pipelined = cfg.pipeline > 1
-local options = { sequence_parallel = cfg.sequence_parallel, context = cfg.context > 1 and cfg.context_mode or nil }
+if cfg.recompute ~= "none" and cfg.recompute ~= "block" then
+  error(("--recompute %s: expected none or block"):format(cfg.recompute))
+end
+local options = { sequence_parallel = cfg.sequence_parallel, context = cfg.context > 1 and cfg.context_mode or nil,
+                  recompute = cfg.recompute }
 if cfg.zero_stage > 0 then options.zero = { stage = cfg.zero_stage } end
 if pipelined then
   options.schedule, options.chunks = cfg.schedule, cfg.chunks

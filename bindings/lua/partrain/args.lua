@@ -530,7 +530,8 @@ end
 return setmetatable(args, {
   --- pt.args(spec [, argv]): the defaults in spec overridden from argv (default: the script's
   --- arg). For the script's own arguments, the result is also kept as args.resolved (the run
-  --- header of the metrics file and checkpoints' user data store it) and printed on rank 0.
+  --- header of the metrics file and checkpoints' user data store it) and printed on rank 0, and
+  --- each option's kind as args.declared ({ name = "integer"|"number"|"string"|"boolean" }).
   __call = function(_, spec, argv)
     if type(spec) ~= "table" then raise("pt.args expects a table of defaults, got " .. type(spec), 2) end
     if argv ~= nil and type(argv) ~= "table" then raise("pt.args: argv must be a list of strings, got " .. type(argv), 2) end
@@ -542,6 +543,9 @@ return setmetatable(args, {
       local copy = {}
       for k, v in pairs(result) do copy[k] = v end
       args.resolved, args.config_file = copy, config_file
+      -- What the script can be given (partrain plan --auto varies its layout options).
+      args.declared = {}
+      for k, v in pairs(spec) do args.declared[k] = kind_of(v) end
       if core.dist.rank() == 0 then
         local live = require "partrain.live"
         live.around(function() io.write(args.describe(copy, config_file), "\n"); io.flush() end)

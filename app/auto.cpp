@@ -1,0 +1,178 @@
+// partrain plan --auto and --calibrate (see auto.hpp).
+#include "app/auto.hpp"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "app/parity.hpp"
+#include "bindings/host.hpp"
+#include "engine/plan/plan.hpp"
+
+namespace partrain::app {
+
+namespace {
+
+int fail(const std::string& message) {
+  std::cerr << "partrain: plan: " << message << std::endl;
+  return 1;
+}
+
+// `s` as a Lua string literal.
+std::string lua_quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') out += '\\', out += static_cast<char>(c);
+    else if (c < 32 || c == 127) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\%03d", c);
+      out += escaped;
+    }
+    else out += static_cast<char>(c);
+  }
+  return out + "\"";
+}
+
+std::string lua_list(const std::vector<std::string>& words) {
+  std::string out = "{";
+  for (const auto& w : words) out += lua_quote(w) + ",";
+  return out + "}";
+}
+
+// A word as a POSIX shell (and partrain parity) reads it back.
+std::string shell_quote(const std::string& s) {
+  bool plain = !s.empty();
+  for (char c : s) plain = plain && (std::isalnum(static_cast<unsigned char>(c)) || std::strchr("-_./=:,+@%", c));
+  if (plain) return s;
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::string join(const std::vector<std::string>& words) {
+  std::string out;
+  for (const auto& w : words) out += (out.empty() ? "" : " ") + shell_quote(w);
+  return out;
+}
+
+// Lines of the string `code` evaluates to in `host` (a list joined by newlines), or none.
+std::vector<std::string> eval_lines(lua::Host& host, const std::string& code) {
+  std::string text, error;
+  std::vector<std::string> lines;
+  if (!host.eval(code, &text, &error) || text.empty() || text == "nil") return lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// --verify: a layout (its flags and the ranks it runs on) trained against the serial run.
+bool verify(const AutoOptions& o, const std::string& what, const std::vector<std::string>& flags, int ranks) {
+  std::vector<std::string> common{o.script};
+  common.insert(common.end(), o.args.begin(), o.args.end());
+  common.insert(common.end(), o.verify_args.begin(), o.verify_args.end());
+  common.insert(common.end(), {"--steps", std::to_string(o.verify_steps)});
+  std::string serial = join(common);
+  std::vector<std::string> sharded{"--nproc-per-node", std::to_string(ranks), "--threads", "1", "--timeout", "300"};
+  sharded.insert(sharded.end(), common.begin(), common.end());
+  sharded.insert(sharded.end(), flags.begin(), flags.end());
+  std::string layout = join(sharded);
+  std::cout << "\nverify " << what << " on " << ranks << " CPU rank(s), " << o.verify_steps
+            << " steps against the serial run:\n" << std::flush;
+  std::ostringstream tol_text;
+  tol_text << o.verify_tol;
+  const std::string tol = tol_text.str();
+  std::vector<std::string> words{"partrain", "parity", serial, layout, "--tol", tol};
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  return run_parity(static_cast<int>(words.size()), argv.data(), 2) == 0;
+}
+
+}  // namespace
+
+int run_auto(const AutoOptions& o) {
+  at::set_num_threads(1);
+  plan::set_planning(true);
+  plan::count_flops();
+  lua::Host host;
+  std::ostringstream code;
+  code << "local core = require 'partrain.core'\n"
+       << "__auto = require('partrain.auto').main {\n"
+       << "  script = " << lua_quote(o.script) << ", args = " << lua_list(o.args) << ",\n"
+       << "  world = " << o.world << ", nproc = " << o.nproc << ", top = " << o.top << ",\n"
+       << "  device = " << (o.device.empty() ? "nil" : lua_quote(o.device)) << ",\n"
+       << "  device_memory = " << (o.device_memory > 0 ? std::to_string(o.device_memory) : "nil") << ",\n"
+       << "  json = " << (o.json ? "true" : "false") << ", verbose = " << (o.verbose ? "true" : "false") << ",\n"
+       << "  config = " << (o.save_config.empty() ? "nil" : lua_quote(o.save_config)) << ",\n"
+       << "  plan = function(args, ranks)\n"
+       << "    return core.plan.layout { script = " << lua_quote(o.script) << ", args = args, world = " << o.world
+       << ", nproc = " << o.nproc << ", ranks = ranks }\n"
+       << "  end,\n"
+       << "}\n";
+  std::string error;
+  const bool ok = host.run_string(code.str(), "=(plan --auto)", &error);
+  std::cout << std::flush;
+  if (!ok) return fail("--auto: " + error.substr(0, error.find("\nstack traceback:")));
+  std::string status;
+  host.eval("return __auto and __auto.status or 1", &status, &error);
+  if (status != "0") {
+    std::string message;
+    host.eval("return __auto and __auto.message or ''", &message, &error);
+    if (!message.empty()) std::cerr << "partrain: plan --auto: " << message << std::endl;
+    return 1;
+  }
+  if (!o.verify) return 0;
+  bool all = true;
+  for (int i = 1; i <= 2; ++i) {
+    std::string at = "__auto.layouts[" + std::to_string(i) + "]";
+    auto flags = eval_lines(host, "return " + at + " and table.concat(" + at + ".flags, '\\n')");
+    auto ranks = eval_lines(host, "return " + at + " and " + at + ".verify_ranks");
+    auto text = eval_lines(host, "return " + at + " and " + at + ".text");
+    if (text.empty()) continue;
+    const std::string what = (i == 1 ? "the winner, " : "the runner-up, ") + text[0];
+    const int n = ranks.empty() ? 0 : std::atoi(ranks[0].c_str());
+    if (n < 1 || n > 8) {
+      std::cout << "\nverify " << what << ": not verified: it needs "
+                << (ranks.empty() ? std::string("?") : ranks[0]) << " ranks, more than the 8 a CPU check runs\n";
+      continue;
+    }
+    all = verify(o, what, flags, n) && all;
+  }
+  return all ? 0 : 1;
+}
+
+int run_calibrate(const std::string& path, int nproc) {
+  char self[4096];
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) return fail("--calibrate: cannot find this partrain's path (/proc/self/exe)");
+  self[n] = '\0';
+  const std::string script = lua::find_paths().lua + "/partrain/calibrate.lua";
+  std::vector<std::string> words{self, "--nproc-per-node", std::to_string(nproc), "--threads", "1", "--timeout", "300",
+                                 script, "--out", path};
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  std::cout << std::flush;
+  pid_t pid = ::fork();
+  if (pid < 0) return fail(std::string("--calibrate: fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::execv(self, argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return fail("--calibrate: the measuring run failed");
+  return 0;
+}
+
+}  // namespace partrain::app
