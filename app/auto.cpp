@@ -121,7 +121,12 @@ int run_auto(const AutoOptions& o) {
   std::string error;
   const bool ok = host.run_string(code.str(), "=(plan --auto)", &error);
   std::cout << std::flush;
-  if (!ok) return fail("--auto: " + error.substr(0, error.find("\nstack traceback:")));
+  if (!ok) {  // the search's own errors say "partrain plan --auto: ..."
+    std::string message = error.substr(0, error.find("\nstack traceback:"));
+    const std::string own = "partrain plan --auto: ";
+    if (auto at = message.find(own); at != std::string::npos) message = message.substr(at + own.size());
+    return fail("--auto: " + message);
+  }
   std::string status;
   host.eval("return __auto and __auto.status or 1", &status, &error);
   if (status != "0") {

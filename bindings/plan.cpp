@@ -10,6 +10,7 @@
 #include "bindings/lua.hpp"
 #include "engine/dist/world.hpp"
 #include "engine/optim/optim.hpp"
+#include "engine/parallel/pipeline.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/util/text.hpp"
 
@@ -98,6 +99,7 @@ bool plan_ranks(const PlanRequest& request, Planned* out, std::string* error) {
   if (ranks.empty())
     for (int r = 0; r < request.world; ++r) ranks.push_back(r);
   plan::recorded() = plan::Plan{};
+  parallel::forget_planned_shapes();  // another layout's shapes are not this one's
   bool first = true;
   for (int rank : ranks) {
     std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(request.world) + ": ";

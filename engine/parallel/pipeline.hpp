@@ -119,6 +119,10 @@ int64_t peak_activation_bytes(const std::vector<PipeAction>& actions, const Pipe
 /// posted for ahead of their actions (each into a buffer of last step's shape).
 constexpr size_t kActivationsAhead = 2;
 
+/// partrain plan: forgets the activation shapes planned ranks sent (each virtual rank's receives
+/// take the shape a lower pipeline rank planned before it sent), before another layout is planned.
+void forget_planned_shapes();
+
 /// A message's dtype and sizes.
 struct MessageShape {
   torch::ScalarType dtype;

@@ -204,6 +204,8 @@ class Inbox {
 
 }  // namespace
 
+void forget_planned_shapes() { planned_shapes().clear(); }
+
 // ---- The executor -----------------------------------------------------------------------------
 
 namespace {

@@ -239,6 +239,12 @@ if rank == 0 then
   for _, dt in ipairs { "float32", "float64", "bfloat16", "float16" } do
     if flops[dt] then names[#names + 1] = ("%s = %s"):format(dt, g(flops[dt])) end
   end
+  local cores = 0  -- the machine's processors: with fewer than ranks x threads, ranks share them
+  local info = io.open("/proc/cpuinfo", "r")
+  if info then
+    for line in info:lines() do if line:match("^processor%s*:") then cores = cores + 1 end end
+    info:close()
+  end
   local lines = {
     ("-- measured by partrain plan --calibrate: %d rank%s of %d thread%s on %s, %s")
       :format(K, K == 1 and "" or "s", threads, threads == 1 and "" or "s", host, os.date("%Y-%m-%d %H:%M")),
@@ -253,6 +259,7 @@ if rank == 0 then
     ("  inter = { bandwidth = %s, latency = %s },  -- one machine: the same as intra"):format(g(bandwidth), g(latency)),
     "  overlap = 0,  -- on the CPU Gloo's reductions compete with backward for the same cores: nothing hides",
     ("  ranks = %d, threads = %d,"):format(K, threads),
+    cores > 0 and ("  cores = %d,  -- the processors the ranks share (/proc/cpuinfo)"):format(cores) or "",
     '  source = "partrain plan --calibrate",',
     "}",
     "",
