@@ -12,6 +12,7 @@
 #include "engine/optim/optim.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/util/tensor_memory.hpp"
 #include "engine/util/text.hpp"
 
 namespace partrain::lua {
@@ -112,6 +113,8 @@ bool plan_ranks(const PlanRequest& request, Planned* out, std::string* error) {
       o.planned = true;
       dist::World::instance().init(o);
       plan::reset_first_step();
+      util::reset_peak(c10::kMeta);
+      const int64_t base = util::memory(c10::kMeta).allocated;
       size_t before = plan::recorded().ranks.size();
       {
         Host host;
@@ -134,6 +137,8 @@ bool plan_ranks(const PlanRequest& request, Planned* out, std::string* error) {
             return false;
           }
         }
+        if (plan::recorded().ranks.size() > before)
+          plan::recorded().ranks.back().run_peak_bytes = util::memory(c10::kMeta).peak - base;
       }
       dist::World::instance().shutdown();
     } catch (const std::exception& e) {
@@ -177,6 +182,8 @@ void push_rank(lua_State* L, const plan::RankPlan& r) {
   set_number(L, "zero_stage", r.zero_stage);
   set_number(L, "zero_group", r.zero_group);
   set_number(L, "flops", r.flops);
+  set_number(L, "ops", double(r.ops));
+  set_number(L, "run_peak_bytes", double(r.run_peak_bytes));
   lua_createtable(L, static_cast<int>(r.collectives.size()), 0);
   for (size_t i = 0; i < r.collectives.size(); ++i) {
     const auto& c = r.collectives[i];
@@ -289,6 +296,13 @@ int plan_layout(Args& a) {
 const Function kPlan[] = {
     {"layout", plan_layout},
     {"planning", [](Args& a) { return a.ret(plan::planning()); }},
+    // count() -> flops, operators: counts from now on (slowing every operator a little) and
+    // returns the totals so far (partrain plan --calibrate reads a step's as the planner does)
+    {"count", [](Args& a) {
+       plan::count_flops();
+       lua_pushnumber(a.L, plan::counted_flops());
+       lua_pushnumber(a.L, double(plan::counted_ops()));
+       return 2; }},
     {"record", [](Args& a) {  // record(model, optimizers, mesh|nil): this virtual rank's plan
        const dist::Mesh* m = nullptr;
        auto r = rank_plan(a, &m);

@@ -3,6 +3,8 @@
 // product (mm, addmm, bmm, baddbmm, whatever composite op they come from: linear, matmul, the
 // math path of attention) and the fused attention kernels, forward and backward alike, replays
 // under recompute included. Elementwise work is not counted (a device's efficiency covers it).
+// Every operator dispatched is counted apart (composite ones and those they call alike): each
+// costs a dispatch, or a kernel launch, whatever its size.
 #include <atomic>
 #include <cstring>
 
@@ -15,6 +17,7 @@ namespace partrain::plan {
 namespace {
 
 std::atomic<double> flops_{0};
+std::atomic<int64_t> ops_{0};
 
 int64_t size_of(const c10::IValue& v, int64_t dim) {
   if (!v.isTensor()) return 0;
@@ -50,6 +53,7 @@ std::unique_ptr<at::ObserverContext> count(const at::RecordFunction& fn) {
   const char* name = fn.name();
   if (!starts(name, "aten::")) return nullptr;
   name += 6;
+  ops_.fetch_add(1, std::memory_order_relaxed);
   double f = 0;
   if (!std::strcmp(name, "mm")) f = product(fn.inputs(), 0, 1, false);
   else if (!std::strcmp(name, "addmm")) f = product(fn.inputs(), 1, 2, false);
@@ -77,5 +81,7 @@ void count_flops() {
 }
 
 double counted_flops() { return flops_.load(std::memory_order_relaxed); }
+
+int64_t counted_ops() { return ops_.load(std::memory_order_relaxed); }
 
 }  // namespace partrain::plan

@@ -72,6 +72,7 @@ class FirstStepObserver final : public events::StepObserver {
     if (auto fn = before_first_step.load()) fn();
     first_step_.base = util::memory(counted_device()).allocated;
     first_step_.flops_base = counted_flops();
+    first_step_.ops_base = counted_ops();
     gathered_base_ = gathered_now();
     traffic_base_.clear();
     for (const auto& g : dist::World::instance().groups()) traffic_base_[g.get()] = g->traffic();
@@ -348,7 +349,10 @@ RankPlan describe(int rank, const nn::Module& model, const std::vector<const opt
     }
   }
   r.activation_bytes = first_step_.forward_done ? first_step_.activations : -1;
-  if (planning() && first_step_.begun) r.flops = counted_flops() - first_step_.flops_base;
+  if (planning() && first_step_.begun) {
+    r.flops = counted_flops() - first_step_.flops_base;
+    r.ops = counted_ops() - first_step_.ops_base;
+  }
   if (first_step_.begun) r.context_plan = context_plan(util::context_attention_notes());
   r.expert_plan = expert_plan(model, optimizers, first_step_.begun ? util::expert_exchange_notes()
                                                                    : std::vector<util::ExpertExchangeNote>{});

@@ -50,6 +50,8 @@ void set_planning(bool on);
 void count_flops();
 /// The FLOPs counted so far in this process.
 double counted_flops();
+/// The operators dispatched so far while counting (each aten:: call, composite ones included).
+int64_t counted_ops();
 
 // ---- The first training step ---------------------------------------------------------------
 
@@ -67,6 +69,7 @@ struct FirstStep {
   int64_t gathered = 0;
   bool hooked = false;       ///< the first optimizer step's hook has run
   double flops_base = 0;     ///< counted_flops() when the forward began
+  int64_t ops_base = 0;      ///< counted_ops() when the forward began
 };
 /// Runs before the first step's memory is noted (once): the Lua host collects its garbage there,
 /// so that tensors already dead (a serial model pt.parallelize replaced) are not freed during
@@ -205,6 +208,11 @@ struct RankPlan {
   /// micro-batch's forward and backward, recompute's replays), counted while planning with
   /// count_flops() on (partrain plan --auto); 0 otherwise. Not saved in a plan file, nor compared.
   double flops = 0;
+  int64_t ops = 0;  ///< the operators the first step dispatched, counted alike
+  /// The most tensor bytes the planned script held at once from its start to its first optimizer
+  /// step, setup included (a policy's probe forward, a deferred model made whole), as the layout
+  /// search plans it; -1 when not measured. Not saved in a plan file, nor compared.
+  int64_t run_peak_bytes = -1;
   int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes + master_bytes; }
   /// The most this rank holds during a step: its model state and its activations (the first
   /// step's, or the schedule's peak under a pipeline, which counts the micro-batches in flight).

@@ -30,10 +30,11 @@ local function positive(name, x)
   if type(x) ~= "number" or not (x > 0) or x == math.huge then bad(name .. " = " .. tostring(x)) end
 end
 local want = { name = 1, flops = 1, efficiency = 1, memory = 1, intra = 1, inter = 1, overlap = 1, ranks = 1,
-               threads = 1, source = 1, cores = 1 }
+               threads = 1, source = 1, cores = 1, op_seconds = 1 }
 for k in pairs(d) do if not want[k] then bad("unexpected key " .. k) end end
 for k in pairs(want) do if d[k] == nil then bad("missing key " .. k) end end
 positive("cores", d.cores)
+positive("op_seconds", d.op_seconds)
 if d.name ~= "calibrated" then bad("name " .. tostring(d.name)) end
 if d.source ~= "partrain plan --calibrate" then bad("source " .. tostring(d.source)) end
 positive("flops.float32", d.flops.float32)

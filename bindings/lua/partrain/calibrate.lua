@@ -147,16 +147,28 @@ if not flops[dtype] then
          .. "the efficiency against"):format(dtype), 0)
 end
 
+-- Dispatch: the seconds an operator costs whatever its size (dispatch, a tiny kernel, the call
+-- from Lua), every rank at once: the median of a 1-element copy.
+local op_seconds
+do
+  local a, b = pt.zeros(1), pt.zeros(1)
+  local function tiny() for _ = 1, 100 do b:copy_(a) end end
+  tiny()
+  op_seconds = measure(tiny, agree("max", { once(tiny) }), budget * 0.03) / 100
+  notes[#notes + 1] = ("op_seconds     %.3g  (a 1-element copy, median of runs of 100)"):format(op_seconds)
+end
+
 -- Efficiency: a small GPT-2's training step (forward, cross-entropy, backward, AdamW), a plain
--- model on every rank (no collectives), its counted FLOPs (pt.flops_per_token × tokens a step) over
--- the slowest rank's median step time, over flops[dtype].
+-- model on every rank (no collectives): its FLOPs over the slowest rank's median step time less
+-- its operators' dispatch (op_seconds each), over flops[dtype]. The FLOPs and the operators are
+-- counted as the planner counts them (core.plan.count), on one more step after the timing (the
+-- count slows a step).
 local GPT = { vocab = 256, seq = 64, dim = 128, heads = 4, layers = 2 }
 local BATCH = 8
-local efficiency, step_seconds, step_flops
+local efficiency, step_seconds, step_flops, step_ops
 do
   pt.manual_seed(1)
   local model = pt.models.gpt2(GPT)
-  local per_token = pt.flops_per_token(model, GPT.seq)
   if dtype ~= "float32" then model:to(dtype) end
   local opt = pt.optim.adamw(model, { lr = 1e-4 })
   local x = pt.randint(0, GPT.vocab, { BATCH, GPT.seq })
@@ -169,12 +181,17 @@ do
   end
   step()
   step_seconds = measure(step, agree("max", { once(step) }), budget * 0.25)
-  step_flops = per_token * BATCH * GPT.seq
-  efficiency = clamp(step_flops / step_seconds / flops[dtype], 1e-6, 1)
-  notes[#notes + 1] = ("efficiency     %.3g  (GPT-2 %d layers of %d, batch %d x %d, %s: %.3g FLOPs a step in %.4g s "
-                       .. "= %.3g FLOP/s, over flops.%s)")
-                      :format(efficiency, GPT.layers, GPT.dim, BATCH, GPT.seq, dtype, step_flops, step_seconds,
-                              step_flops / step_seconds, dtype)
+  local core = require "partrain.core"
+  local flops0, ops0 = core.plan.count()
+  step()
+  local flops1, ops1 = core.plan.count()
+  step_flops, step_ops = flops1 - flops0, ops1 - ops0
+  local computing = math.max(step_seconds - step_ops * op_seconds, step_seconds / 10)
+  efficiency = clamp(step_flops / computing / flops[dtype], 1e-6, 1)
+  notes[#notes + 1] = ("efficiency     %.3g  (GPT-2 %d layers of %d, batch %d x %d, %s: %.3g FLOPs and %d operators a "
+                       .. "step in %.4g s, of which %.4g s computing = %.3g FLOP/s, over flops.%s)")
+                      :format(efficiency, GPT.layers, GPT.dim, BATCH, GPT.seq, dtype, step_flops, step_ops, step_seconds,
+                              computing, step_flops / computing, dtype)
 end
 
 -- Interconnect: all_reduce over the world group (async and waited: the engine's own collectives
@@ -252,8 +269,9 @@ if rank == 0 then
     '  name = "calibrated",',
     ("  flops = { %s },  -- peak FLOP/s a rank: the best median rate of square matmuls (n = 256 to 2048, 2n^3 FLOPs), every rank busy")
       :format(table.concat(names, ", ")),
-    ("  efficiency = %s,  -- GPT-2 (%d layers of %d, vocab %d, batch %d x %d, %s) training step: counted FLOPs / median seconds / flops.%s")
+    ("  efficiency = %s,  -- GPT-2 (%d layers of %d, vocab %d, batch %d x %d, %s) training step: counted FLOPs / (median seconds - operators x op_seconds) / flops.%s")
       :format(g(efficiency), GPT.layers, GPT.dim, GPT.vocab, BATCH, GPT.seq, dtype, dtype),
+    ("  op_seconds = %s,  -- an operator's cost whatever its size: a 1-element copy, every rank at once"):format(g(op_seconds)),
     ("  memory = %d,  -- bytes a rank: MemTotal of /proc/meminfo / %d ranks"):format(memory, K),
     ("  intra = { bandwidth = %s, latency = %s },  -- %s"):format(g(bandwidth), g(latency), link_how),
     ("  inter = { bandwidth = %s, latency = %s },  -- one machine: the same as intra"):format(g(bandwidth), g(latency)),

@@ -12,8 +12,10 @@
 --     overlap = 1,             -- share of backward compute that gradient reduction can hide behind (0..1)
 --     source = "NVIDIA H100 SXM datasheet" }
 -- flops needs the dtype the script trains in; name, source, ranks and threads (what --calibrate
--- measured with) and cores (the cores a node's ranks share, when they are fewer than its ranks:
--- then a rank waiting frees its core for the others) are optional; any other field is an error.
+-- measured with), cores (the cores a node's ranks share, when they are fewer than its ranks:
+-- then a rank waiting frees its core for the others) and op_seconds (what an operator costs
+-- whatever its size, on a device that runs them one after the other: the CPU; 0 by default, a
+-- GPU's launches overlapping its kernels) are optional; any other field is an error.
 local D = {}
 
 local GiB = 2 ^ 30
@@ -63,6 +65,7 @@ D.shipped = {
     intra = { bandwidth = 2e9, latency = 50e-6 },
     inter = { bandwidth = 2e9, latency = 50e-6 },
     overlap = 0,                                     -- Gloo's reductions compete with backward for the cores
+    op_seconds = 3e-6,                               -- an operator's dispatch, whatever its size
     source = "a placeholder for a typical core (partrain plan --calibrate measures this machine)",
   },
 }
@@ -102,8 +105,9 @@ local function number(where, field, x, low, low_ok, high)
 end
 
 local FIELDS = { name = true, flops = true, efficiency = true, memory = true, intra = true, inter = true,
-                 overlap = true, source = true, ranks = true, threads = true, cores = true }
-local FIELD_LIST = "name, flops, efficiency, memory, intra, inter, overlap, source, ranks, threads, cores"
+                 overlap = true, source = true, ranks = true, threads = true, cores = true,
+                 op_seconds = true }
+local FIELD_LIST = "name, flops, efficiency, memory, intra, inter, overlap, source, ranks, threads, cores, op_seconds"
 
 local function link(where, field, t)
   if type(t) ~= "table" then
@@ -155,7 +159,8 @@ function D.check(t, where, dtype)
   return { name = t.name or where, flops = flops, efficiency = number(where, "efficiency", t.efficiency, 0, false, 1),
            memory = number(where, "memory", t.memory, 0, false), intra = link(where, "intra", t.intra),
            inter = link(where, "inter", t.inter), overlap = number(where, "overlap", t.overlap, 0, true, 1),
-           source = t.source, ranks = t.ranks, threads = t.threads, cores = t.cores }
+           source = t.source, ranks = t.ranks, threads = t.threads, cores = t.cores,
+           op_seconds = t.op_seconds == nil and 0 or number(where, "op_seconds", t.op_seconds, 0, true) }
 end
 
 -- A device table file: a Lua chunk returning the table, run without access to anything.

@@ -73,13 +73,20 @@ function M.exposure(collectives, device, t)
   return { inline = inline, hidden = hidden, exposed = math.max(0, hidden - cover), tail = tail }
 end
 
+--- M.compute_seconds(flops, ops, env): a rank's compute: flops / rate (flops[dtype] x efficiency)
+--- + operators x op_seconds (their dispatch, whatever their size: 0 on a GPU, whose launches
+--- overlap its kernels).
+function M.compute_seconds(flops, ops, env)
+  return (flops or 0) / env.rate + (ops or 0) * (env.device.op_seconds or 0)
+end
+
 --- M.flat_prediction(r, env): the step of a layout without a pipeline from its planned rank r
 --- (flops, collectives, peak_bytes); env = { device, rate (FLOP/s: flops[dtype] x efficiency),
 --- recompute }. compute = flops / rate; step = compute + every exposed communication.
 --- Returns { step, compute, comm, bubble = 0, peak }.
 function M.flat_prediction(r, env)
   local share = M.SHARES[env.recompute or "none"] or M.SHARES.none
-  local compute = (r.flops or 0) / env.rate
+  local compute = M.compute_seconds(r.flops, r.ops, env)
   local e = M.exposure(r.collectives, env.device, { compute = compute, backward = share.B + share.W })
   local comm = e.inline + e.exposed + e.tail
   return { step = compute + comm, compute = compute, comm = comm, bubble = 0, bubble_ratio = 0, peak = r.peak_bytes }
@@ -122,7 +129,7 @@ function M.pipeline_prediction(f, v, env)
   local stage_compute, act, pend = {}, {}, {}
   for k = 0, pp - 1 do
     for _, c in ipairs(f.ranks[k].chunks) do
-      stage_compute[c.stage] = (f.ranks[k].flops or 0) / env.rate / ch
+      stage_compute[c.stage] = M.compute_seconds(f.ranks[k].flops, (f.ranks[k].ops or 0) / scale, env) / ch
       act[c.stage], pend[c.stage] = c.activation * scale, c.pending * scale
     end
   end
@@ -183,12 +190,21 @@ end
 
 -- ---- Plans -----------------------------------------------------------------------------------
 
+--- M.whole_peak(r): a planned rank's peak over its whole run: its step's (model state and the
+--- step's activations, peak_bytes) or, when more, what the script held at once from its start to
+--- its first optimizer step (setup included: a policy's probe forward, a deferred model made
+--- whole; run_peak_bytes) with the optimizer state and master weights the step then adds.
+function M.whole_peak(r)
+  local run = (r.run_peak_bytes or -1) >= 0 and r.run_peak_bytes + (r.optimizer_bytes or 0) + (r.master_bytes or 0) or 0
+  return math.max(r.peak_bytes, run)
+end
+
 --- M.rank_figures(r): a planned rank's figures the cost model reads: { rank, state, peak_bytes,
 --- flops, collectives, p2p, activation_peak, blocks, chunks = { { stage, activation, pending } } }
 --- (bytes a micro-batch: the activations and the received gradient; pending, or the activations
 --- when the plan's schedule split no backward).
 function M.rank_figures(r)
-  local f = { rank = r.rank, state = r.model_state_bytes, peak_bytes = r.peak_bytes, flops = r.flops or 0,
+  local f = { rank = r.rank, state = r.model_state_bytes, peak_bytes = M.whole_peak(r), flops = r.flops or 0, ops = r.ops or 0,
               collectives = r.collectives, p2p = r.stage and r.stage.p2p, chunks = {}, blocks = 0 }
   if r.stage then
     f.activation_peak = r.stage.activation_peak
@@ -206,6 +222,7 @@ end
 -- global rank and its peers' moved by k - 1 pipeline ranks.
 local function inferred(one, k, pp, stride, layout)
   local f = { rank = one.rank + (k - 1) * stride, state = one.state, peak_bytes = one.peak_bytes, flops = one.flops,
+              ops = one.ops,
               collectives = one.collectives, activation_peak = one.activation_peak, offset = one.offset,
               blocks = one.blocks, inferred = true, chunks = {}, p2p = {} }
   for i, c in ipairs(one.chunks) do

@@ -269,7 +269,7 @@ local function make_exact(ctx, cand)
     return
   end
   prediction.peak = 0
-  for _, r in ipairs(ranks) do prediction.peak = math.max(prediction.peak, r.peak_bytes) end
+  for _, r in ipairs(ranks) do prediction.peak = math.max(prediction.peak, C.whole_peak(r)) end
   settle(ctx, cand, prediction, true)
 end
 
