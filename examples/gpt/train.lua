@@ -28,6 +28,7 @@ local cfg = pt.args {
   vocab = { 256, "vocabulary size (the data are bytes: 256; a larger one, such as GPT-2's 50257, plans or "
                  .. "measures a real model's head with the bytes as its first 256 tokens)" },
   kv_heads = { 0, "llama: key/value heads (grouped-query attention; 0: as many as heads)" },
+  hidden = { 0, "llama: the MLP's hidden width (0: 8/3 x dim, rounded up to a multiple of 32; LLaMA-3 8B: 14336)" },
   experts = { 0, "llama: a mixture of this many experts in every block (Mixtral; 0: a dense MLP)" },
   top_k = { 2, "with --experts: experts a token goes to" },
   expert = { 1, "with --experts: expert-parallel size, data ranks that split the experts between them "
@@ -120,11 +121,13 @@ local mesh = pt.mesh { tensor = cfg.tensor, context = cfg.context, pipeline = cf
 -- (its stages, its shards), with the weights the whole model would have.
 if cfg.model ~= "gpt2" and cfg.model ~= "llama" then error(("--model %s: expected gpt2 or llama"):format(cfg.model)) end
 if cfg.model == "gpt2" and cfg.kv_heads ~= 0 then error("--kv-heads is LLaMA's (--model llama)") end
+if cfg.model == "gpt2" and cfg.hidden ~= 0 then error("--hidden is LLaMA's (--model llama); GPT-2's MLP is 4 x dim") end
 if cfg.model == "llama" and (cfg.dropout ~= 0 or cfg.attn_dropout >= 0) then error("--dropout, --attn-dropout: LLaMA has no dropout") end
 if cfg.vocab < 256 then error(("--vocab %d: the data are bytes, 256 symbols; give at least 256"):format(cfg.vocab)) end
 local model = pt.deferred(function()
   if cfg.model == "llama" then
     return pt.models.llama { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads, kv_heads = cfg.kv_heads,
+                             hidden = cfg.hidden,
                              layers = cfg.layers, dtype = cfg.dtype, experts = cfg.experts, top_k = cfg.top_k }
   end
   return pt.models.gpt2 { vocab = cfg.vocab, seq = cfg.seq, dim = cfg.dim, heads = cfg.heads,
