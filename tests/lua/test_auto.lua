@@ -492,6 +492,24 @@ test("ZeRO tiers stop at the first stage that fits; layouts that do not fit are 
   ok(result.layouts[1].exact, "the winner's peak is from its own plan")
 end)
 
+test("a ZeRO stage that cannot shrink the peak enough is not planned: activations alone do not fit", function()
+  -- 8 blocks of tiny parameters whose activations fill 32 GB a rank at data 4; memory 21 GB:
+  -- ZeRO-2 and ZeRO-3 only shrink the (small) model state, so they are skipped, and recompute
+  -- (a quarter of the activations) is planned at stage 0, where it fits.
+  local spec = { world = 4, nproc = 4, param = 1e6, act = 1e9, flops = 1e12,
+                 options = { layers = 8, batch = 16, seq = 8, heads = 1 }, undeclared = { context = true, context_mode = true } }
+  local result = run(spec, { memory = 21e9, top = 50 })
+  eq(result.status, 0, "something fits")
+  local tried = {}
+  for _, call in ipairs(spec.calls) do
+    local joined = table.concat(call.args, " ")
+    if joined:find("%-%-pipeline 1") then
+      tried[#tried + 1] = joined:match("%-%-zero%-stage (%d)") .. "/" .. joined:match("%-%-recompute (%a+)")
+    end
+  end
+  eq(table.concat(tried, ","), "0/none,0/block", "data 4: stage 0, then recompute at stage 0")
+end)
+
 test("a refusal that names the reference's schedule refuses that schedule only", function()
   -- 4 layers of 1 GB: pipeline 2 x data 2 fits 4.5 GB only at ZeRO-3 (1 + 1 + 2 GB a rank),
   -- which refuses zbh1 (a split backward): its reference is refused, and 1f1b's is planned.

@@ -316,15 +316,23 @@ local function search_group(ctx, group, all)
   local tiers = S.tiers(group, ctx)
   local pending = group.variants
   for _, recompute in ipairs(tiers.recompute) do
+    local least = {}  -- a variant's least peak at ZeRO-2 and at ZeRO-3, from its stage-0 plan
     for _, stage in ipairs(tiers.stages) do
       if #pending == 0 then return end
+      local trying = {}  -- (a variant this stage cannot fit stays pending for the next tier)
+      for _, v in ipairs(pending) do
+        if not (least[v] and least[v][stage] and least[v][stage] > ctx.device.memory) then trying[#trying + 1] = v end
+      end
       local fitted, refused, choices = {}, {}, tiers.groups(stage)
       for _, zg in ipairs(choices) do
         local tier = { zero_stage = stage or nil, zero_groups = zg or nil, recompute = recompute or nil }
-        local cands = evaluate(ctx, group, tier, pending, all)
-        for _, v in ipairs(pending) do
-          if cands[v].fits then fitted[v] = true end
-          if cands[v].refusal then refused[v] = (refused[v] or 0) + 1 end
+        if #trying > 0 then
+          local cands = evaluate(ctx, group, tier, trying, all)
+          for _, v in ipairs(trying) do
+            if cands[v].fits then fitted[v] = true end
+            if cands[v].refusal then refused[v] = (refused[v] or 0) + 1 end
+          end
+          if stage == 0 then M.least_peaks(cands, trying, least) end
         end
       end
       local rest = {}
@@ -332,6 +340,30 @@ local function search_group(ctx, group, all)
         if not fitted[v] and (refused[v] or 0) < #choices then rest[#rest + 1] = v end
       end
       pending = rest
+    end
+  end
+end
+
+--- M.least_peaks(cands, variants, least): for each variant planned or estimated at ZeRO stage 0
+--- that does not fit, the least peak it could have at ZeRO-2 and at ZeRO-3 (least[v] = { [2] =
+--- bytes, [3] = bytes }), so that a stage that cannot fit it is not planned. From its stage-0
+--- peak: ZeRO-2 shrinks at most a rank's gradients, optimizer state and masters (to nothing),
+--- ZeRO-3 its parameters too; the activations stay. The most a rank of the plan holds of them is
+--- taken off (the reference plan's ranks: every variant of a tier shares its model state).
+function M.least_peaks(cands, variants, least)
+  local planned
+  for _, v in ipairs(variants) do planned = planned or cands[v].planned end
+  if not planned then return end
+  local shrink2, shrink3 = 0, 0
+  for _, r in ipairs(planned) do
+    shrink2 = math.max(shrink2, r.grad_bytes + r.optimizer_bytes + r.master_bytes)
+    shrink3 = math.max(shrink3, r.model_state_bytes)
+  end
+  for _, v in ipairs(variants) do
+    local c = cands[v]
+    if c.prediction and not c.fits and not c.refusal then
+      local step = c.prediction.peak  -- (the whole run's may be more: this is a lower bound)
+      least[v] = { [2] = step - shrink2, [3] = step - shrink3 }
     end
   end
 end
