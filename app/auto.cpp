@@ -15,6 +15,8 @@
 #include <torch/torch.h>
 
 #include "app/parity.hpp"
+#include "app/tools.hpp"
+#include "engine/util/files.hpp"
 #include "bindings/host.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -98,6 +100,47 @@ bool verify(const AutoOptions& o, const std::string& what, const std::vector<std
 }
 
 }  // namespace
+
+void add_auto_flags(CLI::App& app, AutoFlags& f, AutoOptions& o) {
+  app.add_flag("--auto", f.automatic, "search the layouts the script can take (tensor, pipeline and schedule, "
+               "context, expert, ZeRO, recompute) for the fastest that fits, planning each (docs/plan.md)");
+  app.add_option("--device", f.device, "with --auto: h100, h200, a100, cpu, or a device table file "
+                 "(--calibrate writes one); default h100");
+  app.add_option("--top", f.top, "with --auto: layouts to print, 1-100 (default 5)");
+  app.add_option("--save-config", o.save_config, "with --auto: write the winner as a config file "
+                 "for the script (script.lua --config FILE)")->check(non_empty("the file to write"));
+  app.add_flag("--verify", o.verify, "with --auto: train the winner and the runner-up on CPU ranks "
+               "for a few steps against the serial run (partrain parity)");
+  app.add_option("--verify-args", f.verify_args, "with --verify: arguments added to the script's for the "
+                 "verification runs (a smaller model: \"--dim 64 --layers 4\")");
+  app.add_option("--verify-steps", f.verify_steps, "with --verify: steps to train, 1-1000 (default 5)");
+  app.add_option("--verify-tol", f.verify_tol, "with --verify: the largest relative loss difference (default 1e-5)");
+  app.add_option("--calibrate", f.calibrate, "measure this machine with --nproc-per-node ranks (default 1) and "
+                 "write its device table to this file, for --auto --device FILE")->check(non_empty("the file to write"));
+}
+
+std::string check_auto_flags(const CLI::App& app, const AutoFlags& f, AutoOptions& o, bool one_layout) {
+  for (const char* flag : {"--device", "--top", "--save-config", "--verify", "--verify-args", "--verify-steps",
+                           "--verify-tol"})
+    if (!f.automatic && app.count(flag)) return std::string(flag) + " is --auto's, which is not given";
+  for (const char* flag : {"--verify-args", "--verify-steps", "--verify-tol"})
+    if (!o.verify && app.count(flag)) return std::string(flag) + " is --verify's, which is not given";
+  if (f.automatic && one_layout)
+    return "--save and --pipeline-search plan one layout; --auto searches many (give one of them)";
+  std::string bad;
+  if (app.count("--top")) bad = parse_count("--top", f.top, 1, 100, o.top);
+  if (bad.empty() && app.count("--verify-steps")) bad = parse_count("--verify-steps", f.verify_steps, 1, 1000, o.verify_steps);
+  if (bad.empty() && app.count("--verify-tol")) bad = parse_seconds("--verify-tol", f.verify_tol, 0, 1, false, o.verify_tol);
+  if (bad.empty() && app.count("--verify-args")) {
+    std::string why;
+    if (!split_words(f.verify_args, o.verify_args, why)) bad = "--verify-args: " + why;
+  }
+  if (bad.empty() && !o.save_config.empty() && util::is_plain_dir(o.save_config))
+    bad = "--save-config '" + o.save_config + "' is a folder; give a file name";
+  if (bad.empty() && !o.save_config.empty() && !writable_beside(o.save_config))
+    bad = "--save-config '" + o.save_config + "': its folder does not exist";
+  return bad;
+}
 
 int run_auto(const AutoOptions& o) {
   at::set_num_threads(1);

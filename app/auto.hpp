@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 namespace partrain::app {
 
 struct AutoOptions {
@@ -24,6 +26,19 @@ struct AutoOptions {
   int verify_steps = 5;
   double verify_tol = 1e-5;
 };
+
+/// The plan command's flags for --auto and --calibrate, as given.
+struct AutoFlags {
+  bool automatic = false;
+  std::string device, top, verify_args, verify_steps, verify_tol, calibrate;
+};
+/// Adds --auto, --device, --top, --save-config, --verify, --verify-args, --verify-steps,
+/// --verify-tol and --calibrate to the plan command.
+void add_auto_flags(CLI::App& app, AutoFlags& flags, AutoOptions& o);
+/// Reads the flags into `o` once parsed: "" or what is wrong (a flag of --auto's without it, of
+/// --verify's without it, --auto with one layout's flags (`one_layout`: --save, --pipeline-search),
+/// a value out of range, a config file that cannot be written).
+std::string check_auto_flags(const CLI::App& app, const AutoFlags& flags, AutoOptions& o, bool one_layout);
 
 /// Runs the search; returns the exit status (1: nothing fits, bad input or a verification failed).
 int run_auto(const AutoOptions& o);

@@ -248,23 +248,8 @@ int run_plan(int argc, char** argv, int first) {
   app.add_option("--pipeline-memory", pipeline_memory_text, "the activation bytes a rank may hold for "
                  "--pipeline-search (default: the device memory less the largest model state)");
   AutoOptions auto_options;
-  bool automatic = false;
-  std::string device_text, top_text, verify_args_text, verify_steps_text, verify_tol_text, calibrate;
-  app.add_flag("--auto", automatic, "search the layouts the script can take (tensor, pipeline and schedule, "
-               "context, expert, ZeRO, recompute) for the fastest that fits, planning each (docs/plan.md)");
-  app.add_option("--device", device_text, "with --auto: h100, h200, a100, cpu, or a device table file "
-                 "(--calibrate writes one); default h100");
-  app.add_option("--top", top_text, "with --auto: layouts to print, 1-100 (default 5)");
-  app.add_option("--save-config", auto_options.save_config, "with --auto: write the winner as a config file "
-                 "for the script (script.lua --config FILE)")->check(non_empty("the file to write"));
-  app.add_flag("--verify", auto_options.verify, "with --auto: train the winner and the runner-up on CPU ranks "
-               "for a few steps against the serial run (partrain parity)");
-  app.add_option("--verify-args", verify_args_text, "with --verify: arguments added to the script's for the "
-                 "verification runs (a smaller model: \"--dim 64 --layers 4\")");
-  app.add_option("--verify-steps", verify_steps_text, "with --verify: steps to train, 1-1000 (default 5)");
-  app.add_option("--verify-tol", verify_tol_text, "with --verify: the largest relative loss difference (default 1e-5)");
-  app.add_option("--calibrate", calibrate, "measure this machine with --nproc-per-node ranks (default 1) and "
-                 "write its device table to this file, for --auto --device FILE")->check(non_empty("the file to write"));
+  AutoFlags auto_flags;
+  add_auto_flags(app, auto_flags, auto_options);
   app.add_flag("-v,--verbose", verbose, "list every logical tensor and the slices ranks hold, and show what rank 0's "
                "script prints (the others stay quiet)");
   int split = split_at_script(app, first, argc, argv);
@@ -278,6 +263,8 @@ int run_plan(int argc, char** argv, int first) {
     return parse_failed(app, e);
   }
   int world = 0, nproc = 0;
+  const bool automatic = auto_flags.automatic;
+  const std::string& calibrate = auto_flags.calibrate;
   if (!calibrate.empty()) {
     std::string bad;
     if (app.count("--world") || automatic || !rest.empty())
@@ -305,26 +292,7 @@ int run_plan(int argc, char** argv, int first) {
     if (!search) bad = "--pipeline-memory is the cap of --pipeline-search, which is not given";
     else bad = parse_bytes("--pipeline-memory", pipeline_memory_text, pipeline_memory);
   }
-  for (const char* flag : {"--device", "--top", "--save-config", "--verify", "--verify-args", "--verify-steps",
-                           "--verify-tol"})
-    if (bad.empty() && !automatic && app.count(flag)) bad = std::string(flag) + " is --auto's, which is not given";
-  for (const char* flag : {"--verify-args", "--verify-steps", "--verify-tol"})
-    if (bad.empty() && !auto_options.verify && app.count(flag)) bad = std::string(flag) + " is --verify's, which is not given";
-  if (bad.empty() && automatic && (search || !save.empty()))
-    bad = std::string(search ? "--pipeline-search" : "--save") + " plans one layout; --auto searches many (give one of them)";
-  if (bad.empty() && app.count("--top")) bad = parse_count("--top", top_text, 1, 100, auto_options.top);
-  if (bad.empty() && app.count("--verify-steps"))
-    bad = parse_count("--verify-steps", verify_steps_text, 1, 1000, auto_options.verify_steps);
-  if (bad.empty() && app.count("--verify-tol"))
-    bad = parse_seconds("--verify-tol", verify_tol_text, 0, 1, false, auto_options.verify_tol);
-  if (bad.empty() && app.count("--verify-args")) {
-    std::string why;
-    if (!split_words(verify_args_text, auto_options.verify_args, why)) bad = "--verify-args: " + why;
-  }
-  if (bad.empty() && !auto_options.save_config.empty() && util::is_plain_dir(auto_options.save_config))
-    bad = "--save-config '" + auto_options.save_config + "' is a folder; give a file name";
-  if (bad.empty() && !auto_options.save_config.empty() && !writable_beside(auto_options.save_config))
-    bad = "--save-config '" + auto_options.save_config + "': its folder does not exist";
+  if (bad.empty()) bad = check_auto_flags(app, auto_flags, auto_options, search || !save.empty());
   if (!bad.empty()) return fail("plan: " + bad);
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
   if (nproc == 0) nproc = world;
@@ -347,7 +315,7 @@ int run_plan(int argc, char** argv, int first) {
     auto_options.args = script_args;
     auto_options.world = world;
     auto_options.nproc = nproc;
-    auto_options.device = device_text;
+    auto_options.device = auto_flags.device;
     // Only an explicit --device-memory overrides the device's own (not this machine's GPU).
     auto_options.device_memory = text_options.device_source == "--device-memory" ? text_options.device_memory : 0;
     auto_options.json = json;

@@ -328,12 +328,12 @@ test("user flags are read in every pt.args form", function()
     { "tensor", "sequence_parallel", "schedule" }), " "), "--tensor 2 --no-sequence-parallel --schedule zbv")
 end)
 
-test("ZeRO tiers: stages 2 and 3 (not 1: it moves what 2 does, holding more) need data x context >= 2; node groups when the ranks span nodes", function()
+test("ZeRO tiers: stage 1 and up need data x context >= 2; node groups when the ranks span nodes", function()
   local s = { nproc = 4, declared = all_declared(), fixed = {} }
   local tiers = auto.tiers({ tensor = 1, context = 1, data = 1, pipeline = 8 }, s)
   eq(table.concat(tiers.stages, ","), "0", "one data rank: no ZeRO")
   tiers = auto.tiers({ tensor = 1, context = 1, data = 16, pipeline = 1 }, s)
-  eq(table.concat(tiers.stages, ","), "0,2,3")
+  eq(table.concat(tiers.stages, ","), "0,1,2,3")
   eq(table.concat(tiers.groups(2), ","), "0,4", "16 data ranks over 4 nodes: one group, or 4 of a node each")
   eq(#tiers.groups(0), 1, "one choice at stage 0")
   eq(tiers.groups(0)[1], false, "no zero_groups at stage 0")
@@ -474,9 +474,9 @@ test("ZeRO tiers stop at the first stage that fits; layouts that do not fit are 
     local joined = table.concat(call.args, " ")
     if joined:find("%-%-pipeline 1") then stages[#stages + 1] = joined:match("%-%-zero%-stage (%d)") end
   end
-  -- data 4: ZeRO-0 needs 32 GB; ZeRO-2 fits (ZeRO-1's 20 GB would too, but is never tried: it
-  -- moves what ZeRO-2 does); stage 3 is never tried
-  eq(table.concat(stages, ","), "0,2", "data 4 tries stage 0, then 2, and stops")
+  -- data 4: ZeRO-0 needs 32 GB; ZeRO-1 8 + 8 + 16/4 = 20 GB and 32 MB of activations (fits);
+  -- stages 2 and 3 are never tried
+  eq(table.concat(stages, ","), "0,1", "data 4 tries stage 0, then 1, and stops")
   local unfit = false
   for _, l in ipairs(result.layouts) do
     if l.fits then
@@ -488,13 +488,13 @@ test("ZeRO tiers stop at the first stage that fits; layouts that do not fit are 
     end
   end
   ok(unfit, "data 4 at ZeRO-0 is listed as not fitting")
-  eq(result.layouts[1].values.zero_stage, 2, "the winner is ZeRO-2 over 4")
+  eq(result.layouts[1].values.zero_stage, 1, "the winner is ZeRO-1 over 4")
   ok(result.layouts[1].exact, "the winner's peak is from its own plan")
 end)
 
 test("a ZeRO stage that cannot shrink the peak enough is not planned: activations alone do not fit", function()
   -- 8 blocks of tiny parameters whose activations fill 32 GB a rank at data 4; memory 21 GB:
-  -- ZeRO-2 and ZeRO-3 only shrink the (small) model state, so they are skipped, and recompute
+  -- ZeRO-1, 2 and 3 only shrink the (small) model state, so they are skipped, and recompute
   -- (a quarter of the activations) is planned at stage 0, where it fits.
   local spec = { world = 4, nproc = 4, param = 1e6, act = 1e9, flops = 1e12,
                  options = { layers = 8, batch = 16, seq = 8, heads = 1 }, undeclared = { context = true, context_mode = true } }

@@ -316,7 +316,7 @@ local function search_group(ctx, group, all)
   local tiers = S.tiers(group, ctx)
   local pending = group.variants
   for _, recompute in ipairs(tiers.recompute) do
-    local least = {}  -- a variant's least peak at ZeRO-2 and at ZeRO-3, from its stage-0 plan
+    local least = {}  -- a variant's least peak at ZeRO-1, 2 and 3, from its stage-0 plan
     for _, stage in ipairs(tiers.stages) do
       if #pending == 0 then return end
       local trying = {}  -- (a variant this stage cannot fit stays pending for the next tier)
@@ -345,17 +345,18 @@ local function search_group(ctx, group, all)
 end
 
 --- M.least_peaks(cands, variants, least): for each variant planned or estimated at ZeRO stage 0
---- that does not fit, the least peak it could have at ZeRO-2 and at ZeRO-3 (least[v] = { [2] =
---- bytes, [3] = bytes }), so that a stage that cannot fit it is not planned. From its stage-0
---- peak: ZeRO-2 shrinks at most a rank's gradients, optimizer state and masters (to nothing),
---- ZeRO-3 its parameters too; the activations stay. The most a rank of the plan holds of them is
+--- that does not fit, the least peak it could have at ZeRO-1, 2 and 3 (least[v] = { [1] = bytes,
+--- [2] = ..., [3] = ... }), so that a stage that cannot fit it is not planned. From its stage-0
+--- peak: ZeRO-1 shrinks at most a rank's optimizer state and masters (to nothing), ZeRO-2 its
+--- gradients too, ZeRO-3 its parameters too; the activations stay. The most a rank of the plan holds of them is
 --- taken off (the reference plan's ranks: every variant of a tier shares its model state).
 function M.least_peaks(cands, variants, least)
   local planned
   for _, v in ipairs(variants) do planned = planned or cands[v].planned end
   if not planned then return end
-  local shrink2, shrink3 = 0, 0
+  local shrink1, shrink2, shrink3 = 0, 0, 0
   for _, r in ipairs(planned) do
+    shrink1 = math.max(shrink1, r.optimizer_bytes + r.master_bytes)
     shrink2 = math.max(shrink2, r.grad_bytes + r.optimizer_bytes + r.master_bytes)
     shrink3 = math.max(shrink3, r.model_state_bytes)
   end
@@ -363,7 +364,7 @@ function M.least_peaks(cands, variants, least)
     local c = cands[v]
     if c.prediction and not c.fits and not c.refusal then
       local step = c.prediction.peak  -- (the whole run's may be more: this is a lower bound)
-      least[v] = { [2] = step - shrink2, [3] = step - shrink3 }
+      least[v] = { [1] = step - shrink1, [2] = step - shrink2, [3] = step - shrink3 }
     end
   end
 end

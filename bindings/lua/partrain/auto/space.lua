@@ -172,7 +172,7 @@ function M.variants(p, d, s)
 end
 
 --- M.tiers(group, s): the ZeRO stages and recompute settings to try, in order: { recompute = {
---- "none", "block" }, stages = { 0, 2, 3 } (1 left out: see below), groups = function(stage) -> { zero_groups... } }.
+--- "none", "block" }, stages = { 0, 1, 2, 3 }, groups = function(stage) -> { zero_groups... } }.
 --- Stage 1 and up need two or more data x context ranks to shard over. zero_groups: 0 (one
 --- group), and, when a stage's data x context ranks span more than one node, groups of one
 --- node's worth of them (nproc / tensor ranks).
@@ -183,11 +183,9 @@ function M.tiers(group, s)
   if fixed.zero_stage ~= nil then stages = { fixed.zero_stage }
   elseif declared.zero_stage == nil then stages = { false }
   else
-    -- ZeRO-1 is not tried: ZeRO-2 moves the same bytes (a reduce-scatter and an all-gather a
-    -- bucket) and holds less, so the cost model could never prefer it.
     stages = { 0 }
-    if dc >= 2 and (fixed.zero_groups or 0) == 0 then stages = { 0, 2, 3 }
-    elseif dc >= 2 then stages = { 2, 3 } end  -- zero_groups given: a stage of 1 or more
+    if dc >= 2 and (fixed.zero_groups or 0) == 0 then stages = { 0, 1, 2, 3 }
+    elseif dc >= 2 then stages = { 1, 2, 3 } end  -- zero_groups given: a stage of 1 or more
   end
   local recompute
   if fixed.recompute ~= nil then recompute = { fixed.recompute }
