@@ -17,6 +17,7 @@
 #include "app/parity.hpp"
 #include "app/tools.hpp"
 #include "engine/util/files.hpp"
+#include "engine/util/text.hpp"
 #include "bindings/host.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -119,7 +120,7 @@ void add_auto_flags(CLI::App& app, AutoFlags& f, AutoOptions& o) {
                  "write its device table to this file, for --auto --device FILE")->check(non_empty("the file to write"));
 }
 
-std::string check_auto_flags(const CLI::App& app, const AutoFlags& f, AutoOptions& o, bool one_layout) {
+std::string check_auto_flags(const CLI::App& app, const AutoFlags& f, AutoOptions& o, bool one_layout, bool json) {
   for (const char* flag : {"--device", "--top", "--save-config", "--verify", "--verify-args", "--verify-steps",
                            "--verify-tol"})
     if (!f.automatic && app.count(flag)) return std::string(flag) + " is --auto's, which is not given";
@@ -127,6 +128,7 @@ std::string check_auto_flags(const CLI::App& app, const AutoFlags& f, AutoOption
     if (!o.verify && app.count(flag)) return std::string(flag) + " is --verify's, which is not given";
   if (f.automatic && one_layout)
     return "--save and --pipeline-search plan one layout; --auto searches many (give one of them)";
+  if (o.verify && json) return "--verify prints the training runs' verdicts, which --json's output cannot hold (give one of them)";
   std::string bad;
   if (app.count("--top")) bad = parse_count("--top", f.top, 1, 100, o.top);
   if (bad.empty() && app.count("--verify-steps")) bad = parse_count("--verify-steps", f.verify_steps, 1, 1000, o.verify_steps);
@@ -199,10 +201,12 @@ int run_auto(const AutoOptions& o) {
 }
 
 int run_calibrate(const std::string& path, int nproc) {
-  char self[4096];
-  ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n <= 0) return fail("--calibrate: cannot find this partrain's path (/proc/self/exe)");
-  self[n] = '\0';
+  std::string self;
+  try {
+    self = self_path();
+  } catch (const std::exception& e) {
+    return fail("--calibrate: " + util::message_of(e));
+  }
   const std::string script = lua::find_paths().lua + "/partrain/calibrate.lua";
   std::vector<std::string> words{self, "--nproc-per-node", std::to_string(nproc), "--threads", "1", "--timeout", "300",
                                  script, "--out", path};
@@ -213,7 +217,7 @@ int run_calibrate(const std::string& path, int nproc) {
   pid_t pid = ::fork();
   if (pid < 0) return fail(std::string("--calibrate: fork: ") + std::strerror(errno));
   if (pid == 0) {
-    ::execv(self, argv.data());
+    ::execv(self.c_str(), argv.data());
     _exit(127);
   }
   int status = 0;

@@ -37,8 +37,8 @@ struct AutoFlags {
 void add_auto_flags(CLI::App& app, AutoFlags& flags, AutoOptions& o);
 /// Reads the flags into `o` once parsed: "" or what is wrong (a flag of --auto's without it, of
 /// --verify's without it, --auto with one layout's flags (`one_layout`: --save, --pipeline-search),
-/// a value out of range, a config file that cannot be written).
-std::string check_auto_flags(const CLI::App& app, const AutoFlags& flags, AutoOptions& o, bool one_layout);
+/// --verify with --json, a value out of range, a config file that cannot be written).
+std::string check_auto_flags(const CLI::App& app, const AutoFlags& flags, AutoOptions& o, bool one_layout, bool json);
 
 /// Runs the search; returns the exit status (1: nothing fits, bad input or a verification failed).
 int run_auto(const AutoOptions& o);

@@ -16,6 +16,7 @@
 #include <stdexcept>
 
 #include "app/launch_ranks.hpp"
+#include "app/parity.hpp"
 #include "engine/compat.hpp"
 #include "engine/util/startup.hpp"
 
@@ -45,13 +46,6 @@ namespace {
 void on_signal(int sig) { interrupted = sig; }
 void on_dump(int) { dump_asked = 1; }
 void on_child(int) {}       // wakes poll() when a rank ends, so its end is timed closely
-
-std::string exe_path() {
-  char buf[PATH_MAX];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) throw std::runtime_error("cannot find the partrain executable (/proc/self/exe)");
-  return std::string(buf, n);
-}
 
 // Threads of this process (/proc/self/task): forking is safe only with one.
 int thread_count() {
@@ -180,7 +174,7 @@ void LocalRanks::start(const std::vector<std::string>& child_args, const RankMai
   plan.forking = unsafe.empty();
   util::startup_mark(plan.forking ? "starting " + std::to_string(o.nproc_per_node) + " rank(s) with fork"
                                   : "starting " + std::to_string(o.nproc_per_node) + " rank(s) with exec (" + unsafe + ")");
-  plan.exe = plan.forking ? std::string() : exe_path();
+  plan.exe = plan.forking ? std::string() : self_path();
 
   plan.args = {plan.exe, "--threads", std::to_string(o.threads)};
   plan.args.insert(plan.args.end(), child_args.begin(), child_args.end());

@@ -85,12 +85,6 @@ std::string joined(const std::vector<std::string>& words) {
   return s;
 }
 
-std::string self_path() {
-  char buf[PATH_MAX];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  TORCH_CHECK(n > 0, "cannot find this partrain's path (/proc/self/exe): ", std::strerror(errno));
-  return std::string(buf, static_cast<size_t>(n));
-}
 
 // The last lines of a command's output, for a failure message.
 std::string tail_of(const std::string& path, size_t lines) {
@@ -466,6 +460,13 @@ int report_verdict(const Options& o, const Side (&sides)[2], const Metrics (&m)[
 }
 
 }  // namespace
+
+std::string self_path() {
+  char buf[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  TORCH_CHECK(n > 0, "cannot find this partrain's path (/proc/self/exe): ", std::strerror(errno));
+  return std::string(buf, static_cast<size_t>(n));
+}
 
 int run_parity(int argc, char** argv, int first) {
   Options o;

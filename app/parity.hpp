@@ -13,6 +13,9 @@ namespace partrain::app {
 /// (no variables, globs or redirections). Returns false with `error` set on an unclosed quote.
 bool split_words(const std::string& line, std::vector<std::string>& words, std::string& error);
 
+/// This partrain's own path (/proc/self/exe), to start it again; throws when it cannot be read.
+std::string self_path();
+
 /// `partrain parity ...`; argv[first] is the first word after `parity`. Returns the exit status.
 int run_parity(int argc, char** argv, int first);
 

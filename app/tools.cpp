@@ -292,7 +292,7 @@ int run_plan(int argc, char** argv, int first) {
     if (!search) bad = "--pipeline-memory is the cap of --pipeline-search, which is not given";
     else bad = parse_bytes("--pipeline-memory", pipeline_memory_text, pipeline_memory);
   }
-  if (bad.empty()) bad = check_auto_flags(app, auto_flags, auto_options, search || !save.empty());
+  if (bad.empty()) bad = check_auto_flags(app, auto_flags, auto_options, search || !save.empty(), json);
   if (!bad.empty()) return fail("plan: " + bad);
   if (rest.empty()) return fail("plan: give the script to plan (partrain plan --world N script.lua)");
   if (nproc == 0) nproc = world;

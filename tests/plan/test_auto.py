@@ -8,8 +8,8 @@
 - Under a device memory below the unsharded layouts' peaks, the ZeRO tiers are tried.
 - --save-config writes the winner's values as a config file that the script takes (--config).
 - --verify trains the winner and the runner-up at world 2 against the serial run (parity).
-- Bad input: an unknown device, a device file that is not a table, --device-memory 0, --device
-  without --auto, and a memory no layout fits (the message names the least any layout needs, and
+- Bad input: an unknown device, a device file that is not a table, one that runs forever, a FIFO, --device-memory 0, --device
+  without --auto, --verify with --json, and a memory no layout fits (the message names the least any layout needs, and
   that layout) are refused with status 1 and a message naming the value.
 
 Usage: test_auto.py PARTRAIN   (from the source folder)
@@ -94,10 +94,24 @@ with open(bad, "w") as f:
 r = run("plan", "--auto", "--world", "4", "--device", bad, SCRIPT, *MODEL)
 check("a device file that is not a table is refused, naming the file", r.returncode == 1 and "bad.lua" in r.stderr,
       r.stderr)
+loop = os.path.join(tmp, "loop.lua")
+with open(loop, "w") as f:
+    f.write("while true do end\n")
+r = run("plan", "--auto", "--world", "4", "--device", loop, SCRIPT, *MODEL, timeout=120)
+check("a device file that runs forever is stopped, naming the file", r.returncode == 1 and "loop.lua" in r.stderr
+      and "too long" in r.stderr, r.stderr)
+fifo = os.path.join(tmp, "fifo.lua")
+os.mkfifo(fifo)
+r = run("plan", "--auto", "--world", "4", "--device", fifo, SCRIPT, *MODEL, timeout=60)
+check("a device 'file' that is a FIFO is refused, never waited on", r.returncode == 1 and "fifo.lua" in r.stderr,
+      r.stderr)
 r = run("plan", "--auto", "--world", "4", "--device-memory", "0", SCRIPT, *MODEL)
 check("--device-memory 0 is refused with its range", r.returncode == 1 and "--device-memory 0" in r.stderr, r.stderr)
 r = run("plan", "--world", "4", "--device", "h100", SCRIPT, *MODEL)
 check("--device without --auto is refused", r.returncode == 1 and "--auto" in r.stderr, r.stderr)
+r = run("plan", "--auto", "--world", "4", "--device", "cpu", "--json", "--verify", SCRIPT, *MODEL)
+check("--verify with --json is refused (its verdicts are not JSON)",
+      r.returncode == 1 and "--verify" in r.stderr and "--json" in r.stderr, r.stderr)
 r = run("plan", "--auto", "--world", "4", "--device", "cpu", "--device-memory", "1MiB", SCRIPT, *MODEL)
 check("a memory no layout fits names the least any layout needs and which",
       r.returncode == 1 and "no layout fits 1.00 MiB a rank" in r.stderr and "the least any needs is" in r.stderr

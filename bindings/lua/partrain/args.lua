@@ -319,7 +319,8 @@ end
 -- Runs a config file's text in the sandbox, bounded in instructions, time, memory (between
 -- instructions, and at once) and C stack (nothing in the sandbox calls back into Lua); returns
 -- what it returns, or raises an error naming the file.
-local function run_config(path, text)
+local function run_config(path, text, what)
+  what = what or "config file"
   local env, source = sandbox(), "@" .. path
   local strings = getmetatable("")
   local index = strings.__index
@@ -359,15 +360,15 @@ local function run_config(path, text)
   if hook then debug.sethook(hook, mask, count) else debug.sethook() end
   if ok then return values end
   if refused or values == "not enough memory" then
-    error(("config file '%s': %s"):format(path, too_much(("uses more than %d MB of memory (it asked for more than %d "
+    error(("%s '%s': %s"):format(what, path, too_much(("uses more than %d MB of memory (it asked for more than %d "
       .. "MB at once)"):format(kMaxMemoryMB, kMaxAtOnceMB))), 0)
   end
   if type(values) ~= "string" and type(values) ~= "number" then
-    error(("config file '%s' raised a %s, not an error message"):format(path, type(values)), 0)
+    error(("%s '%s' raised a %s, not an error message"):format(what, path, type(values)), 0)
   end
   local message = one_line(tostring(values))
   if sub(message, 1, #path + 1) ~= path .. ":" then message = ("'%s': %s"):format(path, message) end
-  error("config file " .. message, 0)
+  error(what .. " " .. message, 0)
 end
 
 -- The option values a config file returns, checked against the kinds: { key = value }.
@@ -500,6 +501,15 @@ local function parse(spec, argv)
     i = i + 1
   end
   return out, config_file
+end
+
+--- args.load_data(path, what): what the Lua data file at `path` returns (a regular file of at
+--- most 1 MiB, Lua source, run in the config files' sandbox: no io, os or require, bounded in
+--- instructions, time and memory); errors name `what` ("device file") and the file.
+function args.load_data(path, what)
+  local text = core.files.read_config(path)
+  if sub(text, 1, 1) == "\27" then error(("%s '%s': Lua bytecode; it must be Lua source"):format(what, path), 0) end
+  return run_config(path, text, what)
 end
 
 --- The resolved options of the script's command line as one compact block: "config: a=1 b=x ...",
